@@ -1,0 +1,35 @@
+"""Shared plumbing for stage entry points: logging set-up and turning known failures into clean exits."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Callable
+
+from pipeline.config import ParamsError
+from pipeline.data import DataSourceError, DataValidationError
+from pipeline.modeling import ModelSourceError
+
+#: Failures whose message already tells the user what to do: shown without a traceback.
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    ParamsError, DataSourceError, DataValidationError, ModelSourceError, FileNotFoundError,
+)
+
+
+def setup_logging() -> None:
+    """Console logging for a stage process (called from `main`, never at import)."""
+    logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("urllib3", "alembic", "httpx", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def run_stage(name: str, body: Callable[[], None], extra_errors: tuple[type[BaseException], ...] = ()) -> None:
+    """Run a stage body; a known user error ends the process with exit 2 and one clear line."""
+    setup_logging()
+    try:
+        body()
+    except USER_ERRORS + extra_errors as exc:
+        print(f"error: stage '{name}' failed: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None

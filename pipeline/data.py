@@ -1,0 +1,245 @@
+"""IMDB loading, the reference split, cleaning, integrity checks and one-time tokenization.
+
+Three sources give the same frame (`text`, `label`): the Hugging Face hub (`stanfordnlp/imdb`), the
+parquet layout of the offline copy, and the original `aclImdb/{train,test}/{pos,neg}/*.txt` archive.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from sklearn.model_selection import train_test_split
+
+from pipeline.config import DataParams
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("train", "val", "test")
+LABELS = {0: "negative", 1: "positive"}
+_BR = re.compile(r"<br\s*/?>", flags=re.IGNORECASE)
+_SPACES = re.compile(r"\s+")
+
+
+class DataSourceError(RuntimeError):
+    """The configured IMDB source cannot be read; the message says what to set."""
+
+
+class DataValidationError(RuntimeError):
+    """The prepared splits break an integrity rule (leakage, labels, empty text)."""
+
+
+# --------------------------------------------------------------------------------------- loading
+def load_imdb(params: DataParams, local_dir: str | Path | None = None) -> pd.DataFrame:
+    """All labelled reviews of the configured source as one frame with `text` and `label`."""
+    directory = Path(local_dir if local_dir is not None else params.local_dir)
+    if params.source == "hub":
+        frame = _load_hub(params.hub_name)
+    elif params.source == "parquet":
+        frame = _load_parquet(directory)
+    else:
+        frame = _load_aclimdb(directory)
+    log.info("loaded %d labelled reviews from %s", len(frame), params.source)
+    return frame
+
+
+def _hint(directory: Path) -> str:
+    return (
+        f"Set data.local_dir in params.yaml (or run `make run IMDB_DIR=/path/to/imdb`); "
+        f"it is now {directory.resolve()}. Or set data.source: hub on a machine with network."
+    )
+
+
+def _load_hub(name: str) -> pd.DataFrame:
+    try:
+        import datasets
+
+        ds = datasets.load_dataset(name)
+    except Exception as exc:  # network, auth or name errors all end the same way for the user
+        raise DataSourceError(
+            f"could not load '{name}' from the Hugging Face hub ({type(exc).__name__}: {exc}). "
+            "Without network use data.source: parquet or aclimdb with data.local_dir."
+        ) from exc
+    parts = [ds[s].to_pandas()[["text", "label"]] for s in ("train", "test") if s in ds]
+    return pd.concat(parts, ignore_index=True)
+
+
+def _load_parquet(directory: Path) -> pd.DataFrame:
+    files = [directory / f"{s}.parquet" for s in ("train", "test")]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise DataSourceError(f"IMDB parquet files {missing} not found in {directory}. {_hint(directory)}")
+    parts = []
+    for f in files:
+        try:
+            part = pd.read_parquet(f)
+        except Exception as exc:
+            raise DataSourceError(f"cannot read {f}: {exc}") from exc
+        absent = {"text", "label"} - set(part.columns)
+        if absent:
+            raise DataSourceError(f"{f} lacks column(s) {sorted(absent)}; expected `text` and `label`")
+        parts.append(part[["text", "label"]])
+    return pd.concat(parts, ignore_index=True)
+
+
+def _load_aclimdb(directory: Path) -> pd.DataFrame:
+    root = directory / "aclImdb" if (directory / "aclImdb").is_dir() else directory
+    rows: list[tuple[str, int]] = []
+    for split in ("train", "test"):
+        for sub, label in (("neg", 0), ("pos", 1)):
+            folder = root / split / sub
+            if not folder.is_dir():
+                raise DataSourceError(f"aclImdb folder {folder} not found. {_hint(directory)}")
+            rows.extend((f.read_text(encoding="utf-8"), label) for f in sorted(folder.glob("*.txt")))
+    return pd.DataFrame(rows, columns=["text", "label"])
+
+
+# ------------------------------------------------------------------------------ cleaning & split
+def clean_text(text: str) -> str:
+    """Drop the `<br />` markup IMDB reviews carry and collapse whitespace."""
+    return _SPACES.sub(" ", _BR.sub(" ", text)).strip()
+
+
+@dataclass(frozen=True)
+class SplitReport:
+    """What preparing the splits did, for metrics and MLflow."""
+
+    source_rows: int
+    duplicates_dropped: int
+    conflicting_dropped: int
+    sizes: dict[str, int]
+    positive_share: dict[str, float]
+
+
+def make_splits(frame: pd.DataFrame, params: DataParams) -> tuple[dict[str, pd.DataFrame], SplitReport]:
+    """Clean, deduplicate, shuffle with the seed and cut the 35k/5k/rest reference split."""
+    check_frame(frame, "source")
+    df = pd.DataFrame({"text": frame["text"].map(clean_text), "label": frame["label"].astype(int)})
+    n0 = len(df)
+    # A text seen with both labels cannot be trusted in any split: drop every copy of it.
+    conflicting = df.groupby("text")["label"].transform("nunique") > 1
+    n_conflicting = int(conflicting.sum())
+    df = df[~conflicting]
+    before = len(df)
+    df = df.drop_duplicates("text", keep="first").reset_index(drop=True)
+    n_dups = before - len(df)
+
+    need = params.train_count + params.val_count + 1
+    if len(df) < need:
+        raise DataValidationError(
+            f"only {len(df)} unique labelled reviews; train_count + val_count + a test set need {need}"
+        )
+    order = np.random.default_rng(params.seed).permutation(len(df))
+    df = df.iloc[order].reset_index(drop=True)
+    t, v = params.train_count, params.val_count
+    end = len(df) if params.test_count is None else min(len(df), t + v + params.test_count)
+    splits = {"train": df.iloc[:t], "val": df.iloc[t : t + v], "test": df.iloc[t + v : end]}
+    subs = {"train": params.train_subsample, "val": params.val_subsample, "test": params.test_subsample}
+    splits = {k: _stratified_subsample(s, subs[k], params.seed) for k, s in splits.items()}
+    splits = {k: s.reset_index(drop=True) for k, s in splits.items()}
+    validate_splits(splits)
+    report = SplitReport(
+        source_rows=n0,
+        duplicates_dropped=n_dups,
+        conflicting_dropped=n_conflicting,
+        sizes={k: len(s) for k, s in splits.items()},
+        positive_share={k: round(float(s["label"].mean()), 4) for k, s in splits.items()},
+    )
+    return splits, report
+
+
+def _stratified_subsample(df: pd.DataFrame, n: int | None, seed: int) -> pd.DataFrame:
+    if n is None or n >= len(df):
+        return df
+    kept, _ = train_test_split(df, train_size=n, stratify=df["label"], random_state=seed)
+    return kept.sort_index()
+
+
+def check_frame(df: pd.DataFrame, name: str) -> None:
+    """Schema, label and empty-text rules for one frame."""
+    absent = {"text", "label"} - set(df.columns)
+    if absent:
+        raise DataValidationError(f"{name}: missing column(s) {sorted(absent)}")
+    bad_labels = sorted(set(pd.unique(df["label"])) - set(LABELS))
+    if bad_labels:
+        raise DataValidationError(f"{name}: labels must be 0/1, found {bad_labels[:10]}")
+    text = df["text"]
+    empty = text.isna() | (text.astype(str).str.strip() == "")
+    if empty.any():
+        raise DataValidationError(f"{name}: {int(empty.sum())} empty review(s), first at row {int(empty.idxmax())}")
+
+
+def text_digest(text: str) -> str:
+    """Stable identity of a cleaned review, used to prove no review sits in two splits."""
+    return hashlib.sha1(text.encode("utf-8")).hexdigest()
+
+
+def validate_splits(splits: dict[str, pd.DataFrame]) -> None:
+    """Every split passes `check_frame`, and no review appears in two splits."""
+    seen: dict[str, str] = {}
+    for name, df in splits.items():
+        check_frame(df, name)
+        if len(df) == 0:
+            raise DataValidationError(f"{name}: split is empty")
+        for digest in map(text_digest, df["text"]):
+            other = seen.setdefault(digest, name)
+            if other != name:
+                raise DataValidationError(f"leakage: a review is in both '{other}' and '{name}'")
+
+
+# ---------------------------------------------------------------------------------- tokenization
+def truncate_ids(ids: Sequence[int], max_length: int, truncation: str, head_fraction: float,
+                 cls_id: int, sep_id: int) -> list[int]:
+    """Keep a review within `max_length` tokens incl. [CLS]/[SEP].
+
+    `head_tail` keeps the first `head_fraction` of the budget and fills the rest from the end: IMDB
+    verdicts often sit in the closing sentences (Sun et al., 2019, "How to fine-tune BERT").
+    """
+    body = max_length - 2
+    ids = list(ids)
+    if len(ids) > body:
+        if truncation == "head_tail":
+            head = int(body * head_fraction)
+            ids = ids[:head] + ids[len(ids) - (body - head) :]
+        else:
+            ids = ids[:body]
+    return [cls_id, *ids, sep_id]
+
+
+def tokenize_frame(df: pd.DataFrame, tokenizer: Any, params: DataParams, chunk: int = 2048) -> pd.DataFrame:
+    """Token ids (unpadded, int32) and length per review; padding happens per batch later."""
+    out: list[np.ndarray] = []
+    texts = df["text"].tolist()
+    for i in range(0, len(texts), chunk):
+        enc = tokenizer(texts[i : i + chunk], add_special_tokens=False, truncation=False, verbose=False)
+        for ids in enc["input_ids"]:
+            kept = truncate_ids(ids, params.max_length, params.truncation, params.head_fraction,
+                                tokenizer.cls_token_id, tokenizer.sep_token_id)
+            out.append(np.asarray(kept, dtype=np.int32))
+    return pd.DataFrame({"input_ids": out, "length": [len(x) for x in out], "label": df["label"].to_numpy()})
+
+
+def encode_texts(texts: Sequence[str], tokenizer: Any, max_length: int, truncation: str = "head",
+                 head_fraction: float = 0.25) -> list[np.ndarray]:
+    """Same truncation as training, for inference paths that start from raw text."""
+    enc = tokenizer([clean_text(t) for t in texts], add_special_tokens=False, truncation=False, verbose=False)
+    return [
+        np.asarray(truncate_ids(ids, max_length, truncation, head_fraction,
+                                tokenizer.cls_token_id, tokenizer.sep_token_id), dtype=np.int32)
+        for ids in enc["input_ids"]
+    ]
+
+
+def read_tokenized(directory: str | Path, split: str) -> pd.DataFrame:
+    """A tokenized split written by the prepare stage."""
+    path = Path(directory) / f"{split}.parquet"
+    if not path.is_file():
+        raise FileNotFoundError(f"tokenized split not found: {path} (run `dvc repro prepare`)")
+    return pd.read_parquet(path)

@@ -1,0 +1,47 @@
+"""The `prepare` stage: IMDB source -> clean, checked splits -> token ids, cached for `finetune`."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.config import DataParams, ModelParams
+from pipeline.data import SPLITS, load_imdb, make_splits, tokenize_frame
+from pipeline.io import write_json
+
+log = logging.getLogger(__name__)
+
+
+def prepare(data: DataParams, model: ModelParams, prepared_dir: Path, tokenized_dir: Path,
+            metrics_path: Path) -> dict[str, Any]:
+    """Write `{train,val,test}.parquet` (clean text) and their tokenized twins; returns the metrics."""
+    from tqdm.auto import tqdm
+
+    from pipeline.modeling import load_tokenizer
+
+    started = time.perf_counter()
+    tokenizer = load_tokenizer(model)  # fail on a bad model source before reading 45k reviews
+    frame = load_imdb(data)
+    splits, report = make_splits(frame, data)
+    prepared_dir.mkdir(parents=True, exist_ok=True)
+    tokenized_dir.mkdir(parents=True, exist_ok=True)
+    metrics: dict[str, Any] = {**dataclasses.asdict(report)}
+    for name in tqdm(SPLITS, desc="tokenize", unit="split"):
+        df = splits[name]
+        df.to_parquet(prepared_dir / f"{name}.parquet", index=False)
+        tok = tokenize_frame(df, tokenizer, data)
+        tok.to_parquet(tokenized_dir / f"{name}.parquet", index=False)
+        lengths = tok["length"].to_numpy()
+        metrics[f"{name}_tokens_mean"] = round(float(lengths.mean()), 1)
+        metrics[f"{name}_tokens_p95"] = float(np.percentile(lengths, 95))
+        metrics[f"{name}_truncated_share"] = round(float((lengths >= data.max_length).mean()), 4)
+    tokenizer.save_pretrained(tokenized_dir / "tokenizer")
+    metrics["wall_time_s"] = round(time.perf_counter() - started, 2)
+    write_json(metrics_path, metrics)
+    log.info("prepared splits %s", report.sizes)
+    return metrics

@@ -1,0 +1,1 @@
+"""Thin DVC stage entry points: parse argv, load one params section, call `pipeline`."""

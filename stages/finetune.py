@@ -1,0 +1,39 @@
+"""DVC stage `finetune`: tokenized IMDB -> best finetuned model (HF format), metrics, curves, MLflow."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m stages.finetune --params params.yaml --tokenized DIR --model-dir DIR --metrics FILE ...`."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--tokenized", type=Path, required=True)
+    parser.add_argument("--model-dir", type=Path, required=True)
+    parser.add_argument("--metrics", type=Path, required=True)
+    parser.add_argument("--plots", type=Path, required=True)
+    parser.add_argument("--reports", type=Path, required=True)
+    args = parser.parse_args(argv)
+
+    from pipeline.cli import run_stage
+    from pipeline.train import AccelerationUnavailable
+
+    def body() -> None:
+        from pipeline.config import DataParams, MlflowParams, ModelParams, TrainParams, read_params, section
+        from pipeline.finetune_stage import run_finetune
+
+        raw = read_params(args.params)
+        run_finetune(
+            tokenized_dir=args.tokenized, model_dir=args.model_dir, metrics_path=args.metrics,
+            plots_dir=args.plots, report_dir=args.reports,
+            data=section(raw, "data", DataParams), model=section(raw, "model", ModelParams),
+            train=section(raw, "train", TrainParams), tracking=section(raw, "mlflow", MlflowParams),
+        )
+
+    run_stage("finetune", body, extra_errors=(AccelerationUnavailable,))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""Unit: params sections map to validated dataclasses."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.config import DataParams, ParamsError, TrainParams, read_params, section, set_value
+
+
+def test_defaults_and_coercion():
+    raw = {"train": {"lr": 1, "epochs": 2}}
+    t = section(raw, "train", TrainParams)
+    assert t.lr == 1.0 and isinstance(t.lr, float) and t.epochs == 2
+
+
+@pytest.mark.parametrize(
+    ("values", "needle"),
+    [
+        ({"epoch": 1}, "unknown key(s) in 'train': epoch"),
+        ({"epochs": "3"}, "train.epochs = '3'; expected int"),
+        ({"epochs": True}, "expected int"),
+        ({"precision": "fp8"}, "train.precision = 'fp8'; expected one of"),
+        ({"epochs": 0}, "train.epochs must be >= 1"),
+        ({"persistent_workers": True}, "persistent_workers needs"),
+    ],
+)
+def test_bad_train_values_name_the_key(values, needle):
+    with pytest.raises(ParamsError) as err:
+        section({"train": values}, "train", TrainParams)
+    assert needle in str(err.value)
+
+
+def test_optional_ints_accept_null_and_reject_strings():
+    assert section({"data": {"test_count": None}}, "data", DataParams).test_count is None
+    with pytest.raises(ParamsError):
+        section({"data": {"test_count": "all"}}, "data", DataParams)
+
+
+def test_read_params_errors(tmp_path):
+    with pytest.raises(ParamsError, match="not found"):
+        read_params(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data: [1, 2\n")
+    with pytest.raises(ParamsError, match="not valid YAML"):
+        read_params(bad)
+
+
+def test_set_value_keeps_comments(tmp_path):
+    p = tmp_path / "params.yaml"
+    p.write_text("# top comment\ndata:\n  local_dir: a  # where\n  seed: 1\n")
+    set_value(p, "data.local_dir", "/x/y")
+    text = p.read_text()
+    assert "# top comment" in text and "# where" in text
+    assert read_params(p)["data"] == {"local_dir": "/x/y", "seed": 1}
+    with pytest.raises(ParamsError, match="unknown key"):
+        set_value(p, "data.nope", "1")
+
+
+def test_repo_params_file_is_valid():
+    from pipeline.config import SECTIONS
+    from tests.conftest import ROOT
+
+    raw = read_params(ROOT / "params.yaml")
+    for name, cls in SECTIONS.items():
+        section(raw, name, cls)
+    for profile in sorted((ROOT / "profiles").glob("*.yaml")):
+        raw = read_params(profile)
+        for name, cls in SECTIONS.items():
+            section(raw, name, cls)

@@ -1,0 +1,55 @@
+"""Data tier: the shared IMDB copy and the reference split built from it."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from pipeline.config import DataParams
+from pipeline.data import LABELS, load_imdb, make_splits, text_digest
+
+
+@pytest.fixture(scope="module")
+def frame(imdb_dir) -> pd.DataFrame:
+    return load_imdb(DataParams(source="parquet", local_dir=str(imdb_dir)))
+
+
+@pytest.fixture(scope="module")
+def reference(frame):
+    return make_splits(frame, DataParams(seed=42))
+
+
+def test_schema(imdb_dir):
+    for name in ("train", "test"):
+        df = pd.read_parquet(imdb_dir / f"{name}.parquet")
+        assert {"text", "label"} <= set(df.columns)
+        assert df["text"].map(type).eq(str).all()
+        assert set(df["label"].unique()) == set(LABELS)
+
+
+def test_source_size_and_balance(frame):
+    assert len(frame) == 45_000
+    assert frame["label"].mean() == pytest.approx(0.5, abs=0.01)
+
+
+def test_reference_split_sizes(reference):
+    _splits, report = reference
+    assert report.sizes["train"] == 35_000 and report.sizes["val"] == 5_000
+    assert report.sizes["test"] == 45_000 - 35_000 - 5_000 - report.duplicates_dropped - report.conflicting_dropped
+    assert report.duplicates_dropped > 0  # IMDB has a few hundred exact duplicate reviews
+
+
+def test_no_leakage_between_splits(reference):
+    splits, _ = reference
+    digests = {name: set(map(text_digest, df["text"])) for name, df in splits.items()}
+    assert not digests["train"] & digests["val"]
+    assert not digests["train"] & digests["test"]
+    assert not digests["val"] & digests["test"]
+
+
+def test_splits_are_balanced_and_clean(reference):
+    splits, _ = reference
+    for df in splits.values():
+        assert df["label"].mean() == pytest.approx(0.5, abs=0.02)
+        assert not df["text"].str.contains("<br", case=False).any()
+        assert df["text"].str.strip().str.len().gt(0).all()

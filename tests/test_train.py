@@ -1,0 +1,113 @@
+"""Unit: Lightning finetuning on a tiny BERT, acceleration checks, and 2-process DDP on CPU (gloo)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from pipeline.config import DataParams, ModelParams, TrainParams
+from pipeline.modeling import load_finetuned
+from pipeline.train import AccelerationUnavailable, check_accelerations, finetune
+from tests.conftest import ROOT
+
+TINY_TRAIN = {"epochs": 4, "batch_size": 8, "eval_batch_size": 16, "lr": 3e-3, "accelerator": "cpu",
+              "val_checks_per_epoch": 2, "warmup_ratio": 0.0}
+
+
+def _run(tmp_path: Path, tokenized_dir: Path, **overrides):
+    out = tmp_path / "out"
+    params = TrainParams(**{**TINY_TRAIN, **overrides})
+    result = finetune(tokenized_dir, out / "model", out / "metrics.json", out / "plots", out / "reports",
+                      DataParams(max_length=64), ModelParams(source="tiny"), params)
+    return out, result
+
+
+def test_finetune_learns_and_writes_self_describing_model(tmp_path, tokenized_dir):
+    out, _result = _run(tmp_path, tokenized_dir)
+    m = json.loads((out / "metrics.json").read_text())
+    assert {"test_accuracy", "test_f1", "train_samples_per_s", "wall_time_s"} <= set(m)
+    assert m["train_samples_seen"] == 96 * 4
+    assert m["test_accuracy"] > 0.75  # sentiment words are easy to learn; chance is 0.5
+    model, _tok, meta = load_finetuned(out / "model")
+    assert model.config.id2label == {0: "negative", 1: "positive"}
+    assert meta["preprocessing"]["max_length"] == 64
+    assert meta["params"]["train"]["lr"] == TINY_TRAIN["lr"]
+    assert (out / "reports" / "confusion_matrix.png").stat().st_size > 1000
+    train_rows = (out / "plots" / "train.csv").read_text().splitlines()
+    assert train_rows[0] == "step,train_loss,lr" and len(train_rows) == 1 + 4 * 12
+    val_rows = (out / "plots" / "val.csv").read_text().splitlines()
+    assert len(val_rows) == 1 + 4 * 2
+
+
+def test_best_checkpoint_is_restored(tmp_path, tokenized_dir):
+    out, result = _run(tmp_path, tokenized_dir, epochs=2)
+    assert "best-" in result.best_checkpoint
+    m = json.loads((out / "metrics.json").read_text())
+    val = [float(r.split(",")[2]) for r in (out / "plots" / "val.csv").read_text().splitlines()[1:]]
+    assert m["best_val_accuracy"] == pytest.approx(max(val), abs=1e-6)
+
+
+def test_no_bucketing_with_grad_accum(tmp_path, tokenized_dir):
+    out, _ = _run(tmp_path, tokenized_dir, epochs=1, bucketing=False, grad_accum=2)
+    rows = (out / "plots" / "train.csv").read_text().splitlines()[1:]
+    assert rows[-1].split(",")[0] == "6"  # 12 batches, accumulated in pairs -> 6 optimizer steps
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [({"precision": "16-mixed"}, "16-mixed needs CUDA"), ({"accelerator": "gpu"}, "no CUDA device")],
+)
+def test_gpu_only_settings_fail_fast_on_cpu(overrides, needle):
+    with pytest.raises(AccelerationUnavailable, match=needle):
+        check_accelerations(TrainParams(**overrides))
+
+
+def _write_params(path: Path, **train) -> None:
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    raw["model"] = {"source": "tiny", "name": "tiny"}
+    raw["data"]["max_length"] = 64
+    raw["train"].update({**TINY_TRAIN, **train})
+    path.write_text(yaml.safe_dump(raw))
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_gloo(tmp_path, tokenized_dir):
+    """The finetune stage itself, launched as DDP with 2 CPU processes (Lightning re-launches rank 1)."""
+    params = tmp_path / "params.yaml"
+    _write_params(params, strategy="ddp", devices=2, epochs=6)
+    env = {**os.environ, "MLFLOW_TRACKING_URI": "", "PYTHONPATH": str(ROOT)}
+    raw = yaml.safe_load(params.read_text())
+    raw["mlflow"]["tracking_uri"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    params.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "o"
+    cmd = [sys.executable, "-m", "stages.finetune", "--params", str(params), "--tokenized", str(tokenized_dir),
+           "--model-dir", str(out / "model"), "--metrics", str(out / "m.json"), "--plots", str(out / "plots"),
+           "--reports", str(out / "reports")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "world_size: 2" in proc.stderr or "MEMBER: 2/2" in proc.stderr, proc.stderr[-3000:]
+    m = json.loads((out / "m.json").read_text())
+    # 96 reviews, batches of 8, sharded over 2 ranks: every sample still seen once per epoch
+    assert m["train_samples_seen"] == 96 * 6
+    assert m["test_accuracy"] > 0.6
+    load_finetuned(out / "model")
+
+
+def test_stage_reports_bad_params_without_traceback(tmp_path, tokenized_dir):
+    params = tmp_path / "params.yaml"
+    _write_params(params, precision="fp8")
+    proc = subprocess.run(
+        [sys.executable, "-m", "stages.finetune", "--params", str(params), "--tokenized", str(tokenized_dir),
+         "--model-dir", "m", "--metrics", "m.json", "--plots", "p", "--reports", "r"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 2
+    assert "train.precision = 'fp8'" in proc.stderr and "Traceback" not in proc.stderr
