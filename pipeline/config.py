@@ -120,11 +120,78 @@ class MlflowParams:
     registered_model_name: str = "imdb-sentiment"
 
 
+@dataclass(frozen=True)
+class ExportParams:
+    """FP32 TorchScript and ONNX exports and their parity check against PyTorch."""
+
+    opset: int = 18
+    parity_samples: int = 16
+    parity_tolerance: float = 1e-4
+
+    def __post_init__(self) -> None:
+        _require(self.opset >= 17, "export.opset must be >= 17")
+        _require(self.parity_samples >= 1, "export.parity_samples must be >= 1")
+        _require(self.parity_tolerance > 0, "export.parity_tolerance must be > 0")
+
+
+@dataclass(frozen=True)
+class QuantizeParams:
+    """INT8 variants: onnxruntime dynamic/static PTQ and QAT."""
+
+    optimize_graph: bool = True
+    per_channel: bool = True
+    calibration_samples: int = 256
+    calibration_batch_size: int = 16
+    calibration_methods: list[str] = dataclasses.field(default_factory=lambda: ["minmax", "percentile"])
+    selection_samples: int = 500
+    qat_train_samples: int = 1000
+    qat_epochs: int = 1
+    qat_batch_size: int = 16
+    qat_lr: float = 2e-5
+
+    def __post_init__(self) -> None:
+        known = ("minmax", "percentile", "entropy")
+        _require(bool(self.calibration_methods), "quantize.calibration_methods must not be empty")
+        bad = [m for m in self.calibration_methods if m not in known]
+        _require(not bad, f"quantize.calibration_methods: unknown {bad}; use {list(known)}")
+        _require(self.calibration_samples >= 1, "quantize.calibration_samples must be >= 1")
+        _require(self.selection_samples >= 1, "quantize.selection_samples must be >= 1")
+        _require(self.qat_train_samples >= 1 and self.qat_epochs >= 1, "quantize.qat_* sizes must be >= 1")
+
+
+@dataclass(frozen=True)
+class TensorRTParams:
+    """TensorRT optimisation profile and workspace (used only where CUDA and tensorrt exist)."""
+
+    min_batch: int = 1
+    opt_batch: int = 8
+    max_batch: int = 64
+    min_seq: int = 8
+    opt_seq: int = 128
+    workspace_mb: int = 2048
+
+
+@dataclass(frozen=True)
+class EvaluateParams:
+    """How every variant is scored on the test split."""
+
+    batch_size: int = 64
+    threads: int | None = None
+    artifact_max_mb: float = 200.0
+
+    def __post_init__(self) -> None:
+        _require(self.batch_size >= 1, "evaluate.batch_size must be >= 1")
+
+
 SECTIONS: dict[str, type] = {
     "data": DataParams,
     "model": ModelParams,
     "train": TrainParams,
     "mlflow": MlflowParams,
+    "export": ExportParams,
+    "quantize": QuantizeParams,
+    "tensorrt": TensorRTParams,
+    "evaluate": EvaluateParams,
 }
 
 
@@ -182,6 +249,11 @@ def _check_type(value: Any, hint: Any, key: str) -> Any:
             except ParamsError as exc:
                 errors.append(str(exc))
         raise ParamsError(f"{key} = {value!r} matches none of: {'; '.join(errors)}")
+    if origin is list:
+        if not isinstance(value, list):
+            raise ParamsError(f"{key} = {value!r}; expected a list")
+        (item,) = get_args(hint)
+        return [_check_type(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
     if hint is type(None):
         if value is not None:
             raise ParamsError(f"{key} must be null")

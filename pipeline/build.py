@@ -1,0 +1,195 @@
+"""Stage bodies that turn the finetuned model into variant directories: export, quantize, tensorrt."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.config import ExportParams, QuantizeParams, TensorRTParams, to_dict
+from pipeline.data import read_tokenized
+from pipeline.export import (
+    ExportError,
+    check_dynamic_shapes,
+    describe,
+    eager_runner,
+    export_onnx,
+    export_torchscript,
+    parity,
+)
+from pipeline.modeling import load_finetuned
+from pipeline.variants import OrtRunner, TorchRunner, VariantInfo, predict_logits, write_variant
+
+log = logging.getLogger(__name__)
+
+
+def _max_length(meta: dict[str, Any]) -> int:
+    return int(meta["preprocessing"]["max_length"])
+
+
+def run_export(finetuned: Path, tokenized: Path, out_dirs: dict[str, Path], params: ExportParams) -> dict[str, Any]:
+    """`fp32-torchscript` and `fp32-onnx`, each checked for parity on real test reviews."""
+    import torch
+
+    model, tokenizer, meta = load_finetuned(finetuned)
+    max_len = _max_length(meta)
+    seqs = read_tokenized(tokenized, "test")["input_ids"].tolist()[: params.parity_samples]
+    reference = eager_runner(model)
+    report: dict[str, Any] = {}
+
+    d = out_dirs["fp32-torchscript"]
+    t0 = time.perf_counter()
+    export_torchscript(model, d / "model.pt", max_len)
+    runner = TorchRunner(torch.jit.load(str(d / "model.pt")))
+    report["fp32-torchscript"] = _checked(reference, runner, seqs, params, max_len, t0, tokenizer.pad_token_id)
+    write_variant(d, VariantInfo("fp32-torchscript", "torchscript", "float32", "model.pt",
+                                 params={"method": "torch.jit.trace", **report["fp32-torchscript"]}), finetuned)
+
+    d = out_dirs["fp32-onnx"]
+    t0 = time.perf_counter()
+    export_onnx(model, d / "model.onnx", max_len, params.opset)
+    runner = OrtRunner(d / "model.onnx", optimization="disable")
+    report["fp32-onnx"] = _checked(reference, runner, seqs, params, max_len, t0, tokenizer.pad_token_id)
+    write_variant(d, VariantInfo("fp32-onnx", "onnx", "float32", "model.onnx",
+                                 params={"method": "torch.onnx.export(dynamo=True)", "opset": params.opset,
+                                         **describe(model), **report["fp32-onnx"]}), finetuned)
+    return report
+
+
+def _checked(reference: Any, runner: Any, seqs: list[np.ndarray], params: ExportParams, max_len: int,
+             started: float, pad_id: int) -> dict[str, Any]:
+    p = parity(reference, runner, seqs, pad_id)
+    if p.max_abs_diff > params.parity_tolerance:
+        raise ExportError(f"parity failed: max |logit diff| {p.max_abs_diff:.2e} > {params.parity_tolerance:.0e}")
+    check_dynamic_shapes(runner, reference, max_len)
+    return {"parity_max_abs_diff": p.max_abs_diff, "parity_batch": p.batch,
+            "export_seconds": round(time.perf_counter() - started, 2)}
+
+
+def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, out_dirs: dict[str, Path],
+                 params: QuantizeParams, train_seed: int = 42) -> dict[str, Any]:
+    """`int8-dynamic`, `int8-static` (calibration method chosen on validation reviews) and `int8-qat`."""
+    from pipeline import quantize as q
+    from pipeline.variants import read_variant
+
+    _, tokenizer, meta = load_finetuned(finetuned)
+    pad = tokenizer.pad_token_id or 0
+    arch = read_variant(fp32_onnx).params
+    train = read_tokenized(tokenized, "train")
+    val = read_tokenized(tokenized, "val").iloc[: params.selection_samples]
+    rng = np.random.default_rng(train_seed)
+    calib_idx = rng.choice(len(train), size=min(params.calibration_samples, len(train)), replace=False)
+    calibration = [train["input_ids"].iloc[i] for i in calib_idx]
+    report: dict[str, Any] = {}
+
+    with tempfile.TemporaryDirectory(prefix="quantize-") as tmp:
+        base = _graph_for_quantization(fp32_onnx / "model.onnx", Path(tmp) / "opt.onnx", params, arch, report)
+
+        t0 = time.perf_counter()
+        d = out_dirs["int8-dynamic"]
+        d.mkdir(parents=True, exist_ok=True)
+        q.quantize_dynamic_onnx(base, d / "model.onnx", params.per_channel)
+        report["int8-dynamic"] = {"method": "onnxruntime.quantize_dynamic", "per_channel": params.per_channel,
+                                  "build_seconds": round(time.perf_counter() - t0, 2)}
+        write_variant(d, VariantInfo("int8-dynamic", "onnx", "int8", "model.onnx", params=report["int8-dynamic"]),
+                      finetuned)
+
+        t0 = time.perf_counter()
+        best = _static_with_selection(base, Path(tmp), calibration, val, params, pad)
+        d = out_dirs["int8-static"]
+        d.mkdir(parents=True, exist_ok=True)
+        (Path(tmp) / f"static-{best['method']}.onnx").replace(d / "model.onnx")
+        report["int8-static"] = {"method": "onnxruntime.quantize_static (QDQ)", "calibration": best["method"],
+                                 "calibration_samples": len(calibration), "per_channel": params.per_channel,
+                                 "selection_val_accuracy": best["scores"],
+                                 "build_seconds": round(time.perf_counter() - t0, 2)}
+        write_variant(d, VariantInfo("int8-static", "onnx", "int8", "model.onnx", params=report["int8-static"]),
+                      finetuned)
+
+        t0 = time.perf_counter()
+        report["int8-qat"] = _qat(finetuned, train, calibration, best["method"], Path(tmp), out_dirs["int8-qat"],
+                                  params, arch, meta, pad, train_seed)
+        report["int8-qat"]["build_seconds"] = round(time.perf_counter() - t0, 2)
+        write_variant(out_dirs["int8-qat"], VariantInfo("int8-qat", "onnx", "int8", "model.onnx",
+                                                        params=report["int8-qat"]), finetuned)
+    return report
+
+
+def _graph_for_quantization(src: Path, dst: Path, params: QuantizeParams, arch: dict[str, Any],
+                            report: dict[str, Any]) -> Path:
+    from pipeline.quantize import optimize_for_quantization
+
+    if not params.optimize_graph:
+        return src
+    report["fusions"] = optimize_for_quantization(src, dst, arch["num_heads"], arch["hidden_size"])
+    return dst
+
+
+def _static_with_selection(base: Path, tmp: Path, calibration: list[np.ndarray], val: Any, params: QuantizeParams,
+                           pad: int) -> dict[str, Any]:
+    """Build one static model per calibration method; keep the most accurate on validation reviews."""
+    from pipeline.quantize import quantize_static_onnx
+
+    seqs, labels = val["input_ids"].tolist(), val["label"].to_numpy()
+    scores: dict[str, float] = {}
+    for method in params.calibration_methods:
+        path = tmp / f"static-{method}.onnx"
+        quantize_static_onnx(base, path, calibration, method, params.per_channel,
+                             params.calibration_batch_size, pad)
+        logits = predict_logits(OrtRunner(path), seqs, pad_id=pad, progress=f"select {method}")
+        scores[method] = float((logits.argmax(-1) == labels).mean())
+        log.info("int8-static calibration %s: validation accuracy %.4f", method, scores[method])
+    best = max(scores, key=lambda m: (scores[m], -params.calibration_methods.index(m)))
+    return {"method": best, "scores": scores}
+
+
+def _qat(finetuned: Path, train: Any, calibration: list[np.ndarray], method: str, tmp: Path, out: Path,
+         params: QuantizeParams, arch: dict[str, Any], meta: dict[str, Any], pad: int, seed: int) -> dict[str, Any]:
+    from pipeline.quantize import qat_finetune, quantize_static_onnx
+
+    model, _, _ = load_finetuned(finetuned)
+    model.train()
+    rng = np.random.default_rng(seed + 1)
+    idx = rng.choice(len(train), size=min(params.qat_train_samples, len(train)), replace=False)
+    result = qat_finetune(model, [train["input_ids"].iloc[i] for i in idx], train["label"].to_numpy()[idx],
+                          params.qat_epochs, params.qat_batch_size, params.qat_lr, seed, pad)
+    fp32 = tmp / "qat-fp32.onnx"
+    export_onnx(model, fp32, _max_length(meta))
+    base = _graph_for_quantization(fp32, tmp / "qat-opt.onnx", params, arch, {})
+    out.mkdir(parents=True, exist_ok=True)
+    quantize_static_onnx(base, out / "model.onnx", calibration, method, params.per_channel,
+                         params.calibration_batch_size, pad)
+    return {"method": "QAT (torch.ao FakeQuantize on every Linear) + onnxruntime QDQ", "calibration": method,
+            "qat_samples": result.samples, "qat_steps": result.steps, "qat_epochs": params.qat_epochs,
+            "qat_lr": params.qat_lr, "qat_final_loss": round(result.final_loss, 4),
+            "fake_quant_layers": result.wrapped_layers}
+
+
+def run_tensorrt(finetuned: Path, fp32_onnx: Path, int8_static: Path, out_dirs: dict[str, Path],
+                 params: TensorRTParams, max_seq: int) -> dict[str, Any]:
+    """Build `tensorrt-fp16`/`tensorrt-int8` where possible; otherwise write the skip record and say why."""
+    from pipeline.tensorrt import availability, build_engine, profile_shapes
+
+    shapes = profile_shapes(params.min_batch, params.opt_batch, params.max_batch, params.min_seq,
+                            min(params.opt_seq, max_seq), max_seq)
+    ok, reason = availability()
+    report: dict[str, Any] = {}
+    sources = {"tensorrt-fp16": (fp32_onnx, "fp16"), "tensorrt-int8": (int8_static, "int8")}
+    for name, (src, precision) in sources.items():
+        d = out_dirs[name]
+        base = {"precision": precision, "source": src.name, "profile": shapes.__dict__, **to_dict(params)}
+        if not ok:
+            log.warning("%s skipped: %s", name, reason)
+            write_variant(d, VariantInfo(name, "tensorrt", precision, None, "skipped", reason, base), finetuned)
+            report[name] = {"status": "skipped", "reason": reason}
+            continue
+        t0 = time.perf_counter()
+        info = build_engine(src / "model.onnx", d / "model.engine", shapes, precision, params.workspace_mb)
+        base.update(info, build_seconds=round(time.perf_counter() - t0, 2))
+        write_variant(d, VariantInfo(name, "tensorrt", precision, "model.engine", params=base), finetuned)
+        report[name] = {"status": "ok"}
+    return report

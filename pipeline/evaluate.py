@@ -1,0 +1,138 @@
+"""Score every variant the same way: test accuracy, agreement with FP32, size on disk."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.config import EvaluateParams
+from pipeline.data import read_tokenized
+from pipeline.variants import VariantError, load_runner, predict_logits, read_variant, size_mb
+
+log = logging.getLogger(__name__)
+
+REFERENCE = "fp32-eager"
+
+
+def score_variants(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Path,
+                   params: EvaluateParams) -> dict[str, dict[str, Any]]:
+    """One entry per variant (and the FP32 PyTorch reference): accuracy, size_mb, agreement, status."""
+    test = read_tokenized(tokenized, "test")
+    seqs, labels = test["input_ids"].tolist(), test["label"].to_numpy()
+    results: dict[str, dict[str, Any]] = {}
+
+    t0 = time.perf_counter()
+    ref_pred = predict_logits(load_runner(finetuned, params.threads), seqs, params.batch_size,
+                              progress=REFERENCE).argmax(-1)
+    results[REFERENCE] = {
+        "status": "ok", "reason": "", "format": "pytorch", "dtype": "float32",
+        "accuracy": float((ref_pred == labels).mean()), "agreement_with_fp32": 1.0,
+        "size_mb": round((finetuned / "model.safetensors").stat().st_size / 1e6, 3),
+        "eval_seconds": round(time.perf_counter() - t0, 2), "test_samples": len(labels),
+    }
+    for name, directory in variant_dirs.items():
+        info = read_variant(directory)
+        entry: dict[str, Any] = {"status": info.status, "reason": info.reason, "format": info.format,
+                                 "dtype": info.dtype}
+        if info.status != "ok":
+            results[name] = entry
+            continue
+        t0 = time.perf_counter()
+        try:
+            pred = predict_logits(load_runner(directory, params.threads), seqs, params.batch_size,
+                                  progress=name).argmax(-1)
+        except Exception as exc:
+            raise VariantError(f"variant {name} failed to run on the test split: {exc}") from exc
+        entry.update(
+            accuracy=float((pred == labels).mean()),
+            agreement_with_fp32=float((pred == ref_pred).mean()),
+            size_mb=round(size_mb(directory, info), 3),
+            eval_seconds=round(time.perf_counter() - t0, 2),
+            test_samples=len(labels),
+        )
+        results[name] = entry
+        log.info("%s: accuracy %.4f, agreement %.4f, %.1f MB", name, entry["accuracy"],
+                 entry["agreement_with_fp32"], entry["size_mb"])
+    fp32 = results[REFERENCE]["accuracy"]
+    for entry in results.values():
+        if entry.get("accuracy") is not None:
+            entry["accuracy_delta_pt"] = round(100 * (entry["accuracy"] - fp32), 3)
+    return results
+
+
+def check_targets(results: dict[str, dict[str, Any]], max_loss_pt: float = 0.5,
+                  max_size_share: float = 0.30) -> list[str]:
+    """The quantization targets, as plain sentences: each one met or missed, with the numbers."""
+    lines = []
+    fp32_onnx = results.get("fp32-onnx", {}).get("size_mb")
+    for name in ("int8-static", "int8-qat", "int8-dynamic"):
+        e = results.get(name)
+        if not e or e.get("status") != "ok":
+            continue
+        loss = -e["accuracy_delta_pt"]
+        lines.append(f"{name}: accuracy loss {loss:.2f} pt vs FP32 "
+                     f"({'met' if loss <= max_loss_pt else 'MISSED'}: <= {max_loss_pt} pt)")
+        if fp32_onnx:
+            share = e["size_mb"] / fp32_onnx
+            lines.append(f"{name}: size {share:.0%} of fp32-onnx "
+                         f"({'met' if share <= max_size_share else 'MISSED'}: <= {max_size_share:.0%})")
+    s, q = results.get("int8-static"), results.get("int8-qat")
+    if s and q and s.get("status") == q.get("status") == "ok":
+        ok = q["accuracy"] >= s["accuracy"]
+        lines.append(f"int8-qat {q['accuracy']:.4f} vs int8-static {s['accuracy']:.4f} "
+                     f"({'met' if ok else 'MISSED'}: QAT at least matches static)")
+    return lines
+
+
+def log_variant_runs(results: dict[str, dict[str, Any]], variant_dirs: dict[str, Path], finetuned: Path,
+                     params: EvaluateParams, tracking: Any) -> None:
+    """One MLflow child run per variant under the pipeline's parent run, for the compare view."""
+    import mlflow
+
+    from pipeline.tracking import stage_run
+
+    dirs = {"fp32-eager": finetuned, **variant_dirs}
+    for name, entry in results.items():
+        with stage_run(tracking, "evaluate", run_name=name, tags={"variant": name, "pipeline.kind": "variant"}):
+            directory = dirs[name]
+            info_params: dict[str, Any] = {}
+            if name != REFERENCE:
+                info_params = read_variant(directory).params
+            flat = {k: (v if not isinstance(v, dict | list) else str(v)[:500]) for k, v in info_params.items()}
+            mlflow.log_params({"variant": name, "format": entry["format"], "dtype": entry["dtype"], **flat})
+            mlflow.set_tags({"status": entry["status"], "reason": entry["reason"][:5000]})
+            mlflow.log_metrics({k: float(v) for k, v in entry.items()
+                                if isinstance(v, int | float) and not isinstance(v, bool)})
+            if entry["status"] == "ok" and entry.get("size_mb", 0) <= params.artifact_max_mb:
+                mlflow.log_artifacts(str(directory), "variant")
+            else:
+                mlflow.set_tag("artifact_pointer", str(Path(directory).resolve()))
+
+
+def accuracy_bars(results: dict[str, dict[str, Any]], path: Path) -> None:
+    """Accuracy and size per variant, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n, e in results.items() if e.get("status") == "ok"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), dpi=110)
+    acc = np.array([results[n]["accuracy"] for n in names]) * 100
+    axes[0].barh(names, acc, color="#4c72b0")
+    axes[0].set_xlim(max(0.0, acc.min() - 5), min(100.0, acc.max() + 1))
+    axes[0].set_xlabel("test accuracy (%)")
+    axes[1].barh(names, [results[n]["size_mb"] for n in names], color="#dd8452")
+    axes[1].set_xlabel("size on disk (MB)")
+    axes[1].set_yticks([])
+    skipped = [n for n, e in results.items() if e.get("status") != "ok"]
+    if skipped:
+        fig.suptitle("skipped: " + ", ".join(skipped), fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,116 @@
+"""FP32 exports of the finetuned model: TorchScript (traced) and ONNX (torch.export-based exporter).
+
+Both take `input_ids` and `attention_mask` with dynamic batch and sequence axes and return logits; both
+are checked for parity against the PyTorch model on real reviews before they are written as variants.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipeline.variants import EagerLogits, Runner, pad_batch
+
+log = logging.getLogger(__name__)
+
+
+class ExportError(RuntimeError):
+    """An export failed or its output disagrees with the PyTorch model."""
+
+
+class LogitsModule(torch.nn.Module):
+    """`(input_ids, attention_mask) -> logits`: the signature every exported variant shares."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+
+def example_inputs(max_length: int, batch: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """A padded example batch: row 0 full length, row 1 half padding, so traced masking is general."""
+    length = min(max_length, 32)
+    ids = torch.randint(1000, 2000, (batch, length), dtype=torch.long)
+    mask = torch.ones_like(ids)
+    mask[1:, length // 2 :] = 0
+    ids[mask == 0] = 0
+    return ids, mask
+
+
+def export_torchscript(model: torch.nn.Module, path: Path, max_length: int) -> None:
+    """Trace the model; shapes stay symbolic so any batch and length up to the max are accepted."""
+    model.eval()
+    wrapper = LogitsModule(model).eval()
+    with torch.inference_mode(False), torch.no_grad():
+        traced = torch.jit.trace(wrapper, example_inputs(max_length), check_trace=False, strict=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    traced.save(str(path))
+
+
+def export_onnx(model: torch.nn.Module, path: Path, max_length: int, opset: int = 18) -> None:
+    """ONNX via the torch.export-based exporter with dynamic batch/sequence dims, then `onnx.checker`."""
+    import onnx
+
+    model.eval()
+    wrapper = LogitsModule(model).eval()
+    batch = torch.export.Dim("batch", min=1, max=1024)
+    seq = torch.export.Dim("sequence", min=2, max=max_length)
+    shapes = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        program = torch.onnx.export(wrapper, example_inputs(max_length), dynamo=True, opset_version=opset,
+                                    input_names=["input_ids", "attention_mask"], output_names=["logits"],
+                                    dynamic_shapes=shapes, optimize=True, verbose=False)
+        program.save(str(path), external_data=False)
+    except Exception as exc:
+        raise ExportError(f"ONNX export failed: {type(exc).__name__}: {exc}") from exc
+    onnx.checker.check_model(str(path), full_check=True)
+
+
+@dataclass(frozen=True)
+class Parity:
+    """How far a variant's logits are from the reference on the same batch."""
+
+    max_abs_diff: float
+    label_agreement: float
+    batch: int
+
+
+def parity(reference: Runner, candidate: Runner, seqs: Sequence[np.ndarray], pad_id: int = 0) -> Parity:
+    """Compare logits on one padded batch of real reviews."""
+    ids, mask = pad_batch(seqs, pad_id)
+    ref, got = reference(ids, mask), candidate(ids, mask)
+    return Parity(float(np.abs(ref - got).max()), float((ref.argmax(-1) == got.argmax(-1)).mean()), len(seqs))
+
+
+def eager_runner(model: torch.nn.Module) -> Runner:
+    """The PyTorch reference as a runner."""
+    from pipeline.variants import TorchRunner
+
+    return TorchRunner(EagerLogits(model.eval()))
+
+
+def check_dynamic_shapes(candidate: Runner, reference: Runner, max_length: int) -> None:
+    """The export must accept other batch sizes and lengths than it was traced with."""
+    rng = np.random.default_rng(0)
+    for batch, length in ((1, 8), (3, max_length), (5, max(8, max_length // 2))):
+        ids = rng.integers(1000, 2000, size=(batch, length))
+        mask = np.ones_like(ids)
+        diff = float(np.abs(candidate(ids, mask) - reference(ids, mask)).max())
+        if diff > 1e-3:
+            raise ExportError(f"export disagrees at batch={batch} length={length}: max |diff| = {diff:.2e}")
+
+
+def describe(model: Any) -> dict[str, Any]:
+    """Architecture facts the builders need (heads, hidden size) from the HF config."""
+    cfg = model.config
+    return {"num_heads": int(cfg.num_attention_heads), "hidden_size": int(cfg.hidden_size),
+            "num_layers": int(cfg.num_hidden_layers), "model_type": str(cfg.model_type)}

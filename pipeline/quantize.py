@@ -1,0 +1,196 @@
+"""INT8 variants: onnxruntime dynamic and static (QDQ, calibrated) PTQ, and quantization-aware training.
+
+QAT: every `nn.Linear` is wrapped so its input (per-tensor, uint8, affine) and its weight (per-channel,
+int8, symmetric) pass through torch.ao `FakeQuantize` during a short finetune from the FP32 weights.
+That is the very scheme onnxruntime's QDQ `MatMul` quantization uses, so after training the wrappers are
+removed, the adapted FP32 weights are exported to ONNX and converted with the same static QDQ pass as
+`int8-static` (activation ranges re-calibrated by onnxruntime; the learned weights are what QAT adds).
+The PT2E QAT flow is not used: torch 2.13 no longer ships `torch.ao.quantization.quantize_pt2e`.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipeline.variants import pad_batch
+
+log = logging.getLogger(__name__)
+
+CALIBRATION_METHODS = ("minmax", "percentile", "entropy")
+
+
+class QuantizeError(RuntimeError):
+    """A quantized variant could not be built."""
+
+
+# ------------------------------------------------------------------------------------ graph prep
+def optimize_for_quantization(src: Path, dst: Path, num_heads: int, hidden_size: int) -> dict[str, int]:
+    """onnxruntime's transformer fusions (SkipLayerNorm, BiasGelu, ...) before quantizing; returns counts."""
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    model = optimize_model(str(src), model_type="bert", num_heads=num_heads, hidden_size=hidden_size,
+                           opt_level=1)
+    # Stale intermediate shapes from the exporter's example batch confuse later shape inference.
+    del model.model.graph.value_info[:]
+    model.save_model_to_file(str(dst))
+    return {k: int(v) for k, v in model.get_fused_operator_statistics().items() if v}
+
+
+def quantize_dynamic_onnx(src: Path, dst: Path, per_channel: bool = True) -> None:
+    """Weights to int8 ahead of time, activations quantized on the fly per batch."""
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    # Fused contrib ops (SkipLayerNormalization, BiasGelu) have no ONNX shape inference: default to float.
+    quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, per_channel=per_channel,
+                     op_types_to_quantize=["MatMul", "Gemm", "Attention", "Gather"],
+                     extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
+
+
+class TokenCalibrationReader:
+    """onnxruntime `CalibrationDataReader` over real, length-sorted review batches."""
+
+    def __init__(self, seqs: Sequence[np.ndarray], batch_size: int, input_names: set[str], pad_id: int = 0) -> None:
+        order = np.argsort([len(s) for s in seqs])
+        self.batches = [[seqs[i] for i in order[b : b + batch_size]] for b in range(0, len(order), batch_size)]
+        self.input_names = input_names
+        self.pad_id = pad_id
+        # One width for all batches: histogram calibrators (percentile, entropy) stack them.
+        self.width = max((len(s) for s in seqs), default=1)
+        self._it: Iterator[list[np.ndarray]] | None = None
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        if self._it is None:
+            self._it = iter(self.batches)
+        batch = next(self._it, None)
+        if batch is None:
+            return None
+        ids, mask = pad_batch(batch, self.pad_id, self.width)
+        feed = {"input_ids": ids, "attention_mask": mask}
+        return {k: v for k, v in feed.items() if k in self.input_names}
+
+    def rewind(self) -> None:
+        self._it = None
+
+
+def quantize_static_onnx(src: Path, dst: Path, calibration: Sequence[np.ndarray], method: str,
+                         per_channel: bool = True, batch_size: int = 16, pad_id: int = 0) -> None:
+    """QDQ static INT8: uint8 activations with calibrated ranges, per-channel symmetric int8 weights.
+
+    Only MatMul/Gemm (compute) and Gather (the embedding table, most of the file) are quantized:
+    quantizing Add/LayerNorm/Softmax costs BERT accuracy for little speed.
+    """
+    import onnx
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    if method not in CALIBRATION_METHODS:
+        raise QuantizeError(f"unknown calibration method {method!r}; use one of {CALIBRATION_METHODS}")
+    with tempfile.TemporaryDirectory(prefix="quant-") as tmp:
+        pre = Path(tmp) / "pre.onnx"
+        quant_pre_process(str(src), str(pre), skip_symbolic_shape=True)
+        names = {i.name for i in onnx.load(str(pre), load_external_data=False).graph.input}
+        reader = TokenCalibrationReader(calibration, batch_size, names, pad_id)
+        # Biases stay float: int32 bias scales need a calibrated input scale, which sliced inputs
+        # (the pooler's [CLS] `select`) do not get, and float biases cost nothing measurable.
+        extra: dict[str, Any] = {"ActivationSymmetric": False, "WeightSymmetric": True, "QuantizeBias": False,
+                                 "DefaultTensorType": onnx.TensorProto.FLOAT}
+        if method == "percentile":
+            extra["CalibPercentile"] = 99.999
+        quantize_static(
+            str(pre), str(dst), reader, quant_format=QuantFormat.QDQ, per_channel=per_channel,
+            activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+            op_types_to_quantize=["MatMul", "Gemm", "Gather"],
+            calibrate_method={"minmax": CalibrationMethod.MinMax, "percentile": CalibrationMethod.Percentile,
+                              "entropy": CalibrationMethod.Entropy}[method],
+            extra_options=extra,
+        )
+
+
+# ---------------------------------------------------------------------------------------- QAT
+class FakeQuantLinear(torch.nn.Module):
+    """`nn.Linear` whose input and weight are fake-quantized as onnxruntime's QDQ MatMul will quantize them."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        from torch.ao.quantization import FakeQuantize, MovingAverageMinMaxObserver, PerChannelMinMaxObserver
+
+        self.linear = linear
+        self.input_fq = FakeQuantize(observer=MovingAverageMinMaxObserver, quant_min=0, quant_max=255,
+                                     dtype=torch.quint8, qscheme=torch.per_tensor_affine)
+        self.weight_fq = FakeQuantize(observer=PerChannelMinMaxObserver, quant_min=-127, quant_max=127,
+                                      dtype=torch.qint8, qscheme=torch.per_channel_symmetric, ch_axis=0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(self.input_fq(x), self.weight_fq(self.linear.weight), self.linear.bias)
+
+
+def add_fake_quant(model: torch.nn.Module) -> int:
+    """Wrap every Linear in place; returns how many were wrapped."""
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                setattr(parent, name, FakeQuantLinear(child))
+                count += 1
+    return count
+
+
+def remove_fake_quant(model: torch.nn.Module) -> int:
+    """Put the (QAT-adapted) plain Linear layers back; returns how many were unwrapped."""
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, FakeQuantLinear):
+                setattr(parent, name, child.linear)
+                count += 1
+    return count
+
+
+@dataclass(frozen=True)
+class QatResult:
+    """What the QAT finetune did."""
+
+    wrapped_layers: int
+    steps: int
+    samples: int
+    final_loss: float
+
+
+def qat_finetune(model: torch.nn.Module, seqs: Sequence[np.ndarray], labels: Sequence[int], epochs: int,
+                 batch_size: int, lr: float, seed: int = 0, pad_id: int = 0) -> QatResult:
+    """A short finetune with fake quantization, via Lightning, from the FP32 weights."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from pipeline.batching import Collator, LengthBucketBatchSampler, TokenizedDataset
+    from pipeline.train import SentimentClassifier
+
+    wrapped = add_fake_quant(model)
+    L.seed_everything(seed, verbose=False)
+    ds = TokenizedDataset(seqs, labels)
+    loader = DataLoader(ds, batch_sampler=LengthBucketBatchSampler(ds.lengths, batch_size, seed=seed),
+                        collate_fn=Collator(pad_id=pad_id))
+    module = SentimentClassifier(model, lr=lr, weight_decay=0.0, warmup_ratio=0.0)
+    losses: list[float] = []
+
+    class _Loss(L.Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, pl: L.LightningModule, out: Any, b: Any, i: int) -> None:
+            losses.append(float(out["loss"]))
+
+    with tempfile.TemporaryDirectory(prefix="qat-") as tmp:
+        trainer = L.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                            default_root_dir=tmp, callbacks=[_Loss()], enable_model_summary=False,
+                            num_sanity_val_steps=0, limit_val_batches=0)
+        trainer.fit(module, train_dataloaders=loader)
+    remove_fake_quant(model)
+    model.eval()
+    return QatResult(wrapped, trainer.global_step, len(ds) * epochs, float(np.mean(losses[-10:])) if losses else 0.0)

@@ -1,0 +1,217 @@
+"""Deployable model variants: one self-describing directory each, and one way to run any of them.
+
+A variant directory holds the model file, `variant.json` (name, format, dtype, file, params, status),
+the tokenizer, and `pipeline.json` (label map and preprocessing) copied from the finetuned model. The
+same `load_runner` serves evaluation, benchmarks and the TorchServe handler, so all three run a
+variant identically.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from pipeline.io import write_json
+
+VARIANT_FILE = "variant.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
+
+
+class VariantError(RuntimeError):
+    """A variant directory is missing, incomplete or cannot be run."""
+
+
+@dataclass
+class VariantInfo:
+    """What `variant.json` says about a variant."""
+
+    name: str
+    format: str  # pytorch | torchscript | onnx | tensorrt
+    dtype: str  # float32 | int8 | float16
+    file: str | None
+    status: str = "ok"  # ok | skipped
+    reason: str = ""
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Runner(Protocol):
+    """Anything that maps a padded batch of token ids to logits."""
+
+    def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray: ...
+
+
+def write_variant(directory: Path, info: VariantInfo, finetuned_dir: Path) -> None:
+    """Write `variant.json` and copy the tokenizer and preprocessing record next to the model file."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in (*TOKENIZER_FILES, "pipeline.json", "config.json"):
+        src = finetuned_dir / name
+        if src.is_file():
+            shutil.copy2(src, directory / name)
+    write_json(directory / VARIANT_FILE, info.to_dict())
+
+
+def read_variant(directory: Path) -> VariantInfo:
+    """The variant record, with a clear error naming the file when it is missing or corrupt."""
+    path = Path(directory) / VARIANT_FILE
+    if not path.is_file():
+        raise VariantError(f"not a variant directory (no {VARIANT_FILE}): {directory}")
+    try:
+        return VariantInfo(**json.loads(path.read_text()))
+    except (json.JSONDecodeError, TypeError) as exc:
+        raise VariantError(f"corrupt {path}: {exc}") from exc
+
+
+def model_file(directory: Path, info: VariantInfo) -> Path:
+    """Path of the variant's model file, checked to exist."""
+    if info.file is None:
+        raise VariantError(f"variant {info.name} has no model file ({info.status}: {info.reason})")
+    path = Path(directory) / info.file
+    if not path.is_file():
+        raise VariantError(f"model file of variant {info.name} missing: {path}")
+    return path
+
+
+def size_mb(directory: Path, info: VariantInfo) -> float:
+    """On-disk size of the model file(s) alone (ONNX external data included), in MB."""
+    path = model_file(directory, info)
+    total = path.stat().st_size
+    data = path.with_name(path.name + ".data")
+    if data.is_file():
+        total += data.stat().st_size
+    return total / 1e6
+
+
+def ort_session(path: Path, threads: int | None = None, optimization: str = "all") -> Any:
+    """An onnxruntime CPU session with explicit graph optimisation level and thread count."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = {
+        "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    }[optimization]
+    if threads:
+        opts.intra_op_num_threads = threads
+        opts.inter_op_num_threads = 1
+    try:
+        return ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
+    except Exception as exc:
+        raise VariantError(f"onnxruntime cannot load {path}: {exc}") from exc
+
+
+class OrtRunner:
+    """Runs an ONNX variant; feeds only the inputs the graph declares."""
+
+    def __init__(self, path: Path, threads: int | None = None, optimization: str = "all") -> None:
+        self.session = ort_session(path, threads, optimization)
+        self.inputs = {i.name for i in self.session.get_inputs()}
+
+    def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        feed = {"input_ids": input_ids.astype(np.int64), "attention_mask": attention_mask.astype(np.int64)}
+        return self.session.run(None, {k: v for k, v in feed.items() if k in self.inputs})[0]
+
+
+class TorchRunner:
+    """Runs an eager or TorchScript module under `inference_mode` (optionally bf16 autocast)."""
+
+    def __init__(self, module: Any, autocast_bf16: bool = False) -> None:
+        self.module = module
+        self.autocast_bf16 = autocast_bf16
+
+    def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        import torch
+
+        ids = torch.from_numpy(np.ascontiguousarray(input_ids, dtype=np.int64))
+        mask = torch.from_numpy(np.ascontiguousarray(attention_mask, dtype=np.int64))
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast_bf16):
+            out = self.module(ids, mask)
+        logits = out[0] if isinstance(out, tuple | list) else getattr(out, "logits", out)
+        return logits.float().numpy()
+
+
+class EagerLogits:
+    """Wraps a HF model so it is called positionally, like the traced/exported graphs."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def __call__(self, input_ids: Any, attention_mask: Any) -> Any:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+
+def load_runner(directory: Path, threads: int | None = None, **options: Any) -> Runner:
+    """A runner for any variant directory (or the finetuned HF directory as `fp32-eager`)."""
+    directory = Path(directory)
+    if not (directory / VARIANT_FILE).is_file() and (directory / "model.safetensors").is_file():
+        from pipeline.modeling import load_finetuned
+
+        model, _, _ = load_finetuned(directory)
+        _set_threads(threads)
+        return TorchRunner(EagerLogits(model), autocast_bf16=bool(options.get("autocast_bf16")))
+    info = read_variant(directory)
+    if info.status != "ok":
+        raise VariantError(f"variant {info.name} was {info.status}: {info.reason}")
+    path = model_file(directory, info)
+    if info.format == "onnx":
+        return OrtRunner(path, threads, options.get("optimization", "all"))
+    if info.format == "torchscript":
+        import torch
+
+        _set_threads(threads)
+        module = torch.jit.load(str(path), map_location="cpu")
+        module.eval()
+        if options.get("freeze", True):
+            module = torch.jit.optimize_for_inference(torch.jit.freeze(module))
+        return TorchRunner(module)
+    if info.format == "tensorrt":
+        from pipeline.tensorrt import TensorRTRunner
+
+        return TensorRTRunner(path)
+    raise VariantError(f"unknown variant format {info.format!r} in {directory}")
+
+
+def _set_threads(threads: int | None) -> None:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def pad_batch(seqs: Sequence[np.ndarray], pad_id: int = 0, width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pad token-id arrays to the longest (or `width`) and build the attention mask."""
+    w = width or max(len(s) for s in seqs)
+    ids = np.full((len(seqs), w), pad_id, dtype=np.int64)
+    mask = np.zeros((len(seqs), w), dtype=np.int64)
+    for i, s in enumerate(seqs):
+        n = min(len(s), w)
+        ids[i, :n] = s[:n]
+        mask[i, :n] = 1
+    return ids, mask
+
+
+def predict_logits(runner: Runner, seqs: Sequence[np.ndarray], batch_size: int = 64, pad_id: int = 0,
+                   progress: str | None = None) -> np.ndarray:
+    """Logits for token-id arrays in their original order, batched by length to save padding."""
+    order = np.argsort([len(s) for s in seqs], kind="stable")
+    out = np.zeros((len(seqs), 2), dtype=np.float32)
+    starts = range(0, len(order), batch_size)
+    if progress:
+        from tqdm.auto import tqdm
+
+        starts = tqdm(starts, desc=progress, unit="batch")
+    for start in starts:
+        idx = order[start : start + batch_size]
+        ids, mask = pad_batch([seqs[i] for i in idx], pad_id)
+        out[idx] = runner(ids, mask)
+    return out

@@ -1,0 +1,121 @@
+"""End to end: `dvc repro` on a miniature profile in a temporary copy of the repo, then checks on what it made.
+
+The miniature profile finetunes the real (packaged) all-MiniLM-L6-v2 on a few hundred reviews, so the
+behaviour tests below run against artifacts of a model that has actually learned sentiment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import IMDB_DIR, ROOT
+
+pytestmark = pytest.mark.slow
+
+MINI = {
+    "data": {"local_dir": str(IMDB_DIR), "train_subsample": 800, "val_subsample": 100, "test_subsample": 300,
+             "max_length": 64},
+    "train": {"epochs": 1, "batch_size": 16, "lr": 1e-4, "val_checks_per_epoch": 1},
+    "quantize": {"calibration_samples": 32, "selection_samples": 100, "qat_train_samples": 64,
+                 "calibration_methods": ["minmax", "percentile"]},
+    "export": {"parity_samples": 8},
+}
+
+
+def _copy_repo(dst: Path) -> None:
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
+                           text=True, check=True).stdout.split()
+    for rel in files:
+        src = ROOT / rel
+        if src.is_file() and not rel.startswith(("data/", "models/", "metrics/", "plots/", "reports/")):
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst / rel)
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory) -> Path:
+    """A fresh copy of the project after a real `dvc repro` of the miniature profile."""
+    d = tmp_path_factory.mktemp("repo")
+    _copy_repo(d)
+    raw = yaml.safe_load((d / "params.yaml").read_text())
+    for name, values in MINI.items():
+        raw[name].update(values)
+    (d / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "PIPELINE_RUN_ID": "e2e-test", "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "copy"]):
+        subprocess.run(cmd, cwd=d, env=env, check=True)
+    proc = subprocess.run([str(Path(sys.executable).parent / "dvc"), "repro"], cwd=d, env=env,
+                          capture_output=True, text=True, timeout=1500)
+    (d / "repro.log").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    return d
+
+
+def test_repro_outputs_and_metrics(repo):
+    m = json.loads((repo / "metrics" / "finetune.json").read_text())
+    assert m["test_accuracy"] > 0.65, m  # 800 reviews of 64 tokens: well above chance, far from the full run
+    assert m["train_samples_per_s"] > 0
+    prep = json.loads((repo / "metrics" / "prepare.json").read_text())
+    assert prep["sizes"] == {"train": 800, "val": 100, "test": 300}
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "pipeline.json"):
+        assert (repo / "models" / "finetuned" / f).is_file()
+    assert (repo / "plots" / "finetune" / "train.csv").read_text().count("\n") > 10
+
+
+def test_variants_metrics(repo):
+    v = json.loads((repo / "metrics" / "variants.json").read_text())
+    assert set(v) == {"fp32-eager", "fp32-torchscript", "fp32-onnx", "int8-dynamic", "int8-static", "int8-qat",
+                      "tensorrt-fp16", "tensorrt-int8"}
+    for name in ("fp32-torchscript", "fp32-onnx"):
+        assert v[name]["agreement_with_fp32"] == 1.0
+        assert v[name]["accuracy"] == v["fp32-eager"]["accuracy"]
+    for name in ("int8-dynamic", "int8-static", "int8-qat"):
+        assert v[name]["status"] == "ok"
+        assert v[name]["size_mb"] < 0.35 * v["fp32-onnx"]["size_mb"]
+    for name in ("int8-dynamic", "int8-static"):  # PTQ keeps the FP32 weights' decisions
+        assert v[name]["agreement_with_fp32"] > 0.9, (name, v[name])
+    # QAT trains further, so it may disagree with FP32 more; it must not lose accuracy badly.
+    assert v["int8-qat"]["accuracy"] > v["fp32-eager"]["accuracy"] - 0.05, v["int8-qat"]
+    import torch
+
+    if not torch.cuda.is_available():
+        for name in ("tensorrt-fp16", "tensorrt-int8"):
+            assert v[name]["status"] == "skipped" and "CUDA" in v[name]["reason"]
+
+
+def test_second_repro_is_a_noop(repo):
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    proc = subprocess.run([str(Path(sys.executable).parent / "dvc"), "repro"], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0
+    assert "didn't change, skipping" in proc.stdout and "Running stage" not in proc.stdout
+
+
+def test_mlflow_parent_with_stage_children_and_registered_model(repo):
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("sentiment-pipeline")
+    runs = client.search_runs([exp.experiment_id], "tags.`pipeline.run_id` = 'e2e-test'")
+    parents = [r for r in runs if r.data.tags.get("pipeline.role") == "parent"]
+    assert len(parents) == 1
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
+    stages = {r.data.tags["pipeline.stage"] for r in children}
+    assert {"prepare", "finetune", "export", "quantize", "tensorrt", "evaluate"} <= stages
+    finetune = next(r for r in children if r.data.tags["pipeline.stage"] == "finetune")
+    assert finetune.data.metrics["test_accuracy"] > 0.65
+    assert "train.lr" in finetune.data.params
+    variant_runs = {r.data.tags.get("variant") for r in children if r.data.tags.get("variant")}
+    assert "int8-static" in variant_runs and "tensorrt-int8" in variant_runs
+    versions = client.search_model_versions("name = 'imdb-sentiment'")
+    assert versions and versions[0].run_id == finetune.info.run_id
