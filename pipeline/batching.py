@@ -49,7 +49,7 @@ class Collator:
         input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         for row, (ids, _) in enumerate(batch):
-            input_ids[row, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
+            input_ids[row, : len(ids)] = torch.from_numpy(np.asarray(ids, dtype=np.int64))
             mask[row, : len(ids)] = 1
         labels = torch.tensor([label for _, label in batch], dtype=torch.long)
         return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}

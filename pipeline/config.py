@@ -183,6 +183,27 @@ class EvaluateParams:
         _require(self.batch_size >= 1, "evaluate.batch_size must be >= 1")
 
 
+@dataclass(frozen=True)
+class BenchmarkParams:
+    """How variants are timed: batch-1 latency at a fixed length, batch throughput, memory."""
+
+    seq_len: int = 128
+    batch_size: int = 32
+    warmup: int = 10
+    iterations: int = 200
+    rounds: int = 5
+    latency_reviews: int = 100
+    throughput_batches: int = 4
+    threads: int | None = None
+    bf16_row: bool = True
+    memory: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.seq_len >= 8 and self.batch_size >= 1, "benchmark.seq_len >= 8 and batch_size >= 1")
+        _require(self.rounds >= 1 and self.iterations >= self.rounds, "benchmark.iterations >= rounds >= 1")
+        _require(self.latency_reviews >= 1 and self.throughput_batches >= 1, "benchmark sizes must be >= 1")
+
+
 SECTIONS: dict[str, type] = {
     "data": DataParams,
     "model": ModelParams,
@@ -192,6 +213,7 @@ SECTIONS: dict[str, type] = {
     "quantize": QuantizeParams,
     "tensorrt": TensorRTParams,
     "evaluate": EvaluateParams,
+    "benchmark": BenchmarkParams,
 }
 
 

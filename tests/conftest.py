@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 IMDB_DIR = Path(os.environ.get("IMDB_DIR", ROOT.parent / "shared" / "data" / "imdb"))
@@ -61,15 +65,66 @@ def synthetic_reviews(n: int, seed: int = 0) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["text", "label"])
 
 
-@pytest.fixture
-def tokenized_dir(tmp_path, tokenizer) -> Path:
-    """Tokenized train/val/test parquet files (synthetic reviews) in the prepare stage's layout."""
-    from pipeline.config import DataParams
+def write_tokenized(directory: Path, sizes: dict[str, int], max_length: int = 64) -> Path:
+    """Tokenized synthetic splits in the prepare stage's layout (`{split}.parquet`)."""
+    from pipeline.config import DataParams, ModelParams
     from pipeline.data import tokenize_frame
+    from pipeline.modeling import load_tokenizer
 
-    d = tmp_path / "tokenized"
-    d.mkdir()
-    params = DataParams(max_length=64)
-    for split, n, seed in (("train", 96, 1), ("val", 32, 2), ("test", 32, 3)):
-        tokenize_frame(synthetic_reviews(n, seed), tokenizer, params).to_parquet(d / f"{split}.parquet")
+    directory.mkdir(parents=True, exist_ok=True)
+    tok = load_tokenizer(ModelParams(source="tiny"))
+    for seed, (split, n) in enumerate(sizes.items(), start=1):
+        frame = tokenize_frame(synthetic_reviews(n, seed), tok, DataParams(max_length=max_length))
+        frame.to_parquet(directory / f"{split}.parquet")
+    return directory
+
+
+@pytest.fixture
+def tokenized_dir(tmp_path) -> Path:
+    """Tokenized train/val/test parquet files (synthetic reviews) in the prepare stage's layout."""
+    return write_tokenized(tmp_path / "tokenized", {"train": 96, "val": 32, "test": 32})
+
+
+MINI = {
+    "data": {"local_dir": str(IMDB_DIR), "train_subsample": 800, "val_subsample": 100, "test_subsample": 300,
+             "max_length": 64},
+    "train": {"epochs": 1, "batch_size": 16, "lr": 1e-4, "val_checks_per_epoch": 1},
+    "quantize": {"calibration_samples": 32, "selection_samples": 100, "qat_train_samples": 64,
+                 "calibration_methods": ["minmax", "percentile"]},
+    "export": {"parity_samples": 8},
+}
+
+
+def _copy_repo(dst: Path) -> None:
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
+                           text=True, check=True).stdout.split()
+    for rel in files:
+        src = ROOT / rel
+        if src.is_file() and not rel.startswith(("data/", "models/", "metrics/", "plots/", "reports/")):
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst / rel)
+
+
+@pytest.fixture(scope="session")
+def repo(tmp_path_factory) -> Path:
+    """A fresh copy of the project after a real `dvc repro` of the miniature profile.
+
+    The miniature profile finetunes the real (packaged) all-MiniLM-L6-v2 on a few hundred reviews, so the
+    behaviour tests run against artifacts of a model that has actually learned sentiment.
+    """
+    d = tmp_path_factory.mktemp("repo")
+    _copy_repo(d)
+    raw = yaml.safe_load((d / "params.yaml").read_text())
+    for name, values in MINI.items():
+        raw[name].update(values)
+    (d / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "PIPELINE_RUN_ID": "e2e-test", "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "copy"]):
+        subprocess.run(cmd, cwd=d, env=env, check=True)
+    proc = subprocess.run([str(Path(sys.executable).parent / "dvc"), "repro"], cwd=d, env=env,
+                          capture_output=True, text=True, timeout=1500)
+    (d / "repro.log").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return d

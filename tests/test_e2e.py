@@ -1,65 +1,16 @@
-"""End to end: `dvc repro` on a miniature profile in a temporary copy of the repo, then checks on what it made.
-
-The miniature profile finetunes the real (packaged) all-MiniLM-L6-v2 on a few hundred reviews, so the
-behaviour tests below run against artifacts of a model that has actually learned sentiment.
-"""
+"""End to end: `dvc repro` on a miniature profile in a temporary copy of the repo (fixture `repo`)."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import yaml
-
-from tests.conftest import IMDB_DIR, ROOT
 
 pytestmark = pytest.mark.slow
-
-MINI = {
-    "data": {"local_dir": str(IMDB_DIR), "train_subsample": 800, "val_subsample": 100, "test_subsample": 300,
-             "max_length": 64},
-    "train": {"epochs": 1, "batch_size": 16, "lr": 1e-4, "val_checks_per_epoch": 1},
-    "quantize": {"calibration_samples": 32, "selection_samples": 100, "qat_train_samples": 64,
-                 "calibration_methods": ["minmax", "percentile"]},
-    "export": {"parity_samples": 8},
-}
-
-
-def _copy_repo(dst: Path) -> None:
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
-                           text=True, check=True).stdout.split()
-    for rel in files:
-        src = ROOT / rel
-        if src.is_file() and not rel.startswith(("data/", "models/", "metrics/", "plots/", "reports/")):
-            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dst / rel)
-
-
-@pytest.fixture(scope="module")
-def repo(tmp_path_factory) -> Path:
-    """A fresh copy of the project after a real `dvc repro` of the miniature profile."""
-    d = tmp_path_factory.mktemp("repo")
-    _copy_repo(d)
-    raw = yaml.safe_load((d / "params.yaml").read_text())
-    for name, values in MINI.items():
-        raw[name].update(values)
-    (d / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-           "PIPELINE_RUN_ID": "e2e-test", "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
-           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
-    for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "copy"]):
-        subprocess.run(cmd, cwd=d, env=env, check=True)
-    proc = subprocess.run([str(Path(sys.executable).parent / "dvc"), "repro"], cwd=d, env=env,
-                          capture_output=True, text=True, timeout=1500)
-    (d / "repro.log").write_text(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    return d
-
 
 def test_repro_outputs_and_metrics(repo):
     m = json.loads((repo / "metrics" / "finetune.json").read_text())

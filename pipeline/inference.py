@@ -1,0 +1,64 @@
+"""Raw text in, label and probability out, for any variant directory.
+
+The serving handler, the behaviour tests and the benchmarks all use this class, so a review is cleaned,
+tokenized and truncated exactly as in training (the rules come from the variant's `pipeline.json`).
+It does not depend on TorchServe.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.data import encode_texts
+from pipeline.variants import VARIANT_FILE, load_runner, pad_batch, read_variant
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One review's answer: the label and the probability of that label."""
+
+    label: str
+    score: float
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise softmax, stable for large logits."""
+    z = logits - logits.max(axis=-1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+class SentimentPredictor:
+    """Loads a variant (or the finetuned HF directory) once and predicts batches of raw texts."""
+
+    def __init__(self, directory: str | Path, threads: int | None = None, **runner_options: Any) -> None:
+        from transformers import AutoTokenizer
+
+        self.directory = Path(directory)
+        meta = json.loads((self.directory / "pipeline.json").read_text())
+        self.preprocessing = meta["preprocessing"]
+        self.labels = {int(k): v for k, v in meta["labels"].items()}
+        self.tokenizer = AutoTokenizer.from_pretrained(self.directory)
+        self.runner = load_runner(self.directory, threads, **runner_options)
+        self.name = (read_variant(self.directory).name if (self.directory / VARIANT_FILE).is_file()
+                     else "fp32-eager")
+
+    def encode(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """Token ids with the training-time cleaning and truncation."""
+        p = self.preprocessing
+        return encode_texts(texts, self.tokenizer, p["max_length"], p["truncation"], p["head_fraction"])
+
+    def predict(self, texts: Sequence[str]) -> list[Prediction]:
+        """Predictions in input order; the whole list runs as one padded batch."""
+        if not texts:
+            return []
+        ids, mask = pad_batch(self.encode(texts), self.tokenizer.pad_token_id or 0)
+        probs = softmax(self.runner(ids, mask).astype(np.float64))
+        best = probs.argmax(-1)
+        return [Prediction(self.labels[int(i)], float(probs[row, i])) for row, i in enumerate(best)]

@@ -1,0 +1,111 @@
+"""The variant comparison a user reads: latency/throughput chart and `reports/variants.md`."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Any
+
+from pipeline.bench import REFERENCE, markdown_table
+
+
+def latency_chart(variants: dict[str, dict[str, Any]], path: Path) -> None:
+    """p50/p95 batch-1 latency and batch throughput per variant, FP32 eager first."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    names = [n for n, e in variants.items() if e["status"] == "ok"]
+    p50 = np.array([variants[n]["p50_ms_b1"] for n in names])
+    p95 = np.array([variants[n]["p95_ms_b1"] for n in names])
+    tput = np.array([variants[n]["throughput_b32"] for n in names])
+    fig, axes = plt.subplots(1, 2, figsize=(11, 0.5 * len(names) + 1.8), dpi=110)
+    y = np.arange(len(names))
+    axes[0].barh(y - 0.2, p50, height=0.4, label="p50", color="#4c72b0")
+    axes[0].barh(y + 0.2, p95, height=0.4, label="p95", color="#a1c4e8")
+    axes[0].set_yticks(y, names)
+    axes[0].invert_yaxis()
+    axes[0].set_xlabel("latency, batch 1 (ms, lower is better)")
+    axes[0].legend(loc="lower right")
+    for i, n in enumerate(names):
+        axes[0].text(p50[i], i - 0.2, f" {variants[n]['speedup_p50_vs_fp32_eager']:.2f}x", va="center", fontsize=8)
+    axes[1].barh(y, tput, color="#55a868")
+    axes[1].set_yticks(y, [])
+    axes[1].invert_yaxis()
+    axes[1].set_xlabel("throughput, batch 32 (reviews/s, higher is better)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_rows(variants: dict[str, dict[str, Any]], path: Path) -> None:
+    """One CSV row per measured variant, for `dvc plots` bar charts."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["variant", "p50_ms_b1", "p95_ms_b1", "throughput_b32"])
+        for name, e in variants.items():
+            if e["status"] == "ok":
+                w.writerow([name, round(e["p50_ms_b1"], 3), round(e["p95_ms_b1"], 3), round(e["throughput_b32"], 2)])
+
+
+def target_lines(variants: dict[str, dict[str, Any]], min_speedup: float = 3.0, max_loss_pt: float = 0.5) -> list[str]:
+    """Plain statements of the latency target: met or missed, with the numbers and the likely reason."""
+    ref_acc = variants[REFERENCE].get("accuracy")
+    int8 = {n: e for n, e in variants.items() if n.startswith("int8") and e["status"] == "ok"}
+    if not int8:
+        return ["No INT8 variant was measured."]
+    eligible = {
+        n: e
+        for n, e in int8.items()
+        if ref_acc is None or e.get("accuracy") is None or 100 * (ref_acc - e["accuracy"]) <= max_loss_pt
+    }
+    pool = eligible or int8
+    best = max(pool, key=lambda n: pool[n]["speedup_p50_vs_fp32_eager"])
+    s = pool[best]["speedup_p50_vs_fp32_eager"]
+    line = (
+        f"Best INT8 variant within {max_loss_pt} pt of FP32 accuracy: **{best}**, p50 {pool[best]['p50_ms_b1']:.2f} ms "
+        f"at batch 1 = **{s:.2f}x** FP32 eager ({'met' if s >= min_speedup else 'MISSED'}: target >= {min_speedup}x)."
+    )
+    return [line]
+
+
+def write_report(result: dict[str, Any], chart: Path, path: Path) -> None:
+    """`reports/variants.md`: the table, the chart, the machine and the targets, readable on its own."""
+    variants, machine, settings = result["variants"], result["machine"], result["settings"]
+    isa = ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in machine["isa"].items())
+    lines = [
+        "# Variant comparison: quantized and exported vs FP32",
+        "",
+        f"Batch-1 latency at sequence length {settings['seq_len']} (real test reviews truncated/padded), "
+        f"throughput at batch {settings['batch_size']} with dynamic padding; {settings['rounds']} alternating rounds, "
+        f"{settings['iterations']} latency samples per variant after {settings['warmup']} warm-up calls. Accuracy "
+        "and size come from `metrics/variants.json` (the same test split as `finetune`).",
+        "",
+        markdown_table(variants),
+        "",
+        f"![latency and throughput]({chart.name})",
+        "",
+        "## Targets",
+        "",
+        *[f"- {t}" for t in target_lines(variants)],
+        "",
+        "## Machine",
+        "",
+        f"- CPU: {machine['cpu']} ({machine['logical_cpus']} logical CPUs, {machine['threads_used']} threads used)",
+        f"- ISA: {isa}",
+        f"- versions: {', '.join(f'{k} {v}' for k, v in machine['versions'].items())}",
+        "",
+    ]
+    if not machine["isa"].get("avx512_vnni") and not machine["isa"].get("amx_int8"):
+        lines += [
+            "This CPU has neither AVX512-VNNI nor AMX: INT8 matrix kernels fall back to AVX2 "
+            "(`vpmaddubsw`) and bf16 has no native support, so both speed-ups are smaller here than on "
+            "a VNNI/AMX server CPU.",
+            "",
+        ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines))

@@ -1,0 +1,113 @@
+"""Unit: the measuring code (percentiles, alternation, threads, skipped rows); no timing is asserted."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeline.bench import (
+    alternating_schedule,
+    latency_inputs,
+    machine_info,
+    markdown_table,
+    measure,
+    percentiles,
+    throughput_batches,
+)
+from pipeline.config import BenchmarkParams
+from pipeline.report import target_lines
+
+
+def test_percentiles_match_definition():
+    p = percentiles(list(range(1, 101)))
+    assert p["p50"] == pytest.approx(50.5)
+    assert p["p95"] == pytest.approx(95.05)
+    assert p["p99"] == pytest.approx(99.01)
+    with pytest.raises(ValueError):
+        percentiles([])
+
+
+def test_schedule_alternates():
+    assert alternating_schedule(["a", "b", "c"], 2) == ["a", "b", "c", "a", "b", "c"]
+
+
+class Recorder:
+    """A fake runner that logs who was called, in order, with which batch size."""
+
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def __call__(self, ids, mask):
+        self.log.append((self.name, ids.shape[0]))
+        return np.zeros((ids.shape[0], 2), dtype=np.float32)
+
+
+def test_measure_alternates_and_counts():
+    calls: list = []
+    runners = {n: Recorder(n, calls) for n in ("a", "b")}
+    lat = [(np.zeros((1, 16), np.int64), np.ones((1, 16), np.int64))] * 3
+    tp = [(np.zeros((4, 16), np.int64), np.ones((4, 16), np.int64))] * 2
+    params = BenchmarkParams(warmup=2, iterations=6, rounds=3)
+    out = measure(runners, lat, tp, params)
+    timed = calls[2 * (2 + 1):]  # after warm-up: 2 latency + 1 throughput call per runner
+    order = [name for name, _ in timed]
+    # each round: 2 latency calls + 2 throughput batches for one runner, then the next runner
+    assert order == (["a"] * 4 + ["b"] * 4) * 3
+    for name in ("a", "b"):
+        assert out[name]["latency_samples"] == 6
+        assert out[name]["p50_ms_b1"] >= 0 and out[name]["throughput_b32"] > 0
+
+
+def test_latency_inputs_have_exact_length():
+    seqs = [np.arange(1, 200), np.arange(1, 10)]
+    inputs = latency_inputs(seqs, 128, 2, pad_id=0)
+    assert all(ids.shape == (1, 128) for ids, _ in inputs)
+    assert inputs[0][1].sum() == 128 and inputs[1][1].sum() == 9
+
+
+def test_throughput_batches_use_dynamic_padding():
+    seqs = [np.arange(1, n) for n in (5, 9, 20, 7)]
+    batches = throughput_batches(seqs, 2, 5, 0)
+    assert [b[0].shape for b in batches] == [(2, 8), (2, 19)]
+
+
+def test_thread_settings_are_honoured(tiny_model_dir):
+    import torch
+
+    from pipeline.variants import load_runner
+
+    before = torch.get_num_threads()
+    try:
+        load_runner(tiny_model_dir, threads=1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    info = machine_info(threads=1)
+    assert info["threads_used"] == 1 and "avx2" in info["isa"]
+
+
+def test_ort_session_threads(tmp_path, tiny_model_dir):
+    from pipeline.export import export_onnx
+    from pipeline.modeling import load_finetuned
+    from pipeline.variants import OrtRunner
+
+    model, _, _ = load_finetuned(tiny_model_dir)
+    export_onnx(model, tmp_path / "m.onnx", 32)
+    runner = OrtRunner(tmp_path / "m.onnx", threads=1)
+    assert runner.session.get_session_options().intra_op_num_threads == 1
+
+
+def _row(p50: float, acc: float | None = 0.9) -> dict:
+    return {"status": "ok", "reason": "", "p50_ms_b1": p50, "p95_ms_b1": p50 * 1.2, "p99_ms_b1": p50 * 1.5,
+            "throughput_b32": 100 / p50, "speedup_p50_vs_fp32_eager": 10 / p50, "accuracy": acc, "size_mb": 20.0}
+
+
+def test_skipped_rows_and_targets_in_report():
+    variants = {"fp32-eager": _row(10.0), "int8-static": _row(4.0, 0.899), "int8-dynamic": _row(2.0, 0.85),
+                "tensorrt-int8": {"status": "skipped", "reason": "no CUDA device visible"}}
+    table = markdown_table(variants)
+    assert "| tensorrt-int8 | skipped: no CUDA device visible |" in table
+    assert "2.50x" in table
+    (line,) = target_lines(variants)
+    # int8-dynamic is faster but loses 5 pt, so the eligible best is int8-static at 2.5x: a miss
+    assert "int8-static" in line and "2.50x" in line and "MISSED" in line

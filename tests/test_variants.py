@@ -1,0 +1,136 @@
+"""Unit: every variant built from a tiny BERT, parity, scoring, the TensorRT skip path and bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from pipeline.build import run_export, run_quantize, run_tensorrt
+from pipeline.config import EvaluateParams, ExportParams, QuantizeParams, TensorRTParams
+from pipeline.evaluate import check_targets, score_variants
+from pipeline.export import ExportError, Parity
+from pipeline.inference import SentimentPredictor, softmax
+from pipeline.modeling import ModelSourceError, load_finetuned
+from pipeline.tensorrt import availability, profile_shapes
+from pipeline.variants import VariantError, load_runner, read_variant
+from tests.conftest import write_tokenized
+
+NAMES = ["fp32-torchscript", "fp32-onnx", "int8-dynamic", "int8-static", "int8-qat", "tensorrt-fp16", "tensorrt-int8"]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, tiny_model_dir):
+    """All variants of the tiny model, plus tokenized synthetic data to score them on."""
+    root = tmp_path_factory.mktemp("variants")
+    tok_dir = write_tokenized(root / "tokenized", {"train": 64, "val": 32, "test": 48})
+    dirs = {n: root / n for n in NAMES}
+    export_report = run_export(tiny_model_dir, tok_dir, dirs, ExportParams(parity_samples=8))
+    q = QuantizeParams(calibration_samples=32, selection_samples=32, qat_train_samples=32, qat_batch_size=8,
+                       calibration_methods=["minmax", "entropy"])
+    quant_report = run_quantize(tiny_model_dir, dirs["fp32-onnx"], tok_dir, dirs, q)
+    trt_report = run_tensorrt(tiny_model_dir, dirs["fp32-onnx"], dirs["int8-static"], dirs, TensorRTParams(), 64)
+    return {"dirs": dirs, "tokenized": tok_dir, "export": export_report, "quantize": quant_report, "trt": trt_report}
+
+
+def test_fp32_exports_match_pytorch(built):
+    for name in ("fp32-torchscript", "fp32-onnx"):
+        assert built["export"][name]["parity_max_abs_diff"] <= 1e-4
+        info = read_variant(built["dirs"][name])
+        assert info.dtype == "float32" and info.status == "ok"
+
+
+def test_variant_directories_describe_themselves(built):
+    for name in NAMES:
+        d = built["dirs"][name]
+        info = json.loads((d / "variant.json").read_text())
+        assert info["name"] == name and {"format", "dtype", "params", "status"} <= set(info)
+        assert (d / "tokenizer.json").is_file() and (d / "pipeline.json").is_file()
+
+
+def test_static_calibration_selected_by_validation(built):
+    report = built["quantize"]["int8-static"]
+    assert set(report["selection_val_accuracy"]) == {"minmax", "entropy"}
+    best = max(report["selection_val_accuracy"].values())
+    assert report["selection_val_accuracy"][report["calibration"]] == best
+
+
+def test_qat_really_trained_with_fake_quant(built):
+    report = built["quantize"]["int8-qat"]
+    assert report["fake_quant_layers"] == 2 * 6 + 2  # 6 Linear per layer x 2 layers + pooler + classifier
+    assert report["qat_steps"] == 4
+
+
+def test_scores_and_sizes(built, tiny_model_dir):
+    results = score_variants(tiny_model_dir, built["dirs"], built["tokenized"], EvaluateParams(batch_size=16))
+    assert results["fp32-onnx"]["agreement_with_fp32"] == 1.0
+    assert results["fp32-torchscript"]["accuracy"] == results["fp32-eager"]["accuracy"]
+    for name in ("int8-dynamic", "int8-static", "int8-qat"):
+        assert results[name]["size_mb"] < 0.35 * results["fp32-onnx"]["size_mb"]
+        assert 0.0 <= results[name]["agreement_with_fp32"] <= 1.0
+    assert results["tensorrt-fp16"]["status"] == "skipped"
+    lines = check_targets(results)
+    assert any("int8-static" in line for line in lines)
+
+
+def test_tensorrt_skip_record(built):
+    ok, reason = availability()
+    if ok:
+        pytest.skip("a CUDA device with TensorRT is present: the engines were really built")
+    for name in ("tensorrt-fp16", "tensorrt-int8"):
+        info = read_variant(built["dirs"][name])
+        assert info.status == "skipped" and info.reason == reason and info.file is None
+        assert info.params["profile"]["max"] == [64, 64]
+        with pytest.raises(VariantError, match="skipped"):
+            load_runner(built["dirs"][name])
+
+
+def test_profile_shapes_validated():
+    s = profile_shapes(1, 8, 32, 8, 128, 256)
+    assert s.min == (1, 8) and s.opt == (8, 128) and s.max == (32, 256)
+    with pytest.raises(ValueError, match="min_batch"):
+        profile_shapes(4, 2, 32, 8, 128, 256)
+    with pytest.raises(ValueError, match="min_seq"):
+        profile_shapes(1, 2, 32, 8, 512, 256)
+
+
+def test_predictor_on_every_runnable_variant(built, tiny_model_dir):
+    texts = ["great wonderful film", "awful boring film", "ok"]
+    ref = SentimentPredictor(tiny_model_dir).predict(texts)
+    for name in ("fp32-torchscript", "fp32-onnx"):
+        got = SentimentPredictor(built["dirs"][name]).predict(texts)
+        assert [p.label for p in got] == [p.label for p in ref]
+        assert np.allclose([p.score for p in got], [p.score for p in ref], atol=1e-4)
+    assert SentimentPredictor(built["dirs"]["int8-static"]).predict([]) == []
+
+
+def test_softmax_is_stable():
+    p = softmax(np.array([[1000.0, 0.0], [0.0, 0.0]]))
+    assert np.allclose(p, [[1.0, 0.0], [0.5, 0.5]])
+
+
+def test_missing_or_corrupt_inputs_name_the_file(tmp_path, tiny_model_dir, built):
+    with pytest.raises(ModelSourceError, match=r"missing: .*config\.json"):
+        load_finetuned(tmp_path)
+    (tmp_path / "variant.json").write_text("{not json")
+    with pytest.raises(VariantError, match=re.escape(str(tmp_path / "variant.json"))):
+        read_variant(tmp_path)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "model.onnx").write_bytes(b"garbage")
+    (broken / "variant.json").write_text(json.dumps({"name": "x", "format": "onnx", "dtype": "int8",
+                                                     "file": "model.onnx"}))
+    with pytest.raises(VariantError, match="cannot load"):
+        load_runner(broken)
+
+
+def test_parity_failure_stops_export(tmp_path, tiny_model_dir, monkeypatch):
+    import pipeline.build as build
+
+    monkeypatch.setattr(build, "parity", lambda *a, **k: Parity(max_abs_diff=1.0, label_agreement=0.5, batch=1))
+    tok_dir = write_tokenized(tmp_path / "tok", {"test": 8})
+    dirs = {"fp32-torchscript": tmp_path / "ts", "fp32-onnx": tmp_path / "onnx"}
+    with pytest.raises(ExportError, match="parity failed"):
+        run_export(tiny_model_dir, tok_dir, dirs, ExportParams())
