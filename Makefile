@@ -11,7 +11,7 @@ export HF_HUB_DISABLE_TELEMETRY := 1
 export MLFLOW_ENABLE_TELEMETRY := false
 export DO_NOT_TRACK := 1
 
-.PHONY: run test venv lint mlflow-ui serve stop plots profile-gpu profile-cpu-long profile-default clean
+.PHONY: run test venv lint mlflow-ui serve stop plots profile-gpu profile-cpu-long profile-default
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -50,3 +50,12 @@ profile-cpu-long:
 	cp profiles/cpu-long.yaml params.yaml
 profile-default:
 	git checkout params.yaml
+
+## serve: start TorchServe on 127.0.0.1:8080 with model_store/sentiment.mar (`make run` builds it); stop: `make stop`
+serve: venv
+	@test -f model_store/sentiment.mar || { echo "model_store/sentiment.mar missing: run 'make run' first"; exit 1; }
+	$(BIN)/torchserve --start --ncs --ts-config serving/config.properties --model-store model_store
+	@echo "inference key: key_file.json; try: $(BIN)/python -m serving.client 'a wonderful film'"
+
+stop: venv
+	$(BIN)/torchserve --stop

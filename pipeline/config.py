@@ -204,6 +204,21 @@ class BenchmarkParams:
         _require(self.latency_reviews >= 1 and self.throughput_batches >= 1, "benchmark sizes must be >= 1")
 
 
+@dataclass(frozen=True)
+class PackageParams:
+    """Which variant goes into the TorchServe archive and the endpoint's limits."""
+
+    variant: str = "auto"
+    max_accuracy_loss_pt: float = 0.5
+    max_texts: int = 64
+    max_body_bytes: int = 1_000_000
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.max_texts >= 1, "package.max_texts must be >= 1")
+        _require(self.max_body_bytes >= 1024, "package.max_body_bytes must be >= 1024")
+
+
 SECTIONS: dict[str, type] = {
     "data": DataParams,
     "model": ModelParams,
@@ -214,6 +229,7 @@ SECTIONS: dict[str, type] = {
     "tensorrt": TensorRTParams,
     "evaluate": EvaluateParams,
     "benchmark": BenchmarkParams,
+    "package": PackageParams,
 }
 
 

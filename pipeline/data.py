@@ -16,7 +16,6 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from sklearn.model_selection import train_test_split
 
 from pipeline.config import DataParams
 
@@ -158,6 +157,8 @@ def make_splits(frame: pd.DataFrame, params: DataParams) -> tuple[dict[str, pd.D
 def _stratified_subsample(df: pd.DataFrame, n: int | None, seed: int) -> pd.DataFrame:
     if n is None or n >= len(df):
         return df
+    from sklearn.model_selection import train_test_split
+
     kept, _ = train_test_split(df, train_size=n, stratify=df["label"], random_state=seed)
     return kept.sort_index()
 

@@ -39,7 +39,8 @@ def run_finetune(tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots
         mlflow.log_artifacts(str(plots_dir), "curves")
         mlflow.log_artifacts(str(report_dir), "reports")
         mlflow.log_artifacts(str(model_dir), "model")
-        register(tracking, run.info.run_id, result)
+        version = register(tracking, run.info.run_id, result)
+        write_registration(model_dir, tracking.registered_model_name, version, run.info.run_id)
     return result
 
 
@@ -61,3 +62,10 @@ def register(tracking: MlflowParams, run_id: str, result: FinetuneResult) -> str
     mlflow.set_tag("registered_model_version", version.version)
     log.info("registered model %s version %s", name, version.version)
     return str(version.version)
+
+
+def write_registration(model_dir: Path, name: str, version: str, run_id: str) -> None:
+    """Record the registry entry next to the model so later stages (package) can point back to it."""
+    from pipeline.io import write_json
+
+    write_json(model_dir / "registered.json", {"name": name, "version": version, "run_id": run_id})

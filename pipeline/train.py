@@ -57,7 +57,7 @@ class SentimentClassifier(L.LightningModule):
     def __init__(self, model: torch.nn.Module, lr: float, weight_decay: float, warmup_ratio: float,
                  compile_model: bool = False, compile_mode: str = "default") -> None:
         super().__init__()
-        self.model = model
+        self.model = model.train()  # from_pretrained returns eval mode; training wants dropout on
         self.lr = lr
         self.weight_decay = weight_decay
         self.warmup_ratio = warmup_ratio
@@ -220,6 +220,10 @@ def build_trainer(params: TrainParams, work_dir: Path, callbacks: list[L.Callbac
         # gloo is the CPU backend; NCCL is picked automatically on CUDA.
         strategy = DDPStrategy(process_group_backend="gloo",
                                start_method="spawn" if params.strategy == "ddp_spawn" else "popen")
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
+    if enable_progress_bar:  # tqdm also reports when stderr is a log file, unlike the rich bar
+        callbacks = [*callbacks, TQDMProgressBar(refresh_rate=10)]
     return L.Trainer(
         max_epochs=params.epochs, accelerator=accelerator, devices=params.devices, num_nodes=params.num_nodes,
         strategy=strategy, precision=params.precision, accumulate_grad_batches=params.grad_accum,

@@ -1,0 +1,91 @@
+"""The `package` stage: pick the variant to serve and build `model_store/sentiment.mar` with it.
+
+The archive holds the variant directory (`model/`), the TorchServe-independent code it needs
+(`pipeline/`, `serving/protocol.py`), `serving.json` (limits, threads, the model label answered in every
+response) and the handler. Nothing is installed per model at serve time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import PackageParams
+from pipeline.io import write_json
+
+log = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parents[1]
+ARCHIVE_VERSION = "1.0"  # TorchServe's own version key; the registry version travels in serving.json
+
+
+class PackageError(RuntimeError):
+    """The archive could not be built."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The variant to serve and why."""
+
+    name: str
+    reason: str
+
+
+def choose_variant(variants: dict[str, dict[str, Any]], params: PackageParams) -> Choice:
+    """`auto`: the most accurate INT8 variant within the accuracy budget of FP32, else the FP32 ONNX export."""
+    if params.variant != "auto":
+        entry = variants.get(params.variant)
+        if entry is None or entry.get("status") != "ok":
+            raise PackageError(f"package.variant={params.variant} is not an available variant "
+                               f"({sorted(n for n, e in variants.items() if e.get('status') == 'ok')})")
+        return Choice(params.variant, "named in params (package.variant)")
+    ref = variants["fp32-eager"]["accuracy"]
+    budget = params.max_accuracy_loss_pt
+    ok = {n: e for n, e in variants.items()
+          if n.startswith("int8") and e.get("status") == "ok" and 100 * (ref - e["accuracy"]) <= budget}
+    if ok:
+        best = max(ok, key=lambda n: (ok[n]["accuracy"], -ok[n]["size_mb"]))
+        return Choice(best, f"most accurate INT8 variant within {params.max_accuracy_loss_pt} pt of FP32 "
+                            f"({100 * ok[best]['accuracy']:.2f}% vs {100 * ref:.2f}%)")
+    return Choice("fp32-onnx", f"no INT8 variant within {params.max_accuracy_loss_pt} pt of FP32; serving FP32 ONNX")
+
+
+def registry_label(finetuned: Path) -> dict[str, Any]:
+    """Registered model name/version of the finetuned model (written by the finetune stage), if any."""
+    path = finetuned / "registered.json"
+    return json.loads(path.read_text()) if path.is_file() else {"name": "unregistered", "version": "0"}
+
+
+def build_archive(variant_dir: Path, choice: Choice, registry: dict[str, Any], params: PackageParams,
+                  mar_path: Path) -> dict[str, Any]:
+    """Stage the archive contents and run `torch-model-archiver`; returns the serving config written."""
+    model_label = f"{registry['name']}:v{registry['version']}/{choice.name}"
+    config = {"variant": choice.name, "variant_dir": "model", "model": model_label, "max_texts": params.max_texts,
+              "max_body_bytes": params.max_body_bytes, "threads": params.threads, "choice_reason": choice.reason,
+              "registered_model": registry}
+    mar_path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="mar-") as tmp:
+        staging = Path(tmp) / "extra"
+        shutil.copytree(variant_dir, staging / "model")
+        shutil.copytree(ROOT / "pipeline", staging / "pipeline", ignore=shutil.ignore_patterns("__pycache__"))
+        (staging / "serving").mkdir()
+        for f in ("__init__.py", "protocol.py"):
+            shutil.copy2(ROOT / "serving" / f, staging / "serving" / f)
+        write_json(staging / "serving.json", config)
+        cmd = [str(Path(sys.executable).with_name("torch-model-archiver")), "--model-name", mar_path.stem,
+               "--version", ARCHIVE_VERSION, "--handler", str(ROOT / "serving" / "handler.py"),
+               "--extra-files", str(staging), "--export-path", str(Path(tmp)), "--archive-format", "default",
+               "--force"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise PackageError(f"torch-model-archiver failed: {proc.stderr[-2000:]}")
+        shutil.move(str(Path(tmp) / f"{mar_path.stem}.mar"), mar_path)
+    log.info("built %s serving %s (%s)", mar_path, model_label, choice.reason)
+    return config

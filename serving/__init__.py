@@ -1,0 +1,1 @@
+"""Serving: TorchServe handler, request protocol, client and config."""

@@ -1,0 +1,252 @@
+"""Real TorchServe, started and stopped by the tests on free loopback ports, serving a tiny-model `.mar`.
+
+The server uses `serving/config.properties` as shipped (also what the Docker image copies); only the ports
+and the model store path are rewritten for the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import psutil
+import pytest
+
+from pipeline.config import ExportParams, PackageParams
+from pipeline.inference import SentimentPredictor
+from tests.conftest import ROOT, write_tokenized
+
+pytestmark = pytest.mark.slow
+BIN = Path(sys.executable).parent
+LIMITS = PackageParams(max_texts=4, max_body_bytes=2048)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """Handle on the running test server."""
+
+    def __init__(self, workdir: Path, url: str, key: str, variant_dir: Path) -> None:
+        self.workdir, self.url, self.key, self.variant_dir = workdir, url, key, variant_dir
+
+    def post(self, body: bytes, content_type: str = "application/json", key: str | None = "default") -> tuple[int, str]:
+        req = urllib.request.Request(
+            f"{self.url}/predictions/sentiment", data=body, method="POST", headers={"Content-Type": content_type}
+        )
+        token = self.key if key == "default" else key
+        if token:
+            req.add_header("Authorization", f"Bearer {token}")
+        try:
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                return resp.status, resp.read().decode()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read().decode("utf-8", "replace")
+
+    def predict(self, payload: object) -> tuple[int, object]:
+        status, text = self.post(json.dumps(payload).encode())
+        return status, json.loads(text) if text else None
+
+
+def _wait_healthy(url: str, key: str, log: Path, timeout: float = 180) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            req = urllib.request.Request(f"{url}/ping", headers={"Authorization": f"Bearer {key}"})
+            with urllib.request.urlopen(req, timeout=5) as resp:
+                if json.loads(resp.read()).get("status") == "Healthy":
+                    # /ping is healthy before the worker finishes loading: wait for a real answer too
+                    body = json.dumps({"text": "warm"}).encode()
+                    r = urllib.request.Request(
+                        f"{url}/predictions/sentiment",
+                        data=body,
+                        method="POST",
+                        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+                    )
+                    with urllib.request.urlopen(r, timeout=30) as ok:
+                        if ok.status == 200:
+                            return
+        except (OSError, urllib.error.URLError, json.JSONDecodeError):
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"TorchServe not healthy after {timeout}s; log tail:\n{log.read_text()[-4000:]}")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_model_dir):
+    from pipeline.build import run_export
+    from pipeline.package import Choice, build_archive
+
+    work = tmp_path_factory.mktemp("torchserve")
+    tok = write_tokenized(work / "tok", {"test": 8})
+    variants = {"fp32-torchscript": work / "v" / "ts", "fp32-onnx": work / "v" / "onnx"}
+    run_export(tiny_model_dir, tok, variants, ExportParams())
+    store = work / "model_store"
+    build_archive(
+        variants["fp32-onnx"],
+        Choice("fp32-onnx", "test"),
+        {"name": "imdb-sentiment", "version": "7"},
+        LIMITS,
+        store / "sentiment.mar",
+    )
+    ports = {"inference": _free_port(), "management": _free_port(), "metrics": _free_port()}
+    cfg = (ROOT / "serving" / "config.properties").read_text()
+    for api, port in ports.items():
+        cfg = re.sub(
+            rf"^{api}_address=http://127\.0\.0\.1:\d+", f"{api}_address=http://127.0.0.1:{port}", cfg, flags=re.M
+        )
+    cfg = re.sub(r"^model_store=.*$", f"model_store={store}", cfg, flags=re.M)
+    (work / "config.properties").write_text(cfg)
+    env = {
+        **os.environ,
+        "PATH": f"{BIN}:{os.environ['PATH']}",
+        "TMPDIR": str(work),
+        "LOG_LOCATION": str(work / "logs"),
+        "METRICS_LOCATION": str(work / "logs"),
+    }
+    start = [
+        str(BIN / "torchserve"),
+        "--start",
+        "--ncs",
+        "--ts-config",
+        str(work / "config.properties"),
+        "--model-store",
+        str(store),
+    ]
+    log = work / "server.log"
+    with log.open("w") as fh:
+        subprocess.run(start, cwd=work, env=env, stdout=fh, stderr=subprocess.STDOUT, check=True, timeout=120)
+    try:
+        deadline = time.time() + 60
+        while not (work / "key_file.json").is_file() and time.time() < deadline:
+            time.sleep(0.5)
+        key = json.loads((work / "key_file.json").read_text())["inference"]["key"]
+        url = f"http://127.0.0.1:{ports['inference']}"
+        _wait_healthy(url, key, work / "logs" / "ts_log.log" if (work / "logs").exists() else log)
+        yield Server(work, url, key, variants["fp32-onnx"])
+    finally:
+        subprocess.run([str(BIN / "torchserve"), "--stop"], cwd=work, env=env, capture_output=True, timeout=120)
+        for proc in psutil.process_iter(["cmdline"]):  # nothing may outlive the tests
+            cmd = " ".join(proc.info["cmdline"] or [])
+            if str(work) in cmd and proc.pid != os.getpid():
+                proc.kill()
+
+
+def test_prediction_contract(server):
+    status, body = server.predict({"text": "a wonderful film"})
+    assert status == 200
+    assert set(body) == {"label", "score", "model"}
+    assert body["label"] in ("positive", "negative") and 0.5 <= body["score"] <= 1.0
+    assert body["model"] == "imdb-sentiment:v7/fp32-onnx"
+    expected = SentimentPredictor(server.variant_dir).predict(["a wonderful film"])[0]
+    assert body["label"] == expected.label and body["score"] == pytest.approx(expected.score, abs=1e-4)
+
+
+def test_list_of_texts_in_order(server):
+    texts = ["great", "awful", "fine film", "boring"]
+    status, body = server.predict({"texts": texts})
+    assert status == 200 and isinstance(body, list) and len(body) == 4
+    expected = SentimentPredictor(server.variant_dir).predict(texts)
+    assert [b["score"] for b in body] == pytest.approx([e.score for e in expected], abs=1e-4)
+
+
+def test_plain_text_body(server):
+    status, text = server.post(b"what a great movie", content_type="text/plain")
+    assert status == 200 and json.loads(text)["label"] in ("positive", "negative")
+
+
+def test_token_required(server):
+    status, _ = server.post(json.dumps({"text": "x"}).encode(), key=None)
+    assert status in (400, 401, 403)
+
+
+@pytest.mark.parametrize(
+    ("body", "content_type", "status", "needle"),
+    [
+        (b"", "application/json", 400, "empty"),
+        (b"   \n", "text/plain", 400, "empty"),
+        (b'{"text": "   "}', "application/json", 400, "whitespace"),
+        (b'{"text": ', "application/json", 400, "invalid JSON"),
+        (b'{"review": "good"}', "application/json", 400, 'needs a \\"text\\"'),
+        (b'{"text": 42}', "application/json", 400, "must be a string"),
+        (b'{"texts": "one"}', "application/json", 400, "list of strings"),
+        (b'["a"]', "application/json", 400, "must be an object"),
+        (b"\xff\xfe\xfa bytes", "text/plain", 400, "not valid UTF-8"),
+        (b"x" * 3000, "text/plain", 413, "exceeds the limit"),
+        (json.dumps({"texts": ["a"] * 5}).encode(), "application/json", 413, "maximum of 4"),
+    ],
+)
+def test_bad_input_is_a_json_4xx_and_worker_survives(server, body, content_type, status, needle):
+    got, text = server.post(body, content_type)
+    assert got == status, text
+    err = json.loads(text)
+    assert needle in json.dumps(err) and err["status"] == status
+    ok, _ = server.predict({"text": "still alive"})
+    assert ok == 200
+
+
+def test_long_emoji_html_and_other_scripts(server):
+    long_review = "A great film. " * 2000  # far beyond max_length: truncated, not an error
+    texts = [
+        long_review,
+        "😀😀 loved it 🎬",
+        "<b>bold</b> <script>alert(1)</script> fine",
+        "素晴らしい映画でした",
+        "фильм ужасный",
+    ]
+    for text in texts[1:]:
+        status, body = server.predict({"text": text})
+        assert status == 200, (text, body)
+    status, _ = server.post(long_review.encode()[:2000], content_type="text/plain")
+    assert status == 200
+
+
+def test_concurrent_requests_are_batched_and_mapped_back(server):
+    texts = [f"review number {i} was {'great' if i % 2 else 'awful'}" for i in range(24)]
+    expected = {t: p.score for t, p in zip(texts, SentimentPredictor(server.variant_dir).predict(texts), strict=True)}
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(lambda t: (t, server.predict({"text": t})), texts))
+    for text, (status, body) in results:
+        assert status == 200
+        assert body["score"] == pytest.approx(expected[text], abs=1e-3), text
+    logs = "".join(p.read_text() for p in (server.workdir / "logs").glob("model_log*.log"))
+    assert "batchSize: 8" in logs
+
+
+def test_worker_killed_and_replaced(server):
+    """Kill the Python worker mid-traffic: TorchServe must start a new one and answer again."""
+    workers = [
+        p
+        for p in psutil.process_iter(["cmdline", "environ"])
+        if "model_service_worker" in " ".join(p.info["cmdline"] or [])
+        and str(server.workdir) in " ".join(p.info["cmdline"] or []) + str((p.info["environ"] or {}).get("TMPDIR"))
+    ]
+    assert workers, "no TorchServe worker process found"
+    old = {w.pid for w in workers}
+    for w in workers:
+        w.kill()
+    deadline = time.time() + 120
+    answered = False
+    while time.time() < deadline:
+        status, _ = server.predict({"text": "back again"})
+        if status == 200:
+            answered = True
+            break
+        time.sleep(1)
+    assert answered, "no successful answer after killing the worker"
+    now = {
+        p.pid for p in psutil.process_iter(["cmdline"]) if "model_service_worker" in " ".join(p.info["cmdline"] or [])
+    }
+    assert now - old, "no new worker process"
