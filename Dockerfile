@@ -1,0 +1,40 @@
+# Serving image for the sentiment endpoint: TorchServe + the packaged model archive, nothing else.
+# Build after `make run` (it writes model_store/sentiment.mar):
+#   docker build -t sentiment-serve .
+#   docker run --rm -p 127.0.0.1:8080:8080 sentiment-serve
+# Ports: 8080 inference, 8081 management, 8082 metrics. Inside the container TorchServe listens on 0.0.0.0
+# (container-private); publish only 8080, and only to 127.0.0.1 or behind a TLS reverse proxy (see README).
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    TOKENIZERS_PARALLELISM=false
+
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends openjdk-17-jre-headless curl \
+    && rm -rf /var/lib/apt/lists/*
+
+# Runtime dependencies of the handler only (the pinned versions of requirements.txt).
+COPY requirements-serve.txt /tmp/requirements-serve.txt
+RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
+    && pip install -r /tmp/requirements-serve.txt \
+    && rm /tmp/requirements-serve.txt
+
+RUN useradd --create-home --uid 10001 serve
+WORKDIR /home/serve
+COPY --chown=serve:serve serving/config.properties /home/serve/config.properties
+COPY --chown=serve:serve model_store/sentiment.mar /home/serve/model_store/sentiment.mar
+# Inside the container the APIs bind to all interfaces so the published port reaches them.
+RUN sed -i 's#http://127.0.0.1:#http://0.0.0.0:#; s#^model_store=.*#model_store=/home/serve/model_store#' \
+        /home/serve/config.properties
+USER serve
+
+EXPOSE 8080 8081 8082
+# Token authorization is on: the health check reads the inference key TorchServe wrote at start-up.
+HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
+    CMD curl -fsS -H "Authorization: Bearer $(python -c 'import json;print(json.load(open("key_file.json"))["inference"]["key"])')" \
+        http://127.0.0.1:8080/ping || exit 1
+
+CMD ["torchserve", "--start", "--foreground", "--ncs", "--ts-config", "/home/serve/config.properties", \
+     "--model-store", "/home/serve/model_store"]
