@@ -76,6 +76,12 @@ def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, out_dirs: di
     from pipeline import quantize as q
     from pipeline.variants import read_variant
 
+    def census(name: str) -> dict[str, int]:
+        counts = q.matmul_census(out_dirs[name] / "model.onnx")
+        if counts["int8_matmuls"] == 0:
+            raise q.QuantizeError(f"{name}: no matrix product was quantized ({counts})")
+        return counts
+
     _, tokenizer, meta = load_finetuned(finetuned)
     pad = tokenizer.pad_token_id or 0
     arch = read_variant(fp32_onnx).params
@@ -94,26 +100,30 @@ def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, out_dirs: di
         d.mkdir(parents=True, exist_ok=True)
         q.quantize_dynamic_onnx(base, d / "model.onnx", params.per_channel)
         report["int8-dynamic"] = {"method": "onnxruntime.quantize_dynamic", "per_channel": params.per_channel,
+                                  "fused_graph": params.optimize_graph, **census("int8-dynamic"),
                                   "build_seconds": round(time.perf_counter() - t0, 2)}
         write_variant(d, VariantInfo("int8-dynamic", "onnx", "int8", "model.onnx", params=report["int8-dynamic"]),
                       finetuned)
 
         t0 = time.perf_counter()
-        best = _static_with_selection(base, Path(tmp), calibration, val, params, pad)
+        # Static QDQ starts from the unfused export: onnxruntime's fused contrib ops carry no type
+        # information, and quantize_static silently leaves every MatMul fed by them in float.
+        # onnxruntime applies its fusions around the QDQ nodes when the session loads.
+        best = _static_with_selection(fp32_onnx / "model.onnx", Path(tmp), calibration, val, params, pad)
         d = out_dirs["int8-static"]
         d.mkdir(parents=True, exist_ok=True)
         (Path(tmp) / f"static-{best['method']}.onnx").replace(d / "model.onnx")
         report["int8-static"] = {"method": "onnxruntime.quantize_static (QDQ)", "calibration": best["method"],
                                  "calibration_samples": len(calibration), "per_channel": params.per_channel,
-                                 "selection_val_accuracy": best["scores"],
+                                 "selection_val_accuracy": best["scores"], **census("int8-static"),
                                  "build_seconds": round(time.perf_counter() - t0, 2)}
         write_variant(d, VariantInfo("int8-static", "onnx", "int8", "model.onnx", params=report["int8-static"]),
                       finetuned)
 
         t0 = time.perf_counter()
         report["int8-qat"] = _qat(finetuned, train, calibration, best["method"], Path(tmp), out_dirs["int8-qat"],
-                                  params, arch, meta, pad, train_seed)
-        report["int8-qat"]["build_seconds"] = round(time.perf_counter() - t0, 2)
+                                  params, meta, pad, train_seed)
+        report["int8-qat"].update(census("int8-qat"), build_seconds=round(time.perf_counter() - t0, 2))
         write_variant(out_dirs["int8-qat"], VariantInfo("int8-qat", "onnx", "int8", "model.onnx",
                                                         params=report["int8-qat"]), finetuned)
     return report
@@ -148,7 +158,7 @@ def _static_with_selection(base: Path, tmp: Path, calibration: list[np.ndarray],
 
 
 def _qat(finetuned: Path, train: Any, calibration: list[np.ndarray], method: str, tmp: Path, out: Path,
-         params: QuantizeParams, arch: dict[str, Any], meta: dict[str, Any], pad: int, seed: int) -> dict[str, Any]:
+         params: QuantizeParams, meta: dict[str, Any], pad: int, seed: int) -> dict[str, Any]:
     from pipeline.quantize import qat_finetune, quantize_static_onnx
 
     model, _, _ = load_finetuned(finetuned)
@@ -159,9 +169,8 @@ def _qat(finetuned: Path, train: Any, calibration: list[np.ndarray], method: str
                           params.qat_epochs, params.qat_batch_size, params.qat_lr, seed, pad)
     fp32 = tmp / "qat-fp32.onnx"
     export_onnx(model, fp32, _max_length(meta))
-    base = _graph_for_quantization(fp32, tmp / "qat-opt.onnx", params, arch, {})
     out.mkdir(parents=True, exist_ok=True)
-    quantize_static_onnx(base, out / "model.onnx", calibration, method, params.per_channel,
+    quantize_static_onnx(fp32, out / "model.onnx", calibration, method, params.per_channel,
                          params.calibration_batch_size, pad)
     return {"method": "QAT (torch.ao FakeQuantize on every Linear) + onnxruntime QDQ", "calibration": method,
             "qat_samples": result.samples, "qat_steps": result.steps, "qat_epochs": params.qat_epochs,

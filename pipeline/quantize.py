@@ -49,10 +49,15 @@ def quantize_dynamic_onnx(src: Path, dst: Path, per_channel: bool = True) -> Non
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    # Fused contrib ops (SkipLayerNormalization, BiasGelu) have no ONNX shape inference: default to float.
-    quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, per_channel=per_channel,
-                     op_types_to_quantize=["MatMul", "Gemm", "Attention", "Gather"],
-                     extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
+    with tempfile.TemporaryDirectory(prefix="dynq-") as tmp:
+        model = onnx.load(str(src))
+        del model.graph.value_info[:]  # the exporter's example-batch shapes contradict dynamic axes
+        clean = Path(tmp) / "clean.onnx"
+        onnx.save(model, str(clean))
+        # Fused contrib ops (SkipLayerNormalization, BiasGelu) have no ONNX shape inference: default to float.
+        quantize_dynamic(str(clean), str(dst), weight_type=QuantType.QInt8, per_channel=per_channel,
+                         op_types_to_quantize=["MatMul", "Gemm", "Attention", "Gather"],
+                         extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
 
 
 class TokenCalibrationReader:
@@ -99,6 +104,8 @@ def quantize_static_onnx(src: Path, dst: Path, calibration: Sequence[np.ndarray]
         quant_pre_process(str(src), str(pre), skip_symbolic_shape=True)
         names = {i.name for i in onnx.load(str(pre), load_external_data=False).graph.input}
         reader = TokenCalibrationReader(calibration, batch_size, names, pad_id)
+        # No symbolic shape inference (it fails on the exporter's graph); ONNX's own inference types every
+        # tensor of the unfused graph, which is what the quantizer needs.
         # Biases stay float: int32 bias scales need a calibrated input scale, which sliced inputs
         # (the pooler's [CLS] `select`) do not get, and float biases cost nothing measurable.
         extra: dict[str, Any] = {"ActivationSymmetric": False, "WeightSymmetric": True, "QuantizeBias": False,
@@ -187,10 +194,29 @@ def qat_finetune(model: torch.nn.Module, seqs: Sequence[np.ndarray], labels: Seq
             losses.append(float(out["loss"]))
 
     with tempfile.TemporaryDirectory(prefix="qat-") as tmp:
+        from lightning.pytorch.callbacks import TQDMProgressBar
+
         trainer = L.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                            default_root_dir=tmp, callbacks=[_Loss()], enable_model_summary=False,
+                            default_root_dir=tmp, callbacks=[_Loss(), TQDMProgressBar(refresh_rate=10)],
+                            enable_model_summary=False,
                             num_sanity_val_steps=0, limit_val_batches=0)
         trainer.fit(module, train_dataloaders=loader)
     remove_fake_quant(model)
     model.eval()
     return QatResult(wrapped, trainer.global_step, len(ds) * epochs, float(np.mean(losses[-10:])) if losses else 0.0)
+
+
+INTEGER_OPS = ("MatMulInteger", "DynamicQuantizeMatMul", "QLinearMatMul", "MatMulIntegerToFloat", "QAttention",
+               "QGemm")
+
+
+def matmul_census(path: Path) -> dict[str, int]:
+    """How many matrix products run in INT8 vs float: catches a quantizer that silently skipped layers."""
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    producer = {out: node.op_type for node in graph.node for out in node.output}
+    float_ops = [n for n in graph.node if n.op_type in ("MatMul", "Gemm")]
+    qdq = [n for n in float_ops if all(producer.get(i) == "DequantizeLinear" for i in n.input[:2])]
+    integer = [n for n in graph.node if n.op_type in INTEGER_OPS]
+    return {"int8_matmuls": len(qdq) + len(integer), "float_matmuls": len(float_ops) - len(qdq)}

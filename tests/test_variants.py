@@ -57,6 +57,14 @@ def test_static_calibration_selected_by_validation(built):
     assert report["selection_val_accuracy"][report["calibration"]] == best
 
 
+def test_every_matmul_is_int8(built):
+    """Static/QAT QDQ must quantize all matrix products (a silent float fallback once hid here)."""
+    for name in ("int8-static", "int8-qat"):
+        report = built["quantize"][name]
+        assert report["float_matmuls"] == 0 and report["int8_matmuls"] >= 2 * 6 + 2, (name, report)
+    assert built["quantize"]["int8-dynamic"]["int8_matmuls"] > 0
+
+
 def test_qat_really_trained_with_fake_quant(built):
     report = built["quantize"]["int8-qat"]
     assert report["fake_quant_layers"] == 2 * 6 + 2  # 6 Linear per layer x 2 layers + pooler + classifier
