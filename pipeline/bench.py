@@ -154,12 +154,20 @@ def peak_rss_mb(directory: Path, options: dict[str, Any], batch: tuple[np.ndarra
 
 
 def _rss_probe(directory: Path, batch_file: Path, threads: int, options: dict[str, Any]) -> None:
-    import resource
-
     data = np.load(batch_file)
     runner = load_runner(directory, threads, **options)
     runner(data["ids"], data["mask"])
-    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # Linux reports KiB
+    print(vm_hwm_mb())
+
+
+def vm_hwm_mb() -> float:
+    """This process's peak RSS (VmHWM) in MB; unlike ru_maxrss it starts afresh at exec, not at fork."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def run_benchmark(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Path, params: BenchmarkParams,

@@ -135,12 +135,11 @@ class IMDBDataModule(L.LightningDataModule):
         }
         if p.bucketing or world > 1 or not shuffle:
             # Evaluation is bucketed too (no shuffle): same predictions, far less padding.
+            # Without bucketing, pools of one batch give plain shuffled batches (still sharded under DDP).
             sampler = LengthBucketBatchSampler(
                 ds.lengths, batch_size, pool_batches=p.bucket_pool_batches if p.bucketing else 1,
                 shuffle=shuffle, seed=p.seed, num_replicas=world, rank=rank,
             )
-            if not p.bucketing and shuffle:
-                sampler.pool = batch_size  # pools of one batch: plain shuffled batches, still sharded
             return DataLoader(ds, batch_sampler=sampler, **common)
         return DataLoader(ds, batch_size=batch_size, shuffle=True, **common)
 

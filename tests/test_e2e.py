@@ -44,6 +44,25 @@ def test_variants_metrics(repo):
             assert v[name]["status"] == "skipped" and "CUDA" in v[name]["reason"]
 
 
+def test_benchmark_report_and_package(repo):
+    bench = json.loads((repo / "metrics" / "benchmark.json").read_text())
+    variants = json.loads((repo / "metrics" / "variants.json").read_text())
+    assert set(bench) == set(variants) | {"fp32-eager-bf16"}
+    for name, entry in bench.items():
+        if entry["status"] == "ok":
+            assert entry["p50_ms_b1"] <= entry["p95_ms_b1"] <= entry["p99_ms_b1"]
+            assert entry["throughput_b32"] > 0 and entry["peak_rss_mb"] > 50
+        else:
+            assert name.startswith("tensorrt") and entry["reason"]
+    assert bench["fp32-eager"]["speedup_p50_vs_fp32_eager"] == 1.0
+    report = (repo / "reports" / "benchmark" / "variants.md").read_text()
+    assert "| int8-static |" in report and "skipped" in report and "## Targets" in report
+    assert (repo / "reports" / "benchmark" / "variants_latency.png").stat().st_size > 5000
+    manifest = json.loads((repo / "metrics" / "package.json").read_text())
+    assert manifest["variant"] in variants and (repo / "model_store" / "sentiment.mar").stat().st_size > 1e6
+    assert manifest["model"].startswith("imdb-sentiment:v1/")
+
+
 def test_second_repro_is_a_noop(repo):
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     proc = subprocess.run([str(Path(sys.executable).parent / "dvc"), "repro"], cwd=repo, env=env,
@@ -62,7 +81,7 @@ def test_mlflow_parent_with_stage_children_and_registered_model(repo):
     assert len(parents) == 1
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
     stages = {r.data.tags["pipeline.stage"] for r in children}
-    assert {"prepare", "finetune", "export", "quantize", "tensorrt", "evaluate"} <= stages
+    assert {"prepare", "finetune", "export", "quantize", "tensorrt", "evaluate", "benchmark", "package"} <= stages
     finetune = next(r for r in children if r.data.tags["pipeline.stage"] == "finetune")
     assert finetune.data.metrics["test_accuracy"] > 0.65
     assert "train.lr" in finetune.data.params
