@@ -90,6 +90,9 @@ def quantize_static_onnx(src: Path, dst: Path, calibration: Sequence[np.ndarray]
                          per_channel: bool = True, batch_size: int = 16, pad_id: int = 0) -> None:
     """QDQ static INT8: uint8 activations with calibrated ranges, per-channel symmetric int8 weights.
 
+    Matrix products with a weight operand are quantized; the two activation-only products of each attention
+    layer stay float (see `activation_matmuls`).
+
     Only MatMul/Gemm (compute) and Gather (the embedding table, most of the file) are quantized:
     quantizing Add/LayerNorm/Softmax costs BERT accuracy for little speed.
     """
@@ -115,11 +118,24 @@ def quantize_static_onnx(src: Path, dst: Path, calibration: Sequence[np.ndarray]
         quantize_static(
             str(pre), str(dst), reader, quant_format=QuantFormat.QDQ, per_channel=per_channel,
             activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
-            op_types_to_quantize=["MatMul", "Gemm", "Gather"],
+            op_types_to_quantize=["MatMul", "Gemm", "Gather"], nodes_to_exclude=activation_matmuls(pre),
             calibrate_method={"minmax": CalibrationMethod.MinMax, "percentile": CalibrationMethod.Percentile,
                               "entropy": CalibrationMethod.Entropy}[method],
             extra_options=extra,
         )
+
+
+def activation_matmuls(path: Path) -> list[str]:
+    """MatMuls with no weight input (attention scores x values): kept float, as in dynamic quantization.
+
+    Their inputs are softmax probabilities and per-token activations whose uint8 per-tensor rounding costs
+    BERT measurable accuracy, while the weight products carry almost all the compute.
+    """
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    weights = {init.name for init in graph.initializer}
+    return [n.name for n in graph.node if n.op_type == "MatMul" and not any(i in weights for i in n.input[:2])]
 
 
 # ---------------------------------------------------------------------------------------- QAT
