@@ -92,7 +92,8 @@ MINI = {
     "quantize": {"calibration_samples": 32, "selection_samples": 100, "qat_train_samples": 64,
                  "calibration_methods": ["minmax", "percentile"]},
     "export": {"parity_samples": 8},
-    "benchmark": {"warmup": 2, "iterations": 10, "rounds": 2, "latency_reviews": 10, "throughput_batches": 1},
+    "benchmark": {"warmup": 2, "iterations": 10, "rounds": 2, "latency_reviews": 10, "throughput_batches": 1,
+                  "bf16_row": True},
 }
 
 
