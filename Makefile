@@ -54,7 +54,7 @@ profile-default:
 ## serve: start TorchServe on 127.0.0.1:8080 with model_store/sentiment.mar (`make run` builds it); stop: `make stop`
 serve: venv
 	@test -f model_store/sentiment.mar || { echo "model_store/sentiment.mar missing: run 'make run' first"; exit 1; }
-	$(BIN)/torchserve --start --ncs --ts-config serving/config.properties --model-store model_store
+	mkdir -p logs && $(BIN)/torchserve --start --ncs --ts-config serving/config.properties --model-store model_store > logs/torchserve.out 2>&1 < /dev/null
 	@echo "inference key: key_file.json; try: $(BIN)/python -m serving.client 'a wonderful film'"
 
 stop: venv
