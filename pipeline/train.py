@@ -89,9 +89,6 @@ class SentimentClassifier(L.LightningModule):
         self.log("val_loss", loss, prog_bar=False, sync_dist=True, batch_size=n)
         self.log("val_acc", self.val_acc, prog_bar=True, batch_size=n)
 
-    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return self(batch["input_ids"], batch["attention_mask"]).float().argmax(-1)
-
     def configure_optimizers(self) -> Any:
         from transformers import get_linear_schedule_with_warmup
 
@@ -289,19 +286,14 @@ def finetune(tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots_dir
 
 
 def predict(module: SentimentClassifier, dm: IMDBDataModule, split: str = "test") -> tuple[np.ndarray, np.ndarray]:
-    """Predicted and true labels for a split (rank 0, single process), for the confusion matrix."""
+    """Predicted and true labels for a split (rank 0, single process), for the score and confusion matrix."""
+    from pipeline.variants import EagerLogits, TorchRunner, predict_logits
+
     module.eval()
     ds = dm.datasets[split]
-    loader = DataLoader(ds, batch_sampler=LengthBucketBatchSampler(ds.lengths, dm.params.eval_batch_size,
-                                                                   shuffle=False), collate_fn=dm.collate)
-    preds, labels = [], []
-    from tqdm.auto import tqdm
-
-    with torch.inference_mode():
-        for batch in tqdm(loader, desc=f"score {split}", unit="batch"):
-            preds.append(module(batch["input_ids"], batch["attention_mask"]).argmax(-1).numpy())
-            labels.append(batch["labels"].numpy())
-    return np.concatenate(preds), np.concatenate(labels)
+    logits = predict_logits(TorchRunner(EagerLogits(module.model)), ds.input_ids, dm.params.eval_batch_size,
+                            pad_id=dm.collate.pad_id, progress=f"score {split}")
+    return logits.argmax(-1), ds.labels
 
 
 def save_model(model: torch.nn.Module, tokenizer: Any, model_dir: Path, data: DataParams,
