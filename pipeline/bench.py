@@ -182,7 +182,9 @@ def run_benchmark(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Pat
 
     torch.set_num_threads(threads)
     seqs = read_tokenized(tokenized, "test")["input_ids"].tolist()
-    pad = 0
+    from transformers import AutoTokenizer
+
+    pad = AutoTokenizer.from_pretrained(finetuned).pad_token_id or 0  # the model's own padding id
     lat_inputs = latency_inputs(seqs, params.seq_len, params.latency_reviews, pad)
     tp_batches = throughput_batches(seqs, params.batch_size, params.throughput_batches, pad)
     cands = candidates(finetuned, variant_dirs, params.bf16_row)
