@@ -18,6 +18,7 @@ from pipeline.export import (
     describe,
     eager_runner,
     export_onnx,
+    export_onnx_for_fusion,
     export_torchscript,
     parity,
 )
@@ -25,6 +26,9 @@ from pipeline.modeling import load_finetuned
 from pipeline.variants import OrtRunner, TorchRunner, VariantInfo, predict_logits, write_variant
 
 log = logging.getLogger(__name__)
+
+# The fused graph must compute what fp32-onnx computes: fusion reorders float sums, nothing more.
+FUSION_TOLERANCE = 1e-4
 
 
 def _max_length(meta: dict[str, Any]) -> int:
@@ -82,7 +86,7 @@ def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, out_dirs: di
             raise q.QuantizeError(f"{name}: no matrix product was quantized ({counts})")
         return counts
 
-    _, tokenizer, meta = load_finetuned(finetuned)
+    model, tokenizer, meta = load_finetuned(finetuned)
     pad = tokenizer.pad_token_id or 0
     arch = read_variant(fp32_onnx).params
     train = read_tokenized(tokenized, "train")
@@ -93,14 +97,17 @@ def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, out_dirs: di
     report: dict[str, Any] = {}
 
     with tempfile.TemporaryDirectory(prefix="quantize-") as tmp:
-        base = _graph_for_quantization(fp32_onnx / "model.onnx", Path(tmp) / "opt.onnx", params, arch, report)
+        base = _graph_for_quantization(model, fp32_onnx / "model.onnx", Path(tmp), params, arch, meta,
+                                       val["input_ids"].tolist()[:16], pad, report)
+        ffn_width = int(arch["intermediate_size"]) if params.static_float_ffn_output else None
 
         t0 = time.perf_counter()
         d = out_dirs["int8-dynamic"]
         d.mkdir(parents=True, exist_ok=True)
         q.quantize_dynamic_onnx(base, d / "model.onnx", params.per_channel)
         report["int8-dynamic"] = {"method": "onnxruntime.quantize_dynamic", "per_channel": params.per_channel,
-                                  "fused_graph": params.optimize_graph, **census("int8-dynamic"),
+                                  "fused_graph": params.optimize_graph, **report.get("fusion", {}),
+                                  **census("int8-dynamic"),
                                   "build_seconds": round(time.perf_counter() - t0, 2)}
         write_variant(d, VariantInfo("int8-dynamic", "onnx", "int8", "model.onnx", params=report["int8-dynamic"]),
                       finetuned)
@@ -109,12 +116,14 @@ def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, out_dirs: di
         # Static QDQ starts from the unfused export: onnxruntime's fused contrib ops carry no type
         # information, and quantize_static silently leaves every MatMul fed by them in float.
         # onnxruntime applies its fusions around the QDQ nodes when the session loads.
-        best = _static_with_selection(fp32_onnx / "model.onnx", Path(tmp), calibration, val, params, pad)
+        best = _static_with_selection(fp32_onnx / "model.onnx", Path(tmp), calibration, val, params, pad,
+                                      ffn_width)
         d = out_dirs["int8-static"]
         d.mkdir(parents=True, exist_ok=True)
         (Path(tmp) / f"static-{best['method']}.onnx").replace(d / "model.onnx")
         report["int8-static"] = {"method": "onnxruntime.quantize_static (QDQ)", "calibration": best["method"],
                                  "calibration_samples": len(calibration), "per_channel": params.per_channel,
+                                 "float_ffn_output": ffn_width is not None,
                                  "selection_val_accuracy": best["scores"], **census("int8-static"),
                                  "build_seconds": round(time.perf_counter() - t0, 2)}
         write_variant(d, VariantInfo("int8-static", "onnx", "int8", "model.onnx", params=report["int8-static"]),
@@ -122,25 +131,40 @@ def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, out_dirs: di
 
         t0 = time.perf_counter()
         report["int8-qat"] = _qat(finetuned, train, calibration, best["method"], Path(tmp), out_dirs["int8-qat"],
-                                  params, meta, pad, train_seed)
+                                  params, meta, pad, train_seed, ffn_width)
         report["int8-qat"].update(census("int8-qat"), build_seconds=round(time.perf_counter() - t0, 2))
         write_variant(out_dirs["int8-qat"], VariantInfo("int8-qat", "onnx", "int8", "model.onnx",
                                                         params=report["int8-qat"]), finetuned)
     return report
 
 
-def _graph_for_quantization(src: Path, dst: Path, params: QuantizeParams, arch: dict[str, Any],
-                            report: dict[str, Any]) -> Path:
-    from pipeline.quantize import optimize_for_quantization
+def _graph_for_quantization(model: Any, fp32_onnx: Path, tmp: Path, params: QuantizeParams, arch: dict[str, Any],
+                            meta: dict[str, Any], seqs: list[np.ndarray], pad: int, report: dict[str, Any]) -> Path:
+    """The graph `int8-dynamic` quantizes: onnxruntime-fused (attention included) when `optimize_graph`.
+
+    The fused graph is checked against `fp32-onnx` on real reviews, and a fusion that finds fewer attention
+    blocks than the model has layers is logged and recorded rather than silently accepted.
+    """
+    from pipeline.quantize import QuantizeError, optimize_for_quantization
 
     if not params.optimize_graph:
-        return src
-    report["fusions"] = optimize_for_quantization(src, dst, arch["num_heads"], arch["hidden_size"])
-    return dst
+        return fp32_onnx
+    raw, fused = tmp / "for-fusion.onnx", tmp / "fused.onnx"
+    export_onnx_for_fusion(model, raw, _max_length(meta))
+    counts = optimize_for_quantization(raw, fused, arch["num_heads"], arch["hidden_size"])
+    p = parity(OrtRunner(fp32_onnx, optimization="disable"), OrtRunner(fused, optimization="disable"), seqs, pad)
+    if p.max_abs_diff > FUSION_TOLERANCE:
+        raise QuantizeError(f"fused graph disagrees with fp32-onnx: max |logit diff| {p.max_abs_diff:.2e}")
+    if counts.get("Attention", 0) != arch["num_layers"]:
+        log.warning("onnxruntime fused %d of %d attention blocks; the rest are quantized as plain MatMuls",
+                    counts.get("Attention", 0), arch["num_layers"])
+    report["fusion"] = {"fusions": counts, "fused_attention": counts.get("Attention", 0),
+                        "fused_parity_max_abs_diff": p.max_abs_diff}
+    return fused
 
 
 def _static_with_selection(base: Path, tmp: Path, calibration: list[np.ndarray], val: Any, params: QuantizeParams,
-                           pad: int) -> dict[str, Any]:
+                           pad: int, ffn_width: int | None) -> dict[str, Any]:
     """Build one static model per calibration method; keep the most accurate on validation reviews."""
     from pipeline.quantize import quantize_static_onnx
 
@@ -149,7 +173,7 @@ def _static_with_selection(base: Path, tmp: Path, calibration: list[np.ndarray],
     for method in params.calibration_methods:
         path = tmp / f"static-{method}.onnx"
         quantize_static_onnx(base, path, calibration, method, params.per_channel,
-                             params.calibration_batch_size, pad)
+                             params.calibration_batch_size, pad, ffn_width)
         logits = predict_logits(OrtRunner(path), seqs, pad_id=pad, progress=f"select {method}")
         scores[method] = float((logits.argmax(-1) == labels).mean())
         log.info("int8-static calibration %s: validation accuracy %.4f", method, scores[method])
@@ -158,7 +182,7 @@ def _static_with_selection(base: Path, tmp: Path, calibration: list[np.ndarray],
 
 
 def _qat(finetuned: Path, train: Any, calibration: list[np.ndarray], method: str, tmp: Path, out: Path,
-         params: QuantizeParams, meta: dict[str, Any], pad: int, seed: int) -> dict[str, Any]:
+         params: QuantizeParams, meta: dict[str, Any], pad: int, seed: int, ffn_width: int | None) -> dict[str, Any]:
     from pipeline.quantize import qat_finetune, quantize_static_onnx
 
     model, _, _ = load_finetuned(finetuned)
@@ -166,16 +190,16 @@ def _qat(finetuned: Path, train: Any, calibration: list[np.ndarray], method: str
     rng = np.random.default_rng(seed + 1)
     idx = rng.choice(len(train), size=min(params.qat_train_samples, len(train)), replace=False)
     result = qat_finetune(model, [train["input_ids"].iloc[i] for i in idx], train["label"].to_numpy()[idx],
-                          params.qat_epochs, params.qat_batch_size, params.qat_lr, seed, pad)
+                          params.qat_epochs, params.qat_batch_size, params.qat_lr, seed, pad, ffn_width)
     fp32 = tmp / "qat-fp32.onnx"
     export_onnx(model, fp32, _max_length(meta))
     out.mkdir(parents=True, exist_ok=True)
     quantize_static_onnx(fp32, out / "model.onnx", calibration, method, params.per_channel,
-                         params.calibration_batch_size, pad)
+                         params.calibration_batch_size, pad, ffn_width)
     return {"method": "QAT (torch.ao FakeQuantize on every Linear) + onnxruntime QDQ", "calibration": method,
             "qat_samples": result.samples, "qat_steps": result.steps, "qat_epochs": params.qat_epochs,
             "qat_lr": params.qat_lr, "qat_final_loss": round(result.final_loss, 4),
-            "fake_quant_layers": result.wrapped_layers}
+            "fake_quant_layers": result.wrapped_layers, "float_ffn_output": ffn_width is not None}
 
 
 def run_tensorrt(finetuned: Path, fp32_onnx: Path, int8_static: Path, out_dirs: dict[str, Path],
