@@ -75,7 +75,7 @@ def pipeline_path(
             tokenize_frame(frame, tok, data).to_parquet(d / f"{split}.parquet")
         L.seed_everything(params.seed, verbose=False)
         module = SentimentClassifier(
-            load_model(model_params, seed=params.seed),
+            load_model(model_params, seed=params.seed, attention_dropout=params.attention_dropout),
             params.lr,
             params.weight_decay,
             params.warmup_ratio,
@@ -115,8 +115,10 @@ def main(argv: list[str] | None = None) -> None:
     model_params = ModelParams()
     train, val = reviews(args.imdb_dir, args.train, args.val, args.seed)
     full = DataParams(max_length=512, truncation="head")
+    # The CPU profile's training settings (params.yaml `train`), attention dropout off included.
     params = TrainParams(
-        epochs=1, batch_size=16, lr=1e-4, accelerator="cpu", compile=args.compile, seed=args.seed, threads=args.threads
+        epochs=1, batch_size=16, lr=1e-4, accelerator="cpu", compile=args.compile, seed=args.seed, threads=args.threads,
+        attention_dropout=0.0,
     )
 
     rows: dict[str, dict[str, Any]] = {}
@@ -154,6 +156,7 @@ def main(argv: list[str] | None = None) -> None:
                 "lr": params.lr,
                 "bucketing": params.bucketing,
                 "precision": params.precision,
+                "attention_dropout": params.attention_dropout,
             },
         },
     }

@@ -99,9 +99,15 @@ class TrainParams:
     threads: int | None = None
     val_checks_per_epoch: int = 1
     seed: int = 42
+    # None keeps the checkpoint's value. 0 lets PyTorch's fused scaled-dot-product attention kernel run in
+    # training: with dropout on attention probabilities it falls back to materialising them (2.2x slower
+    # steps measured at 384 tokens on this CPU, 1.2x at 128).
+    attention_dropout: float | None = None
 
     def __post_init__(self) -> None:
         _require(self.epochs >= 1, "train.epochs must be >= 1")
+        _require(self.attention_dropout is None or 0.0 <= self.attention_dropout < 1.0,
+                 "train.attention_dropout must be null or in [0, 1)")
         _require(self.batch_size >= 1 and self.eval_batch_size >= 1, "train batch sizes must be >= 1")
         _require(self.lr > 0, "train.lr must be > 0")
         _require(0.0 <= self.warmup_ratio < 1.0, "train.warmup_ratio must be in [0, 1)")

@@ -119,31 +119,49 @@ def mean_pool_classes() -> tuple[type, type]:
     return _MEAN_POOL
 
 
-def load_model(params: ModelParams, seed: int = 0) -> Any:
-    """A sequence-classification model with a fresh 2-way head (per `params.head`) and our label map."""
+# Where each architecture's config keeps the dropout on attention probabilities.
+ATTENTION_DROPOUT_KEYS = ("attention_probs_dropout_prob", "attention_dropout")
+
+
+def _with_attention_dropout(config: Any, attention_dropout: float | None) -> Any:
+    if attention_dropout is None:
+        return config
+    keys = [k for k in ATTENTION_DROPOUT_KEYS if hasattr(config, k)]
+    if not keys:
+        raise ModelSourceError(f"train.attention_dropout: {config.model_type!r} config has none of "
+                               f"{ATTENTION_DROPOUT_KEYS}; leave it null for this model")
+    for key in keys:
+        setattr(config, key, attention_dropout)
+    return config
+
+
+def load_model(params: ModelParams, seed: int = 0, attention_dropout: float | None = None) -> Any:
+    """A sequence-classification model with a fresh 2-way head (per `params.head`) and our label map.
+
+    `attention_dropout` (None = the checkpoint's) is set in the config before the layers are built.
+    """
     import torch
     from transformers import AutoConfig, AutoModelForSequenceClassification
     from transformers import logging as hf_logging
 
     torch.manual_seed(seed)
     if params.source == "tiny":
-        return AutoModelForSequenceClassification.from_config(tiny_bert_config(head=params.head))
+        config = _with_attention_dropout(tiny_bert_config(head=params.head), attention_dropout)
+        return AutoModelForSequenceClassification.from_config(config)
     name = resolve_name_or_path(params)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the "classifier newly initialised" report is expected here
     try:
+        base = AutoConfig.from_pretrained(name, num_labels=2, id2label=ID2LABEL, label2id=LABEL2ID)
+        base = _with_attention_dropout(base, attention_dropout)
         if params.head == "cls":
-            return AutoModelForSequenceClassification.from_pretrained(
-                name, num_labels=2, id2label=ID2LABEL, label2id=LABEL2ID
-            )
+            return AutoModelForSequenceClassification.from_pretrained(name, config=base)
         config_class, model_class = mean_pool_classes()
-        base = AutoConfig.from_pretrained(name)
         if base.model_type != "bert":
             raise ModelSourceError(f"model.head: mean supports BERT encoders; {name!r} is {base.model_type!r}"
                                    " (use model.head: cls)")
         fields = {k: v for k, v in base.to_dict().items() if k not in ("model_type", "architectures")}
-        config = config_class(**{**fields, "num_labels": 2, "id2label": ID2LABEL, "label2id": LABEL2ID})
-        return model_class.from_pretrained(name, config=config)
+        return model_class.from_pretrained(name, config=config_class(**fields))
     except ModelSourceError:
         raise
     except Exception as exc:

@@ -244,7 +244,7 @@ def finetune(tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots_dir
         torch.set_num_threads(params.threads)
     L.seed_everything(params.seed, workers=True, verbose=False)
     tokenizer = load_tokenizer(model_params)
-    model = load_model(model_params, seed=params.seed)
+    model = load_model(model_params, seed=params.seed, attention_dropout=params.attention_dropout)
     module = SentimentClassifier(model, params.lr, params.weight_decay, params.warmup_ratio,
                                  compile_model=params.compile, compile_mode=params.compile_mode)
     dm = IMDBDataModule(tokenized_dir, params, pad_id=tokenizer.pad_token_id or 0)

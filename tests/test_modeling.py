@@ -49,3 +49,19 @@ def test_unknown_head_is_a_params_error():
 
     with pytest.raises(ParamsError, match=r"model\.head"):
         section({"model": {"head": "max"}}, "model", ModelParams)
+
+
+def test_attention_dropout_override_reaches_the_layers():
+    model = load_model(ModelParams(source="tiny"), seed=0, attention_dropout=0.0)
+    probs = [m.dropout.p for m in model.modules() if type(m).__name__ == "BertSelfAttention"]
+    assert probs == [0.0, 0.0] and model.config.attention_probs_dropout_prob == 0.0
+    default = load_model(ModelParams(source="tiny"), seed=0)
+    assert default.config.attention_probs_dropout_prob == 0.1
+
+
+def test_attention_dropout_is_validated():
+    from pipeline.config import ParamsError, TrainParams, section
+
+    with pytest.raises(ParamsError, match=r"train\.attention_dropout"):
+        section({"train": {"attention_dropout": 1.5}}, "train", TrainParams)
+    assert section({"train": {"attention_dropout": None}}, "train", TrainParams).attention_dropout is None
