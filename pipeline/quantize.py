@@ -103,7 +103,8 @@ def quantize_static_onnx(src: Path, dst: Path, calibration: Sequence[np.ndarray]
 
     Only MatMul/Gemm (compute) and Gather (the embedding table, most of the file) are quantized:
     quantizing Add/LayerNorm/Softmax costs BERT accuracy for little speed. With `float_ffn_output_of` set to
-    the FFN width, the FFN down-projections stay float too (see `ffn_output_matmuls`).
+    the FFN width, the FFN down-projections keep float activations (see `ffn_output_matmuls`) and INT8
+    weights only (`int8_weights_only`).
     """
     import onnx
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
@@ -116,8 +117,7 @@ def quantize_static_onnx(src: Path, dst: Path, calibration: Sequence[np.ndarray]
         quant_pre_process(str(src), str(pre), skip_symbolic_shape=True)
         names = {i.name for i in onnx.load(str(pre), load_external_data=False).graph.input}
         excluded = activation_matmuls(pre)
-        if float_ffn_output_of:
-            excluded += ffn_output_matmuls(pre, float_ffn_output_of)
+        ffn = ffn_output_matmuls(pre, float_ffn_output_of) if float_ffn_output_of else []
         reader = TokenCalibrationReader(calibration, batch_size, names, pad_id)
         # No symbolic shape inference (it fails on the exporter's graph); ONNX's own inference types every
         # tensor of the unfused graph, which is what the quantizer needs.
@@ -130,11 +130,54 @@ def quantize_static_onnx(src: Path, dst: Path, calibration: Sequence[np.ndarray]
         quantize_static(
             str(pre), str(dst), reader, quant_format=QuantFormat.QDQ, per_channel=per_channel,
             activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
-            op_types_to_quantize=["MatMul", "Gemm", "Gather"], nodes_to_exclude=excluded,
+            op_types_to_quantize=["MatMul", "Gemm", "Gather"], nodes_to_exclude=excluded + ffn,
             calibrate_method={"minmax": CalibrationMethod.MinMax, "percentile": CalibrationMethod.Percentile,
                               "entropy": CalibrationMethod.Entropy}[method],
             extra_options=extra,
         )
+    if ffn:
+        int8_weights_only(dst, ffn)
+
+
+def int8_weights_only(path: Path, node_names: Sequence[str]) -> int:
+    """Store the weights of float-activation MatMuls as per-column int8 + `DequantizeLinear`, in place.
+
+    The products in `node_names` keep float activations (their inputs quantize badly), but their weights
+    quantize almost losslessly per output column; without this the excluded FFN weights would keep the
+    file at float size. Returns how many weights were converted.
+    """
+    import onnx
+    from onnx import helper, numpy_helper
+
+    model = onnx.load(str(path))
+    graph = model.graph
+    inits = {init.name: init for init in graph.initializer}
+    wanted = set(node_names)
+    converted, new_nodes = 0, []
+    for node in graph.node:
+        if node.op_type == "MatMul" and node.name in wanted and node.input[1] in inits:
+            name = node.input[1]
+            w = numpy_helper.to_array(inits[name]).astype(np.float32)  # [in, out]
+            scale = (np.abs(w).max(axis=0) / 127.0).astype(np.float32)
+            scale[scale == 0] = 1.0
+            q = np.clip(np.round(w / scale), -127, 127).astype(np.int8)
+            graph.initializer.extend([numpy_helper.from_array(q, f"{name}_int8"),
+                                      numpy_helper.from_array(scale, f"{name}_int8_scale"),
+                                      numpy_helper.from_array(np.zeros_like(q[0]), f"{name}_int8_zero_point")])
+            new_nodes.append(helper.make_node("DequantizeLinear", [f"{name}_int8", f"{name}_int8_scale",
+                                                                   f"{name}_int8_zero_point"],
+                                              [f"{name}_dequantized"], name=f"{node.name}_weight_dq", axis=1))
+            node.input[1] = f"{name}_dequantized"
+            converted += 1
+    nodes = [*new_nodes, *graph.node]  # the dequantizers read only initializers: first keeps the order topological
+    del graph.node[:]
+    graph.node.extend(nodes)
+    used = {i for n in graph.node for i in n.input}
+    keep = [init for init in graph.initializer if init.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(keep)
+    onnx.save(model, str(path))
+    return converted
 
 
 def activation_matmuls(path: Path) -> list[str]:

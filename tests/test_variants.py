@@ -76,6 +76,35 @@ def test_static_without_float_ffn_quantizes_every_weight_product(built, tmp_path
     assert matmul_census(tmp_path / "all.onnx") == {"int8_matmuls": 2 * 6 + 2, "float_matmuls": 2 * 2}
 
 
+def test_float_ffn_products_still_store_int8_weights(built, tmp_path):
+    """The FFN down-projections keep float activations but their weights are INT8 in the file."""
+    import shutil
+
+    import onnx
+    from onnx import numpy_helper
+
+    from pipeline.quantize import ffn_output_matmuls, int8_weights_only
+    from pipeline.variants import OrtRunner
+
+    for name in ("int8-static", "int8-qat"):
+        graph = onnx.load(str(built["dirs"][name] / "model.onnx")).graph
+        floats = [i.name for i in graph.initializer
+                  if i.data_type == onnx.TensorProto.FLOAT and list(i.dims) == [128, 64]]
+        assert floats == [], (name, floats)  # no [128 x 64] float FFN weight left
+    src = tmp_path / "fp32.onnx"
+    shutil.copy(built["dirs"]["fp32-onnx"] / "model.onnx", src)
+    before = OrtRunner(src)
+    ids = np.arange(10, 34).reshape(2, 12)
+    mask = np.ones_like(ids)
+    reference = before(ids, mask)
+    assert int8_weights_only(src, ffn_output_matmuls(src, 128)) == 2
+    graph = onnx.load(str(src)).graph
+    dq = [n for n in graph.node if n.op_type == "DequantizeLinear"]
+    assert len(dq) == 2 and all(numpy_helper.to_array(i).dtype == np.int8 for i in graph.initializer
+                                if i.name.endswith("_int8"))
+    assert np.abs(OrtRunner(src)(ids, mask) - reference).max() < 1e-2
+
+
 def test_dynamic_quantizes_the_fused_attention(built):
     """int8-dynamic starts from onnxruntime's fused graph: one QAttention per layer, parity checked."""
     import onnx
