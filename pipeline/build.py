@@ -99,7 +99,7 @@ def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, out_dirs: di
     with tempfile.TemporaryDirectory(prefix="quantize-") as tmp:
         base = _graph_for_quantization(model, fp32_onnx / "model.onnx", Path(tmp), params, arch, meta,
                                        val["input_ids"].tolist()[:16], pad, report)
-        ffn_width = int(arch["intermediate_size"]) if params.static_float_ffn_output else None
+        ffn_width = int(arch["intermediate_size"]) if params.ffn_output_dynamic else None
 
         t0 = time.perf_counter()
         d = out_dirs["int8-dynamic"]
@@ -123,7 +123,7 @@ def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, out_dirs: di
         (Path(tmp) / f"static-{best['method']}.onnx").replace(d / "model.onnx")
         report["int8-static"] = {"method": "onnxruntime.quantize_static (QDQ)", "calibration": best["method"],
                                  "calibration_samples": len(calibration), "per_channel": params.per_channel,
-                                 "float_ffn_output": ffn_width is not None,
+                                 "dynamic_ffn_output": ffn_width is not None,
                                  "selection_val_accuracy": best["scores"], **census("int8-static"),
                                  "build_seconds": round(time.perf_counter() - t0, 2)}
         write_variant(d, VariantInfo("int8-static", "onnx", "int8", "model.onnx", params=report["int8-static"]),
@@ -199,7 +199,7 @@ def _qat(finetuned: Path, train: Any, calibration: list[np.ndarray], method: str
     return {"method": "QAT (torch.ao FakeQuantize on every Linear) + onnxruntime QDQ", "calibration": method,
             "qat_samples": result.samples, "qat_steps": result.steps, "qat_epochs": params.qat_epochs,
             "qat_lr": params.qat_lr, "qat_final_loss": round(result.final_loss, 4),
-            "fake_quant_layers": result.wrapped_layers, "float_ffn_output": ffn_width is not None}
+            "fake_quant_layers": result.wrapped_layers, "dynamic_ffn_output": ffn_width is not None}
 
 
 def run_tensorrt(finetuned: Path, fp32_onnx: Path, int8_static: Path, out_dirs: dict[str, Path],

@@ -159,7 +159,7 @@ class QuantizeParams:
     qat_epochs: int = 1
     qat_batch_size: int = 16
     qat_lr: float = 2e-5
-    static_float_ffn_output: bool = True  # static/QAT keep each FFN down-projection float (GELU outliers)
+    ffn_output_dynamic: bool = True  # static/QAT quantize FFN down-projections per batch (GELU outliers)
 
     def __post_init__(self) -> None:
         known = ("minmax", "percentile", "entropy")
