@@ -97,8 +97,8 @@ def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, out_dirs: di
     report: dict[str, Any] = {}
 
     with tempfile.TemporaryDirectory(prefix="quantize-") as tmp:
-        base = _graph_for_quantization(model, fp32_onnx / "model.onnx", Path(tmp), params, arch, meta,
-                                       val["input_ids"].tolist()[:16], pad, report)
+        base, fusion = _graph_for_quantization(model, fp32_onnx / "model.onnx", Path(tmp), params, arch, meta,
+                                               val["input_ids"].tolist()[:16], pad)
         ffn_width = int(arch["intermediate_size"]) if params.ffn_output_dynamic else None
 
         t0 = time.perf_counter()
@@ -106,7 +106,7 @@ def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, out_dirs: di
         d.mkdir(parents=True, exist_ok=True)
         q.quantize_dynamic_onnx(base, d / "model.onnx", params.per_channel)
         report["int8-dynamic"] = {"method": "onnxruntime.quantize_dynamic", "per_channel": params.per_channel,
-                                  "fused_graph": params.optimize_graph, **report.get("fusion", {}),
+                                  "fused_graph": params.optimize_graph, **fusion,
                                   **census("int8-dynamic"),
                                   "build_seconds": round(time.perf_counter() - t0, 2)}
         write_variant(d, VariantInfo("int8-dynamic", "onnx", "int8", "model.onnx", params=report["int8-dynamic"]),
@@ -139,8 +139,9 @@ def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, out_dirs: di
 
 
 def _graph_for_quantization(model: Any, fp32_onnx: Path, tmp: Path, params: QuantizeParams, arch: dict[str, Any],
-                            meta: dict[str, Any], seqs: list[np.ndarray], pad: int, report: dict[str, Any]) -> Path:
-    """The graph `int8-dynamic` quantizes: onnxruntime-fused (attention included) when `optimize_graph`.
+                            meta: dict[str, Any], seqs: list[np.ndarray], pad: int) -> tuple[Path, dict[str, Any]]:
+    """The graph `int8-dynamic` quantizes (onnxruntime-fused, attention included, when `optimize_graph`)
+    and what the fusion did.
 
     The fused graph is checked against `fp32-onnx` on real reviews, and a fusion that finds fewer attention
     blocks than the model has layers is logged and recorded rather than silently accepted.
@@ -148,7 +149,7 @@ def _graph_for_quantization(model: Any, fp32_onnx: Path, tmp: Path, params: Quan
     from pipeline.quantize import QuantizeError, optimize_for_quantization
 
     if not params.optimize_graph:
-        return fp32_onnx
+        return fp32_onnx, {}
     raw, fused = tmp / "for-fusion.onnx", tmp / "fused.onnx"
     export_onnx_for_fusion(model, raw, _max_length(meta))
     counts = optimize_for_quantization(raw, fused, arch["num_heads"], arch["hidden_size"])
@@ -158,9 +159,8 @@ def _graph_for_quantization(model: Any, fp32_onnx: Path, tmp: Path, params: Quan
     if counts.get("Attention", 0) != arch["num_layers"]:
         log.warning("onnxruntime fused %d of %d attention blocks; the rest are quantized as plain MatMuls",
                     counts.get("Attention", 0), arch["num_layers"])
-    report["fusion"] = {"fusions": counts, "fused_attention": counts.get("Attention", 0),
-                        "fused_parity_max_abs_diff": p.max_abs_diff}
-    return fused
+    return fused, {"fusions": counts, "fused_attention": counts.get("Attention", 0),
+                   "fused_parity_max_abs_diff": p.max_abs_diff}
 
 
 def _static_with_selection(base: Path, tmp: Path, calibration: list[np.ndarray], val: Any, params: QuantizeParams,
@@ -196,7 +196,8 @@ def _qat(finetuned: Path, train: Any, calibration: list[np.ndarray], method: str
     out.mkdir(parents=True, exist_ok=True)
     quantize_static_onnx(fp32, out / "model.onnx", calibration, method, params.per_channel,
                          params.calibration_batch_size, pad, ffn_width)
-    return {"method": "QAT (torch.ao FakeQuantize on every Linear) + onnxruntime QDQ", "calibration": method,
+    linears = "every Linear but the FFN down-projections (quantized per batch)" if ffn_width else "every Linear"
+    return {"method": f"QAT (torch.ao FakeQuantize on {linears}) + onnxruntime QDQ", "calibration": method,
             "qat_samples": result.samples, "qat_steps": result.steps, "qat_epochs": params.qat_epochs,
             "qat_lr": params.qat_lr, "qat_final_loss": round(result.final_loss, 4),
             "fake_quant_layers": result.wrapped_layers, "dynamic_ffn_output": ffn_width is not None}

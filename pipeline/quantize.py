@@ -1,7 +1,8 @@
 """INT8 variants: onnxruntime dynamic and static (QDQ, calibrated) PTQ, and quantization-aware training.
 
-QAT: every `nn.Linear` is wrapped so its input (per-tensor, uint8, affine) and its weight (per-channel,
-int8, symmetric) pass through torch.ao `FakeQuantize` during a short finetune from the FP32 weights.
+QAT: every `nn.Linear` (but the FFN down-projections when they are quantized per batch) is wrapped so its
+input (per-tensor, uint8, affine) and its weight (per-channel, int8, symmetric) pass through torch.ao
+`FakeQuantize` during a short finetune from the FP32 weights.
 That is the very scheme onnxruntime's QDQ `MatMul` quantization uses, so after training the wrappers are
 removed, the adapted FP32 weights are exported to ONNX and converted with the same static QDQ pass as
 `int8-static` (activation ranges re-calibrated by onnxruntime; the learned weights are what QAT adds).

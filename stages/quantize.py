@@ -17,6 +17,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     from pipeline.cli import named_paths, run_stage
+    from pipeline.export import ExportError
     from pipeline.quantize import QuantizeError
     from pipeline.variants import VariantError
 
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
             report = run_quantize(args.finetuned, args.fp32_onnx, args.tokenized, named_paths(args.out), params, seed)
             log_metrics_flat(report)
 
-    run_stage("quantize", body, extra_errors=(QuantizeError, VariantError))
+    run_stage("quantize", body, extra_errors=(QuantizeError, VariantError, ExportError))
 
 
 if __name__ == "__main__":
