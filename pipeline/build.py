@@ -104,8 +104,9 @@ def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, out_dirs: di
         t0 = time.perf_counter()
         d = out_dirs["int8-dynamic"]
         d.mkdir(parents=True, exist_ok=True)
-        q.quantize_dynamic_onnx(base, d / "model.onnx", params.per_channel)
+        q.quantize_dynamic_onnx(base, d / "model.onnx", params.per_channel, params.reduce_range)
         report["int8-dynamic"] = {"method": "onnxruntime.quantize_dynamic", "per_channel": params.per_channel,
+                                  "reduce_range": params.reduce_range,
                                   "fused_graph": params.optimize_graph, **fusion,
                                   **census("int8-dynamic"),
                                   "build_seconds": round(time.perf_counter() - t0, 2)}
@@ -123,6 +124,7 @@ def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, out_dirs: di
         (Path(tmp) / f"static-{best['method']}.onnx").replace(d / "model.onnx")
         report["int8-static"] = {"method": "onnxruntime.quantize_static (QDQ)", "calibration": best["method"],
                                  "calibration_samples": len(calibration), "per_channel": params.per_channel,
+                                 "reduce_range": params.reduce_range,
                                  "dynamic_ffn_output": ffn_width is not None,
                                  "selection_val_accuracy": best["scores"], **census("int8-static"),
                                  "build_seconds": round(time.perf_counter() - t0, 2)}
@@ -173,7 +175,7 @@ def _static_with_selection(base: Path, tmp: Path, calibration: list[np.ndarray],
     for method in params.calibration_methods:
         path = tmp / f"static-{method}.onnx"
         quantize_static_onnx(base, path, calibration, method, params.per_channel,
-                             params.calibration_batch_size, pad, ffn_width)
+                             params.calibration_batch_size, pad, ffn_width, params.reduce_range)
         logits = predict_logits(OrtRunner(path), seqs, pad_id=pad, progress=f"select {method}")
         scores[method] = float((logits.argmax(-1) == labels).mean())
         log.info("int8-static calibration %s: validation accuracy %.4f", method, scores[method])
@@ -190,17 +192,19 @@ def _qat(finetuned: Path, train: Any, calibration: list[np.ndarray], method: str
     rng = np.random.default_rng(seed + 1)
     idx = rng.choice(len(train), size=min(params.qat_train_samples, len(train)), replace=False)
     result = qat_finetune(model, [train["input_ids"].iloc[i] for i in idx], train["label"].to_numpy()[idx],
-                          params.qat_epochs, params.qat_batch_size, params.qat_lr, seed, pad, ffn_width)
+                          params.qat_epochs, params.qat_batch_size, params.qat_lr, seed, pad, ffn_width,
+                          params.reduce_range)
     fp32 = tmp / "qat-fp32.onnx"
     export_onnx(model, fp32, _max_length(meta))
     out.mkdir(parents=True, exist_ok=True)
     quantize_static_onnx(fp32, out / "model.onnx", calibration, method, params.per_channel,
-                         params.calibration_batch_size, pad, ffn_width)
+                         params.calibration_batch_size, pad, ffn_width, params.reduce_range)
     linears = "every Linear but the FFN down-projections (quantized per batch)" if ffn_width else "every Linear"
     return {"method": f"QAT (torch.ao FakeQuantize on {linears}) + onnxruntime QDQ", "calibration": method,
             "qat_samples": result.samples, "qat_steps": result.steps, "qat_epochs": params.qat_epochs,
             "qat_lr": params.qat_lr, "qat_final_loss": round(result.final_loss, 4),
-            "fake_quant_layers": result.wrapped_layers, "dynamic_ffn_output": ffn_width is not None}
+            "fake_quant_layers": result.wrapped_layers, "dynamic_ffn_output": ffn_width is not None,
+            "reduce_range": params.reduce_range}
 
 
 def run_tensorrt(finetuned: Path, fp32_onnx: Path, int8_static: Path, out_dirs: dict[str, Path],

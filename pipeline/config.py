@@ -160,6 +160,9 @@ class QuantizeParams:
     qat_batch_size: int = 16
     qat_lr: float = 2e-5
     ffn_output_dynamic: bool = True  # static/QAT quantize FFN down-projections per batch (GELU outliers)
+    # 7-bit weights (onnxruntime's `reduce_range`): its U8S8 kernels on CPUs without VNNI/AMX (AVX2 multiplies
+    # with vpmaddubsw, which saturates int16 pair sums) give wrong products with full 8-bit weights.
+    reduce_range: bool = True
 
     def __post_init__(self) -> None:
         known = ("minmax", "percentile", "entropy")

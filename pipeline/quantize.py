@@ -52,19 +52,27 @@ def optimize_for_quantization(src: Path, dst: Path, num_heads: int, hidden_size:
     return {k: int(v) for k, v in model.get_fused_operator_statistics().items() if v}
 
 
-def quantize_dynamic_onnx(src: Path, dst: Path, per_channel: bool = True) -> None:
+def _without_value_info(src: Path, dst: Path) -> Path:
+    """A copy without intermediate shapes: the exporter's example-batch shapes contradict the dynamic axes
+    once the dynamic quantizer re-runs shape inference."""
+    import onnx
+
+    model = onnx.load(str(src))
+    del model.graph.value_info[:]
+    onnx.save(model, str(dst))
+    return dst
+
+
+def quantize_dynamic_onnx(src: Path, dst: Path, per_channel: bool = True, reduce_range: bool = True) -> None:
     """Weights to int8 ahead of time, activations quantized on the fly per batch."""
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     with tempfile.TemporaryDirectory(prefix="dynq-") as tmp:
-        model = onnx.load(str(src))
-        del model.graph.value_info[:]  # the exporter's example-batch shapes contradict dynamic axes
-        clean = Path(tmp) / "clean.onnx"
-        onnx.save(model, str(clean))
+        clean = _without_value_info(src, Path(tmp) / "clean.onnx")
         # Fused contrib ops (SkipLayerNormalization, BiasGelu) have no ONNX shape inference: default to float.
         quantize_dynamic(str(clean), str(dst), weight_type=QuantType.QInt8, per_channel=per_channel,
-                         op_types_to_quantize=["MatMul", "Gemm", "Attention", "Gather"],
+                         reduce_range=reduce_range, op_types_to_quantize=["MatMul", "Gemm", "Attention", "Gather"],
                          extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
 
 
@@ -96,8 +104,9 @@ class TokenCalibrationReader:
 
 def quantize_static_onnx(src: Path, dst: Path, calibration: Sequence[np.ndarray], method: str,
                          per_channel: bool = True, batch_size: int = 16, pad_id: int = 0,
-                         dynamic_ffn_output_of: int | None = None) -> None:
-    """QDQ static INT8: uint8 activations with calibrated ranges, per-channel symmetric int8 weights.
+                         dynamic_ffn_output_of: int | None = None, reduce_range: bool = True) -> None:
+    """QDQ static INT8: uint8 activations with calibrated ranges, per-channel symmetric int8 weights
+    (7-bit with `reduce_range`, see `QuantizeParams.reduce_range`).
 
     Matrix products with a weight operand are quantized; the two activation-only products of each attention
     layer stay float (see `activation_matmuls`).
@@ -116,9 +125,10 @@ def quantize_static_onnx(src: Path, dst: Path, calibration: Sequence[np.ndarray]
     with tempfile.TemporaryDirectory(prefix="quant-") as tmp:
         pre = Path(tmp) / "pre.onnx"
         quant_pre_process(str(src), str(pre), skip_symbolic_shape=True)
-        names = {i.name for i in onnx.load(str(pre), load_external_data=False).graph.input}
-        excluded = activation_matmuls(pre)
-        ffn = ffn_output_matmuls(pre, dynamic_ffn_output_of) if dynamic_ffn_output_of else []
+        graph = onnx.load(str(pre), load_external_data=False).graph
+        names = {i.name for i in graph.input}
+        excluded = activation_matmuls(graph)
+        ffn = ffn_output_matmuls(graph, dynamic_ffn_output_of) if dynamic_ffn_output_of else []
         reader = TokenCalibrationReader(calibration, batch_size, names, pad_id)
         # No symbolic shape inference (it fails on the exporter's graph); ONNX's own inference types every
         # tensor of the unfused graph, which is what the quantizer needs.
@@ -128,84 +138,71 @@ def quantize_static_onnx(src: Path, dst: Path, calibration: Sequence[np.ndarray]
                                  "DefaultTensorType": onnx.TensorProto.FLOAT}
         if method == "percentile":
             extra["CalibPercentile"] = 99.999
+        base = pre
+        if ffn:  # first, on the float graph: the dynamic quantizer rewrites Gemm as MatMul, QDQ or not
+            base = Path(tmp) / "ffn-dynamic.onnx"
+            converted = dynamic_int8_matmuls(pre, base, ffn, per_channel, reduce_range)
+            if converted != len(ffn):
+                raise QuantizeError(f"only {converted} of {len(ffn)} FFN down-projections were quantized dynamically")
         quantize_static(
-            str(pre), str(dst), reader, quant_format=QuantFormat.QDQ, per_channel=per_channel,
-            activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
-            op_types_to_quantize=["MatMul", "Gemm", "Gather"], nodes_to_exclude=excluded + ffn,
+            str(base), str(dst), reader, quant_format=QuantFormat.QDQ, per_channel=per_channel,
+            reduce_range=reduce_range, activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+            op_types_to_quantize=["MatMul", "Gemm", "Gather"], nodes_to_exclude=excluded,
             calibrate_method={"minmax": CalibrationMethod.MinMax, "percentile": CalibrationMethod.Percentile,
                               "entropy": CalibrationMethod.Entropy}[method],
             extra_options=extra,
         )
-    if ffn:
-        dynamic_int8_matmuls(dst, ffn)
 
 
-def dynamic_int8_matmuls(path: Path, node_names: Sequence[str]) -> int:
-    """Turn the float MatMuls in `node_names` into `DynamicQuantizeMatMul` with per-column INT8 weights, in place.
+def dynamic_int8_matmuls(src: Path, dst: Path, node_names: Sequence[str], per_channel: bool = True,
+                         reduce_range: bool = True) -> int:
+    """onnxruntime's dynamic quantizer on just the MatMuls in `node_names`; returns how many it converted.
 
     Their inputs (the FFN's GELU output) have outliers that a calibrated per-tensor range handles badly, so
     they are quantized per batch at run time, as `int8-dynamic` does everywhere; the weights are stored INT8
-    (per output column, symmetric) so the file stays at a quarter of FP32. Returns how many were converted.
+    (per output column; 7-bit with `reduce_range`) so the file stays at a quarter of FP32. onnxruntime fuses
+    each resulting `DynamicQuantizeLinear` + `MatMulInteger` + scale chain into one `DynamicQuantizeMatMul`
+    when it loads the file.
     """
     import onnx
-    from onnx import helper, numpy_helper
+    from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    model = onnx.load(str(path))
-    graph = model.graph
-    inits = {init.name: init for init in graph.initializer}
-    wanted = set(node_names)
-    converted, nodes = 0, []
-    for node in graph.node:
-        if node.op_type != "MatMul" or node.name not in wanted or node.input[1] not in inits:
-            nodes.append(node)
-            continue
-        name = node.input[1]
-        w = numpy_helper.to_array(inits[name]).astype(np.float32)  # [in, out]
-        scale = (np.abs(w).max(axis=0) / 127.0).astype(np.float32)
-        scale[scale == 0] = 1.0
-        q = np.clip(np.round(w / scale), -127, 127).astype(np.int8)
-        graph.initializer.extend([numpy_helper.from_array(q, f"{name}_int8"),
-                                  numpy_helper.from_array(scale, f"{name}_int8_scale"),
-                                  numpy_helper.from_array(np.zeros_like(q[0]), f"{name}_int8_zero_point")])
-        nodes.append(helper.make_node("DynamicQuantizeMatMul",
-                                      [node.input[0], f"{name}_int8", f"{name}_int8_scale", f"{name}_int8_zero_point"],
-                                      list(node.output), name=f"{node.name}_dynamic_int8", domain="com.microsoft"))
-        converted += 1
-    del graph.node[:]
-    graph.node.extend(nodes)
-    used = {i for n in graph.node for i in n.input}
-    keep = [init for init in graph.initializer if init.name in used]
-    del graph.initializer[:]
-    graph.initializer.extend(keep)
-    if converted and not any(o.domain == "com.microsoft" for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
-    onnx.save(model, str(path))
-    return converted
+    with tempfile.TemporaryDirectory(prefix="dynffn-") as tmp:
+        clean = _without_value_info(src, Path(tmp) / "clean.onnx")
+        quantize_dynamic(str(clean), str(dst), weight_type=QuantType.QInt8, per_channel=per_channel,
+                         reduce_range=reduce_range, op_types_to_quantize=["MatMul"], nodes_to_quantize=list(node_names),
+                         extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT, "MatMulConstBOnly": True})
+    wanted = {f"{name}_quant" for name in node_names}
+    graph = onnx.load(str(dst), load_external_data=False).graph
+    return sum(1 for n in graph.node if n.op_type == "MatMulInteger" and n.name in wanted)
 
 
-def activation_matmuls(path: Path) -> list[str]:
+def _graph(model: Path | Any) -> Any:
+    """An ONNX graph from a file path (weights' external data not loaded), or the graph passed in."""
+    import onnx
+
+    return onnx.load(str(model), load_external_data=False).graph if isinstance(model, Path) else model
+
+
+def activation_matmuls(model: Path | Any) -> list[str]:
     """MatMuls with no weight input (attention scores x values): kept float, as in dynamic quantization.
 
     Their inputs are softmax probabilities and per-token activations whose uint8 per-tensor rounding costs
     BERT measurable accuracy, while the weight products carry almost all the compute.
     """
-    import onnx
-
-    graph = onnx.load(str(path), load_external_data=False).graph
+    graph = _graph(model)
     weights = {init.name for init in graph.initializer}
     return [n.name for n in graph.node if n.op_type == "MatMul" and not any(i in weights for i in n.input[:2])]
 
 
-def ffn_output_matmuls(path: Path, intermediate_size: int) -> list[str]:
+def ffn_output_matmuls(model: Path | Any, intermediate_size: int) -> list[str]:
     """MatMuls whose weight has `intermediate_size` input rows: each layer's FFN down-projection.
 
     Their input is the GELU output, whose few large outliers make a per-tensor uint8 range coarse for
     everything else: on the default profile, quantizing them cost int8-static 1.3 points of test accuracy,
     keeping them float 0.4 points (6 of 38 weight products); `dynamic_int8_matmuls` then quantizes them per batch.
     """
-    import onnx
-
-    graph = onnx.load(str(path), load_external_data=False).graph
+    graph = _graph(model)
     rows = {init.name: (init.dims[0] if init.dims else 0) for init in graph.initializer}
     return [n.name for n in graph.node
             if n.op_type == "MatMul" and len(n.input) > 1 and rows.get(n.input[1]) == intermediate_size]
@@ -215,27 +212,28 @@ def ffn_output_matmuls(path: Path, intermediate_size: int) -> list[str]:
 class FakeQuantLinear(torch.nn.Module):
     """`nn.Linear` whose input and weight are fake-quantized as onnxruntime's QDQ MatMul will quantize them."""
 
-    def __init__(self, linear: torch.nn.Linear) -> None:
+    def __init__(self, linear: torch.nn.Linear, reduce_range: bool = True) -> None:
         super().__init__()
         from torch.ao.quantization import FakeQuantize, MovingAverageMinMaxObserver, PerChannelMinMaxObserver
 
         self.linear = linear
         self.input_fq = FakeQuantize(observer=MovingAverageMinMaxObserver, quant_min=0, quant_max=255,
                                      dtype=torch.quint8, qscheme=torch.per_tensor_affine)
-        self.weight_fq = FakeQuantize(observer=PerChannelMinMaxObserver, quant_min=-127, quant_max=127,
+        qmax = 64 if reduce_range else 127  # onnxruntime's symmetric int8 range: [-64, 64] reduced, else +-127
+        self.weight_fq = FakeQuantize(observer=PerChannelMinMaxObserver, quant_min=-qmax, quant_max=qmax,
                                       dtype=torch.qint8, qscheme=torch.per_channel_symmetric, ch_axis=0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(self.input_fq(x), self.weight_fq(self.linear.weight), self.linear.bias)
 
 
-def add_fake_quant(model: torch.nn.Module, skip_in_features: int | None = None) -> int:
+def add_fake_quant(model: torch.nn.Module, skip_in_features: int | None = None, reduce_range: bool = True) -> int:
     """Wrap every Linear in place (except those with `skip_in_features` inputs, kept float); returns the count."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, torch.nn.Linear) and child.in_features != skip_in_features:
-                setattr(parent, name, FakeQuantLinear(child))
+                setattr(parent, name, FakeQuantLinear(child, reduce_range))
                 count += 1
     return count
 
@@ -263,7 +261,7 @@ class QatResult:
 
 def qat_finetune(model: torch.nn.Module, seqs: Sequence[np.ndarray], labels: Sequence[int], epochs: int,
                  batch_size: int, lr: float, seed: int = 0, pad_id: int = 0,
-                 skip_in_features: int | None = None) -> QatResult:
+                 skip_in_features: int | None = None, reduce_range: bool = True) -> QatResult:
     """A short finetune with fake quantization, via Lightning, from the FP32 weights.
 
     Layers the INT8 conversion keeps float (`skip_in_features`) train without fake quantization.
@@ -274,7 +272,7 @@ def qat_finetune(model: torch.nn.Module, seqs: Sequence[np.ndarray], labels: Seq
     from pipeline.batching import Collator, LengthBucketBatchSampler, TokenizedDataset
     from pipeline.train import SentimentClassifier
 
-    wrapped = add_fake_quant(model, skip_in_features)
+    wrapped = add_fake_quant(model, skip_in_features, reduce_range)
     L.seed_everything(seed, verbose=False)
     ds = TokenizedDataset(seqs, labels)
     loader = DataLoader(ds, batch_sampler=LengthBucketBatchSampler(ds.lengths, batch_size, seed=seed),

@@ -108,3 +108,20 @@ def test_aclimdb_layout(tmp_path):
 def test_aclimdb_missing_folder(tmp_path):
     with pytest.raises(DataSourceError, match="aclImdb folder"):
         load_imdb(DataParams(source="aclimdb", local_dir=str(tmp_path)))
+
+
+def test_heldout_benchmark_scores_only_train_reviews_never_trained_on(tmp_path):
+    """benchmarks.heldout_accuracy must not score a review the profile trained on, validated or tested on."""
+    from benchmarks.heldout_accuracy import unseen_train_reviews
+
+    df = synthetic_reviews(400)
+    df.iloc[:300].to_parquet(tmp_path / "train.parquet")
+    df.iloc[300:].to_parquet(tmp_path / "test.parquet")
+    params = _params(source="parquet", local_dir=str(tmp_path), train_count=300, val_count=50, train_subsample=100,
+                     val_subsample=20, test_subsample=20)
+    splits, _ = make_splits(load_imdb(params), params)
+    full, _ = make_splits(load_imdb(params), _params(train_count=300, val_count=50))
+    unseen = unseen_train_reviews(params, tmp_path, splits["train"], 80, seed=0)
+    assert len(unseen) == 80 and unseen["label"].mean() == pytest.approx(0.5, abs=0.02)
+    assert set(unseen.text) <= set(full["train"].text)
+    assert not set(unseen.text) & (set(splits["train"].text) | set(full["val"].text) | set(full["test"].text))
