@@ -103,9 +103,13 @@ class TrainParams:
     # training: with dropout on attention probabilities it falls back to materialising them (2.2x slower
     # steps measured at 384 tokens on this CPU, 1.2x at 128).
     attention_dropout: float | None = None
+    # Training window in tokens (None = data.max_length). Shorter trains on head+tail windows of the tokenized
+    # reviews (cheaper per sample) while validation, test and every exported variant use data.max_length.
+    max_length: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.epochs >= 1, "train.epochs must be >= 1")
+        _require(self.max_length is None or 8 <= self.max_length <= 512, "train.max_length must be null or in [8, 512]")
         _require(self.attention_dropout is None or 0.0 <= self.attention_dropout < 1.0,
                  "train.attention_dropout must be null or in [0, 1)")
         _require(self.batch_size >= 1 and self.eval_batch_size >= 1, "train batch sizes must be >= 1")

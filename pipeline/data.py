@@ -214,6 +214,22 @@ def truncate_ids(ids: Sequence[int], max_length: int, truncation: str, head_frac
     return [cls_id, *ids, sep_id]
 
 
+def retruncate(ids: Sequence[int], max_length: int, truncation: str, head_fraction: float,
+                cls_id: int, sep_id: int) -> np.ndarray:
+    """Shorten an already truncated `[CLS] ... [SEP]` sequence to `max_length`.
+
+    With the same truncation and head fraction this equals truncating the original review to `max_length`
+    directly (the shorter head and tail lie inside the longer ones), so training can use a shorter window
+    than the tokenized splits without tokenizing twice.
+    """
+    if len(ids) <= max_length:
+        return np.asarray(ids, dtype=np.int32)
+    if ids[0] != cls_id or ids[-1] != sep_id:
+        raise ValueError("retruncate expects sequences written by truncate_ids ([CLS] ... [SEP])")
+    return np.asarray(truncate_ids(list(ids[1:-1]), max_length, truncation, head_fraction, cls_id, sep_id),
+                      dtype=np.int32)
+
+
 def tokenize_frame(df: pd.DataFrame, tokenizer: Any, params: DataParams, chunk: int = 2048) -> pd.DataFrame:
     """Token ids (unpadded, int32) and length per review; padding happens per batch later."""
     out: list[np.ndarray] = []

@@ -8,10 +8,12 @@ DDP/FSDP/DeepSpeed through Lightning's `strategy`/`devices`/`num_nodes`.
 from __future__ import annotations
 
 import csv
+import functools
 import logging
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,7 @@ from torchmetrics.classification import BinaryAccuracy
 
 from pipeline.batching import Collator, LengthBucketBatchSampler, TokenizedDataset
 from pipeline.config import DataParams, ModelParams, TrainParams, to_dict
-from pipeline.data import read_tokenized
+from pipeline.data import read_tokenized, retruncate
 from pipeline.io import write_json
 
 log = logging.getLogger(__name__)
@@ -108,10 +110,12 @@ class SentimentClassifier(L.LightningModule):
 class IMDBDataModule(L.LightningDataModule):
     """Tokenized splits from the prepare stage, batched by length."""
 
-    def __init__(self, tokenized_dir: str | Path, params: TrainParams, pad_id: int = 0) -> None:
+    def __init__(self, tokenized_dir: str | Path, params: TrainParams, pad_id: int = 0,
+                 shorten_train: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
         super().__init__()
         self.tokenized_dir = Path(tokenized_dir)
         self.params = params
+        self.shorten_train = shorten_train  # the training window (`train.max_length`); other splits stay whole
         self.collate = Collator(pad_id=pad_id, multiple_of=params.pad_to_multiple_of)
         self.datasets: dict[str, TokenizedDataset] = {}
 
@@ -119,7 +123,10 @@ class IMDBDataModule(L.LightningDataModule):
         for split in ("train", "val", "test"):
             if split not in self.datasets:
                 df = read_tokenized(self.tokenized_dir, split)
-                self.datasets[split] = TokenizedDataset(df["input_ids"].tolist(), df["label"].to_numpy())
+                ids = df["input_ids"].tolist()
+                if split == "train" and self.shorten_train is not None:
+                    ids = [self.shorten_train(x) for x in ids]
+                self.datasets[split] = TokenizedDataset(ids, df["label"].to_numpy())
 
     def _loader(self, split: str, batch_size: int, shuffle: bool) -> DataLoader:
         p = self.params
@@ -239,6 +246,9 @@ def finetune(tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots_dir
     from pipeline.modeling import load_model, load_tokenizer
 
     check_accelerations(params)
+    if params.max_length is not None and params.max_length > data.max_length:
+        raise ValueError(f"train.max_length ({params.max_length}) exceeds data.max_length ({data.max_length}), "
+                         "the length the splits were tokenized to")
     started = time.perf_counter()
     if params.threads:
         torch.set_num_threads(params.threads)
@@ -247,7 +257,12 @@ def finetune(tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots_dir
     model = load_model(model_params, seed=params.seed, attention_dropout=params.attention_dropout)
     module = SentimentClassifier(model, params.lr, params.weight_decay, params.warmup_ratio,
                                  compile_model=params.compile, compile_mode=params.compile_mode)
-    dm = IMDBDataModule(tokenized_dir, params, pad_id=tokenizer.pad_token_id or 0)
+    shorten = None
+    if params.max_length is not None and params.max_length < data.max_length:
+        shorten = functools.partial(retruncate, max_length=params.max_length, truncation=data.truncation,
+                                    head_fraction=data.head_fraction, cls_id=tokenizer.cls_token_id,
+                                    sep_id=tokenizer.sep_token_id)
+    dm = IMDBDataModule(tokenized_dir, params, pad_id=tokenizer.pad_token_id or 0, shorten_train=shorten)
     recorder = CurveRecorder()
     with tempfile.TemporaryDirectory(prefix="finetune-") as tmp:
         work = Path(tmp)

@@ -125,3 +125,22 @@ def test_heldout_benchmark_scores_only_train_reviews_never_trained_on(tmp_path):
     assert len(unseen) == 80 and unseen["label"].mean() == pytest.approx(0.5, abs=0.02)
     assert set(unseen.text) <= set(full["train"].text)
     assert not set(unseen.text) & (set(splits["train"].text) | set(full["val"].text) | set(full["test"].text))
+
+
+@pytest.mark.parametrize("mode", ["head", "head_tail"])
+def test_retruncating_a_tokenized_review_equals_truncating_the_original(mode):
+    """`train.max_length` shortens tokenized reviews; the window must be what tokenizing short would give."""
+    import numpy as np
+
+    from pipeline.data import retruncate
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        ids = list(rng.integers(1000, 2000, int(rng.integers(1, 700))))
+        long_len = int(rng.integers(16, 513))
+        short_len = int(rng.integers(8, long_len + 1))
+        stored = truncate_ids(ids, long_len, mode, 0.25, 101, 102)
+        assert retruncate(stored, short_len, mode, 0.25, 101, 102).tolist() == truncate_ids(
+            ids, short_len, mode, 0.25, 101, 102)
+    with pytest.raises(ValueError, match="CLS"):
+        retruncate(list(range(20)), 8, mode, 0.25, 101, 102)

@@ -54,6 +54,17 @@ def test_best_checkpoint_is_restored(tmp_path, tokenized_dir):
     assert m["best_val_accuracy"] == pytest.approx(max(val), abs=1e-6)
 
 
+def test_training_window_shorter_than_inference_length(tmp_path, tokenized_dir):
+    """`train.max_length` trains on 16-token windows; validation, test and the saved model keep 64 tokens."""
+    out, _ = _run(tmp_path, tokenized_dir, epochs=1, max_length=16)
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["train_tokens_per_s"] / m["train_samples_per_s"] <= 16  # mean real tokens per training review
+    _model, _tok, meta = load_finetuned(out / "model")
+    assert meta["preprocessing"]["max_length"] == 64 and meta["params"]["train"]["max_length"] == 16
+    with pytest.raises(ValueError, match=r"exceeds data\.max_length"):
+        _run(tmp_path, tokenized_dir, epochs=1, max_length=128)
+
+
 def test_no_bucketing_with_grad_accum(tmp_path, tokenized_dir):
     out, _ = _run(tmp_path, tokenized_dir, epochs=1, bucketing=False, grad_accum=2)
     rows = (out / "plots" / "train.csv").read_text().splitlines()[1:]
