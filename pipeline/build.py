@@ -35,6 +35,22 @@ def _max_length(meta: dict[str, Any]) -> int:
     return int(meta["preprocessing"]["max_length"])
 
 
+def _training_window(meta: dict[str, Any], tokenizer: Any) -> Any:
+    """Shorten QAT reviews to the window the finetune stage trained on (`train.max_length` in the model's
+    own record), so QAT steps cost what finetune steps cost; None when training used the full length."""
+    import functools
+
+    from pipeline.data import retruncate
+
+    window = (meta.get("params", {}).get("train", {}) or {}).get("max_length")
+    pre = meta["preprocessing"]
+    if window is None or int(window) >= int(pre["max_length"]):
+        return None
+    return functools.partial(retruncate, max_length=int(window), truncation=pre["truncation"],
+                             head_fraction=float(pre["head_fraction"]), cls_id=tokenizer.cls_token_id,
+                             sep_id=tokenizer.sep_token_id)
+
+
 def run_export(finetuned: Path, tokenized: Path, out_dirs: dict[str, Path], params: ExportParams) -> dict[str, Any]:
     """`fp32-torchscript` and `fp32-onnx`, each checked for parity on real test reviews."""
     import torch
@@ -133,7 +149,7 @@ def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, out_dirs: di
 
         t0 = time.perf_counter()
         report["int8-qat"] = _qat(finetuned, train, calibration, best["method"], Path(tmp), out_dirs["int8-qat"],
-                                  params, meta, pad, train_seed, ffn_width)
+                                  params, meta, pad, train_seed, ffn_width, _training_window(meta, tokenizer))
         report["int8-qat"].update(census("int8-qat"), build_seconds=round(time.perf_counter() - t0, 2))
         write_variant(out_dirs["int8-qat"], VariantInfo("int8-qat", "onnx", "int8", "model.onnx",
                                                         params=report["int8-qat"]), finetuned)
@@ -168,14 +184,14 @@ def _graph_for_quantization(model: Any, fp32_onnx: Path, tmp: Path, params: Quan
 def _static_with_selection(base: Path, tmp: Path, calibration: list[np.ndarray], val: Any, params: QuantizeParams,
                            pad: int, ffn_width: int | None) -> dict[str, Any]:
     """Build one static model per calibration method; keep the most accurate on validation reviews."""
-    from pipeline.quantize import quantize_static_onnx
+    from pipeline.quantize import quantize_static_onnx_methods
 
     seqs, labels = val["input_ids"].tolist(), val["label"].to_numpy()
+    paths = {method: tmp / f"static-{method}.onnx" for method in params.calibration_methods}
+    quantize_static_onnx_methods(base, paths, calibration, params.per_channel, params.calibration_batch_size, pad,
+                                 ffn_width, params.reduce_range)
     scores: dict[str, float] = {}
-    for method in params.calibration_methods:
-        path = tmp / f"static-{method}.onnx"
-        quantize_static_onnx(base, path, calibration, method, params.per_channel,
-                             params.calibration_batch_size, pad, ffn_width, params.reduce_range)
+    for method, path in paths.items():
         logits = predict_logits(OrtRunner(path), seqs, pad_id=pad, progress=f"select {method}")
         scores[method] = float((logits.argmax(-1) == labels).mean())
         log.info("int8-static calibration %s: validation accuracy %.4f", method, scores[method])
@@ -184,14 +200,18 @@ def _static_with_selection(base: Path, tmp: Path, calibration: list[np.ndarray],
 
 
 def _qat(finetuned: Path, train: Any, calibration: list[np.ndarray], method: str, tmp: Path, out: Path,
-         params: QuantizeParams, meta: dict[str, Any], pad: int, seed: int, ffn_width: int | None) -> dict[str, Any]:
+         params: QuantizeParams, meta: dict[str, Any], pad: int, seed: int, ffn_width: int | None,
+         window: Any = None) -> dict[str, Any]:
     from pipeline.quantize import qat_finetune, quantize_static_onnx
 
     model, _, _ = load_finetuned(finetuned)
     model.train()
     rng = np.random.default_rng(seed + 1)
     idx = rng.choice(len(train), size=min(params.qat_train_samples, len(train)), replace=False)
-    result = qat_finetune(model, [train["input_ids"].iloc[i] for i in idx], train["label"].to_numpy()[idx],
+    reviews = [train["input_ids"].iloc[i] for i in idx]
+    if window is not None:
+        reviews = [window(ids) for ids in reviews]
+    result = qat_finetune(model, reviews, train["label"].to_numpy()[idx],
                           params.qat_epochs, params.qat_batch_size, params.qat_lr, seed, pad, ffn_width,
                           params.reduce_range)
     fp32 = tmp / "qat-fp32.onnx"
@@ -202,6 +222,7 @@ def _qat(finetuned: Path, train: Any, calibration: list[np.ndarray], method: str
     linears = "every Linear but the FFN down-projections (quantized per batch)" if ffn_width else "every Linear"
     return {"method": f"QAT (torch.ao FakeQuantize on {linears}) + onnxruntime QDQ", "calibration": method,
             "qat_samples": result.samples, "qat_steps": result.steps, "qat_epochs": params.qat_epochs,
+            "qat_max_length": max(len(ids) for ids in reviews),
             "qat_lr": params.qat_lr, "qat_final_loss": round(result.final_loss, 4),
             "fake_quant_layers": result.wrapped_layers, "dynamic_ffn_output": ffn_width is not None,
             "reduce_range": params.reduce_range}

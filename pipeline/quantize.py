@@ -105,8 +105,16 @@ class TokenCalibrationReader:
 def quantize_static_onnx(src: Path, dst: Path, calibration: Sequence[np.ndarray], method: str,
                          per_channel: bool = True, batch_size: int = 16, pad_id: int = 0,
                          dynamic_ffn_output_of: int | None = None, reduce_range: bool = True) -> None:
-    """QDQ static INT8: uint8 activations with calibrated ranges, per-channel symmetric int8 weights
-    (7-bit with `reduce_range`, see `QuantizeParams.reduce_range`).
+    """One static QDQ INT8 model (see `quantize_static_onnx_methods`)."""
+    quantize_static_onnx_methods(src, {method: dst}, calibration, per_channel, batch_size, pad_id,
+                                 dynamic_ffn_output_of, reduce_range)
+
+
+def quantize_static_onnx_methods(src: Path, dsts: dict[str, Path], calibration: Sequence[np.ndarray],
+                                 per_channel: bool = True, batch_size: int = 16, pad_id: int = 0,
+                                 dynamic_ffn_output_of: int | None = None, reduce_range: bool = True) -> None:
+    """QDQ static INT8, one model per calibration method in `dsts`: uint8 activations with calibrated ranges,
+    per-channel symmetric int8 weights (7-bit with `reduce_range`, see `QuantizeParams.reduce_range`).
 
     Matrix products with a weight operand are quantized; the two activation-only products of each attention
     layer stay float (see `activation_matmuls`).
@@ -114,14 +122,16 @@ def quantize_static_onnx(src: Path, dst: Path, calibration: Sequence[np.ndarray]
     Only MatMul/Gemm (compute) and Gather (the embedding table, most of the file) are quantized:
     quantizing Add/LayerNorm/Softmax costs BERT accuracy for little speed. With `dynamic_ffn_output_of` set to
     the FFN width, the FFN down-projections are left out of calibration (see `ffn_output_matmuls`) and
-    quantized dynamically instead (`dynamic_int8_matmuls`).
+    quantized dynamically instead (`dynamic_int8_matmuls`). Pre-processing and that dynamic pass do not depend
+    on the calibration method, so they run once for all methods.
     """
     import onnx
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
-    if method not in CALIBRATION_METHODS:
-        raise QuantizeError(f"unknown calibration method {method!r}; use one of {CALIBRATION_METHODS}")
+    unknown = [m for m in dsts if m not in CALIBRATION_METHODS]
+    if unknown:
+        raise QuantizeError(f"unknown calibration method {unknown[0]!r}; use one of {CALIBRATION_METHODS}")
     with tempfile.TemporaryDirectory(prefix="quant-") as tmp:
         pre = Path(tmp) / "pre.onnx"
         quant_pre_process(str(src), str(pre), skip_symbolic_shape=True)
@@ -129,29 +139,30 @@ def quantize_static_onnx(src: Path, dst: Path, calibration: Sequence[np.ndarray]
         names = {i.name for i in graph.input}
         excluded = activation_matmuls(graph)
         ffn = ffn_output_matmuls(graph, dynamic_ffn_output_of) if dynamic_ffn_output_of else []
-        reader = TokenCalibrationReader(calibration, batch_size, names, pad_id)
-        # No symbolic shape inference (it fails on the exporter's graph); ONNX's own inference types every
-        # tensor of the unfused graph, which is what the quantizer needs.
-        # Biases stay float: int32 bias scales need a calibrated input scale, which sliced inputs
-        # (the pooler's [CLS] `select`) do not get, and float biases cost nothing measurable.
-        extra: dict[str, Any] = {"ActivationSymmetric": False, "WeightSymmetric": True, "QuantizeBias": False,
-                                 "DefaultTensorType": onnx.TensorProto.FLOAT}
-        if method == "percentile":
-            extra["CalibPercentile"] = 99.999
         base = pre
         if ffn:  # first, on the float graph: the dynamic quantizer rewrites Gemm as MatMul, QDQ or not
             base = Path(tmp) / "ffn-dynamic.onnx"
             converted = dynamic_int8_matmuls(pre, base, ffn, per_channel, reduce_range)
             if converted != len(ffn):
                 raise QuantizeError(f"only {converted} of {len(ffn)} FFN down-projections were quantized dynamically")
-        quantize_static(
-            str(base), str(dst), reader, quant_format=QuantFormat.QDQ, per_channel=per_channel,
-            reduce_range=reduce_range, activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
-            op_types_to_quantize=["MatMul", "Gemm", "Gather"], nodes_to_exclude=excluded,
-            calibrate_method={"minmax": CalibrationMethod.MinMax, "percentile": CalibrationMethod.Percentile,
-                              "entropy": CalibrationMethod.Entropy}[method],
-            extra_options=extra,
-        )
+        for method, dst in dsts.items():
+            # No symbolic shape inference (it fails on the exporter's graph); ONNX's own inference types every
+            # tensor of the unfused graph, which is what the quantizer needs.
+            # Biases stay float: int32 bias scales need a calibrated input scale, which sliced inputs
+            # (the pooler's [CLS] `select`) do not get, and float biases cost nothing measurable.
+            extra: dict[str, Any] = {"ActivationSymmetric": False, "WeightSymmetric": True, "QuantizeBias": False,
+                                     "DefaultTensorType": onnx.TensorProto.FLOAT}
+            if method == "percentile":
+                extra["CalibPercentile"] = 99.999
+            quantize_static(
+                str(base), str(dst), TokenCalibrationReader(calibration, batch_size, names, pad_id),
+                quant_format=QuantFormat.QDQ, per_channel=per_channel,
+                reduce_range=reduce_range, activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                op_types_to_quantize=["MatMul", "Gemm", "Gather"], nodes_to_exclude=excluded,
+                calibrate_method={"minmax": CalibrationMethod.MinMax, "percentile": CalibrationMethod.Percentile,
+                                  "entropy": CalibrationMethod.Entropy}[method],
+                extra_options=extra,
+            )
 
 
 def dynamic_int8_matmuls(src: Path, dst: Path, node_names: Sequence[str], per_channel: bool = True,
@@ -181,7 +192,7 @@ def _graph(model: Path | Any) -> Any:
     """An ONNX graph from a file path (weights' external data not loaded), or the graph passed in."""
     import onnx
 
-    return onnx.load(str(model), load_external_data=False).graph if isinstance(model, Path) else model
+    return onnx.load(str(model), load_external_data=False).graph if isinstance(model, str | Path) else model
 
 
 def activation_matmuls(model: Path | Any) -> list[str]:
