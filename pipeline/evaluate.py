@@ -11,6 +11,7 @@ import numpy as np
 
 from pipeline.config import EvaluateParams
 from pipeline.data import read_tokenized
+from pipeline.io import read_predictions
 from pipeline.variants import VariantError, load_runner, predict_logits, read_variant, size_mb
 
 log = logging.getLogger(__name__)
@@ -18,21 +19,35 @@ log = logging.getLogger(__name__)
 REFERENCE = "fp32-eager"
 
 
-def score_variants(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Path,
-                   params: EvaluateParams) -> dict[str, dict[str, Any]]:
-    """One entry per variant (and the FP32 PyTorch reference): accuracy, size_mb, agreement, status."""
+def score_variants(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Path, params: EvaluateParams,
+                   reference_predictions: Path | None = None) -> dict[str, dict[str, Any]]:
+    """One entry per variant (and the FP32 PyTorch reference): accuracy, size_mb, agreement, status.
+
+    With `reference_predictions` (the finetune stage's test logits, checked to score exactly this test
+    split) the FP32 reference is not scored a second time; its `scored_by` says which stage scored it.
+    """
     test = read_tokenized(tokenized, "test")
     seqs, labels = test["input_ids"].tolist(), test["label"].to_numpy()
     results: dict[str, dict[str, Any]] = {}
 
     t0 = time.perf_counter()
-    ref_pred = predict_logits(load_runner(finetuned, params.threads), seqs, params.batch_size,
-                              progress=REFERENCE).argmax(-1)
+    if reference_predictions is not None:
+        try:
+            ref_logits, saved = read_predictions(reference_predictions, seqs, labels)
+        except (FileNotFoundError, ValueError) as exc:
+            raise VariantError(str(exc)) from exc
+        scored_by, seconds = "finetune", float(saved.get("seconds", time.perf_counter() - t0))
+        log.info("%s: test logits reused from %s (scored by the finetune stage)", REFERENCE, reference_predictions)
+    else:
+        ref_logits = predict_logits(load_runner(finetuned, params.threads), seqs, params.batch_size,
+                                    progress=REFERENCE)
+        scored_by, seconds = "evaluate", time.perf_counter() - t0
+    ref_pred = ref_logits.argmax(-1)
     results[REFERENCE] = {
         "status": "ok", "reason": "", "format": "pytorch", "dtype": "float32",
         "accuracy": float((ref_pred == labels).mean()), "agreement_with_fp32": 1.0,
         "size_mb": round((finetuned / "model.safetensors").stat().st_size / 1e6, 3),
-        "eval_seconds": round(time.perf_counter() - t0, 2), "test_samples": len(labels),
+        "eval_seconds": round(seconds, 2), "test_samples": len(labels), "scored_by": scored_by,
     }
     for name, directory in variant_dirs.items():
         info = read_variant(directory)
@@ -104,7 +119,8 @@ def log_variant_runs(results: dict[str, dict[str, Any]], variant_dirs: dict[str,
                 info_params = read_variant(directory).params
             flat = {k: (v if not isinstance(v, dict | list) else str(v)[:500]) for k, v in info_params.items()}
             mlflow.log_params({"variant": name, "format": entry["format"], "dtype": entry["dtype"], **flat})
-            mlflow.set_tags({"status": entry["status"], "reason": entry["reason"][:5000]})
+            mlflow.set_tags({"status": entry["status"], "reason": entry["reason"][:5000],
+                             **({"scored_by": entry["scored_by"]} if "scored_by" in entry else {})})
             mlflow.log_metrics({k: float(v) for k, v in entry.items()
                                 if isinstance(v, int | float) and not isinstance(v, bool)})
             if entry["status"] == "ok" and entry.get("size_mb", 0) <= params.artifact_max_mb:

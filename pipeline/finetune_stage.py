@@ -18,14 +18,16 @@ def is_rank_zero() -> bool:
 
 
 def run_finetune(tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots_dir: Path, report_dir: Path,
-                 data: DataParams, model: ModelParams, train: TrainParams, tracking: MlflowParams) -> FinetuneResult:
+                 data: DataParams, model: ModelParams, train: TrainParams, tracking: MlflowParams,
+                 predictions_path: Path | None = None) -> FinetuneResult:
     """Finetune inside an MLflow child run; log curves, metrics, the model, and register it."""
     import mlflow
 
     from pipeline.tracking import log_params_flat, stage_run
 
     if not is_rank_zero():
-        return finetune(tokenized_dir, model_dir, metrics_path, plots_dir, report_dir, data, model, train)
+        return finetune(tokenized_dir, model_dir, metrics_path, plots_dir, report_dir, data, model, train,
+                        predictions_path=predictions_path)
 
     with stage_run(tracking, "finetune") as run:
         from lightning.pytorch.loggers import MLFlowLogger
@@ -33,7 +35,7 @@ def run_finetune(tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots
         log_params_flat({"data": to_dict(data), "model": to_dict(model), "train": to_dict(train)})
         logger = MLFlowLogger(tracking_uri=tracking.tracking_uri, run_id=run.info.run_id)
         result = finetune(tokenized_dir, model_dir, metrics_path, plots_dir, report_dir, data, model, train,
-                          mlflow_logger=logger)
+                          mlflow_logger=logger, predictions_path=predictions_path)
         mlflow.log_metrics(result.metrics)
         mlflow.log_artifact(str(metrics_path))
         mlflow.log_artifacts(str(plots_dir), "curves")

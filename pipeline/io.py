@@ -21,3 +21,44 @@ def read_json(path: Path) -> Any:
         return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+
+
+def token_fingerprint(seqs: Any) -> str:
+    """SHA-256 over a split's token ids in order: ties saved predictions to the exact reviews they score."""
+    import hashlib
+
+    import numpy as np
+
+    digest = hashlib.sha256()
+    for ids in seqs:
+        arr = np.asarray(ids, dtype=np.int32)
+        digest.update(len(arr).to_bytes(4, "little"))
+        digest.update(arr.tobytes())
+    return digest.hexdigest()
+
+
+def write_predictions(path: Path, logits: Any, labels: Any, seqs: Any, **meta: Any) -> None:
+    """Logits, labels and the split's fingerprint in one `.npz`, so a later stage can reuse a scoring pass."""
+    import numpy as np
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("wb") as fh:
+        np.savez(fh, logits=np.asarray(logits, dtype=np.float32), labels=np.asarray(labels),
+                 fingerprint=np.array(token_fingerprint(seqs)), meta=np.array(json.dumps(meta, sort_keys=True)))
+
+
+def read_predictions(path: Path, seqs: Any, labels: Any) -> tuple[Any, dict[str, Any]]:
+    """Logits saved by `write_predictions`, refused unless they score exactly these reviews and labels."""
+    import numpy as np
+
+    if not path.is_file():
+        raise FileNotFoundError(f"saved predictions not found: {path} (run `dvc repro finetune`)")
+    with np.load(path) as data:
+        logits, saved_labels = data["logits"], data["labels"]
+        fingerprint, meta = str(data["fingerprint"]), json.loads(str(data["meta"]))
+    if fingerprint != token_fingerprint(seqs) or not np.array_equal(saved_labels, np.asarray(labels)):
+        raise ValueError(f"{path} scores a different test split than the one given (stale predictions: "
+                         "rerun `dvc repro finetune`)")
+    if logits.shape != (len(seqs), 2):
+        raise ValueError(f"{path}: logits of shape {logits.shape}, expected ({len(seqs)}, 2)")
+    return logits, meta

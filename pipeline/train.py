@@ -27,7 +27,7 @@ from torchmetrics.classification import BinaryAccuracy
 from pipeline.batching import Collator, LengthBucketBatchSampler, TokenizedDataset
 from pipeline.config import DataParams, ModelParams, TrainParams, to_dict
 from pipeline.data import read_tokenized, retruncate
-from pipeline.io import write_json
+from pipeline.io import write_json, write_predictions
 
 log = logging.getLogger(__name__)
 
@@ -239,8 +239,12 @@ def build_trainer(params: TrainParams, work_dir: Path, callbacks: list[L.Callbac
 
 def finetune(tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots_dir: Path, report_dir: Path,
              data: DataParams, model_params: ModelParams, params: TrainParams,
-             mlflow_logger: Any = None) -> FinetuneResult:
-    """Train, keep the best checkpoint by validation accuracy, test it, and save it in HF format."""
+             mlflow_logger: Any = None, predictions_path: Path | None = None) -> FinetuneResult:
+    """Train, keep the best checkpoint by validation accuracy, test it, and save it in HF format.
+
+    `predictions_path` keeps the test logits, so the evaluate stage's FP32 reference row need not score
+    the same model on the same reviews again.
+    """
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from pipeline.modeling import load_model, load_tokenizer
@@ -278,7 +282,10 @@ def finetune(tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots_dir
             state = torch.load(best, map_location="cpu", weights_only=True)["state_dict"]
             module.load_state_dict(state)
         # Scored in one process over the whole test split (a DDP-sharded test loop would drop the tail).
-        preds, labels = predict(module, dm, "test")
+        scored = time.perf_counter()
+        logits, labels = predict_split(module, dm, "test")
+        score_seconds = time.perf_counter() - scored
+        preds = logits.argmax(-1)
 
     from sklearn.metrics import accuracy_score, f1_score
 
@@ -293,6 +300,10 @@ def finetune(tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots_dir
         "wall_time_s": time.perf_counter() - started,
     }
     save_model(module.model, tokenizer, model_dir, data, model_params, params)
+    if predictions_path is not None:
+        write_predictions(predictions_path, logits, labels, dm.datasets["test"].input_ids,
+                          batch_size=params.eval_batch_size, seconds=round(score_seconds, 2),
+                          threads=torch.get_num_threads())
     write_json(metrics_path, metrics)
     write_curves(plots_dir, recorder)
     report_dir.mkdir(parents=True, exist_ok=True)
@@ -300,15 +311,16 @@ def finetune(tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots_dir
     return FinetuneResult(metrics, model_dir, best)
 
 
-def predict(module: SentimentClassifier, dm: IMDBDataModule, split: str = "test") -> tuple[np.ndarray, np.ndarray]:
-    """Predicted and true labels for a split (rank 0, single process), for the score and confusion matrix."""
+def predict_split(module: SentimentClassifier, dm: IMDBDataModule,
+                  split: str = "test") -> tuple[np.ndarray, np.ndarray]:
+    """Logits and true labels for a split (rank 0, single process), scored as the evaluate stage scores."""
     from pipeline.variants import EagerLogits, TorchRunner, predict_logits
 
     module.eval()
     ds = dm.datasets[split]
     logits = predict_logits(TorchRunner(EagerLogits(module.model)), ds.input_ids, dm.params.eval_batch_size,
                             pad_id=dm.collate.pad_id, progress=f"score {split}")
-    return logits.argmax(-1), ds.labels
+    return logits, ds.labels
 
 
 def save_model(model: torch.nn.Module, tokenizer: Any, model_dir: Path, data: DataParams,

@@ -13,6 +13,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--finetuned", type=Path, required=True)
     parser.add_argument("--tokenized", type=Path, required=True)
     parser.add_argument("--variant", action="append", required=True, help="variant=directory")
+    parser.add_argument("--reference-predictions", type=Path, default=None,
+                        help="the finetune stage's test logits: the FP32 reference row reuses them")
     parser.add_argument("--metrics", type=Path, required=True)
     parser.add_argument("--plot", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -31,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
         raw = read_params(args.params)
         params, tracking = section(raw, "evaluate", EvaluateParams), section(raw, "mlflow", MlflowParams)
         variants = named_paths(args.variant)
-        results = score_variants(args.finetuned, variants, args.tokenized, params)
+        results = score_variants(args.finetuned, variants, args.tokenized, params, args.reference_predictions)
         write_json(args.metrics, results)
         accuracy_bars(results, args.plot)
         for line in check_targets(results):

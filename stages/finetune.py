@@ -15,6 +15,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--metrics", type=Path, required=True)
     parser.add_argument("--plots", type=Path, required=True)
     parser.add_argument("--reports", type=Path, required=True)
+    parser.add_argument("--test-predictions", type=Path, default=None,
+                        help="where to keep the test logits (the evaluate stage reuses them for FP32)")
     args = parser.parse_args(argv)
 
     from pipeline.cli import run_stage
@@ -27,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
         raw = read_params(args.params)
         run_finetune(
             tokenized_dir=args.tokenized, model_dir=args.model_dir, metrics_path=args.metrics,
-            plots_dir=args.plots, report_dir=args.reports,
+            plots_dir=args.plots, report_dir=args.reports, predictions_path=args.test_predictions,
             data=section(raw, "data", DataParams), model=section(raw, "model", ModelParams),
             train=section(raw, "train", TrainParams), tracking=section(raw, "mlflow", MlflowParams),
         )

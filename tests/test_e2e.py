@@ -37,6 +37,12 @@ def test_variants_metrics(repo):
         assert v[name]["agreement_with_fp32"] > 0.9, (name, v[name])
     # QAT trains further, so it may disagree with FP32 more; it must not lose accuracy badly.
     assert v["int8-qat"]["accuracy"] > v["fp32-eager"]["accuracy"] - 0.05, v["int8-qat"]
+    # The FP32 row reuses the finetune stage's test logits: the same number, not a second scoring pass.
+    finetune = json.loads((repo / "metrics" / "finetune.json").read_text())
+    assert v["fp32-eager"]["scored_by"] == "finetune"
+    assert v["fp32-eager"]["accuracy"] == finetune["test_accuracy"]
+    qat = json.loads((repo / "models" / "variants" / "int8-qat" / "variant.json").read_text())["params"]
+    assert qat["qat_max_length"] <= 48  # QAT trains on the finetune window (train.max_length), not 64 tokens
     import torch
 
     if not torch.cuda.is_available():

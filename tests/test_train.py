@@ -25,7 +25,8 @@ def _run(tmp_path: Path, tokenized_dir: Path, **overrides):
     out = tmp_path / "out"
     params = TrainParams(**{**TINY_TRAIN, **overrides})
     result = finetune(tokenized_dir, out / "model", out / "metrics.json", out / "plots", out / "reports",
-                      DataParams(max_length=64), ModelParams(source="tiny"), params)
+                      DataParams(max_length=64), ModelParams(source="tiny"), params,
+                      predictions_path=out / "test-logits.npz")
     return out, result
 
 
@@ -44,6 +45,14 @@ def test_finetune_learns_and_writes_self_describing_model(tmp_path, tokenized_di
     assert train_rows[0] == "step,train_loss,lr" and len(train_rows) == 1 + 4 * 12
     val_rows = (out / "plots" / "val.csv").read_text().splitlines()
     assert len(val_rows) == 1 + 4 * 2
+    # The kept test logits are the ones the score came from, tied to the tokenized test split.
+    from pipeline.data import read_tokenized
+    from pipeline.io import read_predictions
+
+    test = read_tokenized(tokenized_dir, "test")
+    logits, saved = read_predictions(out / "test-logits.npz", test["input_ids"].tolist(), test["label"].to_numpy())
+    assert (logits.argmax(-1) == test["label"].to_numpy()).mean() == m["test_accuracy"]
+    assert saved["batch_size"] == TINY_TRAIN["eval_batch_size"]
 
 
 def test_best_checkpoint_is_restored(tmp_path, tokenized_dir):

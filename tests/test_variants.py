@@ -193,6 +193,52 @@ def test_scores_and_sizes(built, tiny_model_dir):
     assert any("int8-static" in line for line in lines)
 
 
+def test_reference_row_reuses_the_finetune_logits_only_for_the_same_split(built, tiny_model_dir, tmp_path):
+    from pipeline.data import read_tokenized
+    from pipeline.io import write_predictions
+    from pipeline.variants import predict_logits
+
+    params = EvaluateParams(batch_size=16)
+    test = read_tokenized(built["tokenized"], "test")
+    seqs, labels = test["input_ids"].tolist(), test["label"].to_numpy()
+    logits = predict_logits(load_runner(tiny_model_dir), seqs, 16)
+    saved = tmp_path / "finetune-test.npz"
+    write_predictions(saved, logits, labels, seqs, seconds=1.5)
+    fresh = score_variants(tiny_model_dir, {"fp32-onnx": built["dirs"]["fp32-onnx"]}, built["tokenized"], params)
+    reused = score_variants(tiny_model_dir, {"fp32-onnx": built["dirs"]["fp32-onnx"]}, built["tokenized"], params,
+                            reference_predictions=saved)
+    assert fresh["fp32-eager"]["scored_by"] == "evaluate" and reused["fp32-eager"]["scored_by"] == "finetune"
+    for name in ("fp32-eager", "fp32-onnx"):
+        assert reused[name]["accuracy"] == fresh[name]["accuracy"]
+        assert reused[name]["agreement_with_fp32"] == fresh[name]["agreement_with_fp32"]
+    assert reused["fp32-eager"]["eval_seconds"] == 1.5
+
+    stale = tmp_path / "stale.npz"  # same reviews, one label changed: a different test split
+    write_predictions(stale, logits, np.where(np.arange(len(labels)) == 0, 1 - labels, labels), seqs)
+    with pytest.raises(VariantError, match="different test split"):
+        score_variants(tiny_model_dir, {}, built["tokenized"], params, reference_predictions=stale)
+    other = tmp_path / "other.npz"  # one token changed
+    write_predictions(other, logits, labels, [seqs[0][:-1], *seqs[1:]])
+    with pytest.raises(VariantError, match="stale predictions"):
+        score_variants(tiny_model_dir, {}, built["tokenized"], params, reference_predictions=other)
+    with pytest.raises(VariantError, match="not found"):
+        score_variants(tiny_model_dir, {}, built["tokenized"], params, reference_predictions=tmp_path / "none.npz")
+
+
+def test_qat_trains_on_the_finetune_window(tokenizer):
+    from pipeline.build import _training_window
+    from pipeline.data import encode_texts
+
+    pre = {"max_length": 64, "truncation": "head_tail", "head_fraction": 0.25}
+    text = " ".join(f"word{i}" for i in range(200))
+    (full,) = encode_texts([text], tokenizer, 64, "head_tail", 0.25)
+    (short,) = encode_texts([text], tokenizer, 24, "head_tail", 0.25)
+    window = _training_window({"preprocessing": pre, "params": {"train": {"max_length": 24}}}, tokenizer)
+    assert window is not None and np.array_equal(window(full), short)
+    assert _training_window({"preprocessing": pre, "params": {"train": {"max_length": None}}}, tokenizer) is None
+    assert _training_window({"preprocessing": pre, "params": {"train": {"max_length": 64}}}, tokenizer) is None
+
+
 def test_tensorrt_skip_record(built):
     ok, reason = availability()
     if ok:
