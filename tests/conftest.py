@@ -90,7 +90,7 @@ MINI = {
              "max_length": 64},
     "model": {"head": "mean"},  # the default profile trains the [CLS] head; the e2e run covers the other one
     "train": {"epochs": 1, "batch_size": 16, "lr": 1e-4, "val_checks_per_epoch": 1,
-              "max_length": 48},  # like the default profile: train on a shorter window than inference reads
+              "max_length": 48},  # train on a shorter window than inference reads
     "quantize": {"calibration_samples": 32, "selection_samples": 100, "qat_train_samples": 64,
                  "calibration_methods": ["minmax", "percentile"]},
     "export": {"parity_samples": 8},
