@@ -213,7 +213,7 @@ def _qat(finetuned: Path, train: Any, calibration: list[np.ndarray], method: str
         reviews = [window(ids) for ids in reviews]
     result = qat_finetune(model, reviews, train["label"].to_numpy()[idx],
                           params.qat_epochs, params.qat_batch_size, params.qat_lr, seed, pad, ffn_width,
-                          params.reduce_range)
+                          params.reduce_range, params.qat_distillation)
     fp32 = tmp / "qat-fp32.onnx"
     export_onnx(model, fp32, _max_length(meta))
     out.mkdir(parents=True, exist_ok=True)
@@ -223,7 +223,8 @@ def _qat(finetuned: Path, train: Any, calibration: list[np.ndarray], method: str
     return {"method": f"QAT (torch.ao FakeQuantize on {linears}) + onnxruntime QDQ", "calibration": method,
             "qat_samples": result.samples, "qat_steps": result.steps, "qat_epochs": params.qat_epochs,
             "qat_max_length": max(len(ids) for ids in reviews),
-            "qat_lr": params.qat_lr, "qat_final_loss": round(result.final_loss, 4),
+            "qat_lr": params.qat_lr, "qat_distillation": params.qat_distillation,
+            "qat_final_loss": round(result.final_loss, 4),
             "fake_quant_layers": result.wrapped_layers, "dynamic_ffn_output": ffn_width is not None,
             "reduce_range": params.reduce_range}
 

@@ -163,6 +163,9 @@ class QuantizeParams:
     qat_epochs: int = 1
     qat_batch_size: int = 16
     qat_lr: float = 2e-5
+    # Weight of the KL term to the FP32 model's predictions in the QAT loss (0 = plain cross-entropy on labels):
+    # QAT should learn to reproduce FP32 under INT8 rounding, not keep training on 300 reviews.
+    qat_distillation: float = 1.0
     ffn_output_dynamic: bool = True  # static/QAT quantize FFN down-projections per batch (GELU outliers)
     # 7-bit weights (onnxruntime's `reduce_range`): its U8S8 kernels on CPUs without VNNI/AMX (AVX2 multiplies
     # with vpmaddubsw, which saturates int16 pair sums) give wrong products with full 8-bit weights.
@@ -176,6 +179,7 @@ class QuantizeParams:
         _require(self.calibration_samples >= 1, "quantize.calibration_samples must be >= 1")
         _require(self.selection_samples >= 1, "quantize.selection_samples must be >= 1")
         _require(self.qat_train_samples >= 1 and self.qat_epochs >= 1, "quantize.qat_* sizes must be >= 1")
+        _require(0.0 <= self.qat_distillation <= 1.0, "quantize.qat_distillation must be in [0, 1]")
 
 
 @dataclass(frozen=True)

@@ -270,25 +270,54 @@ class QatResult:
     final_loss: float
 
 
+def distillation_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor,
+                      weight: float) -> torch.Tensor:
+    """`weight` x KL(teacher || student) + (1 - weight) x cross-entropy on the labels."""
+    ce = torch.nn.functional.cross_entropy(logits.float(), labels)
+    if weight == 0.0:
+        return ce
+    student, teacher = torch.log_softmax(logits.float(), -1), torch.log_softmax(teacher_logits.float(), -1)
+    kl = torch.nn.functional.kl_div(student, teacher, reduction="batchmean", log_target=True)
+    return weight * kl + (1.0 - weight) * ce
+
+
 def qat_finetune(model: torch.nn.Module, seqs: Sequence[np.ndarray], labels: Sequence[int], epochs: int,
                  batch_size: int, lr: float, seed: int = 0, pad_id: int = 0,
-                 skip_in_features: int | None = None, reduce_range: bool = True) -> QatResult:
+                 skip_in_features: int | None = None, reduce_range: bool = True,
+                 distillation: float = 0.0) -> QatResult:
     """A short finetune with fake quantization, via Lightning, from the FP32 weights.
 
-    Layers the INT8 conversion keeps float (`skip_in_features`) train without fake quantization.
+    Layers the INT8 conversion keeps float (`skip_in_features`) train without fake quantization. With
+    `distillation` > 0 the loss pulls the fake-quantized model towards a frozen copy of the FP32 model's
+    predictions (see `distillation_loss`), so QAT adapts to INT8 rounding instead of drifting on a few
+    hundred reviews.
     """
+    import copy
+
     import lightning as L
     from torch.utils.data import DataLoader
 
     from pipeline.batching import Collator, LengthBucketBatchSampler, TokenizedDataset
     from pipeline.train import SentimentClassifier
 
+    teacher = copy.deepcopy(model).eval().requires_grad_(False) if distillation > 0 else None
     wrapped = add_fake_quant(model, skip_in_features, reduce_range)
     L.seed_everything(seed, verbose=False)
     ds = TokenizedDataset(seqs, labels)
     loader = DataLoader(ds, batch_sampler=LengthBucketBatchSampler(ds.lengths, batch_size, seed=seed),
                         collate_fn=Collator(pad_id=pad_id))
-    module = SentimentClassifier(model, lr=lr, weight_decay=0.0, warmup_ratio=0.0)
+    class _Distilled(SentimentClassifier):
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            logits = self(batch["input_ids"], batch["attention_mask"])
+            target = logits.detach()
+            if teacher is not None:
+                with torch.no_grad():
+                    target = teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            loss = distillation_loss(logits, target, batch["labels"], distillation)
+            self.log("train_loss", loss, prog_bar=True, batch_size=len(batch["labels"]))
+            return loss
+
+    module = _Distilled(model, lr=lr, weight_decay=0.0, warmup_ratio=0.0)
     losses: list[float] = []
 
     class _Loss(L.Callback):

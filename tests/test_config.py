@@ -67,3 +67,11 @@ def test_repo_params_file_is_valid():
         raw = read_params(profile)
         for name, cls in SECTIONS.items():
             section(raw, name, cls)
+
+
+def test_qat_distillation_weight_is_a_share():
+    from pipeline.config import QuantizeParams
+
+    assert section({"quantize": {"qat_distillation": 0.5}}, "quantize", QuantizeParams).qat_distillation == 0.5
+    with pytest.raises(ParamsError, match="qat_distillation must be in"):
+        section({"quantize": {"qat_distillation": 1.5}}, "quantize", QuantizeParams)

@@ -298,3 +298,18 @@ def test_parity_failure_stops_export(tmp_path, tiny_model_dir, monkeypatch):
     dirs = {"fp32-torchscript": tmp_path / "ts", "fp32-onnx": tmp_path / "onnx"}
     with pytest.raises(ExportError, match="parity failed"):
         run_export(tiny_model_dir, tok_dir, dirs, ExportParams())
+
+
+def test_qat_distillation_loss():
+    import torch
+
+    from pipeline.quantize import distillation_loss
+
+    logits = torch.tensor([[2.0, -1.0], [0.5, 0.3]])
+    labels = torch.tensor([1, 0])
+    ce = torch.nn.functional.cross_entropy(logits, labels)
+    assert torch.isclose(distillation_loss(logits, logits + 5.0, labels, 0.0), ce)  # labels only
+    assert distillation_loss(logits, logits, labels, 1.0).abs() < 1e-6  # already matches FP32: nothing to learn
+    assert distillation_loss(logits, logits.flip(-1), labels, 1.0) > 0.1
+    half = distillation_loss(logits, logits, labels, 0.5)
+    assert torch.isclose(half, 0.5 * ce, atol=1e-6)
