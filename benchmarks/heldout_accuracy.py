@@ -41,9 +41,12 @@ def unseen_train_reviews(data: DataParams, imdb_dir: Path, trained_on: pd.DataFr
     unseen = splits["train"][~splits["train"]["text"].isin(set(trained_on["text"]))]
     if len(unseen) == 0:
         raise SystemExit("the profile trains on the whole train split: no unseen train reviews to score")
-    n = min(n, len(unseen))
-    parts = [g.sample(n=round(n * len(g) / len(unseen)), random_state=seed) for _, g in unseen.groupby("label")]
-    return pd.concat(parts).reset_index(drop=True)
+    if n >= len(unseen):
+        return unseen.reset_index(drop=True)
+    from sklearn.model_selection import train_test_split  # the split the pipeline's subsamples use
+
+    kept, _ = train_test_split(unseen, train_size=n, stratify=unseen["label"], random_state=seed)
+    return kept.reset_index(drop=True)
 
 
 def main(argv: list[str] | None = None) -> None:
