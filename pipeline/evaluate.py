@@ -24,24 +24,31 @@ def score_variants(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Pa
     """One entry per variant (and the FP32 PyTorch reference): accuracy, size_mb, agreement, status.
 
     With `reference_predictions` (the finetune stage's test logits, checked to score exactly this test
-    split) the FP32 reference is not scored a second time; its `scored_by` says which stage scored it.
+    split in batches of `params.batch_size`) the FP32 reference is not scored a second time; its `scored_by`
+    says which stage scored it.
     """
     test = read_tokenized(tokenized, "test")
     seqs, labels = test["input_ids"].tolist(), test["label"].to_numpy()
     results: dict[str, dict[str, Any]] = {}
 
     t0 = time.perf_counter()
+    ref_logits, scored_by, seconds = None, "evaluate", 0.0
     if reference_predictions is not None:
         try:
-            ref_logits, saved = read_predictions(reference_predictions, seqs, labels)
+            logits, saved = read_predictions(reference_predictions, seqs, labels)
         except (FileNotFoundError, ValueError) as exc:
             raise VariantError(str(exc)) from exc
-        scored_by, seconds = "finetune", float(saved.get("seconds", time.perf_counter() - t0))
-        log.info("%s: test logits reused from %s (scored by the finetune stage)", REFERENCE, reference_predictions)
-    else:
+        if saved.get("batch_size") == params.batch_size:  # same batches and padding: the same logits
+            ref_logits, scored_by, seconds = logits, "finetune", float(saved.get("seconds", 0.0))
+            log.info("%s: test logits reused from %s (scored by the finetune stage)", REFERENCE,
+                     reference_predictions)
+        else:
+            log.info("%s: %s was scored in batches of %s, evaluate uses %d: scoring FP32 again", REFERENCE,
+                     reference_predictions, saved.get("batch_size"), params.batch_size)
+    if ref_logits is None:
         ref_logits = predict_logits(load_runner(finetuned, params.threads), seqs, params.batch_size,
                                     progress=REFERENCE)
-        scored_by, seconds = "evaluate", time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
     ref_pred = ref_logits.argmax(-1)
     results[REFERENCE] = {
         "status": "ok", "reason": "", "format": "pytorch", "dtype": "float32",

@@ -203,7 +203,7 @@ def test_reference_row_reuses_the_finetune_logits_only_for_the_same_split(built,
     seqs, labels = test["input_ids"].tolist(), test["label"].to_numpy()
     logits = predict_logits(load_runner(tiny_model_dir), seqs, 16)
     saved = tmp_path / "finetune-test.npz"
-    write_predictions(saved, logits, labels, seqs, seconds=1.5)
+    write_predictions(saved, logits, labels, seqs, seconds=1.5, batch_size=16)
     fresh = score_variants(tiny_model_dir, {"fp32-onnx": built["dirs"]["fp32-onnx"]}, built["tokenized"], params)
     reused = score_variants(tiny_model_dir, {"fp32-onnx": built["dirs"]["fp32-onnx"]}, built["tokenized"], params,
                             reference_predictions=saved)
@@ -212,6 +212,10 @@ def test_reference_row_reuses_the_finetune_logits_only_for_the_same_split(built,
         assert reused[name]["accuracy"] == fresh[name]["accuracy"]
         assert reused[name]["agreement_with_fp32"] == fresh[name]["agreement_with_fp32"]
     assert reused["fp32-eager"]["eval_seconds"] == 1.5
+    other_batches = score_variants(tiny_model_dir, {}, built["tokenized"], EvaluateParams(batch_size=8),
+                                   reference_predictions=saved)  # scored differently: scored again
+    assert other_batches["fp32-eager"]["scored_by"] == "evaluate"
+    assert other_batches["fp32-eager"]["accuracy"] == fresh["fp32-eager"]["accuracy"]
 
     stale = tmp_path / "stale.npz"  # same reviews, one label changed: a different test split
     write_predictions(stale, logits, np.where(np.arange(len(labels)) == 0, 1 - labels, labels), seqs)
