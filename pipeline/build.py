@@ -38,17 +38,12 @@ def _max_length(meta: dict[str, Any]) -> int:
 def _training_window(meta: dict[str, Any], tokenizer: Any) -> Any:
     """Shorten QAT reviews to the window the finetune stage trained on (`train.max_length` in the model's
     own record), so QAT steps cost what finetune steps cost; None when training used the full length."""
-    import functools
-
-    from pipeline.data import retruncate
+    from pipeline.data import window_shortener
 
     window = (meta.get("params", {}).get("train", {}) or {}).get("max_length")
     pre = meta["preprocessing"]
-    if window is None or int(window) >= int(pre["max_length"]):
-        return None
-    return functools.partial(retruncate, max_length=int(window), truncation=pre["truncation"],
-                             head_fraction=float(pre["head_fraction"]), cls_id=tokenizer.cls_token_id,
-                             sep_id=tokenizer.sep_token_id)
+    return window_shortener(None if window is None else int(window), int(pre["max_length"]), pre["truncation"],
+                            float(pre["head_fraction"]), tokenizer.cls_token_id, tokenizer.sep_token_id)
 
 
 def run_export(finetuned: Path, tokenized: Path, out_dirs: dict[str, Path], params: ExportParams) -> dict[str, Any]:

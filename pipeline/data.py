@@ -6,10 +6,11 @@ parquet layout of the offline copy, and the original `aclImdb/{train,test}/{pos,
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -228,6 +229,16 @@ def retruncate(ids: Sequence[int], max_length: int, truncation: str, head_fracti
         raise ValueError("retruncate expects sequences written by truncate_ids ([CLS] ... [SEP])")
     return np.asarray(truncate_ids(list(ids[1:-1]), max_length, truncation, head_fraction, cls_id, sep_id),
                       dtype=np.int32)
+
+
+def window_shortener(window: int | None, max_length: int, truncation: str, head_fraction: float, cls_id: int,
+                     sep_id: int) -> Callable[[Sequence[int]], np.ndarray] | None:
+    """`retruncate` bound to a training window (`train.max_length`) for splits tokenized to `max_length`;
+    None when the window is the whole length and there is nothing to cut."""
+    if window is None or window >= max_length:
+        return None
+    return functools.partial(retruncate, max_length=window, truncation=truncation, head_fraction=head_fraction,
+                             cls_id=cls_id, sep_id=sep_id)
 
 
 def tokenize_frame(df: pd.DataFrame, tokenizer: Any, params: DataParams, chunk: int = 2048) -> pd.DataFrame:

@@ -8,7 +8,6 @@ DDP/FSDP/DeepSpeed through Lightning's `strategy`/`devices`/`num_nodes`.
 from __future__ import annotations
 
 import csv
-import functools
 import logging
 import os
 import tempfile
@@ -26,7 +25,7 @@ from torchmetrics.classification import BinaryAccuracy
 
 from pipeline.batching import Collator, LengthBucketBatchSampler, TokenizedDataset
 from pipeline.config import DataParams, ModelParams, TrainParams, to_dict
-from pipeline.data import read_tokenized, retruncate
+from pipeline.data import read_tokenized, window_shortener
 from pipeline.io import write_json, write_predictions
 
 log = logging.getLogger(__name__)
@@ -261,11 +260,8 @@ def finetune(tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots_dir
     model = load_model(model_params, seed=params.seed, attention_dropout=params.attention_dropout)
     module = SentimentClassifier(model, params.lr, params.weight_decay, params.warmup_ratio,
                                  compile_model=params.compile, compile_mode=params.compile_mode)
-    shorten = None
-    if params.max_length is not None and params.max_length < data.max_length:
-        shorten = functools.partial(retruncate, max_length=params.max_length, truncation=data.truncation,
-                                    head_fraction=data.head_fraction, cls_id=tokenizer.cls_token_id,
-                                    sep_id=tokenizer.sep_token_id)
+    shorten = window_shortener(params.max_length, data.max_length, data.truncation, data.head_fraction,
+                               tokenizer.cls_token_id, tokenizer.sep_token_id)
     dm = IMDBDataModule(tokenized_dir, params, pad_id=tokenizer.pad_token_id or 0, shorten_train=shorten)
     recorder = CurveRecorder()
     with tempfile.TemporaryDirectory(prefix="finetune-") as tmp:
