@@ -18,12 +18,31 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
+class QuietThirdPartyRootInfo(logging.Filter):
+    """Drops INFO/DEBUG lines that a library sends through the *root* logger (`logging.info(...)`).
+
+    onnxruntime's quantizer does this (~40 per-tensor lines per build); a named logger could simply be
+    set to WARNING, the root one cannot without hiding our own INFO lines.
+    """
+
+    def __init__(self, packages: tuple[str, ...] = ("onnxruntime",)) -> None:
+        super().__init__()
+        self.packages = packages
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from_package = any(f"{os.sep}{p}{os.sep}" in record.pathname for p in self.packages)
+        return not (record.name == "root" and record.levelno < logging.WARNING and from_package)
+
+
 def setup_logging() -> None:
     """Console logging for a stage process (called from `main`, never at import)."""
     logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("urllib3", "alembic", "httpx", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, QuietThirdPartyRootInfo) for f in handler.filters):
+            handler.addFilter(QuietThirdPartyRootInfo())
 
 
 def run_stage(name: str, body: Callable[[], None], extra_errors: tuple[type[BaseException], ...] = ()) -> None:

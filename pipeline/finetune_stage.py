@@ -41,6 +41,8 @@ def run_finetune(tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots
         mlflow.log_artifacts(str(plots_dir), "curves")
         mlflow.log_artifacts(str(report_dir), "reports")
         mlflow.log_artifacts(str(model_dir), "model")
+        if predictions_path is not None and predictions_path.exists():
+            mlflow.log_artifact(str(predictions_path), "predictions")  # the logits evaluate's FP32 row reuses
         version = register(tracking, run.info.run_id, result)
         write_registration(model_dir, tracking.registered_model_name, version, run.info.run_id)
     return result

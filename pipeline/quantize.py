@@ -308,11 +308,11 @@ def qat_finetune(model: torch.nn.Module, seqs: Sequence[np.ndarray], labels: Seq
                         collate_fn=Collator(pad_id=pad_id))
     class _Distilled(SentimentClassifier):
         def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            if teacher is None:  # labels only: the plain finetuning step
+                return super().training_step(batch, batch_idx)
             logits = self(batch["input_ids"], batch["attention_mask"])
-            target = logits.detach()
-            if teacher is not None:
-                with torch.no_grad():
-                    target = teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            with torch.no_grad():
+                target = teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
             loss = distillation_loss(logits, target, batch["labels"], distillation)
             self.log("train_loss", loss, prog_bar=True, batch_size=len(batch["labels"]))
             return loss

@@ -91,6 +91,8 @@ def test_mlflow_parent_with_stage_children_and_registered_model(repo):
     finetune = next(r for r in children if r.data.tags["pipeline.stage"] == "finetune")
     assert finetune.data.metrics["test_accuracy"] > 0.65
     assert "train.lr" in finetune.data.params
+    logged = {a.path for a in client.list_artifacts(finetune.info.run_id, "predictions")}
+    assert logged == {"predictions/finetune-test.npz"}
     variant_runs = {r.data.tags.get("variant") for r in children if r.data.tags.get("variant")}
     assert "int8-static" in variant_runs and "tensorrt-int8" in variant_runs
     versions = client.search_model_versions("name = 'imdb-sentiment'")

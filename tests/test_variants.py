@@ -317,3 +317,23 @@ def test_qat_distillation_loss():
     assert distillation_loss(logits, logits.flip(-1), labels, 1.0) > 0.1
     half = distillation_loss(logits, logits, labels, 0.5)
     assert torch.isclose(half, 0.5 * ce, atol=1e-6)
+
+
+def test_qat_loss_is_labels_only_or_distilled(tiny_model_dir):
+    """distillation 0 trains on cross-entropy (≈ ln 2 for an untrained head); 1 on KL to FP32 (≈ 0 at the start)."""
+    import math
+
+    from pipeline.modeling import load_finetuned
+    from pipeline.quantize import qat_finetune
+
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(1000, 2000, size=24) for _ in range(8)]
+    labels = [i % 2 for i in range(8)]
+    losses = {}
+    for weight in (0.0, 1.0):
+        model, _, _ = load_finetuned(tiny_model_dir)
+        result = qat_finetune(model, seqs, labels, epochs=1, batch_size=4, lr=0.0, distillation=weight)
+        assert result.steps == 2
+        losses[weight] = result.final_loss
+    assert abs(losses[0.0] - math.log(2)) < 0.2
+    assert 0.0 <= losses[1.0] < 0.05

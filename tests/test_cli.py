@@ -1,0 +1,25 @@
+"""Unit tests for the stage plumbing in `pipeline.cli`."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from pipeline.cli import QuietThirdPartyRootInfo
+
+
+def _record(name: str, level: int, path: str) -> logging.LogRecord:
+    return logging.LogRecord(name, level, path, 1, "message", None, None)
+
+
+def test_root_info_from_onnxruntime_is_dropped_but_warnings_and_our_lines_stay():
+    quiet = QuietThirdPartyRootInfo()
+    ort = os.sep.join(["", "venv", "site-packages", "onnxruntime", "quantization", "qdq_quantizer.py"])
+    ours = os.sep.join(["", "repo", "pipeline", "quantize.py"])
+    assert not quiet.filter(_record("root", logging.INFO, ort))
+    assert not quiet.filter(_record("root", logging.DEBUG, ort))
+    assert quiet.filter(_record("root", logging.WARNING, ort))
+    assert quiet.filter(_record("root", logging.INFO, ours))
+    assert quiet.filter(_record("pipeline.quantize", logging.INFO, ours))
+    # a named onnxruntime logger is left to its own level
+    assert quiet.filter(_record("onnxruntime.quantization.preprocess", logging.INFO, ort))
