@@ -85,6 +85,7 @@ class TrainParams:
     precision: Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"] = "32-true"
     compile: bool = False
     compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = "default"
+    fused_optimizer: bool = True  # AdamW's single fused kernel (CPU and CUDA) instead of a per-tensor loop
     bucketing: bool = True
     bucket_pool_batches: int = 50
     pad_to_multiple_of: int = 8

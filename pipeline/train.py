@@ -52,14 +52,29 @@ def check_accelerations(params: TrainParams) -> None:
             raise AccelerationUnavailable("train.strategy=deepspeed needs `pip install deepspeed` and CUDA") from exc
 
 
+def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, fused: bool = True) -> torch.optim.AdamW:
+    """AdamW without weight decay on biases and LayerNorms; `fused` runs one kernel per step for all tensors.
+
+    On CPU PyTorch's default AdamW loops over the tensors one by one: with the 11.7M-row word embedding that
+    was ~0.2-0.3 s of a 1.7 s training step here (batch 16, 128 tokens); the fused kernel takes ~0.02 s.
+    """
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim < 2 or "LayerNorm" in name else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, fused=True if fused else None)
+
+
 class SentimentClassifier(L.LightningModule):
     """A Hugging Face sequence classifier trained with AdamW and linear warm-up/decay."""
 
     def __init__(self, model: torch.nn.Module, lr: float, weight_decay: float, warmup_ratio: float,
-                 compile_model: bool = False, compile_mode: str = "default") -> None:
+                 compile_model: bool = False, compile_mode: str = "default", fused_optimizer: bool = True) -> None:
         super().__init__()
         self.model = model.train()  # from_pretrained returns eval mode; training wants dropout on
         self.lr = lr
+        self.fused_optimizer = fused_optimizer
         self.weight_decay = weight_decay
         self.warmup_ratio = warmup_ratio
         self.compile_model = compile_model
@@ -93,14 +108,7 @@ class SentimentClassifier(L.LightningModule):
     def configure_optimizers(self) -> Any:
         from transformers import get_linear_schedule_with_warmup
 
-        decay, no_decay = [], []
-        for name, p in self.model.named_parameters():
-            if p.requires_grad:
-                (no_decay if p.ndim < 2 or "LayerNorm" in name else decay).append(p)
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=self.lr,
-        )
+        optimizer = build_optimizer(self.model, self.lr, self.weight_decay, fused=self.fused_optimizer)
         total = int(self.trainer.estimated_stepping_batches)
         scheduler = get_linear_schedule_with_warmup(optimizer, int(self.warmup_ratio * total), total)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
@@ -259,7 +267,8 @@ def finetune(tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots_dir
     tokenizer = load_tokenizer(model_params)
     model = load_model(model_params, seed=params.seed, attention_dropout=params.attention_dropout)
     module = SentimentClassifier(model, params.lr, params.weight_decay, params.warmup_ratio,
-                                 compile_model=params.compile, compile_mode=params.compile_mode)
+                                 compile_model=params.compile, compile_mode=params.compile_mode,
+                                 fused_optimizer=params.fused_optimizer)
     shorten = window_shortener(params.max_length, data.max_length, data.truncation, data.head_fraction,
                                tokenizer.cls_token_id, tokenizer.sep_token_id)
     dm = IMDBDataModule(tokenized_dir, params, pad_id=tokenizer.pad_token_id or 0, shorten_train=shorten)

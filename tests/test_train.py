@@ -131,3 +131,25 @@ def test_stage_reports_bad_params_without_traceback(tmp_path, tokenized_dir):
     )
     assert proc.returncode == 2
     assert "train.precision = 'fp8'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_fused_adamw_takes_the_same_steps_as_the_per_tensor_loop(tiny_model_dir):
+    """The fused optimizer is a speed setting: same decay groups, same updates (to float rounding)."""
+    from pipeline.train import build_optimizer
+
+    models = [load_finetuned(tiny_model_dir)[0].train() for _ in range(2)]
+    optimizers = [build_optimizer(m, 1e-3, 0.01, fused=f) for m, f in zip(models, (True, False), strict=True)]
+    assert optimizers[0].defaults["fused"] is True and not optimizers[1].defaults["fused"]
+    no_decay = optimizers[0].param_groups[1]
+    assert no_decay["weight_decay"] == 0.0 and all(p.ndim == 1 for p in no_decay["params"])
+    ids = torch.randint(5, 100, (4, 16))
+    for model, opt in zip(models, optimizers, strict=True):
+        torch.manual_seed(0)  # same dropout masks
+        for _ in range(3):
+            model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=torch.tensor([0, 1, 0, 1])).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    start = load_finetuned(tiny_model_dir)[0].state_dict()
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-5), name
+    assert any(not torch.equal(a, start[n]) for n, a in models[0].named_parameters())  # it did train
