@@ -339,6 +339,8 @@ def set_value(path: str | Path, dotted_key: str, value: str) -> None:
     from ruamel.yaml import YAML
 
     rt = YAML()
+    rt.representer.add_representer(  # keep `null` spelled out instead of an empty value
+        type(None), lambda r, _: r.represent_scalar("tag:yaml.org,2002:null", "null"))
     p = Path(path)
     doc = rt.load(p.read_text())
     node = doc

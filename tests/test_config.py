@@ -47,11 +47,11 @@ def test_read_params_errors(tmp_path):
 
 def test_set_value_keeps_comments(tmp_path):
     p = tmp_path / "params.yaml"
-    p.write_text("# top comment\ndata:\n  local_dir: a  # where\n  seed: 1\n")
+    p.write_text("# top comment\ndata:\n  local_dir: a  # where\n  seed: 1\n  test_count: null\n")
     set_value(p, "data.local_dir", "/x/y")
     text = p.read_text()
-    assert "# top comment" in text and "# where" in text
-    assert read_params(p)["data"] == {"local_dir": "/x/y", "seed": 1}
+    assert "# top comment" in text and "# where" in text and "test_count: null" in text
+    assert read_params(p)["data"] == {"local_dir": "/x/y", "seed": 1, "test_count": None}
     with pytest.raises(ParamsError, match="unknown key"):
         set_value(p, "data.nope", "1")
 
