@@ -178,16 +178,24 @@ def _graph_for_quantization(model: Any, fp32_onnx: Path, tmp: Path, params: Quan
 
 def _static_with_selection(base: Path, tmp: Path, calibration: list[np.ndarray], val: Any, params: QuantizeParams,
                            pad: int, ffn_width: int | None) -> dict[str, Any]:
-    """Build one static model per calibration method; keep the most accurate on validation reviews."""
+    """Build one static model per calibration method; keep the most accurate on validation reviews.
+
+    With a single method there is nothing to choose, so no validation pass is spent on it (`scores` is empty).
+    """
     from pipeline.quantize import quantize_static_onnx_methods
 
     seqs, labels = val["input_ids"].tolist(), val["label"].to_numpy()
     paths = {method: tmp / f"static-{method}.onnx" for method in params.calibration_methods}
     quantize_static_onnx_methods(base, paths, calibration, params.per_channel, params.calibration_batch_size, pad,
                                  ffn_width, params.reduce_range)
+    if len(paths) == 1:
+        method = next(iter(paths))
+        log.info("int8-static calibration %s: the only method configured, no selection pass", method)
+        return {"method": method, "scores": {}}
     scores: dict[str, float] = {}
     for method, path in paths.items():
-        logits = predict_logits(OrtRunner(path), seqs, pad_id=pad, progress=f"select {method}")
+        logits = predict_logits(OrtRunner(path), seqs, params.calibration_batch_size, pad_id=pad,
+                                progress=f"select {method}")
         scores[method] = float((logits.argmax(-1) == labels).mean())
         log.info("int8-static calibration %s: validation accuracy %.4f", method, scores[method])
     best = max(scores, key=lambda m: (scores[m], -params.calibration_methods.index(m)))

@@ -57,6 +57,18 @@ def test_static_calibration_selected_by_validation(built):
     assert report["selection_val_accuracy"][report["calibration"]] == best
 
 
+def test_single_calibration_method_skips_the_selection_pass(built, tmp_path):
+    from pipeline.build import _static_with_selection
+    from pipeline.data import read_tokenized
+
+    train = read_tokenized(built["tokenized"], "train")["input_ids"].tolist()[:16]
+    val = read_tokenized(built["tokenized"], "val")
+    params = QuantizeParams(calibration_samples=16, calibration_methods=["percentile"])
+    best = _static_with_selection(built["dirs"]["fp32-onnx"] / "model.onnx", tmp_path, train, val, params, 0, None)
+    assert best == {"method": "percentile", "scores": {}}
+    assert (tmp_path / "static-percentile.onnx").is_file()
+
+
 def test_every_weight_matmul_is_int8(built):
     """Static/QAT must quantize every weight product (a silent float fallback once hid here): QDQ with
     calibrated ranges, except the FFN down-projection, quantized per batch; the 2 attention products per
