@@ -8,7 +8,11 @@ first, then longer inference lengths, which the pretrained position table covers
 They are not the test split and are never used to choose anything in the pipeline. Prints a table and
 writes `benchmarks/results/heldout_accuracy.json`.
 
-    python -m benchmarks.heldout_accuracy [--reviews 3000 --lengths 128,256]
+`--variants int8-dynamic,int8-static,int8-qat` also scores those variants (at the pipeline's own length) on the
+same reviews and reports each one's paired difference to FP32 with its standard error: the test split's
+1,500 reviews cannot tell a 0.3 from a 0.7 point quantization loss.
+
+    python -m benchmarks.heldout_accuracy [--reviews 3000 --lengths 128,256 --variants int8-static]
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import torch
 
@@ -28,7 +33,7 @@ from pipeline.config import DataParams, read_params, section
 from pipeline.data import encode_texts, load_imdb, make_splits
 from pipeline.io import write_json
 from pipeline.modeling import load_finetuned
-from pipeline.variants import EagerLogits, TorchRunner, predict_logits
+from pipeline.variants import EagerLogits, TorchRunner, load_runner, predict_logits
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,6 +64,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="default: IMDB_DIR or params data.local_dir")
     parser.add_argument("--reviews", type=int, default=3000)
     parser.add_argument("--lengths", default="", help="comma-separated; default: the model's training length")
+    parser.add_argument("--variants", default="", help="comma-separated variant names under --variants-dir")
+    parser.add_argument("--variants-dir", type=Path, default=ROOT / "models/variants")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/heldout_accuracy.json")
@@ -77,24 +84,53 @@ def main(argv: list[str] | None = None) -> None:
     lengths = [int(x) for x in args.lengths.split(",") if x] or [trained["max_length"]]
     runner = TorchRunner(EagerLogits(model.eval()))
     labels = reviews["label"].to_numpy()
+    pad = tokenizer.pad_token_id or 0
+    variants = [v for v in args.variants.split(",") if v]
+    if variants and trained["max_length"] not in lengths:
+        lengths.append(trained["max_length"])  # the variants are compared with FP32 at the pipeline's length
     rows: dict[str, dict[str, Any]] = {}
+    fp32_pred: np.ndarray | None = None
     for length in lengths:
         start = time.perf_counter()
         seqs = encode_texts(reviews["text"].tolist(), tokenizer, length, trained["truncation"],
                             trained["head_fraction"])
-        pred = predict_logits(runner, seqs, 64, pad_id=tokenizer.pad_token_id or 0,
-                              progress=f"{length} tokens").argmax(-1)
+        pred = predict_logits(runner, seqs, 16, pad_id=pad, progress=f"{length} tokens").argmax(-1)
         acc = float((pred == labels).mean())
         rows[str(length)] = {"accuracy": acc, "std_error": math.sqrt(acc * (1 - acc) / len(labels)),
                              "seconds": time.perf_counter() - start}
+        if length == trained["max_length"]:
+            fp32_pred, fp32_seqs = pred, seqs
+    by_variant: dict[str, dict[str, Any]] = {}
+    for name in variants:
+        start = time.perf_counter()
+        pred = predict_logits(load_runner(args.variants_dir / name, args.threads), fp32_seqs, 16, pad_id=pad,
+                              progress=name).argmax(-1)
+        by_variant[name] = paired_difference(pred, fp32_pred, labels) | {"seconds": time.perf_counter() - start}
     result = {"reviews": len(labels), "source": "train split, reviews the profile did not train on",
               "trained_max_length": trained["max_length"], "train_subsample": trained["train_subsample"],
-              "by_inference_length": rows}
+              "by_inference_length": rows, "variants_vs_fp32": by_variant}
     write_json(args.out, result)
     print(f"\n{len(labels)} unseen train-split reviews (model trained at {trained['max_length']} tokens)\n")
     print("| inference length | accuracy | ± 1 s.e. | seconds |\n|---:|---:|---:|---:|")
     for length, r in rows.items():
         print(f"| {length} | {100 * r['accuracy']:.2f} % | {100 * r['std_error']:.2f} | {r['seconds']:.0f} |")
+    if by_variant:
+        print(f"\n| variant ({trained['max_length']} tokens) | accuracy | Δ vs FP32 (paired) | agreement | seconds |\n"
+              "|---|---:|---:|---:|---:|")
+        for name, r in by_variant.items():
+            delta = f"{100 * r['delta']:+.2f} ± {100 * r['delta_std_error']:.2f} pt"
+            print(f"| {name} | {100 * r['accuracy']:.2f} % | {delta} | {100 * r['agreement']:.1f} % "
+                  f"| {r['seconds']:.0f} |")
+
+
+def paired_difference(pred: np.ndarray, reference: np.ndarray, labels: np.ndarray) -> dict[str, float]:
+    """Accuracy of `pred`, its difference to `reference` on the same reviews and that difference's standard
+    error (paired: only reviews where the two disagree move it)."""
+    diff = (pred == labels).astype(float) - (reference == labels).astype(float)
+    n = len(labels)
+    return {"accuracy": float((pred == labels).mean()), "delta": float(diff.mean()),
+            "delta_std_error": float(diff.std(ddof=1) / math.sqrt(n)) if n > 1 else float("nan"),
+            "agreement": float((pred == reference).mean())}
 
 
 if __name__ == "__main__":

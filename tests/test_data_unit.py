@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -144,3 +145,16 @@ def test_retruncating_a_tokenized_review_equals_truncating_the_original(mode):
             ids, short_len, mode, 0.25, 101, 102)
     with pytest.raises(ValueError, match="CLS"):
         retruncate(list(range(20)), 8, mode, 0.25, 101, 102)
+
+
+def test_paired_difference_counts_only_disagreements():
+    from benchmarks.heldout_accuracy import paired_difference
+
+    labels = np.array([1, 1, 0, 0, 1, 0, 1, 0])
+    ref = np.array([1, 1, 0, 0, 1, 0, 0, 1])      # 6/8 right
+    pred = np.array([1, 1, 0, 0, 0, 0, 1, 1])     # 6/8 right: one gained, one lost
+    r = paired_difference(pred, ref, labels)
+    assert r["accuracy"] == 0.75 and r["delta"] == 0.0 and r["agreement"] == 0.75
+    assert r["delta_std_error"] == pytest.approx(np.std([0, 0, 0, 0, -1, 0, 1, 0], ddof=1) / np.sqrt(8))
+    worse = paired_difference(np.array([0, 1, 0, 0, 1, 0, 0, 1]), ref, labels)
+    assert worse["delta"] == -0.125
