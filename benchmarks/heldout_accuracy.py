@@ -2,10 +2,11 @@
 
 The default profile scores its test accuracy on 1,500 reviews: one standard error is about 0.9 point, too
 coarse to say whether a model is at 87 or 88 %. The train split has ~30,000 reviews the CPU profile never
-trains on (it subsamples 4,500); this script scores `models/finetuned` on a stratified sample of them, the
-same cleaning and truncation as the pipeline, at each `--lengths` value (the model's own training length
+trains on (it subsamples 5,500); this script scores `models/finetuned` on a stratified sample of them, the
+same cleaning and truncation as the pipeline, at each `--lengths` value (the pipeline's own `data.max_length`
 first, then longer inference lengths, which the pretrained position table covers up to 512).
-They are not the test split and are never used to choose anything in the pipeline. Prints a table and
+They are not the test split: they serve as a larger validation set when a profile setting is chosen (the
+inference length, the calibration size; `RESULTS.md` says which), never the test reviews. Prints a table and
 writes `benchmarks/results/heldout_accuracy.json`.
 
 `--variants int8-dynamic,int8-static,int8-qat` also scores those variants (at the pipeline's own length) on the
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--imdb-dir", type=Path, default=None,
                         help="default: IMDB_DIR or params data.local_dir")
     parser.add_argument("--reviews", type=int, default=3000)
-    parser.add_argument("--lengths", default="", help="comma-separated; default: the model's training length")
+    parser.add_argument("--lengths", default="", help="comma-separated; default: the pipeline's data.max_length")
     parser.add_argument("--variants", default="", help="comma-separated variant names under --variants-dir")
     parser.add_argument("--variants-dir", type=Path, default=ROOT / "models/variants")
     parser.add_argument("--seed", type=int, default=1)
@@ -107,10 +108,14 @@ def main(argv: list[str] | None = None) -> None:
                               progress=name).argmax(-1)
         by_variant[name] = paired_difference(pred, fp32_pred, labels) | {"seconds": time.perf_counter() - start}
     result = {"reviews": len(labels), "source": "train split, reviews the profile did not train on",
-              "trained_max_length": trained["max_length"], "train_subsample": trained["train_subsample"],
+              "data_max_length": trained["max_length"],
+              "train_window": meta["params"].get("train", {}).get("max_length") or trained["max_length"],
+              "train_subsample": trained["train_subsample"],
               "by_inference_length": rows, "variants_vs_fp32": by_variant}
     write_json(args.out, result)
-    print(f"\n{len(labels)} unseen train-split reviews (model trained at {trained['max_length']} tokens)\n")
+    window = meta["params"].get("train", {}).get("max_length") or trained["max_length"]
+    print(f"\n{len(labels)} unseen train-split reviews (model trained on {window}-token windows, "
+          f"the pipeline reads {trained['max_length']})\n")
     print("| inference length | accuracy | ± 1 s.e. | seconds |\n|---:|---:|---:|---:|")
     for length, r in rows.items():
         print(f"| {length} | {100 * r['accuracy']:.2f} % | {100 * r['std_error']:.2f} | {r['seconds']:.0f} |")
