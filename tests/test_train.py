@@ -94,6 +94,7 @@ def _write_params(path: Path, **train) -> None:
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())
     raw["model"] = {"source": "tiny", "name": "tiny"}
     raw["data"]["max_length"] = 64
+    raw["train"]["max_length"] = None  # the default profile's 128-token window does not fit 64-token splits
     raw["train"].update({**TINY_TRAIN, **train})
     path.write_text(yaml.safe_dump(raw))
 
