@@ -107,13 +107,13 @@ def main(argv: list[str] | None = None) -> None:
         pred = predict_logits(load_runner(args.variants_dir / name, args.threads), fp32_seqs, 16, pad_id=pad,
                               progress=name).argmax(-1)
         by_variant[name] = paired_difference(pred, fp32_pred, labels) | {"seconds": time.perf_counter() - start}
+    window = meta["params"].get("train", {}).get("max_length") or trained["max_length"]
     result = {"reviews": len(labels), "source": "train split, reviews the profile did not train on",
               "data_max_length": trained["max_length"],
-              "train_window": meta["params"].get("train", {}).get("max_length") or trained["max_length"],
+              "train_window": window,
               "train_subsample": trained["train_subsample"],
               "by_inference_length": rows, "variants_vs_fp32": by_variant}
     write_json(args.out, result)
-    window = meta["params"].get("train", {}).get("max_length") or trained["max_length"]
     print(f"\n{len(labels)} unseen train-split reviews (model trained on {window}-token windows, "
           f"the pipeline reads {trained['max_length']})\n")
     print("| inference length | accuracy | ± 1 s.e. | seconds |\n|---:|---:|---:|---:|")
