@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.config import ExportParams, QuantizeParams, TensorRTParams, to_dict
+from pipeline.config import ExportParams, PruneParams, QuantizeParams, TensorRTParams, to_dict
 from pipeline.data import read_tokenized
 from pipeline.export import (
     ExportError,
@@ -230,6 +230,60 @@ def _qat(finetuned: Path, train: Any, calibration: list[np.ndarray], method: str
             "qat_final_loss": round(result.final_loss, 4),
             "fake_quant_layers": result.wrapped_layers, "dynamic_ffn_output": ffn_width is not None,
             "reduce_range": params.reduce_range}
+
+
+def run_prune(finetuned: Path, tokenized: Path, out: Path, params: PruneParams, quantize: QuantizeParams,
+              train_seed: int = 42) -> dict[str, Any]:
+    """`int8-pruned`: the finetuned model with whole heads and FFN neurons removed (see `pipeline.prune`),
+    fused by onnxruntime and quantized like `int8-dynamic`. Disabled, it is written as a skipped variant."""
+    import torch
+
+    from pipeline import quantize as q
+    from pipeline.prune import prune_encoder
+    from pipeline.variants import pad_batch
+
+    name = "int8-pruned"
+    if not params.enabled:
+        reason = "prune.enabled is false"
+        log.warning("%s skipped: %s", name, reason)
+        write_variant(out, VariantInfo(name, "onnx", "int8", None, "skipped", reason, to_dict(params)), finetuned)
+        return {"status": "skipped", "reason": reason}
+    started = time.perf_counter()
+    model, tokenizer, meta = load_finetuned(finetuned)
+    pad = tokenizer.pad_token_id or 0
+    train = read_tokenized(tokenized, "train")
+    rng = np.random.default_rng(train_seed + 2)
+    idx = rng.choice(len(train), size=min(params.calibration_samples, len(train)), replace=False)
+    window = _training_window(meta, tokenizer)
+    seqs = [train["input_ids"].iloc[i] for i in idx]
+    seqs = [window(s) for s in seqs] if window is not None else seqs
+    seqs.sort(key=len)  # batches of similar length: little padding to run through the model
+    step = params.calibration_batch_size
+    batches = [tuple(torch.from_numpy(a) for a in pad_batch(seqs[i : i + step], pad))
+               for i in range(0, len(seqs), step)]
+    student, report = prune_encoder(model, batches, params.heads, params.ffn_width, params.damp)
+    heads, head_dim = report["heads"], int(model.config.hidden_size) // int(model.config.num_attention_heads)
+
+    with tempfile.TemporaryDirectory(prefix="prune-") as tmp:
+        raw, fused = Path(tmp) / "for-fusion.onnx", Path(tmp) / "fused.onnx"
+        export_onnx_for_fusion(student, raw, _max_length(meta))
+        counts = q.optimize_for_quantization(raw, fused, heads, heads * head_dim)
+        check = read_tokenized(tokenized, "val")["input_ids"].tolist()[:16]
+        p = parity(eager_runner(student), OrtRunner(fused, optimization="disable"), check, pad)
+        if p.max_abs_diff > FUSION_TOLERANCE:
+            raise q.QuantizeError(f"pruned fused graph disagrees with the pruned model: max |logit diff| "
+                                  f"{p.max_abs_diff:.2e}")
+        out.mkdir(parents=True, exist_ok=True)
+        q.quantize_dynamic_onnx(fused, out / "model.onnx", quantize.per_channel, quantize.reduce_range)
+    census = q.matmul_census(out / "model.onnx")
+    if census["int8_matmuls"] == 0:
+        raise q.QuantizeError(f"{name}: no matrix product was quantized ({census})")
+    info = {"method": "structured pruning (OBS selection + least-squares repair) + onnxruntime.quantize_dynamic",
+            **to_dict(params), "per_channel": quantize.per_channel, "reduce_range": quantize.reduce_range,
+            "fusions": counts, "fused_parity_max_abs_diff": p.max_abs_diff, **report, **census,
+            "build_seconds": round(time.perf_counter() - started, 2)}
+    write_variant(out, VariantInfo(name, "onnx", "int8", "model.onnx", params=info), finetuned)
+    return info
 
 
 def run_tensorrt(finetuned: Path, fp32_onnx: Path, int8_static: Path, out_dirs: dict[str, Path],

@@ -184,6 +184,29 @@ class QuantizeParams:
 
 
 @dataclass(frozen=True)
+class PruneParams:
+    """`int8-pruned`: whole heads and FFN neurons removed with least-squares repair, then dynamic INT8.
+
+    Quantization alone is bounded by the INT8 kernels of the CPU (1.3-1.5x FP32 without VNNI/AMX); pruning
+    removes FLOPs. `null` keeps a dimension whole; `enabled: false` records the variant as skipped.
+    """
+
+    enabled: bool = True
+    heads: int | None = 8              # attention heads kept per layer (of the model's num_attention_heads)
+    ffn_width: int | None = 768        # FFN neurons kept per layer (of intermediate_size)
+    calibration_samples: int = 256     # training reviews whose activations drive selection and repair
+    calibration_batch_size: int = 16
+    damp: float = 0.001                # ridge, relative to the mean diagonal of the Gram matrix
+
+    def __post_init__(self) -> None:
+        _require(self.heads is None or self.heads >= 1, "prune.heads must be >= 1 or null")
+        _require(self.ffn_width is None or self.ffn_width >= 1, "prune.ffn_width must be >= 1 or null")
+        _require(self.calibration_samples >= 1, "prune.calibration_samples must be >= 1")
+        _require(self.calibration_batch_size >= 1, "prune.calibration_batch_size must be >= 1")
+        _require(0.0 < self.damp < 1.0, "prune.damp must be in (0, 1)")
+
+
+@dataclass(frozen=True)
 class TensorRTParams:
     """TensorRT optimisation profile and workspace (used only where CUDA and tensorrt exist)."""
 

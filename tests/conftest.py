@@ -93,6 +93,7 @@ MINI = {
               "max_length": 48},  # train on a shorter window than inference reads
     "quantize": {"calibration_samples": 32, "selection_samples": 100, "qat_train_samples": 64,
                  "calibration_methods": ["minmax", "percentile"]},
+    "prune": {"enabled": True, "calibration_samples": 32},  # off in the 20-minute default; built here
     "export": {"parity_samples": 8},
     "benchmark": {"warmup": 2, "iterations": 10, "rounds": 2, "latency_reviews": 10, "throughput_batches": 1,
                   "bf16_row": True},

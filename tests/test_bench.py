@@ -113,6 +113,16 @@ def test_skipped_rows_and_targets_in_report():
     assert "int8-static" in line and "2.50x" in line and "MISSED" in line
 
 
+def test_pruned_variant_target_stated_apart_from_quantization_alone():
+    variants = {"fp32-eager": _row(10.0), "int8-static": _row(4.0, 0.899), "int8-dynamic": _row(2.0, 0.85),
+                "int8-pruned": _row(3.0, 0.897)}
+    overall, plain = target_lines(variants)
+    assert "**int8-pruned** (structured pruning + INT8" in overall and "3.33x" in overall and "met" in overall
+    assert "-0.30 pt" in overall
+    assert plain.startswith("quantization alone (no pruning): ")
+    assert "int8-static" in plain and "2.50x" in plain and "MISSED" in plain
+
+
 def test_gemm_ceiling_products_compute_the_same_product():
     """The three single-node graphs of `benchmarks.int8_gemm_ceiling` compute x @ W in their arithmetic."""
     import onnxruntime as ort

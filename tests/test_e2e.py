@@ -26,13 +26,17 @@ def test_repro_outputs_and_metrics(repo):
 def test_variants_metrics(repo):
     v = json.loads((repo / "metrics" / "variants.json").read_text())
     assert set(v) == {"fp32-eager", "fp32-torchscript", "fp32-onnx", "int8-dynamic", "int8-static", "int8-qat",
-                      "tensorrt-fp16", "tensorrt-int8"}
+                      "int8-pruned", "tensorrt-fp16", "tensorrt-int8"}
     for name in ("fp32-torchscript", "fp32-onnx"):
         assert v[name]["agreement_with_fp32"] == 1.0
         assert v[name]["accuracy"] == v["fp32-eager"]["accuracy"]
-    for name in ("int8-dynamic", "int8-static", "int8-qat"):
+    for name in ("int8-dynamic", "int8-static", "int8-qat", "int8-pruned"):
         assert v[name]["status"] == "ok"
         assert v[name]["size_mb"] < 0.35 * v["fp32-onnx"]["size_mb"]
+    # the miniature profile prunes to 8 of 12 heads and 768 of 1536 neurons: fewer weights than int8-dynamic's
+    assert v["int8-pruned"]["size_mb"] < 0.85 * v["int8-dynamic"]["size_mb"]
+    pruned = json.loads((repo / "models" / "variants" / "int8-pruned" / "variant.json").read_text())["params"]
+    assert pruned["heads"] == 8 and pruned["ffn_width"] == 768 and pruned["fusions"]["Attention"] == 6
     for name in ("int8-dynamic", "int8-static"):  # PTQ keeps the FP32 weights' decisions
         assert v[name]["agreement_with_fp32"] > 0.9, (name, v[name])
     # QAT trains further, so it may disagree with FP32 more; it must not lose accuracy badly.
@@ -87,7 +91,8 @@ def test_mlflow_parent_with_stage_children_and_registered_model(repo):
     assert len(parents) == 1
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
     stages = {r.data.tags["pipeline.stage"] for r in children}
-    assert {"prepare", "finetune", "export", "quantize", "tensorrt", "evaluate", "benchmark", "package"} <= stages
+    assert {"prepare", "finetune", "export", "quantize", "prune", "tensorrt", "evaluate", "benchmark",
+            "package"} <= stages
     finetune = next(r for r in children if r.data.tags["pipeline.stage"] == "finetune")
     assert finetune.data.metrics["test_accuracy"] > 0.65
     assert "train.lr" in finetune.data.params
