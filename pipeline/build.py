@@ -91,20 +91,12 @@ def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, out_dirs: di
     from pipeline import quantize as q
     from pipeline.variants import read_variant
 
-    def census(name: str) -> dict[str, int]:
-        counts = q.matmul_census(out_dirs[name] / "model.onnx")
-        if counts["int8_matmuls"] == 0:
-            raise q.QuantizeError(f"{name}: no matrix product was quantized ({counts})")
-        return counts
-
     model, tokenizer, meta = load_finetuned(finetuned)
     pad = tokenizer.pad_token_id or 0
     arch = read_variant(fp32_onnx).params
     train = read_tokenized(tokenized, "train")
     val = read_tokenized(tokenized, "val").iloc[: params.selection_samples]
-    rng = np.random.default_rng(train_seed)
-    calib_idx = rng.choice(len(train), size=min(params.calibration_samples, len(train)), replace=False)
-    calibration = [train["input_ids"].iloc[i] for i in calib_idx]
+    calibration = [train["input_ids"].iloc[i] for i in _draw(len(train), params.calibration_samples, train_seed)]
     report: dict[str, Any] = {}
 
     with tempfile.TemporaryDirectory(prefix="quantize-") as tmp:
@@ -119,7 +111,7 @@ def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, out_dirs: di
         report["int8-dynamic"] = {"method": "onnxruntime.quantize_dynamic", "per_channel": params.per_channel,
                                   "reduce_range": params.reduce_range,
                                   "fused_graph": params.optimize_graph, **fusion,
-                                  **census("int8-dynamic"),
+                                  **_int8_census(out_dirs["int8-dynamic"], "int8-dynamic"),
                                   "build_seconds": round(time.perf_counter() - t0, 2)}
         write_variant(d, VariantInfo("int8-dynamic", "onnx", "int8", "model.onnx", params=report["int8-dynamic"]),
                       finetuned)
@@ -137,7 +129,8 @@ def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, out_dirs: di
                                  "calibration_samples": len(calibration), "per_channel": params.per_channel,
                                  "reduce_range": params.reduce_range,
                                  "dynamic_ffn_output": ffn_width is not None,
-                                 "selection_val_accuracy": best["scores"], **census("int8-static"),
+                                 "selection_val_accuracy": best["scores"],
+                                 **_int8_census(out_dirs["int8-static"], "int8-static"),
                                  "build_seconds": round(time.perf_counter() - t0, 2)}
         write_variant(d, VariantInfo("int8-static", "onnx", "int8", "model.onnx", params=report["int8-static"]),
                       finetuned)
@@ -145,7 +138,8 @@ def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, out_dirs: di
         t0 = time.perf_counter()
         report["int8-qat"] = _qat(finetuned, train, calibration, best["method"], Path(tmp), out_dirs["int8-qat"],
                                   params, meta, pad, train_seed, ffn_width, _training_window(meta, tokenizer))
-        report["int8-qat"].update(census("int8-qat"), build_seconds=round(time.perf_counter() - t0, 2))
+        report["int8-qat"].update(_int8_census(out_dirs["int8-qat"], "int8-qat"),
+                                  build_seconds=round(time.perf_counter() - t0, 2))
         write_variant(out_dirs["int8-qat"], VariantInfo("int8-qat", "onnx", "int8", "model.onnx",
                                                         params=report["int8-qat"]), finetuned)
     return report
@@ -159,21 +153,43 @@ def _graph_for_quantization(model: Any, fp32_onnx: Path, tmp: Path, params: Quan
     The fused graph is checked against `fp32-onnx` on real reviews, and a fusion that finds fewer attention
     blocks than the model has layers is logged and recorded rather than silently accepted.
     """
-    from pipeline.quantize import QuantizeError, optimize_for_quantization
-
     if not params.optimize_graph:
         return fp32_onnx, {}
+    return _fused_graph(model, OrtRunner(fp32_onnx, optimization="disable"), "fp32-onnx", tmp, arch["num_heads"],
+                        arch["hidden_size"], arch["num_layers"], _max_length(meta), seqs, pad)
+
+
+def _fused_graph(model: Any, reference: Any, reference_name: str, tmp: Path, num_heads: int, hidden_size: int,
+                 num_layers: int, max_len: int, seqs: list[np.ndarray], pad: int) -> tuple[Path, dict[str, Any]]:
+    """Export `model` for onnxruntime's BERT fusion, fuse it, and check it against `reference` on real reviews."""
+    from pipeline.quantize import QuantizeError, optimize_for_quantization
+
     raw, fused = tmp / "for-fusion.onnx", tmp / "fused.onnx"
-    export_onnx_for_fusion(model, raw, _max_length(meta))
-    counts = optimize_for_quantization(raw, fused, arch["num_heads"], arch["hidden_size"])
-    p = parity(OrtRunner(fp32_onnx, optimization="disable"), OrtRunner(fused, optimization="disable"), seqs, pad)
+    export_onnx_for_fusion(model, raw, max_len)
+    counts = optimize_for_quantization(raw, fused, num_heads, hidden_size)
+    p = parity(reference, OrtRunner(fused, optimization="disable"), seqs, pad)
     if p.max_abs_diff > FUSION_TOLERANCE:
-        raise QuantizeError(f"fused graph disagrees with fp32-onnx: max |logit diff| {p.max_abs_diff:.2e}")
-    if counts.get("Attention", 0) != arch["num_layers"]:
+        raise QuantizeError(f"fused graph disagrees with {reference_name}: max |logit diff| {p.max_abs_diff:.2e}")
+    if counts.get("Attention", 0) != num_layers:
         log.warning("onnxruntime fused %d of %d attention blocks; the rest are quantized as plain MatMuls",
-                    counts.get("Attention", 0), arch["num_layers"])
+                    counts.get("Attention", 0), num_layers)
     return fused, {"fusions": counts, "fused_attention": counts.get("Attention", 0),
                    "fused_parity_max_abs_diff": p.max_abs_diff}
+
+
+def _draw(rows: int, count: int, seed: int) -> np.ndarray:
+    """`count` distinct row indices (all rows if fewer), the same for the same seed."""
+    return np.random.default_rng(seed).choice(rows, size=min(count, rows), replace=False)
+
+
+def _int8_census(directory: Path, name: str) -> dict[str, int]:
+    """The variant's matrix products by arithmetic; an INT8 build that quantized none of them is an error."""
+    from pipeline.quantize import QuantizeError, matmul_census
+
+    counts = matmul_census(directory / "model.onnx")
+    if counts["int8_matmuls"] == 0:
+        raise QuantizeError(f"{name}: no matrix product was quantized ({counts})")
+    return counts
 
 
 def _static_with_selection(base: Path, tmp: Path, calibration: list[np.ndarray], val: Any, params: QuantizeParams,
@@ -209,8 +225,7 @@ def _qat(finetuned: Path, train: Any, calibration: list[np.ndarray], method: str
 
     model, _, _ = load_finetuned(finetuned)
     model.train()
-    rng = np.random.default_rng(seed + 1)
-    idx = rng.choice(len(train), size=min(params.qat_train_samples, len(train)), replace=False)
+    idx = _draw(len(train), params.qat_train_samples, seed + 1)
     reviews = [train["input_ids"].iloc[i] for i in idx]
     if window is not None:
         reviews = [window(ids) for ids in reviews]
@@ -252,10 +267,8 @@ def run_prune(finetuned: Path, tokenized: Path, out: Path, params: PruneParams, 
     model, tokenizer, meta = load_finetuned(finetuned)
     pad = tokenizer.pad_token_id or 0
     train = read_tokenized(tokenized, "train")
-    rng = np.random.default_rng(train_seed + 2)
-    idx = rng.choice(len(train), size=min(params.calibration_samples, len(train)), replace=False)
     window = _training_window(meta, tokenizer)
-    seqs = [train["input_ids"].iloc[i] for i in idx]
+    seqs = [train["input_ids"].iloc[i] for i in _draw(len(train), params.calibration_samples, train_seed + 2)]
     seqs = [window(s) for s in seqs] if window is not None else seqs
     seqs.sort(key=len)  # batches of similar length: little padding to run through the model
     step = params.calibration_batch_size
@@ -265,22 +278,16 @@ def run_prune(finetuned: Path, tokenized: Path, out: Path, params: PruneParams, 
     heads, head_dim = report["heads"], int(model.config.hidden_size) // int(model.config.num_attention_heads)
 
     with tempfile.TemporaryDirectory(prefix="prune-") as tmp:
-        raw, fused = Path(tmp) / "for-fusion.onnx", Path(tmp) / "fused.onnx"
-        export_onnx_for_fusion(student, raw, _max_length(meta))
-        counts = q.optimize_for_quantization(raw, fused, heads, heads * head_dim)
         check = read_tokenized(tokenized, "val")["input_ids"].tolist()[:16]
-        p = parity(eager_runner(student), OrtRunner(fused, optimization="disable"), check, pad)
-        if p.max_abs_diff > FUSION_TOLERANCE:
-            raise q.QuantizeError(f"pruned fused graph disagrees with the pruned model: max |logit diff| "
-                                  f"{p.max_abs_diff:.2e}")
+        fused, fusion = _fused_graph(student, eager_runner(student), "the pruned model", Path(tmp), heads,
+                                     heads * head_dim, int(model.config.num_hidden_layers), _max_length(meta),
+                                     check, pad)
         out.mkdir(parents=True, exist_ok=True)
         q.quantize_dynamic_onnx(fused, out / "model.onnx", quantize.per_channel, quantize.reduce_range)
-    census = q.matmul_census(out / "model.onnx")
-    if census["int8_matmuls"] == 0:
-        raise q.QuantizeError(f"{name}: no matrix product was quantized ({census})")
+    census = _int8_census(out, name)
     info = {"method": "structured pruning (OBS selection + least-squares repair) + onnxruntime.quantize_dynamic",
             **to_dict(params), "per_channel": quantize.per_channel, "reduce_range": quantize.reduce_range,
-            "fusions": counts, "fused_parity_max_abs_diff": p.max_abs_diff, **report, **census,
+            **fusion, **report, **census,
             "build_seconds": round(time.perf_counter() - started, 2)}
     write_variant(out, VariantInfo(name, "onnx", "int8", "model.onnx", params=info), finetuned)
     return info

@@ -91,7 +91,6 @@ class GramAccumulator:
     def __init__(self, n_in: int, n_out: int) -> None:
         self.gram = torch.zeros(n_in + 1, n_in + 1, dtype=torch.float64)
         self.cross = torch.zeros(n_in + 1, n_out, dtype=torch.float64)
-        self.tokens = 0
 
     def add(self, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> None:
         keep = mask.reshape(-1).bool()
@@ -100,7 +99,6 @@ class GramAccumulator:
         x = torch.cat([x, torch.ones(len(x), 1)], 1)
         self.gram += (x.T @ x).double()
         self.cross += (x.T @ y).double()
-        self.tokens += len(x)
 
 
 def obs_select(gram: torch.Tensor, cross: torch.Tensor, groups: Sequence[Sequence[int]], keep: int,
@@ -137,7 +135,8 @@ def obs_select(gram: torch.Tensor, cross: torch.Tensor, groups: Sequence[Sequenc
         sol = sol - inv[:, b] @ block_inv @ sol[b]
         inv = inv - inv[:, b] @ block_inv @ inv[b, :]
         sol[b] = 0.0
-        alive = [a for a in alive if a not in set(removed)]
+        gone = set(removed)
+        alive = [a for a in alive if a not in gone]
     cols = torch.tensor([*sorted(c for a in alive for c in groups[a]), n - 1])
     weights = torch.linalg.solve(gram[cols][:, cols] + ridge[cols][:, cols], cross[cols])
     return alive, weights
