@@ -75,6 +75,7 @@ class Candidate:
     options: dict[str, Any]
     status: str = "ok"
     reason: str = ""
+    cls_readout: bool = False  # the variant's last layer computes the [CLS] position only (`pipeline.readout`)
 
 
 def candidates(finetuned: Path, variant_dirs: dict[str, Path], include_bf16: bool) -> list[Candidate]:
@@ -84,7 +85,7 @@ def candidates(finetuned: Path, variant_dirs: dict[str, Path], include_bf16: boo
         out.append(Candidate(BF16_ROW, finetuned, {"autocast_bf16": True}))
     for name, d in variant_dirs.items():
         info = read_variant(d)
-        out.append(Candidate(name, d, {}, info.status, info.reason))
+        out.append(Candidate(name, d, {}, info.status, info.reason, bool(info.params.get("cls_readout", False))))
     return out
 
 
@@ -200,6 +201,7 @@ def run_benchmark(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Pat
     for c in cands:
         entry: dict[str, Any] = {"status": c.status, "reason": c.reason}
         if c.status == "ok":
+            entry["cls_readout"] = c.cls_readout
             entry.update(timings[c.name])
             entry["speedup_p50_vs_fp32_eager"] = ref / entry["p50_ms_b1"]
             if params.memory:
@@ -264,7 +266,8 @@ def markdown_table(variants: dict[str, dict[str, Any]]) -> str:
             rows.append(f"| {name} | skipped: {e['reason']} |  |  |  |  |  |  |  |")
             continue
         acc = e.get("accuracy")
-        rows.append(f"| {name} | {f(None if acc is None else 100 * acc, '.2f')} | {f(e.get('size_mb'), '.1f')} | "
+        mark = " †" if e.get("cls_readout") else ""
+        rows.append(f"| {name}{mark} | {f(None if acc is None else 100 * acc, '.2f')} | {f(e.get('size_mb'), '.1f')} | "
                     f"{e['p50_ms_b1']:.2f} | {e['p95_ms_b1']:.2f} | {e['p99_ms_b1']:.2f} | "
                     f"{e['throughput_b32']:.1f} | {f(e.get('peak_rss_mb'), '.0f')} | "
                     f"{e['speedup_p50_vs_fp32_eager']:.2f}x |")

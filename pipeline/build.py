@@ -46,32 +46,49 @@ def _training_window(meta: dict[str, Any], tokenizer: Any) -> Any:
                             float(pre["head_fraction"]), tokenizer.cls_token_id, tokenizer.sep_token_id)
 
 
+def inference_model(model: Any, cls_readout: bool) -> tuple[Any, dict[str, Any]]:
+    """The model as it is exported, and the record of it: with the [CLS] readout (`pipeline.readout`) when
+    asked for and possible, else the model itself with the reason logged and recorded."""
+    from pipeline.readout import cls_readout as readout
+    from pipeline.readout import unsupported
+
+    reason = "export.cls_readout is false" if not cls_readout else unsupported(model)
+    if reason is not None:
+        if cls_readout:
+            log.warning("exporting the whole last layer: %s", reason)
+        return model, {"cls_readout": False, "cls_readout_reason": reason}
+    return readout(model), {"cls_readout": True}
+
+
 def run_export(finetuned: Path, tokenized: Path, out_dirs: dict[str, Path], params: ExportParams) -> dict[str, Any]:
-    """`fp32-torchscript` and `fp32-onnx`, each checked for parity on real test reviews."""
+    """`fp32-torchscript` and `fp32-onnx` (with the [CLS] readout when `export.cls_readout`), each checked
+    for parity against the unchanged PyTorch model on real test reviews."""
     import torch
 
     model, tokenizer, meta = load_finetuned(finetuned)
     max_len = _max_length(meta)
     seqs = read_tokenized(tokenized, "test")["input_ids"].tolist()[: params.parity_samples]
     reference = eager_runner(model)
+    graph, readout = inference_model(model, params.cls_readout)
     report: dict[str, Any] = {}
 
     d = out_dirs["fp32-torchscript"]
     t0 = time.perf_counter()
-    export_torchscript(model, d / "model.pt", max_len)
+    export_torchscript(graph, d / "model.pt", max_len)
     runner = TorchRunner(torch.jit.load(str(d / "model.pt")))
     report["fp32-torchscript"] = _checked(reference, runner, seqs, params, max_len, t0, tokenizer.pad_token_id)
     write_variant(d, VariantInfo("fp32-torchscript", "torchscript", "float32", "model.pt",
-                                 params={"method": "torch.jit.trace", **report["fp32-torchscript"]}), finetuned)
+                                 params={"method": "torch.jit.trace", **readout, **report["fp32-torchscript"]}),
+                  finetuned)
 
     d = out_dirs["fp32-onnx"]
     t0 = time.perf_counter()
-    export_onnx(model, d / "model.onnx", max_len, params.opset)
+    export_onnx(graph, d / "model.onnx", max_len, params.opset)
     runner = OrtRunner(d / "model.onnx", optimization="disable")
     report["fp32-onnx"] = _checked(reference, runner, seqs, params, max_len, t0, tokenizer.pad_token_id)
     write_variant(d, VariantInfo("fp32-onnx", "onnx", "float32", "model.onnx",
                                  params={"method": "torch.onnx.export(dynamo=True)", "opset": params.opset,
-                                         **describe(model), **report["fp32-onnx"]}), finetuned)
+                                         **describe(model), **readout, **report["fp32-onnx"]}), finetuned)
     return report
 
 
@@ -129,6 +146,7 @@ def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, out_dirs: di
                                  "calibration_samples": len(calibration), "per_channel": params.per_channel,
                                  "reduce_range": params.reduce_range,
                                  "dynamic_ffn_output": ffn_width is not None,
+                                 "cls_readout": bool(arch.get("cls_readout", False)),
                                  "selection_val_accuracy": best["scores"],
                                  **_int8_census(out_dirs["int8-static"], "int8-static"),
                                  "build_seconds": round(time.perf_counter() - t0, 2)}
@@ -137,7 +155,8 @@ def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, out_dirs: di
 
         t0 = time.perf_counter()
         report["int8-qat"] = _qat(finetuned, train, calibration, best["method"], Path(tmp), out_dirs["int8-qat"],
-                                  params, meta, pad, train_seed, ffn_width, _training_window(meta, tokenizer))
+                                  params, meta, pad, train_seed, ffn_width, _training_window(meta, tokenizer),
+                                  bool(arch.get("cls_readout", False)))
         report["int8-qat"].update(_int8_census(out_dirs["int8-qat"], "int8-qat"),
                                   build_seconds=round(time.perf_counter() - t0, 2))
         write_variant(out_dirs["int8-qat"], VariantInfo("int8-qat", "onnx", "int8", "model.onnx",
@@ -155,13 +174,19 @@ def _graph_for_quantization(model: Any, fp32_onnx: Path, tmp: Path, params: Quan
     """
     if not params.optimize_graph:
         return fp32_onnx, {}
-    return _fused_graph(model, OrtRunner(fp32_onnx, optimization="disable"), "fp32-onnx", tmp, arch["num_heads"],
-                        arch["hidden_size"], arch["num_layers"], _max_length(meta), seqs, pad)
+    graph, readout = inference_model(model, bool(arch.get("cls_readout", False)))
+    fused, fusion = _fused_graph(graph, OrtRunner(fp32_onnx, optimization="disable"), "fp32-onnx", tmp,
+                                 arch["num_heads"], arch["hidden_size"],
+                                 arch["num_layers"] - int(readout["cls_readout"]), _max_length(meta), seqs, pad)
+    return fused, {**readout, **fusion}
 
 
 def _fused_graph(model: Any, reference: Any, reference_name: str, tmp: Path, num_heads: int, hidden_size: int,
                  num_layers: int, max_len: int, seqs: list[np.ndarray], pad: int) -> tuple[Path, dict[str, Any]]:
-    """Export `model` for onnxruntime's BERT fusion, fuse it, and check it against `reference` on real reviews."""
+    """Export `model` for onnxruntime's BERT fusion, fuse it, and check it against `reference` on real reviews.
+
+    `num_layers` is how many attention blocks should fuse (a [CLS]-readout last layer does not: its single
+    query is left as plain MatMuls)."""
     from pipeline.quantize import QuantizeError, optimize_for_quantization
 
     raw, fused = tmp / "for-fusion.onnx", tmp / "fused.onnx"
@@ -220,7 +245,7 @@ def _static_with_selection(base: Path, tmp: Path, calibration: list[np.ndarray],
 
 def _qat(finetuned: Path, train: Any, calibration: list[np.ndarray], method: str, tmp: Path, out: Path,
          params: QuantizeParams, meta: dict[str, Any], pad: int, seed: int, ffn_width: int | None,
-         window: Any = None) -> dict[str, Any]:
+         window: Any = None, cls_readout: bool = False) -> dict[str, Any]:
     from pipeline.quantize import qat_finetune, quantize_static_onnx
 
     model, _, _ = load_finetuned(finetuned)
@@ -233,7 +258,8 @@ def _qat(finetuned: Path, train: Any, calibration: list[np.ndarray], method: str
                           params.qat_epochs, params.qat_batch_size, params.qat_lr, seed, pad, ffn_width,
                           params.reduce_range, params.qat_distillation)
     fp32 = tmp / "qat-fp32.onnx"
-    export_onnx(model, fp32, _max_length(meta))
+    graph, readout = inference_model(model.eval(), cls_readout)
+    export_onnx(graph, fp32, _max_length(meta))
     out.mkdir(parents=True, exist_ok=True)
     quantize_static_onnx(fp32, out / "model.onnx", calibration, method, params.per_channel,
                          params.calibration_batch_size, pad, ffn_width, params.reduce_range)
@@ -244,17 +270,19 @@ def _qat(finetuned: Path, train: Any, calibration: list[np.ndarray], method: str
             "qat_lr": params.qat_lr, "qat_distillation": params.qat_distillation,
             "qat_final_loss": round(result.final_loss, 4),
             "fake_quant_layers": result.wrapped_layers, "dynamic_ffn_output": ffn_width is not None,
-            "reduce_range": params.reduce_range}
+            "reduce_range": params.reduce_range, **readout}
 
 
 def run_prune(finetuned: Path, tokenized: Path, out: Path, params: PruneParams, quantize: QuantizeParams,
-              train_seed: int = 42) -> dict[str, Any]:
+              train_seed: int = 42, cls_readout: bool = True) -> dict[str, Any]:
     """`int8-pruned`: the finetuned model with whole heads and FFN neurons removed (see `pipeline.prune`),
-    fused by onnxruntime and quantized like `int8-dynamic`. Disabled, it is written as a skipped variant."""
+    exported with the [CLS] readout (`export.cls_readout`), fused by onnxruntime and quantized like
+    `int8-dynamic`. Disabled, it is written as a skipped variant."""
     import torch
 
     from pipeline import quantize as q
     from pipeline.prune import prune_encoder
+    from pipeline.readout import unsupported
     from pipeline.variants import pad_batch
 
     name = "int8-pruned"
@@ -274,20 +302,22 @@ def run_prune(finetuned: Path, tokenized: Path, out: Path, params: PruneParams, 
     step = params.calibration_batch_size
     batches = [tuple(torch.from_numpy(a) for a in pad_batch(seqs[i : i + step], pad))
                for i in range(0, len(seqs), step)]
+    readout = cls_readout and unsupported(model) is None
     student, report = prune_encoder(model, batches, params.heads, params.ffn_width, params.damp)
     heads, head_dim = report["heads"], int(model.config.hidden_size) // int(model.config.num_attention_heads)
+    graph, readout_info = inference_model(student, cls_readout)
 
     with tempfile.TemporaryDirectory(prefix="prune-") as tmp:
         check = read_tokenized(tokenized, "val")["input_ids"].tolist()[:16]
-        fused, fusion = _fused_graph(student, eager_runner(student), "the pruned model", Path(tmp), heads,
-                                     heads * head_dim, int(model.config.num_hidden_layers), _max_length(meta),
-                                     check, pad)
+        fused, fusion = _fused_graph(graph, eager_runner(student), "the pruned model", Path(tmp), heads,
+                                     heads * head_dim, int(model.config.num_hidden_layers) - int(readout),
+                                     _max_length(meta), check, pad)
         out.mkdir(parents=True, exist_ok=True)
         q.quantize_dynamic_onnx(fused, out / "model.onnx", quantize.per_channel, quantize.reduce_range)
     census = _int8_census(out, name)
     info = {"method": "structured pruning (OBS selection + least-squares repair) + onnxruntime.quantize_dynamic",
             **to_dict(params), "per_channel": quantize.per_channel, "reduce_range": quantize.reduce_range,
-            **fusion, **report, **census,
+            **readout_info, **fusion, **report, **census,
             "build_seconds": round(time.perf_counter() - started, 2)}
     write_variant(out, VariantInfo(name, "onnx", "int8", "model.onnx", params=info), finetuned)
     return info

@@ -143,6 +143,9 @@ class ExportParams:
     opset: int = 18
     parity_samples: int = 16
     parity_tolerance: float = 1e-4
+    # Exported graphs compute only the [CLS] position in the last layer (exact; `pipeline.readout`).
+    # Models whose head reads every position (model.head: mean) are exported whole, with the reason recorded.
+    cls_readout: bool = True
 
     def __post_init__(self) -> None:
         _require(self.opset >= 17, "export.opset must be >= 17")

@@ -95,6 +95,16 @@ def _target_line(variants: dict[str, dict[str, Any]], int8: dict[str, dict[str, 
             f"({verdict}: target >= {min_speedup}x within {max_loss_pt} pt).")
 
 
+def readout_note(variants: dict[str, dict[str, Any]]) -> list[str]:
+    """What † means, when a row has it: part of those rows' speed-up is the graph, not the number format."""
+    if not any(e.get("cls_readout") for e in variants.values()):
+        return []
+    return ["† The exported graph's last encoder layer computes only the [CLS] position the classifier reads "
+            "(`export.cls_readout`; keys and values still come from every token, so the logits are the same, "
+            "parity-checked at export). FP32 eager computes the whole layer: compare an INT8 † row with "
+            "fp32-onnx † for the share that INT8 alone brings.", ""]
+
+
 def write_report(result: dict[str, Any], chart: Path, path: Path) -> None:
     """`reports/variants.md`: the table, the chart, the machine and the targets, readable on its own."""
     variants, machine, settings = result["variants"], result["machine"], result["settings"]
@@ -109,6 +119,7 @@ def write_report(result: dict[str, Any], chart: Path, path: Path) -> None:
         "",
         markdown_table(variants),
         "",
+        *readout_note(variants),
         f"![latency and throughput]({chart.name})",
         "",
         "## Targets",

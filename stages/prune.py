@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     def body() -> None:
         from pipeline.build import run_prune
         from pipeline.config import (
+            ExportParams,
             MlflowParams,
             PruneParams,
             QuantizeParams,
@@ -38,10 +39,12 @@ def main(argv: list[str] | None = None) -> None:
         params = section(raw, "prune", PruneParams)
         quantize = section(raw, "quantize", QuantizeParams)
         seed = section(raw, "train", TrainParams).seed
+        readout = section(raw, "export", ExportParams).cls_readout
         with stage_run(section(raw, "mlflow", MlflowParams), "prune"):
             log_params_flat({"prune": to_dict(params), "quantize": {"per_channel": quantize.per_channel,
-                                                                     "reduce_range": quantize.reduce_range}})
-            report = run_prune(args.finetuned, args.tokenized, args.out, params, quantize, seed)
+                                                                     "reduce_range": quantize.reduce_range},
+                             "export": {"cls_readout": readout}})
+            report = run_prune(args.finetuned, args.tokenized, args.out, params, quantize, seed, readout)
             log_metrics_flat({"int8-pruned": report})
 
     run_stage("prune", body, extra_errors=(PruneError, QuantizeError, VariantError, ExportError))

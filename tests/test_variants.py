@@ -125,15 +125,24 @@ def test_ffn_products_quantized_per_batch_with_int8_weights(built, tmp_path):
 
 
 def test_dynamic_quantizes_the_fused_attention(built):
-    """int8-dynamic starts from onnxruntime's fused graph: one QAttention per layer, parity checked."""
+    """int8-dynamic starts from onnxruntime's fused graph: one QAttention per layer but the [CLS]-readout
+    last one (plain MatMuls for its single query), parity checked."""
     import onnx
 
     report = built["quantize"]["int8-dynamic"]
-    assert report["fused_attention"] == 2 and report["fused_parity_max_abs_diff"] <= 1e-4
+    assert report["cls_readout"] is True
+    assert report["fused_attention"] == 1 and report["fused_parity_max_abs_diff"] <= 1e-4
     graph = onnx.load(str(built["dirs"]["int8-dynamic"] / "model.onnx")).graph
     ops = [n.op_type for n in graph.node]
-    assert ops.count("QAttention") == 2 and "Attention" not in ops
-    assert report["float_matmuls"] == 0 and report["int8_matmuls"] == 2 * 4 + 2
+    assert ops.count("QAttention") == 1 and "Attention" not in ops
+    # fused layer: QKV, out, up, down; readout layer: Q, K, V, out, up, down (+ its 2 float activation
+    # products); pooler and classifier
+    assert report["float_matmuls"] == 2 and report["int8_matmuls"] == 4 + 6 + 2
+
+
+def test_every_export_records_the_cls_readout(built):
+    for name in ("fp32-torchscript", "fp32-onnx", "int8-dynamic", "int8-static", "int8-qat"):
+        assert read_variant(built["dirs"][name]).params["cls_readout"] is True, name
 
 
 def test_int8_weights_use_the_reduced_7_bit_range(built):

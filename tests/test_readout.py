@@ -1,0 +1,108 @@
+"""Unit: the [CLS] readout computes the same logits with a last layer that serves one position."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.readout import ClsOnlyLayer, ReadoutError, cls_readout, unsupported
+
+
+def _tiny(attn: str = "eager", layers: int = 2) -> torch.nn.Module:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=2048, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                     intermediate_size=128, num_labels=2)
+    model = BertForSequenceClassification(cfg).eval()
+    model.set_attn_implementation(attn)
+    return model
+
+
+def _padded() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(5, 2000, (3, 24), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 12:] = 0
+    mask[2, 3:] = 0
+    return ids * mask, mask
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_readout_gives_the_same_logits_on_padded_batches(attn):
+    model = _tiny(attn)
+    ids, mask = _padded()
+    readout = cls_readout(model)
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=mask).logits
+        fast = readout(input_ids=ids, attention_mask=mask).logits
+        hidden = readout.bert(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert torch.allclose(full, fast, atol=1e-5), (full - fast).abs().max()
+    assert hidden.shape == (3, 1, 64)  # the last layer returned the [CLS] position only
+    # the padding is really masked: a different pad token changes nothing
+    with torch.no_grad():
+        other = readout(input_ids=torch.where(mask.bool(), ids, torch.full_like(ids, 7)), attention_mask=mask).logits
+    assert torch.allclose(other, fast, atol=1e-5)
+
+
+def test_readout_is_a_copy_and_only_the_last_layer_changes():
+    model = _tiny(layers=3)
+    readout = cls_readout(model)
+    kinds = [type(layer).__name__ for layer in readout.bert.encoder.layer]
+    assert kinds == ["BertLayer", "BertLayer", "ClsOnlyLayer"]
+    assert all(type(layer).__name__ == "BertLayer" for layer in model.bert.encoder.layer)
+
+
+def test_readout_follows_pruned_head_counts():
+    """A layer with fewer heads (as `pipeline.prune` leaves them) is read from its own projection sizes."""
+    model = _tiny()
+    last = model.bert.encoder.layer[-1]
+    keep = torch.arange(32)  # 2 of the 4 16-wide heads
+    for lin in (last.attention.self.query, last.attention.self.key, last.attention.self.value):
+        lin.weight.data, lin.bias.data = lin.weight.data[keep], lin.bias.data[keep]
+        lin.out_features = 32
+    dense = last.attention.output.dense
+    dense.weight.data, dense.in_features = dense.weight.data[:, keep], 32
+    last.attention.self.num_attention_heads, last.attention.self.all_head_size = 2, 32
+    assert ClsOnlyLayer(last).heads == 2
+    ids, mask = _padded()
+    with torch.no_grad():
+        assert torch.allclose(model(input_ids=ids, attention_mask=mask).logits,
+                              cls_readout(model)(input_ids=ids, attention_mask=mask).logits, atol=1e-5)
+
+
+def test_heads_that_read_every_position_are_refused():
+    from pipeline.modeling import mean_pool_classes, tiny_bert_config
+
+    _, mean_model = mean_pool_classes()
+    model = mean_model(tiny_bert_config(head="mean"))
+    assert "BertForMeanPooledClassification" in unsupported(model)
+    with pytest.raises(ReadoutError, match="BertForSequenceClassification"):
+        cls_readout(model)
+
+
+def test_inference_model_records_what_was_exported():
+    from pipeline.build import inference_model
+
+    model = _tiny()
+    graph, record = inference_model(model, True)
+    assert record == {"cls_readout": True} and graph is not model
+    graph, record = inference_model(model, False)
+    assert graph is model and record == {"cls_readout": False, "cls_readout_reason": "export.cls_readout is false"}
+
+
+def test_readout_onnx_fuses_the_other_layers_and_keeps_parity(tmp_path):
+    """The graph INT8 builds start from: onnxruntime fuses every attention but the readout layer's."""
+    from pipeline.export import export_onnx_for_fusion
+    from pipeline.quantize import optimize_for_quantization
+    from pipeline.variants import OrtRunner
+
+    model = _tiny(layers=3)
+    export_onnx_for_fusion(cls_readout(model), tmp_path / "raw.onnx", 64)
+    counts = optimize_for_quantization(tmp_path / "raw.onnx", tmp_path / "fused.onnx", 4, 64)
+    assert counts["Attention"] == 2
+    ids, mask = _padded()
+    with torch.no_grad():
+        reference = model(input_ids=ids, attention_mask=mask).logits.numpy()
+    got = OrtRunner(tmp_path / "fused.onnx")(ids.numpy(), mask.numpy())
+    assert np.abs(got - reference).max() < 1e-4
