@@ -111,6 +111,7 @@ def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, out_dirs: di
     model, tokenizer, meta = load_finetuned(finetuned)
     pad = tokenizer.pad_token_id or 0
     arch = read_variant(fp32_onnx).params
+    readout = bool(arch.get("cls_readout", False))  # the fp32-onnx export's; static QDQ starts from that file
     train = read_tokenized(tokenized, "train")
     val = read_tokenized(tokenized, "val").iloc[: params.selection_samples]
     calibration = [train["input_ids"].iloc[i] for i in _draw(len(train), params.calibration_samples, train_seed)]
@@ -146,7 +147,7 @@ def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, out_dirs: di
                                  "calibration_samples": len(calibration), "per_channel": params.per_channel,
                                  "reduce_range": params.reduce_range,
                                  "dynamic_ffn_output": ffn_width is not None,
-                                 "cls_readout": bool(arch.get("cls_readout", False)),
+                                 "cls_readout": readout,
                                  "selection_val_accuracy": best["scores"],
                                  **_int8_census(out_dirs["int8-static"], "int8-static"),
                                  "build_seconds": round(time.perf_counter() - t0, 2)}
@@ -156,7 +157,7 @@ def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, out_dirs: di
         t0 = time.perf_counter()
         report["int8-qat"] = _qat(finetuned, train, calibration, best["method"], Path(tmp), out_dirs["int8-qat"],
                                   params, meta, pad, train_seed, ffn_width, _training_window(meta, tokenizer),
-                                  bool(arch.get("cls_readout", False)))
+                                  readout)
         report["int8-qat"].update(_int8_census(out_dirs["int8-qat"], "int8-qat"),
                                   build_seconds=round(time.perf_counter() - t0, 2))
         write_variant(out_dirs["int8-qat"], VariantInfo("int8-qat", "onnx", "int8", "model.onnx",
@@ -174,23 +175,25 @@ def _graph_for_quantization(model: Any, fp32_onnx: Path, tmp: Path, params: Quan
     """
     if not params.optimize_graph:
         return fp32_onnx, {}
-    graph, readout = inference_model(model, bool(arch.get("cls_readout", False)))
-    fused, fusion = _fused_graph(graph, OrtRunner(fp32_onnx, optimization="disable"), "fp32-onnx", tmp,
-                                 arch["num_heads"], arch["hidden_size"],
-                                 arch["num_layers"] - int(readout["cls_readout"]), _max_length(meta), seqs, pad)
-    return fused, {**readout, **fusion}
+    return _fused_graph(model, bool(arch.get("cls_readout", False)), OrtRunner(fp32_onnx, optimization="disable"),
+                        "fp32-onnx", tmp, arch["num_heads"], arch["hidden_size"], arch["num_layers"],
+                        _max_length(meta), seqs, pad)
 
 
-def _fused_graph(model: Any, reference: Any, reference_name: str, tmp: Path, num_heads: int, hidden_size: int,
-                 num_layers: int, max_len: int, seqs: list[np.ndarray], pad: int) -> tuple[Path, dict[str, Any]]:
-    """Export `model` for onnxruntime's BERT fusion, fuse it, and check it against `reference` on real reviews.
+def _fused_graph(model: Any, cls_readout: bool, reference: Any, reference_name: str, tmp: Path, num_heads: int,
+                 hidden_size: int, num_layers: int, max_len: int, seqs: list[np.ndarray],
+                 pad: int) -> tuple[Path, dict[str, Any]]:
+    """Export `model` (with the [CLS] readout when asked and possible, see `inference_model`) for onnxruntime's
+    BERT fusion, fuse it, and check it against `reference` on real reviews.
 
-    `num_layers` is how many attention blocks should fuse (a [CLS]-readout last layer does not: its single
-    query is left as plain MatMuls)."""
+    A readout last layer does not fuse (its single query is left as plain MatMuls), so one fewer of the
+    `num_layers` attention blocks is expected then."""
     from pipeline.quantize import QuantizeError, optimize_for_quantization
 
+    graph, readout = inference_model(model, cls_readout)
+    num_layers -= int(readout["cls_readout"])
     raw, fused = tmp / "for-fusion.onnx", tmp / "fused.onnx"
-    export_onnx_for_fusion(model, raw, max_len)
+    export_onnx_for_fusion(graph, raw, max_len)
     counts = optimize_for_quantization(raw, fused, num_heads, hidden_size)
     p = parity(reference, OrtRunner(fused, optimization="disable"), seqs, pad)
     if p.max_abs_diff > FUSION_TOLERANCE:
@@ -198,7 +201,7 @@ def _fused_graph(model: Any, reference: Any, reference_name: str, tmp: Path, num
     if counts.get("Attention", 0) != num_layers:
         log.warning("onnxruntime fused %d of %d attention blocks; the rest are quantized as plain MatMuls",
                     counts.get("Attention", 0), num_layers)
-    return fused, {"fusions": counts, "fused_attention": counts.get("Attention", 0),
+    return fused, {**readout, "fusions": counts, "fused_attention": counts.get("Attention", 0),
                    "fused_parity_max_abs_diff": p.max_abs_diff}
 
 
@@ -258,7 +261,7 @@ def _qat(finetuned: Path, train: Any, calibration: list[np.ndarray], method: str
                           params.qat_epochs, params.qat_batch_size, params.qat_lr, seed, pad, ffn_width,
                           params.reduce_range, params.qat_distillation)
     fp32 = tmp / "qat-fp32.onnx"
-    graph, readout = inference_model(model.eval(), cls_readout)
+    graph, readout = inference_model(model, cls_readout)  # qat_finetune leaves the model in eval mode
     export_onnx(graph, fp32, _max_length(meta))
     out.mkdir(parents=True, exist_ok=True)
     quantize_static_onnx(fp32, out / "model.onnx", calibration, method, params.per_channel,
@@ -282,7 +285,6 @@ def run_prune(finetuned: Path, tokenized: Path, out: Path, params: PruneParams, 
 
     from pipeline import quantize as q
     from pipeline.prune import prune_encoder
-    from pipeline.readout import unsupported
     from pipeline.variants import pad_batch
 
     name = "int8-pruned"
@@ -302,22 +304,20 @@ def run_prune(finetuned: Path, tokenized: Path, out: Path, params: PruneParams, 
     step = params.calibration_batch_size
     batches = [tuple(torch.from_numpy(a) for a in pad_batch(seqs[i : i + step], pad))
                for i in range(0, len(seqs), step)]
-    readout = cls_readout and unsupported(model) is None
     student, report = prune_encoder(model, batches, params.heads, params.ffn_width, params.damp)
     heads, head_dim = report["heads"], int(model.config.hidden_size) // int(model.config.num_attention_heads)
-    graph, readout_info = inference_model(student, cls_readout)
 
     with tempfile.TemporaryDirectory(prefix="prune-") as tmp:
         check = read_tokenized(tokenized, "val")["input_ids"].tolist()[:16]
-        fused, fusion = _fused_graph(graph, eager_runner(student), "the pruned model", Path(tmp), heads,
-                                     heads * head_dim, int(model.config.num_hidden_layers) - int(readout),
+        fused, fusion = _fused_graph(student, cls_readout, eager_runner(student), "the pruned model", Path(tmp),
+                                     heads, heads * head_dim, int(model.config.num_hidden_layers),
                                      _max_length(meta), check, pad)
         out.mkdir(parents=True, exist_ok=True)
         q.quantize_dynamic_onnx(fused, out / "model.onnx", quantize.per_channel, quantize.reduce_range)
     census = _int8_census(out, name)
     info = {"method": "structured pruning (OBS selection + least-squares repair) + onnxruntime.quantize_dynamic",
             **to_dict(params), "per_channel": quantize.per_channel, "reduce_range": quantize.reduce_range,
-            **readout_info, **fusion, **report, **census,
+            **fusion, **report, **census,
             "build_seconds": round(time.perf_counter() - started, 2)}
     write_variant(out, VariantInfo(name, "onnx", "int8", "model.onnx", params=info), finetuned)
     return info
