@@ -26,6 +26,7 @@ from pipeline.variants import VARIANT_FILE, Runner, load_runner, pad_batch, read
 log = logging.getLogger(__name__)
 
 REFERENCE = "fp32-eager"
+SPEEDUP_LEVEL = 0.9  # the speed-up interval's coverage (`speedup_interval`)
 BF16_ROW = "fp32-eager-bf16"
 
 
@@ -35,6 +36,28 @@ def percentiles(samples_ms: Sequence[float]) -> dict[str, float]:
         raise ValueError("no latency samples")
     a = np.asarray(samples_ms, dtype=np.float64)
     return {"p50": float(np.percentile(a, 50)), "p95": float(np.percentile(a, 95)), "p99": float(np.percentile(a, 99))}
+
+
+def speedup_interval(reference_rounds: Sequence[Sequence[float]], rounds: Sequence[Sequence[float]],
+                     level: float = 0.9, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """A bootstrap interval of p50(reference) / p50(variant) that resamples whole rounds, paired.
+
+    On a shared machine the reference's p50 moves by tens of percent between runs; one ratio hides that.
+    Within a round both rows were measured minutes apart at most, so rounds are the unit that is resampled
+    (the same picks for both rows), and the interval shows how far drift between rounds moves the ratio.
+    """
+    if not rounds or len(reference_rounds) != len(rounds):
+        raise ValueError("reference and variant need the same, non-zero number of rounds")
+    ref = [np.asarray(r, dtype=np.float64) for r in reference_rounds]
+    var = [np.asarray(r, dtype=np.float64) for r in rounds]
+    rng = np.random.default_rng(seed)
+    ratios = np.empty(resamples)
+    for i in range(resamples):
+        pick = rng.integers(0, len(rounds), len(rounds))
+        ref_p50 = np.median(np.concatenate([ref[j] for j in pick]))
+        ratios[i] = ref_p50 / np.median(np.concatenate([var[j] for j in pick]))
+    tail = 100 * (1 - level) / 2
+    return float(np.percentile(ratios, tail)), float(np.percentile(ratios, 100 - tail))
 
 
 def alternating_schedule(names: Sequence[str], rounds: int) -> list[str]:
@@ -108,22 +131,25 @@ def throughput_batches(seqs: Sequence[np.ndarray], batch: int, n_batches: int,
 def measure(runners: dict[str, Runner], lat_inputs: list[tuple[np.ndarray, ...]],
             tp_batches: list[tuple[np.ndarray, ...]], params: BenchmarkParams,
             progress: Callable[[str], None] | None = None) -> dict[str, dict[str, Any]]:
-    """Warm up each runner, then alternate rounds of batch-1 latency and batch-N throughput."""
+    """Warm up each runner, then alternate rounds of batch-1 latency and batch-N throughput.
+
+    Each row keeps its latency samples by round (`latency_rounds_ms`) for `speedup_interval`."""
     names = list(runners)
     for name in names:
         for i in range(params.warmup):
             runners[name](*lat_inputs[i % len(lat_inputs)])
         runners[name](*tp_batches[0])
-    lat: dict[str, list[float]] = {n: [] for n in names}
+    lat: dict[str, list[list[float]]] = {n: [] for n in names}  # one list of samples per round
     tp: dict[str, list[float]] = {n: [] for n in names}
     per_round = max(1, params.iterations // params.rounds)
     for r, name in enumerate(alternating_schedule(names, params.rounds)):
         run = runners[name]
+        lat[name].append([])
         for i in range(per_round):
             ids, mask = lat_inputs[(r * per_round + i) % len(lat_inputs)]
             t = time.perf_counter()
             run(ids, mask)
-            lat[name].append((time.perf_counter() - t) * 1e3)
+            lat[name][-1].append((time.perf_counter() - t) * 1e3)
         t = time.perf_counter()
         n = 0
         for ids, mask in tp_batches:
@@ -134,9 +160,10 @@ def measure(runners: dict[str, Runner], lat_inputs: list[tuple[np.ndarray, ...]]
             progress(name)
     out = {}
     for name in names:
-        pct = percentiles(lat[name])
+        pct = percentiles([x for samples in lat[name] for x in samples])
         out[name] = {"p50_ms_b1": pct["p50"], "p95_ms_b1": pct["p95"], "p99_ms_b1": pct["p99"],
-                     "throughput_b32": float(np.median(tp[name])), "latency_samples": len(lat[name])}
+                     "throughput_b32": float(np.median(tp[name])),
+                     "latency_samples": sum(len(samples) for samples in lat[name]), "latency_rounds_ms": lat[name]}
     return out
 
 
@@ -198,12 +225,17 @@ def run_benchmark(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Pat
         timings = measure(runners, lat_inputs, tp_batches, params, progress=lambda _: bar.update(1))
     results: dict[str, Any] = {}
     ref = timings[REFERENCE]["p50_ms_b1"]
+    ref_rounds = timings[REFERENCE]["latency_rounds_ms"]
     for c in cands:
         entry: dict[str, Any] = {"status": c.status, "reason": c.reason}
         if c.status == "ok":
             entry["cls_readout"] = c.cls_readout
+            rounds = timings[c.name].pop("latency_rounds_ms")
             entry.update(timings[c.name])
             entry["speedup_p50_vs_fp32_eager"] = ref / entry["p50_ms_b1"]
+            if c.name != REFERENCE:
+                low, high = speedup_interval(ref_rounds, rounds, SPEEDUP_LEVEL)
+                entry["speedup_p50_low"], entry["speedup_p50_high"] = low, high
             if params.memory:
                 entry["peak_rss_mb"] = peak_rss_mb(c.directory, c.options, tp_batches[0], threads)
         acc = (accuracy or {}).get(c.name if c.name != BF16_ROW else REFERENCE, {})
@@ -256,6 +288,7 @@ def markdown_table(variants: dict[str, dict[str, Any]]) -> str:
     """The comparison as a Markdown table (skipped rows say why)."""
     head = ("| variant | accuracy | size MB | p50 ms | p95 ms | p99 ms | reviews/s @32 | peak RSS MB | speedup p50 |\n"
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    interval = f"{100 * SPEEDUP_LEVEL:.0f} % interval"
     rows = [head]
 
     def f(v: Any, fmt: str) -> str:
@@ -270,8 +303,17 @@ def markdown_table(variants: dict[str, dict[str, Any]]) -> str:
         rows.append(f"| {name}{mark} | {f(None if acc is None else 100 * acc, '.2f')} | {f(e.get('size_mb'), '.1f')} | "
                     f"{e['p50_ms_b1']:.2f} | {e['p95_ms_b1']:.2f} | {e['p99_ms_b1']:.2f} | "
                     f"{e['throughput_b32']:.1f} | {f(e.get('peak_rss_mb'), '.0f')} | "
-                    f"{e['speedup_p50_vs_fp32_eager']:.2f}x |")
+                    f"{e['speedup_p50_vs_fp32_eager']:.2f}x{_interval(e)} |")
+    if any("speedup_p50_low" in e for e in variants.values()):
+        rows.append(f"\nSpeed-up in brackets: {interval} over the alternating rounds "
+                    "(`pipeline.bench.speedup_interval`).")
     return "\n".join(rows)
+
+
+def _interval(entry: dict[str, Any]) -> str:
+    if "speedup_p50_low" not in entry:
+        return ""
+    return f" ({entry['speedup_p50_low']:.2f}-{entry['speedup_p50_high']:.2f})"
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from pipeline.report import latency_chart, plot_rows, target_lines, write_report
 log = logging.getLogger(__name__)
 
 METRIC_KEYS = ("p50_ms_b1", "p95_ms_b1", "p99_ms_b1", "throughput_b32", "peak_rss_mb", "speedup_p50_vs_fp32_eager",
-               "accuracy", "size_mb")
+               "speedup_p50_low", "speedup_p50_high", "accuracy", "size_mb")
 
 
 def run_benchmark_stage(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Path, accuracy_file: Path,

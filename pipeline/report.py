@@ -6,7 +6,7 @@ import csv
 from pathlib import Path
 from typing import Any
 
-from pipeline.bench import REFERENCE, markdown_table
+from pipeline.bench import REFERENCE, SPEEDUP_LEVEL, markdown_table
 
 
 def latency_chart(variants: dict[str, dict[str, Any]], path: Path) -> None:
@@ -30,7 +30,9 @@ def latency_chart(variants: dict[str, dict[str, Any]], path: Path) -> None:
     axes[0].set_xlabel("latency, batch 1 (ms, lower is better)")
     axes[0].legend(loc="lower right")
     for i, n in enumerate(names):
-        axes[0].text(p50[i], i - 0.2, f" {variants[n]['speedup_p50_vs_fp32_eager']:.2f}x", va="center", fontsize=8)
+        e = variants[n]
+        spread = f" ({e['speedup_p50_low']:.2f}-{e['speedup_p50_high']:.2f})" if "speedup_p50_low" in e else ""
+        axes[0].text(p50[i], i - 0.2, f" {e['speedup_p50_vs_fp32_eager']:.2f}x{spread}", va="center", fontsize=8)
     axes[1].barh(y, tput, color="#55a868")
     axes[1].set_yticks(y, [])
     axes[1].invert_yaxis()
@@ -89,9 +91,16 @@ def _target_line(variants: dict[str, dict[str, Any]], int8: dict[str, dict[str, 
     if ref_acc is not None and pool[best].get("accuracy") is not None:
         loss = f", {100 * (pool[best]['accuracy'] - ref_acc):+.2f} pt accuracy"
     kind = " (structured pruning + INT8: fewer FLOPs, not faster INT8 kernels alone)" if is_pruned(best) else ""
+    spread = ""
+    if "speedup_p50_low" in pool[best]:
+        low, high = pool[best]["speedup_p50_low"], pool[best]["speedup_p50_high"]
+        spread = f" ({100 * SPEEDUP_LEVEL:.0f} % interval over the rounds {low:.2f}-{high:.2f}x"
+        if low < min_speedup <= high:
+            spread += f": it straddles {min_speedup}x, so this verdict could go the other way in another run"
+        spread += ")"
     who = (f"Best INT8 variant within {max_loss_pt} pt of FP32 accuracy: **{best}**{kind}" if eligible else
            f"No INT8 variant is within {max_loss_pt} pt of FP32 accuracy; the fastest INT8 variant is **{best}**{kind}")
-    return (f"{scope}{who}, p50 {pool[best]['p50_ms_b1']:.2f} ms at batch 1 = **{s:.2f}x** FP32 eager{loss} "
+    return (f"{scope}{who}, p50 {pool[best]['p50_ms_b1']:.2f} ms at batch 1 = **{s:.2f}x** FP32 eager{spread}{loss} "
             f"({verdict}: target >= {min_speedup}x within {max_loss_pt} pt).")
 
 

@@ -12,6 +12,7 @@ from pipeline.bench import (
     markdown_table,
     measure,
     percentiles,
+    speedup_interval,
     throughput_batches,
 )
 from pipeline.config import BenchmarkParams
@@ -56,6 +57,23 @@ def test_measure_alternates_and_counts():
     for name in ("a", "b"):
         assert out[name]["latency_samples"] == 6
         assert out[name]["p50_ms_b1"] >= 0 and out[name]["throughput_b32"] > 0
+        assert [len(r) for r in out[name]["latency_rounds_ms"]] == [2, 2, 2]  # by round, for the interval
+
+
+def test_speedup_interval_is_paired_by_round():
+    # the machine drifts 2x between rounds, but within a round the variant is always 2.5x faster: pairing
+    # by round cancels the drift, so the interval is exactly 2.5x
+    rng = np.random.default_rng(0)
+    ref = [list(40.0 * drift * (1 + 0.01 * rng.random(10))) for drift in (1.0, 1.3, 2.0, 0.9, 1.1)]
+    var = [[x / 2.5 for x in r] for r in ref]
+    low, high = speedup_interval(ref, var)
+    assert low == pytest.approx(2.5) and high == pytest.approx(2.5)
+    # when the ratio itself moves between rounds, the interval covers those ratios and no more
+    var = [[x / f for x in r] for r, f in zip(ref, (2.0, 2.2, 2.4, 2.6, 2.8), strict=True)]
+    low, high = speedup_interval(ref, var)
+    assert 2.0 <= low < 2.4 < high <= 2.8
+    with pytest.raises(ValueError):
+        speedup_interval(ref, var[:3])
 
 
 def test_latency_inputs_have_exact_length():
@@ -111,6 +129,17 @@ def test_skipped_rows_and_targets_in_report():
     (line,) = target_lines(variants)
     # int8-dynamic is faster but loses 5 pt, so the eligible best is int8-static at 2.5x: a miss
     assert "int8-static" in line and "2.50x" in line and "MISSED" in line
+
+
+def test_speedup_interval_in_table_and_target_line():
+    variants = {"fp32-eager": _row(10.0), "int8-dynamic": _row(3.5, 0.898)}
+    variants["int8-dynamic"].update(speedup_p50_low=2.6, speedup_p50_high=3.1)
+    table = markdown_table(variants)
+    assert "2.86x (2.60-3.10)" in table and "90 % interval" in table
+    (line,) = target_lines(variants)
+    assert "MISSED" in line and "2.60-3.10x" in line and "straddles 3.0x" in line
+    variants["int8-dynamic"].update(speedup_p50_high=2.9)
+    assert "straddles" not in target_lines(variants)[0]
 
 
 def test_pruned_variant_target_stated_apart_from_quantization_alone():
