@@ -133,6 +133,9 @@ def measure(runners: dict[str, Runner], lat_inputs: list[tuple[np.ndarray, ...]]
             progress: Callable[[str], None] | None = None) -> dict[str, dict[str, Any]]:
     """Warm up each runner, then alternate rounds of batch-1 latency and batch-N throughput.
 
+    Every round starts with `params.warmup` untimed calls as well: right after another variant ran, the first
+    one or two calls take up to 2.5x the steady latency (evicted caches, idle threads), and with 10 timed calls
+    per round they would be a fifth of the samples, inflating p95 and nudging p50.
     Each row keeps its latency samples by round (`latency_rounds_ms`) for `speedup_interval`."""
     names = list(runners)
     for name in names:
@@ -145,6 +148,8 @@ def measure(runners: dict[str, Runner], lat_inputs: list[tuple[np.ndarray, ...]]
     for r, name in enumerate(alternating_schedule(names, params.rounds)):
         run = runners[name]
         lat[name].append([])
+        for i in range(params.warmup):  # the first calls after another variant ran are cold (caches, threads)
+            run(*lat_inputs[(r * per_round + i) % len(lat_inputs)])
         for i in range(per_round):
             ids, mask = lat_inputs[(r * per_round + i) % len(lat_inputs)]
             t = time.perf_counter()

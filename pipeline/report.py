@@ -123,7 +123,8 @@ def write_report(result: dict[str, Any], chart: Path, path: Path) -> None:
         "",
         f"Batch-1 latency at sequence length {settings['seq_len']} (real test reviews truncated/padded), "
         f"throughput at batch {settings['batch_size']} with dynamic padding; {settings['rounds']} alternating rounds, "
-        f"{settings['iterations']} latency samples per variant after {settings['warmup']} warm-up calls. Accuracy "
+        f"{settings['iterations']} latency samples per variant, each round after {settings['warmup']} untimed warm-up "
+        "calls (the first calls after a switch run cold). Accuracy "
         "and size come from `metrics/variants.json` (the same test split as `finetune`).",
         "",
         markdown_table(variants),

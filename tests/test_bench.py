@@ -50,10 +50,10 @@ def test_measure_alternates_and_counts():
     tp = [(np.zeros((4, 16), np.int64), np.ones((4, 16), np.int64))] * 2
     params = BenchmarkParams(warmup=2, iterations=6, rounds=3)
     out = measure(runners, lat, tp, params)
-    timed = calls[2 * (2 + 1):]  # after warm-up: 2 latency + 1 throughput call per runner
-    order = [name for name, _ in timed]
-    # each round: 2 latency calls + 2 throughput batches for one runner, then the next runner
-    assert order == (["a"] * 4 + ["b"] * 4) * 3
+    rounds = calls[2 * (2 + 1):]  # after warm-up: 2 latency + 1 throughput call per runner
+    # each round: 2 untimed warm-up calls, 2 timed latency calls, 2 throughput batches for one runner, then the next
+    assert [name for name, _ in rounds] == (["a"] * 6 + ["b"] * 6) * 3
+    assert [size for _, size in rounds[:6]] == [1, 1, 1, 1, 4, 4]
     for name in ("a", "b"):
         assert out[name]["latency_samples"] == 6
         assert out[name]["p50_ms_b1"] >= 0 and out[name]["throughput_b32"] > 0
