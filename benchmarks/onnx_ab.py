@@ -17,14 +17,13 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.io import write_json
+from pipeline.variants import ort_session
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Time each file at batch 1 on the same input, in alternating blocks."""
-    import onnxruntime as ort
-
+    """Time each file at batch 1 on the same input, in alternating blocks (sessions set up as the benchmark's)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("models", nargs="+", type=Path)
     parser.add_argument("--seq-len", type=int, default=128)
@@ -34,9 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/onnx_ab.json")
     args = parser.parse_args(argv)
 
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = args.threads
-    sessions = [ort.InferenceSession(str(m), opts, providers=["CPUExecutionProvider"]) for m in args.models]
+    sessions = [ort_session(m, args.threads) for m in args.models]
     ids = np.random.default_rng(0).integers(1000, 2000, (1, args.seq_len)).astype(np.int64)
     feed = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
     for s in sessions:

@@ -293,7 +293,6 @@ def markdown_table(variants: dict[str, dict[str, Any]]) -> str:
     """The comparison as a Markdown table (skipped rows say why)."""
     head = ("| variant | accuracy | size MB | p50 ms | p95 ms | p99 ms | reviews/s @32 | peak RSS MB | speedup p50 |\n"
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    interval = f"{100 * SPEEDUP_LEVEL:.0f} % interval"
     rows = [head]
 
     def f(v: Any, fmt: str) -> str:
@@ -308,14 +307,15 @@ def markdown_table(variants: dict[str, dict[str, Any]]) -> str:
         rows.append(f"| {name}{mark} | {f(None if acc is None else 100 * acc, '.2f')} | {f(e.get('size_mb'), '.1f')} | "
                     f"{e['p50_ms_b1']:.2f} | {e['p95_ms_b1']:.2f} | {e['p99_ms_b1']:.2f} | "
                     f"{e['throughput_b32']:.1f} | {f(e.get('peak_rss_mb'), '.0f')} | "
-                    f"{e['speedup_p50_vs_fp32_eager']:.2f}x{_interval(e)} |")
+                    f"{e['speedup_p50_vs_fp32_eager']:.2f}x{speedup_interval_text(e)} |")
     if any("speedup_p50_low" in e for e in variants.values()):
-        rows.append(f"\nSpeed-up in brackets: {interval} over the alternating rounds "
+        rows.append(f"\nSpeed-up in brackets: {100 * SPEEDUP_LEVEL:.0f} % interval over the alternating rounds "
                     "(`pipeline.bench.speedup_interval`).")
     return "\n".join(rows)
 
 
-def _interval(entry: dict[str, Any]) -> str:
+def speedup_interval_text(entry: dict[str, Any]) -> str:
+    """The speed-up interval as the table and the chart print it after the ratio; empty for rows without one."""
     if "speedup_p50_low" not in entry:
         return ""
     return f" ({entry['speedup_p50_low']:.2f}-{entry['speedup_p50_high']:.2f})"

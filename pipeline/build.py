@@ -118,8 +118,8 @@ def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, out_dirs: di
     report: dict[str, Any] = {}
 
     with tempfile.TemporaryDirectory(prefix="quantize-") as tmp:
-        base, fusion = _graph_for_quantization(model, fp32_onnx / "model.onnx", Path(tmp), params, arch, meta,
-                                               val["input_ids"].tolist()[:16], pad)
+        base, fusion = _graph_for_quantization(model, readout, fp32_onnx / "model.onnx", Path(tmp), params, arch,
+                                               meta, val["input_ids"].tolist()[:16], pad)
         ffn_width = int(arch["intermediate_size"]) if params.ffn_output_dynamic else None
 
         t0 = time.perf_counter()
@@ -165,8 +165,9 @@ def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, out_dirs: di
     return report
 
 
-def _graph_for_quantization(model: Any, fp32_onnx: Path, tmp: Path, params: QuantizeParams, arch: dict[str, Any],
-                            meta: dict[str, Any], seqs: list[np.ndarray], pad: int) -> tuple[Path, dict[str, Any]]:
+def _graph_for_quantization(model: Any, cls_readout: bool, fp32_onnx: Path, tmp: Path, params: QuantizeParams,
+                            arch: dict[str, Any], meta: dict[str, Any], seqs: list[np.ndarray],
+                            pad: int) -> tuple[Path, dict[str, Any]]:
     """The graph `int8-dynamic` quantizes (onnxruntime-fused, attention included, when `optimize_graph`)
     and what the fusion did.
 
@@ -175,9 +176,8 @@ def _graph_for_quantization(model: Any, fp32_onnx: Path, tmp: Path, params: Quan
     """
     if not params.optimize_graph:
         return fp32_onnx, {}
-    return _fused_graph(model, bool(arch.get("cls_readout", False)), OrtRunner(fp32_onnx, optimization="disable"),
-                        "fp32-onnx", tmp, arch["num_heads"], arch["hidden_size"], arch["num_layers"],
-                        _max_length(meta), seqs, pad)
+    return _fused_graph(model, cls_readout, OrtRunner(fp32_onnx, optimization="disable"), "fp32-onnx", tmp,
+                        arch["num_heads"], arch["hidden_size"], arch["num_layers"], _max_length(meta), seqs, pad)
 
 
 def _fused_graph(model: Any, cls_readout: bool, reference: Any, reference_name: str, tmp: Path, num_heads: int,

@@ -6,7 +6,7 @@ import csv
 from pathlib import Path
 from typing import Any
 
-from pipeline.bench import REFERENCE, SPEEDUP_LEVEL, markdown_table
+from pipeline.bench import REFERENCE, SPEEDUP_LEVEL, markdown_table, speedup_interval_text
 
 
 def latency_chart(variants: dict[str, dict[str, Any]], path: Path) -> None:
@@ -31,8 +31,8 @@ def latency_chart(variants: dict[str, dict[str, Any]], path: Path) -> None:
     axes[0].legend(loc="lower right")
     for i, n in enumerate(names):
         e = variants[n]
-        spread = f" ({e['speedup_p50_low']:.2f}-{e['speedup_p50_high']:.2f})" if "speedup_p50_low" in e else ""
-        axes[0].text(p50[i], i - 0.2, f" {e['speedup_p50_vs_fp32_eager']:.2f}x{spread}", va="center", fontsize=8)
+        axes[0].text(p50[i], i - 0.2, f" {e['speedup_p50_vs_fp32_eager']:.2f}x{speedup_interval_text(e)}",
+                     va="center", fontsize=8)
     axes[1].barh(y, tput, color="#55a868")
     axes[1].set_yticks(y, [])
     axes[1].invert_yaxis()

@@ -179,4 +179,3 @@ def test_disabled_pruning_is_recorded_as_skipped(tmp_path, tiny_model_dir, token
     info = json.loads((out / "variant.json").read_text())
     assert report["status"] == info["status"] == "skipped"
     assert info["reason"] == "prune.enabled is false"
-
