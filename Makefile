@@ -25,7 +25,7 @@ venv: $(STAMP)
 ## run: the whole DVC pipeline on the current params.yaml (IMDB_DIR=/path overrides data.local_dir; FORCE=1 re-runs every stage, e.g. to time it)
 run: venv
 	@test -d .git || git init -q
-	$(if $(IMDB_DIR),$(BIN)/python -m pipeline.config set data.local_dir=$(IMDB_DIR) &&) \
+	$(if $(IMDB_DIR),$(BIN)/python -m pipeline.core.params set data.local_dir=$(IMDB_DIR) &&) \
 	PIPELINE_RUN_ID=$$(date -u +%Y%m%dT%H%M%SZ)-$$(git rev-parse --short HEAD 2>/dev/null || echo nogit) \
 	$(BIN)/dvc repro $(if $(FORCE),--force)
 

@@ -22,10 +22,11 @@ from typing import Any
 import pandas as pd
 import torch
 
-from pipeline.config import DataParams, ModelParams, TrainParams
-from pipeline.data import clean_text, tokenize_frame
+from pipeline.core.params import DataParams, ModelParams, TrainParams
+from pipeline.data.imdb import clean_text
+from pipeline.data.tokens import tokenize_frame
 from pipeline.modeling import load_model, load_tokenizer
-from pipeline.variants import EagerLogits, TorchRunner, predict_logits
+from pipeline.variants.runners import EagerLogits, TorchRunner, predict_logits
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,7 +67,7 @@ def pipeline_path(
     """The finetune stage's own module, data module, sampler and Trainer (validation off while timing)."""
     import lightning as L
 
-    from pipeline.train import CurveRecorder, IMDBDataModule, SentimentClassifier, build_trainer
+    from pipeline.training.classifier import CurveRecorder, IMDBDataModule, SentimentClassifier, build_trainer
 
     tok = load_tokenizer(model_params)
     with tempfile.TemporaryDirectory(prefix="ftspeed-") as tmp:

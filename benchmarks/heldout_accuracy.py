@@ -30,11 +30,12 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pipeline.config import DataParams, read_params, section
-from pipeline.data import encode_texts, load_imdb, make_splits
-from pipeline.io import write_json
+from pipeline.core.io import write_json
+from pipeline.core.params import DataParams, read_params, section
+from pipeline.data.imdb import load_imdb, make_splits
+from pipeline.data.tokens import encode_texts
 from pipeline.modeling import load_finetuned
-from pipeline.variants import EagerLogits, TorchRunner, load_runner, predict_logits
+from pipeline.variants.runners import EagerLogits, TorchRunner, load_runner, predict_logits
 
 ROOT = Path(__file__).resolve().parents[1]
 

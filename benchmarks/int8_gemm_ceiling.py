@@ -28,8 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.bench import machine_info, percentiles
-from pipeline.io import read_json, write_json
+from pipeline.core.io import read_json, write_json
+from pipeline.core.machine import machine_info
+from pipeline.evaluation.latency import percentiles
 
 ROOT = Path(__file__).resolve().parents[1]
 # all-MiniLM-L6-v2: hidden 384, FFN 1536, 6 layers; (name, in_features, out_features, count per layer)

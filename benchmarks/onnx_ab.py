@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.io import write_json
-from pipeline.variants import ort_session
+from pipeline.core.io import write_json
+from pipeline.variants.runners import ort_session
 
 ROOT = Path(__file__).resolve().parents[1]
 

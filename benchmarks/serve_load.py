@@ -91,7 +91,7 @@ def served(
 
 def in_process(mar: Path, texts: list[str], concurrency: int, batch_size: int, duration: float) -> float:
     """Same model and handler batching in one process: callers enqueue, a batcher runs `batch_size` at once."""
-    from pipeline.inference import SentimentPredictor
+    from pipeline.deployment.inference import SentimentPredictor
 
     with tempfile.TemporaryDirectory(prefix="mar-") as tmp:
         zipfile.ZipFile(mar).extractall(tmp)

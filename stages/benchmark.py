@@ -19,12 +19,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--report", type=Path, required=True)
     args = parser.parse_args(argv)
 
-    from pipeline.cli import named_paths, run_stage
-    from pipeline.variants import VariantError
+    from pipeline.core.stage import named_paths, run_stage
+    from pipeline.variants.record import VariantError
 
     def body() -> None:
-        from pipeline.benchmark_stage import run_benchmark_stage
-        from pipeline.config import BenchmarkParams, MlflowParams, read_params, section
+        from pipeline.core.params import BenchmarkParams, MlflowParams, read_params, section
+        from pipeline.evaluation.benchmark import run_benchmark_stage
 
         raw = read_params(args.params)
         run_benchmark_stage(args.finetuned, named_paths(args.variant), args.tokenized, args.accuracy, args.metrics,

@@ -19,16 +19,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plot", type=Path, required=True)
     args = parser.parse_args(argv)
 
-    from pipeline.cli import named_paths, run_stage
-    from pipeline.variants import VariantError
+    from pipeline.core.stage import named_paths, run_stage
+    from pipeline.variants.record import VariantError
 
     def body() -> None:
         import logging
 
-        from pipeline.config import EvaluateParams, MlflowParams, read_params, section
-        from pipeline.evaluate import accuracy_bars, check_targets, log_variant_runs, score_variants
-        from pipeline.io import write_json
-        from pipeline.tracking import log_parent_artifact
+        from pipeline.core.io import write_json
+        from pipeline.core.params import EvaluateParams, MlflowParams, read_params, section
+        from pipeline.core.tracking import log_parent_artifact
+        from pipeline.evaluation.accuracy import accuracy_bars, check_targets, log_variant_runs, score_variants
 
         raw = read_params(args.params)
         params, tracking = section(raw, "evaluate", EvaluateParams), section(raw, "mlflow", MlflowParams)

@@ -15,14 +15,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", action="append", required=True, help="variant=directory")
     args = parser.parse_args(argv)
 
-    from pipeline.cli import named_paths, run_stage
-    from pipeline.export import ExportError
-    from pipeline.variants import VariantError
+    from pipeline.core.stage import named_paths, run_stage
+    from pipeline.variants.export import ExportError
+    from pipeline.variants.record import VariantError
 
     def body() -> None:
-        from pipeline.build import run_export
-        from pipeline.config import ExportParams, MlflowParams, read_params, section, to_dict
-        from pipeline.tracking import log_metrics_flat, log_params_flat, stage_run
+        from pipeline.core.params import ExportParams, MlflowParams, read_params, section, to_dict
+        from pipeline.core.tracking import log_metrics_flat, log_params_flat, stage_run
+        from pipeline.variants.export import run_export
 
         raw = read_params(args.params)
         params = section(raw, "export", ExportParams)

@@ -19,12 +19,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="where to keep the test logits (the evaluate stage reuses them for FP32)")
     args = parser.parse_args(argv)
 
-    from pipeline.cli import run_stage
-    from pipeline.train import AccelerationUnavailable
+    from pipeline.core.stage import run_stage
+    from pipeline.training.classifier import AccelerationUnavailable
 
     def body() -> None:
-        from pipeline.config import DataParams, MlflowParams, ModelParams, TrainParams, read_params, section
-        from pipeline.finetune_stage import run_finetune
+        from pipeline.core.params import DataParams, MlflowParams, ModelParams, TrainParams, read_params, section
+        from pipeline.training.finetune import run_finetune
 
         raw = read_params(args.params)
         run_finetune(

@@ -17,16 +17,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--manifest", type=Path, required=True)
     args = parser.parse_args(argv)
 
-    from pipeline.cli import named_paths, run_stage
-    from pipeline.package import PackageError
+    from pipeline.core.stage import named_paths, run_stage
+    from pipeline.deployment.archive import PackageError
 
     def body() -> None:
         import mlflow
 
-        from pipeline.config import MlflowParams, PackageParams, read_params, section, to_dict
-        from pipeline.io import read_json, write_json
-        from pipeline.package import build_archive, choose_variant, registry_label
-        from pipeline.tracking import log_params_flat, stage_run
+        from pipeline.core.io import read_json, write_json
+        from pipeline.core.params import MlflowParams, PackageParams, read_params, section, to_dict
+        from pipeline.core.tracking import log_params_flat, stage_run
+        from pipeline.deployment.archive import build_archive, choose_variant, registry_label
 
         raw = read_params(args.params)
         params, tracking = section(raw, "package", PackageParams), section(raw, "mlflow", MlflowParams)

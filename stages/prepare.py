@@ -15,14 +15,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--metrics", type=Path, required=True)
     args = parser.parse_args(argv)
 
-    from pipeline.cli import run_stage
+    from pipeline.core.stage import run_stage
 
     def body() -> None:
         import mlflow
 
-        from pipeline.config import DataParams, MlflowParams, ModelParams, read_params, section, to_dict
-        from pipeline.prepare import prepare
-        from pipeline.tracking import log_metrics_flat, log_params_flat, stage_run
+        from pipeline.core.params import DataParams, MlflowParams, ModelParams, read_params, section, to_dict
+        from pipeline.core.tracking import log_metrics_flat, log_params_flat, stage_run
+        from pipeline.data.prepare import prepare
 
         raw = read_params(args.params)
         data, model = section(raw, "data", DataParams), section(raw, "model", ModelParams)

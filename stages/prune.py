@@ -15,15 +15,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True, help="the int8-pruned variant directory")
     args = parser.parse_args(argv)
 
-    from pipeline.cli import run_stage
-    from pipeline.export import ExportError
-    from pipeline.prune import PruneError
-    from pipeline.quantize import QuantizeError
-    from pipeline.variants import VariantError
+    from pipeline.core.stage import run_stage
+    from pipeline.variants.export import ExportError
+    from pipeline.variants.onnx_int8 import QuantizeError
+    from pipeline.variants.prune import PruneError
+    from pipeline.variants.record import VariantError
 
     def body() -> None:
-        from pipeline.build import run_prune
-        from pipeline.config import (
+        from pipeline.core.params import (
             ExportParams,
             MlflowParams,
             PruneParams,
@@ -33,7 +32,8 @@ def main(argv: list[str] | None = None) -> None:
             section,
             to_dict,
         )
-        from pipeline.tracking import log_metrics_flat, log_params_flat, stage_run
+        from pipeline.core.tracking import log_metrics_flat, log_params_flat, stage_run
+        from pipeline.variants.prune import run_prune
 
         raw = read_params(args.params)
         params = section(raw, "prune", PruneParams)

@@ -16,15 +16,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", action="append", required=True, help="variant=directory")
     args = parser.parse_args(argv)
 
-    from pipeline.cli import named_paths, run_stage
-    from pipeline.export import ExportError
-    from pipeline.quantize import QuantizeError
-    from pipeline.variants import VariantError
+    from pipeline.core.stage import named_paths, run_stage
+    from pipeline.variants.export import ExportError
+    from pipeline.variants.onnx_int8 import QuantizeError
+    from pipeline.variants.record import VariantError
 
     def body() -> None:
-        from pipeline.build import run_quantize
-        from pipeline.config import MlflowParams, QuantizeParams, TrainParams, read_params, section, to_dict
-        from pipeline.tracking import log_metrics_flat, log_params_flat, stage_run
+        from pipeline.core.params import MlflowParams, QuantizeParams, TrainParams, read_params, section, to_dict
+        from pipeline.core.tracking import log_metrics_flat, log_params_flat, stage_run
+        from pipeline.variants.quantize import run_quantize
 
         raw = read_params(args.params)
         params = section(raw, "quantize", QuantizeParams)

@@ -16,14 +16,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", action="append", required=True, help="variant=directory")
     args = parser.parse_args(argv)
 
-    from pipeline.cli import named_paths, run_stage
+    from pipeline.core.stage import named_paths, run_stage
 
     def body() -> None:
         import mlflow
 
-        from pipeline.build import run_tensorrt
-        from pipeline.config import DataParams, MlflowParams, TensorRTParams, read_params, section, to_dict
-        from pipeline.tracking import log_params_flat, stage_run
+        from pipeline.core.params import DataParams, MlflowParams, TensorRTParams, read_params, section, to_dict
+        from pipeline.core.tracking import log_params_flat, stage_run
+        from pipeline.variants.tensorrt import run_tensorrt
 
         raw = read_params(args.params)
         params = section(raw, "tensorrt", TensorRTParams)

@@ -30,7 +30,7 @@ def imdb_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from pipeline.config import ModelParams
+    from pipeline.core.params import ModelParams
     from pipeline.modeling import load_tokenizer
 
     return load_tokenizer(ModelParams(source="tiny"))
@@ -39,9 +39,9 @@ def tokenizer():
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tokenizer) -> Path:
     """A randomly initialised 2-layer BERT with our label map and the finetune stage's metadata."""
-    from pipeline.config import DataParams, ModelParams, TrainParams
+    from pipeline.core.params import DataParams, ModelParams, TrainParams
     from pipeline.modeling import load_model
-    from pipeline.train import save_model
+    from pipeline.training.finetune import save_model
 
     d = tmp_path_factory.mktemp("tiny_model")
     model = load_model(ModelParams(source="tiny"), seed=0)
@@ -67,8 +67,8 @@ def synthetic_reviews(n: int, seed: int = 0) -> pd.DataFrame:
 
 def write_tokenized(directory: Path, sizes: dict[str, int], max_length: int = 64) -> Path:
     """Tokenized synthetic splits in the prepare stage's layout (`{split}.parquet`)."""
-    from pipeline.config import DataParams, ModelParams
-    from pipeline.data import tokenize_frame
+    from pipeline.core.params import DataParams, ModelParams
+    from pipeline.data.tokens import tokenize_frame
     from pipeline.modeling import load_tokenizer
 
     directory.mkdir(parents=True, exist_ok=True)

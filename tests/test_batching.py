@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.batching import Collator, LengthBucketBatchSampler
+from pipeline.data.batching import Collator, LengthBucketBatchSampler
 
 
 def test_collator_pads_to_multiple_and_masks():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.inference import SentimentPredictor
+from pipeline.deployment.inference import SentimentPredictor
 
 pytestmark = pytest.mark.slow
 

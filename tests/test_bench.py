@@ -5,18 +5,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.bench import (
+from pipeline.core.machine import machine_info
+from pipeline.core.params import BenchmarkParams
+from pipeline.evaluation.latency import (
     alternating_schedule,
     latency_inputs,
-    machine_info,
-    markdown_table,
     measure,
     percentiles,
     speedup_interval,
     throughput_batches,
 )
-from pipeline.config import BenchmarkParams
-from pipeline.report import target_lines
+from pipeline.evaluation.report import markdown_table, target_lines
 
 
 def test_percentiles_match_definition():
@@ -92,7 +91,7 @@ def test_throughput_batches_use_dynamic_padding():
 def test_thread_settings_are_honoured(tiny_model_dir):
     import torch
 
-    from pipeline.variants import load_runner
+    from pipeline.variants.runners import load_runner
 
     before = torch.get_num_threads()
     try:
@@ -105,9 +104,9 @@ def test_thread_settings_are_honoured(tiny_model_dir):
 
 
 def test_ort_session_threads(tmp_path, tiny_model_dir):
-    from pipeline.export import export_onnx
     from pipeline.modeling import load_finetuned
-    from pipeline.variants import OrtRunner
+    from pipeline.variants.export import export_onnx
+    from pipeline.variants.runners import OrtRunner
 
     model, _, _ = load_finetuned(tiny_model_dir)
     export_onnx(model, tmp_path / "m.onnx", 32)

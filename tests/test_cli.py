@@ -1,11 +1,11 @@
-"""Unit tests for the stage plumbing in `pipeline.cli`."""
+"""Unit tests for the stage plumbing in `pipeline.core.stage`."""
 
 from __future__ import annotations
 
 import logging
 import os
 
-from pipeline.cli import QuietThirdPartyRootInfo
+from pipeline.core.stage import QuietThirdPartyRootInfo
 
 
 def _record(name: str, level: int, path: str) -> logging.LogRecord:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.config import DataParams, ParamsError, TrainParams, read_params, section, set_value
+from pipeline.core.params import DataParams, ParamsError, TrainParams, read_params, section, set_value
 
 
 def test_defaults_and_coercion():
@@ -57,7 +57,7 @@ def test_set_value_keeps_comments(tmp_path):
 
 
 def test_repo_params_file_is_valid():
-    from pipeline.config import SECTIONS
+    from pipeline.core.params import SECTIONS
     from tests.conftest import ROOT
 
     raw = read_params(ROOT / "params.yaml")
@@ -70,7 +70,7 @@ def test_repo_params_file_is_valid():
 
 
 def test_qat_distillation_weight_is_a_share():
-    from pipeline.config import QuantizeParams
+    from pipeline.core.params import QuantizeParams
 
     assert section({"quantize": {"qat_distillation": 0.5}}, "quantize", QuantizeParams).qat_distillation == 0.5
     with pytest.raises(ParamsError, match="qat_distillation must be in"):

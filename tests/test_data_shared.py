@@ -5,8 +5,8 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from pipeline.config import DataParams
-from pipeline.data import LABELS, load_imdb, make_splits, text_digest
+from pipeline.core.params import DataParams
+from pipeline.data.imdb import LABELS, load_imdb, make_splits, text_digest
 
 
 @pytest.fixture(scope="module")

@@ -6,16 +6,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from pipeline.config import DataParams
-from pipeline.data import (
-    DataSourceError,
-    DataValidationError,
-    clean_text,
-    load_imdb,
-    make_splits,
-    truncate_ids,
-    validate_splits,
-)
+from pipeline.core.params import DataParams
+from pipeline.data.imdb import DataSourceError, DataValidationError, clean_text, load_imdb, make_splits, validate_splits
+from pipeline.data.tokens import truncate_ids
 from tests.conftest import synthetic_reviews
 
 
@@ -133,7 +126,7 @@ def test_retruncating_a_tokenized_review_equals_truncating_the_original(mode):
     """`train.max_length` shortens tokenized reviews; the window must be what tokenizing short would give."""
     import numpy as np
 
-    from pipeline.data import retruncate
+    from pipeline.data.tokens import retruncate
 
     rng = np.random.default_rng(0)
     for _ in range(200):

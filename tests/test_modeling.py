@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.config import DataParams, ModelParams, TrainParams
+from pipeline.core.params import DataParams, ModelParams, TrainParams
 from pipeline.modeling import MEAN_POOL_MODEL_TYPE, ModelSourceError, load_finetuned, load_model
-from pipeline.train import save_model
+from pipeline.training.finetune import save_model
 
 
 def test_mean_head_ignores_padding():
@@ -45,7 +45,7 @@ def test_mean_head_refuses_non_bert_encoders(tmp_path):
 
 
 def test_unknown_head_is_a_params_error():
-    from pipeline.config import ParamsError, section
+    from pipeline.core.params import ParamsError, section
 
     with pytest.raises(ParamsError, match=r"model\.head"):
         section({"model": {"head": "max"}}, "model", ModelParams)
@@ -60,7 +60,7 @@ def test_attention_dropout_override_reaches_the_layers():
 
 
 def test_attention_dropout_is_validated():
-    from pipeline.config import ParamsError, TrainParams, section
+    from pipeline.core.params import ParamsError, TrainParams, section
 
     with pytest.raises(ParamsError, match=r"train\.attention_dropout"):
         section({"train": {"attention_dropout": 1.5}}, "train", TrainParams)

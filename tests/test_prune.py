@@ -9,8 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import PruneParams, QuantizeParams
-from pipeline.prune import GramAccumulator, PruneError, encoder_layers, obs_select, prune_encoder, relative_error
+from pipeline.core.params import PruneParams, QuantizeParams
+from pipeline.variants.prune import (
+    GramAccumulator,
+    PruneError,
+    encoder_layers,
+    obs_select,
+    prune_encoder,
+    relative_error,
+)
 
 
 def _stats(x: torch.Tensor, y: torch.Tensor) -> GramAccumulator:
@@ -143,7 +150,7 @@ def test_invalid_sizes_and_unsupported_models_fail_clearly():
 
 
 def test_params_validated():
-    from pipeline.config import ParamsError
+    from pipeline.core.params import ParamsError
 
     with pytest.raises(ParamsError, match=r"prune\.heads"):
         PruneParams(heads=0)
@@ -152,9 +159,9 @@ def test_params_validated():
 
 
 def test_pruned_variant_built_and_described(tmp_path, tiny_model_dir, tokenized_dir):
-    from pipeline.build import run_prune
-    from pipeline.quantize import matmul_census
-    from pipeline.variants import load_runner, pad_batch
+    from pipeline.variants.onnx_int8 import matmul_census
+    from pipeline.variants.prune import run_prune
+    from pipeline.variants.runners import load_runner, pad_batch
 
     out = tmp_path / "int8-pruned"
     report = run_prune(tiny_model_dir, tokenized_dir, out, PruneParams(heads=1, ffn_width=64, calibration_samples=32),
@@ -172,7 +179,7 @@ def test_pruned_variant_built_and_described(tmp_path, tiny_model_dir, tokenized_
 
 
 def test_disabled_pruning_is_recorded_as_skipped(tmp_path, tiny_model_dir, tokenized_dir):
-    from pipeline.build import run_prune
+    from pipeline.variants.prune import run_prune
 
     out = tmp_path / "int8-pruned"
     report = run_prune(tiny_model_dir, tokenized_dir, out, PruneParams(enabled=False), QuantizeParams())

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.readout import ClsOnlyLayer, ReadoutError, cls_readout, unsupported
+from pipeline.variants.readout import ClsOnlyLayer, ReadoutError, cls_readout, unsupported
 
 
 def _tiny(attn: str = "eager", layers: int = 2) -> torch.nn.Module:
@@ -54,7 +54,7 @@ def test_readout_is_a_copy_and_only_the_last_layer_changes():
 
 
 def test_readout_follows_pruned_head_counts():
-    """A layer with fewer heads (as `pipeline.prune` leaves them) is read from its own projection sizes."""
+    """A layer with fewer heads (as `pipeline.variants.prune` leaves them) is read from its own projection sizes."""
     model = _tiny()
     last = model.bert.encoder.layer[-1]
     keep = torch.arange(32)  # 2 of the 4 16-wide heads
@@ -82,7 +82,7 @@ def test_heads_that_read_every_position_are_refused():
 
 
 def test_inference_model_records_what_was_exported():
-    from pipeline.build import inference_model
+    from pipeline.variants.export import inference_model
 
     model = _tiny()
     graph, record = inference_model(model, True)
@@ -93,9 +93,9 @@ def test_inference_model_records_what_was_exported():
 
 def test_readout_onnx_fuses_the_other_layers_and_keeps_parity(tmp_path):
     """The graph INT8 builds start from: onnxruntime fuses every attention but the readout layer's."""
-    from pipeline.export import export_onnx_for_fusion
-    from pipeline.quantize import optimize_for_quantization
-    from pipeline.variants import OrtRunner
+    from pipeline.variants.export import export_onnx_for_fusion
+    from pipeline.variants.fusion import optimize_for_quantization
+    from pipeline.variants.runners import OrtRunner
 
     model = _tiny(layers=3)
     export_onnx_for_fusion(cls_readout(model), tmp_path / "raw.onnx", 64)

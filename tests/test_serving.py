@@ -21,8 +21,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pipeline.config import ExportParams, PackageParams
-from pipeline.inference import SentimentPredictor
+from pipeline.core.params import ExportParams, PackageParams
+from pipeline.deployment.inference import SentimentPredictor
 from tests.conftest import ROOT, write_tokenized
 
 pytestmark = pytest.mark.slow
@@ -86,8 +86,8 @@ def _wait_healthy(url: str, key: str, log: Path, timeout: float = 180) -> None:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_model_dir):
-    from pipeline.build import run_export
-    from pipeline.package import Choice, build_archive
+    from pipeline.deployment.archive import Choice, build_archive
+    from pipeline.variants.export import run_export
 
     work = tmp_path_factory.mktemp("torchserve")
     tok = write_tokenized(work / "tok", {"test": 8})

@@ -12,9 +12,10 @@ import pytest
 import torch
 import yaml
 
-from pipeline.config import DataParams, ModelParams, TrainParams
+from pipeline.core.params import DataParams, ModelParams, TrainParams
 from pipeline.modeling import load_finetuned
-from pipeline.train import AccelerationUnavailable, check_accelerations, finetune
+from pipeline.training.classifier import AccelerationUnavailable, check_accelerations
+from pipeline.training.finetune import finetune
 from tests.conftest import ROOT
 
 TINY_TRAIN = {"epochs": 4, "batch_size": 8, "eval_batch_size": 16, "lr": 3e-3, "accelerator": "cpu",
@@ -46,8 +47,8 @@ def test_finetune_learns_and_writes_self_describing_model(tmp_path, tokenized_di
     val_rows = (out / "plots" / "val.csv").read_text().splitlines()
     assert len(val_rows) == 1 + 4 * 2
     # The kept test logits are the ones the score came from, tied to the tokenized test split.
-    from pipeline.data import read_tokenized
-    from pipeline.io import read_predictions
+    from pipeline.core.io import read_predictions
+    from pipeline.data.tokens import read_tokenized
 
     test = read_tokenized(tokenized_dir, "test")
     logits, saved = read_predictions(out / "test-logits.npz", test["input_ids"].tolist(), test["label"].to_numpy())
@@ -136,7 +137,7 @@ def test_stage_reports_bad_params_without_traceback(tmp_path, tokenized_dir):
 
 def test_fused_adamw_takes_the_same_steps_as_the_per_tensor_loop(tiny_model_dir):
     """The fused optimizer is a speed setting: same decay groups, same updates (to float rounding)."""
-    from pipeline.train import build_optimizer
+    from pipeline.training.classifier import build_optimizer
 
     models = [load_finetuned(tiny_model_dir)[0].train() for _ in range(2)]
     optimizers = [build_optimizer(m, 1e-3, 0.01, fused=f) for m, f in zip(models, (True, False), strict=True)]

@@ -8,14 +8,15 @@ import re
 import numpy as np
 import pytest
 
-from pipeline.build import run_export, run_quantize, run_tensorrt
-from pipeline.config import EvaluateParams, ExportParams, QuantizeParams, TensorRTParams
-from pipeline.evaluate import check_targets, score_variants
-from pipeline.export import ExportError, Parity
-from pipeline.inference import SentimentPredictor, softmax
+from pipeline.core.params import EvaluateParams, ExportParams, QuantizeParams, TensorRTParams
+from pipeline.deployment.inference import SentimentPredictor, softmax
+from pipeline.evaluation.accuracy import check_targets, score_variants
 from pipeline.modeling import ModelSourceError, load_finetuned
-from pipeline.tensorrt import availability, profile_shapes
-from pipeline.variants import VariantError, load_runner, read_variant
+from pipeline.variants.export import ExportError, Parity, run_export
+from pipeline.variants.quantize import run_quantize
+from pipeline.variants.record import VariantError, read_variant
+from pipeline.variants.runners import load_runner
+from pipeline.variants.tensorrt import availability, profile_shapes, run_tensorrt
 from tests.conftest import write_tokenized
 
 NAMES = ["fp32-torchscript", "fp32-onnx", "int8-dynamic", "int8-static", "int8-qat", "tensorrt-fp16", "tensorrt-int8"]
@@ -58,8 +59,8 @@ def test_static_calibration_selected_by_validation(built):
 
 
 def test_single_calibration_method_skips_the_selection_pass(built, tmp_path):
-    from pipeline.build import _static_with_selection
-    from pipeline.data import read_tokenized
+    from pipeline.data.tokens import read_tokenized
+    from pipeline.variants.quantize import _static_with_selection
 
     train = read_tokenized(built["tokenized"], "train")["input_ids"].tolist()[:16]
     val = read_tokenized(built["tokenized"], "val")
@@ -80,7 +81,7 @@ def test_every_weight_matmul_is_int8(built):
 
 
 def test_static_with_calibrated_ffn_quantizes_every_weight_product_in_qdq(built, tmp_path):
-    from pipeline.quantize import ffn_output_matmuls, matmul_census, quantize_static_onnx
+    from pipeline.variants.onnx_int8 import ffn_output_matmuls, matmul_census, quantize_static_onnx
 
     src = built["dirs"]["fp32-onnx"] / "model.onnx"
     assert len(ffn_output_matmuls(src, 128)) == 2  # the tiny BERT's FFN is 128 wide: one per layer
@@ -95,8 +96,8 @@ def test_ffn_products_quantized_per_batch_with_int8_weights(built, tmp_path):
     import onnxruntime as ort
     from onnx import numpy_helper
 
-    from pipeline.quantize import dynamic_int8_matmuls, ffn_output_matmuls
-    from pipeline.variants import OrtRunner
+    from pipeline.variants.onnx_int8 import dynamic_int8_matmuls, ffn_output_matmuls
+    from pipeline.variants.runners import OrtRunner
 
     for name in ("int8-static", "int8-qat"):
         graph = onnx.load(str(built["dirs"][name] / "model.onnx")).graph
@@ -183,7 +184,7 @@ def test_seven_bit_weights_give_exact_int8_products():
 def test_qat_fake_quant_matches_the_reduced_weight_grid():
     import torch
 
-    from pipeline.quantize import FakeQuantLinear
+    from pipeline.variants.qat import FakeQuantLinear
 
     torch.manual_seed(0)
     for reduce_range, qmax in ((True, 64), (False, 127)):
@@ -215,9 +216,9 @@ def test_scores_and_sizes(built, tiny_model_dir):
 
 
 def test_reference_row_reuses_the_finetune_logits_only_for_the_same_split(built, tiny_model_dir, tmp_path):
-    from pipeline.data import read_tokenized
-    from pipeline.io import write_predictions
-    from pipeline.variants import predict_logits
+    from pipeline.core.io import write_predictions
+    from pipeline.data.tokens import read_tokenized
+    from pipeline.variants.runners import predict_logits
 
     params = EvaluateParams(batch_size=16)
     test = read_tokenized(built["tokenized"], "test")
@@ -251,17 +252,16 @@ def test_reference_row_reuses_the_finetune_logits_only_for_the_same_split(built,
 
 
 def test_qat_trains_on_the_finetune_window(tokenizer):
-    from pipeline.build import _training_window
-    from pipeline.data import encode_texts
+    from pipeline.data.tokens import encode_texts, training_window
 
     pre = {"max_length": 64, "truncation": "head_tail", "head_fraction": 0.25}
     text = " ".join(f"word{i}" for i in range(200))
     (full,) = encode_texts([text], tokenizer, 64, "head_tail", 0.25)
     (short,) = encode_texts([text], tokenizer, 24, "head_tail", 0.25)
-    window = _training_window({"preprocessing": pre, "params": {"train": {"max_length": 24}}}, tokenizer)
+    window = training_window({"preprocessing": pre, "params": {"train": {"max_length": 24}}}, tokenizer)
     assert window is not None and np.array_equal(window(full), short)
-    assert _training_window({"preprocessing": pre, "params": {"train": {"max_length": None}}}, tokenizer) is None
-    assert _training_window({"preprocessing": pre, "params": {"train": {"max_length": 64}}}, tokenizer) is None
+    assert training_window({"preprocessing": pre, "params": {"train": {"max_length": None}}}, tokenizer) is None
+    assert training_window({"preprocessing": pre, "params": {"train": {"max_length": 64}}}, tokenizer) is None
 
 
 def test_tensorrt_skip_record(built):
@@ -316,7 +316,7 @@ def test_missing_or_corrupt_inputs_name_the_file(tmp_path, tiny_model_dir, built
 
 
 def test_parity_failure_stops_export(tmp_path, tiny_model_dir, monkeypatch):
-    import pipeline.build as build
+    import pipeline.variants.export as build
 
     monkeypatch.setattr(build, "parity", lambda *a, **k: Parity(max_abs_diff=1.0, label_agreement=0.5, batch=1))
     tok_dir = write_tokenized(tmp_path / "tok", {"test": 8})
@@ -328,7 +328,7 @@ def test_parity_failure_stops_export(tmp_path, tiny_model_dir, monkeypatch):
 def test_qat_distillation_loss():
     import torch
 
-    from pipeline.quantize import distillation_loss
+    from pipeline.variants.qat import distillation_loss
 
     logits = torch.tensor([[2.0, -1.0], [0.5, 0.3]])
     labels = torch.tensor([1, 0])
@@ -345,7 +345,7 @@ def test_qat_loss_is_labels_only_or_distilled(tiny_model_dir):
     import math
 
     from pipeline.modeling import load_finetuned
-    from pipeline.quantize import qat_finetune
+    from pipeline.variants.qat import qat_finetune
 
     rng = np.random.default_rng(0)
     seqs = [rng.integers(1000, 2000, size=24) for _ in range(8)]

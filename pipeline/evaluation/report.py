@@ -1,4 +1,4 @@
-"""The variant comparison a user reads: latency/throughput chart and `reports/variants.md`."""
+"""The benchmark report a user reads: the markdown table, target lines and the latency chart."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import csv
 from pathlib import Path
 from typing import Any
 
-from pipeline.bench import REFERENCE, SPEEDUP_LEVEL, markdown_table, speedup_interval_text
+import numpy as np
+
+from pipeline.evaluation.latency import REFERENCE, SPEEDUP_LEVEL
 
 
 def latency_chart(variants: dict[str, dict[str, Any]], path: Path) -> None:
@@ -15,7 +17,6 @@ def latency_chart(variants: dict[str, dict[str, Any]], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     names = [n for n, e in variants.items() if e["status"] == "ok"]
     p50 = np.array([variants[n]["p50_ms_b1"] for n in names])
@@ -71,7 +72,7 @@ def target_lines(variants: dict[str, dict[str, Any]], min_speedup: float = 3.0, 
 
 
 def is_pruned(name: str) -> bool:
-    """Whether a variant's speed also comes from removed heads/neurons (see `pipeline.prune`)."""
+    """Whether a variant's speed also comes from removed heads/neurons (see `pipeline.variants.prune`)."""
     return "pruned" in name
 
 
@@ -152,3 +153,35 @@ def write_report(result: dict[str, Any], chart: Path, path: Path) -> None:
         ]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
+
+
+def markdown_table(variants: dict[str, dict[str, Any]]) -> str:
+    """The comparison as a Markdown table (skipped rows say why)."""
+    head = ("| variant | accuracy | size MB | p50 ms | p95 ms | p99 ms | reviews/s @32 | peak RSS MB | speedup p50 |\n"
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    rows = [head]
+
+    def f(v: Any, fmt: str) -> str:
+        return "–" if v is None else format(v, fmt)
+
+    for name, e in variants.items():
+        if e["status"] != "ok":
+            rows.append(f"| {name} | skipped: {e['reason']} |  |  |  |  |  |  |  |")
+            continue
+        acc = e.get("accuracy")
+        mark = " †" if e.get("cls_readout") else ""
+        rows.append(f"| {name}{mark} | {f(None if acc is None else 100 * acc, '.2f')} | {f(e.get('size_mb'), '.1f')} | "
+                    f"{e['p50_ms_b1']:.2f} | {e['p95_ms_b1']:.2f} | {e['p99_ms_b1']:.2f} | "
+                    f"{e['throughput_b32']:.1f} | {f(e.get('peak_rss_mb'), '.0f')} | "
+                    f"{e['speedup_p50_vs_fp32_eager']:.2f}x{speedup_interval_text(e)} |")
+    if any("speedup_p50_low" in e for e in variants.values()):
+        rows.append(f"\nSpeed-up in brackets: {100 * SPEEDUP_LEVEL:.0f} % interval over the alternating rounds "
+                    "(`pipeline.evaluation.latency.speedup_interval`).")
+    return "\n".join(rows)
+
+
+def speedup_interval_text(entry: dict[str, Any]) -> str:
+    """The speed-up interval as the table and the chart print it after the ratio; empty for rows without one."""
+    if "speedup_p50_low" not in entry:
+        return ""
+    return f" ({entry['speedup_p50_low']:.2f}-{entry['speedup_p50_high']:.2f})"

@@ -1,30 +1,33 @@
-"""IMDB loading, the reference split, cleaning, integrity checks and one-time tokenization.
+"""IMDB loading, the reference split, cleaning and integrity checks.
 
 Three sources give the same frame (`text`, `label`): the Hugging Face hub (`stanfordnlp/imdb`), the
-parquet layout of the offline copy, and the original `aclImdb/{train,test}/{pos,neg}/*.txt` archive.
-"""
+parquet layout of the offline copy, and the original `aclImdb/{train,test}/{pos,neg}/*.txt` archive."""
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import re
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from pipeline.config import DataParams
+from pipeline.core.params import DataParams
 
 log = logging.getLogger(__name__)
 
+
 SPLITS = ("train", "val", "test")
+
+
 LABELS = {0: "negative", 1: "positive"}
+
+
 _BR = re.compile(r"<br\s*/?>", flags=re.IGNORECASE)
+
+
 _SPACES = re.compile(r"\s+")
 
 
@@ -194,80 +197,3 @@ def validate_splits(splits: dict[str, pd.DataFrame]) -> None:
             other = seen.setdefault(digest, name)
             if other != name:
                 raise DataValidationError(f"leakage: a review is in both '{other}' and '{name}'")
-
-
-# ---------------------------------------------------------------------------------- tokenization
-def truncate_ids(ids: Sequence[int], max_length: int, truncation: str, head_fraction: float,
-                 cls_id: int, sep_id: int) -> list[int]:
-    """Keep a review within `max_length` tokens incl. [CLS]/[SEP].
-
-    `head_tail` keeps the first `head_fraction` of the budget and fills the rest from the end: IMDB
-    verdicts often sit in the closing sentences (Sun et al., 2019, "How to fine-tune BERT").
-    """
-    body = max_length - 2
-    ids = list(ids)
-    if len(ids) > body:
-        if truncation == "head_tail":
-            head = int(body * head_fraction)
-            ids = ids[:head] + ids[len(ids) - (body - head) :]
-        else:
-            ids = ids[:body]
-    return [cls_id, *ids, sep_id]
-
-
-def retruncate(ids: Sequence[int], max_length: int, truncation: str, head_fraction: float,
-                cls_id: int, sep_id: int) -> np.ndarray:
-    """Shorten an already truncated `[CLS] ... [SEP]` sequence to `max_length`.
-
-    With the same truncation and head fraction this equals truncating the original review to `max_length`
-    directly (the shorter head and tail lie inside the longer ones), so training can use a shorter window
-    than the tokenized splits without tokenizing twice.
-    """
-    if len(ids) <= max_length:
-        return np.asarray(ids, dtype=np.int32)
-    if ids[0] != cls_id or ids[-1] != sep_id:
-        raise ValueError("retruncate expects sequences written by truncate_ids ([CLS] ... [SEP])")
-    return np.asarray(truncate_ids(list(ids[1:-1]), max_length, truncation, head_fraction, cls_id, sep_id),
-                      dtype=np.int32)
-
-
-def window_shortener(window: int | None, max_length: int, truncation: str, head_fraction: float, cls_id: int,
-                     sep_id: int) -> Callable[[Sequence[int]], np.ndarray] | None:
-    """`retruncate` bound to a training window (`train.max_length`) for splits tokenized to `max_length`;
-    None when the window is the whole length and there is nothing to cut."""
-    if window is None or window >= max_length:
-        return None
-    return functools.partial(retruncate, max_length=window, truncation=truncation, head_fraction=head_fraction,
-                             cls_id=cls_id, sep_id=sep_id)
-
-
-def tokenize_frame(df: pd.DataFrame, tokenizer: Any, params: DataParams, chunk: int = 2048) -> pd.DataFrame:
-    """Token ids (unpadded, int32) and length per review; padding happens per batch later."""
-    out: list[np.ndarray] = []
-    texts = df["text"].tolist()
-    for i in range(0, len(texts), chunk):
-        enc = tokenizer(texts[i : i + chunk], add_special_tokens=False, truncation=False, verbose=False)
-        for ids in enc["input_ids"]:
-            kept = truncate_ids(ids, params.max_length, params.truncation, params.head_fraction,
-                                tokenizer.cls_token_id, tokenizer.sep_token_id)
-            out.append(np.asarray(kept, dtype=np.int32))
-    return pd.DataFrame({"input_ids": out, "length": [len(x) for x in out], "label": df["label"].to_numpy()})
-
-
-def encode_texts(texts: Sequence[str], tokenizer: Any, max_length: int, truncation: str = "head",
-                 head_fraction: float = 0.25) -> list[np.ndarray]:
-    """Same truncation as training, for inference paths that start from raw text."""
-    enc = tokenizer([clean_text(t) for t in texts], add_special_tokens=False, truncation=False, verbose=False)
-    return [
-        np.asarray(truncate_ids(ids, max_length, truncation, head_fraction,
-                                tokenizer.cls_token_id, tokenizer.sep_token_id), dtype=np.int32)
-        for ids in enc["input_ids"]
-    ]
-
-
-def read_tokenized(directory: str | Path, split: str) -> pd.DataFrame:
-    """A tokenized split written by the prepare stage."""
-    path = Path(directory) / f"{split}.parquet"
-    if not path.is_file():
-        raise FileNotFoundError(f"tokenized split not found: {path} (run `dvc repro prepare`)")
-    return pd.read_parquet(path)

@@ -2,8 +2,7 @@
 
 Stages run as separate processes under `dvc repro`, so they find their shared parent by a tag:
 `pipeline.run_id`, taken from `PIPELINE_RUN_ID` (set once per `make run`) or, when `dvc repro` is
-called directly, derived from the git commit (plus `-dirty` for uncommitted changes).
-"""
+called directly, derived from the git commit (plus `-dirty` for uncommitted changes)."""
 
 from __future__ import annotations
 
@@ -14,9 +13,11 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import MlflowParams
+from pipeline.core.params import MlflowParams
 
 RUN_ID_TAG = "pipeline.run_id"
+
+
 ROLE_TAG = "pipeline.role"
 
 

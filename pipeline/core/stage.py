@@ -8,8 +8,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from pipeline.config import ParamsError
-from pipeline.data import DataSourceError, DataValidationError
+from pipeline.core.params import ParamsError
+from pipeline.data.imdb import DataSourceError, DataValidationError
 from pipeline.modeling import ModelSourceError
 
 #: Failures whose message already tells the user what to do: shown without a traceback.

@@ -2,8 +2,7 @@
 
 Each top-level section maps to one frozen dataclass. Stages load the file once in `main()` and pass
 the dataclasses down; nothing else in the code base reads `params.yaml`. Unknown keys and values of
-the wrong type fail loudly with the dotted key name, so a typo never silently falls back to a default.
-"""
+the wrong type fail loudly with the dotted key name, so a typo never silently falls back to a default."""
 
 from __future__ import annotations
 
@@ -143,7 +142,7 @@ class ExportParams:
     opset: int = 18
     parity_samples: int = 16
     parity_tolerance: float = 1e-4
-    # Exported graphs compute only the [CLS] position in the last layer (exact; `pipeline.readout`).
+    # Exported graphs compute only the [CLS] position in the last layer (exact; `pipeline.variants.readout`).
     # Models whose head reads every position (model.head: mean) are exported whole, with the reason recorded.
     cls_readout: bool = True
 
@@ -381,7 +380,7 @@ def set_value(path: str | Path, dotted_key: str, value: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m pipeline.config set KEY=VALUE [--params params.yaml]`."""
+    """`python -m pipeline.core.params set KEY=VALUE [--params params.yaml]`."""
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)

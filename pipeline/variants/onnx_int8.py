@@ -1,55 +1,26 @@
-"""INT8 variants: onnxruntime dynamic and static (QDQ, calibrated) PTQ, and quantization-aware training.
-
-QAT: every `nn.Linear` (but the FFN down-projections when they are quantized per batch) is wrapped so its
-input (per-tensor, uint8, affine) and its weight (per-channel, int8, symmetric) pass through torch.ao
-`FakeQuantize` during a short finetune from the FP32 weights.
-That is the very scheme onnxruntime's QDQ `MatMul` quantization uses, so after training the wrappers are
-removed, the adapted FP32 weights are exported to ONNX and converted with the same static QDQ pass as
-`int8-static` (activation ranges re-calibrated by onnxruntime; the learned weights are what QAT adds).
-The PT2E QAT flow is not used: torch 2.13 no longer ships `torch.ao.quantization.quantize_pt2e`.
-"""
+"""onnxruntime INT8 building blocks: dynamic and static (QDQ, calibrated) quantization, per-batch FFN
+down-projections, and the census of which matrix products ended up in INT8."""
 
 from __future__ import annotations
 
 import logging
 import tempfile
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from pipeline.variants import pad_batch
+from pipeline.variants.runners import pad_batch
 
 log = logging.getLogger(__name__)
+
 
 CALIBRATION_METHODS = ("minmax", "percentile", "entropy")
 
 
 class QuantizeError(RuntimeError):
     """A quantized variant could not be built."""
-
-
-# ------------------------------------------------------------------------------------ graph prep
-def optimize_for_quantization(src: Path, dst: Path, num_heads: int, hidden_size: int) -> dict[str, int]:
-    """onnxruntime's transformer fusions (Attention, SkipLayerNorm, BiasGelu) before quantizing; returns counts.
-
-    The embedding fusion is left off: `EmbedLayerNormalization` would keep the word-embedding table (half
-    of MiniLM's weights) in float, while a plain `Gather` is quantized to INT8 with the rest.
-    """
-    from onnxruntime.transformers.fusion_options import FusionOptions
-    from onnxruntime.transformers.optimizer import optimize_model
-
-    options = FusionOptions("bert")
-    options.enable_embed_layer_norm = False
-    model = optimize_model(str(src), model_type="bert", num_heads=num_heads, hidden_size=hidden_size,
-                           opt_level=1, optimization_options=options)
-    # Stale intermediate shapes from the exporter's example batch confuse later shape inference.
-    del model.model.graph.value_info[:]
-    model.save_model_to_file(str(dst))
-    return {k: int(v) for k, v in model.get_fused_operator_statistics().items() if v}
 
 
 def _without_value_info(src: Path, dst: Path) -> Path:
@@ -219,124 +190,6 @@ def ffn_output_matmuls(model: Path | Any, intermediate_size: int) -> list[str]:
             if n.op_type == "MatMul" and len(n.input) > 1 and rows.get(n.input[1]) == intermediate_size]
 
 
-# ---------------------------------------------------------------------------------------- QAT
-class FakeQuantLinear(torch.nn.Module):
-    """`nn.Linear` whose input and weight are fake-quantized as onnxruntime's QDQ MatMul will quantize them."""
-
-    def __init__(self, linear: torch.nn.Linear, reduce_range: bool = True) -> None:
-        super().__init__()
-        from torch.ao.quantization import FakeQuantize, MovingAverageMinMaxObserver, PerChannelMinMaxObserver
-
-        self.linear = linear
-        self.input_fq = FakeQuantize(observer=MovingAverageMinMaxObserver, quant_min=0, quant_max=255,
-                                     dtype=torch.quint8, qscheme=torch.per_tensor_affine)
-        qmax = 64 if reduce_range else 127  # onnxruntime's symmetric int8 range: [-64, 64] reduced, else +-127
-        self.weight_fq = FakeQuantize(observer=PerChannelMinMaxObserver, quant_min=-qmax, quant_max=qmax,
-                                      dtype=torch.qint8, qscheme=torch.per_channel_symmetric, ch_axis=0)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(self.input_fq(x), self.weight_fq(self.linear.weight), self.linear.bias)
-
-
-def add_fake_quant(model: torch.nn.Module, skip_in_features: int | None = None, reduce_range: bool = True) -> int:
-    """Wrap every Linear in place (except those with `skip_in_features` inputs, kept float); returns the count."""
-    count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, torch.nn.Linear) and child.in_features != skip_in_features:
-                setattr(parent, name, FakeQuantLinear(child, reduce_range))
-                count += 1
-    return count
-
-
-def remove_fake_quant(model: torch.nn.Module) -> int:
-    """Put the (QAT-adapted) plain Linear layers back; returns how many were unwrapped."""
-    count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, FakeQuantLinear):
-                setattr(parent, name, child.linear)
-                count += 1
-    return count
-
-
-@dataclass(frozen=True)
-class QatResult:
-    """What the QAT finetune did."""
-
-    wrapped_layers: int
-    steps: int
-    samples: int
-    final_loss: float
-
-
-def distillation_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor,
-                      weight: float) -> torch.Tensor:
-    """`weight` x KL(teacher || student) + (1 - weight) x cross-entropy on the labels."""
-    ce = torch.nn.functional.cross_entropy(logits.float(), labels)
-    if weight == 0.0:
-        return ce
-    student, teacher = torch.log_softmax(logits.float(), -1), torch.log_softmax(teacher_logits.float(), -1)
-    kl = torch.nn.functional.kl_div(student, teacher, reduction="batchmean", log_target=True)
-    return weight * kl + (1.0 - weight) * ce
-
-
-def qat_finetune(model: torch.nn.Module, seqs: Sequence[np.ndarray], labels: Sequence[int], epochs: int,
-                 batch_size: int, lr: float, seed: int = 0, pad_id: int = 0,
-                 skip_in_features: int | None = None, reduce_range: bool = True,
-                 distillation: float = 0.0) -> QatResult:
-    """A short finetune with fake quantization, via Lightning, from the FP32 weights.
-
-    Layers the INT8 conversion keeps float (`skip_in_features`) train without fake quantization. With
-    `distillation` > 0 the loss pulls the fake-quantized model towards a frozen copy of the FP32 model's
-    predictions (see `distillation_loss`), so QAT adapts to INT8 rounding instead of drifting on a few
-    hundred reviews.
-    """
-    import copy
-
-    import lightning as L
-    from torch.utils.data import DataLoader
-
-    from pipeline.batching import Collator, LengthBucketBatchSampler, TokenizedDataset
-    from pipeline.train import SentimentClassifier
-
-    teacher = copy.deepcopy(model).eval().requires_grad_(False) if distillation > 0 else None
-    wrapped = add_fake_quant(model, skip_in_features, reduce_range)
-    L.seed_everything(seed, verbose=False)
-    ds = TokenizedDataset(seqs, labels)
-    loader = DataLoader(ds, batch_sampler=LengthBucketBatchSampler(ds.lengths, batch_size, seed=seed),
-                        collate_fn=Collator(pad_id=pad_id))
-    class _Distilled(SentimentClassifier):
-        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-            if teacher is None:  # labels only: the plain finetuning step
-                return super().training_step(batch, batch_idx)
-            logits = self(batch["input_ids"], batch["attention_mask"])
-            with torch.no_grad():
-                target = teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            loss = distillation_loss(logits, target, batch["labels"], distillation)
-            self.log("train_loss", loss, prog_bar=True, batch_size=len(batch["labels"]))
-            return loss
-
-    module = _Distilled(model, lr=lr, weight_decay=0.0, warmup_ratio=0.0)
-    losses: list[float] = []
-
-    class _Loss(L.Callback):
-        def on_train_batch_end(self, trainer: L.Trainer, pl: L.LightningModule, out: Any, b: Any, i: int) -> None:
-            losses.append(float(out["loss"]))
-
-    with tempfile.TemporaryDirectory(prefix="qat-") as tmp:
-        from lightning.pytorch.callbacks import TQDMProgressBar
-
-        trainer = L.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                            default_root_dir=tmp, callbacks=[_Loss(), TQDMProgressBar(refresh_rate=10)],
-                            enable_model_summary=False,
-                            num_sanity_val_steps=0, limit_val_batches=0)
-        trainer.fit(module, train_dataloaders=loader)
-    remove_fake_quant(model)
-    model.eval()
-    return QatResult(wrapped, trainer.global_step, len(ds) * epochs, float(np.mean(losses[-10:])) if losses else 0.0)
-
-
 INTEGER_OPS = ("MatMulInteger", "DynamicQuantizeMatMul", "QLinearMatMul", "MatMulIntegerToFloat", "QAttention",
                "QGemm")
 
@@ -352,3 +205,12 @@ def matmul_census(path: Path) -> dict[str, int]:
     qdq = [n for n in float_ops if all(producer.get(i) == "DequantizeLinear" for i in n.input[:2])]
     integer = [n for n in graph.node if n.op_type in INTEGER_OPS]
     return {"int8_matmuls": len(qdq) + len(integer), "float_matmuls": len(float_ops) - len(qdq)}
+
+
+def int8_census(directory: Path, name: str) -> dict[str, int]:
+    """The variant's matrix products by arithmetic; an INT8 build that quantized none of them is an error."""
+
+    counts = matmul_census(directory / "model.onnx")
+    if counts["int8_matmuls"] == 0:
+        raise QuantizeError(f"{name}: no matrix product was quantized ({counts})")
+    return counts

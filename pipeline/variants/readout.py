@@ -5,8 +5,7 @@ layer still feeds nothing: its query projection, attention output, out-projectio
 whole feed-forward block are dead work (about 5/6 of the last layer, 1/7 of MiniLM's matrix products at
 128 tokens). `cls_readout` returns the same model with its last layer computing the [CLS] position only;
 keys and values still come from every position, so the logits are the same up to float rounding. The
-exports that feed the INT8 builds use it; parity against the unchanged model is checked where it is used.
-"""
+exports that feed the INT8 builds use it; parity against the unchanged model is checked where it is used."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 The serving handler, the behaviour tests and the benchmarks all use this class, so a review is cleaned,
 tokenized and truncated exactly as in training (the rules come from the variant's `pipeline.json`).
-It does not depend on TorchServe.
-"""
+It does not depend on TorchServe."""
 
 from __future__ import annotations
 
@@ -15,8 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.data import encode_texts
-from pipeline.variants import VARIANT_FILE, load_runner, pad_batch, read_variant
+from pipeline.data.tokens import encode_texts
+from pipeline.variants.record import VARIANT_FILE, read_variant
+from pipeline.variants.runners import load_runner, pad_batch
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Score every variant the same way: test accuracy, agreement with FP32, size on disk."""
+"""The `evaluate` stage's work: every variant scored the same way (test accuracy, agreement with FP32, size)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.config import EvaluateParams
-from pipeline.data import read_tokenized
-from pipeline.io import read_predictions
-from pipeline.variants import VariantError, load_runner, predict_logits, read_variant, size_mb
+from pipeline.core.io import read_predictions
+from pipeline.core.params import EvaluateParams
+from pipeline.data.tokens import read_tokenized
+from pipeline.variants.record import VariantError, read_variant, size_mb
+from pipeline.variants.runners import load_runner, predict_logits
 
 log = logging.getLogger(__name__)
+
 
 REFERENCE = "fp32-eager"
 
@@ -115,7 +117,7 @@ def log_variant_runs(results: dict[str, dict[str, Any]], variant_dirs: dict[str,
     """One MLflow child run per variant under the pipeline's parent run, for the compare view."""
     import mlflow
 
-    from pipeline.tracking import stage_run
+    from pipeline.core.tracking import stage_run
 
     dirs = {"fp32-eager": finetuned, **variant_dirs}
     for name, entry in results.items():

@@ -10,9 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.config import DataParams, ModelParams
-from pipeline.data import SPLITS, load_imdb, make_splits, tokenize_frame
-from pipeline.io import write_json
+from pipeline.core.io import write_json
+from pipeline.core.params import DataParams, ModelParams
+from pipeline.data.imdb import SPLITS, load_imdb, make_splits
+from pipeline.data.tokens import tokenize_frame
 
 log = logging.getLogger(__name__)
 

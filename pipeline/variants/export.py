@@ -1,12 +1,12 @@
-"""FP32 exports of the finetuned model: TorchScript (traced) and ONNX (torch.export-based exporter).
+"""The `export` stage's work: FP32 TorchScript (traced) and ONNX (torch.export-based exporter) exports.
 
 Both take `input_ids` and `attention_mask` with dynamic batch and sequence axes and return logits; both
-are checked for parity against the PyTorch model on real reviews before they are written as variants.
-"""
+are checked for parity against the PyTorch model on real reviews before they are written as variants."""
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +15,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline.variants import EagerLogits, Runner, pad_batch
+from pipeline.core.params import ExportParams
+from pipeline.data.tokens import read_tokenized
+from pipeline.modeling import load_finetuned
+from pipeline.variants.record import VariantInfo, write_variant
+from pipeline.variants.runners import EagerLogits, OrtRunner, Runner, TorchRunner, pad_batch
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +123,7 @@ def parity(reference: Runner, candidate: Runner, seqs: Sequence[np.ndarray], pad
 
 def eager_runner(model: torch.nn.Module) -> Runner:
     """The PyTorch reference as a runner."""
-    from pipeline.variants import TorchRunner
+    from pipeline.variants.runners import TorchRunner
 
     return TorchRunner(EagerLogits(model.eval()))
 
@@ -141,3 +145,63 @@ def describe(model: Any) -> dict[str, Any]:
     return {"num_heads": int(cfg.num_attention_heads), "hidden_size": int(cfg.hidden_size),
             "num_layers": int(cfg.num_hidden_layers), "model_type": str(cfg.model_type),
             "intermediate_size": int(getattr(cfg, "intermediate_size", getattr(cfg, "hidden_dim", 0)))}
+
+
+def max_length_of(meta: dict[str, Any]) -> int:
+    return int(meta["preprocessing"]["max_length"])
+
+
+def inference_model(model: Any, cls_readout: bool) -> tuple[Any, dict[str, Any]]:
+    """The model as it is exported, and the record of it: with the [CLS] readout (`pipeline.variants.readout`) when
+    asked for and possible, else the model itself with the reason logged and recorded."""
+    from pipeline.variants.readout import cls_readout as readout
+    from pipeline.variants.readout import unsupported
+
+    reason = "export.cls_readout is false" if not cls_readout else unsupported(model)
+    if reason is not None:
+        if cls_readout:
+            log.warning("exporting the whole last layer: %s", reason)
+        return model, {"cls_readout": False, "cls_readout_reason": reason}
+    return readout(model), {"cls_readout": True}
+
+
+def run_export(finetuned: Path, tokenized: Path, out_dirs: dict[str, Path], params: ExportParams) -> dict[str, Any]:
+    """`fp32-torchscript` and `fp32-onnx` (with the [CLS] readout when `export.cls_readout`), each checked
+    for parity against the unchanged PyTorch model on real test reviews."""
+    import torch
+
+    model, tokenizer, meta = load_finetuned(finetuned)
+    max_len = max_length_of(meta)
+    seqs = read_tokenized(tokenized, "test")["input_ids"].tolist()[: params.parity_samples]
+    reference = eager_runner(model)
+    graph, readout = inference_model(model, params.cls_readout)
+    report: dict[str, Any] = {}
+
+    d = out_dirs["fp32-torchscript"]
+    t0 = time.perf_counter()
+    export_torchscript(graph, d / "model.pt", max_len)
+    runner = TorchRunner(torch.jit.load(str(d / "model.pt")))
+    report["fp32-torchscript"] = _checked(reference, runner, seqs, params, max_len, t0, tokenizer.pad_token_id)
+    write_variant(d, VariantInfo("fp32-torchscript", "torchscript", "float32", "model.pt",
+                                 params={"method": "torch.jit.trace", **readout, **report["fp32-torchscript"]}),
+                  finetuned)
+
+    d = out_dirs["fp32-onnx"]
+    t0 = time.perf_counter()
+    export_onnx(graph, d / "model.onnx", max_len, params.opset)
+    runner = OrtRunner(d / "model.onnx", optimization="disable")
+    report["fp32-onnx"] = _checked(reference, runner, seqs, params, max_len, t0, tokenizer.pad_token_id)
+    write_variant(d, VariantInfo("fp32-onnx", "onnx", "float32", "model.onnx",
+                                 params={"method": "torch.onnx.export(dynamo=True)", "opset": params.opset,
+                                         **describe(model), **readout, **report["fp32-onnx"]}), finetuned)
+    return report
+
+
+def _checked(reference: Any, runner: Any, seqs: list[np.ndarray], params: ExportParams, max_len: int,
+             started: float, pad_id: int) -> dict[str, Any]:
+    p = parity(reference, runner, seqs, pad_id)
+    if p.max_abs_diff > params.parity_tolerance:
+        raise ExportError(f"parity failed: max |logit diff| {p.max_abs_diff:.2e} > {params.parity_tolerance:.0e}")
+    check_dynamic_shapes(runner, reference, max_len)
+    return {"parity_max_abs_diff": p.max_abs_diff, "parity_batch": p.batch,
+            "export_seconds": round(time.perf_counter() - started, 2)}

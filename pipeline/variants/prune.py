@@ -11,20 +11,32 @@ so each layer also absorbs the drift that earlier pruning caused. Which heads/ne
 Optimal Brain Surgeon on the Gram matrix (remove the group whose loss raises the least-squares error least,
 update the solution, repeat); the kept columns then get the exact ridge least-squares weights. This is the
 post-training recipe of Kwon et al., "A Fast Post-Training Pruning Framework for Transformers" (2022),
-with OBS selection in place of their Fisher mask search.
-"""
+with OBS selection in place of their Fisher mask search."""
 
 from __future__ import annotations
 
 import copy
 import logging
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from pipeline.core.params import PruneParams, QuantizeParams, to_dict
+from pipeline.data.tokens import draw_rows, read_tokenized, training_window
+from pipeline.modeling import load_finetuned
+from pipeline.variants.export import (
+    eager_runner,
+    max_length_of,
+)
+from pipeline.variants.fusion import fused_graph
+from pipeline.variants.onnx_int8 import int8_census
+from pipeline.variants.record import VariantInfo, write_variant
 
 log = logging.getLogger(__name__)
 
@@ -326,3 +338,49 @@ def _bar(layers: Sequence[torch.nn.Module], progress: bool) -> Any:
     from tqdm.auto import tqdm
 
     return tqdm(layers, desc="prune", unit="layer")
+
+
+def run_prune(finetuned: Path, tokenized: Path, out: Path, params: PruneParams, quantize: QuantizeParams,
+              train_seed: int = 42, cls_readout: bool = True) -> dict[str, Any]:
+    """`int8-pruned`: the finetuned model with whole heads and FFN neurons removed (see `pipeline.variants.prune`),
+    exported with the [CLS] readout (`export.cls_readout`), fused by onnxruntime and quantized like
+    `int8-dynamic`. Disabled, it is written as a skipped variant."""
+    import torch
+
+    from pipeline.variants.onnx_int8 import quantize_dynamic_onnx
+    from pipeline.variants.runners import pad_batch
+
+    name = "int8-pruned"
+    if not params.enabled:
+        reason = "prune.enabled is false"
+        log.warning("%s skipped: %s", name, reason)
+        write_variant(out, VariantInfo(name, "onnx", "int8", None, "skipped", reason, to_dict(params)), finetuned)
+        return {"status": "skipped", "reason": reason}
+    started = time.perf_counter()
+    model, tokenizer, meta = load_finetuned(finetuned)
+    pad = tokenizer.pad_token_id or 0
+    train = read_tokenized(tokenized, "train")
+    window = training_window(meta, tokenizer)
+    seqs = [train["input_ids"].iloc[i] for i in draw_rows(len(train), params.calibration_samples, train_seed + 2)]
+    seqs = [window(s) for s in seqs] if window is not None else seqs
+    seqs.sort(key=len)  # batches of similar length: little padding to run through the model
+    step = params.calibration_batch_size
+    batches = [tuple(torch.from_numpy(a) for a in pad_batch(seqs[i : i + step], pad))
+               for i in range(0, len(seqs), step)]
+    student, report = prune_encoder(model, batches, params.heads, params.ffn_width, params.damp)
+    heads, head_dim = report["heads"], int(model.config.hidden_size) // int(model.config.num_attention_heads)
+
+    with tempfile.TemporaryDirectory(prefix="prune-") as tmp:
+        check = read_tokenized(tokenized, "val")["input_ids"].tolist()[:16]
+        fused, fusion = fused_graph(student, cls_readout, eager_runner(student), "the pruned model", Path(tmp),
+                                     heads, heads * head_dim, int(model.config.num_hidden_layers),
+                                     max_length_of(meta), check, pad)
+        out.mkdir(parents=True, exist_ok=True)
+        quantize_dynamic_onnx(fused, out / "model.onnx", quantize.per_channel, quantize.reduce_range)
+    census = int8_census(out, name)
+    info = {"method": "structured pruning (OBS selection + least-squares repair) + onnxruntime.quantize_dynamic",
+            **to_dict(params), "per_channel": quantize.per_channel, "reduce_range": quantize.reduce_range,
+            **fusion, **report, **census,
+            "build_seconds": round(time.perf_counter() - started, 2)}
+    write_variant(out, VariantInfo(name, "onnx", "int8", "model.onnx", params=info), finetuned)
+    return info

@@ -3,8 +3,7 @@
 Padding every review to the longest one in the split (512 tokens) wastes most of the compute on IMDB,
 whose median review is far shorter. Batches here are drawn from pools of similar-length reviews and
 padded only to the longest member (rounded up to a multiple of 8), and the order of batches is
-shuffled so the model does not see a length curriculum.
-"""
+shuffled so the model does not see a length curriculum."""
 
 from __future__ import annotations
 

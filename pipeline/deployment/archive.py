@@ -2,8 +2,7 @@
 
 The archive holds the variant directory (`model/`), the TorchServe-independent code it needs
 (`pipeline/`, `serving/protocol.py`), `serving.json` (limits, threads, the model label answered in every
-response) and the handler. Nothing is installed per model at serve time.
-"""
+response) and the handler. Nothing is installed per model at serve time."""
 
 from __future__ import annotations
 
@@ -17,12 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import PackageParams
-from pipeline.io import write_json
+from pipeline.core.io import write_json
+from pipeline.core.params import PackageParams
 
 log = logging.getLogger(__name__)
 
-ROOT = Path(__file__).resolve().parents[1]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
 ARCHIVE_VERSION = "1.0"  # TorchServe's own version key; the registry version travels in serving.json
 
 

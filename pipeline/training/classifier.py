@@ -1,19 +1,13 @@
-"""Accelerated finetuning with Lightning: the module, the data module and `finetune()`.
+"""Accelerated finetuning with Lightning: the module, the data module, the trainer and the optimizer.
 
 Accelerations are params (`TrainParams`): mixed precision, `torch.compile`, length-bucketed batches with
-dynamic padding, gradient accumulation, DataLoader workers, an optional profiler trace, and
-DDP/FSDP/DeepSpeed through Lightning's `strategy`/`devices`/`num_nodes`.
-"""
+dynamic padding, gradient accumulation, DataLoader workers, the torch profiler, and DDP/FSDP/DeepSpeed."""
 
 from __future__ import annotations
 
-import csv
 import logging
-import os
-import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +17,9 @@ import torch
 from torch.utils.data import DataLoader
 from torchmetrics.classification import BinaryAccuracy
 
-from pipeline.batching import Collator, LengthBucketBatchSampler, TokenizedDataset
-from pipeline.config import DataParams, ModelParams, TrainParams, to_dict
-from pipeline.data import read_tokenized, window_shortener
-from pipeline.io import write_json, write_predictions
+from pipeline.core.params import TrainParams
+from pipeline.data.batching import Collator, LengthBucketBatchSampler, TokenizedDataset
+from pipeline.data.tokens import read_tokenized
 
 log = logging.getLogger(__name__)
 
@@ -199,15 +192,6 @@ class CurveRecorder(L.Callback):
                                   "val_acc": float(m["val_acc"]), "val_loss": float(m["val_loss"])})
 
 
-@dataclass(frozen=True)
-class FinetuneResult:
-    """What the finetune stage measured."""
-
-    metrics: dict[str, float]
-    model_dir: Path
-    best_checkpoint: str
-
-
 def build_trainer(params: TrainParams, work_dir: Path, callbacks: list[L.Callback], logger: Any = False,
                   profiler_dir: Path | None = None, enable_progress_bar: bool = True) -> L.Trainer:
     """A Trainer configured from params; profiler traces go to `profiler_dir` when enabled."""
@@ -242,139 +226,3 @@ def build_trainer(params: TrainParams, work_dir: Path, callbacks: list[L.Callbac
         enable_progress_bar=enable_progress_bar, use_distributed_sampler=False, log_every_n_steps=10,
         deterministic=False,
     )
-
-
-def finetune(tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots_dir: Path, report_dir: Path,
-             data: DataParams, model_params: ModelParams, params: TrainParams,
-             mlflow_logger: Any = None, predictions_path: Path | None = None) -> FinetuneResult:
-    """Train, keep the best checkpoint by validation accuracy, test it, and save it in HF format.
-
-    `predictions_path` keeps the test logits, so the evaluate stage's FP32 reference row need not score
-    the same model on the same reviews again.
-    """
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    from pipeline.modeling import load_model, load_tokenizer
-
-    check_accelerations(params)
-    if params.max_length is not None and params.max_length > data.max_length:
-        raise ValueError(f"train.max_length ({params.max_length}) exceeds data.max_length ({data.max_length}), "
-                         "the length the splits were tokenized to")
-    started = time.perf_counter()
-    if params.threads:
-        torch.set_num_threads(params.threads)
-    L.seed_everything(params.seed, workers=True, verbose=False)
-    tokenizer = load_tokenizer(model_params)
-    model = load_model(model_params, seed=params.seed, attention_dropout=params.attention_dropout)
-    module = SentimentClassifier(model, params.lr, params.weight_decay, params.warmup_ratio,
-                                 compile_model=params.compile, compile_mode=params.compile_mode,
-                                 fused_optimizer=params.fused_optimizer)
-    shorten = window_shortener(params.max_length, data.max_length, data.truncation, data.head_fraction,
-                               tokenizer.cls_token_id, tokenizer.sep_token_id)
-    dm = IMDBDataModule(tokenized_dir, params, pad_id=tokenizer.pad_token_id or 0, shorten_train=shorten)
-    recorder = CurveRecorder()
-    with tempfile.TemporaryDirectory(prefix="finetune-") as tmp:
-        work = Path(tmp)
-        ckpt = ModelCheckpoint(dirpath=str(work / "ckpt"), monitor="val_acc", mode="max", save_top_k=1,
-                               filename="best-{step}-{val_acc:.4f}")
-        trainer = build_trainer(params, work, [ckpt, recorder], logger=mlflow_logger or False,
-                                profiler_dir=report_dir / "profiler")
-        trainer.fit(module, datamodule=dm)
-        best = ckpt.best_model_path
-        if not trainer.is_global_zero:
-            return FinetuneResult({}, model_dir, best)
-        if best:  # the test score is the best checkpoint's, not the last step's
-            state = torch.load(best, map_location="cpu", weights_only=True)["state_dict"]
-            module.load_state_dict(state)
-        # Scored in one process over the whole test split (a DDP-sharded test loop would drop the tail).
-        scored = time.perf_counter()
-        logits, labels = predict_split(module, dm, "test")
-        score_seconds = time.perf_counter() - scored
-        preds = logits.argmax(-1)
-
-    from sklearn.metrics import accuracy_score, f1_score
-
-    metrics = {
-        "test_accuracy": float(accuracy_score(labels, preds)),
-        "test_f1": float(f1_score(labels, preds)),
-        "best_val_accuracy": float(ckpt.best_model_score) if ckpt.best_model_score is not None else float("nan"),
-        "train_samples_per_s": recorder.samples / recorder.train_seconds if recorder.train_seconds else 0.0,
-        "train_tokens_per_s": recorder.tokens / recorder.train_seconds if recorder.train_seconds else 0.0,
-        "train_seconds": recorder.train_seconds,
-        "train_samples_seen": recorder.samples,
-        "wall_time_s": time.perf_counter() - started,
-    }
-    save_model(module.model, tokenizer, model_dir, data, model_params, params)
-    if predictions_path is not None:
-        write_predictions(predictions_path, logits, labels, dm.datasets["test"].input_ids,
-                          batch_size=params.eval_batch_size, seconds=round(score_seconds, 2),
-                          threads=torch.get_num_threads())
-    write_json(metrics_path, metrics)
-    write_curves(plots_dir, recorder)
-    report_dir.mkdir(parents=True, exist_ok=True)
-    save_confusion(labels, preds, report_dir / "confusion_matrix.png")
-    return FinetuneResult(metrics, model_dir, best)
-
-
-def predict_split(module: SentimentClassifier, dm: IMDBDataModule,
-                  split: str = "test") -> tuple[np.ndarray, np.ndarray]:
-    """Logits and true labels for a split (rank 0, single process), scored as the evaluate stage scores."""
-    from pipeline.variants import EagerLogits, TorchRunner, predict_logits
-
-    module.eval()
-    ds = dm.datasets[split]
-    logits = predict_logits(TorchRunner(EagerLogits(module.model)), ds.input_ids, dm.params.eval_batch_size,
-                            pad_id=dm.collate.pad_id, progress=f"score {split}")
-    return logits, ds.labels
-
-
-def save_model(model: torch.nn.Module, tokenizer: Any, model_dir: Path, data: DataParams,
-               model_params: ModelParams, params: TrainParams) -> None:
-    """HF weights + config (with id2label) + tokenizer + the preprocessing that inference must repeat."""
-    model_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    meta = {
-        "format": "huggingface", "dtype": "float32", "task": "sentiment", "labels": model.config.id2label,
-        "preprocessing": {"max_length": data.max_length, "truncation": data.truncation,
-                          "head_fraction": data.head_fraction, "clean": "strip <br /> and collapse spaces"},
-        "params": {"data": to_dict(data), "model": to_dict(model_params), "train": to_dict(params)},
-    }
-    write_json(model_dir / "pipeline.json", meta)
-
-
-def write_curves(plots_dir: Path, recorder: CurveRecorder) -> None:
-    """`train.csv` (step, loss, lr) and `val.csv` (step, accuracy, loss) for `dvc plots`."""
-    plots_dir.mkdir(parents=True, exist_ok=True)
-    for name, rows, cols in (("train.csv", recorder.train_rows, ["step", "train_loss", "lr"]),
-                             ("val.csv", recorder.val_rows, ["step", "epoch", "val_acc", "val_loss"])):
-        with (plots_dir / name).open("w", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=cols)
-            writer.writeheader()
-            writer.writerows(rows)
-
-
-def save_confusion(labels: np.ndarray, preds: np.ndarray, path: Path) -> None:
-    """A labelled confusion-matrix image (counts and row-normalised share)."""
-    os.environ.setdefault("MPLBACKEND", "Agg")
-    import matplotlib.pyplot as plt
-    from sklearn.metrics import confusion_matrix
-
-    cm = confusion_matrix(labels, preds, labels=[0, 1])
-    fig, ax = plt.subplots(figsize=(4, 3.6), dpi=120)
-    ax.imshow(cm, cmap="Blues")
-    names = ["negative", "positive"]
-    ax.set_xticks([0, 1], names)
-    ax.set_yticks([0, 1], names)
-    ax.set_xlabel("predicted")
-    ax.set_ylabel("true")
-    for i in range(2):
-        share = cm[i] / max(cm[i].sum(), 1)
-        for j in range(2):
-            ax.text(j, i, f"{cm[i, j]}\n{share[j]:.1%}", ha="center", va="center",
-                    color="white" if cm[i, j] > cm.max() / 2 else "black")
-    ax.set_title(f"test accuracy {np.trace(cm) / max(cm.sum(), 1):.2%}")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)

@@ -4,19 +4,23 @@ FP16 engines come from the FP32 ONNX graph; INT8 engines use explicit quantizati
 from the calibrated QDQ ONNX model of `int8-static` (TensorRT 10 deprecates implicit INT8 calibrators).
 Without CUDA or the `tensorrt` package the builders are not called: `availability()` says why, and the
 stage records the variant as skipped with that reason. Everything up to the TensorRT calls (profile
-shapes, availability, the skip record) is plain Python and tested on CPU.
-"""
+shapes, availability, the skip record) is plain Python and tested on CPU."""
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from pipeline.core.params import TensorRTParams, to_dict
+from pipeline.variants.record import VariantInfo, write_variant
+
 log = logging.getLogger(__name__)
+
 
 INPUTS = ("input_ids", "attention_mask")
 
@@ -115,3 +119,28 @@ class TensorRTRunner:
         self.context.execute_async_v3(self.stream.cuda_stream)
         self.stream.synchronize()
         return out.cpu().numpy()
+
+
+def run_tensorrt(finetuned: Path, fp32_onnx: Path, int8_static: Path, out_dirs: dict[str, Path],
+                 params: TensorRTParams, max_seq: int) -> dict[str, Any]:
+    """Build `tensorrt-fp16`/`tensorrt-int8` where possible; otherwise write the skip record and say why."""
+
+    shapes = profile_shapes(params.min_batch, params.opt_batch, params.max_batch, params.min_seq,
+                            min(params.opt_seq, max_seq), max_seq)
+    ok, reason = availability()
+    report: dict[str, Any] = {}
+    sources = {"tensorrt-fp16": (fp32_onnx, "fp16"), "tensorrt-int8": (int8_static, "int8")}
+    for name, (src, precision) in sources.items():
+        d = out_dirs[name]
+        base = {"precision": precision, "source": src.name, "profile": shapes.__dict__, **to_dict(params)}
+        if not ok:
+            log.warning("%s skipped: %s", name, reason)
+            write_variant(d, VariantInfo(name, "tensorrt", precision, None, "skipped", reason, base), finetuned)
+            report[name] = {"status": "skipped", "reason": reason}
+            continue
+        t0 = time.perf_counter()
+        info = build_engine(src / "model.onnx", d / "model.engine", shapes, precision, params.workspace_mb)
+        base.update(info, build_seconds=round(time.perf_counter() - t0, 2))
+        write_variant(d, VariantInfo(name, "tensorrt", precision, "model.engine", params=base), finetuned)
+        report[name] = {"status": "ok"}
+    return report

@@ -1,0 +1,106 @@
+"""Token ids: one-time tokenization, head+tail truncation, training windows, and reading the tokenized splits."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from pipeline.core.params import DataParams
+from pipeline.data.imdb import clean_text
+
+
+# ---------------------------------------------------------------------------------- tokenization
+def truncate_ids(ids: Sequence[int], max_length: int, truncation: str, head_fraction: float,
+                 cls_id: int, sep_id: int) -> list[int]:
+    """Keep a review within `max_length` tokens incl. [CLS]/[SEP].
+
+    `head_tail` keeps the first `head_fraction` of the budget and fills the rest from the end: IMDB
+    verdicts often sit in the closing sentences (Sun et al., 2019, "How to fine-tune BERT").
+    """
+    body = max_length - 2
+    ids = list(ids)
+    if len(ids) > body:
+        if truncation == "head_tail":
+            head = int(body * head_fraction)
+            ids = ids[:head] + ids[len(ids) - (body - head) :]
+        else:
+            ids = ids[:body]
+    return [cls_id, *ids, sep_id]
+
+
+def retruncate(ids: Sequence[int], max_length: int, truncation: str, head_fraction: float,
+                cls_id: int, sep_id: int) -> np.ndarray:
+    """Shorten an already truncated `[CLS] ... [SEP]` sequence to `max_length`.
+
+    With the same truncation and head fraction this equals truncating the original review to `max_length`
+    directly (the shorter head and tail lie inside the longer ones), so training can use a shorter window
+    than the tokenized splits without tokenizing twice.
+    """
+    if len(ids) <= max_length:
+        return np.asarray(ids, dtype=np.int32)
+    if ids[0] != cls_id or ids[-1] != sep_id:
+        raise ValueError("retruncate expects sequences written by truncate_ids ([CLS] ... [SEP])")
+    return np.asarray(truncate_ids(list(ids[1:-1]), max_length, truncation, head_fraction, cls_id, sep_id),
+                      dtype=np.int32)
+
+
+def window_shortener(window: int | None, max_length: int, truncation: str, head_fraction: float, cls_id: int,
+                     sep_id: int) -> Callable[[Sequence[int]], np.ndarray] | None:
+    """`retruncate` bound to a training window (`train.max_length`) for splits tokenized to `max_length`;
+    None when the window is the whole length and there is nothing to cut."""
+    if window is None or window >= max_length:
+        return None
+    return functools.partial(retruncate, max_length=window, truncation=truncation, head_fraction=head_fraction,
+                             cls_id=cls_id, sep_id=sep_id)
+
+
+def tokenize_frame(df: pd.DataFrame, tokenizer: Any, params: DataParams, chunk: int = 2048) -> pd.DataFrame:
+    """Token ids (unpadded, int32) and length per review; padding happens per batch later."""
+    out: list[np.ndarray] = []
+    texts = df["text"].tolist()
+    for i in range(0, len(texts), chunk):
+        enc = tokenizer(texts[i : i + chunk], add_special_tokens=False, truncation=False, verbose=False)
+        for ids in enc["input_ids"]:
+            kept = truncate_ids(ids, params.max_length, params.truncation, params.head_fraction,
+                                tokenizer.cls_token_id, tokenizer.sep_token_id)
+            out.append(np.asarray(kept, dtype=np.int32))
+    return pd.DataFrame({"input_ids": out, "length": [len(x) for x in out], "label": df["label"].to_numpy()})
+
+
+def encode_texts(texts: Sequence[str], tokenizer: Any, max_length: int, truncation: str = "head",
+                 head_fraction: float = 0.25) -> list[np.ndarray]:
+    """Same truncation as training, for inference paths that start from raw text."""
+    enc = tokenizer([clean_text(t) for t in texts], add_special_tokens=False, truncation=False, verbose=False)
+    return [
+        np.asarray(truncate_ids(ids, max_length, truncation, head_fraction,
+                                tokenizer.cls_token_id, tokenizer.sep_token_id), dtype=np.int32)
+        for ids in enc["input_ids"]
+    ]
+
+
+def read_tokenized(directory: str | Path, split: str) -> pd.DataFrame:
+    """A tokenized split written by the prepare stage."""
+    path = Path(directory) / f"{split}.parquet"
+    if not path.is_file():
+        raise FileNotFoundError(f"tokenized split not found: {path} (run `dvc repro prepare`)")
+    return pd.read_parquet(path)
+
+
+def training_window(meta: dict[str, Any], tokenizer: Any) -> Any:
+    """Shorten QAT reviews to the window the finetune stage trained on (`train.max_length` in the model's
+    own record), so QAT steps cost what finetune steps cost; None when training used the full length."""
+
+    window = (meta.get("params", {}).get("train", {}) or {}).get("max_length")
+    pre = meta["preprocessing"]
+    return window_shortener(None if window is None else int(window), int(pre["max_length"]), pre["truncation"],
+                            float(pre["head_fraction"]), tokenizer.cls_token_id, tokenizer.sep_token_id)
+
+
+def draw_rows(rows: int, count: int, seed: int) -> np.ndarray:
+    """`count` distinct row indices (all rows if fewer), the same for the same seed."""
+    return np.random.default_rng(seed).choice(rows, size=min(count, rows), replace=False)

@@ -1,0 +1,151 @@
+"""The `benchmark` stage's work: measure every variant, write metrics/plots/report, log one MLflow run per variant.
+
+Rerun alone on chosen variants with `python -m pipeline.evaluation.benchmark --variants int8-static,fp32-onnx`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from pipeline.core.io import read_json, write_json
+from pipeline.core.machine import machine_info
+from pipeline.core.params import BenchmarkParams, MlflowParams, to_dict
+from pipeline.evaluation.accuracy import REFERENCE
+from pipeline.evaluation.latency import (
+    BF16_ROW,
+    SPEEDUP_LEVEL,
+    _rss_probe,
+    candidates,
+    latency_inputs,
+    measure,
+    peak_rss_mb,
+    speedup_interval,
+    throughput_batches,
+)
+from pipeline.evaluation.report import latency_chart, markdown_table, plot_rows, target_lines, write_report
+from pipeline.variants.record import VARIANT_FILE
+from pipeline.variants.runners import Runner, load_runner
+
+log = logging.getLogger(__name__)
+
+
+def run_benchmark(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Path, params: BenchmarkParams,
+                  accuracy: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Measure every candidate; skipped variants stay in the table with their reason."""
+    from tqdm.auto import tqdm
+
+    from pipeline.data.tokens import read_tokenized
+
+    threads = params.threads or os.cpu_count() or 1
+    import torch
+
+    torch.set_num_threads(threads)
+    seqs = read_tokenized(tokenized, "test")["input_ids"].tolist()
+    from transformers import AutoTokenizer
+
+    pad = AutoTokenizer.from_pretrained(finetuned).pad_token_id or 0  # the model's own padding id
+    lat_inputs = latency_inputs(seqs, params.seq_len, params.latency_reviews, pad)
+    tp_batches = throughput_batches(seqs, params.batch_size, params.throughput_batches, pad)
+    cands = candidates(finetuned, variant_dirs, params.bf16_row)
+    runners: dict[str, Runner] = {}
+    for c in cands:
+        if c.status == "ok":
+            runners[c.name] = load_runner(c.directory, threads, **c.options)
+    total = params.rounds * len(runners)
+    with tqdm(total=total, desc="benchmark", unit="run") as bar:
+        timings = measure(runners, lat_inputs, tp_batches, params, progress=lambda _: bar.update(1))
+    results: dict[str, Any] = {}
+    ref = timings[REFERENCE]["p50_ms_b1"]
+    ref_rounds = timings[REFERENCE]["latency_rounds_ms"]
+    for c in cands:
+        entry: dict[str, Any] = {"status": c.status, "reason": c.reason}
+        if c.status == "ok":
+            entry["cls_readout"] = c.cls_readout
+            rounds = timings[c.name].pop("latency_rounds_ms")
+            entry.update(timings[c.name])
+            entry["speedup_p50_vs_fp32_eager"] = ref / entry["p50_ms_b1"]
+            if c.name != REFERENCE:
+                low, high = speedup_interval(ref_rounds, rounds, SPEEDUP_LEVEL)
+                entry["speedup_p50_low"], entry["speedup_p50_high"] = low, high
+            if params.memory:
+                entry["peak_rss_mb"] = peak_rss_mb(c.directory, c.options, tp_batches[0], threads)
+        acc = (accuracy or {}).get(c.name if c.name != BF16_ROW else REFERENCE, {})
+        for key in ("accuracy", "size_mb", "agreement_with_fp32"):
+            if key in acc and c.name != BF16_ROW:
+                entry[key] = acc[key]
+        results[c.name] = entry
+    return {"variants": results, "machine": machine_info(threads),
+            "settings": {"seq_len": params.seq_len, "batch_size": params.batch_size, "rounds": params.rounds,
+                         "iterations": params.iterations, "warmup": params.warmup}}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Rerun the benchmark alone: `python -m pipeline.evaluation.benchmark --variants int8-static,fp32-onnx`."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--variants", default="", help="comma-separated variant names (default: all)")
+    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--variants-root", type=Path, default=Path("models/variants"))
+    parser.add_argument("--finetuned", type=Path, default=Path("models/finetuned"))
+    parser.add_argument("--tokenized", type=Path, default=Path("data/tokenized"))
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/bench_cli.json"))
+    parser.add_argument("--rss-probe", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--batch-file", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--options", default="{}", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.rss_probe:
+        _rss_probe(args.rss_probe, args.batch_file, args.threads, json.loads(args.options))
+        return
+
+    from pipeline.core.io import write_json
+    from pipeline.core.params import read_params, section
+    from pipeline.core.stage import setup_logging
+
+    setup_logging()
+    params = section(read_params(args.params), "benchmark", BenchmarkParams)
+    wanted = [v for v in args.variants.split(",") if v]
+    dirs = {d.name: d for d in sorted(args.variants_root.iterdir()) if (d / VARIANT_FILE).is_file()}
+    unknown = [v for v in wanted if v not in dirs and v not in (REFERENCE, BF16_ROW)]
+    if unknown:
+        raise SystemExit(f"unknown variant(s) {unknown}; available: {sorted(dirs)}")
+    if wanted:
+        dirs = {k: v for k, v in dirs.items() if k in wanted}
+    result = run_benchmark(args.finetuned, dirs, args.tokenized, params)
+    write_json(args.out, result)
+    print(markdown_table(result["variants"]))
+
+
+METRIC_KEYS = ("p50_ms_b1", "p95_ms_b1", "p99_ms_b1", "throughput_b32", "peak_rss_mb", "speedup_p50_vs_fp32_eager",
+               "speedup_p50_low", "speedup_p50_high", "accuracy", "size_mb")
+
+
+def run_benchmark_stage(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Path, accuracy_file: Path,
+                        metrics_path: Path, plot_data: Path, report: Path, params: BenchmarkParams,
+                        tracking: MlflowParams) -> dict[str, Any]:
+    """Benchmark all variants; `metrics/benchmark.json` holds one object per variant."""
+    import mlflow
+
+    from pipeline.core.tracking import log_parent_artifact, stage_run
+
+    result = run_benchmark(finetuned, variant_dirs, tokenized, params, read_json(accuracy_file))
+    variants = result["variants"]
+    write_json(metrics_path, variants)
+    write_json(metrics_path.with_name("benchmark_machine.json"), {**result["machine"], **result["settings"]})
+    plot_rows(variants, plot_data)
+    chart = report.with_name("variants_latency.png")
+    latency_chart(variants, chart)
+    write_report(result, chart, report)
+    for line in target_lines(variants):
+        log.info(line.replace("**", ""))
+    for name, entry in variants.items():
+        with stage_run(tracking, "benchmark", run_name=f"bench-{name}", tags={"variant": name}):
+            mlflow.log_params({"variant": name, **to_dict(params), "cpu": result["machine"]["cpu"]})
+            mlflow.set_tags({"status": entry["status"], "reason": entry["reason"][:5000]})
+            mlflow.log_metrics({k: float(entry[k]) for k in METRIC_KEYS if entry.get(k) is not None})
+    for f in (report, chart, metrics_path):
+        log_parent_artifact(tracking, f, "comparison")
+    return result

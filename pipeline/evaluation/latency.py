@@ -1,0 +1,179 @@
+"""Latency, throughput and memory of every variant, measured the same way, alternating between variants."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.core.params import BenchmarkParams
+from pipeline.variants.record import read_variant
+from pipeline.variants.runners import Runner, load_runner, pad_batch
+
+log = logging.getLogger(__name__)
+
+
+REFERENCE = "fp32-eager"
+
+
+SPEEDUP_LEVEL = 0.9  # the speed-up interval's coverage (`speedup_interval`)
+
+
+BF16_ROW = "fp32-eager-bf16"
+
+
+def percentiles(samples_ms: Sequence[float]) -> dict[str, float]:
+    """p50/p95/p99 with linear interpolation (numpy's default), in ms."""
+    if not samples_ms:
+        raise ValueError("no latency samples")
+    a = np.asarray(samples_ms, dtype=np.float64)
+    return {"p50": float(np.percentile(a, 50)), "p95": float(np.percentile(a, 95)), "p99": float(np.percentile(a, 99))}
+
+
+def speedup_interval(reference_rounds: Sequence[Sequence[float]], rounds: Sequence[Sequence[float]],
+                     level: float = 0.9, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """A bootstrap interval of p50(reference) / p50(variant) that resamples whole rounds, paired.
+
+    On a shared machine the reference's p50 moves by tens of percent between runs; one ratio hides that.
+    Within a round both rows were measured minutes apart at most, so rounds are the unit that is resampled
+    (the same picks for both rows), and the interval shows how far drift between rounds moves the ratio.
+    """
+    if not rounds or len(reference_rounds) != len(rounds):
+        raise ValueError("reference and variant need the same, non-zero number of rounds")
+    ref = [np.asarray(r, dtype=np.float64) for r in reference_rounds]
+    var = [np.asarray(r, dtype=np.float64) for r in rounds]
+    rng = np.random.default_rng(seed)
+    ratios = np.empty(resamples)
+    for i in range(resamples):
+        pick = rng.integers(0, len(rounds), len(rounds))
+        ref_p50 = np.median(np.concatenate([ref[j] for j in pick]))
+        ratios[i] = ref_p50 / np.median(np.concatenate([var[j] for j in pick]))
+    tail = 100 * (1 - level) / 2
+    return float(np.percentile(ratios, tail)), float(np.percentile(ratios, 100 - tail))
+
+
+def alternating_schedule(names: Sequence[str], rounds: int) -> list[str]:
+    """A B C A B C ...: every round visits every variant once, so drift hits all alike."""
+    return [name for _ in range(rounds) for name in names]
+
+
+@dataclass
+class Candidate:
+    """A variant to measure: how to build its runner and where it lives."""
+
+    name: str
+    directory: Path
+    options: dict[str, Any]
+    status: str = "ok"
+    reason: str = ""
+    cls_readout: bool = False  # the variant's last layer computes the [CLS] position only (`pipeline.variants.readout`)
+
+
+def candidates(finetuned: Path, variant_dirs: dict[str, Path], include_bf16: bool) -> list[Candidate]:
+    """FP32 eager first (the reference), the bf16-autocast row, then every variant (skipped ones kept)."""
+    out = [Candidate(REFERENCE, finetuned, {})]
+    if include_bf16:
+        out.append(Candidate(BF16_ROW, finetuned, {"autocast_bf16": True}))
+    for name, d in variant_dirs.items():
+        info = read_variant(d)
+        out.append(Candidate(name, d, {}, info.status, info.reason, bool(info.params.get("cls_readout", False))))
+    return out
+
+
+def latency_inputs(seqs: Sequence[np.ndarray], seq_len: int, count: int, pad_id: int) -> list[tuple[np.ndarray, ...]]:
+    """Batch-1 inputs of exactly `seq_len` tokens: real reviews truncated or padded to it."""
+    out = []
+    for s in seqs[:count]:
+        ids, mask = pad_batch([s[:seq_len]], pad_id, seq_len)
+        out.append((ids, mask))
+    return out
+
+
+def throughput_batches(seqs: Sequence[np.ndarray], batch: int, n_batches: int,
+                       pad_id: int) -> list[tuple[np.ndarray, ...]]:
+    """Batches of real reviews in test-split order, each padded to its own longest review."""
+    return [pad_batch(list(seqs[i * batch : (i + 1) * batch]), pad_id) for i in range(n_batches)
+            if len(seqs[i * batch : (i + 1) * batch]) == batch]
+
+
+def measure(runners: dict[str, Runner], lat_inputs: list[tuple[np.ndarray, ...]],
+            tp_batches: list[tuple[np.ndarray, ...]], params: BenchmarkParams,
+            progress: Callable[[str], None] | None = None) -> dict[str, dict[str, Any]]:
+    """Warm up each runner, then alternate rounds of batch-1 latency and batch-N throughput.
+
+    Every round starts with `params.warmup` untimed calls as well: right after another variant ran, the first
+    one or two calls take up to 2.5x the steady latency (evicted caches, idle threads), and with 10 timed calls
+    per round they would be a fifth of the samples, inflating p95 and nudging p50.
+    Each row keeps its latency samples by round (`latency_rounds_ms`) for `speedup_interval`."""
+    names = list(runners)
+    for name in names:
+        for i in range(params.warmup):
+            runners[name](*lat_inputs[i % len(lat_inputs)])
+        runners[name](*tp_batches[0])
+    lat: dict[str, list[list[float]]] = {n: [] for n in names}  # one list of samples per round
+    tp: dict[str, list[float]] = {n: [] for n in names}
+    per_round = max(1, params.iterations // params.rounds)
+    for r, name in enumerate(alternating_schedule(names, params.rounds)):
+        run = runners[name]
+        lat[name].append([])
+        for i in range(params.warmup):  # the first calls after another variant ran are cold (caches, threads)
+            run(*lat_inputs[(r * per_round + i) % len(lat_inputs)])
+        for i in range(per_round):
+            ids, mask = lat_inputs[(r * per_round + i) % len(lat_inputs)]
+            t = time.perf_counter()
+            run(ids, mask)
+            lat[name][-1].append((time.perf_counter() - t) * 1e3)
+        t = time.perf_counter()
+        n = 0
+        for ids, mask in tp_batches:
+            run(ids, mask)
+            n += ids.shape[0]
+        tp[name].append(n / (time.perf_counter() - t))
+        if progress:
+            progress(name)
+    out = {}
+    for name in names:
+        pct = percentiles([x for samples in lat[name] for x in samples])
+        out[name] = {"p50_ms_b1": pct["p50"], "p95_ms_b1": pct["p95"], "p99_ms_b1": pct["p99"],
+                     "throughput_b32": float(np.median(tp[name])),
+                     "latency_samples": sum(len(samples) for samples in lat[name]), "latency_rounds_ms": lat[name]}
+    return out
+
+
+def peak_rss_mb(directory: Path, options: dict[str, Any], batch: tuple[np.ndarray, ...], threads: int) -> float:
+    """Peak RSS of a fresh process that loads the variant and serves one batch (isolated per variant)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="rss-") as tmp:
+        np.savez(Path(tmp) / "batch.npz", ids=batch[0], mask=batch[1])
+        cmd = [sys.executable, "-m", "pipeline.evaluation.benchmark", "--rss-probe", str(directory), "--batch-file",
+               str(Path(tmp) / "batch.npz"), "--threads", str(threads), "--options", json.dumps(options)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"memory probe failed for {directory}: {proc.stderr[-2000:]}")
+        return float(proc.stdout.strip().splitlines()[-1])
+
+
+def _rss_probe(directory: Path, batch_file: Path, threads: int, options: dict[str, Any]) -> None:
+    data = np.load(batch_file)
+    runner = load_runner(directory, threads, **options)
+    runner(data["ids"], data["mask"])
+    print(vm_hwm_mb())
+
+
+def vm_hwm_mb() -> float:
+    """This process's peak RSS (VmHWM) in MB; unlike ru_maxrss it starts afresh at exec, not at fork."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -1,0 +1,78 @@
+"""A variant's self-describing directory: the model file, `variant.json` (name, format, dtype, file, params,
+status and reason), the tokenizer, and the finetune stage's `pipeline.json` (label map, preprocessing)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.core.io import write_json
+
+VARIANT_FILE = "variant.json"
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
+
+
+class VariantError(RuntimeError):
+    """A variant directory is missing, incomplete or cannot be run."""
+
+
+@dataclass
+class VariantInfo:
+    """What `variant.json` says about a variant."""
+
+    name: str
+    format: str  # pytorch | torchscript | onnx | tensorrt
+    dtype: str  # float32 | int8 | float16
+    file: str | None
+    status: str = "ok"  # ok | skipped
+    reason: str = ""
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def write_variant(directory: Path, info: VariantInfo, finetuned_dir: Path) -> None:
+    """Write `variant.json` and copy the tokenizer and preprocessing record next to the model file."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in (*TOKENIZER_FILES, "pipeline.json", "config.json"):
+        src = finetuned_dir / name
+        if src.is_file():
+            shutil.copy2(src, directory / name)
+    write_json(directory / VARIANT_FILE, info.to_dict())
+
+
+def read_variant(directory: Path) -> VariantInfo:
+    """The variant record, with a clear error naming the file when it is missing or corrupt."""
+    path = Path(directory) / VARIANT_FILE
+    if not path.is_file():
+        raise VariantError(f"not a variant directory (no {VARIANT_FILE}): {directory}")
+    try:
+        return VariantInfo(**json.loads(path.read_text()))
+    except (json.JSONDecodeError, TypeError) as exc:
+        raise VariantError(f"corrupt {path}: {exc}") from exc
+
+
+def model_file(directory: Path, info: VariantInfo) -> Path:
+    """Path of the variant's model file, checked to exist."""
+    if info.file is None:
+        raise VariantError(f"variant {info.name} has no model file ({info.status}: {info.reason})")
+    path = Path(directory) / info.file
+    if not path.is_file():
+        raise VariantError(f"model file of variant {info.name} missing: {path}")
+    return path
+
+
+def size_mb(directory: Path, info: VariantInfo) -> float:
+    """On-disk size of the model file(s) alone (ONNX external data included), in MB."""
+    path = model_file(directory, info)
+    total = path.stat().st_size
+    data = path.with_name(path.name + ".data")
+    if data.is_file():
+        total += data.stat().st_size
+    return total / 1e6
