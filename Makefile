@@ -11,7 +11,7 @@ export HF_HUB_DISABLE_TELEMETRY := 1
 export MLFLOW_ENABLE_TELEMETRY := false
 export DO_NOT_TRACK := 1
 
-.PHONY: run test venv lint mlflow-ui serve stop plots profile-gpu profile-cpu-long profile-default
+.PHONY: run test venv lint mlflow-ui serve stop plots
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,12 +22,14 @@ $(STAMP): requirements.txt pyproject.toml
 
 venv: $(STAMP)
 
-## run: the whole DVC pipeline on the current params.yaml (IMDB_DIR=/path overrides data.local_dir; FORCE=1 re-runs every stage, e.g. to time it)
+## run: the whole DVC pipeline on params.yaml (`dvc repro`). PROFILE=name applies profiles/name.yaml's overrides
+## with `dvc exp run -S` (an experiment DVC records; `git checkout params.yaml` returns to the default).
+## IMDB_DIR=/path sets data.local_dir; FORCE=1 re-runs every stage, e.g. to time it.
 run: venv
 	@test -d .git || git init -q
 	$(if $(IMDB_DIR),$(BIN)/python -m pipeline.core.params set data.local_dir=$(IMDB_DIR) &&) \
-	PIPELINE_RUN_ID=$$(date -u +%Y%m%dT%H%M%SZ)-$$(git rev-parse --short HEAD 2>/dev/null || echo nogit) \
-	$(BIN)/dvc repro $(if $(FORCE),--force)
+	export PIPELINE_RUN_ID=$$(date -u +%Y%m%dT%H%M%SZ)-$$(git rev-parse --short HEAD 2>/dev/null || echo nogit) && \
+	$(if $(PROFILE),eval "$(BIN)/dvc exp run $(if $(FORCE),--force) $$($(BIN)/python -m pipeline.core.params overrides profiles/$(PROFILE).yaml)",$(BIN)/dvc repro $(if $(FORCE),--force))
 
 ## test: unit, data, model and end-to-end tests (CI runs exactly this)
 test: venv
@@ -42,14 +44,6 @@ mlflow-ui: venv
 
 plots: venv
 	$(BIN)/dvc plots show && echo "open dvc_plots/index.html"
-
-## profiles: copy a profile over params.yaml (git checkout params.yaml restores the default)
-profile-gpu:
-	cp profiles/gpu-reference.yaml params.yaml
-profile-cpu-long:
-	cp profiles/cpu-long.yaml params.yaml
-profile-default:
-	git checkout params.yaml
 
 ## serve: start TorchServe on 127.0.0.1:8080 with model_store/sentiment.mar (`make run` builds it); stop: `make stop`
 serve: venv

@@ -173,6 +173,15 @@ def load_model(params: ModelParams, seed: int = 0, attention_dropout: float | No
         hf_logging.set_verbosity(verbosity)
 
 
+def read_model_record(model_dir: str | Path) -> dict[str, Any]:
+    """The finetune stage's `pipeline.json`: label map, preprocessing (max_length, truncation) and params. It is
+    the one place every later stage reads the model's inference length and training window from."""
+    path = Path(model_dir) / "pipeline.json"
+    if not path.is_file():
+        raise ModelSourceError(f"finetuned model file missing: {path} (run `dvc repro finetune`)")
+    return json.loads(path.read_text())
+
+
 def load_finetuned(model_dir: str | Path) -> tuple[Any, Any, dict[str, Any]]:
     """Model, tokenizer and the preprocessing record saved by the finetune stage."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -187,6 +196,6 @@ def load_finetuned(model_dir: str | Path) -> tuple[Any, Any, dict[str, Any]]:
         tokenizer = AutoTokenizer.from_pretrained(d)
     except Exception as exc:
         raise ModelSourceError(f"cannot load finetuned model from {d}: {type(exc).__name__}: {exc}") from exc
-    meta = json.loads((d / "pipeline.json").read_text())
+    meta = read_model_record(d)
     model.eval()
     return model, tokenizer, meta

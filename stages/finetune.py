@@ -23,15 +23,14 @@ def main(argv: list[str] | None = None) -> None:
     from pipeline.training.classifier import AccelerationUnavailable
 
     def body() -> None:
-        from pipeline.core.params import DataParams, MlflowParams, ModelParams, TrainParams, read_params, section
+        from pipeline.core.params import load_params
         from pipeline.training.finetune import run_finetune
 
-        raw = read_params(args.params)
+        params = load_params(args.params)
         run_finetune(
             tokenized_dir=args.tokenized, model_dir=args.model_dir, metrics_path=args.metrics,
             plots_dir=args.plots, report_dir=args.reports, predictions_path=args.test_predictions,
-            data=section(raw, "data", DataParams), model=section(raw, "model", ModelParams),
-            train=section(raw, "train", TrainParams), tracking=section(raw, "mlflow", MlflowParams),
+            data=params.data, model=params.model, train=params.train, tracking=params.mlflow,
         )
 
     run_stage("finetune", body, extra_errors=(AccelerationUnavailable,))

@@ -18,20 +18,13 @@ def main(argv: list[str] | None = None) -> None:
     from pipeline.core.stage import run_stage
 
     def body() -> None:
-        import mlflow
-
-        from pipeline.core.params import DataParams, MlflowParams, ModelParams, read_params, section, to_dict
-        from pipeline.core.tracking import log_metrics_flat, log_params_flat, stage_run
+        from pipeline.core.params import load_params
+        from pipeline.core.tracking import tracked_stage
         from pipeline.data.prepare import prepare
 
-        raw = read_params(args.params)
-        data, model = section(raw, "data", DataParams), section(raw, "model", ModelParams)
-        tracking = section(raw, "mlflow", MlflowParams)
-        with stage_run(tracking, "prepare"):
-            log_params_flat({"data": to_dict(data), "model": to_dict(model)})
-            metrics = prepare(data, model, args.prepared, args.tokenized, args.metrics)
-            log_metrics_flat(metrics)
-            mlflow.log_artifact(str(args.metrics))
+        params = load_params(args.params)
+        tracked_stage(params, "prepare", ("data", "model"),
+                      lambda: prepare(params.data, params.model, args.prepared, args.tokenized, args.metrics))
 
     run_stage("prepare", body)
 

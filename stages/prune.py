@@ -7,12 +7,12 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m stages.prune --finetuned DIR --tokenized DIR --out DIR`."""
+    """`python -m stages.prune --finetuned DIR --tokenized DIR --variants-dir DIR`."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--finetuned", type=Path, required=True)
     parser.add_argument("--tokenized", type=Path, required=True)
-    parser.add_argument("--out", type=Path, required=True, help="the int8-pruned variant directory")
+    parser.add_argument("--variants-dir", type=Path, required=True, help="each variant goes to DIR/<name>")
     args = parser.parse_args(argv)
 
     from pipeline.core.stage import run_stage
@@ -22,30 +22,13 @@ def main(argv: list[str] | None = None) -> None:
     from pipeline.variants.record import VariantError
 
     def body() -> None:
-        from pipeline.core.params import (
-            ExportParams,
-            MlflowParams,
-            PruneParams,
-            QuantizeParams,
-            TrainParams,
-            read_params,
-            section,
-            to_dict,
-        )
-        from pipeline.core.tracking import log_metrics_flat, log_params_flat, stage_run
+        from pipeline.core.params import load_params
+        from pipeline.core.tracking import tracked_stage
         from pipeline.variants.prune import run_prune
 
-        raw = read_params(args.params)
-        params = section(raw, "prune", PruneParams)
-        quantize = section(raw, "quantize", QuantizeParams)
-        seed = section(raw, "train", TrainParams).seed
-        readout = section(raw, "export", ExportParams).cls_readout
-        with stage_run(section(raw, "mlflow", MlflowParams), "prune"):
-            log_params_flat({"prune": to_dict(params), "quantize": {"per_channel": quantize.per_channel,
-                                                                     "reduce_range": quantize.reduce_range},
-                             "export": {"cls_readout": readout}})
-            report = run_prune(args.finetuned, args.tokenized, args.out, params, quantize, seed, readout)
-            log_metrics_flat({"int8-pruned": report})
+        params = load_params(args.params)
+        tracked_stage(params, "prune", ("prune", "quantize", "export"),
+                      lambda: {"int8-pruned": run_prune(args.finetuned, args.tokenized, args.variants_dir, params)})
 
     run_stage("prune", body, extra_errors=(PruneError, QuantizeError, VariantError, ExportError))
 

@@ -1,4 +1,4 @@
-"""DVC stage `quantize`: FP32 ONNX -> `int8-dynamic`, `int8-static` and `int8-qat` variants."""
+"""DVC stage `quantize`: FP32 ONNX -> the INT8 variants the registry assigns to `quantize`."""
 
 from __future__ import annotations
 
@@ -7,34 +7,30 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m stages.quantize --finetuned DIR --fp32-onnx DIR --tokenized DIR --out NAME=DIR ...`."""
+    """`python -m stages.quantize --finetuned DIR --tokenized DIR --variants-dir DIR`."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--finetuned", type=Path, required=True)
-    parser.add_argument("--fp32-onnx", type=Path, required=True)
     parser.add_argument("--tokenized", type=Path, required=True)
-    parser.add_argument("--out", action="append", required=True, help="variant=directory")
+    parser.add_argument("--variants-dir", type=Path, required=True, help="reads DIR/fp32-onnx, writes DIR/<name>")
     args = parser.parse_args(argv)
 
-    from pipeline.core.stage import named_paths, run_stage
+    from pipeline.core.stage import run_stage
     from pipeline.variants.export import ExportError
     from pipeline.variants.onnx_int8 import QuantizeError
     from pipeline.variants.record import VariantError
 
     def body() -> None:
-        from pipeline.core.params import MlflowParams, QuantizeParams, TrainParams, read_params, section, to_dict
-        from pipeline.core.tracking import log_metrics_flat, log_params_flat, stage_run
+        from pipeline.core.params import load_params
+        from pipeline.core.tracking import tracked_stage
         from pipeline.variants.quantize import run_quantize
 
-        raw = read_params(args.params)
-        params = section(raw, "quantize", QuantizeParams)
-        seed = section(raw, "train", TrainParams).seed
-        with stage_run(section(raw, "mlflow", MlflowParams), "quantize"):
-            log_params_flat({"quantize": to_dict(params)})
-            report = run_quantize(args.finetuned, args.fp32_onnx, args.tokenized, named_paths(args.out), params, seed)
-            log_metrics_flat(report)
+        params = load_params(args.params)
+        tracked_stage(params, "quantize", ("quantize", "export"),
+                      lambda: run_quantize(args.finetuned, args.variants_dir / "fp32-onnx", args.tokenized,
+                                           args.variants_dir, params))
 
-    run_stage("quantize", body, extra_errors=(QuantizeError, VariantError, ExportError))
+    run_stage("quantize", body, extra_errors=(QuantizeError, VariantError, ExportError, ValueError))
 
 
 if __name__ == "__main__":

@@ -7,35 +7,33 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m stages.tensorrt --finetuned DIR --fp32-onnx DIR --int8-static DIR --out NAME=DIR ...`."""
+    """`python -m stages.tensorrt --finetuned DIR --variants-dir DIR`."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--finetuned", type=Path, required=True)
-    parser.add_argument("--fp32-onnx", type=Path, required=True)
-    parser.add_argument("--int8-static", type=Path, required=True)
-    parser.add_argument("--out", action="append", required=True, help="variant=directory")
+    parser.add_argument("--variants-dir", type=Path, required=True,
+                        help="reads DIR/fp32-onnx and DIR/int8-static, writes DIR/<name>")
     args = parser.parse_args(argv)
 
-    from pipeline.core.stage import named_paths, run_stage
+    from pipeline.core.stage import run_stage
 
     def body() -> None:
         import mlflow
 
-        from pipeline.core.params import DataParams, MlflowParams, TensorRTParams, read_params, section, to_dict
-        from pipeline.core.tracking import log_params_flat, stage_run
+        from pipeline.core.params import load_params
+        from pipeline.core.tracking import tracked_stage
         from pipeline.variants.tensorrt import run_tensorrt
 
-        raw = read_params(args.params)
-        params = section(raw, "tensorrt", TensorRTParams)
-        max_seq = section(raw, "data", DataParams).max_length
-        with stage_run(section(raw, "mlflow", MlflowParams), "tensorrt"):
-            log_params_flat({"tensorrt": to_dict(params)})
-            report = run_tensorrt(args.finetuned, args.fp32_onnx, args.int8_static, named_paths(args.out),
-                                  params, max_seq)
+        params = load_params(args.params)
+
+        def work() -> dict:
+            report = run_tensorrt(args.finetuned, args.variants_dir / "fp32-onnx", args.variants_dir / "int8-static",
+                                  args.variants_dir, params.tensorrt)
             for name, entry in report.items():
-                mlflow.set_tag(f"{name}.status", entry["status"])
-                if entry.get("reason"):
-                    mlflow.set_tag(f"{name}.reason", entry["reason"])
+                mlflow.set_tags({f"{name}.status": entry["status"], f"{name}.reason": entry.get("reason", "")})
+            return {}
+
+        tracked_stage(params, "tensorrt", ("tensorrt",), work)
 
     run_stage("tensorrt", body)
 

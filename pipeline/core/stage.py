@@ -6,7 +6,6 @@ import logging
 import os
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 from pipeline.core.params import ParamsError
 from pipeline.data.imdb import DataSourceError, DataValidationError
@@ -53,14 +52,3 @@ def run_stage(name: str, body: Callable[[], None], extra_errors: tuple[type[Base
     except USER_ERRORS + extra_errors as exc:
         print(f"error: stage '{name}' failed: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-
-
-def named_paths(pairs: list[str]) -> dict[str, Path]:
-    """`["name=path", ...]` from argv into an ordered mapping (variant name -> directory)."""
-    out: dict[str, Path] = {}
-    for pair in pairs:
-        name, sep, path = pair.partition("=")
-        if not sep or not name or not path:
-            raise SystemExit(f"expected NAME=PATH, got {pair!r}")
-        out[name] = Path(path)
-    return out

@@ -9,11 +9,11 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeline.core.params import MlflowParams
+from pipeline.core.params import MlflowParams, Params
 
 RUN_ID_TAG = "pipeline.run_id"
 
@@ -120,3 +120,16 @@ def log_metrics_flat(metrics: Mapping[str, Any]) -> None:
     import mlflow
 
     mlflow.log_metrics(flatten_numbers(metrics))
+
+
+def tracked_stage(params: Params, stage: str, sections: Sequence[str],
+                  body: Callable[[], Mapping[str, Any]]) -> Mapping[str, Any]:
+    """The MLflow bookkeeping every simple stage shares: one child run under the pipeline's parent, the params
+    sections the stage reads, and the numbers its work returns as metrics."""
+    from pipeline.core.params import to_dict
+
+    with stage_run(params.mlflow, stage):
+        log_params_flat({name: to_dict(getattr(params, name)) for name in sections})
+        metrics = body()
+        log_metrics_flat(metrics)
+        return metrics

@@ -44,7 +44,7 @@ def load_imdb(params: DataParams, local_dir: str | Path | None = None) -> pd.Dat
     """All labelled reviews of the configured source as one frame with `text` and `label`."""
     directory = Path(local_dir if local_dir is not None else params.local_dir)
     if params.source == "hub":
-        frame = _load_hub(params.hub_name)
+        frame = _load_hub(params.hub_name, params.hub_revision)
     elif params.source == "parquet":
         frame = _load_parquet(directory)
     else:
@@ -60,14 +60,14 @@ def _hint(directory: Path) -> str:
     )
 
 
-def _load_hub(name: str) -> pd.DataFrame:
+def _load_hub(name: str, revision: str) -> pd.DataFrame:
     try:
         import datasets
 
-        ds = datasets.load_dataset(name)
+        ds = datasets.load_dataset(name, revision=revision)
     except Exception as exc:  # network, auth or name errors all end the same way for the user
         raise DataSourceError(
-            f"could not load '{name}' from the Hugging Face hub ({type(exc).__name__}: {exc}). "
+            f"could not load '{name}' (revision {revision}) from the Hugging Face hub ({type(exc).__name__}: {exc}). "
             "Without network use data.source: parquet or aclimdb with data.local_dir."
         ) from exc
     parts = [ds[s].to_pandas()[["text", "label"]] for s in ("train", "test") if s in ds]

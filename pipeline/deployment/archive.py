@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.core.io import write_json
-from pipeline.core.params import PackageParams
+from pipeline.core.params import PackageParams, Params, TargetsParams
+from pipeline.variants.registry import REFERENCE, VARIANTS
 
 log = logging.getLogger(__name__)
 
@@ -40,23 +41,28 @@ class Choice:
     reason: str
 
 
-def choose_variant(variants: dict[str, dict[str, Any]], params: PackageParams) -> Choice:
-    """`auto`: the most accurate INT8 variant within the accuracy budget of FP32, else the FP32 ONNX export."""
+def choose_variant(variants: dict[str, dict[str, Any]], params: PackageParams, targets: TargetsParams) -> Choice:
+    """`auto`: the most accurate servable INT8 variant within `targets.max_accuracy_loss_pt` of FP32, else the
+    FP32 ONNX export. A variant named in `package.variant` must be servable and built."""
     if params.variant != "auto":
+        if params.variant not in {v.name for v in VARIANTS if v.servable}:
+            raise PackageError(f"package.variant={params.variant} is not a variant the handler can serve "
+                               f"({', '.join(v.name for v in VARIANTS if v.servable)})")
         entry = variants.get(params.variant)
         if entry is None or entry.get("status") != "ok":
             raise PackageError(f"package.variant={params.variant} is not an available variant "
                                f"({sorted(n for n, e in variants.items() if e.get('status') == 'ok')})")
         return Choice(params.variant, "named in params (package.variant)")
-    ref = variants["fp32-eager"]["accuracy"]
-    budget = params.max_accuracy_loss_pt
+    ref = variants[REFERENCE]["accuracy"]
+    budget = targets.max_accuracy_loss_pt
+    int8 = {v.name for v in VARIANTS if v.cpu_int8}
     ok = {n: e for n, e in variants.items()
-          if n.startswith("int8") and e.get("status") == "ok" and 100 * (ref - e["accuracy"]) <= budget}
+          if n in int8 and e.get("status") == "ok" and 100 * (ref - e["accuracy"]) <= budget}
     if ok:
         best = max(ok, key=lambda n: (ok[n]["accuracy"], -ok[n]["size_mb"]))
-        return Choice(best, f"most accurate INT8 variant within {params.max_accuracy_loss_pt} pt of FP32 "
+        return Choice(best, f"most accurate INT8 variant within {budget} pt of FP32 "
                             f"({100 * ok[best]['accuracy']:.2f}% vs {100 * ref:.2f}%)")
-    return Choice("fp32-onnx", f"no INT8 variant within {params.max_accuracy_loss_pt} pt of FP32; serving FP32 ONNX")
+    return Choice("fp32-onnx", f"no INT8 variant within {budget} pt of FP32; serving FP32 ONNX")
 
 
 def registry_label(finetuned: Path) -> dict[str, Any]:
@@ -91,3 +97,29 @@ def build_archive(variant_dir: Path, choice: Choice, registry: dict[str, Any], p
         shutil.move(str(Path(tmp) / f"{mar_path.stem}.mar"), mar_path)
     log.info("built %s serving %s (%s)", mar_path, model_label, choice.reason)
     return config
+
+
+def run_package_stage(finetuned: Path, variants_root: Path, variants_metrics: Path, mar: Path, manifest_path: Path,
+                      params: Params) -> dict[str, Any]:
+    """Choose the variant to serve, build the `.mar` and record what it serves (manifest and MLflow)."""
+    import mlflow
+
+    from pipeline.core.io import read_json
+    from pipeline.core.params import to_dict
+    from pipeline.core.tracking import log_params_flat, stage_run
+    from pipeline.variants.registry import directories
+
+    choice = choose_variant(read_json(variants_metrics), params.package, params.targets)
+    registry = registry_label(finetuned)
+    with stage_run(params.mlflow, "package"):
+        log_params_flat({"package": to_dict(params.package), "targets": to_dict(params.targets)})
+        config = build_archive(directories(variants_root)[choice.name], choice, registry, params.package, mar)
+        manifest = {**config, "mar": str(mar), "mar_size_mb": round(mar.stat().st_size / 1e6, 3)}
+        write_json(manifest_path, manifest)
+        mlflow.set_tags({"served_variant": choice.name, "served_model": config["model"],
+                         "choice_reason": choice.reason, "registered_model_name": registry["name"],
+                         "registered_model_version": str(registry["version"]),
+                         "registered_model_link": f"models:/{registry['name']}/{registry['version']}"})
+        mlflow.log_metric("mar_size_mb", manifest["mar_size_mb"])
+        mlflow.log_artifact(str(manifest_path))
+    return manifest

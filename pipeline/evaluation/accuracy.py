@@ -10,15 +10,15 @@ from typing import Any
 import numpy as np
 
 from pipeline.core.io import read_predictions
-from pipeline.core.params import EvaluateParams
+from pipeline.core.params import EvaluateParams, Params, TargetsParams
 from pipeline.data.tokens import read_tokenized
 from pipeline.variants.record import VariantError, read_variant, size_mb
+from pipeline.variants.registry import REFERENCE, VARIANTS
 from pipeline.variants.runners import load_runner, predict_logits
 
 log = logging.getLogger(__name__)
 
 
-REFERENCE = "fp32-eager"
 
 
 def score_variants(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Path, params: EvaluateParams,
@@ -88,12 +88,13 @@ def score_variants(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Pa
     return results
 
 
-def check_targets(results: dict[str, dict[str, Any]], max_loss_pt: float = 0.5,
+def check_targets(results: dict[str, dict[str, Any]], targets: TargetsParams,
                   max_size_share: float = 0.30) -> list[str]:
     """The quantization targets, as plain sentences: each one met or missed, with the numbers."""
     lines = []
+    max_loss_pt = targets.max_accuracy_loss_pt
     fp32_onnx = results.get("fp32-onnx", {}).get("size_mb")
-    for name in ("int8-static", "int8-qat", "int8-dynamic"):
+    for name in [v.name for v in VARIANTS if v.family == "int8"]:
         e = results.get(name)
         if not e or e.get("status") != "ok":
             continue
@@ -119,7 +120,7 @@ def log_variant_runs(results: dict[str, dict[str, Any]], variant_dirs: dict[str,
 
     from pipeline.core.tracking import stage_run
 
-    dirs = {"fp32-eager": finetuned, **variant_dirs}
+    dirs = {REFERENCE: finetuned, **variant_dirs}
     for name, entry in results.items():
         with stage_run(tracking, "evaluate", run_name=name, tags={"variant": name, "pipeline.kind": "variant"}):
             directory = dirs[name]
@@ -161,3 +162,23 @@ def accuracy_bars(results: dict[str, dict[str, Any]], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
+
+
+def run_evaluate_stage(finetuned: Path, variants_root: Path, tokenized: Path, reference_predictions: Path | None,
+                       metrics_path: Path, plot: Path, params: Params) -> dict[str, dict[str, Any]]:
+    """Score every registered variant, write `metrics/variants.json` and the chart, state the targets, and log
+    one MLflow run per variant."""
+    from pipeline.core.io import write_json
+    from pipeline.core.tracking import log_parent_artifact
+    from pipeline.variants.registry import directories
+
+    variants = directories(variants_root)
+    results = score_variants(finetuned, variants, tokenized, params.evaluate, reference_predictions)
+    write_json(metrics_path, results)
+    accuracy_bars(results, plot)
+    for line in check_targets(results, params.targets):
+        log.info(line)
+    log_variant_runs(results, variants, finetuned, params.evaluate, params.mlflow)
+    log_parent_artifact(params.mlflow, metrics_path)
+    log_parent_artifact(params.mlflow, plot)
+    return results

@@ -13,8 +13,7 @@ from typing import Any
 
 from pipeline.core.io import read_json, write_json
 from pipeline.core.machine import machine_info
-from pipeline.core.params import BenchmarkParams, MlflowParams, to_dict
-from pipeline.evaluation.accuracy import REFERENCE
+from pipeline.core.params import BenchmarkParams, Params, to_dict
 from pipeline.evaluation.latency import (
     BF16_ROW,
     SPEEDUP_LEVEL,
@@ -28,6 +27,7 @@ from pipeline.evaluation.latency import (
 )
 from pipeline.evaluation.report import latency_chart, markdown_table, plot_rows, target_lines, write_report
 from pipeline.variants.record import VARIANT_FILE
+from pipeline.variants.registry import REFERENCE, directories
 from pipeline.variants.runners import Runner, load_runner
 
 log = logging.getLogger(__name__)
@@ -102,16 +102,16 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     from pipeline.core.io import write_json
-    from pipeline.core.params import read_params, section
+    from pipeline.core.params import load_params
     from pipeline.core.stage import setup_logging
 
     setup_logging()
-    params = section(read_params(args.params), "benchmark", BenchmarkParams)
+    params = load_params(args.params).benchmark
     wanted = [v for v in args.variants.split(",") if v]
-    dirs = {d.name: d for d in sorted(args.variants_root.iterdir()) if (d / VARIANT_FILE).is_file()}
+    dirs = {name: d for name, d in directories(args.variants_root).items() if (d / VARIANT_FILE).is_file()}
     unknown = [v for v in wanted if v not in dirs and v not in (REFERENCE, BF16_ROW)]
     if unknown:
-        raise SystemExit(f"unknown variant(s) {unknown}; available: {sorted(dirs)}")
+        raise SystemExit(f"unknown or unbuilt variant(s) {unknown}; built: {sorted(dirs)}")
     if wanted:
         dirs = {k: v for k, v in dirs.items() if k in wanted}
     result = run_benchmark(args.finetuned, dirs, args.tokenized, params)
@@ -123,23 +123,23 @@ METRIC_KEYS = ("p50_ms_b1", "p95_ms_b1", "p99_ms_b1", "throughput_b32", "peak_rs
                "speedup_p50_low", "speedup_p50_high", "accuracy", "size_mb")
 
 
-def run_benchmark_stage(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Path, accuracy_file: Path,
-                        metrics_path: Path, plot_data: Path, report: Path, params: BenchmarkParams,
-                        tracking: MlflowParams) -> dict[str, Any]:
-    """Benchmark all variants; `metrics/benchmark.json` holds one object per variant."""
+def run_benchmark_stage(finetuned: Path, variants_root: Path, tokenized: Path, accuracy_file: Path,
+                        metrics_path: Path, plot_data: Path, report: Path, all_params: Params) -> dict[str, Any]:
+    """Benchmark every registered variant; `metrics/benchmark.json` holds one object per variant."""
     import mlflow
 
     from pipeline.core.tracking import log_parent_artifact, stage_run
 
-    result = run_benchmark(finetuned, variant_dirs, tokenized, params, read_json(accuracy_file))
+    params, tracking = all_params.benchmark, all_params.mlflow
+    result = run_benchmark(finetuned, directories(variants_root), tokenized, params, read_json(accuracy_file))
     variants = result["variants"]
     write_json(metrics_path, variants)
     write_json(metrics_path.with_name("benchmark_machine.json"), {**result["machine"], **result["settings"]})
     plot_rows(variants, plot_data)
     chart = report.with_name("variants_latency.png")
     latency_chart(variants, chart)
-    write_report(result, chart, report)
-    for line in target_lines(variants):
+    write_report(result, chart, report, all_params.targets)
+    for line in target_lines(variants, all_params.targets):
         log.info(line.replace("**", ""))
     for name, entry in variants.items():
         with stage_run(tracking, "benchmark", run_name=f"bench-{name}", tags={"variant": name}):

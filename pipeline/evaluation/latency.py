@@ -16,18 +16,17 @@ import numpy as np
 
 from pipeline.core.params import BenchmarkParams
 from pipeline.variants.record import read_variant
+from pipeline.variants.registry import BF16_ROW, REFERENCE
 from pipeline.variants.runners import Runner, load_runner, pad_batch
 
 log = logging.getLogger(__name__)
 
 
-REFERENCE = "fp32-eager"
 
 
 SPEEDUP_LEVEL = 0.9  # the speed-up interval's coverage (`speedup_interval`)
 
 
-BF16_ROW = "fp32-eager-bf16"
 
 
 def percentiles(samples_ms: Sequence[float]) -> dict[str, float]:

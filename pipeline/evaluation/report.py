@@ -8,7 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.evaluation.latency import REFERENCE, SPEEDUP_LEVEL
+from pipeline.core.params import TargetsParams
+from pipeline.evaluation.latency import SPEEDUP_LEVEL
+from pipeline.variants.registry import REFERENCE, spec
 
 
 def latency_chart(variants: dict[str, dict[str, Any]], path: Path) -> None:
@@ -55,13 +57,14 @@ def plot_rows(variants: dict[str, dict[str, Any]], path: Path) -> None:
                 w.writerow([name, round(e["p50_ms_b1"], 3), round(e["p95_ms_b1"], 3), round(e["throughput_b32"], 2)])
 
 
-def target_lines(variants: dict[str, dict[str, Any]], min_speedup: float = 3.0, max_loss_pt: float = 0.5) -> list[str]:
+def target_lines(variants: dict[str, dict[str, Any]], targets: TargetsParams) -> list[str]:
     """Plain statements of the latency target: met or missed, with the numbers.
 
     Pruned variants (`int8-pruned`) compute fewer FLOPs, so the target is stated twice when one is present:
     over every INT8 variant, and over quantization alone, so nobody reads a pruning gain as an INT8 one.
     """
-    int8 = {n: e for n, e in variants.items() if n.startswith("int8") and e["status"] == "ok"}
+    min_speedup, max_loss_pt = targets.min_speedup, targets.max_accuracy_loss_pt
+    int8 = {n: e for n, e in variants.items() if _is(n, "cpu_int8") and e["status"] == "ok"}
     if not int8:
         return ["No INT8 variant was measured."]
     lines = [_target_line(variants, int8, min_speedup, max_loss_pt, "")]
@@ -73,7 +76,17 @@ def target_lines(variants: dict[str, dict[str, Any]], min_speedup: float = 3.0, 
 
 def is_pruned(name: str) -> bool:
     """Whether a variant's speed also comes from removed heads/neurons (see `pipeline.variants.prune`)."""
-    return "pruned" in name
+    return _is(name, "family", "pruned")
+
+
+def _is(name: str, attribute: str, value: Any = True) -> bool:
+    """A registry attribute of a table row; rows that are no registered variant have none."""
+    from pipeline.variants.registry import UnknownVariant
+
+    try:
+        return getattr(spec(name), attribute) == value
+    except UnknownVariant:
+        return False
 
 
 def _target_line(variants: dict[str, dict[str, Any]], int8: dict[str, dict[str, Any]], min_speedup: float,
@@ -115,7 +128,7 @@ def readout_note(variants: dict[str, dict[str, Any]]) -> list[str]:
             "fp32-onnx † for the share that INT8 alone brings.", ""]
 
 
-def write_report(result: dict[str, Any], chart: Path, path: Path) -> None:
+def write_report(result: dict[str, Any], chart: Path, path: Path, targets: TargetsParams) -> None:
     """`reports/variants.md`: the table, the chart, the machine and the targets, readable on its own."""
     variants, machine, settings = result["variants"], result["machine"], result["settings"]
     isa = ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in machine["isa"].items())
@@ -135,7 +148,7 @@ def write_report(result: dict[str, Any], chart: Path, path: Path) -> None:
         "",
         "## Targets",
         "",
-        *[f"- {t}" for t in target_lines(variants)],
+        *[f"- {t}" for t in target_lines(variants, targets)],
         "",
         "## Machine",
         "",

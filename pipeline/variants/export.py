@@ -19,6 +19,7 @@ from pipeline.core.params import ExportParams
 from pipeline.data.tokens import read_tokenized
 from pipeline.modeling import load_finetuned
 from pipeline.variants.record import VariantInfo, write_variant
+from pipeline.variants.registry import built_by, directories
 from pipeline.variants.runners import EagerLogits, OrtRunner, Runner, TorchRunner, pad_batch
 
 log = logging.getLogger(__name__)
@@ -165,7 +166,7 @@ def inference_model(model: Any, cls_readout: bool) -> tuple[Any, dict[str, Any]]
     return readout(model), {"cls_readout": True}
 
 
-def run_export(finetuned: Path, tokenized: Path, out_dirs: dict[str, Path], params: ExportParams) -> dict[str, Any]:
+def run_export(finetuned: Path, tokenized: Path, variants_root: Path, params: ExportParams) -> dict[str, Any]:
     """`fp32-torchscript` and `fp32-onnx` (with the [CLS] readout when `export.cls_readout`), each checked
     for parity against the unchanged PyTorch model on real test reviews."""
     import torch
@@ -176,24 +177,24 @@ def run_export(finetuned: Path, tokenized: Path, out_dirs: dict[str, Path], para
     reference = eager_runner(model)
     graph, readout = inference_model(model, params.cls_readout)
     report: dict[str, Any] = {}
+    out_dirs = directories(variants_root, built_by("export"))
 
     d = out_dirs["fp32-torchscript"]
     t0 = time.perf_counter()
     export_torchscript(graph, d / "model.pt", max_len)
     runner = TorchRunner(torch.jit.load(str(d / "model.pt")))
     report["fp32-torchscript"] = _checked(reference, runner, seqs, params, max_len, t0, tokenizer.pad_token_id)
-    write_variant(d, VariantInfo("fp32-torchscript", "torchscript", "float32", "model.pt",
-                                 params={"method": "torch.jit.trace", **readout, **report["fp32-torchscript"]}),
-                  finetuned)
+    write_variant(d, VariantInfo.built("fp32-torchscript", {"method": "torch.jit.trace", **readout,
+                                                             **report["fp32-torchscript"]}), finetuned)
 
     d = out_dirs["fp32-onnx"]
     t0 = time.perf_counter()
     export_onnx(graph, d / "model.onnx", max_len, params.opset)
     runner = OrtRunner(d / "model.onnx", optimization="disable")
     report["fp32-onnx"] = _checked(reference, runner, seqs, params, max_len, t0, tokenizer.pad_token_id)
-    write_variant(d, VariantInfo("fp32-onnx", "onnx", "float32", "model.onnx",
-                                 params={"method": "torch.onnx.export(dynamo=True)", "opset": params.opset,
-                                         **describe(model), **readout, **report["fp32-onnx"]}), finetuned)
+    write_variant(d, VariantInfo.built("fp32-onnx", {"method": "torch.onnx.export(dynamo=True)", "opset": params.opset,
+                                                      **describe(model), **readout, **report["fp32-onnx"]}),
+                  finetuned)
     return report
 
 

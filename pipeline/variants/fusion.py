@@ -4,6 +4,7 @@ checked against a reference on real reviews; shared by `int8-dynamic` and `int8-
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +15,14 @@ from pipeline.variants.export import (
     inference_model,
     parity,
 )
-from pipeline.variants.runners import OrtRunner
+from pipeline.variants.runners import OrtRunner, Runner
+
+log = logging.getLogger(__name__)
+
+# The fused graph must compute what fp32-onnx computes: fusion reorders float sums, nothing more.
+FUSION_TOLERANCE = 1e-4
 
 
-# ------------------------------------------------------------------------------------ graph prep
 def optimize_for_quantization(src: Path, dst: Path, num_heads: int, hidden_size: int) -> dict[str, int]:
     """onnxruntime's transformer fusions (Attention, SkipLayerNorm, BiasGelu) before quantizing; returns counts.
 
@@ -37,31 +42,38 @@ def optimize_for_quantization(src: Path, dst: Path, num_heads: int, hidden_size:
     return {k: int(v) for k, v in model.get_fused_operator_statistics().items() if v}
 
 
-log = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class FusionCheck:
+    """What a fused graph must reproduce and the model shape onnxruntime's fusion needs to find attention."""
+
+    reference: Runner
+    reference_name: str
+    num_heads: int
+    hidden_size: int
+    num_layers: int
+    max_length: int
+    reviews: list[np.ndarray]  # real reviews the fused graph is compared on
+    pad_id: int
 
 
-# The fused graph must compute what fp32-onnx computes: fusion reorders float sums, nothing more.
-FUSION_TOLERANCE = 1e-4
-
-
-def fused_graph(model: Any, cls_readout: bool, reference: Any, reference_name: str, tmp: Path, num_heads: int,
-                 hidden_size: int, num_layers: int, max_len: int, seqs: list[np.ndarray],
-                 pad: int) -> tuple[Path, dict[str, Any]]:
+def fused_graph(model: Any, cls_readout: bool, check: FusionCheck, tmp: Path) -> tuple[Path, dict[str, Any]]:
     """Export `model` (with the [CLS] readout when asked and possible, see `inference_model`) for onnxruntime's
-    BERT fusion, fuse it, and check it against `reference` on real reviews.
+    BERT fusion, fuse it, and check it against `check.reference` on real reviews.
 
     A readout last layer does not fuse (its single query is left as plain MatMuls), so one fewer of the
     `num_layers` attention blocks is expected then."""
     from pipeline.variants.onnx_int8 import QuantizeError
 
     graph, readout = inference_model(model, cls_readout)
-    num_layers -= int(readout["cls_readout"])
+    num_layers = check.num_layers - int(readout["cls_readout"])
     raw, fused = tmp / "for-fusion.onnx", tmp / "fused.onnx"
-    export_onnx_for_fusion(graph, raw, max_len)
-    counts = optimize_for_quantization(raw, fused, num_heads, hidden_size)
-    p = parity(reference, OrtRunner(fused, optimization="disable"), seqs, pad)
+    export_onnx_for_fusion(graph, raw, check.max_length)
+    counts = optimize_for_quantization(raw, fused, check.num_heads, check.hidden_size)
+    p = parity(check.reference, OrtRunner(fused, optimization="disable"), check.reviews, check.pad_id)
     if p.max_abs_diff > FUSION_TOLERANCE:
-        raise QuantizeError(f"fused graph disagrees with {reference_name}: max |logit diff| {p.max_abs_diff:.2e}")
+        raise QuantizeError(f"fused graph disagrees with {check.reference_name}: "
+                            f"max |logit diff| {p.max_abs_diff:.2e}")
     if counts.get("Attention", 0) != num_layers:
         log.warning("onnxruntime fused %d of %d attention blocks; the rest are quantized as plain MatMuls",
                     counts.get("Attention", 0), num_layers)

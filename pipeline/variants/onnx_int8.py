@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.core.params import QuantizeParams
 from pipeline.variants.runners import pad_batch
 
 log = logging.getLogger(__name__)
@@ -74,18 +75,16 @@ class TokenCalibrationReader:
 
 
 def quantize_static_onnx(src: Path, dst: Path, calibration: Sequence[np.ndarray], method: str,
-                         per_channel: bool = True, batch_size: int = 16, pad_id: int = 0,
-                         dynamic_ffn_output_of: int | None = None, reduce_range: bool = True) -> None:
+                         params: QuantizeParams, pad_id: int = 0, dynamic_ffn_output_of: int | None = None) -> None:
     """One static QDQ INT8 model (see `quantize_static_onnx_methods`)."""
-    quantize_static_onnx_methods(src, {method: dst}, calibration, per_channel, batch_size, pad_id,
-                                 dynamic_ffn_output_of, reduce_range)
+    quantize_static_onnx_methods(src, {method: dst}, calibration, params, pad_id, dynamic_ffn_output_of)
 
 
 def quantize_static_onnx_methods(src: Path, dsts: dict[str, Path], calibration: Sequence[np.ndarray],
-                                 per_channel: bool = True, batch_size: int = 16, pad_id: int = 0,
-                                 dynamic_ffn_output_of: int | None = None, reduce_range: bool = True) -> None:
+                                 params: QuantizeParams, pad_id: int = 0,
+                                 dynamic_ffn_output_of: int | None = None) -> None:
     """QDQ static INT8, one model per calibration method in `dsts`: uint8 activations with calibrated ranges,
-    per-channel symmetric int8 weights (7-bit with `reduce_range`, see `QuantizeParams.reduce_range`).
+    per-channel symmetric int8 weights (7-bit with `params.reduce_range`, see `QuantizeParams.reduce_range`).
 
     Matrix products with a weight operand are quantized; the two activation-only products of each attention
     layer stay float (see `activation_matmuls`).
@@ -113,7 +112,7 @@ def quantize_static_onnx_methods(src: Path, dsts: dict[str, Path], calibration: 
         base = pre
         if ffn:  # first, on the float graph: the dynamic quantizer rewrites Gemm as MatMul, QDQ or not
             base = Path(tmp) / "ffn-dynamic.onnx"
-            converted = dynamic_int8_matmuls(pre, base, ffn, per_channel, reduce_range)
+            converted = dynamic_int8_matmuls(pre, base, ffn, params.per_channel, params.reduce_range)
             if converted != len(ffn):
                 raise QuantizeError(f"only {converted} of {len(ffn)} FFN down-projections were quantized dynamically")
         for method, dst in dsts.items():
@@ -124,11 +123,12 @@ def quantize_static_onnx_methods(src: Path, dsts: dict[str, Path], calibration: 
             extra: dict[str, Any] = {"ActivationSymmetric": False, "WeightSymmetric": True, "QuantizeBias": False,
                                      "DefaultTensorType": onnx.TensorProto.FLOAT}
             if method == "percentile":
-                extra["CalibPercentile"] = 99.999
+                extra["CalibPercentile"] = params.calibration_percentile
             quantize_static(
-                str(base), str(dst), TokenCalibrationReader(calibration, batch_size, names, pad_id),
-                quant_format=QuantFormat.QDQ, per_channel=per_channel,
-                reduce_range=reduce_range, activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                str(base), str(dst), TokenCalibrationReader(calibration, params.calibration_batch_size, names,
+                                                            pad_id),
+                quant_format=QuantFormat.QDQ, per_channel=params.per_channel,
+                reduce_range=params.reduce_range, activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
                 op_types_to_quantize=["MatMul", "Gemm", "Gather"], nodes_to_exclude=excluded,
                 calibrate_method={"minmax": CalibrationMethod.MinMax, "percentile": CalibrationMethod.Percentile,
                                   "entropy": CalibrationMethod.Entropy}[method],

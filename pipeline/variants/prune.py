@@ -27,16 +27,17 @@ from typing import Any
 
 import torch
 
-from pipeline.core.params import PruneParams, QuantizeParams, to_dict
+from pipeline.core.params import Params, to_dict
 from pipeline.data.tokens import draw_rows, read_tokenized, training_window
 from pipeline.modeling import load_finetuned
 from pipeline.variants.export import (
     eager_runner,
     max_length_of,
 )
-from pipeline.variants.fusion import fused_graph
+from pipeline.variants.fusion import FusionCheck, fused_graph
 from pipeline.variants.onnx_int8 import int8_census
 from pipeline.variants.record import VariantInfo, write_variant
+from pipeline.variants.registry import built_by, directories
 
 log = logging.getLogger(__name__)
 
@@ -340,28 +341,30 @@ def _bar(layers: Sequence[torch.nn.Module], progress: bool) -> Any:
     return tqdm(layers, desc="prune", unit="layer")
 
 
-def run_prune(finetuned: Path, tokenized: Path, out: Path, params: PruneParams, quantize: QuantizeParams,
-              train_seed: int = 42, cls_readout: bool = True) -> dict[str, Any]:
-    """`int8-pruned`: the finetuned model with whole heads and FFN neurons removed (see `pipeline.variants.prune`),
-    exported with the [CLS] readout (`export.cls_readout`), fused by onnxruntime and quantized like
-    `int8-dynamic`. Disabled, it is written as a skipped variant."""
+def run_prune(finetuned: Path, tokenized: Path, variants_root: Path, all_params: Params) -> dict[str, Any]:
+    """`int8-pruned`: the finetuned model with whole heads and FFN neurons removed (`prune_encoder`), exported
+    with the [CLS] readout (`export.cls_readout`), fused by onnxruntime and quantized like `int8-dynamic`
+    (`quantize.per_channel`, `quantize.reduce_range`). Disabled, it is written as a skipped variant."""
     import torch
 
     from pipeline.variants.onnx_int8 import quantize_dynamic_onnx
     from pipeline.variants.runners import pad_batch
 
     name = "int8-pruned"
+    params, quantize = all_params.prune, all_params.quantize
+    out = directories(variants_root, built_by("prune"))[name]
     if not params.enabled:
         reason = "prune.enabled is false"
         log.warning("%s skipped: %s", name, reason)
-        write_variant(out, VariantInfo(name, "onnx", "int8", None, "skipped", reason, to_dict(params)), finetuned)
+        write_variant(out, VariantInfo.skipped(name, reason, to_dict(params)), finetuned)
         return {"status": "skipped", "reason": reason}
     started = time.perf_counter()
     model, tokenizer, meta = load_finetuned(finetuned)
     pad = tokenizer.pad_token_id or 0
     train = read_tokenized(tokenized, "train")
     window = training_window(meta, tokenizer)
-    seqs = [train["input_ids"].iloc[i] for i in draw_rows(len(train), params.calibration_samples, train_seed + 2)]
+    seed = all_params.train.seed + 2
+    seqs = [train["input_ids"].iloc[i] for i in draw_rows(len(train), params.calibration_samples, seed)]
     seqs = [window(s) for s in seqs] if window is not None else seqs
     seqs.sort(key=len)  # batches of similar length: little padding to run through the model
     step = params.calibration_batch_size
@@ -371,10 +374,10 @@ def run_prune(finetuned: Path, tokenized: Path, out: Path, params: PruneParams, 
     heads, head_dim = report["heads"], int(model.config.hidden_size) // int(model.config.num_attention_heads)
 
     with tempfile.TemporaryDirectory(prefix="prune-") as tmp:
-        check = read_tokenized(tokenized, "val")["input_ids"].tolist()[:16]
-        fused, fusion = fused_graph(student, cls_readout, eager_runner(student), "the pruned model", Path(tmp),
-                                     heads, heads * head_dim, int(model.config.num_hidden_layers),
-                                     max_length_of(meta), check, pad)
+        check = FusionCheck(eager_runner(student), "the pruned model", heads, heads * head_dim,
+                            int(model.config.num_hidden_layers), max_length_of(meta),
+                            read_tokenized(tokenized, "val")["input_ids"].tolist()[:16], pad)
+        fused, fusion = fused_graph(student, all_params.export.cls_readout, check, Path(tmp))
         out.mkdir(parents=True, exist_ok=True)
         quantize_dynamic_onnx(fused, out / "model.onnx", quantize.per_channel, quantize.reduce_range)
     census = int8_census(out, name)
@@ -382,5 +385,5 @@ def run_prune(finetuned: Path, tokenized: Path, out: Path, params: PruneParams, 
             **to_dict(params), "per_channel": quantize.per_channel, "reduce_range": quantize.reduce_range,
             **fusion, **report, **census,
             "build_seconds": round(time.perf_counter() - started, 2)}
-    write_variant(out, VariantInfo(name, "onnx", "int8", "model.onnx", params=info), finetuned)
+    write_variant(out, VariantInfo.built(name, info), finetuned)
     return info

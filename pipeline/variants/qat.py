@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pipeline.core.params import QuantizeParams
+
 log = logging.getLogger(__name__)
 
 
@@ -78,15 +80,15 @@ def distillation_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, labels
     return weight * kl + (1.0 - weight) * ce
 
 
-def qat_finetune(model: torch.nn.Module, seqs: Sequence[np.ndarray], labels: Sequence[int], epochs: int,
-                 batch_size: int, lr: float, seed: int = 0, pad_id: int = 0,
-                 skip_in_features: int | None = None, reduce_range: bool = True,
-                 distillation: float = 0.0) -> QatResult:
+def qat_finetune(model: torch.nn.Module, seqs: Sequence[np.ndarray], labels: Sequence[int],
+                 params: QuantizeParams, seed: int = 0, pad_id: int = 0,
+                 skip_in_features: int | None = None) -> QatResult:
     """A short finetune with fake quantization, via Lightning, from the FP32 weights.
 
-    Layers the INT8 conversion keeps float (`skip_in_features`) train without fake quantization. With
-    `distillation` > 0 the loss pulls the fake-quantized model towards a frozen copy of the FP32 model's
-    predictions (see `distillation_loss`), so QAT adapts to INT8 rounding instead of drifting on a few
+    `params` gives the epochs, batch size, learning rate, `reduce_range` and `qat_distillation`. Layers the INT8
+    conversion keeps float (`skip_in_features`) train without fake quantization. With `qat_distillation` > 0
+    the loss pulls the fake-quantized model towards a frozen copy of the FP32 model's predictions
+    (see `distillation_loss`), so QAT adapts to INT8 rounding instead of drifting on a few
     hundred reviews.
     """
     import copy
@@ -97,11 +99,11 @@ def qat_finetune(model: torch.nn.Module, seqs: Sequence[np.ndarray], labels: Seq
     from pipeline.data.batching import Collator, LengthBucketBatchSampler, TokenizedDataset
     from pipeline.training.classifier import SentimentClassifier
 
-    teacher = copy.deepcopy(model).eval().requires_grad_(False) if distillation > 0 else None
-    wrapped = add_fake_quant(model, skip_in_features, reduce_range)
+    teacher = copy.deepcopy(model).eval().requires_grad_(False) if params.qat_distillation > 0 else None
+    wrapped = add_fake_quant(model, skip_in_features, params.reduce_range)
     L.seed_everything(seed, verbose=False)
     ds = TokenizedDataset(seqs, labels)
-    loader = DataLoader(ds, batch_sampler=LengthBucketBatchSampler(ds.lengths, batch_size, seed=seed),
+    loader = DataLoader(ds, batch_sampler=LengthBucketBatchSampler(ds.lengths, params.qat_batch_size, seed=seed),
                         collate_fn=Collator(pad_id=pad_id))
     class _Distilled(SentimentClassifier):
         def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -110,11 +112,11 @@ def qat_finetune(model: torch.nn.Module, seqs: Sequence[np.ndarray], labels: Seq
             logits = self(batch["input_ids"], batch["attention_mask"])
             with torch.no_grad():
                 target = teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            loss = distillation_loss(logits, target, batch["labels"], distillation)
+            loss = distillation_loss(logits, target, batch["labels"], params.qat_distillation)
             self.log("train_loss", loss, prog_bar=True, batch_size=len(batch["labels"]))
             return loss
 
-    module = _Distilled(model, lr=lr, weight_decay=0.0, warmup_ratio=0.0)
+    module = _Distilled(model, lr=params.qat_lr, weight_decay=0.0, warmup_ratio=0.0)
     losses: list[float] = []
 
     class _Loss(L.Callback):
@@ -124,11 +126,13 @@ def qat_finetune(model: torch.nn.Module, seqs: Sequence[np.ndarray], labels: Seq
     with tempfile.TemporaryDirectory(prefix="qat-") as tmp:
         from lightning.pytorch.callbacks import TQDMProgressBar
 
-        trainer = L.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        trainer = L.Trainer(max_epochs=params.qat_epochs, accelerator="cpu", devices=1, logger=False,
+                            enable_checkpointing=False,
                             default_root_dir=tmp, callbacks=[_Loss(), TQDMProgressBar(refresh_rate=10)],
                             enable_model_summary=False,
                             num_sanity_val_steps=0, limit_val_batches=0)
         trainer.fit(module, train_dataloaders=loader)
     remove_fake_quant(model)
     model.eval()
-    return QatResult(wrapped, trainer.global_step, len(ds) * epochs, float(np.mean(losses[-10:])) if losses else 0.0)
+    final = float(np.mean(losses[-10:])) if losses else 0.0
+    return QatResult(wrapped, trainer.global_step, len(ds) * params.qat_epochs, final)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.core.io import write_json
+from pipeline.variants.registry import spec
 
 VARIANT_FILE = "variant.json"
 
@@ -26,8 +27,8 @@ class VariantInfo:
     """What `variant.json` says about a variant."""
 
     name: str
-    format: str  # pytorch | torchscript | onnx | tensorrt
-    dtype: str  # float32 | int8 | float16
+    format: str  # the registry's format: eager | torchscript | onnx | tensorrt
+    dtype: str  # the registry's precision: float32 | bfloat16 | float16 | int8
     file: str | None
     status: str = "ok"  # ok | skipped
     reason: str = ""
@@ -35,6 +36,18 @@ class VariantInfo:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def built(cls, name: str, params: dict[str, Any]) -> VariantInfo:
+        """The record of a variant that was built: format, dtype and file come from the registry."""
+        row = spec(name)
+        return cls(name, row.format, row.precision, row.file, params=params)
+
+    @classmethod
+    def skipped(cls, name: str, reason: str, params: dict[str, Any]) -> VariantInfo:
+        """The record of a variant that could not or should not be built here, with the reason."""
+        row = spec(name)
+        return cls(name, row.format, row.precision, None, "skipped", reason, params)
 
 
 def write_variant(directory: Path, info: VariantInfo, finetuned_dir: Path) -> None:

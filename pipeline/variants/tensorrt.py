@@ -18,6 +18,7 @@ import numpy as np
 
 from pipeline.core.params import TensorRTParams, to_dict
 from pipeline.variants.record import VariantInfo, write_variant
+from pipeline.variants.registry import built_by, directories
 
 log = logging.getLogger(__name__)
 
@@ -121,26 +122,31 @@ class TensorRTRunner:
         return out.cpu().numpy()
 
 
-def run_tensorrt(finetuned: Path, fp32_onnx: Path, int8_static: Path, out_dirs: dict[str, Path],
-                 params: TensorRTParams, max_seq: int) -> dict[str, Any]:
-    """Build `tensorrt-fp16`/`tensorrt-int8` where possible; otherwise write the skip record and say why."""
+def run_tensorrt(finetuned: Path, fp32_onnx: Path, int8_static: Path, variants_root: Path,
+                 params: TensorRTParams) -> dict[str, Any]:
+    """Build `tensorrt-fp16`/`tensorrt-int8` where possible; otherwise write the skip record and say why.
 
+    The profile's longest sequence is the model's own inference length (its `pipeline.json`)."""
+    from pipeline.modeling import read_model_record
+
+    max_seq = int(read_model_record(finetuned)["preprocessing"]["max_length"])
     shapes = profile_shapes(params.min_batch, params.opt_batch, params.max_batch, params.min_seq,
                             min(params.opt_seq, max_seq), max_seq)
     ok, reason = availability()
     report: dict[str, Any] = {}
+    out = directories(variants_root, built_by("tensorrt"))
     sources = {"tensorrt-fp16": (fp32_onnx, "fp16"), "tensorrt-int8": (int8_static, "int8")}
     for name, (src, precision) in sources.items():
-        d = out_dirs[name]
+        d = out[name]
         base = {"precision": precision, "source": src.name, "profile": shapes.__dict__, **to_dict(params)}
         if not ok:
             log.warning("%s skipped: %s", name, reason)
-            write_variant(d, VariantInfo(name, "tensorrt", precision, None, "skipped", reason, base), finetuned)
+            write_variant(d, VariantInfo.skipped(name, reason, base), finetuned)
             report[name] = {"status": "skipped", "reason": reason}
             continue
         t0 = time.perf_counter()
         info = build_engine(src / "model.onnx", d / "model.engine", shapes, precision, params.workspace_mb)
         base.update(info, build_seconds=round(time.perf_counter() - t0, 2))
-        write_variant(d, VariantInfo(name, "tensorrt", precision, "model.engine", params=base), finetuned)
+        write_variant(d, VariantInfo.built(name, base), finetuned)
         report[name] = {"status": "ok"}
     return report
