@@ -43,6 +43,7 @@ class SentimentHandler:
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[Any]:
         from serving.protocol import RequestError, error_body, format_predictions, parse_request
 
+        log.info("batch of %d requests", len(data))  # what TorchServe's server-side batching handed over
         parsed: list[Any] = []
         texts: list[str] = []
         for request in data:

@@ -1,4 +1,10 @@
-"""Shared fixtures: repo paths, the shared IMDB copy, a tiny 2-layer BERT saved in HF format."""
+"""Fixtures shared by every tier: the shared IMDB copy, a tiny 2-layer BERT saved in HF format, tokenized
+synthetic splits, and `repo` (a real `dvc repro` of the miniature profile, used by the e2e and model tiers).
+
+Tiers: `unit/<area>` mirrors `pipeline/<area>` (plus `benchmarks`), `data` checks the shared IMDB copy,
+`model` the exported artifacts of the end-to-end model, `serving` TorchServe and the image, `e2e` the
+whole `dvc repro`. Plain helpers live in `tests.factories`.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +14,27 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
-import pandas as pd
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-IMDB_DIR = Path(os.environ.get("IMDB_DIR", ROOT.parent / "shared" / "data" / "imdb"))
+from tests.factories import IMDB_DIR, ROOT, write_tokenized
 
 os.environ.setdefault("MPLBACKEND", "Agg")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need a CUDA device: skipped, with the reason, where none is visible."""
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device; none is visible")
+    for item in gpu:
+        item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
@@ -47,36 +64,6 @@ def tiny_model_dir(tmp_path_factory, tokenizer) -> Path:
     model = load_model(ModelParams(source="tiny"), seed=0)
     save_model(model, tokenizer, d, DataParams(max_length=64), ModelParams(source="tiny"), TrainParams())
     return d
-
-
-def synthetic_reviews(n: int, seed: int = 0) -> pd.DataFrame:
-    """Short labelled reviews whose sentiment is carried by a few words (learnable in seconds)."""
-    rng = np.random.default_rng(seed)
-    pos = ["great", "wonderful", "excellent", "loved", "brilliant"]
-    neg = ["awful", "terrible", "boring", "hated", "dreadful"]
-    filler = ["the", "movie", "plot", "actors", "was", "really", "and", "film", "story", "scenes"]
-    rows = []
-    for i in range(n):
-        label = int(i % 2)
-        words = list(rng.choice(filler, size=int(rng.integers(3, 24))))
-        for _ in range(3):  # a strong signal, so a random 2-layer BERT learns it in a few dozen steps
-            words.insert(int(rng.integers(0, len(words) + 1)), str(rng.choice(pos if label else neg)))
-        rows.append((" ".join(words) + f" #{i}", label))
-    return pd.DataFrame(rows, columns=["text", "label"])
-
-
-def write_tokenized(directory: Path, sizes: dict[str, int], max_length: int = 64) -> Path:
-    """Tokenized synthetic splits in the prepare stage's layout (`{split}.parquet`)."""
-    from pipeline.core.params import DataParams, ModelParams
-    from pipeline.data.tokens import tokenize_frame
-    from pipeline.modeling import load_tokenizer
-
-    directory.mkdir(parents=True, exist_ok=True)
-    tok = load_tokenizer(ModelParams(source="tiny"))
-    for seed, (split, n) in enumerate(sizes.items(), start=1):
-        frame = tokenize_frame(synthetic_reviews(n, seed), tok, DataParams(max_length=max_length))
-        frame.to_parquet(directory / f"{split}.parquet")
-    return directory
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from tests.conftest import ROOT
+from tests.factories import ROOT
 
 
 def _instructions() -> list[tuple[str, str]]:

@@ -23,7 +23,7 @@ import pytest
 
 from pipeline.core.params import ExportParams, PackageParams
 from pipeline.deployment.inference import SentimentPredictor
-from tests.conftest import ROOT, write_tokenized
+from tests.factories import ROOT, write_tokenized
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
@@ -213,16 +213,30 @@ def test_long_emoji_html_and_other_scripts(server):
     assert status == 200
 
 
+def _model_log(server) -> str:
+    return "".join(p.read_text(errors="replace") for p in sorted((server.workdir / "logs").glob("model_log*.log")))
+
+
+def _handled_batches(log: str) -> list[int]:
+    """Sizes of the batches TorchServe handed the handler, as `serving/handler.py` logs each one."""
+    return [int(n) for n in re.findall(r"batch of (\d+) requests", log)]
+
+
 def test_concurrent_requests_are_batched_and_mapped_back(server):
     texts = [f"review number {i} was {'great' if i % 2 else 'awful'}" for i in range(24)]
     expected = {t: p.score for t, p in zip(texts, SentimentPredictor(server.variant_dir).predict(texts), strict=True)}
+    seen = len(_model_log(server))
     with ThreadPoolExecutor(max_workers=8) as pool:
         results = list(pool.map(lambda t: (t, server.predict({"text": t})), texts))
     for text, (status, body) in results:
         assert status == 200
         assert body["score"] == pytest.approx(expected[text], abs=1e-3), text
-    logs = "".join(p.read_text() for p in (server.workdir / "logs").glob("model_log*.log"))
-    assert "batchSize: 8" in logs
+    deadline = time.time() + 10  # the frontend copies the worker's log lines over asynchronously
+    while sum(batches := _handled_batches(_model_log(server)[seen:])) < len(texts) and time.time() < deadline:
+        time.sleep(0.2)
+    assert sum(batches) >= len(texts), batches  # every request reached the handler
+    # the server grouped concurrent requests into one handler call (config.properties: batchSize 8)
+    assert 1 < max(batches) <= 8, batches
 
 
 def test_worker_killed_and_replaced(server):

@@ -58,7 +58,7 @@ def test_set_value_keeps_comments(tmp_path):
 
 def test_repo_params_file_is_valid():
     from pipeline.core.params import SECTIONS
-    from tests.conftest import ROOT
+    from tests.factories import ROOT
 
     raw = read_params(ROOT / "params.yaml")
     for name, cls in SECTIONS.items():

@@ -1,0 +1,62 @@
+"""The TorchServe handler without TorchServe: one server-side batch is scored in one call, each answer goes
+back to its own request, a bad request gets its own 4xx, and the batch size is logged (the serving tier's
+batching check reads that line from the real server's log)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from pipeline.deployment.inference import SentimentPredictor
+from serving.handler import SentimentHandler
+from serving.protocol import Limits
+
+
+class Context:
+    """What the handler uses of TorchServe's context: per-request response statuses."""
+
+    def __init__(self) -> None:
+        self.statuses: dict[int, int] = {}
+
+    def set_response_status(self, code: int, phrase: str = "", idx: int = 0) -> None:
+        self.statuses[idx] = code
+
+
+class CountingPredictor:
+    """The real predictor, counting how many texts each scoring call received."""
+
+    def __init__(self, predictor: SentimentPredictor) -> None:
+        self.predictor, self.calls = predictor, []
+
+    def predict(self, texts):
+        self.calls.append(len(texts))
+        return self.predictor.predict(texts)
+
+
+def test_a_batch_is_scored_in_one_call_mapped_back_and_its_size_logged(tiny_model_dir, caplog):
+    predictor = SentimentPredictor(tiny_model_dir)
+    handler = SentimentHandler()
+    handler.predictor = CountingPredictor(predictor)
+    handler.limits = Limits(max_texts=4, max_body_bytes=2048)
+    handler.model_label = "imdb-sentiment:v1/test"
+    handler.initialized = True
+    batch = [
+        {"body": json.dumps({"text": "a wonderful film"}).encode()},
+        {"body": b'{"text": 42}'},  # a bad request in the middle of the batch
+        {"data": {"texts": ["awful", "boring plot"]}},  # TorchServe's decoded JSON, under "data"
+        {"body": b"plain text review"},
+    ]
+    context = Context()
+    with caplog.at_level(logging.INFO, logger="serving.handler"):
+        answers = [json.loads(a) for a in handler.handle(batch, context)]
+    assert "batch of 4 requests" in caplog.text
+    assert handler.predictor.calls == [4]  # the 4 texts of the 3 good requests, scored together
+    assert context.statuses == {1: 400}
+    assert answers[1]["status"] == 400 and "must be a string" in answers[1]["error"]
+    expected = predictor.predict(["a wonderful film", "awful", "boring plot", "plain text review"])
+    got = [answers[0], *answers[2], answers[3]]
+    assert [g["label"] for g in got] == [e.label for e in expected]
+    assert [g["score"] for g in got] == pytest.approx([e.score for e in expected], abs=1e-5)
+    assert all(g["model"] == "imdb-sentiment:v1/test" for g in got)

@@ -1,0 +1,50 @@
+"""Unit: token-level preprocessing: truncation modes, re-truncation, the training window."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeline.data.tokens import encode_texts, retruncate, training_window, truncate_ids
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [("head", [101, 0, 1, 2, 3, 4, 5, 102]), ("head_tail", [101, 0, 15, 16, 17, 18, 19, 102])],
+)
+def test_truncation_modes(mode, expected):
+    ids = list(range(20))
+    out = truncate_ids(ids, 8, mode, 0.25, 101, 102)
+    assert len(out) == 8
+    assert out == expected
+
+
+def test_short_reviews_are_not_truncated():
+    assert truncate_ids([1, 2], 8, "head_tail", 0.25, 101, 102) == [101, 1, 2, 102]
+
+
+@pytest.mark.parametrize("mode", ["head", "head_tail"])
+def test_retruncating_a_tokenized_review_equals_truncating_the_original(mode):
+    """`train.max_length` shortens tokenized reviews; the window must be what tokenizing short would give."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        ids = list(rng.integers(1000, 2000, int(rng.integers(1, 700))))
+        long_len = int(rng.integers(16, 513))
+        short_len = int(rng.integers(8, long_len + 1))
+        stored = truncate_ids(ids, long_len, mode, 0.25, 101, 102)
+        assert retruncate(stored, short_len, mode, 0.25, 101, 102).tolist() == truncate_ids(
+            ids, short_len, mode, 0.25, 101, 102)
+    with pytest.raises(ValueError, match="CLS"):
+        retruncate(list(range(20)), 8, mode, 0.25, 101, 102)
+
+
+def test_qat_trains_on_the_finetune_window(tokenizer):
+    """The window QAT re-truncates training reviews to is the finetune stage's `train.max_length`."""
+    pre = {"max_length": 64, "truncation": "head_tail", "head_fraction": 0.25}
+    text = " ".join(f"word{i}" for i in range(200))
+    (full,) = encode_texts([text], tokenizer, 64, "head_tail", 0.25)
+    (short,) = encode_texts([text], tokenizer, 24, "head_tail", 0.25)
+    window = training_window({"preprocessing": pre, "params": {"train": {"max_length": 24}}}, tokenizer)
+    assert window is not None and np.array_equal(window(full), short)
+    assert training_window({"preprocessing": pre, "params": {"train": {"max_length": None}}}, tokenizer) is None
+    assert training_window({"preprocessing": pre, "params": {"train": {"max_length": 64}}}, tokenizer) is None

@@ -1,0 +1,65 @@
+"""Unit: every variant scored the same way (accuracy, agreement with FP32, size), reusing the finetune logits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeline.core.io import write_predictions
+from pipeline.core.params import EvaluateParams
+from pipeline.data.tokens import read_tokenized
+from pipeline.evaluation.accuracy import check_targets, score_variants
+from pipeline.variants.record import VariantError
+from pipeline.variants.runners import load_runner, predict_logits
+
+
+def test_scores_and_sizes(built, tiny_model_dir):
+    results = score_variants(tiny_model_dir, built["dirs"], built["tokenized"], EvaluateParams(batch_size=16))
+    assert results["fp32-onnx"]["agreement_with_fp32"] == 1.0
+    assert results["fp32-torchscript"]["accuracy"] == results["fp32-eager"]["accuracy"]
+    # agreement is the share of test reviews on which a variant's label is FP32's, recomputed here from the
+    # runners. The random tiny BERT gives (nearly) every review the same label, so its accuracy is about 0.5
+    # while the INT8 variants agree with it on (nearly) every review: scoring agreement against the labels
+    # instead of against FP32 would fail here.
+    seqs = read_tokenized(built["tokenized"], "test")["input_ids"].tolist()
+    fp32 = predict_logits(load_runner(tiny_model_dir), seqs, 16).argmax(-1)
+    for name in ("int8-dynamic", "int8-static", "int8-qat"):
+        assert results[name]["size_mb"] < 0.35 * results["fp32-onnx"]["size_mb"]
+        int8 = predict_logits(load_runner(built["dirs"][name]), seqs, 16).argmax(-1)
+        assert results[name]["agreement_with_fp32"] == float((int8 == fp32).mean()), name
+        assert results[name]["agreement_with_fp32"] >= 0.9, (name, results[name])  # 1.0 measured
+    assert results["tensorrt-fp16"]["status"] == "skipped"
+    lines = check_targets(results)
+    assert any("int8-static" in line for line in lines)
+
+
+def test_reference_row_reuses_the_finetune_logits_only_for_the_same_split(built, tiny_model_dir, tmp_path):
+    params = EvaluateParams(batch_size=16)
+    test = read_tokenized(built["tokenized"], "test")
+    seqs, labels = test["input_ids"].tolist(), test["label"].to_numpy()
+    logits = predict_logits(load_runner(tiny_model_dir), seqs, 16)
+    saved = tmp_path / "finetune-test.npz"
+    write_predictions(saved, logits, labels, seqs, seconds=1.5, batch_size=16)
+    fresh = score_variants(tiny_model_dir, {"fp32-onnx": built["dirs"]["fp32-onnx"]}, built["tokenized"], params)
+    reused = score_variants(tiny_model_dir, {"fp32-onnx": built["dirs"]["fp32-onnx"]}, built["tokenized"], params,
+                            reference_predictions=saved)
+    assert fresh["fp32-eager"]["scored_by"] == "evaluate" and reused["fp32-eager"]["scored_by"] == "finetune"
+    for name in ("fp32-eager", "fp32-onnx"):
+        assert reused[name]["accuracy"] == fresh[name]["accuracy"]
+        assert reused[name]["agreement_with_fp32"] == fresh[name]["agreement_with_fp32"]
+    assert reused["fp32-eager"]["eval_seconds"] == 1.5
+    other_batches = score_variants(tiny_model_dir, {}, built["tokenized"], EvaluateParams(batch_size=8),
+                                   reference_predictions=saved)  # scored differently: scored again
+    assert other_batches["fp32-eager"]["scored_by"] == "evaluate"
+    assert other_batches["fp32-eager"]["accuracy"] == fresh["fp32-eager"]["accuracy"]
+
+    stale = tmp_path / "stale.npz"  # same reviews, one label changed: a different test split
+    write_predictions(stale, logits, np.where(np.arange(len(labels)) == 0, 1 - labels, labels), seqs)
+    with pytest.raises(VariantError, match="different test split"):
+        score_variants(tiny_model_dir, {}, built["tokenized"], params, reference_predictions=stale)
+    other = tmp_path / "other.npz"  # one token changed
+    write_predictions(other, logits, labels, [seqs[0][:-1], *seqs[1:]])
+    with pytest.raises(VariantError, match="stale predictions"):
+        score_variants(tiny_model_dir, {}, built["tokenized"], params, reference_predictions=other)
+    with pytest.raises(VariantError, match="not found"):
+        score_variants(tiny_model_dir, {}, built["tokenized"], params, reference_predictions=tmp_path / "none.npz")

@@ -1,0 +1,86 @@
+"""Unit: the measuring code (percentiles, alternation, paired speed-up intervals, inputs); no timing is asserted."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeline.core.params import BenchmarkParams
+from pipeline.evaluation.latency import (
+    alternating_schedule,
+    latency_inputs,
+    measure,
+    percentiles,
+    speedup_interval,
+    throughput_batches,
+)
+
+
+def test_percentiles_match_definition():
+    p = percentiles(list(range(1, 101)))
+    assert p["p50"] == pytest.approx(50.5)
+    assert p["p95"] == pytest.approx(95.05)
+    assert p["p99"] == pytest.approx(99.01)
+    with pytest.raises(ValueError):
+        percentiles([])
+
+
+def test_schedule_alternates():
+    assert alternating_schedule(["a", "b", "c"], 2) == ["a", "b", "c", "a", "b", "c"]
+
+
+class Recorder:
+    """A fake runner that logs who was called, in order, with which batch size."""
+
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def __call__(self, ids, mask):
+        self.log.append((self.name, ids.shape[0]))
+        return np.zeros((ids.shape[0], 2), dtype=np.float32)
+
+
+def test_measure_alternates_and_counts():
+    calls: list = []
+    runners = {n: Recorder(n, calls) for n in ("a", "b")}
+    lat = [(np.zeros((1, 16), np.int64), np.ones((1, 16), np.int64))] * 3
+    tp = [(np.zeros((4, 16), np.int64), np.ones((4, 16), np.int64))] * 2
+    params = BenchmarkParams(warmup=2, iterations=6, rounds=3)
+    out = measure(runners, lat, tp, params)
+    rounds = calls[2 * (2 + 1):]  # after warm-up: 2 latency + 1 throughput call per runner
+    # each round: 2 untimed warm-up calls, 2 timed latency calls, 2 throughput batches for one runner, then the next
+    assert [name for name, _ in rounds] == (["a"] * 6 + ["b"] * 6) * 3
+    assert [size for _, size in rounds[:6]] == [1, 1, 1, 1, 4, 4]
+    for name in ("a", "b"):
+        assert out[name]["latency_samples"] == 6
+        assert out[name]["p50_ms_b1"] >= 0 and out[name]["throughput_b32"] > 0
+        assert [len(r) for r in out[name]["latency_rounds_ms"]] == [2, 2, 2]  # by round, for the interval
+
+
+def test_speedup_interval_is_paired_by_round():
+    # the machine drifts 2x between rounds, but within a round the variant is always 2.5x faster: pairing
+    # by round cancels the drift, so the interval is exactly 2.5x
+    rng = np.random.default_rng(0)
+    ref = [list(40.0 * drift * (1 + 0.01 * rng.random(10))) for drift in (1.0, 1.3, 2.0, 0.9, 1.1)]
+    var = [[x / 2.5 for x in r] for r in ref]
+    low, high = speedup_interval(ref, var)
+    assert low == pytest.approx(2.5) and high == pytest.approx(2.5)
+    # when the ratio itself moves between rounds, the interval covers those ratios and no more
+    var = [[x / f for x in r] for r, f in zip(ref, (2.0, 2.2, 2.4, 2.6, 2.8), strict=True)]
+    low, high = speedup_interval(ref, var)
+    assert 2.0 <= low < 2.4 < high <= 2.8
+    with pytest.raises(ValueError):
+        speedup_interval(ref, var[:3])
+
+
+def test_latency_inputs_have_exact_length():
+    seqs = [np.arange(1, 200), np.arange(1, 10)]
+    inputs = latency_inputs(seqs, 128, 2, pad_id=0)
+    assert all(ids.shape == (1, 128) for ids, _ in inputs)
+    assert inputs[0][1].sum() == 128 and inputs[1][1].sum() == 9
+
+
+def test_throughput_batches_use_dynamic_padding():
+    seqs = [np.arange(1, n) for n in (5, 9, 20, 7)]
+    batches = throughput_batches(seqs, 2, 5, 0)
+    assert [b[0].shape for b in batches] == [(2, 8), (2, 19)]

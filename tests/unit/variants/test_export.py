@@ -1,0 +1,32 @@
+"""Unit: the FP32 exports (TorchScript, ONNX) of a tiny BERT: parity with PyTorch, what they record."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.core.params import ExportParams
+from pipeline.variants.export import ExportError, Parity, run_export
+from pipeline.variants.record import read_variant
+from tests.factories import write_tokenized
+
+
+def test_fp32_exports_match_pytorch(built):
+    for name in ("fp32-torchscript", "fp32-onnx"):
+        assert built["export"][name]["parity_max_abs_diff"] <= 1e-4
+        info = read_variant(built["dirs"][name])
+        assert info.dtype == "float32" and info.status == "ok"
+
+
+def test_every_export_records_the_cls_readout(built):
+    for name in ("fp32-torchscript", "fp32-onnx", "int8-dynamic", "int8-static", "int8-qat"):
+        assert read_variant(built["dirs"][name]).params["cls_readout"] is True, name
+
+
+def test_parity_failure_stops_export(tmp_path, tiny_model_dir, monkeypatch):
+    import pipeline.variants.export as build
+
+    monkeypatch.setattr(build, "parity", lambda *a, **k: Parity(max_abs_diff=1.0, label_agreement=0.5, batch=1))
+    tok_dir = write_tokenized(tmp_path / "tok", {"test": 8})
+    dirs = {"fp32-torchscript": tmp_path / "ts", "fp32-onnx": tmp_path / "onnx"}
+    with pytest.raises(ExportError, match="parity failed"):
+        run_export(tiny_model_dir, tok_dir, dirs, ExportParams())

@@ -1,0 +1,70 @@
+"""Unit: the `quantize` stage's INT8 builds of a tiny BERT: calibration selection, every weight product in
+INT8, the fused attention, 7-bit weights."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pipeline.core.params import QuantizeParams
+from pipeline.variants.quantize import run_quantize
+from pipeline.variants.record import read_variant
+
+
+def test_static_calibration_selected_by_validation(built):
+    report = built["quantize"]["int8-static"]
+    assert set(report["selection_val_accuracy"]) == {"minmax", "entropy"}
+    best = max(report["selection_val_accuracy"].values())
+    assert report["selection_val_accuracy"][report["calibration"]] == best
+
+
+def test_single_calibration_method_skips_the_selection_pass(built, tiny_model_dir, tmp_path):
+    """With one calibration method there is nothing to choose: no validation pass is spent (no selection
+    scores), and int8-static and int8-qat are both calibrated with that method."""
+    dirs = {name: tmp_path / name for name in ("int8-dynamic", "int8-static", "int8-qat")}
+    params = QuantizeParams(calibration_samples=16, calibration_methods=["percentile"], qat_train_samples=8,
+                            qat_batch_size=8)
+    report = run_quantize(tiny_model_dir, built["dirs"]["fp32-onnx"], built["tokenized"], dirs, params)
+    assert report["int8-static"]["calibration"] == "percentile"
+    assert report["int8-static"]["selection_val_accuracy"] == {}
+    assert report["int8-qat"]["calibration"] == "percentile"
+    assert read_variant(dirs["int8-static"]).status == "ok" and (dirs["int8-static"] / "model.onnx").is_file()
+
+
+def test_every_weight_matmul_is_int8(built):
+    """Static/QAT must quantize every weight product (a silent float fallback once hid here): QDQ with
+    calibrated ranges, except the FFN down-projection, quantized per batch; the 2 attention products per
+    layer (no weight operand) stay float."""
+    for name in ("int8-static", "int8-qat"):
+        report = built["quantize"][name]
+        assert report["dynamic_ffn_output"] is True
+        assert report["int8_matmuls"] == 2 * 6 + 2 and report["float_matmuls"] == 2 * 2, (name, report)
+
+
+def test_dynamic_quantizes_the_fused_attention(built):
+    """int8-dynamic starts from onnxruntime's fused graph: one QAttention per layer but the [CLS]-readout
+    last one (plain MatMuls for its single query), parity checked."""
+    import onnx
+
+    report = built["quantize"]["int8-dynamic"]
+    assert report["cls_readout"] is True
+    assert report["fused_attention"] == 1 and report["fused_parity_max_abs_diff"] <= 1e-4
+    graph = onnx.load(str(built["dirs"]["int8-dynamic"] / "model.onnx")).graph
+    ops = [n.op_type for n in graph.node]
+    assert ops.count("QAttention") == 1 and "Attention" not in ops
+    # fused layer: QKV, out, up, down; readout layer: Q, K, V, out, up, down (+ its 2 float activation
+    # products); pooler and classifier
+    assert report["float_matmuls"] == 2 and report["int8_matmuls"] == 4 + 6 + 2
+
+
+def test_int8_weights_use_the_reduced_7_bit_range(built):
+    """`quantize.reduce_range` (default on): every INT8 weight in every INT8 variant lies in [-64, 64]."""
+    import onnx
+    from onnx import numpy_helper
+
+    for name in ("int8-dynamic", "int8-static", "int8-qat"):
+        assert built["quantize"][name]["reduce_range"] is True
+        graph = onnx.load(str(built["dirs"][name] / "model.onnx")).graph
+        weights = [numpy_helper.to_array(i) for i in graph.initializer if i.data_type == onnx.TensorProto.INT8]
+        big = [w.size for w in weights if w.size > 64]  # weight tensors, not zero points
+        assert len(big) >= 2 * 4 + 2, (name, len(big))
+        assert max(int(np.abs(w.astype(np.int32)).max()) for w in weights) <= 64, name
