@@ -16,7 +16,7 @@ def frame(imdb_dir) -> pd.DataFrame:
 
 @pytest.fixture(scope="module")
 def reference(frame):
-    return make_splits(frame, DataParams(seed=42))
+    return make_splits(frame, DataParams(seed=42, train_subsample=None, val_subsample=None, test_subsample=None))
 
 
 def test_schema(imdb_dir):

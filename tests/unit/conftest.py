@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.core.params import ExportParams, QuantizeParams, TensorRTParams
+from pipeline.core.params import ExportParams, Params, QuantizeParams, TensorRTParams
 from pipeline.variants.export import run_export
 from pipeline.variants.quantize import run_quantize
+from pipeline.variants.registry import directories
 from pipeline.variants.tensorrt import run_tensorrt
 from tests.factories import write_tokenized
 
@@ -19,10 +20,13 @@ def built(tmp_path_factory, tiny_model_dir):
     """All variants of the tiny model, plus tokenized synthetic data to score them on."""
     root = tmp_path_factory.mktemp("variants")
     tok_dir = write_tokenized(root / "tokenized", {"train": 64, "val": 32, "test": 48})
-    dirs = {n: root / n for n in NAMES}
-    export_report = run_export(tiny_model_dir, tok_dir, dirs, ExportParams(parity_samples=8))
+    variants_root = root / "variants"
+    dirs = {n: d for n, d in directories(variants_root).items() if n in NAMES}
+    export_report = run_export(tiny_model_dir, tok_dir, variants_root, ExportParams(parity_samples=8))
     q = QuantizeParams(calibration_samples=32, selection_samples=32, qat_train_samples=32, qat_batch_size=8,
                        calibration_methods=["minmax", "entropy"])
-    quant_report = run_quantize(tiny_model_dir, dirs["fp32-onnx"], tok_dir, dirs, q)
-    trt_report = run_tensorrt(tiny_model_dir, dirs["fp32-onnx"], dirs["int8-static"], dirs, TensorRTParams(), 64)
-    return {"dirs": dirs, "tokenized": tok_dir, "export": export_report, "quantize": quant_report, "trt": trt_report}
+    quant_report = run_quantize(tiny_model_dir, dirs["fp32-onnx"], tok_dir, variants_root, Params(quantize=q))
+    trt_report = run_tensorrt(tiny_model_dir, dirs["fp32-onnx"], dirs["int8-static"], variants_root,
+                              TensorRTParams())
+    return {"dirs": dirs, "root": variants_root, "tokenized": tok_dir, "export": export_report,
+            "quantize": quant_report, "trt": trt_report}

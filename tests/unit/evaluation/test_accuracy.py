@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pipeline.core.io import write_predictions
-from pipeline.core.params import EvaluateParams
+from pipeline.core.params import EvaluateParams, TargetsParams
 from pipeline.data.tokens import read_tokenized
 from pipeline.evaluation.accuracy import check_targets, score_variants
 from pipeline.variants.record import VariantError
@@ -29,7 +29,7 @@ def test_scores_and_sizes(built, tiny_model_dir):
         assert results[name]["agreement_with_fp32"] == float((int8 == fp32).mean()), name
         assert results[name]["agreement_with_fp32"] >= 0.9, (name, results[name])  # 1.0 measured
     assert results["tensorrt-fp16"]["status"] == "skipped"
-    lines = check_targets(results)
+    lines = check_targets(results, TargetsParams())
     assert any("int8-static" in line for line in lines)
 
 

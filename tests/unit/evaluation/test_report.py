@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pipeline.core.params import TargetsParams
 from pipeline.evaluation.report import markdown_table, target_lines
 
 
@@ -16,7 +17,7 @@ def test_skipped_rows_and_targets_in_report():
     table = markdown_table(variants)
     assert "| tensorrt-int8 | skipped: no CUDA device visible |" in table
     assert "2.50x" in table
-    (line,) = target_lines(variants)
+    (line,) = target_lines(variants, TargetsParams())
     # int8-dynamic is faster but loses 5 pt, so the eligible best is int8-static at 2.5x: a miss
     assert "int8-static" in line and "2.50x" in line and "MISSED" in line
 
@@ -26,16 +27,16 @@ def test_speedup_interval_in_table_and_target_line():
     variants["int8-dynamic"].update(speedup_p50_low=2.6, speedup_p50_high=3.1)
     table = markdown_table(variants)
     assert "2.86x (2.60-3.10)" in table and "90 % interval" in table
-    (line,) = target_lines(variants)
+    (line,) = target_lines(variants, TargetsParams())
     assert "MISSED" in line and "2.60-3.10x" in line and "straddles 3.0x" in line
     variants["int8-dynamic"].update(speedup_p50_high=2.9)
-    assert "straddles" not in target_lines(variants)[0]
+    assert "straddles" not in target_lines(variants, TargetsParams())[0]
 
 
 def test_pruned_variant_target_stated_apart_from_quantization_alone():
     variants = {"fp32-eager": _row(10.0), "int8-static": _row(4.0, 0.899), "int8-dynamic": _row(2.0, 0.85),
                 "int8-pruned": _row(3.0, 0.897)}
-    overall, plain = target_lines(variants)
+    overall, plain = target_lines(variants, TargetsParams())
     assert "**int8-pruned** (structured pruning + INT8" in overall and "3.33x" in overall and "met" in overall
     assert "-0.30 pt" in overall
     assert plain.startswith("quantization alone (no pruning): ")

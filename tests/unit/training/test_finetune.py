@@ -17,7 +17,8 @@ from pipeline.training.finetune import finetune
 from tests.factories import ROOT
 
 TINY_TRAIN = {"epochs": 4, "batch_size": 8, "eval_batch_size": 16, "lr": 3e-3, "accelerator": "cpu",
-              "val_checks_per_epoch": 2, "warmup_ratio": 0.0}
+              "val_checks_per_epoch": 2, "warmup_ratio": 0.0,
+              "max_length": None}  # train at the tokenized length (64) of the synthetic splits
 
 
 def _run(tmp_path: Path, tokenized_dir: Path, **overrides):

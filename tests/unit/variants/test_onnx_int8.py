@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from pipeline.core.params import QuantizeParams
+
 
 def test_static_with_calibrated_ffn_quantizes_every_weight_product_in_qdq(built, tmp_path):
     from pipeline.variants.onnx_int8 import ffn_output_matmuls, matmul_census, quantize_static_onnx
@@ -11,7 +13,7 @@ def test_static_with_calibrated_ffn_quantizes_every_weight_product_in_qdq(built,
     src = built["dirs"]["fp32-onnx"] / "model.onnx"
     assert len(ffn_output_matmuls(src, 128)) == 2  # the tiny BERT's FFN is 128 wide: one per layer
     seqs = [np.arange(5, 5 + n) for n in (6, 9, 12, 20)]
-    quantize_static_onnx(src, tmp_path / "all.onnx", seqs, "minmax")
+    quantize_static_onnx(src, tmp_path / "all.onnx", seqs, "minmax", QuantizeParams())
     assert matmul_census(tmp_path / "all.onnx") == {"int8_matmuls": 2 * 6 + 2, "float_matmuls": 2 * 2}
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.core.params import PruneParams, QuantizeParams
+from pipeline.core.params import Params, PruneParams
 from pipeline.variants.prune import (
     GramAccumulator,
     PruneError,
@@ -164,8 +164,8 @@ def test_pruned_variant_built_and_described(tmp_path, tiny_model_dir, tokenized_
     from pipeline.variants.runners import load_runner, pad_batch
 
     out = tmp_path / "int8-pruned"
-    report = run_prune(tiny_model_dir, tokenized_dir, out, PruneParams(heads=1, ffn_width=64, calibration_samples=32),
-                       QuantizeParams())
+    params = Params(prune=PruneParams(enabled=True, heads=1, ffn_width=64, calibration_samples=32))
+    report = run_prune(tiny_model_dir, tokenized_dir, tmp_path, params)
     info = json.loads((out / "variant.json").read_text())
     assert info["status"] == "ok" and info["name"] == "int8-pruned"
     assert info["params"]["heads"] == 1 and info["params"]["ffn_width"] == 64
@@ -182,7 +182,7 @@ def test_disabled_pruning_is_recorded_as_skipped(tmp_path, tiny_model_dir, token
     from pipeline.variants.prune import run_prune
 
     out = tmp_path / "int8-pruned"
-    report = run_prune(tiny_model_dir, tokenized_dir, out, PruneParams(enabled=False), QuantizeParams())
+    report = run_prune(tiny_model_dir, tokenized_dir, tmp_path, Params(prune=PruneParams(enabled=False)))
     info = json.loads((out / "variant.json").read_text())
     assert report["status"] == info["status"] == "skipped"
     assert info["reason"] == "prune.enabled is false"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pipeline.core.params import QuantizeParams
 from pipeline.modeling import load_finetuned
 
 
@@ -56,7 +57,8 @@ def test_qat_loss_is_labels_only_or_distilled(tiny_model_dir):
     losses = {}
     for weight in (0.0, 1.0):
         model, _, _ = load_finetuned(tiny_model_dir)
-        result = qat_finetune(model, seqs, labels, epochs=1, batch_size=4, lr=0.0, distillation=weight)
+        result = qat_finetune(model, seqs, labels,
+                              QuantizeParams(qat_epochs=1, qat_batch_size=4, qat_lr=0.0, qat_distillation=weight))
         assert result.steps == 2
         losses[weight] = result.final_loss
     assert abs(losses[0.0] - math.log(2)) < 0.2

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.core.params import QuantizeParams
+from pipeline.core.params import Params, QuantizeParams
 from pipeline.variants.quantize import run_quantize
 from pipeline.variants.record import read_variant
 
@@ -23,7 +23,8 @@ def test_single_calibration_method_skips_the_selection_pass(built, tiny_model_di
     dirs = {name: tmp_path / name for name in ("int8-dynamic", "int8-static", "int8-qat")}
     params = QuantizeParams(calibration_samples=16, calibration_methods=["percentile"], qat_train_samples=8,
                             qat_batch_size=8)
-    report = run_quantize(tiny_model_dir, built["dirs"]["fp32-onnx"], built["tokenized"], dirs, params)
+    report = run_quantize(tiny_model_dir, built["dirs"]["fp32-onnx"], built["tokenized"], tmp_path,
+                          Params(quantize=params))
     assert report["int8-static"]["calibration"] == "percentile"
     assert report["int8-static"]["selection_val_accuracy"] == {}
     assert report["int8-qat"]["calibration"] == "percentile"

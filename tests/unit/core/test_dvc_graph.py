@@ -1,0 +1,92 @@
+"""`dvc.yaml` stays true: every module a stage imports lies under one of its declared deps, prepare depends on
+the local IMDB copy, and the variant directories follow the registry."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.variants.registry import built_by, with_directories
+
+ROOT = Path(__file__).resolve().parents[3]
+DVC = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+
+
+def _module_file(module: str) -> Path | None:
+    for candidate in (ROOT / (module.replace(".", "/") + ".py"), ROOT / module.replace(".", "/") / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _imported(path: Path) -> set[str]:
+    """Project modules imported anywhere in the file (function-level imports included)."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in ("pipeline", "serving"):
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names if _module_file(f"{node.module}.{a.name}"))
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.split(".")[0] in ("pipeline", "serving"))
+    return out
+
+
+def import_closure(stage: str) -> set[Path]:
+    seen: set[str] = set()
+    todo = [f"stages.{stage}"]
+    files: set[Path] = set()
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        path = _module_file(module)
+        if path is not None:
+            files.add(path.relative_to(ROOT))
+            todo.extend(_imported(path))
+            parent = module.rsplit(".", 1)[0]
+            if parent != module and _module_file(parent):
+                todo.append(parent)
+    return files
+
+
+def _is_marker(path: Path) -> bool:
+    """A package `__init__.py` that holds no code (a docstring and constants at most): nothing a stage runs."""
+    body = ast.parse((ROOT / path).read_text()).body
+    return path.name == "__init__.py" and all(
+        isinstance(n, ast.Expr | ast.Assign) and isinstance(getattr(n, "value", None), ast.Constant) for n in body)
+
+
+@pytest.mark.parametrize("stage", sorted(DVC))
+def test_declared_deps_cover_the_import_graph(stage):
+    deps = [Path(str(d)) for d in DVC[stage]["deps"]]
+    files = [f for f in sorted(import_closure(stage)) if not _is_marker(f)]
+    assert Path("pipeline/core/params.py") in files  # the graph walk does reach the code
+    missing = [f for f in files if not any(f == d or d in f.parents for d in deps)]
+    assert not missing, f"stage {stage} imports {missing} but dvc.yaml does not list them (or their package)"
+
+
+def test_prepare_depends_on_the_imdb_source():
+    assert "${data.local_dir}" in DVC["prepare"]["deps"]
+    assert "data" in DVC["prepare"]["params"]  # source, hub_name and hub_revision are recorded as params
+
+
+@pytest.mark.parametrize("stage", ["export", "quantize", "prune", "tensorrt"])
+def test_build_stage_outs_are_its_registry_rows(stage):
+    outs = {str(o) for o in DVC[stage]["outs"]}
+    assert outs == {f"models/variants/{v.name}" for v in built_by(stage)}
+    assert "--variants-dir models/variants" in DVC[stage]["cmd"]
+
+
+@pytest.mark.parametrize("stage", ["evaluate", "benchmark"])
+def test_readers_depend_on_every_registered_variant(stage):
+    deps = {str(d) for d in DVC[stage]["deps"]}
+    assert {f"models/variants/{v.name}" for v in with_directories()} <= deps
+
+
+def test_package_depends_on_every_servable_variant():
+    deps = {str(d) for d in DVC["package"]["deps"]}
+    assert {f"models/variants/{v.name}" for v in with_directories() if v.servable} <= deps

@@ -1,0 +1,77 @@
+"""One source for each setting: `Params` defaults are the default profile, profiles only override."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from pipeline.core.params import (
+    Params,
+    ParamsError,
+    flatten,
+    load_params,
+    parse_params,
+    profile_overrides,
+    read_profile,
+    with_overrides,
+)
+
+ROOT = Path(__file__).resolve().parents[3]
+PROFILES = sorted((ROOT / "profiles").glob("*.yaml"))
+
+
+def test_dataclass_defaults_are_the_default_profile():
+    assert load_params(ROOT / "params.yaml") == Params()
+
+
+def test_params_yaml_lists_every_key_so_dvc_tracks_it():
+    from pipeline.core.params import read_params
+
+    assert set(flatten(read_params(ROOT / "params.yaml"))) == set(flatten(dataclasses.asdict(Params())))
+
+
+def test_every_section_is_validated():
+    raw = {"prune": {"heads": 0}}
+    with pytest.raises(ParamsError, match=r"prune\.heads"):
+        parse_params(raw)
+    with pytest.raises(ParamsError, match="unknown section"):
+        parse_params({"pruning": {}})
+
+
+@pytest.mark.parametrize("profile", PROFILES, ids=lambda p: p.stem)
+def test_profiles_hold_only_keys_that_differ(profile):
+    defaults = flatten(dataclasses.asdict(Params()))
+    overrides = read_profile(profile)
+    assert overrides, profile
+    same = {k: v for k, v in overrides.items() if defaults[k] == v}
+    assert not same, f"{profile.name} repeats default values: {same}"
+
+
+@pytest.mark.parametrize("profile", PROFILES, ids=lambda p: p.stem)
+def test_profile_overrides_round_trip_through_dvc_exp_run(profile, tmp_path):
+    """`make run PROFILE=...` passes these `-S` arguments to `dvc exp run`; DVC must write what the profile says."""
+    import shutil
+    import subprocess
+    import sys
+
+    dvc = str(Path(sys.executable).with_name("dvc"))
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t",
+           "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    (tmp_path / "dvc.yaml").write_text("stages:\n  s:\n    cmd: echo ok\n    params: [data, model, train, quantize]\n")
+    for cmd in (["git", "init", "-q"], [dvc, "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "i"]):
+        subprocess.run(cmd, cwd=tmp_path, env=env, check=True, capture_output=True)
+    proc = subprocess.run([dvc, "exp", "run", *profile_overrides(profile)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    expected = parse_params(with_overrides(dataclasses.asdict(Params()), read_profile(profile)))
+    assert load_params(tmp_path / "params.yaml") == expected
+
+
+def test_unknown_profile_key_is_refused(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  epoch: 3\n")
+    with pytest.raises(ParamsError, match=r"train\.epoch"):
+        read_profile(bad)
