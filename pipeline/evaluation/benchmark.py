@@ -149,3 +149,7 @@ def run_benchmark_stage(finetuned: Path, variants_root: Path, tokenized: Path, a
     for f in (report, chart, metrics_path):
         log_parent_artifact(tracking, f, "comparison")
     return result
+
+
+if __name__ == "__main__":
+    main()
