@@ -12,6 +12,7 @@ import dataclasses
 import sys
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin
@@ -358,12 +359,12 @@ def parse_params(raw: dict[str, Any], where: str = "params") -> Params:
     return Params(**{name: section(raw, name, cls) for name, cls in SECTIONS.items()})
 
 
-def flatten(raw: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(raw: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """`{"train": {"lr": 1e-4}}` -> `{"train.lr": 1e-4}` (lists stay values)."""
     out: dict[str, Any] = {}
     for key, value in raw.items():
         dotted = f"{prefix}{key}"
-        if isinstance(value, dict):
+        if isinstance(value, Mapping):
             out.update(flatten(value, dotted + "."))
         else:
             out[dotted] = value

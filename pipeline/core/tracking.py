@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeline.core.params import MlflowParams, Params
+from pipeline.core.params import MlflowParams, Params, flatten
 
 RUN_ID_TAG = "pipeline.run_id"
 
@@ -105,14 +105,8 @@ def log_parent_artifact(params: MlflowParams, local_path: Path, artifact_path: s
 
 def flatten_numbers(d: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
     """Numeric leaves of a nested dict as `a.b` keys (non-numbers are skipped)."""
-    out: dict[str, float] = {}
-    for key, value in d.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            out.update(flatten_numbers(value, name + "."))
-        elif isinstance(value, int | float) and not isinstance(value, bool):
-            out[name] = float(value)
-    return out
+    return {key: float(value) for key, value in flatten(d, prefix).items()
+            if isinstance(value, int | float) and not isinstance(value, bool)}
 
 
 def log_metrics_flat(metrics: Mapping[str, Any]) -> None:
