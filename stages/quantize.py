@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> None:
                       lambda: run_quantize(args.finetuned, args.variants_dir / "fp32-onnx", args.tokenized,
                                            args.variants_dir, params))
 
-    run_stage("quantize", body, extra_errors=(QuantizeError, VariantError, ExportError, ValueError))
+    run_stage("quantize", body, extra_errors=(QuantizeError, VariantError, ExportError))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,9 @@ def main(argv: list[str] | None = None) -> None:
             report = run_tensorrt(args.finetuned, args.variants_dir / "fp32-onnx", args.variants_dir / "int8-static",
                                   args.variants_dir, params.tensorrt)
             for name, entry in report.items():
-                mlflow.set_tags({f"{name}.status": entry["status"], f"{name}.reason": entry.get("reason", "")})
+                mlflow.set_tag(f"{name}.status", entry["status"])
+                if entry.get("reason"):
+                    mlflow.set_tag(f"{name}.reason", entry["reason"])
             return {}
 
         tracked_stage(params, "tensorrt", ("tensorrt",), work)

@@ -18,7 +18,7 @@ from pipeline.data.tokens import draw_rows, read_tokenized, training_window
 from pipeline.modeling import load_finetuned
 from pipeline.variants.export import export_onnx, inference_model, max_length_of
 from pipeline.variants.fusion import FusionCheck, fused_graph
-from pipeline.variants.onnx_int8 import int8_census, quantize_dynamic_onnx, quantize_static_onnx
+from pipeline.variants.onnx_int8 import QuantizeError, int8_census, quantize_dynamic_onnx, quantize_static_onnx
 from pipeline.variants.record import VariantInfo, read_variant, write_variant
 from pipeline.variants.registry import directories
 from pipeline.variants.runners import OrtRunner, predict_logits
@@ -50,7 +50,7 @@ def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, variants_roo
     arch = read_variant(fp32_onnx).params
     # Static QDQ starts from the fp32-onnx file, so its readout must be the one params ask for now.
     if bool(arch.get("cls_readout", False)) != _readout_possible(arch, params):
-        raise ValueError(f"{fp32_onnx} was exported with cls_readout={arch.get('cls_readout')}; "
+        raise QuantizeError(f"{fp32_onnx} was exported with cls_readout={arch.get('cls_readout')}; "
                          f"export.cls_readout is {params.export.cls_readout}: re-run the export stage")
     train = read_tokenized(tokenized, "train")
     val = read_tokenized(tokenized, "val").iloc[: q.selection_samples]
