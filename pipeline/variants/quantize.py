@@ -49,9 +49,12 @@ def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, variants_roo
     model, tokenizer, meta = load_finetuned(finetuned)
     arch = read_variant(fp32_onnx).params
     # Static QDQ starts from the fp32-onnx file, so its readout must be the one params ask for now.
-    if bool(arch.get("cls_readout", False)) != _readout_possible(arch, params):
+    from pipeline.variants.readout import unsupported
+
+    expected = params.export.cls_readout and unsupported(model) is None  # what export records (`inference_model`)
+    if bool(arch.get("cls_readout", False)) != expected:
         raise QuantizeError(f"{fp32_onnx} was exported with cls_readout={arch.get('cls_readout')}; "
-                         f"export.cls_readout is {params.export.cls_readout}: re-run the export stage")
+                            f"export.cls_readout is {params.export.cls_readout}: re-run the export stage")
     train = read_tokenized(tokenized, "train")
     val = read_tokenized(tokenized, "val").iloc[: q.selection_samples]
     report: dict[str, Any] = {}
@@ -96,11 +99,6 @@ def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, variants_roo
                                   build_seconds=round(time.perf_counter() - t0, 2))
         write_variant(out["int8-qat"], VariantInfo.built("int8-qat", report["int8-qat"]), finetuned)
     return report
-
-
-def _readout_possible(arch: dict[str, Any], params: Params) -> bool:
-    """What the export stage would have recorded: the readout when asked for, unless the model cannot take it."""
-    return params.export.cls_readout and not arch.get("cls_readout_reason")
 
 
 def _graph_for_quantization(model: Any, fp32_onnx: Path, inputs: QuantizeInputs, params: QuantizeParams,

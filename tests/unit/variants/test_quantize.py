@@ -4,6 +4,7 @@ INT8, the fused attention, 7-bit weights."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from pipeline.core.params import Params, QuantizeParams
 from pipeline.variants.quantize import run_quantize
@@ -69,3 +70,14 @@ def test_int8_weights_use_the_reduced_7_bit_range(built):
         big = [w.size for w in weights if w.size > 64]  # weight tensors, not zero points
         assert len(big) >= 2 * 4 + 2, (name, len(big))
         assert max(int(np.abs(w.astype(np.int32)).max()) for w in weights) <= 64, name
+
+
+def test_fp32_onnx_exported_with_another_readout_is_refused(built, tiny_model_dir, tmp_path):
+    """Static QDQ starts from the fp32-onnx file: one exported under another `export.cls_readout` is stale."""
+    from pipeline.core.params import ExportParams
+    from pipeline.variants.onnx_int8 import QuantizeError
+
+    with pytest.raises(QuantizeError, match="re-run the export stage"):
+        run_quantize(tiny_model_dir, built["dirs"]["fp32-onnx"], built["tokenized"], tmp_path,
+                     Params(export=ExportParams(cls_readout=False)))
+    assert not (tmp_path / "int8-dynamic").exists()
