@@ -11,7 +11,7 @@ export HF_HUB_DISABLE_TELEMETRY := 1
 export MLFLOW_ENABLE_TELEMETRY := false
 export DO_NOT_TRACK := 1
 
-.PHONY: run test venv lint mlflow-ui serve stop plots
+.PHONY: run test test-gpu venv lint mlflow-ui serve stop plots
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,12 @@ run: venv
 ## test: unit, data, model and end-to-end tests (CI runs exactly this)
 test: venv
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+## test-gpu: the tests marked `gpu` (tests/gpu: mixed-precision and compiled training on CUDA, exports from CUDA,
+## TensorRT engines); each skips, with its reason, where no CUDA device or no `tensorrt` is present.
+## SYSTEM_PYTHON=1 runs them with $(PYTHON) as it is, on a GPU machine whose Python already has CUDA PyTorch.
+test-gpu: $(if $(SYSTEM_PYTHON),,venv)
+	$(if $(SYSTEM_PYTHON),$(PYTHON),$(BIN)/python) -m pytest -m gpu tests/gpu $(PYTEST_ARGS)
 
 lint: venv
 	$(BIN)/ruff check .

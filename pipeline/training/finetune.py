@@ -113,13 +113,21 @@ def finetune(tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots_dir
 
 def predict_split(module: SentimentClassifier, dm: IMDBDataModule,
                   split: str = "test") -> tuple[np.ndarray, np.ndarray]:
-    """Logits and true labels for a split (rank 0, single process), scored as the evaluate stage scores."""
+    """Logits and true labels for a split (rank 0, single process), scored as the evaluate stage scores.
+
+    Scored in full precision on the device training used (Lightning hands the module back on the CPU), and
+    left on the CPU afterwards for saving."""
     from pipeline.variants.runners import EagerLogits, TorchRunner, predict_logits
 
     module.eval()
     ds = dm.datasets[split]
-    logits = predict_logits(TorchRunner(EagerLogits(module.model)), ds.input_ids, dm.params.eval_batch_size,
-                            pad_id=dm.collate.pad_id, progress=f"score {split}")
+    on_gpu = dm.params.accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
+    model = module.model.to("cuda" if on_gpu else "cpu")
+    try:
+        logits = predict_logits(TorchRunner(EagerLogits(model)), ds.input_ids, dm.params.eval_batch_size,
+                                pad_id=dm.collate.pad_id, progress=f"score {split}")
+    finally:
+        module.model.to("cpu")
     return logits, ds.labels
 
 

@@ -40,14 +40,21 @@ class LogitsModule(torch.nn.Module):
         return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
 
 
-def example_inputs(max_length: int, batch: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+def example_inputs(max_length: int, batch: int = 2,
+                   device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """A padded example batch: row 0 full length, row 1 half padding, so traced masking is general."""
     length = min(max_length, 32)
     ids = torch.randint(1000, 2000, (batch, length), dtype=torch.long)
     mask = torch.ones_like(ids)
     mask[1:, length // 2 :] = 0
     ids[mask == 0] = 0
-    return ids, mask
+    return ids.to(device), mask.to(device)
+
+
+def device_of(model: torch.nn.Module) -> torch.device:
+    """Where the model's weights are (examples for tracing and export must live there too)."""
+    first = next(model.parameters(), None)
+    return first.device if first is not None else torch.device("cpu")
 
 
 def export_torchscript(model: torch.nn.Module, path: Path, max_length: int) -> None:
@@ -55,7 +62,8 @@ def export_torchscript(model: torch.nn.Module, path: Path, max_length: int) -> N
     model.eval()
     wrapper = LogitsModule(model).eval()
     with torch.inference_mode(False), torch.no_grad():
-        traced = torch.jit.trace(wrapper, example_inputs(max_length), check_trace=False, strict=False)
+        example = example_inputs(max_length, device=device_of(model))
+        traced = torch.jit.trace(wrapper, example, check_trace=False, strict=False)
     path.parent.mkdir(parents=True, exist_ok=True)
     traced.save(str(path))
 
@@ -71,7 +79,8 @@ def export_onnx(model: torch.nn.Module, path: Path, max_length: int, opset: int 
     shapes = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        program = torch.onnx.export(wrapper, example_inputs(max_length), dynamo=True, opset_version=opset,
+        example = example_inputs(max_length, device=device_of(model))
+        program = torch.onnx.export(wrapper, example, dynamo=True, opset_version=opset,
                                     input_names=["input_ids", "attention_mask"], output_names=["logits"],
                                     dynamic_shapes=shapes, optimize=True, verbose=False)
         program.save(str(path), external_data=False)
@@ -99,7 +108,8 @@ def export_onnx_for_fusion(model: torch.nn.Module, path: Path, max_length: int, 
     try:
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer warnings
-            torch.onnx.export(wrapper, example_inputs(max_length), str(path), dynamo=False, opset_version=opset,
+            example = example_inputs(max_length, device=device_of(model))
+            torch.onnx.export(wrapper, example, str(path), dynamo=False, opset_version=opset,
                               input_names=["input_ids", "attention_mask"], output_names=["logits"],
                               dynamic_axes=axes)
     except Exception as exc:

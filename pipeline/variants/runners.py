@@ -51,21 +51,28 @@ class OrtRunner:
 
 
 class TorchRunner:
-    """Runs an eager or TorchScript module under `inference_mode` (optionally bf16 autocast)."""
+    """Runs an eager or TorchScript module under `inference_mode` (optionally bf16 autocast) on the device its
+    parameters live on (CPU for every variant; CUDA when a trained module is scored where it was trained)."""
 
     def __init__(self, module: Any, autocast_bf16: bool = False) -> None:
+        import torch
+
         self.module = module
         self.autocast_bf16 = autocast_bf16
+        params = getattr(module, "parameters", None)
+        first = next(iter(params()), None) if callable(params) else None
+        self.device = first.device if first is not None else torch.device("cpu")
 
     def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         import torch
 
-        ids = torch.from_numpy(np.ascontiguousarray(input_ids, dtype=np.int64))
-        mask = torch.from_numpy(np.ascontiguousarray(attention_mask, dtype=np.int64))
-        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast_bf16):
+        ids = torch.from_numpy(np.ascontiguousarray(input_ids, dtype=np.int64)).to(self.device)
+        mask = torch.from_numpy(np.ascontiguousarray(attention_mask, dtype=np.int64)).to(self.device)
+        with torch.inference_mode(), torch.autocast(self.device.type, dtype=torch.bfloat16,
+                                                     enabled=self.autocast_bf16):
             out = self.module(ids, mask)
         logits = out[0] if isinstance(out, tuple | list) else getattr(out, "logits", out)
-        return logits.float().numpy()
+        return logits.float().cpu().numpy()
 
 
 class EagerLogits:
@@ -76,6 +83,10 @@ class EagerLogits:
 
     def __call__(self, input_ids: Any, attention_mask: Any) -> Any:
         return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+    def parameters(self) -> Any:
+        """The wrapped model's parameters (`TorchRunner` reads the device from them)."""
+        return self.model.parameters()
 
 
 def load_runner(directory: Path, threads: int | None = None, **options: Any) -> Runner:

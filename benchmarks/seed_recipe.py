@@ -1,0 +1,240 @@
+"""Training speed of the seed recipe's steps on one device: fp32 vs AMP vs AMP + torch.compile, same model and
+batches, then the pipeline's own recipe (length buckets, dynamic padding, fused attention in training).
+
+The reference blog finetunes DistilBERT on IMDB with batch 12, Adam/AdamW at 5e-5, every review padded to 512
+tokens: plain PyTorch fp32, then AMP, then more. Here every row trains the same architecture on the same
+reviews for the same number of optimizer steps; the first `--warmup` steps (compilation included) are not
+timed, and the clock is read after a CUDA synchronisation at both ends.
+
+- `plain-fp32`: the blog's hand-written loop (fp32, Adam, padded to 512).
+- `lightning-<precision>[+compile]`: this pipeline's LightningModule and Trainer (`pipeline.training`),
+  every batch padded to 512 (`pad_to_multiple_of: 512`, no buckets), so only precision and compilation differ.
+- `pipeline-recipe`: the same plus length-bucketed batches with dynamic padding and attention dropout off
+  (PyTorch's fused attention kernel also runs in training), i.e. what the finetune stage does.
+
+`--weights random` (the default where the hub is unreachable) builds the architecture from its config with
+random weights: throughput does not depend on the values of the weights, accuracy does, so no accuracy is
+reported. The minutes column is the measured throughput applied to the blog's 3 epochs × 35,000 reviews and
+is labelled as such. Prints a table and writes `benchmarks/results/seed_recipe.json`.
+
+    python -m benchmarks.seed_recipe --model distilbert --steps 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from pipeline.core.machine import machine_info
+from pipeline.core.params import DataParams, ModelParams, TrainParams
+from pipeline.data.imdb import clean_text
+from pipeline.data.tokens import tokenize_frame
+from pipeline.modeling import ID2LABEL, LABEL2ID, load_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOG_SAMPLES = 3 * 35_000  # the reference: 3 epochs over the 35k training split
+BLOG_BATCH = 12
+BLOG_LR = 5e-5
+SEQ = 512
+
+
+def build_model(name: str, weights: str) -> Any:
+    """The architecture to time: `distilbert` (distilbert-base-uncased) or `minilm` (all-MiniLM-L6-v2)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, DistilBertConfig
+
+    labels = {"num_labels": 2, "id2label": ID2LABEL, "label2id": LABEL2ID}
+    if weights == "hub":
+        hub = {"distilbert": "distilbert-base-uncased", "minilm": "sentence-transformers/all-MiniLM-L6-v2"}[name]
+        return AutoModelForSequenceClassification.from_pretrained(hub, **labels)
+    if name == "distilbert":
+        config = DistilBertConfig(**labels)  # its defaults are distilbert-base-uncased's architecture
+    else:
+        from pipeline.modeling import packaged_model_dir
+
+        config = AutoConfig.from_pretrained(packaged_model_dir(), **labels)
+    return AutoModelForSequenceClassification.from_config(config)
+
+
+class StepClock:
+    """Wall time of the steps after the first `warmup`, bracketed by device synchronisations."""
+
+    def __init__(self, warmup: int, device: str) -> None:
+        self.warmup, self.device = warmup, device
+        self.samples = self.tokens = self.steps = 0
+        self.start: float | None = None
+        self.seconds = 0.0
+
+    def sync(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def before(self, step: int) -> None:
+        if step == self.warmup:
+            self.sync()
+            self.start = time.perf_counter()
+
+    def after(self, step: int, batch: dict[str, torch.Tensor]) -> None:
+        if step >= self.warmup:
+            self.steps += 1
+            self.samples += len(batch["labels"])
+            self.tokens += int(batch["attention_mask"].sum())
+
+    def stop(self) -> None:
+        self.sync()
+        if self.start is not None:
+            self.seconds = time.perf_counter() - self.start
+
+
+def plain_loop(model: Any, ids: list[np.ndarray], labels: np.ndarray, steps: int, clock: StepClock) -> None:
+    """The blog's loop: fp32, every review padded to 512 tokens, Adam at 5e-5."""
+    from pipeline.variants.runners import pad_batch
+
+    model.to(clock.device).train()
+    opt = torch.optim.Adam(model.parameters(), lr=BLOG_LR)
+    for step in range(steps):
+        idx = range(step * BLOG_BATCH, (step + 1) * BLOG_BATCH)
+        input_ids, mask = pad_batch([ids[i] for i in idx], width=SEQ)
+        batch = {"input_ids": torch.from_numpy(input_ids).to(clock.device),
+                 "attention_mask": torch.from_numpy(mask).to(clock.device),
+                 "labels": torch.from_numpy(labels[list(idx)]).to(clock.device)}
+        clock.before(step)
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        clock.after(step, batch)
+    clock.stop()
+
+
+def lightning_run(model: Any, tokenized: Path, params: TrainParams, clock: StepClock) -> None:
+    """The finetune stage's module, data module and Trainer, validation off."""
+    import lightning as L
+
+    from pipeline.training.classifier import IMDBDataModule, SentimentClassifier, build_trainer
+
+    class Clock(L.Callback):
+        def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                                 batch_idx: int) -> None:
+            clock.before(batch_idx)
+
+        def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                               batch_idx: int) -> None:
+            clock.after(batch_idx, batch)
+
+        def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            clock.stop()
+
+    L.seed_everything(params.seed, verbose=False)
+    module = SentimentClassifier(model, params.lr, params.weight_decay, params.warmup_ratio, params.compile,
+                                 params.compile_mode, params.fused_optimizer)
+    with tempfile.TemporaryDirectory(prefix="seed-recipe-") as tmp:
+        trainer = build_trainer(params, Path(tmp), [Clock()], enable_progress_bar=False)
+        trainer.limit_val_batches = 0
+        trainer.fit(module, datamodule=IMDBDataModule(tokenized, params))
+
+
+def runs(compile_ok: bool, device: str) -> list[tuple[str, dict[str, Any]]]:
+    """(row name, TrainParams overrides) in table order; half precision rows only where the device has them."""
+    cuda = device == "cuda"
+    rows: list[tuple[str, dict[str, Any]]] = [("lightning-32-true", {"precision": "32-true"})]
+    half = "16-mixed" if cuda else "bf16-mixed"
+    if cuda or torch.backends.mkldnn.is_available():
+        rows.append((f"lightning-{half}", {"precision": half}))
+    if compile_ok:
+        rows.append((f"lightning-{half}+compile", {"precision": half, "compile": True}))
+        if cuda and torch.cuda.is_bf16_supported():
+            rows.append(("lightning-bf16-mixed+compile", {"precision": "bf16-mixed", "compile": True}))
+    rows.append(("pipeline-recipe", {"precision": half, "compile": compile_ok, "bucketing": True,
+                                     "pad_to_multiple_of": 8, "attention_dropout": 0.0}))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Time every row and write the comparison."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--imdb-dir", type=Path, default=Path(os.environ.get("IMDB_DIR", ROOT.parent / "shared/data/imdb"))
+    )
+    parser.add_argument("--model", choices=["distilbert", "minilm"], default="distilbert")
+    parser.add_argument("--weights", choices=["random", "hub"], default="random")
+    parser.add_argument("--steps", type=int, default=300, help="timed optimizer steps per row")
+    parser.add_argument("--warmup", type=int, default=30, help="untimed steps first (compilation happens here)")
+    parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--rows", default="", help="comma-separated subset of row names")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/seed_recipe.json")
+    args = parser.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    total = args.warmup + args.steps
+
+    frame = pd.read_parquet(args.imdb_dir / "train.parquet")[["text", "label"]]
+    frame = frame.sample(n=total * BLOG_BATCH, random_state=0).reset_index(drop=True)
+    frame["text"] = frame["text"].map(clean_text)
+    tok = load_tokenizer(ModelParams())  # the BERT uncased vocabulary both architectures use
+    data = DataParams(max_length=SEQ, truncation="head")
+    tokens = tokenize_frame(frame, tok, data)
+    ids = tokens["input_ids"].tolist()
+    labels = tokens["label"].to_numpy().astype(np.int64)
+
+    results: dict[str, dict[str, Any]] = {}
+    wanted = set(filter(None, args.rows.split(",")))
+    with tempfile.TemporaryDirectory(prefix="seed-tok-") as tmp:
+        tokenized = Path(tmp)
+        tokens.to_parquet(tokenized / "train.parquet")
+        for split in ("val", "test"):
+            tokens.iloc[:BLOG_BATCH].to_parquet(tokenized / f"{split}.parquet")
+        base = TrainParams(epochs=1, batch_size=BLOG_BATCH, lr=BLOG_LR, warmup_ratio=0.0, accelerator=device,
+                           bucketing=False, pad_to_multiple_of=SEQ, attention_dropout=None, max_length=None,
+                           val_checks_per_epoch=1)
+        plan: list[tuple[str, dict[str, Any] | None]] = [("plain-fp32", None)]
+        plan += runs(not args.no_compile, device)
+        for name, overrides in plan:
+            if wanted and name not in wanted:
+                continue
+            torch.manual_seed(0)
+            model = build_model(args.model, args.weights)
+            clock = StepClock(args.warmup, device)
+            started = time.perf_counter()
+            if overrides is None:
+                plain_loop(model, ids, labels, total, clock)
+            else:
+                lightning_run(model, tokenized, TrainParams(**{**base.__dict__, **overrides}), clock)
+            rate = clock.samples / clock.seconds
+            results[name] = {
+                "samples_per_s": rate, "tokens_per_s": clock.tokens / clock.seconds, "timed_steps": clock.steps,
+                "timed_seconds": clock.seconds, "wall_seconds_with_warmup": time.perf_counter() - started,
+                "blog_3_epochs_min_at_this_rate": BLOG_SAMPLES / rate / 60, "settings": overrides or {},
+            }
+            print(f"{name}: {rate:.1f} samples/s", flush=True)
+            del model
+            if device == "cuda":
+                torch.cuda.empty_cache()
+
+    ref = results.get("plain-fp32", next(iter(results.values())))["samples_per_s"]
+    gpu = torch.cuda.get_device_name(0) if device == "cuda" else None
+    out = {
+        "model": args.model, "weights": args.weights, "device": device, "gpu": gpu, "torch": torch.__version__,
+        "batch_size": BLOG_BATCH, "max_length": SEQ, "warmup_steps": args.warmup, "timed_steps": args.steps,
+        "machine": machine_info(torch.get_num_threads()), "rows": results,
+        "note": "minutes = the blog's 3 epochs x 35,000 reviews at the measured rate (a projection, not a run)",
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"\n{args.model} ({args.weights} weights) on {gpu or 'CPU'}, batch {BLOG_BATCH}, {args.steps} timed steps")
+    print(f"{'row':<32}{'samples/s':>11}{'vs plain':>10}{'3-epoch min*':>14}")
+    for name, r in results.items():
+        print(f"{name:<32}{r['samples_per_s']:>11.1f}{r['samples_per_s'] / ref:>9.2f}x"
+              f"{r['blog_3_epochs_min_at_this_rate']:>14.2f}")
+    print(f"* {out['note']}\nwritten to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""GPU: the TensorRT fp16 engine from the tiny model's fp32-onnx, built and checked for parity where the
+`tensorrt` package imports (skipped, with the reason, where it does not)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeline.core.params import ExportParams
+from pipeline.variants.export import run_export
+from pipeline.variants.registry import directories
+from pipeline.variants.runners import OrtRunner, pad_batch
+from pipeline.variants.tensorrt import TensorRTRunner, availability, build_engine, profile_shapes
+from tests.factories import write_tokenized
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def fp32_onnx(tmp_path_factory, tiny_model_dir):
+    ok, reason = availability()
+    if not ok:
+        pytest.skip(reason)
+    root = tmp_path_factory.mktemp("trt")
+    tok = write_tokenized(root / "tokenized", {"train": 16, "val": 16, "test": 16})
+    run_export(tiny_model_dir, tok, root / "variants", ExportParams(parity_samples=8))
+    return directories(root / "variants")["fp32-onnx"]
+
+
+def test_fp16_engine_matches_onnxruntime(tmp_path, fp32_onnx):
+    shapes = profile_shapes(1, 4, 8, 8, 32, 64)
+    info = build_engine(fp32_onnx / "model.onnx", tmp_path / "model.engine", shapes, "fp16")
+    assert info["precision"] == "fp16"
+    rng = np.random.default_rng(0)
+    ids, mask = pad_batch([rng.integers(1000, 2000, size=n) for n in (8, 20, 33, 64)])
+    got = TensorRTRunner(tmp_path / "model.engine")(ids, mask)
+    ref = OrtRunner(fp32_onnx / "model.onnx")(ids, mask)
+    assert np.abs(got - ref).max() < 5e-2
+    assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.75
+
