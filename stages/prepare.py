@@ -18,20 +18,14 @@ def main(argv: list[str] | None = None) -> None:
     from pipeline.core.stage import run_stage
 
     def body() -> None:
-        import mlflow
-
         from pipeline.core.params import load_params
         from pipeline.core.tracking import tracked_stage
         from pipeline.data.prepare import prepare
 
         params = load_params(args.params)
-
-        def work() -> dict:
-            metrics = prepare(params.data, params.model, args.prepared, args.tokenized, args.metrics)
-            mlflow.log_artifact(str(args.metrics))
-            return metrics
-
-        tracked_stage(params, "prepare", ("data", "model"), work)
+        tracked_stage(params, "prepare", ("data", "model"),
+                      lambda: prepare(params.data, params.model, args.prepared, args.tokenized, args.metrics),
+                      artifacts=(args.metrics,))
 
     run_stage("prepare", body)
 

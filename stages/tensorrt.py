@@ -18,24 +18,14 @@ def main(argv: list[str] | None = None) -> None:
     from pipeline.core.stage import run_stage
 
     def body() -> None:
-        import mlflow
-
         from pipeline.core.params import load_params
         from pipeline.core.tracking import tracked_stage
         from pipeline.variants.tensorrt import run_tensorrt
 
         params = load_params(args.params)
-
-        def work() -> dict:
-            report = run_tensorrt(args.finetuned, args.variants_dir / "fp32-onnx", args.variants_dir / "int8-static",
-                                  args.variants_dir, params.tensorrt)
-            for name, entry in report.items():
-                mlflow.set_tag(f"{name}.status", entry["status"])
-                if entry.get("reason"):
-                    mlflow.set_tag(f"{name}.reason", entry["reason"])
-            return {}
-
-        tracked_stage(params, "tensorrt", ("tensorrt",), work)
+        tracked_stage(params, "tensorrt", ("tensorrt",),
+                      lambda: run_tensorrt(args.finetuned, args.variants_dir / "fp32-onnx",
+                                           args.variants_dir / "int8-static", args.variants_dir, params.tensorrt))
 
     run_stage("tensorrt", body)
 

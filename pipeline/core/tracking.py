@@ -72,9 +72,83 @@ def parent_run_id(params: MlflowParams) -> str:
     return run.info.run_id
 
 
+TAG_LIMIT = 5000  # MLflow's limit on a tag value's length
+PARAM_LIMIT = 500  # params longer than this (nested dicts and lists) are cut, their files hold the whole value
+
+
+class StageRun:
+    """The active MLflow run of one stage (or one variant of a stage): every MLflow call of the pipeline goes
+    through this class or the functions of this module, so the stages' modules never import MLflow."""
+
+    def __init__(self, run: Any) -> None:
+        self.run = run
+        self.run_id: str = run.info.run_id
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        """Params as given; nested values are written as (cut) text."""
+        import mlflow
+
+        mlflow.log_params({k: (v if not isinstance(v, dict | list | tuple) else str(v)[:PARAM_LIMIT])
+                           for k, v in params.items()})
+
+    def log_sections(self, sections: Mapping[str, Any]) -> None:
+        """Params sections as `section.key`, so the compare view lines stages up."""
+        log_params_flat(sections)
+
+    def log_metrics(self, metrics: Mapping[str, Any]) -> None:
+        """Every numeric leaf of a (nested) dict, as `a.b` keys; other values are skipped."""
+        import mlflow
+
+        mlflow.log_metrics(flatten_numbers(metrics))
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        """Tags, each value as text cut to MLflow's limit."""
+        import mlflow
+
+        mlflow.set_tags({k: str(v)[:TAG_LIMIT] for k, v in tags.items()})
+
+    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
+        import mlflow
+
+        mlflow.log_artifact(str(path), artifact_path)
+
+    def log_artifacts(self, directory: Path, artifact_path: str | None = None) -> None:
+        import mlflow
+
+        mlflow.log_artifacts(str(directory), artifact_path)
+
+    def artifact_uri(self, artifact_path: str) -> str:
+        import mlflow
+
+        return mlflow.get_artifact_uri(artifact_path)
+
+    def lightning_logger(self, params: MlflowParams) -> Any:
+        """Lightning's MLflow logger writing into this run (training curves and hyperparameters)."""
+        from lightning.pytorch.loggers import MLFlowLogger
+
+        return MLFlowLogger(tracking_uri=params.tracking_uri, run_id=self.run_id)
+
+    def register_version(self, name: str, artifact_path: str, description: str,
+                         tags: Mapping[str, str] | None = None) -> str:
+        """A new version of registered model `name` from this run's `artifact_path`; returns its number."""
+        import mlflow
+        from mlflow.exceptions import MlflowException
+
+        client = mlflow.MlflowClient()
+        try:
+            client.create_registered_model(name, description=description)
+        except MlflowException as exc:
+            if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        version = client.create_model_version(name, source=self.artifact_uri(artifact_path), run_id=self.run_id,
+                                              tags=dict(tags or {}))
+        self.set_tags({"registered_model_version": version.version})
+        return str(version.version)
+
+
 @contextlib.contextmanager
 def stage_run(params: MlflowParams, stage: str, run_name: str | None = None,
-              tags: Mapping[str, str] | None = None) -> Iterator[Any]:
+              tags: Mapping[str, str] | None = None) -> Iterator[StageRun]:
     """A child run of the pipeline's parent run, active for the `with` body."""
     import mlflow
 
@@ -82,7 +156,7 @@ def stage_run(params: MlflowParams, stage: str, run_name: str | None = None,
     all_tags = {RUN_ID_TAG: pipeline_run_id(), ROLE_TAG: "stage", "pipeline.stage": stage,
                 "git.commit": git_commit(), "mlflow.parentRunId": parent, **(tags or {})}
     with mlflow.start_run(run_name=run_name or stage, tags=all_tags) as run:
-        yield run
+        yield StageRun(run)
 
 
 def log_params_flat(sections: Mapping[str, Any]) -> None:
@@ -109,21 +183,23 @@ def flatten_numbers(d: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
             if isinstance(value, int | float) and not isinstance(value, bool)}
 
 
-def log_metrics_flat(metrics: Mapping[str, Any]) -> None:
-    """Log every numeric leaf of a (nested) metrics dict to the active run."""
-    import mlflow
-
-    mlflow.log_metrics(flatten_numbers(metrics))
+def text_leaves(d: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """String leaves of a nested dict as `a.b` keys (a stage report's statuses and reasons)."""
+    return {key: value for key, value in flatten(d, prefix).items() if isinstance(value, str)}
 
 
-def tracked_stage(params: Params, stage: str, sections: Sequence[str],
-                  body: Callable[[], Mapping[str, Any]]) -> Mapping[str, Any]:
+def tracked_stage(params: Params, stage: str, sections: Sequence[str], body: Callable[[], Mapping[str, Any]],
+                  artifacts: Sequence[Path] = ()) -> Mapping[str, Any]:
     """The MLflow bookkeeping every simple stage shares: one child run under the pipeline's parent, the params
-    sections the stage reads, and the numbers its work returns as metrics."""
+    sections the stage reads, the numbers its work returns as metrics and its text (statuses, reasons) as
+    tags, and the files it wrote as artifacts."""
     from pipeline.core.params import to_dict
 
-    with stage_run(params.mlflow, stage):
-        log_params_flat({name: to_dict(getattr(params, name)) for name in sections})
-        metrics = body()
-        log_metrics_flat(metrics)
-        return metrics
+    with stage_run(params.mlflow, stage) as run:
+        run.log_sections({name: to_dict(getattr(params, name)) for name in sections})
+        report = body()
+        run.log_metrics(report)
+        run.set_tags(text_leaves(report))
+        for path in artifacts:
+            run.log_artifact(path)
+        return report

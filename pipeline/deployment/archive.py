@@ -102,24 +102,22 @@ def build_archive(variant_dir: Path, choice: Choice, registry: dict[str, Any], p
 def run_package_stage(finetuned: Path, variants_root: Path, variants_metrics: Path, mar: Path, manifest_path: Path,
                       params: Params) -> dict[str, Any]:
     """Choose the variant to serve, build the `.mar` and record what it serves (manifest and MLflow)."""
-    import mlflow
-
     from pipeline.core.io import read_json
     from pipeline.core.params import to_dict
-    from pipeline.core.tracking import log_params_flat, stage_run
+    from pipeline.core.tracking import stage_run
     from pipeline.variants.registry import directories
 
     choice = choose_variant(read_json(variants_metrics), params.package, params.targets)
     registry = registry_label(finetuned)
-    with stage_run(params.mlflow, "package"):
-        log_params_flat({"package": to_dict(params.package), "targets": to_dict(params.targets)})
+    with stage_run(params.mlflow, "package") as run:
+        run.log_sections({"package": to_dict(params.package), "targets": to_dict(params.targets)})
         config = build_archive(directories(variants_root)[choice.name], choice, registry, params.package, mar)
         manifest = {**config, "mar": str(mar), "mar_size_mb": round(mar.stat().st_size / 1e6, 3)}
         write_json(manifest_path, manifest)
-        mlflow.set_tags({"served_variant": choice.name, "served_model": config["model"],
-                         "choice_reason": choice.reason, "registered_model_name": registry["name"],
-                         "registered_model_version": str(registry["version"]),
-                         "registered_model_link": f"models:/{registry['name']}/{registry['version']}"})
-        mlflow.log_metric("mar_size_mb", manifest["mar_size_mb"])
-        mlflow.log_artifact(str(manifest_path))
+        run.set_tags({"served_variant": choice.name, "served_model": config["model"],
+                      "choice_reason": choice.reason, "registered_model_name": registry["name"],
+                      "registered_model_version": registry["version"],
+                      "registered_model_link": f"models:/{registry['name']}/{registry['version']}"})
+        run.log_metrics({"mar_size_mb": manifest["mar_size_mb"]})
+        run.log_artifact(manifest_path)
     return manifest

@@ -116,27 +116,22 @@ def check_targets(results: dict[str, dict[str, Any]], targets: TargetsParams,
 def log_variant_runs(results: dict[str, dict[str, Any]], variant_dirs: dict[str, Path], finetuned: Path,
                      params: EvaluateParams, tracking: Any) -> None:
     """One MLflow child run per variant under the pipeline's parent run, for the compare view."""
-    import mlflow
-
     from pipeline.core.tracking import stage_run
 
     dirs = {REFERENCE: finetuned, **variant_dirs}
     for name, entry in results.items():
-        with stage_run(tracking, "evaluate", run_name=name, tags={"variant": name, "pipeline.kind": "variant"}):
+        with stage_run(tracking, "evaluate", run_name=name,
+                       tags={"variant": name, "pipeline.kind": "variant"}) as run:
             directory = dirs[name]
-            info_params: dict[str, Any] = {}
-            if name != REFERENCE:
-                info_params = read_variant(directory).params
-            flat = {k: (v if not isinstance(v, dict | list) else str(v)[:500]) for k, v in info_params.items()}
-            mlflow.log_params({"variant": name, "format": entry["format"], "dtype": entry["dtype"], **flat})
-            mlflow.set_tags({"status": entry["status"], "reason": entry["reason"][:5000],
-                             **({"scored_by": entry["scored_by"]} if "scored_by" in entry else {})})
-            mlflow.log_metrics({k: float(v) for k, v in entry.items()
-                                if isinstance(v, int | float) and not isinstance(v, bool)})
+            info_params = read_variant(directory).params if name != REFERENCE else {}
+            run.log_params({"variant": name, "format": entry["format"], "dtype": entry["dtype"], **info_params})
+            run.set_tags({"status": entry["status"], "reason": entry["reason"],
+                          **({"scored_by": entry["scored_by"]} if "scored_by" in entry else {})})
+            run.log_metrics(entry)
             if entry["status"] == "ok" and entry.get("size_mb", 0) <= params.artifact_max_mb:
-                mlflow.log_artifacts(str(directory), "variant")
+                run.log_artifacts(directory, "variant")
             else:
-                mlflow.set_tag("artifact_pointer", str(Path(directory).resolve()))
+                run.set_tags({"artifact_pointer": Path(directory).resolve()})
 
 
 def accuracy_bars(results: dict[str, dict[str, Any]], path: Path) -> None:

@@ -126,8 +126,6 @@ METRIC_KEYS = ("p50_ms_b1", "p95_ms_b1", "p99_ms_b1", "throughput_b32", "peak_rs
 def run_benchmark_stage(finetuned: Path, variants_root: Path, tokenized: Path, accuracy_file: Path,
                         metrics_path: Path, plot_data: Path, report: Path, all_params: Params) -> dict[str, Any]:
     """Benchmark every registered variant; `metrics/benchmark.json` holds one object per variant."""
-    import mlflow
-
     from pipeline.core.tracking import log_parent_artifact, stage_run
 
     params, tracking = all_params.benchmark, all_params.mlflow
@@ -142,10 +140,10 @@ def run_benchmark_stage(finetuned: Path, variants_root: Path, tokenized: Path, a
     for line in target_lines(variants, all_params.targets):
         log.info(line.replace("**", ""))
     for name, entry in variants.items():
-        with stage_run(tracking, "benchmark", run_name=f"bench-{name}", tags={"variant": name}):
-            mlflow.log_params({"variant": name, **to_dict(params), "cpu": result["machine"]["cpu"]})
-            mlflow.set_tags({"status": entry["status"], "reason": entry["reason"][:5000]})
-            mlflow.log_metrics({k: float(entry[k]) for k in METRIC_KEYS if entry.get(k) is not None})
+        with stage_run(tracking, "benchmark", run_name=f"bench-{name}", tags={"variant": name}) as run:
+            run.log_params({"variant": name, **to_dict(params), "cpu": result["machine"]["cpu"]})
+            run.set_tags({"status": entry["status"], "reason": entry["reason"]})
+            run.log_metrics({k: entry[k] for k in METRIC_KEYS if entry.get(k) is not None})
     for f in (report, chart, metrics_path):
         log_parent_artifact(tracking, f, "comparison")
     return result

@@ -109,8 +109,8 @@ def measure(runners: dict[str, Runner], lat_inputs: list[tuple[np.ndarray, ...]]
     """Warm up each runner, then alternate rounds of batch-1 latency and batch-N throughput.
 
     Every round starts with `params.warmup` untimed calls as well: right after another variant ran, the first
-    one or two calls take up to 2.5x the steady latency (evicted caches, idle threads), and with 10 timed calls
-    per round they would be a fifth of the samples, inflating p95 and nudging p50.
+    calls are slower than the steady state (evicted caches, idle threads), and with few timed calls per round
+    they would be a sizeable share of the samples, inflating p95 and nudging p50.
     Each row keeps its latency samples by round (`latency_rounds_ms`) for `speedup_interval`."""
     names = list(runners)
     for name in names:
