@@ -1,32 +1,124 @@
-"""The machine a figure was measured on: CPU model, ISA flags that decide INT8/bf16 speed, threads, versions."""
+"""The machine a figure was measured on (CPU model, ISA flags that decide INT8/bf16 speed, threads, versions),
+and the settings that follow it: `auto` values resolved from the CPU's flags at run time, with the reason
+recorded next to what they built."""
 
 from __future__ import annotations
 
 import os
 import platform
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+#: Flags that decide INT8 and bf16 speed, as /proc/cpuinfo names them.
+ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile")
+#: INT8 dot-product instructions: u8 x s8 products summed in int32, no int16 saturation (unlike AVX2 vpmaddubsw).
+INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+#: Native bf16 arithmetic: without it bf16 autocast on the CPU is emulated and much slower than fp32.
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's flags as the kernel lists them (empty where /proc/cpuinfo is missing or lists none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_model() -> str:
+    """The CPU's model name."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def isa_record(flags: frozenset[str] | None = None) -> dict[str, Any]:
+    """CPU model and the flags that matter, each as this CPU has it or not."""
+    have = cpu_flags() if flags is None else flags
+    return {"cpu": cpu_model(), "isa": {f: f in have for f in ISA_FLAGS}}
 
 
 def machine_info(threads: int) -> dict[str, Any]:
     """CPU model, ISA flags that matter for INT8/bf16, thread settings and library versions."""
-    flags: set[str] = set()
-    model = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and model in ("unknown", "", "x86_64"):
-                model = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    wanted = ["avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile"]
     versions = {}
     for mod in ("torch", "onnxruntime", "onnx", "transformers"):
         try:
             versions[mod] = __import__(mod).__version__
         except ImportError:
             versions[mod] = "absent"
-    return {"cpu": model, "logical_cpus": os.cpu_count(), "threads_used": threads,
-            "isa": {f: f in flags for f in wanted}, "python": platform.python_version(), "versions": versions}
+    return {**isa_record(), "logical_cpus": os.cpu_count(), "threads_used": threads,
+            "python": platform.python_version(), "versions": versions}
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What a setting asked for, what it resolved to on this machine, and why."""
+
+    setting: str
+    asked: Any
+    value: Any
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def tag(self) -> str:
+        """One line for an MLflow tag or a log message."""
+        return f"{self.value} (asked {self.asked}: {self.reason})"
+
+
+def _present(flags: frozenset[str], wanted: tuple[str, ...]) -> list[str]:
+    return [f for f in wanted if f in flags]
+
+
+def resolve_precision(asked: str, accelerator: str, flags: frozenset[str] | None = None,
+                      cuda: bool | None = None) -> Choice:
+    """`train.precision`. `auto`: on CUDA bf16-mixed where the GPU supports it, else 16-mixed; on the CPU
+    bf16-mixed where the CPU has native bf16 (AVX512-BF16 or AMX), else 32-true."""
+    if asked != "auto":
+        return Choice("train.precision", asked, asked, "set explicitly")
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    if cuda and accelerator in ("auto", "gpu", "cuda"):
+        import torch
+
+        if torch.cuda.is_bf16_supported():
+            return Choice("train.precision", asked, "bf16-mixed", "CUDA device with bf16 support")
+        return Choice("train.precision", asked, "16-mixed", "CUDA device without bf16 support")
+    have = _present(cpu_flags() if flags is None else flags, BF16_FLAGS)
+    if have:
+        return Choice("train.precision", asked, "bf16-mixed", f"CPU has native bf16 ({', '.join(have)})")
+    return Choice("train.precision", asked, "32-true", "CPU has no native bf16 (no AVX512-BF16/AMX): bf16 is emulated")
+
+
+def resolve_reduce_range(asked: bool | str, flags: frozenset[str] | None = None) -> Choice:
+    """`quantize.reduce_range`. `auto`: 7-bit weights only where the CPU lacks INT8 dot-product instructions
+    (VNNI/AMX), whose absence makes onnxruntime's u8 x s8 kernels sum pairs in int16 and saturate."""
+    if asked != "auto":
+        return Choice("quantize.reduce_range", asked, bool(asked), "set explicitly")
+    have = _present(cpu_flags() if flags is None else flags, INT8_DOT_FLAGS)
+    if have:
+        return Choice("quantize.reduce_range", asked, False, f"CPU has INT8 dot products ({', '.join(have)}): "
+                                                              "full 8-bit weights are exact")
+    return Choice("quantize.reduce_range", asked, True, "CPU lacks VNNI/AMX: 8-bit weights can saturate int16 "
+                                                         "pair sums (AVX2 vpmaddubsw), so weights are 7-bit")
+
+
+def resolve_bf16_row(asked: bool | str, flags: frozenset[str] | None = None) -> Choice:
+    """`benchmark.bf16_row`. `auto`: measure FP32 weights under bf16 autocast only where bf16 is native."""
+    if asked != "auto":
+        return Choice("benchmark.bf16_row", asked, bool(asked), "set explicitly")
+    have = _present(cpu_flags() if flags is None else flags, BF16_FLAGS)
+    if have:
+        return Choice("benchmark.bf16_row", asked, True, f"CPU has native bf16 ({', '.join(have)})")
+    return Choice("benchmark.bf16_row", asked, False, "CPU has no native bf16: the row would only show emulation")

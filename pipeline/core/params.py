@@ -92,7 +92,9 @@ class TrainParams:
     # Training window in tokens (None = data.max_length). Shorter trains on head+tail windows of the tokenized
     # reviews (cheaper per sample) while validation, test and every exported variant use data.max_length.
     max_length: int | None = 128
-    precision: Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"] = "32-true"
+    # auto: bf16-mixed on a CPU with native bf16 (AVX512-BF16/AMX) or a CUDA GPU with bf16, 16-mixed on other
+    # CUDA GPUs, else 32-true (`pipeline.core.machine.resolve_precision`; the choice is recorded with the model)
+    precision: Literal["auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true"] = "auto"
     compile: bool = False
     compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = "default"
     fused_optimizer: bool = True  # AdamW's single fused kernel (CPU and CUDA) instead of a per-tensor loop
@@ -180,8 +182,15 @@ class QuantizeParams:
     # has outliers that one fixed per-tensor uint8 range handles badly.
     ffn_output_dynamic: bool = True
     # 7-bit weights (onnxruntime's `reduce_range`): its U8S8 kernels on CPUs without VNNI/AMX (AVX2 multiplies
-    # with vpmaddubsw, which saturates int16 pair sums) give wrong products with full 8-bit weights.
-    reduce_range: bool = True
+    # with vpmaddubsw, which saturates int16 pair sums) give wrong products with full 8-bit weights. auto: 7-bit
+    # only on such CPUs (`pipeline.core.machine.resolve_reduce_range`; the choice is recorded in each variant).
+    reduce_range: bool | Literal["auto"] = "auto"
+
+    def weights_reduce_range(self) -> bool:
+        """`reduce_range` as a bool, `auto` resolved for this machine's CPU."""
+        from pipeline.core.machine import resolve_reduce_range
+
+        return bool(resolve_reduce_range(self.reduce_range).value)
 
     def __post_init__(self) -> None:
         known = ("minmax", "percentile", "entropy")
@@ -256,7 +265,8 @@ class BenchmarkParams:
     latency_reviews: int = 100
     throughput_batches: int = 1  # batches per round, median over the rounds
     threads: int | None = None  # None = all logical CPUs; recorded in the report
-    bf16_row: bool = False  # FP32 weights under bf16 autocast (slow without native bf16)
+    # FP32 weights under bf16 autocast; auto: only on a CPU with native bf16 (emulated bf16 is far slower)
+    bf16_row: bool | Literal["auto"] = "auto"
     memory: bool = True  # peak RSS of a fresh process per variant
 
     def __post_init__(self) -> None:

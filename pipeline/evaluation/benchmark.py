@@ -50,7 +50,11 @@ def run_benchmark(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Pat
     pad = AutoTokenizer.from_pretrained(finetuned).pad_token_id or 0  # the model's own padding id
     lat_inputs = latency_inputs(seqs, params.seq_len, params.latency_reviews, pad)
     tp_batches = throughput_batches(seqs, params.batch_size, params.throughput_batches, pad)
-    cands = candidates(finetuned, variant_dirs, params.bf16_row)
+    from pipeline.core.machine import resolve_bf16_row
+
+    bf16 = resolve_bf16_row(params.bf16_row)
+    log.info("benchmark.bf16_row: %s", bf16.tag())
+    cands = candidates(finetuned, variant_dirs, bf16.value)
     runners: dict[str, Runner] = {}
     for c in cands:
         if c.status == "ok":
@@ -80,7 +84,8 @@ def run_benchmark(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Pat
         results[c.name] = entry
     return {"variants": results, "machine": machine_info(threads),
             "settings": {"seq_len": params.seq_len, "batch_size": params.batch_size, "rounds": params.rounds,
-                         "iterations": params.iterations, "warmup": params.warmup}}
+                         "iterations": params.iterations, "warmup": params.warmup, "bf16_row": bf16.value,
+                         "bf16_row_choice": bf16.tag()}}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -155,13 +155,14 @@ def write_report(result: dict[str, Any], chart: Path, path: Path, targets: Targe
         f"- CPU: {machine['cpu']} ({machine['logical_cpus']} logical CPUs, {machine['threads_used']} threads used)",
         f"- ISA: {isa}",
         f"- versions: {', '.join(f'{k} {v}' for k, v in machine['versions'].items())}",
+        *([f"- bf16 row: {settings['bf16_row_choice']}"] if "bf16_row_choice" in settings else []),
         "",
     ]
-    if not machine["isa"].get("avx512_vnni") and not machine["isa"].get("amx_int8"):
+    isa_of = machine["isa"]
+    if not any(isa_of.get(f) for f in ("avx512_vnni", "avx_vnni", "amx_int8")):
         lines += [
-            "This CPU has neither AVX512-VNNI nor AMX: INT8 matrix kernels fall back to AVX2 "
-            "(`vpmaddubsw`) and bf16 has no native support, so both speed-ups are smaller here than on "
-            "a VNNI/AMX server CPU.",
+            "This CPU has neither VNNI nor AMX: INT8 matrix kernels fall back to AVX2 (`vpmaddubsw`), so INT8 "
+            "speed-ups are smaller here than on a VNNI/AMX CPU, and INT8 weights are 7-bit (`quantize.reduce_range`).",
             "",
         ]
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -4,13 +4,15 @@ in HF format with its record, and register it in MLflow (rank 0 only under DDP).
 from __future__ import annotations
 
 import csv
+import dataclasses
 import logging
 import os
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import numpy as np
@@ -27,6 +29,9 @@ from pipeline.training.classifier import (
     check_accelerations,
 )
 
+if TYPE_CHECKING:
+    from pipeline.core.machine import Choice
+
 log = logging.getLogger(__name__)
 
 
@@ -34,7 +39,7 @@ log = logging.getLogger(__name__)
 class FinetuneResult:
     """What the finetune stage measured."""
 
-    metrics: dict[str, float]
+    metrics: dict[str, Any]  # numbers, and what `auto` settings resolved to
     model_dir: Path
     best_checkpoint: str
 
@@ -49,8 +54,12 @@ def finetune(tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots_dir
     """
     from lightning.pytorch.callbacks import ModelCheckpoint
 
+    from pipeline.core.machine import resolve_precision
     from pipeline.modeling import load_model, load_tokenizer
 
+    choice = resolve_precision(params.precision, params.accelerator)
+    log.info("train.precision: %s", choice.tag())
+    params = dataclasses.replace(params, precision=choice.value)
     check_accelerations(params)
     if params.max_length is not None and params.max_length > data.max_length:
         raise ValueError(f"train.max_length ({params.max_length}) exceeds data.max_length ({data.max_length}), "
@@ -98,8 +107,9 @@ def finetune(tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots_dir
         "train_seconds": recorder.train_seconds,
         "train_samples_seen": recorder.samples,
         "wall_time_s": time.perf_counter() - started,
+        "precision": choice.value,  # what `train.precision` resolved to (text: not an MLflow metric)
     }
-    save_model(module.model, tokenizer, model_dir, data, model_params, params)
+    save_model(module.model, tokenizer, model_dir, data, model_params, params, choices=[choice])
     if predictions_path is not None:
         write_predictions(predictions_path, logits, labels, dm.datasets["test"].input_ids,
                           batch_size=params.eval_batch_size, seconds=round(score_seconds, 2),
@@ -132,8 +142,11 @@ def predict_split(module: SentimentClassifier, dm: IMDBDataModule,
 
 
 def save_model(model: torch.nn.Module, tokenizer: Any, model_dir: Path, data: DataParams,
-               model_params: ModelParams, params: TrainParams) -> None:
-    """HF weights + config (with id2label) + tokenizer + the preprocessing that inference must repeat."""
+               model_params: ModelParams, params: TrainParams, choices: Sequence[Choice] = ()) -> None:
+    """HF weights + config (with id2label) + tokenizer + the preprocessing that inference must repeat, and the
+    machine-dependent choices training made (`auto` settings, with the CPU they were resolved on)."""
+    from pipeline.core.machine import isa_record
+
     model_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
@@ -142,6 +155,7 @@ def save_model(model: torch.nn.Module, tokenizer: Any, model_dir: Path, data: Da
         "preprocessing": {"max_length": data.max_length, "truncation": data.truncation,
                           "head_fraction": data.head_fraction, "clean": "strip <br /> and collapse spaces"},
         "params": {"data": to_dict(data), "model": to_dict(model_params), "train": to_dict(params)},
+        "choices": {c.setting: c.to_dict() for c in choices}, "built_on": isa_record(),
     }
     write_json(model_dir / "pipeline.json", meta)
 
@@ -203,6 +217,7 @@ def run_finetune(tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots
         result = finetune(tokenized_dir, model_dir, metrics_path, plots_dir, report_dir, data, model, train,
                           mlflow_logger=run.lightning_logger(tracking), predictions_path=predictions_path)
         run.log_metrics(result.metrics)
+        run.set_tags({"train.precision.resolved": result.metrics["precision"]})
         run.log_artifact(metrics_path)
         run.log_artifacts(plots_dir, "curves")
         run.log_artifacts(report_dir, "reports")

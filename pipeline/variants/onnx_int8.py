@@ -84,7 +84,7 @@ def quantize_static_onnx_methods(src: Path, dsts: dict[str, Path], calibration: 
                                  params: QuantizeParams, pad_id: int = 0,
                                  dynamic_ffn_output_of: int | None = None) -> None:
     """QDQ static INT8, one model per calibration method in `dsts`: uint8 activations with calibrated ranges,
-    per-channel symmetric int8 weights (7-bit with `params.reduce_range`, see `QuantizeParams.reduce_range`).
+    per-channel symmetric int8 weights (7-bit where `params.weights_reduce_range()`, see `QuantizeParams.reduce_range`).
 
     Matrix products with a weight operand are quantized; the two activation-only products of each attention
     layer stay float (see `activation_matmuls`).
@@ -112,7 +112,7 @@ def quantize_static_onnx_methods(src: Path, dsts: dict[str, Path], calibration: 
         base = pre
         if ffn:  # first, on the float graph: the dynamic quantizer rewrites Gemm as MatMul, QDQ or not
             base = Path(tmp) / "ffn-dynamic.onnx"
-            converted = dynamic_int8_matmuls(pre, base, ffn, params.per_channel, params.reduce_range)
+            converted = dynamic_int8_matmuls(pre, base, ffn, params.per_channel, params.weights_reduce_range())
             if converted != len(ffn):
                 raise QuantizeError(f"only {converted} of {len(ffn)} FFN down-projections were quantized dynamically")
         for method, dst in dsts.items():
@@ -128,7 +128,8 @@ def quantize_static_onnx_methods(src: Path, dsts: dict[str, Path], calibration: 
                 str(base), str(dst), TokenCalibrationReader(calibration, params.calibration_batch_size, names,
                                                             pad_id),
                 quant_format=QuantFormat.QDQ, per_channel=params.per_channel,
-                reduce_range=params.reduce_range, activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                reduce_range=params.weights_reduce_range(), activation_type=QuantType.QUInt8,
+                weight_type=QuantType.QInt8,
                 op_types_to_quantize=["MatMul", "Gemm", "Gather"], nodes_to_exclude=excluded,
                 calibrate_method={"minmax": CalibrationMethod.MinMax, "percentile": CalibrationMethod.Percentile,
                                   "entropy": CalibrationMethod.Entropy}[method],

@@ -352,7 +352,10 @@ def run_prune(finetuned: Path, tokenized: Path, variants_root: Path, all_params:
     from pipeline.variants.runners import pad_batch
 
     name = "int8-pruned"
+    from pipeline.core.machine import resolve_reduce_range
+
     params, quantize = all_params.prune, all_params.quantize
+    reduce_range = resolve_reduce_range(quantize.reduce_range)
     out = directories(variants_root, built_by("prune"))[name]
     if not params.enabled:
         reason = "prune.enabled is false"
@@ -380,10 +383,11 @@ def run_prune(finetuned: Path, tokenized: Path, variants_root: Path, all_params:
                             read_tokenized(tokenized, "val")["input_ids"].tolist()[:16], pad)
         fused, fusion = fused_graph(student, all_params.export.cls_readout, check, Path(tmp))
         out.mkdir(parents=True, exist_ok=True)
-        quantize_dynamic_onnx(fused, out / "model.onnx", quantize.per_channel, quantize.reduce_range)
+        quantize_dynamic_onnx(fused, out / "model.onnx", quantize.per_channel, reduce_range.value)
     census = int8_census(out, name)
     info = {"method": "structured pruning (OBS selection + least-squares repair) + onnxruntime.quantize_dynamic",
-            **to_dict(params), "per_channel": quantize.per_channel, "reduce_range": quantize.reduce_range,
+            **to_dict(params), "per_channel": quantize.per_channel, "reduce_range": reduce_range.value,
+            "reduce_range_choice": reduce_range.tag(),
             **fusion, **report, **census,
             "build_seconds": round(time.perf_counter() - started, 2)}
     write_variant(out, VariantInfo.built(name, info), finetuned)

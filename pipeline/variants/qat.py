@@ -100,7 +100,7 @@ def qat_finetune(model: torch.nn.Module, seqs: Sequence[np.ndarray], labels: Seq
     from pipeline.training.classifier import SentimentClassifier
 
     teacher = copy.deepcopy(model).eval().requires_grad_(False) if params.qat_distillation > 0 else None
-    wrapped = add_fake_quant(model, skip_in_features, params.reduce_range)
+    wrapped = add_fake_quant(model, skip_in_features, params.weights_reduce_range())
     L.seed_everything(seed, verbose=False)
     ds = TokenizedDataset(seqs, labels)
     loader = DataLoader(ds, batch_sampler=LengthBucketBatchSampler(ds.lengths, params.qat_batch_size, seed=seed),

@@ -3,6 +3,7 @@ method chosen on validation reviews) and `int8-qat` (QAT, then the same QDQ conv
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import tempfile
 import time
@@ -44,7 +45,11 @@ class QuantizeInputs:
 def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, variants_root: Path,
                  params: Params) -> dict[str, Any]:
     """`int8-dynamic`, `int8-static` (calibration method chosen on validation reviews) and `int8-qat`."""
-    q = params.quantize
+    from pipeline.core.machine import resolve_reduce_range
+
+    choice = resolve_reduce_range(params.quantize.reduce_range)
+    log.info("quantize.reduce_range: %s", choice.tag())
+    q = dataclasses.replace(params.quantize, reduce_range=choice.value)  # every builder below sees the bool
     out = directories(variants_root)
     model, tokenizer, meta = load_finetuned(finetuned)
     arch = read_variant(fp32_onnx).params
@@ -72,7 +77,8 @@ def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, variants_roo
         out["int8-dynamic"].mkdir(parents=True, exist_ok=True)
         quantize_dynamic_onnx(base, out["int8-dynamic"] / "model.onnx", q.per_channel, q.reduce_range)
         report["int8-dynamic"] = {"method": "onnxruntime.quantize_dynamic", "per_channel": q.per_channel,
-                                  "reduce_range": q.reduce_range, "fused_graph": q.optimize_graph, **fusion,
+                                  "reduce_range": q.reduce_range, "reduce_range_choice": choice.tag(),
+                                  "fused_graph": q.optimize_graph, **fusion,
                                   **int8_census(out["int8-dynamic"], "int8-dynamic"),
                                   "build_seconds": round(time.perf_counter() - t0, 2)}
         write_variant(out["int8-dynamic"], VariantInfo.built("int8-dynamic", report["int8-dynamic"]), finetuned)
@@ -86,7 +92,8 @@ def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, variants_roo
         (inputs.tmp / f"static-{best['method']}.onnx").replace(out["int8-static"] / "model.onnx")
         report["int8-static"] = {"method": "onnxruntime.quantize_static (QDQ)", "calibration": best["method"],
                                  "calibration_samples": len(inputs.calibration), "per_channel": q.per_channel,
-                                 "reduce_range": q.reduce_range, "dynamic_ffn_output": inputs.ffn_width is not None,
+                                 "reduce_range": q.reduce_range, "reduce_range_choice": choice.tag(),
+                                 "dynamic_ffn_output": inputs.ffn_width is not None,
                                  "cls_readout": inputs.cls_readout, "selection_val_accuracy": best["scores"],
                                  **int8_census(out["int8-static"], "int8-static"),
                                  "build_seconds": round(time.perf_counter() - t0, 2)}
@@ -95,7 +102,7 @@ def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, variants_roo
         t0 = time.perf_counter()
         report["int8-qat"] = _qat(inputs, best["method"], out["int8-qat"], q, params.train.seed,
                                   training_window(meta, tokenizer))
-        report["int8-qat"].update(int8_census(out["int8-qat"], "int8-qat"),
+        report["int8-qat"].update(int8_census(out["int8-qat"], "int8-qat"), reduce_range_choice=choice.tag(),
                                   build_seconds=round(time.perf_counter() - t0, 2))
         write_variant(out["int8-qat"], VariantInfo.built("int8-qat", report["int8-qat"]), finetuned)
     return report

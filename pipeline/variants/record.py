@@ -1,5 +1,6 @@
 """A variant's self-describing directory: the model file, `variant.json` (name, format, dtype, file, params,
-status and reason), the tokenizer, and the finetune stage's `pipeline.json` (label map, preprocessing)."""
+status and reason, and the CPU and ISA flags it was built on), the tokenizer, and the finetune stage's
+`pipeline.json` (label map, preprocessing)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ class VariantInfo:
     status: str = "ok"  # ok | skipped
     reason: str = ""
     params: dict[str, Any] = field(default_factory=dict)
+    built_on: dict[str, Any] = field(default_factory=dict)  # CPU model and ISA flags (`core.machine.isa_record`)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -51,7 +53,12 @@ class VariantInfo:
 
 
 def write_variant(directory: Path, info: VariantInfo, finetuned_dir: Path) -> None:
-    """Write `variant.json` and copy the tokenizer and preprocessing record next to the model file."""
+    """Write `variant.json` (with the CPU it was built on) and copy the tokenizer and preprocessing record next
+    to the model file."""
+    from pipeline.core.machine import isa_record
+
+    if not info.built_on:
+        info.built_on = isa_record()
     directory.mkdir(parents=True, exist_ok=True)
     for name in (*TOKENIZER_FILES, "pipeline.json", "config.json"):
         src = finetuned_dir / name

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.core.machine import machine_info
+from pipeline.core.machine import machine_info, resolve_bf16_row, resolve_precision, resolve_reduce_range
 
 
 def _cpuinfo_flags() -> set[str]:
@@ -30,3 +30,38 @@ def test_machine_info_records_this_cpus_isa_flags_and_the_threads_used():
     # the flags that decide INT8 and bf16 speed are all reported, each as this CPU has it or not
     assert {"avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8"} <= set(info["isa"])
     assert info["isa"] == {flag: flag in flags for flag in info["isa"]}
+
+
+AVX2 = frozenset({"avx", "avx2", "fma"})
+ZEN4 = AVX2 | {"avx512f", "avx512_vnni", "avx512_bf16"}
+ALDER = AVX2 | {"avx_vnni"}
+SAPPHIRE = AVX2 | {"avx512f", "avx512_vnni", "amx_int8", "amx_bf16", "amx_tile"}
+
+
+@pytest.mark.parametrize(("flags", "seven_bit"), [(AVX2, True), (ZEN4, False), (ALDER, False), (SAPPHIRE, False)])
+def test_reduce_range_auto_is_7_bit_only_without_int8_dot_products(flags, seven_bit):
+    choice = resolve_reduce_range("auto", flags)
+    assert choice.value is seven_bit and choice.asked == "auto" and choice.reason
+    # an explicit value is kept whatever the CPU
+    assert resolve_reduce_range(False, AVX2).value is False
+    assert resolve_reduce_range(True, ZEN4).value is True
+
+
+@pytest.mark.parametrize(("flags", "precision"), [(AVX2, "32-true"), (ZEN4, "bf16-mixed"), (ALDER, "32-true"),
+                                                  (SAPPHIRE, "bf16-mixed")])
+def test_precision_auto_on_the_cpu_follows_native_bf16(flags, precision):
+    assert resolve_precision("auto", "cpu", flags, cuda=False).value == precision
+    assert resolve_precision("16-mixed", "cpu", flags, cuda=False).value == "16-mixed"
+
+
+def test_bf16_benchmark_row_auto_only_with_native_bf16():
+    assert resolve_bf16_row("auto", ZEN4).value is True
+    assert resolve_bf16_row("auto", AVX2).value is False
+    assert resolve_bf16_row(True, AVX2).value is True
+
+
+def test_choices_describe_themselves():
+    choice = resolve_reduce_range("auto", AVX2)
+    assert choice.to_dict() == {"setting": "quantize.reduce_range", "asked": "auto", "value": True,
+                                "reason": choice.reason}
+    assert choice.tag().startswith("True (asked auto: ")

@@ -40,6 +40,14 @@ def test_finetune_learns_and_writes_self_describing_model(tmp_path, tokenized_di
     assert model.config.id2label == {0: "negative", 1: "positive"}
     assert meta["preprocessing"]["max_length"] == 64
     assert meta["params"]["train"]["lr"] == TINY_TRAIN["lr"]
+    # `train.precision: auto` (the default) resolved for this CPU, recorded with the model and in the metrics
+    from pipeline.core.machine import cpu_flags, resolve_precision
+
+    resolved = resolve_precision("auto", "cpu", cpu_flags(), cuda=False).value
+    assert meta["choices"]["train.precision"]["asked"] == "auto"
+    assert meta["choices"]["train.precision"]["value"] == resolved == m["precision"]
+    assert meta["params"]["train"]["precision"] == resolved
+    assert set(meta["built_on"]["isa"]) >= {"avx512_bf16", "amx_bf16"}
     assert (out / "reports" / "confusion_matrix.png").stat().st_size > 1000
     train_rows = (out / "plots" / "train.csv").read_text().splitlines()
     assert train_rows[0] == "step,train_loss,lr" and len(train_rows) == 1 + 4 * 12

@@ -1,5 +1,5 @@
 """Unit: the `quantize` stage's INT8 builds of a tiny BERT: calibration selection, every weight product in
-INT8, the fused attention, 7-bit weights."""
+INT8, the fused attention, 7-bit weights where the CPU needs them."""
 
 from __future__ import annotations
 
@@ -58,18 +58,44 @@ def test_dynamic_quantizes_the_fused_attention(built):
     assert report["float_matmuls"] == 2 and report["int8_matmuls"] == 4 + 6 + 2
 
 
-def test_int8_weights_use_the_reduced_7_bit_range(built):
-    """`quantize.reduce_range` (default on): every INT8 weight in every INT8 variant lies in [-64, 64]."""
+def _int8_weights(path):
     import onnx
     from onnx import numpy_helper
 
+    graph = onnx.load(str(path)).graph
+    weights = [numpy_helper.to_array(i) for i in graph.initializer if i.data_type == onnx.TensorProto.INT8]
+    return [w for w in weights if w.size > 64]  # weight tensors, not zero points
+
+
+@pytest.mark.parametrize(("reduce_range", "qmax"), [(True, 64), (False, 127)])
+def test_reduce_range_gives_7_bit_weights_and_off_gives_full_8_bit(built, tmp_path, reduce_range, qmax):
+    from pipeline.variants.onnx_int8 import quantize_dynamic_onnx
+
+    dst = tmp_path / "model.onnx"
+    quantize_dynamic_onnx(built["dirs"]["fp32-onnx"] / "model.onnx", dst, per_channel=True,
+                          reduce_range=reduce_range)
+    weights = _int8_weights(dst)
+    assert len(weights) >= 2 * 4 + 2
+    # per-channel symmetric: every row's largest weight lands on the range's end
+    assert max(int(np.abs(w.astype(np.int32)).max()) for w in weights) == qmax
+
+
+def test_reduce_range_auto_follows_this_cpu_and_is_recorded(built):
+    """`quantize.reduce_range: auto` (default): 7-bit weights only where the CPU lacks VNNI/AMX; each variant
+    records the choice, its reason and the CPU it was built on."""
+    from pipeline.core.machine import cpu_flags, resolve_reduce_range
+
+    expected = resolve_reduce_range("auto", cpu_flags()).value
     for name in ("int8-dynamic", "int8-static", "int8-qat"):
-        assert built["quantize"][name]["reduce_range"] is True
-        graph = onnx.load(str(built["dirs"][name] / "model.onnx")).graph
-        weights = [numpy_helper.to_array(i) for i in graph.initializer if i.data_type == onnx.TensorProto.INT8]
-        big = [w.size for w in weights if w.size > 64]  # weight tensors, not zero points
-        assert len(big) >= 2 * 4 + 2, (name, len(big))
-        assert max(int(np.abs(w.astype(np.int32)).max()) for w in weights) <= 64, name
+        report = built["quantize"][name]
+        assert report["reduce_range"] is expected
+        assert report["reduce_range_choice"].startswith(f"{expected} (asked auto: ")
+        info = read_variant(built["dirs"][name])
+        assert info.params["reduce_range"] is expected
+        assert set(info.built_on["isa"]) >= {"avx512_vnni", "avx_vnni", "amx_int8"}
+        limit = 64 if expected else 127
+        weights = _int8_weights(built["dirs"][name] / "model.onnx")
+        assert max(int(np.abs(w.astype(np.int32)).max()) for w in weights) <= limit
 
 
 def test_fp32_onnx_exported_with_another_readout_is_refused(built, tiny_model_dir, tmp_path):
