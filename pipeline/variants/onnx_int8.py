@@ -137,6 +137,79 @@ def quantize_static_onnx_methods(src: Path, dsts: dict[str, Path], calibration: 
             )
 
 
+#: What a TensorRT explicit-quantization input may hold besides float ops: QuantizeLinear/DequantizeLinear only.
+QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
+def quantize_qdq_for_tensorrt(src: Path, dst: Path, calibration: Sequence[np.ndarray], method: str,
+                              params: QuantizeParams, pad_id: int = 0) -> dict[str, Any]:
+    """The INT8 input of a TensorRT engine: a QDQ model in the form TensorRT's explicit quantization accepts.
+
+    Signed int8 everywhere with zero points 0 (symmetric activations, calibrated with `method` on real reviews,
+    and per-channel symmetric weights with the full 8-bit range: GPUs have no int16 saturation), and nothing but
+    QuantizeLinear/DequantizeLinear around float ops: no per-batch `DynamicQuantizeLinear`/`MatMulInteger` (the
+    FFN down-projections are calibrated like the rest here) and no onnxruntime contrib op. Weight products are
+    quantized; the two activation-only products per attention layer stay float, as in `int8-static`.
+    Returns the census, checked with `tensorrt_qdq_problems` (an unusable model raises `QuantizeError`)."""
+    import onnx
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    if method not in CALIBRATION_METHODS:
+        raise QuantizeError(f"unknown calibration method {method!r}; use one of {CALIBRATION_METHODS}")
+    with tempfile.TemporaryDirectory(prefix="trtqdq-") as tmp:
+        pre = Path(tmp) / "pre.onnx"
+        quant_pre_process(str(src), str(pre), skip_symbolic_shape=True)
+        graph = onnx.load(str(pre), load_external_data=False).graph
+        extra: dict[str, Any] = {"ActivationSymmetric": True, "WeightSymmetric": True, "QuantizeBias": False,
+                                 "DefaultTensorType": onnx.TensorProto.FLOAT}
+        if method == "percentile":
+            extra["CalibPercentile"] = params.calibration_percentile
+        quantize_static(
+            str(pre), str(dst),
+            TokenCalibrationReader(calibration, params.calibration_batch_size, {i.name for i in graph.input}, pad_id),
+            quant_format=QuantFormat.QDQ, per_channel=True, reduce_range=False,
+            activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
+            op_types_to_quantize=["MatMul", "Gemm"], nodes_to_exclude=activation_matmuls(graph),
+            calibrate_method={"minmax": CalibrationMethod.MinMax, "percentile": CalibrationMethod.Percentile,
+                              "entropy": CalibrationMethod.Entropy}[method],
+            extra_options=extra,
+        )
+    problems = tensorrt_qdq_problems(dst)
+    if problems:
+        raise QuantizeError(f"{dst} is not a valid TensorRT INT8 input: {'; '.join(problems[:5])}")
+    return {"calibration": method, "calibration_samples": len(calibration), **matmul_census(dst)}
+
+
+def tensorrt_qdq_problems(path: Path) -> list[str]:
+    """What keeps an ONNX file from being a TensorRT explicit-quantization input (empty when it is one):
+    ops outside the ONNX domain, integer/dynamic quantization ops, Q/DQ that are not signed int8 with zero
+    points 0, and weight DequantizeLinear nodes that are not per channel."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(path), load_external_data=False)
+    inits = {i.name: i for i in model.graph.initializer}
+    problems = []
+    for node in model.graph.node:
+        if node.domain not in ("", "ai.onnx"):
+            problems.append(f"{node.name}: {node.domain}.{node.op_type} is not a standard ONNX op")
+        elif node.op_type in (*INTEGER_OPS, "DynamicQuantizeLinear", "MatMulInteger", "ConvInteger", "QLinearConv"):
+            problems.append(f"{node.name}: {node.op_type} has no TensorRT importer")
+        elif node.op_type in QDQ_OPS:
+            zero = inits.get(node.input[2]) if len(node.input) > 2 and node.input[2] else None
+            if zero is None:
+                problems.append(f"{node.name}: no int8 zero point (uint8 by default)")
+                continue
+            if zero.data_type != onnx.TensorProto.INT8:
+                problems.append(f"{node.name}: zero point of type {onnx.TensorProto.DataType.Name(zero.data_type)}")
+            if np.any(numpy_helper.to_array(zero) != 0):
+                problems.append(f"{node.name}: asymmetric (non-zero zero point)")
+            if node.op_type == "DequantizeLinear" and node.input[0] in inits:
+                scale = inits.get(node.input[1])
+                if scale is not None and len(scale.dims) != 1:
+                    problems.append(f"{node.name}: weight scale is per tensor, not per channel")
+    return problems
+
+
 def dynamic_int8_matmuls(src: Path, dst: Path, node_names: Sequence[str], per_channel: bool = True,
                          reduce_range: bool = True) -> int:
     """onnxruntime's dynamic quantizer on just the MatMuls in `node_names`; returns how many it converted.
@@ -182,8 +255,8 @@ def ffn_output_matmuls(model: Path | Any, intermediate_size: int) -> list[str]:
     """MatMuls whose weight has `intermediate_size` input rows: each layer's FFN down-projection.
 
     Their input is the GELU output, whose few large outliers make a per-tensor uint8 range coarse for
-    everything else: on the default profile, quantizing them cost int8-static 1.3 points of test accuracy,
-    keeping them float 0.4 points (6 of 38 weight products); `dynamic_int8_matmuls` then quantizes them per batch.
+    everything else (the accuracy each choice cost is in RESULTS.md); `dynamic_int8_matmuls` quantizes them
+    per batch instead.
     """
     graph = _graph(model)
     rows = {init.name: (init.dims[0] if init.dims else 0) for init in graph.initializer}

@@ -1,10 +1,13 @@
 """TensorRT engines built from the ONNX variants (GPU only; `pip install .[gpu]`).
 
-FP16 engines come from the FP32 ONNX graph; INT8 engines use explicit quantization, i.e. they are built
-from the calibrated QDQ ONNX model of `int8-static` (TensorRT 10 deprecates implicit INT8 calibrators).
-Without CUDA or the `tensorrt` package the builders are not called: `availability()` says why, and the
-stage records the variant as skipped with that reason. Everything up to the TensorRT calls (profile
-shapes, availability, the skip record) is plain Python and tested on CPU."""
+FP16 engines come from the FP32 ONNX graph; INT8 engines use explicit quantization (TensorRT 10 deprecates
+implicit INT8 calibrators), built from a QDQ model made for TensorRT (`onnx_int8.quantize_qdq_for_tensorrt`:
+signed symmetric int8, per-channel weights, Q/DQ only; `int8-static` itself has uint8 activations and
+per-batch FFN products TensorRT cannot import). That QDQ model is built and checked on every machine, and
+onnxruntime scores it on validation reviews next to fp32-onnx, so its accuracy is known before any GPU sees it;
+`source_onnx` in the `tensorrt-int8` record names it even when the engine is skipped. Without CUDA or the
+`tensorrt` package the engine builders are not called: `availability()` says why, and the stage records the
+engines as skipped with that reason."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.core.params import TensorRTParams, to_dict
+from pipeline.core.params import Params, to_dict
 from pipeline.variants.record import VariantInfo, write_variant
 from pipeline.variants.registry import built_by, directories
 
@@ -122,31 +125,71 @@ class TensorRTRunner:
         return out.cpu().numpy()
 
 
-def run_tensorrt(finetuned: Path, fp32_onnx: Path, int8_static: Path, variants_root: Path,
-                 params: TensorRTParams) -> dict[str, Any]:
+TENSORRT_QDQ_FILE = "model.qdq.onnx"
+
+
+def tensorrt_int8_source(fp32_onnx: Path, int8_static: Path, tokenized: Path, dst: Path, params: Params,
+                         pad_id: int = 0) -> dict[str, Any]:
+    """Build the TensorRT INT8 input (`TENSORRT_QDQ_FILE`) from fp32-onnx, calibrated on the training reviews
+    `int8-static` was calibrated on, with the method it chose; score it and fp32-onnx with onnxruntime on the
+    validation reviews `quantize` uses for its own selection."""
+    from pipeline.data.tokens import draw_rows, read_tokenized
+    from pipeline.variants.onnx_int8 import quantize_qdq_for_tensorrt
+    from pipeline.variants.record import read_variant
+    from pipeline.variants.runners import OrtRunner, predict_logits
+
+    q = params.quantize
+    method = str(read_variant(int8_static).params.get("calibration", q.calibration_methods[0]))
+    train = read_tokenized(tokenized, "train")
+    calibration = [train["input_ids"].iloc[i] for i in draw_rows(len(train), q.calibration_samples, params.train.seed)]
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    census = quantize_qdq_for_tensorrt(fp32_onnx / "model.onnx", dst, calibration, method, q, pad_id)
+    val = read_tokenized(tokenized, "val").iloc[: q.selection_samples]
+    seqs, labels = val["input_ids"].tolist(), val["label"].to_numpy()
+    scores = {}
+    for key, path in (("fp32_onnx", fp32_onnx / "model.onnx"), ("source_onnx", dst)):
+        logits = predict_logits(OrtRunner(path), seqs, q.calibration_batch_size, pad_id=pad_id)
+        scores[f"{key}_val_accuracy"] = float((logits.argmax(-1) == labels).mean())
+    return {"source_onnx": dst.name, **census, **scores, "val_reviews": len(seqs),
+            "source_onnx_val_loss_pt": round(100 * (scores["fp32_onnx_val_accuracy"]
+                                                    - scores["source_onnx_val_accuracy"]), 3)}
+
+
+def run_tensorrt(finetuned: Path, fp32_onnx: Path, int8_static: Path, tokenized: Path, variants_root: Path,
+                 params: Params) -> dict[str, Any]:
     """Build `tensorrt-fp16`/`tensorrt-int8` where possible; otherwise write the skip record and say why.
+    The INT8 engine's QDQ input is built either way (`tensorrt_int8_source`).
 
     The profile's longest sequence is the model's own inference length (its `pipeline.json`)."""
     from pipeline.modeling import read_model_record
 
+    trt = params.tensorrt
     max_seq = int(read_model_record(finetuned)["preprocessing"]["max_length"])
-    shapes = profile_shapes(params.min_batch, params.opt_batch, params.max_batch, params.min_seq,
-                            min(params.opt_seq, max_seq), max_seq)
+    shapes = profile_shapes(trt.min_batch, trt.opt_batch, trt.max_batch, trt.min_seq,
+                            min(trt.opt_seq, max_seq), max_seq)
     ok, reason = availability()
     report: dict[str, Any] = {}
     out = directories(variants_root, built_by("tensorrt"))
-    sources = {"tensorrt-fp16": (fp32_onnx, "fp16"), "tensorrt-int8": (int8_static, "int8")}
-    for name, (src, precision) in sources.items():
+    from transformers import AutoTokenizer
+
+    pad_id = AutoTokenizer.from_pretrained(finetuned).pad_token_id or 0  # the model's own padding id
+    int8_source = tensorrt_int8_source(fp32_onnx, int8_static, tokenized, out["tensorrt-int8"] / TENSORRT_QDQ_FILE,
+                                       params, pad_id)
+    log.info("tensorrt-int8 input %s: %s", TENSORRT_QDQ_FILE, int8_source)
+    sources = {"tensorrt-fp16": (fp32_onnx / "model.onnx", "fp16", {"source_onnx": str(fp32_onnx / "model.onnx")}),
+               "tensorrt-int8": (out["tensorrt-int8"] / TENSORRT_QDQ_FILE, "int8", int8_source)}
+    for name, (src, precision, source_record) in sources.items():
         d = out[name]
-        base = {"precision": precision, "source": src.name, "profile": shapes.__dict__, **to_dict(params)}
+        base = {"precision": precision, "profile": shapes.__dict__, **to_dict(trt), **source_record}
         if not ok:
             log.warning("%s skipped: %s", name, reason)
             write_variant(d, VariantInfo.skipped(name, reason, base), finetuned)
-            report[name] = {"status": "skipped", "reason": reason}
+            report[name] = {"status": "skipped", "reason": reason,
+                            **({k: v for k, v in source_record.items() if k != "source_onnx"})}
             continue
         t0 = time.perf_counter()
-        info = build_engine(src / "model.onnx", d / "model.engine", shapes, precision, params.workspace_mb)
+        info = build_engine(src, d / "model.engine", shapes, precision, trt.workspace_mb)
         base.update(info, build_seconds=round(time.perf_counter() - t0, 2))
         write_variant(d, VariantInfo.built(name, base), finetuned)
-        report[name] = {"status": "ok"}
+        report[name] = {"status": "ok", **({k: v for k, v in source_record.items() if k != "source_onnx"})}
     return report

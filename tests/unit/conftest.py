@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.core.params import ExportParams, Params, QuantizeParams, TensorRTParams
+from pipeline.core.params import ExportParams, Params, QuantizeParams
 from pipeline.variants.export import run_export
 from pipeline.variants.quantize import run_quantize
 from pipeline.variants.registry import directories
@@ -26,7 +26,7 @@ def built(tmp_path_factory, tiny_model_dir):
     q = QuantizeParams(calibration_samples=32, selection_samples=32, qat_train_samples=32, qat_batch_size=8,
                        calibration_methods=["minmax", "entropy"])
     quant_report = run_quantize(tiny_model_dir, dirs["fp32-onnx"], tok_dir, variants_root, Params(quantize=q))
-    trt_report = run_tensorrt(tiny_model_dir, dirs["fp32-onnx"], dirs["int8-static"], variants_root,
-                              TensorRTParams())
+    trt_report = run_tensorrt(tiny_model_dir, dirs["fp32-onnx"], dirs["int8-static"], tok_dir, variants_root,
+                              Params(quantize=q))
     return {"dirs": dirs, "root": variants_root, "tokenized": tok_dir, "export": export_report,
             "quantize": quant_report, "trt": trt_report}

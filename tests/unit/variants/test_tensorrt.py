@@ -1,7 +1,9 @@
-"""Unit: TensorRT variants: optimisation profiles and the skip record where no CUDA device is visible."""
+"""Unit: TensorRT variants: optimisation profiles, the skip record where no CUDA device is visible, and the
+INT8 engine's QDQ input (built and checked on every machine)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from pipeline.variants.record import VariantError, read_variant
@@ -17,6 +19,7 @@ def test_tensorrt_skip_record(built):
         info = read_variant(built["dirs"][name])
         assert info.status == "skipped" and info.reason == reason and info.file is None
         assert info.params["profile"]["max"] == [64, 64]
+        assert info.params["source_onnx"]  # what the engine would be built from, recorded all the same
         with pytest.raises(VariantError, match="skipped"):
             load_runner(built["dirs"][name])
 
@@ -28,3 +31,56 @@ def test_profile_shapes_validated():
         profile_shapes(4, 2, 32, 8, 128, 256)
     with pytest.raises(ValueError, match="min_seq"):
         profile_shapes(1, 2, 32, 8, 512, 256)
+
+
+def test_int8_engine_input_is_symmetric_signed_qdq_only(built):
+    """TensorRT's explicit quantization takes signed int8 Q/DQ with zero points 0 and per-channel weights, and
+    has no importer for onnxruntime's integer or dynamic-quantization ops."""
+    import onnx
+    from onnx import numpy_helper
+
+    from pipeline.variants.onnx_int8 import tensorrt_qdq_problems
+    from pipeline.variants.tensorrt import TENSORRT_QDQ_FILE
+
+    info = read_variant(built["dirs"]["tensorrt-int8"])
+    assert info.params["source_onnx"] == TENSORRT_QDQ_FILE
+    path = built["dirs"]["tensorrt-int8"] / TENSORRT_QDQ_FILE
+    assert tensorrt_qdq_problems(path) == []
+    model = onnx.load(str(path))
+    ops = {n.op_type for n in model.graph.node}
+    assert {"QuantizeLinear", "DequantizeLinear"} <= ops
+    assert not ops & {"DynamicQuantizeLinear", "MatMulInteger", "QAttention", "DynamicQuantizeMatMul", "QLinearMatMul"}
+    assert all(n.domain in ("", "ai.onnx") for n in model.graph.node)
+    inits = {i.name: i for i in model.graph.initializer}
+    qdq = [n for n in model.graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")]
+    for node in qdq:
+        zero = inits[node.input[2]]
+        assert zero.data_type == onnx.TensorProto.INT8 and not numpy_helper.to_array(zero).any()
+    weight_dq = [n for n in qdq if n.op_type == "DequantizeLinear" and n.input[0] in inits]
+    assert weight_dq and all(len(inits[n.input[1]].dims) == 1 for n in weight_dq)  # per-channel scales
+    # every weight product but the activation-only attention products runs in INT8
+    assert info.params["int8_matmuls"] == built["quantize"]["int8-static"]["int8_matmuls"]
+
+
+def test_int8_engine_input_runs_in_onnxruntime_close_to_fp32(built):
+    """onnxruntime runs the TensorRT input, and its validation score is recorded next to fp32-onnx's."""
+    from pipeline.variants.runners import OrtRunner, pad_batch
+    from pipeline.variants.tensorrt import TENSORRT_QDQ_FILE
+
+    params = read_variant(built["dirs"]["tensorrt-int8"]).params
+    assert 0.0 <= params["source_onnx_val_accuracy"] <= 1.0 and params["val_reviews"] == 32
+    assert params["source_onnx_val_loss_pt"] == pytest.approx(
+        100 * (params["fp32_onnx_val_accuracy"] - params["source_onnx_val_accuracy"]), abs=1e-3)
+    rng = np.random.default_rng(0)
+    ids, mask = pad_batch([rng.integers(1000, 2000, size=n) for n in (5, 17, 40, 64)])
+    ref = OrtRunner(built["dirs"]["fp32-onnx"] / "model.onnx")(ids, mask)
+    got = OrtRunner(built["dirs"]["tensorrt-int8"] / TENSORRT_QDQ_FILE)(ids, mask)
+    assert np.abs(ref - got).max() < 0.1 * max(1.0, float(np.abs(ref).max()))
+
+
+def test_a_uint8_qdq_model_is_refused_as_tensorrt_input(built):
+    from pipeline.variants.onnx_int8 import tensorrt_qdq_problems
+
+    problems = tensorrt_qdq_problems(built["dirs"]["int8-static"] / "model.onnx")
+    assert any("zero point of type UINT8" in p for p in problems)
+    assert any("has no TensorRT importer" in p for p in problems)  # the per-batch FFN products
