@@ -20,7 +20,15 @@ from pipeline.data.tokens import read_tokenized
 from pipeline.modeling import load_finetuned
 from pipeline.variants.record import VariantInfo, write_variant
 from pipeline.variants.registry import built_by, directories
-from pipeline.variants.runners import EagerLogits, OrtRunner, Runner, TorchRunner, pad_batch
+from pipeline.variants.runners import (
+    TORCHSCRIPT_DEPRECATION,
+    EagerLogits,
+    OrtRunner,
+    Runner,
+    TorchRunner,
+    legacy_torchscript,
+    pad_batch,
+)
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +69,11 @@ def export_torchscript(model: torch.nn.Module, path: Path, max_length: int) -> N
     """Trace the model; shapes stay symbolic so any batch and length up to the max are accepted."""
     model.eval()
     wrapper = LogitsModule(model).eval()
-    with torch.inference_mode(False), torch.no_grad():
+    with torch.inference_mode(False), torch.no_grad(), legacy_torchscript():
         example = example_inputs(max_length, device=device_of(model))
         traced = torch.jit.trace(wrapper, example, check_trace=False, strict=False)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    traced.save(str(path))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        traced.save(str(path))
 
 
 def export_onnx(model: torch.nn.Module, path: Path, max_length: int, opset: int = 18) -> None:
@@ -192,9 +200,11 @@ def run_export(finetuned: Path, tokenized: Path, variants_root: Path, params: Ex
     d = out_dirs["fp32-torchscript"]
     t0 = time.perf_counter()
     export_torchscript(graph, d / "model.pt", max_len)
-    runner = TorchRunner(torch.jit.load(str(d / "model.pt")))
+    with legacy_torchscript():
+        runner = TorchRunner(torch.jit.load(str(d / "model.pt")))
     report["fp32-torchscript"] = _checked(reference, runner, seqs, params, max_len, t0, tokenizer.pad_token_id)
     write_variant(d, VariantInfo.built("fp32-torchscript", {"method": "torch.jit.trace", **readout,
+                                                             "deprecated_api": TORCHSCRIPT_DEPRECATION,
                                                              **report["fp32-torchscript"]}), finetuned)
 
     d = out_dirs["fp32-onnx"]

@@ -54,6 +54,22 @@ def test_variants_metrics(repo):
             assert v[name]["status"] == "skipped" and "CUDA" in v[name]["reason"]
 
 
+def test_tensorrt_int8_input_keeps_fp32_decisions_on_the_test_split(repo):
+    """The INT8 engine's QDQ input, run by onnxruntime on the test split: a PTQ model, so it keeps FP32's
+    decisions like int8-static does (whether or not a GPU built the engine)."""
+    from pipeline.data.tokens import read_tokenized
+    from pipeline.variants.runners import OrtRunner, predict_logits
+
+    variants = repo / "models" / "variants"
+    record = json.loads((variants / "tensorrt-int8" / "variant.json").read_text())["params"]
+    test = read_tokenized(repo / "data" / "tokenized", "test")
+    seqs, labels = test["input_ids"].tolist(), test["label"].to_numpy()
+    fp32 = predict_logits(OrtRunner(variants / "fp32-onnx" / "model.onnx"), seqs, 32).argmax(-1)
+    int8 = predict_logits(OrtRunner(variants / "tensorrt-int8" / record["source_onnx"]), seqs, 32).argmax(-1)
+    assert (int8 == fp32).mean() > 0.9
+    assert (int8 == labels).mean() > (fp32 == labels).mean() - 0.05
+
+
 def test_benchmark_report_and_package(repo):
     bench = json.loads((repo / "metrics" / "benchmark.json").read_text())
     variants = json.loads((repo / "metrics" / "variants.json").read_text())

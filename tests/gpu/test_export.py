@@ -8,7 +8,7 @@ import torch
 
 from pipeline.modeling import load_finetuned
 from pipeline.variants.export import eager_runner, export_onnx, export_torchscript
-from pipeline.variants.runners import OrtRunner, pad_batch
+from pipeline.variants.runners import OrtRunner, legacy_torchscript, pad_batch
 
 pytestmark = pytest.mark.gpu
 
@@ -33,7 +33,8 @@ def test_torchscript_trace_on_cuda_runs_on_cuda(tmp_path, tiny_model_dir):
     model, _tok, _meta = load_finetuned(tiny_model_dir)
     model = model.cuda()
     export_torchscript(model, tmp_path / "model.pt", max_length=64)
-    traced = torch.jit.load(str(tmp_path / "model.pt"), map_location="cuda")
+    with legacy_torchscript():
+        traced = torch.jit.load(str(tmp_path / "model.pt"), map_location="cuda")
     ids, mask = _batch()
     with torch.inference_mode():
         got = traced(torch.from_numpy(ids).cuda(), torch.from_numpy(mask).cuda())
