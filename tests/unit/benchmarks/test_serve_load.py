@@ -12,7 +12,7 @@ def test_every_kind_of_malformed_request_is_refused_by_the_protocol():
     limits = Limits(max_texts=4, max_body_bytes=2048)
     kinds = malformed_bodies(limits.max_body_bytes, limits.max_texts)
     assert len({kind for kind, _, _ in kinds}) == len(kinds) >= 8
-    for kind, body, content_type in kinds:
+    for _, body, content_type in kinds:
         with pytest.raises(RequestError):
             parse_request(body, limits, content_type)
 
