@@ -56,6 +56,8 @@ class SentimentPredictor:
 
     def encode(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Token ids with the training-time cleaning and truncation."""
+        if not texts:
+            return []  # the tokenizer refuses an empty batch
         p = self.preprocessing
         if self.max_chars is not None:
             texts = [clip_chars(t, self.max_chars, p["truncation"], p["head_fraction"]) for t in texts]
