@@ -25,16 +25,18 @@ RUN useradd --create-home --uid 10001 serve
 WORKDIR /home/serve
 COPY --chown=serve:serve serving/config.properties /home/serve/config.properties
 COPY --chown=serve:serve model_store/sentiment.mar /home/serve/model_store/sentiment.mar
+# The health probe and the client it uses (standard library only).
+COPY --chown=serve:serve serving/__init__.py serving/client.py serving/health.py /home/serve/serving/
 # Inside the container the APIs bind to all interfaces so the published port reaches them.
 RUN sed -i 's#http://127.0.0.1:#http://0.0.0.0:#; s#^model_store=.*#model_store=/home/serve/model_store#' \
         /home/serve/config.properties
 USER serve
 
 EXPOSE 8080 8081 8082
-# Token authorization is on: the health check reads the inference key TorchServe wrote at start-up.
+# Token authorization is on, /ping included: the probe reads the inference key TorchServe wrote in the working
+# directory and asks the token API for a new one when it expired (serving/health.py).
 HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
-    CMD curl -fsS -H "Authorization: Bearer $(python -c 'import json;print(json.load(open("key_file.json"))["inference"]["key"])')" \
-        http://127.0.0.1:8080/ping || exit 1
+    CMD python -m serving.health --url http://127.0.0.1:8080 --key-file key_file.json || exit 1
 
 CMD ["torchserve", "--start", "--foreground", "--ncs", "--ts-config", "/home/serve/config.properties", \
      "--model-store", "/home/serve/model_store"]

@@ -1,6 +1,10 @@
 """Tiny client for the sentiment endpoint: `python -m serving.client "great movie" ["awful film" ...]`.
 
-It reads the inference token from TorchServe's `key_file.json` (token authorization is on).
+It reads the inference key from TorchServe's `key_file.json` (token authorization is on). Keys expire
+(`token_expiration_min`) and can be replaced with TorchServe's token API, so a request refused for its key is
+retried once with a fresh one: the key file is read again (another process may have replaced the key), and
+when it still holds the refused key, TorchServe's documented token API (`GET <management>/token?type=inference`
+with the file's API key) writes a new one there first.
 """
 
 from __future__ import annotations
@@ -13,40 +17,93 @@ from pathlib import Path
 from typing import Any
 
 
-def inference_key(key_file: Path) -> str | None:
-    """The current inference key, or None when the file is absent (token auth disabled)."""
+def _key_file(key_file: Path) -> dict[str, Any] | None:
     if not key_file.is_file():
         return None
-    return json.loads(key_file.read_text())["inference"]["key"]
+    return json.loads(key_file.read_text())
 
 
-def predict(texts: list[str], url: str = "http://127.0.0.1:8080", key: str | None = None,
-            timeout: float = 30.0) -> tuple[int, Any]:
-    """POST one text (`{"text"}`) or several (`{"texts"}`); returns (HTTP status, decoded JSON body)."""
-    payload = {"text": texts[0]} if len(texts) == 1 else {"texts": texts}
-    req = urllib.request.Request(f"{url}/predictions/sentiment", data=json.dumps(payload).encode("utf-8"),
-                                 headers={"Content-Type": "application/json"}, method="POST")
+def inference_key(key_file: Path) -> str | None:
+    """The current inference key, or None when the file is absent (token auth disabled)."""
+    keys = _key_file(key_file)
+    return keys["inference"]["key"] if keys else None
+
+
+def is_invalid_key(status: int, body: Any) -> bool:
+    """TorchServe's answer to a missing, wrong or expired key: `InvalidKeyException` (400 in 0.12, 401 elsewhere)."""
+    return status in (400, 401) and isinstance(body, dict) and body.get("type") == "InvalidKeyException"
+
+
+def refresh_inference_key(management_url: str, key_file: Path, timeout: float = 10.0) -> str | None:
+    """Ask TorchServe for a new inference key with the API key (its token authorization API); the server writes
+    the new key to its key file, which is read back. None when there is no key file or the API refuses."""
+    keys = _key_file(key_file)
+    if not keys or "API" not in keys:
+        return None
+    req = urllib.request.Request(f"{management_url}/token?type=inference",
+                                 headers={"Authorization": f"Bearer {keys['API']['key']}"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout):
+            pass
+    except (urllib.error.URLError, OSError):
+        return None
+    return inference_key(key_file)
+
+
+def request(method: str, url: str, data: bytes | None = None, key: str | None = None,
+            content_type: str = "application/json", timeout: float = 30.0) -> tuple[int, Any]:
+    """One HTTP call; returns (status, decoded JSON body, or the text when it is not JSON)."""
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": content_type})
     if key:
         req.add_header("Authorization", f"Bearer {key}")
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, json.loads(resp.read() or b"null")
+            status, body = resp.status, resp.read()
     except urllib.error.HTTPError as err:
-        body = err.read()
-        try:
-            return err.code, json.loads(body)
-        except json.JSONDecodeError:
-            return err.code, body.decode("utf-8", "replace")
+        status, body = err.code, err.read()
+    try:
+        return status, json.loads(body or b"null")
+    except json.JSONDecodeError:
+        return status, body.decode("utf-8", "replace")
+
+
+def call_with_key_refresh(method: str, url: str, data: bytes | None, key: str | None, key_file: Path | None,
+                          management_url: str | None, timeout: float = 30.0) -> tuple[int, Any, str | None]:
+    """`request`, retried once with a fresh inference key when TorchServe refuses the key; returns the key used
+    last so a long-lived caller keeps it."""
+    status, body = request(method, url, data, key, timeout=timeout)
+    if not is_invalid_key(status, body) or key_file is None:
+        return status, body, key
+    fresh = inference_key(key_file)
+    if fresh == key and management_url:  # the file still holds the refused key: it expired, ask for a new one
+        fresh = refresh_inference_key(management_url, key_file, timeout)
+    if not fresh or fresh == key:
+        return status, body, key
+    status, body = request(method, url, data, fresh, timeout=timeout)
+    return status, body, fresh
+
+
+def predict(texts: list[str], url: str = "http://127.0.0.1:8080", key: str | None = None, timeout: float = 30.0,
+            key_file: Path | None = None, management_url: str | None = None) -> tuple[int, Any]:
+    """POST one text (`{"text"}`) or several (`{"texts"}`); returns (HTTP status, decoded JSON body). With
+    `key_file` a refused key is refreshed once (see the module doc); `management_url` enables the token API."""
+    payload = {"text": texts[0]} if len(texts) == 1 else {"texts": texts}
+    status, body, _ = call_with_key_refresh("POST", f"{url}/predictions/sentiment", json.dumps(payload).encode(),
+                                            key, key_file, management_url, timeout)
+    return status, body
 
 
 def main(argv: list[str] | None = None) -> None:
     """Print the endpoint's answer for the given reviews."""
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("texts", nargs="+")
     parser.add_argument("--url", default="http://127.0.0.1:8080")
+    parser.add_argument("--management-url", default="http://127.0.0.1:8081",
+                        help="for TorchServe's token API when the key expired ('' = never ask for a new key)")
     parser.add_argument("--key-file", type=Path, default=Path("key_file.json"))
     args = parser.parse_args(argv)
-    status, body = predict(args.texts, args.url, inference_key(args.key_file))
+    status, body = predict(args.texts, args.url, inference_key(args.key_file), key_file=args.key_file,
+                           management_url=args.management_url or None)
     print(json.dumps(body, indent=2))
     if status != 200:
         raise SystemExit(f"HTTP {status}")

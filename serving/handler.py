@@ -1,9 +1,10 @@
 """TorchServe handler for the sentiment endpoint.
 
-Model logic lives in `pipeline.deployment.inference.SentimentPredictor` and request parsing in `serving.protocol`,
-neither of which imports TorchServe, so moving to another server means rewriting only this file. A whole
-server-side batch is tokenized and scored in one call; bad requests in a batch get their own 4xx without
-failing the others.
+Model logic lives in `pipeline.deployment.inference.SentimentPredictor` and the request contract, limits and
+per-request isolation in `serving.protocol`, neither of which imports TorchServe, so moving to another server
+means rewriting only this file. Each request of a server-side batch is parsed and tokenized on its own and
+the survivors are scored in one call; a bad request gets its own 4xx, a server fault on one request its own
+500, and neither touches the other requests of the batch.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
@@ -33,38 +35,53 @@ class SentimentHandler:
         model_dir = Path(context.system_properties.get("model_dir"))
         config = json.loads((model_dir / "serving.json").read_text())
         threads = int(os.environ.get("SENTIMENT_THREADS", config.get("threads") or 0)) or None
-        self.predictor = SentimentPredictor(model_dir / config["variant_dir"], threads=threads)
-        self.limits = Limits(max_texts=int(config["max_texts"]), max_body_bytes=int(config["max_body_bytes"]))
+        self.limits = Limits.from_config(config)
+        self.predictor = SentimentPredictor(model_dir / config["variant_dir"], threads=threads,
+                                            max_chars=self.limits.max_chars_per_text)
         self.model_label = config["model"]
         self.predictor.predict(["warm-up review"])  # load kernels before /ping reports healthy
         self.initialized = True
         log.info("sentiment handler ready: %s", self.model_label)
 
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[Any]:
-        from serving.protocol import RequestError, error_body, format_predictions, parse_request
+        """One JSON string per request, in order, with each request's status set on the context."""
+        from serving.protocol import SERVER_ERROR, answer_batch
 
         log.info("batch of %d requests", len(data))  # what TorchServe's server-side batching handed over
-        parsed: list[Any] = []
-        texts: list[str] = []
-        for request in data:
-            body = request.get("body") if request.get("body") is not None else request.get("data")
-            try:
-                p = parse_request(body, self.limits)
-                parsed.append((len(texts), p))
-                texts.extend(p.texts)
-            except RequestError as err:
-                parsed.append(err)
-        predictions = self.predictor.predict(texts) if texts else []
+        requests = [_body_and_type(request, context, idx) for idx, request in enumerate(data)]
+        try:
+            answers = answer_batch(requests, self.predictor, self.limits, self.model_label)
+        except Exception:  # answer_batch isolates requests itself; this only keeps a bug from becoming a 503
+            log.exception("answering a batch of %d requests failed", len(data))
+            answers = [SERVER_ERROR] * len(data)
         responses: list[Any] = []
-        for idx, item in enumerate(parsed):
-            if isinstance(item, RequestError):
-                context.set_response_status(item.status, item.message, idx=idx)
-                responses.append(json.dumps(error_body(item)))
-                continue
-            start, p = item
-            responses.append(json.dumps(format_predictions(predictions[start : start + len(p.texts)], p.is_list,
-                                                           self.model_label)))
+        for idx, answer in enumerate(answers):
+            _set_status(context, idx, answer)
+            responses.append(json.dumps(answer.body))
         return responses
+
+
+def _body_and_type(request: Any, context: Any, idx: int) -> tuple[Any, str | None]:
+    """The request body (TorchServe names it `body` or `data`) and its declared content type, if any."""
+    if not isinstance(request, dict):
+        return None, None
+    name = "body" if request.get("body") is not None else "data"
+    try:
+        headers = context.get_all_request_header(idx) or {}
+        declared = headers.get(name)
+        content_type = declared.get("content-type") if isinstance(declared, dict) else None
+    except Exception:  # no headers for this request: the protocol then sniffs the body
+        content_type = None
+    return request.get(name), content_type
+
+
+def _set_status(context: Any, idx: int, answer: Any) -> None:
+    """Status and JSON content type of one request; the reason phrase is the standard one, the body says why."""
+    try:
+        context.set_response_status(answer.status, HTTPStatus(answer.status).phrase, idx=idx)
+        context.set_response_content_type(idx, "application/json")
+    except Exception:
+        log.exception("could not set the response status of request %d", idx)
 
 
 _service = SentimentHandler()

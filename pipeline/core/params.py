@@ -293,12 +293,17 @@ class PackageParams:
 
     variant: str = "auto"  # auto = most accurate INT8 within targets.max_accuracy_loss_pt of FP32, else fp32-onnx
     max_texts: int = 64  # most texts in one {"texts": [...]} request
-    max_body_bytes: int = 1_000_000  # larger bodies get 413 (TorchServe's max_request_size matches)
+    max_body_bytes: int = 1_000_000  # larger bodies get a JSON 413 (config.properties' max_request_size is above it)
+    max_chars_per_text: int = 20_000  # longer texts are cut to this many characters (head and tail kept) before
+    # tokenizing, never refused; above every IMDB review, so served reviews tokenize exactly as in training
+    max_json_depth: int = 8  # deepest nesting of JSON arrays/objects in a body (a valid request needs 2); deeper: 400
     threads: int | None = None  # intra-op threads per worker (None = library default)
 
     def __post_init__(self) -> None:
         _require(self.max_texts >= 1, "package.max_texts must be >= 1")
         _require(self.max_body_bytes >= 1024, "package.max_body_bytes must be >= 1024")
+        _require(self.max_chars_per_text >= 64, "package.max_chars_per_text must be >= 64")
+        _require(self.max_json_depth >= 2, "package.max_json_depth must be >= 2 ({\"texts\": [...]} is 2 deep)")
 
 
 @dataclass(frozen=True)

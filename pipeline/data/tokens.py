@@ -33,6 +33,21 @@ def truncate_ids(ids: Sequence[int], max_length: int, truncation: str, head_frac
     return [cls_id, *ids, sep_id]
 
 
+def clip_chars(text: str, max_chars: int, truncation: str, head_fraction: float) -> str:
+    """Cut a text to at most `max_chars` characters before tokenizing, the way `truncate_ids` cuts tokens.
+
+    `head_tail` keeps the first `head_fraction` of the characters and the end, so a review far longer than any
+    token window still tokenizes to the same head and tail tokens while the tokenizer sees a bounded text.
+    """
+    if len(text) <= max_chars:
+        return text
+    if truncation == "head_tail":
+        head = min(int(max_chars * head_fraction), max_chars - 1)
+        tail = max_chars - head - 1  # one character goes to the space that keeps the cut between words
+        return f"{text[:head]} {text[len(text) - tail:]}"
+    return text[:max_chars]
+
+
 def retruncate(ids: Sequence[int], max_length: int, truncation: str, head_fraction: float,
                 cls_id: int, sep_id: int) -> np.ndarray:
     """Shorten an already truncated `[CLS] ... [SEP]` sequence to `max_length`.

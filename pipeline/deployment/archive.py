@@ -76,7 +76,8 @@ def build_archive(variant_dir: Path, choice: Choice, registry: dict[str, Any], p
     """Stage the archive contents and run `torch-model-archiver`; returns the serving config written."""
     model_label = f"{registry['name']}:v{registry['version']}/{choice.name}"
     config = {"variant": choice.name, "variant_dir": "model", "model": model_label, "max_texts": params.max_texts,
-              "max_body_bytes": params.max_body_bytes, "threads": params.threads, "choice_reason": choice.reason,
+              "max_body_bytes": params.max_body_bytes, "max_chars_per_text": params.max_chars_per_text,
+              "max_json_depth": params.max_json_depth, "threads": params.threads, "choice_reason": choice.reason,
               "registered_model": registry}
     mar_path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="mar-") as tmp:

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.data.tokens import encode_texts
+from pipeline.data.tokens import clip_chars, encode_texts
 from pipeline.variants.record import VARIANT_FILE, read_variant
 from pipeline.variants.runners import load_runner, pad_batch
 
@@ -35,12 +35,17 @@ def softmax(logits: np.ndarray) -> np.ndarray:
 
 
 class SentimentPredictor:
-    """Loads a variant (or the finetuned HF directory) once and predicts batches of raw texts."""
+    """Loads a variant (or the finetuned HF directory) once and predicts batches of raw texts.
 
-    def __init__(self, directory: str | Path, threads: int | None = None, **runner_options: Any) -> None:
+    `max_chars` (None = no cap) cuts each text to that many characters, head and tail kept as in training,
+    before the tokenizer sees it, so a huge text costs a bounded amount of tokenizer time and memory."""
+
+    def __init__(self, directory: str | Path, threads: int | None = None, max_chars: int | None = None,
+                 **runner_options: Any) -> None:
         from transformers import AutoTokenizer
 
         self.directory = Path(directory)
+        self.max_chars = max_chars
         meta = json.loads((self.directory / "pipeline.json").read_text())
         self.preprocessing = meta["preprocessing"]
         self.labels = {int(k): v for k, v in meta["labels"].items()}
@@ -51,14 +56,23 @@ class SentimentPredictor:
 
     def encode(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Token ids with the training-time cleaning and truncation."""
+        if not texts:
+            return []  # the tokenizer refuses an empty batch
         p = self.preprocessing
+        if self.max_chars is not None:
+            texts = [clip_chars(t, self.max_chars, p["truncation"], p["head_fraction"]) for t in texts]
         return encode_texts(texts, self.tokenizer, p["max_length"], p["truncation"], p["head_fraction"])
 
     def predict(self, texts: Sequence[str]) -> list[Prediction]:
         """Predictions in input order; the whole list runs as one padded batch."""
-        if not texts:
+        return self.score(self.encode(texts))
+
+    def score(self, encoded: Sequence[np.ndarray]) -> list[Prediction]:
+        """Predictions for token ids from `encode`, in order, as one padded batch (the serving handler
+        tokenizes each request on its own and scores the survivors together)."""
+        if not encoded:
             return []
-        ids, mask = pad_batch(self.encode(texts), self.tokenizer.pad_token_id or 0)
+        ids, mask = pad_batch(list(encoded), self.tokenizer.pad_token_id or 0)
         probs = softmax(self.runner(ids, mask).astype(np.float64))
         best = probs.argmax(-1)
         return [Prediction(self.labels[int(i)], float(probs[row, i])) for row, i in enumerate(best)]

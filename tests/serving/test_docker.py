@@ -26,7 +26,8 @@ def test_dockerfile_parses_and_is_hardened():
     users = [rest for word, rest in ins if word == "USER"]
     assert users and users[-1] not in ("root", "0")
     health = next(rest for word, rest in ins if word == "HEALTHCHECK")
-    assert "/ping" in health
+    assert "serving.health" in health  # /ping with the local key, refreshed on expiry
+    assert any("serving/health.py" in rest and "serving/client.py" in rest for word, rest in ins if word == "COPY")
     assert "8080" in next(rest for word, rest in ins if word == "EXPOSE")
     assert any("openjdk-17" in rest for word, rest in ins if word == "RUN")
 

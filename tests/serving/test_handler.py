@@ -1,5 +1,5 @@
-"""The TorchServe handler without TorchServe: one server-side batch is scored in one call, each answer goes
-back to its own request, a bad request gets its own 4xx, and the batch size is logged (the serving tier's
+"""The TorchServe handler without TorchServe: one server-side batch is scored in one forward pass, each answer
+goes back to its own request, a bad request gets its own 4xx, and the batch size is logged (the serving tier's
 batching check reads that line from the real server's log)."""
 
 from __future__ import annotations
@@ -23,16 +23,22 @@ class Context:
     def set_response_status(self, code: int, phrase: str = "", idx: int = 0) -> None:
         self.statuses[idx] = code
 
+    def set_response_content_type(self, idx: int, value: str) -> None:
+        assert value == "application/json"
+
 
 class CountingPredictor:
-    """The real predictor, counting how many texts each scoring call received."""
+    """The real predictor, counting how many texts each forward pass received."""
 
     def __init__(self, predictor: SentimentPredictor) -> None:
         self.predictor, self.calls = predictor, []
 
-    def predict(self, texts):
-        self.calls.append(len(texts))
-        return self.predictor.predict(texts)
+    def encode(self, texts):
+        return self.predictor.encode(texts)
+
+    def score(self, encoded):
+        self.calls.append(len(encoded))
+        return self.predictor.score(encoded)
 
 
 def test_a_batch_is_scored_in_one_call_mapped_back_and_its_size_logged(tiny_model_dir, caplog):
@@ -53,7 +59,7 @@ def test_a_batch_is_scored_in_one_call_mapped_back_and_its_size_logged(tiny_mode
         answers = [json.loads(a) for a in handler.handle(batch, context)]
     assert "batch of 4 requests" in caplog.text
     assert handler.predictor.calls == [4]  # the 4 texts of the 3 good requests, scored together
-    assert context.statuses == {1: 400}
+    assert context.statuses == {0: 200, 1: 400, 2: 200, 3: 200}
     assert answers[1]["status"] == 400 and "must be a string" in answers[1]["error"]
     expected = predictor.predict(["a wonderful film", "awful", "boring plot", "plain text review"])
     got = [answers[0], *answers[2], answers[3]]

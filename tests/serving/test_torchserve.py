@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import socket
 import subprocess
@@ -23,11 +24,14 @@ import pytest
 
 from pipeline.core.params import ExportParams, PackageParams
 from pipeline.deployment.inference import SentimentPredictor
+from serving.client import inference_key, predict
 from tests.factories import ROOT, write_tokenized
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
 LIMITS = PackageParams(max_texts=4, max_body_bytes=2048)
+CONFIG = dict(line.split("=", 1) for line in (ROOT / "serving" / "config.properties").read_text().splitlines()
+              if line and not line.startswith("#"))
 
 
 def _free_port() -> int:
@@ -39,8 +43,15 @@ def _free_port() -> int:
 class Server:
     """Handle on the running test server."""
 
-    def __init__(self, workdir: Path, url: str, key: str, variant_dir: Path) -> None:
+    def __init__(self, workdir: Path, url: str, key: str, variant_dir: Path, ports: dict[str, int]) -> None:
         self.workdir, self.url, self.key, self.variant_dir = workdir, url, key, variant_dir
+        self.management_url = f"http://127.0.0.1:{ports['management']}"
+        self.metrics_url = f"http://127.0.0.1:{ports['metrics']}"
+
+    def frontend_pids(self) -> set[int]:
+        """The Java frontend serving this test's working directory."""
+        return {p.pid for p in psutil.process_iter(["name", "cmdline"])
+                if p.info["name"] == "java" and str(self.workdir) in " ".join(p.info["cmdline"] or [])}
 
     def post(self, body: bytes, content_type: str = "application/json", key: str | None = "default") -> tuple[int, str]:
         req = urllib.request.Request(
@@ -135,7 +146,7 @@ def server(tmp_path_factory, tiny_model_dir):
         key = json.loads((work / "key_file.json").read_text())["inference"]["key"]
         url = f"http://127.0.0.1:{ports['inference']}"
         _wait_healthy(url, key, work / "logs" / "ts_log.log" if (work / "logs").exists() else log)
-        yield Server(work, url, key, variants["fp32-onnx"])
+        yield Server(work, url, key, variants["fp32-onnx"], ports)
     finally:
         subprocess.run([str(BIN / "torchserve"), "--stop"], cwd=work, env=env, capture_output=True, timeout=120)
         for proc in psutil.process_iter(["cmdline"]):  # nothing may outlive the tests
@@ -239,6 +250,100 @@ def test_concurrent_requests_are_batched_and_mapped_back(server):
     assert 1 < max(batches) <= 8, batches
 
 
+# Hostile payloads a client with a valid key can send (issue 17); each must get its own JSON 4xx.
+POISON = [
+    (b"[" * 1200 + b"]" * 1200, "application/json"),
+    (b'{"text": ' + b"1" * 5000 + b"}", "application/json"),
+    (b'{"text": "bad \\ud800 surrogate"}', "application/json"),
+    (b"true", "application/json"),
+    (b"7", "application/json"),
+    (b'{"text": NaN}', "application/json"),
+    (b'{"texts": [' + b"[" * 20 + b"]" * 20 + b"]}", "application/json"),
+    (b"\xff\xfe bad bytes", "text/plain"),
+    (json.dumps({"text": "long " * 300_000}).encode(), "application/json"),  # 1.5 MB: over max_body_bytes
+    (json.dumps({"texts": ["a"] * 9}).encode(), "application/json"),
+]
+
+
+def test_poison_sent_concurrently_with_valid_requests_harms_only_itself(server):
+    texts = [f"review {i}: the film was {'great' if i % 2 else 'dreadful'}" for i in range(16)]
+    expected = {t: p for t, p in zip(texts, SentimentPredictor(server.variant_dir).predict(texts), strict=True)}
+    jobs = [("valid", json.dumps({"text": t}).encode(), "application/json", t) for t in texts]
+    jobs += [("poison", body, ctype, None) for body, ctype in POISON]
+    random.Random(0).shuffle(jobs)  # mixed, so server-side batches hold both kinds
+    seen = len(_model_log(server))
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        results = list(pool.map(lambda job: (job, server.post(job[1], job[2])), jobs * 2))
+    for (kind, _, _, text), (status, body) in results:
+        if kind == "valid":
+            assert status == 200, body
+            answer = json.loads(body)
+            assert answer["label"] == expected[text].label
+            assert answer["score"] == pytest.approx(expected[text].score, abs=1e-3)
+        else:
+            assert 400 <= status < 500, body
+            assert json.loads(body)["status"] == status
+    deadline = time.time() + 10  # the frontend copies the worker's log lines over asynchronously
+    while sum(batches := _handled_batches(_model_log(server)[seen:])) < len(results) and time.time() < deadline:
+        time.sleep(0.2)
+    assert max(batches) > 1, batches  # poison and valid requests did share server-side batches
+
+
+def test_body_over_the_frontend_limit_is_refused_and_the_server_goes_on(server):
+    too_big = b"x" * (int(CONFIG["max_request_size"]) + 1024)
+    try:
+        status, _ = server.post(too_big, "text/plain")
+    except (ConnectionError, urllib.error.URLError):  # the frontend may close while the body is still uploading
+        status = None
+    assert status in (413, None)
+    ok, _ = server.predict({"text": "still here"})
+    assert ok == 200
+
+
+def test_a_burst_of_near_limit_bodies_leaves_the_server_answering(server):
+    """More bodies just under max_request_size than the job queue holds, all at once: each is refused alone
+    (the handler's JSON 413, or 503 from a full queue), and the same frontend process answers afterwards."""
+    pids = server.frontend_pids()
+    assert pids, "TorchServe frontend process not found"
+    body = json.dumps({"text": "y" * (int(CONFIG["max_request_size"]) - 4096)}).encode()
+    count = int(CONFIG["job_queue_size"]) + 20
+
+    def send(_: int) -> int | None:
+        try:
+            return server.post(body)[0]
+        except (ConnectionError, urllib.error.URLError):
+            return None
+
+    with ThreadPoolExecutor(max_workers=32) as pool:
+        statuses = list(pool.map(send, range(count)))
+    assert set(statuses) <= {413, 503}, statuses
+    assert statuses.count(413) > 0
+    ok, body = server.predict({"text": "after the burst"})
+    assert ok == 200, body
+    assert server.frontend_pids() == pids
+
+
+def test_metrics_answer_without_a_key_and_ping_needs_one(server):
+    with urllib.request.urlopen(f"{server.metrics_url}/metrics", timeout=10) as resp:
+        assert resp.status == 200 and b"ts_inference_requests_total" in resp.read()
+    req = urllib.request.Request(f"{server.url}/ping")
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=10)
+    assert err.value.code in (400, 401)
+
+
+def test_health_probe_reads_the_key_where_the_server_runs(server, tmp_path):
+    probe = [sys.executable, "-m", "serving.health", "--url", server.url, "--management-url", "",
+             "--predict", "--key-file"]
+    ok = subprocess.run([*probe, str(server.workdir / "key_file.json")], cwd=ROOT, capture_output=True, text=True,
+                        timeout=60)
+    assert ok.returncode == 0 and "Healthy" in ok.stdout, ok.stdout + ok.stderr
+    stale = tmp_path / "key_file.json"
+    stale.write_text(json.dumps({"inference": {"key": "not-the-key"}}))
+    bad = subprocess.run([*probe, str(stale)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "InvalidKeyException" in bad.stdout
+
+
 def test_worker_killed_and_replaced(server):
     """Kill the Python worker mid-traffic: TorchServe must start a new one and answer again."""
     workers = [
@@ -264,3 +369,20 @@ def test_worker_killed_and_replaced(server):
         p.pid for p in psutil.process_iter(["cmdline"]) if "model_service_worker" in " ".join(p.info["cmdline"] or [])
     }
     assert now - old, "no new worker process"
+
+
+def test_client_recovers_from_a_replaced_key_through_the_key_file(server):
+    """TorchServe's token API replaces the inference key (as on expiry); a client holding the old key retries
+    once with the key file's new one. Runs last: the module's server key changes."""
+    key_file = server.workdir / "key_file.json"
+    old = inference_key(key_file)
+    api = json.loads(key_file.read_text())["API"]["key"]
+    req = urllib.request.Request(f"{server.management_url}/token?type=inference",
+                                 headers={"Authorization": f"Bearer {api}"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert resp.status == 200
+    server.key = inference_key(key_file)
+    assert server.key != old
+    assert predict(["a fine film"], server.url, old)[0] in (400, 401)  # the old key is refused
+    status, body = predict(["a fine film"], server.url, old, key_file=key_file)
+    assert status == 200 and body["label"] in ("positive", "negative")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.data.tokens import encode_texts, retruncate, training_window, truncate_ids
+from pipeline.data.tokens import clip_chars, encode_texts, retruncate, training_window, truncate_ids
 
 
 @pytest.mark.parametrize(
@@ -48,3 +48,15 @@ def test_qat_trains_on_the_finetune_window(tokenizer):
     assert window is not None and np.array_equal(window(full), short)
     assert training_window({"preprocessing": pre, "params": {"train": {"max_length": None}}}, tokenizer) is None
     assert training_window({"preprocessing": pre, "params": {"train": {"max_length": 64}}}, tokenizer) is None
+
+
+@pytest.mark.parametrize("mode", ["head", "head_tail"])
+def test_clipping_characters_keeps_the_tokens_a_long_review_is_truncated_to(tokenizer, mode):
+    """The serving cap on characters must not change what the model reads from a review longer than it."""
+    review = " ".join(f"word{i} is {'great' if i % 3 else 'dull'}." for i in range(3000))
+    clipped = clip_chars(review, 2000, mode, 0.25)
+    assert len(clipped) == 2000 and len(review) > 2000
+    assert clipped.startswith(review[:400]) and (mode == "head" or review.endswith(clipped[-1000:]))
+    full, short = encode_texts([review, clipped], tokenizer, 64, mode, 0.25)
+    assert full.tolist() == short.tolist()
+    assert clip_chars("short review", 2000, mode, 0.25) == "short review"

@@ -20,3 +20,12 @@ def test_predictor_on_every_runnable_variant(built, tiny_model_dir):
 def test_softmax_is_stable():
     p = softmax(np.array([[1000.0, 0.0], [0.0, 0.0]]))
     assert np.allclose(p, [[1.0, 0.0], [0.5, 0.5]])
+
+
+def test_a_huge_text_is_cut_to_max_chars_before_tokenizing_and_scored_as_the_cut_text(tiny_model_dir):
+    capped = SentimentPredictor(tiny_model_dir, max_chars=5000)
+    huge = "a truly great film. " * 200_000  # 4 million characters
+    encoded = capped.encode([huge, "short and fine"])
+    assert [ids.tolist() for ids in encoded] == [ids.tolist() for ids in capped.encode([huge[:5000], "short and fine"])]
+    expected = capped.predict([huge, "short and fine"])
+    assert [(p.label, p.score) for p in capped.score(encoded)] == [(p.label, p.score) for p in expected]

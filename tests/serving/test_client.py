@@ -1,0 +1,113 @@
+"""`serving.client` and `serving.health` against a stand-in for TorchServe's token authorization on loopback:
+an expired inference key is replaced through the token API (`/token?type=inference` with the API key, which
+writes the new key to the key file) and the request retried once. The real server's side of this is in
+test_torchserve.py (a key replaced through the token API, /ping refused without a key)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from serving.client import inference_key, predict
+from serving.health import probe
+
+INVALID = {"code": 400, "type": "InvalidKeyException",
+           "message": "Token Authorization failed. Token either incorrect, expired, or not provided correctly"}
+
+
+class FakeTorchServe:
+    """Inference and management APIs on one loopback port, with TorchServe's key file and token API."""
+
+    def __init__(self, key_file: Path) -> None:
+        self.key_file, self.api_key, self.generation = key_file, "api-key", 0
+        self.refreshes, self.refresh_works = 0, True
+        self.valid_key = self.write_keys()
+
+    def write_keys(self) -> str:
+        self.generation += 1
+        key = f"inference-{self.generation}"
+        self.key_file.write_text(json.dumps({"inference": {"key": key}, "management": {"key": "m"},
+                                             "API": {"key": self.api_key}}))
+        return key
+
+    def answer(self, path: str, auth: str | None) -> tuple[int, object]:
+        if path.startswith("/token"):
+            if auth != f"Bearer {self.api_key}" or not self.refresh_works:
+                return 400, INVALID
+            self.refreshes += 1
+            self.valid_key = self.write_keys()
+            return 200, None
+        if auth != f"Bearer {self.valid_key}":
+            return 400, INVALID
+        if path == "/ping":
+            return 200, {"status": "Healthy"}
+        return 200, {"label": "positive", "score": 0.9, "model": "m"}
+
+
+@pytest.fixture
+def fake(tmp_path) -> Iterator[tuple[FakeTorchServe, str]]:
+    state = FakeTorchServe(tmp_path / "key_file.json")
+
+    class Handler(BaseHTTPRequestHandler):
+        def _reply(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            status, body = state.answer(self.path, self.headers.get("Authorization"))
+            data = b"" if body is None else json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        do_GET = do_POST = _reply
+
+        def log_message(self, *args) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield state, f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_an_expired_key_is_replaced_through_the_token_api_and_the_request_retried(fake):
+    state, url = fake
+    expired = inference_key(state.key_file)
+    state.valid_key = "after-expiry"  # the server no longer accepts the key the file still holds
+    assert predict(["x"], url, expired, key_file=state.key_file)[0] == 400  # without the token API: refused
+    status, body = predict(["x"], url, expired, key_file=state.key_file, management_url=url)
+    assert status == 200 and body["label"] == "positive"
+    assert state.refreshes == 1 and inference_key(state.key_file) == state.valid_key
+
+
+def test_a_key_replaced_by_someone_else_is_read_from_the_file_without_a_new_one(fake):
+    state, url = fake
+    old = inference_key(state.key_file)
+    state.valid_key = state.write_keys()
+    status, _ = predict(["x"], url, old, key_file=state.key_file, management_url=url)
+    assert status == 200 and state.refreshes == 0
+
+
+def test_the_retry_happens_once_and_other_errors_are_not_retried(fake):
+    state, url = fake
+    state.valid_key, state.refresh_works = "unreachable", False
+    status, body = predict(["x"], url, inference_key(state.key_file), key_file=state.key_file, management_url=url)
+    assert status == 400 and body["type"] == "InvalidKeyException"
+
+
+def test_health_probe_refreshes_an_expired_key(fake):
+    state, url = fake
+    state.valid_key = "after-expiry"
+    assert probe(url, state.key_file, None, predict=True, timeout=5) == (
+        False, f"/ping answered 400: {INVALID}")
+    healthy, seen = probe(url, state.key_file, url, predict=True, timeout=5)
+    assert healthy and seen == "/ping: Healthy; prediction: positive"
+    assert state.refreshes == 1

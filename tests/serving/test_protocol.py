@@ -1,0 +1,256 @@
+"""The request contract and per-request isolation in-process (`serving.protocol`, `serving.handler` without
+TorchServe): property-based over arbitrary bytes, arbitrary JSON values (as bytes and as JSON the server
+decoded itself) and mixes of valid and hostile requests, plus the poison payloads that once failed a batch."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipeline.deployment.inference import SentimentPredictor
+from serving.handler import SentimentHandler
+from serving.protocol import Limits, RequestError, answer_batch, is_json_media_type, parse_request
+
+LIMITS = Limits(max_texts=4, max_body_bytes=4096, max_chars_per_text=256, max_json_depth=8)
+CONTENT_TYPES = [None, "application/json", "application/json; charset=utf-8", "text/plain",
+                 "application/octet-stream", "application/x-www-form-urlencoded"]
+FEW = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def nested(depth: int, inner: object = "x") -> object:
+    """`depth` lists around `inner`, built without recursion."""
+    value = inner
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+# The inputs that once made the handler raise and TorchServe answer 503 to a whole batch (issue 17).
+POISON: list[tuple[object, str | None]] = [
+    (b"[" * 1200 + b"]" * 1200, "application/json"),
+    (b'{"text": ' + b"1" * 5000 + b"}", "application/json"),
+    (b'{"text": "bad \\ud800 surrogate"}', "application/json"),
+    ({"text": "bad \ud800 surrogate"}, "application/json"),  # as TorchServe's own JSON decoding hands it over
+    ({"text": 10**5000}, "application/json"),
+    (nested(1200), "application/json"),
+    (True, "application/json"),
+    (7, "application/json"),
+    (b"true", "application/json"),
+    (b"NaN", "application/json"),
+    ({"text": float("nan")}, "application/json"),
+    ({"text": "x" * 8000}, "application/json"),  # decoded JSON larger than max_body_bytes
+    (bytearray(b'{"texts": ["' + b"y" * 5000 + b'"]}'), "application/json"),
+]
+
+
+@pytest.mark.parametrize(("body", "content_type"), POISON, ids=range(len(POISON)))
+def test_each_poison_payload_is_a_request_error_with_a_reason(body, content_type):
+    with pytest.raises(RequestError) as err:
+        parse_request(body, LIMITS, content_type)
+    assert 400 <= err.value.status < 500 and len(err.value.message) > 10
+    assert "empty" not in err.value.message  # a JSON true or number is not an empty body
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "needle"),
+    [
+        (b"[" * 1200 + b"]" * 1200, 400, "depth"),
+        (json.dumps(nested(9)).encode(), 400, "more than 8 levels"),
+        (nested(9), 400, "more than 8 levels"),
+        (b'{"text": ' + b"1" * 1000 + b"}", 400, "number is infinity"),
+        ({"text": 10**5000}, 400, "number too large"),
+        ({"text": "bad \ud800 surrogate"}, 400, "lone UTF-16 surrogate at character 4"),
+        (True, 400, "got a boolean"),
+        (7, 400, "got a number"),
+        ({"text": "x" * 8000}, 413, "exceeds the limit of 4096"),
+        ({"texts": ["a"] * 5}, 413, "maximum of 4"),
+        (b"x" * 5000, 413, "5000 bytes exceeds the limit of 4096"),
+    ],
+)
+def test_messages_say_what_was_wrong(body, status, needle):
+    with pytest.raises(RequestError) as err:
+        parse_request(body, LIMITS, "application/json")
+    assert err.value.status == status and needle in err.value.message, err.value.message
+
+
+def test_valid_bodies_in_every_form():
+    assert parse_request(b'{"text": "good"}', LIMITS).texts == ["good"]
+    assert parse_request(bytearray(b'{"texts": ["a", "b"]}'), LIMITS).is_list
+    assert parse_request({"texts": ["a", "b"]}, LIMITS).texts == ["a", "b"]
+    assert parse_request("a plain review", LIMITS, "text/plain").texts == ["a plain review"]
+    assert parse_request(b"true", LIMITS, "text/plain").texts == ["true"]  # a plain-text review saying "true"
+    within_depth = {"text": "ok", "meta": nested(7, 1)}  # 8 levels: the object and 7 arrays
+    assert parse_request(json.dumps(within_depth).encode(), LIMITS).texts == ["ok"]
+    assert parse_request(within_depth, LIMITS).texts == ["ok"]
+
+
+def test_json_media_types():
+    assert is_json_media_type("application/json; charset=utf-8") and is_json_media_type("application/problem+json")
+    assert not is_json_media_type("text/plain") and not is_json_media_type(None)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+    lambda children: st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=8), children, max_size=5),
+    max_leaves=30,
+)
+
+
+@FEW
+@given(body=st.binary(max_size=300), content_type=st.sampled_from(CONTENT_TYPES))
+def test_arbitrary_bytes_raise_nothing_but_request_error(body, content_type):
+    try:
+        parsed = parse_request(body, LIMITS, content_type)
+    except RequestError as err:
+        assert 400 <= err.status < 500
+    else:
+        assert parsed.texts and all(t.strip() for t in parsed.texts)
+
+
+@FEW
+@given(value=json_values, key=st.sampled_from(["text", "texts", "other"]), as_bytes=st.booleans())
+def test_arbitrary_json_raises_nothing_but_request_error(value, key, as_bytes):
+    for payload in (value, {key: value}):
+        body = json.dumps(payload).encode() if as_bytes else payload  # json.dumps writes NaN and "\ud800" too
+        try:
+            parsed = parse_request(body, LIMITS, "application/json")
+        except RequestError as err:
+            assert 400 <= err.status < 500
+        else:
+            assert all(isinstance(t, str) and t.strip() for t in parsed.texts)
+
+
+@FEW
+@given(depth=st.integers(0, 3000), as_bytes=st.booleans())
+def test_any_nesting_depth_is_refused_or_parsed_without_recursion(depth, as_bytes):
+    body = b"[" * depth + b"1" + b"]" * depth if as_bytes else nested(depth, 1)
+    with pytest.raises(RequestError) as err:
+        parse_request(body, Limits(max_body_bytes=100_000), "application/json")
+    assert ("levels deep" in err.value.message or "depth" in err.value.message) if depth > 8 else \
+        "must be an object" in err.value.message
+
+
+@dataclass(frozen=True)
+class Verdict:
+    label: str
+    score: float
+
+
+class FakeScorer:
+    """A model stand-in: texts holding BOOM fail tokenization, texts holding POISON fail any batch they are in."""
+
+    def __init__(self) -> None:
+        self.batches: list[int] = []
+
+    def encode(self, texts):
+        if any("BOOM" in t for t in texts):
+            raise RuntimeError("tokenizer crashed")
+        return list(texts)
+
+    def score(self, encoded):
+        self.batches.append(len(encoded))
+        if any("POISON" in t for t in encoded):
+            raise RuntimeError("forward pass crashed")
+        return [Verdict("positive" if len(t) % 2 else "negative", 0.75) for t in encoded]
+
+
+valid_texts = st.text(min_size=1, max_size=40).filter(lambda t: t.strip() and "BOOM" not in t and "POISON" not in t)
+valid_requests = st.one_of(
+    valid_texts.map(lambda t: (json.dumps({"text": t}).encode(), "application/json")),
+    st.lists(valid_texts, min_size=1, max_size=4).map(lambda ts: ({"texts": ts}, "application/json")),
+    valid_texts.filter(lambda t: not t.lstrip().startswith(("{", "["))).map(lambda t: (t.encode(), "text/plain")),
+)
+hostile_requests = st.one_of(
+    st.sampled_from(POISON),
+    st.binary(max_size=60).map(lambda b: (b"\xff" + b, None)),
+    json_values.filter(lambda v: not isinstance(v, dict)).map(lambda v: (v, "application/json")),
+)
+
+
+@FEW
+@given(requests=st.lists(st.tuples(st.booleans(), valid_requests, hostile_requests), min_size=1, max_size=8))
+def test_a_mixed_batch_gets_one_answer_per_request_and_every_valid_one_a_label(requests):
+    batch = [valid if is_valid else hostile for is_valid, valid, hostile in requests]
+    answers = answer_batch(batch, FakeScorer(), LIMITS, "m")
+    assert len(answers) == len(batch)
+    for (is_valid, _, _), answer in zip(requests, answers, strict=True):
+        if is_valid:
+            assert answer.status == 200, answer.body
+            labels = answer.body if isinstance(answer.body, list) else [answer.body]
+            assert all(item["label"] in ("positive", "negative") and item["model"] == "m" for item in labels)
+        else:
+            assert 400 <= answer.status < 500 and answer.body["status"] == answer.status
+
+
+def test_a_request_that_breaks_the_model_fails_alone():
+    scorer = FakeScorer()
+    batch = [(b'{"text": "fine"}', None), (b'{"texts": ["ok", "POISON here"]}', None), (b"BOOM", "text/plain"),
+             (b'{"text": "also fine"}', None)]
+    answers = answer_batch(batch, scorer, LIMITS, "m")
+    assert [a.status for a in answers] == [200, 500, 500, 200]
+    assert "internal error" in answers[1].body["error"] and answers[2].body["status"] == 500
+    assert scorer.batches == [4, 1, 2, 1]  # one batch of every survivor's text, then each request alone
+    assert answers[0].body["label"] == "negative" and answers[3].body["label"] == "positive"
+
+
+class Context:
+    """What the handler uses of TorchServe's context."""
+
+    def __init__(self, content_types: list[str | None]) -> None:
+        self.content_types = content_types
+        self.statuses: dict[int, int] = {}
+        self.types: dict[int, str] = {}
+
+    def get_all_request_header(self, idx: int) -> dict[str, object]:
+        return {"body": {"content-type": self.content_types[idx]}}
+
+    def set_response_status(self, code: int, phrase: str = "", idx: int = 0) -> None:
+        self.statuses[idx] = code
+
+    def set_response_content_type(self, idx: int, value: str) -> None:
+        self.types[idx] = value
+
+
+@pytest.fixture(scope="module")
+def handler(tiny_model_dir):
+    h = SentimentHandler()
+    h.limits = LIMITS
+    h.predictor = SentimentPredictor(tiny_model_dir, max_chars=LIMITS.max_chars_per_text)
+    h.model_label = "imdb-sentiment:v1/test"
+    h.initialized = True
+    return h
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests=st.lists(st.tuples(st.booleans(), valid_requests, hostile_requests), min_size=1, max_size=8))
+def test_the_real_handler_answers_each_request_of_a_hostile_batch(handler, requests):
+    batch = [valid if is_valid else hostile for is_valid, valid, hostile in requests]
+    context = Context([content_type for _, content_type in batch])
+    answers = [json.loads(a) for a in handler.handle([{"body": body} for body, _ in batch], context)]
+    assert len(answers) == len(batch) and set(context.statuses) == set(range(len(batch)))
+    assert set(context.types.values()) == {"application/json"}
+    for idx, (is_valid, _, _) in enumerate(requests):
+        if is_valid:
+            assert context.statuses[idx] == 200, answers[idx]
+            labels = answers[idx] if isinstance(answers[idx], list) else [answers[idx]]
+            assert all(item["label"] in ("positive", "negative") for item in labels)
+        else:
+            assert 400 <= context.statuses[idx] < 500 and answers[idx]["status"] == context.statuses[idx]
+
+
+def test_the_issue_17_batch_poison_and_valid_together(handler):
+    """The batch from the report: poison payloads beside valid reviews; every valid one is scored."""
+    valid = [({"text": f"review {i} was {'great' if i % 2 else 'awful'}"}, "application/json") for i in range(4)]
+    batch = [valid[0], POISON[0], valid[1], POISON[1], POISON[2], valid[2], POISON[3], valid[3]]
+    context = Context([content_type for _, content_type in batch])
+    answers = [json.loads(a) for a in handler.handle([{"data": body} for body, _ in batch], context)]
+    statuses = [context.statuses[i] for i in range(len(batch))]
+    assert [statuses[i] for i in (0, 2, 5, 7)] == [200] * 4
+    assert all(400 <= statuses[i] < 500 for i in (1, 3, 4, 6)), statuses
+    expected = handler.predictor.predict([body["text"] for body, _ in valid])
+    got = [answers[i] for i in (0, 2, 5, 7)]
+    assert [g["label"] for g in got] == [e.label for e in expected]

@@ -1,0 +1,34 @@
+"""Unit: the serving soak's malformed mix and target check (the load itself needs a running server)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.serve_load import malformed_bodies, table, targets
+from serving.protocol import Limits, RequestError, parse_request
+
+
+def test_every_kind_of_malformed_request_is_refused_by_the_protocol():
+    limits = Limits(max_texts=4, max_body_bytes=2048)
+    kinds = malformed_bodies(limits.max_body_bytes, limits.max_texts)
+    assert len({kind for kind, _, _ in kinds}) == len(kinds) >= 8
+    for _, body, content_type in kinds:
+        with pytest.raises(RequestError):
+            parse_request(body, limits, content_type)
+
+
+
+def _row(concurrency, errors=0, ok_pct=100.0, p50=10.0, p99=20.0, ratio=0.9):
+    return {"concurrency": concurrency, "valid_sent": 100, "valid_ok_pct": ok_pct, "valid_errors": errors,
+            "malformed_4xx_pct": 100.0, "p50_ms": p50, "p99_ms": p99, "requests_per_s": 50.0,
+            "in_process_per_s": 50.0 / ratio, "served_vs_in_process": ratio}
+
+
+def test_targets_read_the_sweep():
+    good = targets([_row(1), _row(8), _row(32)], 0.1)
+    assert all(good.values())
+    bad = targets([_row(1, errors=1, ok_pct=99.0), _row(8, p99=31.0, ratio=0.7)], 0.1)
+    assert not any(bad.values())
+    assert targets([_row(1)], 0.0)["p99_at_most_3x_p50_at_8"] is None
+    assert targets([_row(8)], 0.0)["all_valid_answered_200_with_malformed_mixed_in"] is None
+    assert "| 8 | 100 | 100.00 | 0 |" in table([_row(8)])
