@@ -97,33 +97,6 @@ def export_onnx(model: torch.nn.Module, path: Path, max_length: int, opset: int 
     onnx.checker.check_model(str(path), full_check=True)
 
 
-def export_onnx_for_fusion(model: torch.nn.Module, path: Path, max_length: int, opset: int = 17) -> None:
-    """An ONNX graph shaped for onnxruntime's BERT fusions, used only as the input of INT8 quantization.
-
-    onnxruntime's transformer optimizer recognises attention in the graph the TorchScript-based exporter
-    writes for eager (unfused) attention; on the torch.export graph it fuses only SkipLayerNorm and
-    BiasGelu. The fused `Attention` op is what `quantize_dynamic` turns into `QAttention` (INT8 QKV
-    projection with the attention kept in one kernel). The `fp32-onnx` variant itself stays on the
-    torch.export-based exporter; the fused graph is checked for parity against it before quantizing.
-    """
-    import warnings
-
-    model.set_attn_implementation("eager")  # the caller's model is switched for good: pass one you own
-    wrapper = LogitsModule(model).eval()
-    axes = {"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "sequence"},
-            "logits": {0: "batch"}}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        with warnings.catch_warnings(), torch.no_grad():
-            warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer warnings
-            example = example_inputs(max_length, device=device_of(model))
-            torch.onnx.export(wrapper, example, str(path), dynamo=False, opset_version=opset,
-                              input_names=["input_ids", "attention_mask"], output_names=["logits"],
-                              dynamic_axes=axes)
-    except Exception as exc:
-        raise ExportError(f"ONNX export for fusion failed: {type(exc).__name__}: {exc}") from exc
-
-
 @dataclass(frozen=True)
 class Parity:
     """How far a variant's logits are from the reference on the same batch."""

@@ -1,56 +1,114 @@
-"""onnxruntime's BERT fusion (one `Attention` op per layer, SkipLayerNorm, BiasGelu) of an exported graph,
-checked against a reference on real reviews; shared by `int8-dynamic` and `int8-pruned`."""
+"""onnxruntime's BERT fusions (one `Attention` op per layer, SkipLayerNorm, BiasGelu) of the torch.export-based
+ONNX graph, done by onnxscript's onnxruntime fusion rewriter and checked against a reference on real reviews;
+shared by `int8-dynamic` and `int8-pruned`."""
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pipeline.variants.export import (
-    export_onnx_for_fusion,
-    inference_model,
-    parity,
-)
+from pipeline.variants.export import export_onnx, inference_model, parity
 from pipeline.variants.runners import OrtRunner, Runner
+
+if TYPE_CHECKING:
+    import onnx_ir as ir
 
 log = logging.getLogger(__name__)
 
 # The fused graph must compute what fp32-onnx computes: fusion reorders float sums, nothing more.
 FUSION_TOLERANCE = 1e-4
+MS_DOMAIN = "com.microsoft"
 
 
-def optimize_for_quantization(src: Path, dst: Path, num_heads: int, hidden_size: int) -> dict[str, int]:
-    """onnxruntime's transformer fusions (Attention, SkipLayerNorm, BiasGelu) before quantizing; returns counts.
+def optimize_for_quantization(src: Path, dst: Path) -> dict[str, int]:
+    """onnxscript's onnxruntime fusions of a torch.export-based ONNX file before quantizing; returns the fused
+    (com.microsoft) operators of the result by type.
 
-    The embedding fusion is left off: `EmbedLayerNormalization` would keep the word-embedding table (half
-    of MiniLM's weights) in float, while a plain `Gather` is quantized to INT8 with the rest.
+    `optimize_for_ort` fuses each layer's scaled-dot-product attention with its Q/K/V projections into one
+    `Attention` op (which `quantize_dynamic` turns into `QAttention`: INT8 QKV projection, attention in one
+    kernel), residual Add + LayerNorm into `SkipLayerNormalization` and bias + GELU into `BiasGelu`.
+    onnxruntime's own transformer optimizer finds no attention in this graph (it fuses only SkipLayerNorm
+    and BiasGelu there). The embeddings are not fused into `EmbedLayerNormalization`, which would keep the
+    word-embedding table (half of MiniLM's weights) in float; a plain `Gather` is quantized with the rest.
+    Two edits make the fused `Attention` ops quantizable, see `padding_mask_as_mask_index`.
     """
-    from onnxruntime.transformers.fusion_options import FusionOptions
-    from onnxruntime.transformers.optimizer import optimize_model
+    import onnx_ir as ir
+    from onnxscript.rewriter.ort_fusions import optimize_for_ort
 
-    options = FusionOptions("bert")
-    options.enable_embed_layer_norm = False
-    model = optimize_model(str(src), model_type="bert", num_heads=num_heads, hidden_size=hidden_size,
-                           opt_level=1, optimization_options=options)
-    # Stale intermediate shapes from the exporter's example batch confuse later shape inference.
-    del model.model.graph.value_info[:]
-    model.save_model_to_file(str(dst))
-    return {k: int(v) for k, v in model.get_fused_operator_statistics().items() if v}
+    model, _ = optimize_for_ort(ir.load(str(src)))
+    padding_mask_as_mask_index(model)
+    ir.save(model, str(dst))
+    return dict(sorted(Counter(n.op_type for n in model.graph if n.domain == MS_DOMAIN).items()))
 
+
+def padding_mask_as_mask_index(model: ir.Model, mask_input: str = "attention_mask") -> int:
+    """Feed every fused `Attention` the padding mask as its `mask_index` input; returns how many were changed.
+
+    onnxscript passes the mask as an additive `attention_bias` (the exporter's 4-D float mask built from
+    `attention_mask`), an input `QAttention` does not have: onnxruntime's quantizer would drop it and attend to
+    padding. For an encoder that bias is the key padding mask, which `Attention` takes directly as the raw
+    (batch, sequence) 0/1 `mask_index`. Only a bias computed from `mask_input` alone is replaced; the parity
+    check against fp32-onnx on padded reviews (`fused_graph`) catches any other meaning. The
+    `qkv_hidden_sizes` attribute is dropped where Q, K and V are equally wide (the op's default), since
+    onnxruntime's quantizer leaves an `Attention` that carries it in float.
+    """
+    import onnx_ir as ir
+    from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+    graph = model.graph
+    mask = next((v for v in graph.inputs if v.name == mask_input), None)
+    mask_index: ir.Value | None = None
+    changed = 0
+    for node in list(graph):
+        if node.op_type != "Attention" or node.domain != MS_DOMAIN:
+            continue
+        sizes = node.attributes.get("qkv_hidden_sizes")
+        if sizes is not None and len(set(sizes.as_ints())) == 1:
+            node.attributes.pop("qkv_hidden_sizes")
+        inputs = list(node.inputs) + [None] * (6 - len(node.inputs))
+        if mask is None or inputs[3] is not None or inputs[5] is None or _graph_inputs_of(inputs[5]) != {mask_input}:
+            continue
+        if mask_index is None:  # one int32 cast of the graph input, shared by every layer
+            cast = ir.node("Cast", [mask], {"to": ir.DataType.INT32}, name="attention_mask_index",
+                           outputs=[ir.Value(name="attention_mask_index")])
+            graph.insert_before(graph.node(0), cast)
+            mask_index = cast.outputs[0]
+        node.replace_input_with(3, mask_index)
+        node.replace_input_with(5, None)
+        changed += 1
+    RemoveUnusedNodesPass()(model)
+    return changed
+
+
+def _graph_inputs_of(value: ir.Value) -> set[str]:
+    """Names of the graph inputs `value` is computed from."""
+    seen: set[int] = set()
+    found: set[str] = set()
+    stack: list[ir.Value | None] = [value]
+    while stack:
+        v = stack.pop()
+        if v is None or id(v) in seen:
+            continue
+        seen.add(id(v))
+        if v.is_graph_input():
+            found.add(v.name or "")
+        producer = v.producer()
+        if producer is not None:
+            stack.extend(producer.inputs)
+    return found
 
 
 @dataclass(frozen=True)
 class FusionCheck:
-    """What a fused graph must reproduce and the model shape onnxruntime's fusion needs to find attention."""
+    """What a fused graph must reproduce, on which reviews, and how many attention blocks it should fuse."""
 
     reference: Runner
     reference_name: str
-    num_heads: int
-    hidden_size: int
     num_layers: int
     max_length: int
     reviews: list[np.ndarray]  # real reviews the fused graph is compared on
@@ -58,24 +116,29 @@ class FusionCheck:
 
 
 def fused_graph(model: Any, cls_readout: bool, check: FusionCheck, tmp: Path) -> tuple[Path, dict[str, Any]]:
-    """Export `model` (with the [CLS] readout when asked and possible, see `inference_model`) for onnxruntime's
-    BERT fusion, fuse it, and check it against `check.reference` on real reviews.
+    """Export `model` (with the [CLS] readout when asked and possible, see `inference_model`) with the
+    torch.export-based exporter, fuse it (`optimize_for_quantization`), and check it against
+    `check.reference` on real reviews.
 
     A readout last layer does not fuse (its single query is left as plain MatMuls), so one fewer of the
-    `num_layers` attention blocks is expected then."""
+    `num_layers` attention blocks is expected then. The model is exported with eager attention (and left
+    switched to it: pass one you own): the exporter's decomposition of `scaled_dot_product_attention` keeps a
+    no-op Reshape for single-head layers (a pruned model) that onnxscript's attention pattern does not match,
+    while the eager graph fuses at any head count."""
     from pipeline.variants.onnx_int8 import QuantizeError
 
+    model.set_attn_implementation("eager")
     graph, readout = inference_model(model, cls_readout)
     num_layers = check.num_layers - int(readout["cls_readout"])
     raw, fused = tmp / "for-fusion.onnx", tmp / "fused.onnx"
-    export_onnx_for_fusion(graph, raw, check.max_length)
-    counts = optimize_for_quantization(raw, fused, check.num_heads, check.hidden_size)
+    export_onnx(graph, raw, check.max_length)
+    counts = optimize_for_quantization(raw, fused)
     p = parity(check.reference, OrtRunner(fused, optimization="disable"), check.reviews, check.pad_id)
     if p.max_abs_diff > FUSION_TOLERANCE:
         raise QuantizeError(f"fused graph disagrees with {check.reference_name}: "
                             f"max |logit diff| {p.max_abs_diff:.2e}")
     if counts.get("Attention", 0) != num_layers:
-        log.warning("onnxruntime fused %d of %d attention blocks; the rest are quantized as plain MatMuls",
+        log.warning("onnxscript fused %d of %d attention blocks; the rest are quantized as plain MatMuls",
                     counts.get("Attention", 0), num_layers)
     return fused, {**readout, "fusions": counts, "fused_attention": counts.get("Attention", 0),
                    "fused_parity_max_abs_diff": p.max_abs_diff}

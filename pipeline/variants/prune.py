@@ -375,12 +375,10 @@ def run_prune(finetuned: Path, tokenized: Path, variants_root: Path, all_params:
     batches = [tuple(torch.from_numpy(a) for a in pad_batch(seqs[i : i + step], pad))
                for i in range(0, len(seqs), step)]
     student, report = prune_encoder(model, batches, params.heads, params.ffn_width, params.damp)
-    heads, head_dim = report["heads"], int(model.config.hidden_size) // int(model.config.num_attention_heads)
 
     with tempfile.TemporaryDirectory(prefix="prune-") as tmp:
-        check = FusionCheck(eager_runner(student), "the pruned model", heads, heads * head_dim,
-                            int(model.config.num_hidden_layers), max_length_of(meta),
-                            read_tokenized(tokenized, "val")["input_ids"].tolist()[:16], pad)
+        check = FusionCheck(eager_runner(student), "the pruned model", int(model.config.num_hidden_layers),
+                            max_length_of(meta), read_tokenized(tokenized, "val")["input_ids"].tolist()[:16], pad)
         fused, fusion = fused_graph(student, all_params.export.cls_readout, check, Path(tmp))
         out.mkdir(parents=True, exist_ok=True)
         quantize_dynamic_onnx(fused, out / "model.onnx", quantize.per_channel, reduce_range.value)

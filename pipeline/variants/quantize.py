@@ -110,7 +110,7 @@ def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, variants_roo
 
 def _graph_for_quantization(model: Any, fp32_onnx: Path, inputs: QuantizeInputs, params: QuantizeParams,
                             arch: dict[str, Any], seqs: list[np.ndarray]) -> tuple[Path, dict[str, Any]]:
-    """The graph `int8-dynamic` quantizes (onnxruntime-fused, attention included, when `optimize_graph`)
+    """The graph `int8-dynamic` quantizes (fused for onnxruntime, attention included, when `optimize_graph`)
     and what the fusion did.
 
     The fused graph is checked against `fp32-onnx` on real reviews, and a fusion that finds fewer attention
@@ -118,9 +118,8 @@ def _graph_for_quantization(model: Any, fp32_onnx: Path, inputs: QuantizeInputs,
     """
     if not params.optimize_graph:
         return fp32_onnx, {}
-    check = FusionCheck(OrtRunner(fp32_onnx, optimization="disable"), "fp32-onnx", int(arch["num_heads"]),
-                        int(arch["hidden_size"]), int(arch["num_layers"]), max_length_of(inputs.meta), seqs,
-                        inputs.pad_id)
+    check = FusionCheck(OrtRunner(fp32_onnx, optimization="disable"), "fp32-onnx", int(arch["num_layers"]),
+                        max_length_of(inputs.meta), seqs, inputs.pad_id)
     return fused_graph(model, inputs.cls_readout, check, inputs.tmp)
 
 

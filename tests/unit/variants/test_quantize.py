@@ -43,8 +43,8 @@ def test_every_weight_matmul_is_int8(built):
 
 
 def test_dynamic_quantizes_the_fused_attention(built):
-    """int8-dynamic starts from onnxruntime's fused graph: one QAttention per layer but the [CLS]-readout
-    last one (plain MatMuls for its single query), parity checked."""
+    """int8-dynamic starts from the torch.export-based graph fused for onnxruntime: one QAttention per layer but
+    the [CLS]-readout last one (plain MatMuls for its single query), parity checked, padding masked."""
     import onnx
 
     report = built["quantize"]["int8-dynamic"]
@@ -53,6 +53,9 @@ def test_dynamic_quantizes_the_fused_attention(built):
     graph = onnx.load(str(built["dirs"]["int8-dynamic"] / "model.onnx")).graph
     ops = [n.op_type for n in graph.node]
     assert ops.count("QAttention") == 1 and "Attention" not in ops
+    producer = {out: n for n in graph.node for out in n.output}
+    mask_index = producer[next(n for n in graph.node if n.op_type == "QAttention").input[5]]
+    assert mask_index.op_type == "Cast" and list(mask_index.input) == ["attention_mask"]
     # fused layer: QKV, out, up, down; readout layer: Q, K, V, out, up, down (+ its 2 float activation
     # products); pooler and classifier
     assert report["float_matmuls"] == 2 and report["int8_matmuls"] == 4 + 6 + 2

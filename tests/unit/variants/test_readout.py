@@ -91,16 +91,22 @@ def test_inference_model_records_what_was_exported():
     assert graph is model and record == {"cls_readout": False, "cls_readout_reason": "export.cls_readout is false"}
 
 
-def test_readout_onnx_fuses_the_other_layers_and_keeps_parity(tmp_path):
-    """The graph INT8 builds start from: onnxruntime fuses every attention but the readout layer's."""
-    from pipeline.variants.export import export_onnx_for_fusion
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_readout_onnx_fuses_the_other_layers_and_keeps_parity(tmp_path, attn):
+    """The graph INT8 builds start from (torch.export-based, fused by onnxscript): every attention but the readout
+    layer's is one `Attention` op fed the padding mask as `mask_index`, and the logits are unchanged."""
+    import onnx
+
+    from pipeline.variants.export import export_onnx
     from pipeline.variants.fusion import optimize_for_quantization
     from pipeline.variants.runners import OrtRunner
 
-    model = _tiny(layers=3)
-    export_onnx_for_fusion(cls_readout(model), tmp_path / "raw.onnx", 64)
-    counts = optimize_for_quantization(tmp_path / "raw.onnx", tmp_path / "fused.onnx", 4, 64)
+    model = _tiny(attn, layers=3)
+    export_onnx(cls_readout(model), tmp_path / "raw.onnx", 64)
+    counts = optimize_for_quantization(tmp_path / "raw.onnx", tmp_path / "fused.onnx")
     assert counts["Attention"] == 2
+    attention = [n for n in onnx.load(str(tmp_path / "fused.onnx")).graph.node if n.op_type == "Attention"]
+    assert [list(n.input[3:]) for n in attention] == [["attention_mask_index"]] * 2  # no additive bias left
     ids, mask = _padded()
     with torch.no_grad():
         reference = model(input_ids=ids, attention_mask=mask).logits.numpy()
