@@ -1,6 +1,26 @@
 """Quantization-aware training: every `nn.Linear` (but the FFN down-projections when they are quantized per
 batch) gets fake-quantized inputs and weights, and a short finetune distilled from the FP32 model learns INT8
-rounding; the result is exported and converted like `int8-static`."""
+rounding; the result is exported and converted like `int8-static`.
+
+The fake quantizers are torchao's (`torchao.quantization.pt2e.FakeQuantize` with its moving-average per-tensor
+and per-channel min/max observers: the modules torchao's PT2E QAT inserts, maintained there since
+`torch.ao.quantization` was deprecated). They reproduce what onnxruntime's QDQ conversion does to the same
+tensors: uint8 asymmetric per-tensor activations, int8 symmetric per-channel weights on onnxruntime's grid
+(+-64 with `reduce_range`, else +-127, scale = max |w| / 64 or / 127).
+
+torchao's eager QAT API (`QATConfig` with `IntxFakeQuantizeConfig`, i.e. `FakeQuantizedLinear`) cannot express
+that, which is why it is not used here:
+- activations: its granularities are per token, per axis or per group; `PerTensor()` is refused
+  (`ValueError: Granularity 'PerTensor()' is not supported`), while onnxruntime's static QDQ quantizes each
+  activation with one calibrated range per tensor;
+- weights: its symmetric grids are [-128, 127] (int8) and [-64, 63] (int7) with scale max |w| / 127.5 and
+  / 63.5; onnxruntime's are +-127 and +-64 with max |w| / 127 and / 64, so QAT would learn to round onto a grid
+  0.4-0.8 % off the one the weights are converted to (of 256 random weights, 35 (int8) and 50 (int7) come
+  out of its fake quantization on another level than onnxruntime quantizes them to).
+PT2E QAT proper (`prepare_qat_pt2e`) trains a `torch.export` graph instead of the HF model that the Lightning
+loop, the distillation teacher and the [CLS]-readout export work on; the wrapper below applies the same
+torchao fake quantizers to the HF model's Linear layers in place.
+"""
 
 from __future__ import annotations
 
@@ -17,19 +37,29 @@ from pipeline.core.params import QuantizeParams
 
 log = logging.getLogger(__name__)
 
+# What did the fake quantization, as recorded in the int8-qat variant's record.
+FAKE_QUANT_API = "torchao.quantization.pt2e.FakeQuantize"
+
+
+def weight_qmax(reduce_range: bool) -> int:
+    """onnxruntime's symmetric int8 weight range: [-64, 64] with `reduce_range`, else [-127, 127]."""
+    return 64 if reduce_range else 127
+
 
 # ---------------------------------------------------------------------------------------- QAT
 class FakeQuantLinear(torch.nn.Module):
-    """`nn.Linear` whose input and weight are fake-quantized as onnxruntime's QDQ MatMul will quantize them."""
+    """`nn.Linear` whose input and weight are fake-quantized as onnxruntime's QDQ MatMul will quantize them:
+    the input per tensor to uint8 with a moving-average min/max range (the calibrated range of the
+    conversion), the weight per output channel to symmetric int8 (`weight_qmax`)."""
 
     def __init__(self, linear: torch.nn.Linear, reduce_range: bool = True) -> None:
         super().__init__()
-        from torch.ao.quantization import FakeQuantize, MovingAverageMinMaxObserver, PerChannelMinMaxObserver
+        from torchao.quantization.pt2e import FakeQuantize, MovingAverageMinMaxObserver, PerChannelMinMaxObserver
 
         self.linear = linear
         self.input_fq = FakeQuantize(observer=MovingAverageMinMaxObserver, quant_min=0, quant_max=255,
                                      dtype=torch.quint8, qscheme=torch.per_tensor_affine)
-        qmax = 64 if reduce_range else 127  # onnxruntime's symmetric int8 range: [-64, 64] reduced, else +-127
+        qmax = weight_qmax(reduce_range)
         self.weight_fq = FakeQuantize(observer=PerChannelMinMaxObserver, quant_min=-qmax, quant_max=qmax,
                                       dtype=torch.qint8, qscheme=torch.per_channel_symmetric, ch_axis=0)
 

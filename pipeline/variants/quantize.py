@@ -152,7 +152,7 @@ def _qat(inputs: QuantizeInputs, method: str, out: Path, params: QuantizeParams,
          window: Any = None) -> dict[str, Any]:
     """`int8-qat`: QAT on `params.qat_train_samples` training reviews (in the finetune stage's training window),
     then the static QDQ conversion with the calibration `method` int8-static chose."""
-    from pipeline.variants.qat import qat_finetune
+    from pipeline.variants.qat import FAKE_QUANT_API, qat_finetune
 
     model, _, _ = load_finetuned(inputs.finetuned)
     model.train()
@@ -169,7 +169,7 @@ def _qat(inputs: QuantizeInputs, method: str, out: Path, params: QuantizeParams,
     quantize_static_onnx(fp32, out / "model.onnx", inputs.calibration, method, params, inputs.pad_id,
                          inputs.ffn_width)
     linears = "every Linear but the FFN down-projections (quantized per batch)" if inputs.ffn_width else "every Linear"
-    return {"method": f"QAT (torch.ao FakeQuantize on {linears}) + onnxruntime QDQ", "calibration": method,
+    return {"method": f"QAT ({FAKE_QUANT_API} on {linears}) + onnxruntime QDQ", "calibration": method,
             "qat_samples": result.samples, "qat_steps": result.steps, "qat_epochs": params.qat_epochs,
             "qat_max_length": max(len(ids) for ids in reviews),
             "qat_lr": params.qat_lr, "qat_distillation": params.qat_distillation,

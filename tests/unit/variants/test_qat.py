@@ -1,33 +1,77 @@
-"""Unit: quantization-aware training (fake-quant grid, distillation loss, the int8-qat build)."""
+"""Unit: quantization-aware training (fake quantization as onnxruntime quantizes, wrapping and unwrapping,
+distillation loss, the int8-qat build)."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from pipeline.core.params import QuantizeParams
 from pipeline.modeling import load_finetuned
 
 
-def test_qat_fake_quant_matches_the_reduced_weight_grid():
+def test_qat_fake_quant_is_onnxruntimes_quantization_of_the_same_tensors():
+    """The fake-quantized weight and input are what onnxruntime's QDQ conversion makes of them: per-channel
+    symmetric int8 weights on its grid (+-64 reduced, else +-127) and per-tensor uint8 asymmetric inputs, same
+    scales, zero points and levels."""
     import torch
+    from onnx import TensorProto
+    from onnxruntime.quantization.quant_utils import quantize_data
 
-    from pipeline.variants.qat import FakeQuantLinear
+    from pipeline.variants.qat import FakeQuantLinear, weight_qmax
 
     torch.manual_seed(0)
+    x = 3.0 * torch.randn(4, 6, 32) + 1.0  # one batch: the moving-average range starts at its min/max
     for reduce_range, qmax in ((True, 64), (False, 127)):
+        assert weight_qmax(reduce_range) == qmax
         layer = FakeQuantLinear(torch.nn.Linear(32, 8), reduce_range)
-        layer(torch.randn(4, 32))  # observers see the weight once
+        layer(x)
         w = layer.linear.weight.detach()
-        scale = w.abs().amax(dim=1, keepdim=True) / qmax
-        levels = (layer.weight_fq(w) / scale).detach()
-        assert torch.allclose(levels, levels.round(), atol=1e-3)
-        assert levels.abs().max() <= qmax + 1e-3 and levels.abs().max() >= qmax - 1e-3
+        fake_w = layer.weight_fq(w).detach().numpy()
+        levels = []
+        for row, fake_row, scale in zip(w.numpy(), fake_w, layer.weight_fq.scale.numpy(), strict=True):
+            ort_zero, ort_scale, ort_q = quantize_data(row, TensorProto.INT8, True, reduce_range=reduce_range)
+            assert int(ort_zero) == 0 and np.isclose(scale, ort_scale, rtol=1e-6)
+            np.testing.assert_allclose(fake_row, ort_q.astype(np.float32) * ort_scale, rtol=1e-6, atol=1e-7)
+            levels.append(np.abs(ort_q).max())
+        assert max(levels) == qmax
+        ort_zero, ort_scale, ort_q = quantize_data(x.numpy().ravel(), TensorProto.UINT8, False)
+        assert float(layer.input_fq.scale) == pytest.approx(float(ort_scale), rel=1e-6)
+        assert int(layer.input_fq.zero_point) == int(ort_zero)
+        dequantized = (ort_q.astype(np.float32) - float(ort_zero)) * float(ort_scale)
+        np.testing.assert_allclose(layer.input_fq(x).numpy().ravel(), dequantized, rtol=1e-5, atol=1e-5)
+
+
+def test_fake_quant_wraps_every_linear_but_the_skipped_and_removal_restores_them(tiny_model_dir):
+    """Every Linear gets fake quantization (those with `skip_in_features` inputs excepted); removal puts the
+    same Linear modules back, whose weights QAT trained in place."""
+    import torch
+
+    from pipeline.variants.qat import FakeQuantLinear, add_fake_quant, remove_fake_quant
+
+    model, _, _ = load_finetuned(tiny_model_dir)
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    ffn_down = [m for m in linears.values() if m.in_features == 128]
+    assert len(linears) == 2 * 6 + 2 and len(ffn_down) == 2  # 6 Linear per layer x 2, pooler, classifier
+    assert add_fake_quant(model, skip_in_features=128) == len(linears) - len(ffn_down)
+    wrapped = [m for m in model.modules() if isinstance(m, FakeQuantLinear)]
+    assert len(wrapped) == len(linears) - len(ffn_down)
+    inside = {id(m.linear) for m in wrapped}
+    left = [m for m in model.modules() if type(m) is torch.nn.Linear and id(m) not in inside]
+    assert [m.in_features for m in left] == [128, 128]
+    assert remove_fake_quant(model) == len(wrapped)
+    assert not any(isinstance(m, FakeQuantLinear) for m in model.modules())
+    restored = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert restored.keys() == linears.keys() and all(restored[n] is linears[n] for n in linears)
 
 
 def test_qat_really_trained_with_fake_quant(built):
+    from pipeline.variants.qat import FAKE_QUANT_API
+
     report = built["quantize"]["int8-qat"]
     assert report["fake_quant_layers"] == 2 * 5 + 2  # 5 quantized Linear per layer x 2 layers + pooler + classifier
     assert report["qat_steps"] == 4
+    assert FAKE_QUANT_API in report["method"] and FAKE_QUANT_API.startswith("torchao.")
 
 
 def test_qat_distillation_loss():
