@@ -120,8 +120,9 @@ def fused_graph(model: Any, cls_readout: bool, check: FusionCheck, tmp: Path) ->
     torch.export-based exporter, fuse it (`optimize_for_quantization`), and check it against
     `check.reference` on real reviews.
 
-    A readout last layer does not fuse (its single query is left as plain MatMuls), so one fewer of the
-    `num_layers` attention blocks is expected then. The model is exported with eager attention (and left
+    A readout last layer has no packed Q/K/V projection (its query reads the [CLS] position only), so one fewer
+    of the `num_layers` attention blocks becomes `Attention` then; its attention proper still fuses into a float
+    `MultiHeadAttention`. The model is exported with eager attention (and left
     switched to it: pass one you own): the exporter's decomposition of `scaled_dot_product_attention` keeps a
     no-op Reshape for single-head layers (a pruned model) that onnxscript's attention pattern does not match,
     while the eager graph fuses at any head count."""

@@ -274,11 +274,14 @@ def matmul_census(path: Path) -> dict[str, int]:
 
     graph = onnx.load(str(path), load_external_data=False).graph
     producer = {out: node.op_type for node in graph.node for out in node.output}
-    # A fused float `Attention` node hides its QKV projection: it counts as one float product.
+    # A fused float `Attention` node hides its QKV projection: it counts as one float product. A
+    # `MultiHeadAttention` node (inputs already projected, e.g. the [CLS]-readout layer's) hides the two
+    # activation products, scores and context, which count as the two float MatMuls they replace.
     float_ops = [n for n in graph.node if n.op_type in ("MatMul", "Gemm", "Attention")]
     qdq = [n for n in float_ops if all(producer.get(i) == "DequantizeLinear" for i in n.input[:2])]
     integer = [n for n in graph.node if n.op_type in INTEGER_OPS]
-    return {"int8_matmuls": len(qdq) + len(integer), "float_matmuls": len(float_ops) - len(qdq)}
+    mha = sum(1 for n in graph.node if n.op_type == "MultiHeadAttention")
+    return {"int8_matmuls": len(qdq) + len(integer), "float_matmuls": len(float_ops) - len(qdq) + 2 * mha}
 
 
 def int8_census(directory: Path, name: str) -> dict[str, int]:

@@ -52,12 +52,12 @@ def test_dynamic_quantizes_the_fused_attention(built):
     assert report["fused_attention"] == 1 and report["fused_parity_max_abs_diff"] <= 1e-4
     graph = onnx.load(str(built["dirs"]["int8-dynamic"] / "model.onnx")).graph
     ops = [n.op_type for n in graph.node]
-    assert ops.count("QAttention") == 1 and "Attention" not in ops
+    assert ops.count("QAttention") == 1 and "Attention" not in ops and ops.count("MultiHeadAttention") == 1
     producer = {out: n for n in graph.node for out in n.output}
     mask_index = producer[next(n for n in graph.node if n.op_type == "QAttention").input[5]]
     assert mask_index.op_type == "Cast" and list(mask_index.input) == ["attention_mask"]
     # fused layer: QKV, out, up, down; readout layer: Q, K, V, out, up, down (+ its 2 float activation
-    # products); pooler and classifier
+    # products, fused into one MultiHeadAttention); pooler and classifier
     assert report["float_matmuls"] == 2 and report["int8_matmuls"] == 4 + 6 + 2
 
 
