@@ -35,15 +35,27 @@ def optimize_for_quantization(src: Path, dst: Path) -> dict[str, int]:
     onnxruntime's own transformer optimizer finds no attention in this graph (it fuses only SkipLayerNorm
     and BiasGelu there). The embeddings are not fused into `EmbedLayerNormalization`, which would keep the
     word-embedding table (half of MiniLM's weights) in float; a plain `Gather` is quantized with the rest.
-    Two edits make the fused `Attention` ops quantizable, see `padding_mask_as_mask_index`.
+    Each `Attention` gets its packed Q/K/V weight as one initializer: the rewriter packs them with a `Concat`
+    that its constant folding leaves alone (over its default size limit), and a computed weight would be
+    quantized per call, per tensor, with the float copies kept in the file. Two more edits make the fused ops
+    quantizable, see `padding_mask_as_mask_index`.
     """
     import onnx_ir as ir
+    from onnxscript.optimizer import fold_constants
     from onnxscript.rewriter.ort_fusions import optimize_for_ort
 
     model, _ = optimize_for_ort(ir.load(str(src)))
+    fold_constants(model, should_fold=_packs_attention_weights)
     padding_mask_as_mask_index(model)
     ir.save(model, str(dst))
     return dict(sorted(Counter(n.op_type for n in model.graph if n.domain == MS_DOMAIN).items()))
+
+
+def _packs_attention_weights(node: ir.Node) -> bool | None:
+    """Fold (True) a `Concat` that feeds a fused `Attention`; the folder's default rules (None) for the rest."""
+    if node.op_type == "Concat" and any(c.op_type == "Attention" for c in node.outputs[0].consumers()):
+        return True
+    return None
 
 
 def padding_mask_as_mask_index(model: ir.Model, mask_input: str = "attention_mask") -> int:

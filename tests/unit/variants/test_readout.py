@@ -9,12 +9,12 @@ import torch
 from pipeline.variants.readout import ClsOnlyLayer, ReadoutError, cls_readout, unsupported
 
 
-def _tiny(attn: str = "eager", layers: int = 2) -> torch.nn.Module:
+def _tiny(attn: str = "eager", layers: int = 2, hidden: int = 64) -> torch.nn.Module:
     from transformers import BertConfig, BertForSequenceClassification
 
     torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=2048, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
-                     intermediate_size=128, num_labels=2)
+    cfg = BertConfig(vocab_size=2048, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+                     intermediate_size=2 * hidden, num_labels=2)
     model = BertForSequenceClassification(cfg).eval()
     model.set_attn_implementation(attn)
     return model
@@ -94,19 +94,23 @@ def test_inference_model_records_what_was_exported():
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_readout_onnx_fuses_the_other_layers_and_keeps_parity(tmp_path, attn):
     """The graph INT8 builds start from (torch.export-based, fused by onnxscript): every attention but the readout
-    layer's is one `Attention` op fed the padding mask as `mask_index`, and the logits are unchanged."""
+    layer's is one `Attention` op fed the padding mask as `mask_index` and its packed Q/K/V weight as one
+    initializer (128 wide: over the rewriter's default constant-folding size), and the logits are unchanged."""
     import onnx
 
     from pipeline.variants.export import export_onnx
     from pipeline.variants.fusion import optimize_for_quantization
     from pipeline.variants.runners import OrtRunner
 
-    model = _tiny(attn, layers=3)
+    model = _tiny(attn, layers=3, hidden=128)
     export_onnx(cls_readout(model), tmp_path / "raw.onnx", 64)
     counts = optimize_for_quantization(tmp_path / "raw.onnx", tmp_path / "fused.onnx")
     assert counts["Attention"] == 2
-    attention = [n for n in onnx.load(str(tmp_path / "fused.onnx")).graph.node if n.op_type == "Attention"]
+    graph = onnx.load(str(tmp_path / "fused.onnx")).graph
+    attention = [n for n in graph.node if n.op_type == "Attention"]
     assert [list(n.input[3:]) for n in attention] == [["attention_mask_index"]] * 2  # no additive bias left
+    weights = {i.name: list(i.dims) for i in graph.initializer}
+    assert [weights.get(n.input[1]) for n in attention] == [[128, 3 * 128]] * 2
     ids, mask = _padded()
     with torch.no_grad():
         reference = model(input_ids=ids, attention_mask=mask).logits.numpy()
