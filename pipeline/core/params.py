@@ -163,7 +163,7 @@ class ExportParams:
 class QuantizeParams:
     """INT8 variants: onnxruntime dynamic/static PTQ and QAT."""
 
-    optimize_graph: bool = True  # onnxruntime transformer fusions before dynamic quantization
+    optimize_graph: bool = True  # fusions for onnxruntime (attention, SkipLayerNorm, BiasGelu) before dynamic INT8
     per_channel: bool = True
     calibration_samples: int = 64  # training reviews for static calibration
     calibration_batch_size: int = 16
