@@ -10,6 +10,9 @@ export TOKENIZERS_PARALLELISM := false
 export HF_HUB_DISABLE_TELEMETRY := 1
 export MLFLOW_ENABLE_TELEMETRY := false
 export DO_NOT_TRACK := 1
+# torchao's fake quantizers (QAT) are plain PyTorch; its prebuilt CUDA/mxfp8 kernels fail to load on a CPU-only
+# torch and would say so on every import of transformers.
+export TORCHAO_FORCE_SKIP_LOADING_SO_FILES := 1
 
 .PHONY: run test test-gpu venv lint mlflow-ui serve stop plots
 

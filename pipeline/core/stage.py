@@ -39,6 +39,7 @@ def setup_logging() -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("urllib3", "alembic", "httpx", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    logging.getLogger("torchao").setLevel(logging.ERROR)  # "skipping its C++ kernels": see the Makefile
     for handler in logging.getLogger().handlers:
         if not any(isinstance(f, QuietThirdPartyRootInfo) for f in handler.filters):
             handler.addFilter(QuietThirdPartyRootInfo())
