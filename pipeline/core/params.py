@@ -134,11 +134,20 @@ class TrainParams:
 
 @dataclass(frozen=True)
 class MlflowParams:
-    """Where runs are tracked and under which names."""
+    """Where runs are tracked and under which names.
 
-    tracking_uri: str = "sqlite:///mlflow.db"
+    `tracking_uri` is the default store; the environment variable `MLFLOW_TRACKING_URI` (e.g. a remote
+    `http://host:5000` tracking server) wins over it, so the same params run against a shared server unchanged."""
+
+    tracking_uri: str = "sqlite:///mlflow.db"  # overridden by $MLFLOW_TRACKING_URI when that is set
     experiment: str = "sentiment-pipeline"
-    registered_model_name: str = "imdb-sentiment"
+    registered_model_name: str = "imdb-sentiment"  # the package stage registers the served variant under it
+    champion_alias: str = "champion"  # the alias the package stage moves to the version it packaged
+    system_metrics: bool = True  # the finetune run samples CPU, memory (and GPU) load as `system/*` metrics
+
+    def __post_init__(self) -> None:
+        _require(bool(self.registered_model_name) and bool(self.champion_alias),
+                 "mlflow.registered_model_name and mlflow.champion_alias must not be empty")
 
 
 @dataclass(frozen=True)
