@@ -45,7 +45,7 @@ MODEL_ARTIFACT = "variant"
 #: The models-from-code entry MLflow runs when it loads a predictor model: it builds the model object from
 #: the predictor class named below (imported from the model's own copy of the code, `code_paths`), so
 #: nothing is unpickled at load time.
-MODEL_CODE = """# MLflow models-from-code entry, written by pipeline.core.tracking.log_predictor_model
+MODEL_CODE = """# MLflow models-from-code entry, written by pipeline.core.tracking.StageRun.log_predictor_model
 from pipeline.core.tracking import set_predictor_model
 
 set_predictor_model({target!r})
@@ -153,12 +153,22 @@ class StageRun:
         """Params sections as `section.key`, so the compare view lines stages up."""
         log_params_flat(sections)
 
-    def log_metrics(self, metrics: Mapping[str, Any], model_id: str | None = None) -> None:
+    def log_metrics(self, metrics: Mapping[str, Any], model_id: str | None = None, run_only: bool = False) -> None:
         """Every numeric leaf of a (nested) dict, as `a.b` keys; other values are skipped. With `model_id` the
-        metrics are also the model's (the experiment's models view lines models up by them)."""
+        metrics are also the model's (the experiment's models view lines models up by them). MLflow links a
+        run's metrics to the models that run logged; `run_only` keeps them on the run alone (bookkeeping that
+        should not become a column of the models view)."""
         import mlflow
 
-        mlflow.log_metrics(flatten_numbers(metrics), model_id=model_id)
+        if not run_only:
+            mlflow.log_metrics(flatten_numbers(metrics), model_id=model_id)
+            return
+        from mlflow.entities import Metric
+        from mlflow.utils.time import get_current_time_millis
+
+        now = get_current_time_millis()
+        mlflow.MlflowClient().log_batch(self.run_id, metrics=[Metric(k, v, now, 0)
+                                                              for k, v in flatten_numbers(metrics).items()])
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         """Tags, each value as text cut to MLflow's limit."""

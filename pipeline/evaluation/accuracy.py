@@ -113,6 +113,10 @@ def check_targets(results: dict[str, dict[str, Any]], targets: TargetsParams,
     return lines
 
 
+#: The scores linked to each variant's MLflow model (the benchmark stage adds its timings).
+MODEL_METRICS = ("accuracy", "accuracy_delta_pt", "agreement_with_fp32", "size_mb")
+
+
 def log_variant_runs(results: dict[str, dict[str, Any]], variant_dirs: dict[str, Path], finetuned: Path,
                      params: EvaluateParams, tracking: MlflowParams, serving: PackageParams) -> None:
     """One MLflow child run per variant under the pipeline's parent run, and one MLflow LoggedModel per built
@@ -152,7 +156,9 @@ def log_variant_runs(results: dict[str, dict[str, Any]], variant_dirs: dict[str,
                 ref = run.log_external_model(name, directory, model_params, model_tags, model_type)
                 run.set_tags({"artifact_pointer": Path(directory).resolve()})
             entry.update(ref.to_dict())
-            run.log_metrics(entry, model_id=ref.model_id)
+            run.log_metrics({k: entry[k] for k in MODEL_METRICS if k in entry}, model_id=ref.model_id)
+            # the bookkeeping (timings, counts) stays on the run, out of the models view's columns
+            run.log_metrics({k: v for k, v in entry.items() if k not in MODEL_METRICS}, run_only=True)
 
 
 def accuracy_bars(results: dict[str, dict[str, Any]], path: Path) -> None:

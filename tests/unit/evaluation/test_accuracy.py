@@ -95,6 +95,8 @@ def test_every_built_variant_is_an_mlflow_model_with_its_scores(built, tiny_mode
         assert metrics["accuracy"] == results[name]["accuracy"]
         assert metrics["agreement_with_fp32"] == results[name]["agreement_with_fp32"]
         assert metrics["size_mb"] == results[name]["size_mb"]
+        assert "eval_seconds" not in metrics  # bookkeeping stays on the run, out of the models view
+        assert mlflow.get_run(model.source_run_id).data.metrics["eval_seconds"] == results[name]["eval_seconds"]
         assert model.tags["variant"] == name
     assert [results[n]["model_files"] for n in ("fp32-eager", "fp32-onnx", "int8-static")] == [False, False, True]
     assert models["fp32-onnx"].tags["artifact_pointer"] == str(dirs["fp32-onnx"].resolve())
