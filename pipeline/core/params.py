@@ -510,7 +510,7 @@ def set_value(path: str | Path, dotted_key: str, value: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m pipeline.core.params set KEY=VALUE | overrides PROFILE | check [--params params.yaml]`."""
+    """`python -m pipeline.core.params set KEY=VALUE | get KEY | overrides PROFILE | check [--params params.yaml]`."""
     import argparse
     import shlex
 
@@ -520,9 +520,17 @@ def main(argv: list[str] | None = None) -> None:
     set_cmd.add_argument("assignment", help="dotted.key=value")
     over = sub.add_parser("overrides", help="print the `dvc exp run -S` arguments that apply a profile")
     over.add_argument("profile", type=Path)
+    get_cmd = sub.add_parser("get", help="print one key's value from the validated params (for the Makefile)")
+    get_cmd.add_argument("key", help="dotted.key")
     sub.add_parser("check", help="validate the params file")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
+    if args.command == "get":
+        values = flatten(dataclasses.asdict(load_params(args.params)))
+        if args.key not in values:
+            raise SystemExit(f"unknown key {args.key}")
+        print(values[args.key])
+        return
     if args.command == "overrides":
         print(shlex.join(profile_overrides(args.profile)))
         return
