@@ -44,8 +44,10 @@ test-gpu: $(if $(SYSTEM_PYTHON),,venv)
 lint: venv
 	$(BIN)/ruff check .
 
-## mlflow-ui: browse runs, metrics and the model registry at http://127.0.0.1:5000
+## mlflow-ui: browse runs, the variants' models, metrics and the model registry at http://127.0.0.1:5000
+## (the link printed opens MLflow's model-training view; the UI otherwise starts in its GenAI view)
 mlflow-ui: venv
+	@echo "open http://127.0.0.1:5000/#/experiments?workflowType=machine_learning"
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port 5000
 
 plots: venv
