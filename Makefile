@@ -14,7 +14,7 @@ export DO_NOT_TRACK := 1
 # torch and would say so on every import of transformers.
 export TORCHAO_FORCE_SKIP_LOADING_SO_FILES := 1
 
-.PHONY: run test test-gpu venv lint mlflow-ui serve stop plots
+.PHONY: run test test-gpu venv lint mlflow-ui serve serve-mlflow stop plots
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -47,12 +47,25 @@ test-gpu: $(if $(SYSTEM_PYTHON),,venv)
 lint: venv
 	$(BIN)/ruff check .
 
-## mlflow-ui: browse runs, metrics and the model registry at http://127.0.0.1:5000
+## mlflow-ui: browse runs, the variants' models, metrics and the model registry at http://127.0.0.1:5000
+## (the link printed opens MLflow's model-training view; the UI otherwise starts in its GenAI view)
 mlflow-ui: venv
+	@echo "open http://127.0.0.1:5000/#/experiments?workflowType=machine_learning"
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port 5000
 
 plots: venv
 	$(BIN)/dvc plots show && echo "open dvc_plots/index.html"
+
+## serve-mlflow: MLflow's scoring server for models:/<mlflow.registered_model_name>@<mlflow.champion_alias>, the variant
+## `make run` packaged, on 127.0.0.1:$(MLFLOW_PORT) (POST /invocations); the store is $$MLFLOW_TRACKING_URI when set,
+## else params' mlflow.tracking_uri. Runs in the foreground: Ctrl-C stops it.
+MLFLOW_PORT ?= 5001
+PARAM = $(BIN)/python -m pipeline.core.params get
+serve-mlflow: venv
+	@export MLFLOW_TRACKING_URI="$${MLFLOW_TRACKING_URI:-$$($(PARAM) mlflow.tracking_uri)}" && \
+	uri="models:/$$($(PARAM) mlflow.registered_model_name)@$$($(PARAM) mlflow.champion_alias)" && \
+	echo "serving $$uri from $$MLFLOW_TRACKING_URI at http://127.0.0.1:$(MLFLOW_PORT)/invocations" && \
+	$(BIN)/mlflow models serve -m "$$uri" --env-manager local --host 127.0.0.1 --port $(MLFLOW_PORT)
 
 ## serve: start TorchServe on 127.0.0.1:8080 with model_store/sentiment.mar (`make run` builds it); stop: `make stop`
 serve: venv

@@ -19,13 +19,9 @@ def main(argv: list[str] | None = None) -> None:
 
     def body() -> None:
         from pipeline.core.params import load_params
-        from pipeline.core.tracking import tracked_stage
-        from pipeline.data.prepare import prepare
+        from pipeline.data.prepare import run_prepare_stage
 
-        params = load_params(args.params)
-        tracked_stage(params, "prepare", ("data", "model"),
-                      lambda: prepare(params.data, params.model, args.prepared, args.tokenized, args.metrics),
-                      artifacts=(args.metrics,))
+        run_prepare_stage(load_params(args.params), args.prepared, args.tokenized, args.metrics)
 
     run_stage("prepare", body)
 

@@ -37,6 +37,13 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def no_outside_tracking_server(monkeypatch):
+    """A tracking server named in the caller's environment wins over params (`pipeline.core.tracking`); the
+    tests pick their own stores, so it is removed (the remote-server tests set their own)."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+
+
 @pytest.fixture(scope="session")
 def imdb_dir() -> Path:
     """The offline IMDB copy; the tests need it (CI has it beside the checkout)."""
@@ -110,8 +117,9 @@ def repo(tmp_path_factory) -> Path:
     for name, values in MINI.items():
         raw[name].update(values)
     (d / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-           "PIPELINE_RUN_ID": "e2e-test", "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+    env = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"},  # the copy's own sqlite store
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PIPELINE_RUN_ID": "e2e-test",
+           "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
            "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
     for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "copy"]):
         subprocess.run(cmd, cwd=d, env=env, check=True)

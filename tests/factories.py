@@ -44,3 +44,59 @@ def write_tokenized(directory: Path, sizes: dict[str, int], max_length: int = 64
         frame = tokenize_frame(synthetic_reviews(n, seed), tok, DataParams(max_length=max_length))
         frame.to_parquet(directory / f"{split}.parquet")
     return directory
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on right now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(cmd: list[str], env: dict[str, str], cwd: Path, ready_url: str, log: Path,
+                 timeout: float = 180):
+    """Start `cmd` in a process group of its own (so `stop_server` ends it and every worker it spawned) and wait
+    until `ready_url` answers 200; on failure the group is stopped and the log's tail is raised."""
+    import subprocess
+    import time
+    import urllib.error
+    import urllib.request
+
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            break
+        try:
+            with urllib.request.urlopen(ready_url, timeout=5) as resp:
+                if resp.status == 200:
+                    return proc
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.5)
+    stop_server(proc)
+    raise TimeoutError(f"{cmd[:4]} not ready at {ready_url} (exit {proc.returncode}); log tail:\n"
+                       f"{log.read_text(errors='replace')[-4000:]}")
+
+
+def stop_server(proc) -> None:
+    """End the process group `start_server` started: SIGTERM, SIGKILL if its leader is still there after 20 s,
+    and SIGKILL for any worker of the group that outlived the leader."""
+    import contextlib
+    import os
+    import signal
+    import subprocess
+
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)

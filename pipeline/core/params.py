@@ -134,11 +134,20 @@ class TrainParams:
 
 @dataclass(frozen=True)
 class MlflowParams:
-    """Where runs are tracked and under which names."""
+    """Where runs are tracked and under which names.
 
-    tracking_uri: str = "sqlite:///mlflow.db"
+    `tracking_uri` is the default store; the environment variable `MLFLOW_TRACKING_URI` (e.g. a remote
+    `http://host:5000` tracking server) wins over it, so the same params run against a shared server unchanged."""
+
+    tracking_uri: str = "sqlite:///mlflow.db"  # overridden by $MLFLOW_TRACKING_URI when that is set
     experiment: str = "sentiment-pipeline"
-    registered_model_name: str = "imdb-sentiment"
+    registered_model_name: str = "imdb-sentiment"  # the package stage registers the served variant under it
+    champion_alias: str = "champion"  # the alias the package stage moves to the version it packaged
+    system_metrics: bool = True  # the finetune run samples CPU, memory (and GPU) load as `system/*` metrics
+
+    def __post_init__(self) -> None:
+        _require(bool(self.registered_model_name) and bool(self.champion_alias),
+                 "mlflow.registered_model_name and mlflow.champion_alias must not be empty")
 
 
 @dataclass(frozen=True)
@@ -501,7 +510,7 @@ def set_value(path: str | Path, dotted_key: str, value: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m pipeline.core.params set KEY=VALUE | overrides PROFILE | check [--params params.yaml]`."""
+    """`python -m pipeline.core.params set KEY=VALUE | get KEY | overrides PROFILE | check [--params params.yaml]`."""
     import argparse
     import shlex
 
@@ -511,9 +520,17 @@ def main(argv: list[str] | None = None) -> None:
     set_cmd.add_argument("assignment", help="dotted.key=value")
     over = sub.add_parser("overrides", help="print the `dvc exp run -S` arguments that apply a profile")
     over.add_argument("profile", type=Path)
+    get_cmd = sub.add_parser("get", help="print one key's value from the validated params (for the Makefile)")
+    get_cmd.add_argument("key", help="dotted.key")
     sub.add_parser("check", help="validate the params file")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
+    if args.command == "get":
+        values = flatten(dataclasses.asdict(load_params(args.params)))
+        if args.key not in values:
+            raise SystemExit(f"unknown key {args.key}")
+        print(values[args.key])
+        return
     if args.command == "overrides":
         print(shlex.join(profile_overrides(args.profile)))
         return

@@ -1,17 +1,29 @@
-"""MLflow: one parent run per pipeline execution, one child run per stage (and per variant).
+"""MLflow: one parent run per pipeline execution, one child run per stage (and per variant), the variants as
+MLflow models, and the registry's champion alias.
 
 Stages run as separate processes under `dvc repro`, so they find their shared parent by a tag:
 `pipeline.run_id`, taken from `PIPELINE_RUN_ID` (set once per `make run`) or, when `dvc repro` is
-called directly, derived from the git commit (plus `-dirty` for uncommitted changes)."""
+called directly, derived from the git commit (plus `-dirty` for uncommitted changes).
+
+This is the only module that imports MLflow (a test checks it): the stages call `StageRun`'s methods and the
+functions below, so a change of MLflow API is a change here alone."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 import os
+import shutil
 import subprocess
+import sys
+import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import pandas as pd  # at module level: MLflow resolves the predictor model's `pd.DataFrame` hints against it
 
 from pipeline.core.params import MlflowParams, Params, flatten
 
@@ -19,6 +31,30 @@ RUN_ID_TAG = "pipeline.run_id"
 
 
 ROLE_TAG = "pipeline.role"
+
+#: MLflow 3 opens an experiment by this tag: `custom_model_development` is its model-training view (runs,
+#: models, charts); without the tag a new experiment may open in the GenAI overview ("Traces: 0").
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+
+#: The column a served model reads (one review per row) and the columns it answers.
+TEXT_COLUMN = "text"
+OUTPUT_COLUMNS = ("label", "score")
+#: The key under which a logged model's variant directory is stored among its artifacts.
+MODEL_ARTIFACT = "variant"
+#: The models-from-code entry MLflow runs when it loads a predictor model: it builds the model object from
+#: the predictor class named below (imported from the model's own copy of the code, `code_paths`), so
+#: nothing is unpickled at load time.
+MODEL_CODE = """# MLflow models-from-code entry, written by pipeline.core.tracking.StageRun.log_predictor_model
+from pipeline.core.tracking import set_predictor_model
+
+set_predictor_model({target!r})
+"""
+
+
+def tracking_uri(params: MlflowParams) -> str:
+    """The tracking store: `$MLFLOW_TRACKING_URI` when set (a remote server, `http://host:port`), else params'."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or params.tracking_uri
 
 
 def pipeline_run_id() -> str:
@@ -45,11 +81,15 @@ def git_commit() -> str:
 
 
 def configure(params: MlflowParams) -> str:
-    """Point MLflow at the configured store and experiment; returns the experiment id."""
+    """Point MLflow at the store (`tracking_uri`) and the experiment, marked as a model-training experiment;
+    returns the experiment id."""
     import mlflow
 
-    mlflow.set_tracking_uri(params.tracking_uri)
-    return mlflow.set_experiment(params.experiment).experiment_id
+    mlflow.set_tracking_uri(tracking_uri(params))
+    experiment = mlflow.set_experiment(params.experiment)
+    if experiment.tags.get(EXPERIMENT_KIND_TAG) != EXPERIMENT_KIND:
+        mlflow.MlflowClient().set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+    return experiment.experiment_id
 
 
 def parent_run_id(params: MlflowParams) -> str:
@@ -76,6 +116,24 @@ TAG_LIMIT = 5000  # MLflow's limit on a tag value's length
 PARAM_LIMIT = 500  # params longer than this (nested dicts and lists) are cut, their files hold the whole value
 
 
+@dataclass(frozen=True)
+class LoggedModelRef:
+    """An MLflow LoggedModel of this pipeline: its id, its `models:/` URI, and whether MLflow holds its files
+    (False: an external model whose files stay at the path in its `artifact_pointer` tag)."""
+
+    model_id: str
+    uri: str
+    files: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model_id": self.model_id, "model_uri": self.uri, "model_files": self.files}
+
+
+def text_values(values: Mapping[str, Any], limit: int) -> dict[str, str]:
+    """Every value as text cut to `limit` characters (MLflow's tags and model params are strings)."""
+    return {k: str(v)[:limit] for k, v in values.items()}
+
+
 class StageRun:
     """The active MLflow run of one stage (or one variant of a stage): every MLflow call of the pipeline goes
     through this class or the functions of this module, so the stages' modules never import MLflow."""
@@ -95,17 +153,28 @@ class StageRun:
         """Params sections as `section.key`, so the compare view lines stages up."""
         log_params_flat(sections)
 
-    def log_metrics(self, metrics: Mapping[str, Any]) -> None:
-        """Every numeric leaf of a (nested) dict, as `a.b` keys; other values are skipped."""
+    def log_metrics(self, metrics: Mapping[str, Any], model_id: str | None = None, run_only: bool = False) -> None:
+        """Every numeric leaf of a (nested) dict, as `a.b` keys; other values are skipped. With `model_id` the
+        metrics are also the model's (the experiment's models view lines models up by them). MLflow links a
+        run's metrics to the models that run logged; `run_only` keeps them on the run alone (bookkeeping that
+        should not become a column of the models view)."""
         import mlflow
 
-        mlflow.log_metrics(flatten_numbers(metrics))
+        if not run_only:
+            mlflow.log_metrics(flatten_numbers(metrics), model_id=model_id)
+            return
+        from mlflow.entities import Metric
+        from mlflow.utils.time import get_current_time_millis
+
+        now = get_current_time_millis()
+        mlflow.MlflowClient().log_batch(self.run_id, metrics=[Metric(k, v, now, 0)
+                                                              for k, v in flatten_numbers(metrics).items()])
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         """Tags, each value as text cut to MLflow's limit."""
         import mlflow
 
-        mlflow.set_tags({k: str(v)[:TAG_LIMIT] for k, v in tags.items()})
+        mlflow.set_tags(text_values(tags, TAG_LIMIT))
 
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
         import mlflow
@@ -126,11 +195,82 @@ class StageRun:
         """Lightning's MLflow logger writing into this run (training curves and hyperparameters)."""
         from lightning.pytorch.loggers import MLFlowLogger
 
-        return MLFlowLogger(tracking_uri=params.tracking_uri, run_id=self.run_id)
+        return MLFlowLogger(tracking_uri=tracking_uri(params), run_id=self.run_id)
 
-    def register_version(self, name: str, artifact_path: str, description: str,
-                         tags: Mapping[str, str] | None = None) -> str:
-        """A new version of registered model `name` from this run's `artifact_path`; returns its number."""
+    def log_dataset(self, frame: pd.DataFrame, name: str, context: str, source: str,
+                    hub_revision: str | None = None, targets: str | None = None) -> str:
+        """Record a data split as an input of this run (`mlflow.log_input`): its name, schema, row count, source
+        and a digest of its content, so runs on different data are told apart. `source` is a local path, or a
+        Hugging Face dataset name when `hub_revision` is given. Returns the digest."""
+        import warnings
+
+        import mlflow
+
+        with warnings.catch_warnings():
+            # MLflow registers its local-file source twice and warns about that on every resolve, and warns that
+            # an integer column (`label`) cannot hold missing values; neither applies to a prepared split
+            warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted")
+            warnings.filterwarnings("ignore", message="Hint: Inferred schema contains integer column")
+            if hub_revision is not None:
+                from mlflow.data.huggingface_dataset_source import HuggingFaceDatasetSource
+
+                dataset_source: Any = HuggingFaceDatasetSource(source, revision=hub_revision)
+            else:
+                from mlflow.data.dataset_source_registry import resolve_dataset_source
+
+                dataset_source = resolve_dataset_source(str(Path(source).resolve()))
+            dataset = mlflow.data.from_pandas(frame, source=dataset_source, name=name, targets=targets)
+            mlflow.log_input(dataset, context=context)  # the schema is inferred here
+        return str(dataset.digest)
+
+    def log_predictor_model(self, name: str, directory: Path, predictor: type, examples: Sequence[str],
+                            model_config: Mapping[str, Any], requirements: Sequence[str],
+                            params: Mapping[str, Any] | None = None, tags: Mapping[str, Any] | None = None,
+                            model_type: str | None = None) -> LoggedModelRef:
+        """Log `directory` as an MLflow 3 LoggedModel of this run: a pyfunc that builds
+        `predictor(<its copy of directory>, **model_config)` when loaded and answers a DataFrame of texts
+        (column `text`) with `label` and `score`, using `predictor(...).predict(texts)`.
+
+        Logged from code (no pickled objects): the model holds the directory, a copy of the predictor's
+        top-level package (`code_paths`, so `mlflow models serve` needs no checkout), a signature, an input
+        example and the pinned `requirements` (given, so MLflow need not load the model to guess them)."""
+        import mlflow
+        from mlflow.models import ModelSignature
+        from mlflow.types import ColSpec, Schema
+
+        signature = ModelSignature(inputs=Schema([ColSpec("string", TEXT_COLUMN)]),
+                                   outputs=Schema([ColSpec("string", "label"), ColSpec("double", "score")]))
+        package = sys.modules[predictor.__module__.split(".")[0]]
+        with tempfile.TemporaryDirectory(prefix="pyfunc-") as tmp:
+            code = Path(tmp) / "predictor_model.py"
+            code.write_text(MODEL_CODE.format(target=f"{predictor.__module__}:{predictor.__qualname__}"))
+            package_copy = Path(tmp) / "code" / package.__name__
+            shutil.copytree(Path(package.__file__).parent, package_copy,
+                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+            info = mlflow.pyfunc.log_model(
+                name=name, python_model=str(code), artifacts={MODEL_ARTIFACT: str(directory)},
+                code_paths=[str(package_copy)], model_config=dict(model_config), signature=signature,
+                input_example=pd.DataFrame({TEXT_COLUMN: list(examples)}), pip_requirements=list(requirements),
+                params=text_values(params or {}, PARAM_LIMIT), tags=text_values(tags or {}, TAG_LIMIT),
+                model_type=model_type,
+            )
+        return LoggedModelRef(info.model_id, f"models:/{info.model_id}", files=True)
+
+    def log_external_model(self, name: str, pointer: Path, params: Mapping[str, Any] | None = None,
+                           tags: Mapping[str, Any] | None = None, model_type: str | None = None) -> LoggedModelRef:
+        """A LoggedModel of this run whose files stay outside MLflow (at `pointer`, recorded as the tag
+        `artifact_pointer`): it lines up with the other models by its metrics without copying large files."""
+        import mlflow
+
+        model = mlflow.create_external_model(
+            name=name, source_run_id=self.run_id, params=text_values(params or {}, PARAM_LIMIT),
+            tags=text_values({**(tags or {}), "artifact_pointer": Path(pointer).resolve()}, TAG_LIMIT),
+            model_type=model_type)
+        return LoggedModelRef(model.model_id, f"models:/{model.model_id}", files=False)
+
+    def register(self, name: str, model_uri: str, description: str, tags: Mapping[str, Any] | None = None) -> str:
+        """A new version of registered model `name` from `model_uri` (`models:/<model_id>`); returns its
+        number. Versions are only ever added: re-running the pipeline keeps every earlier one."""
         import mlflow
         from mlflow.exceptions import MlflowException
 
@@ -140,22 +280,107 @@ class StageRun:
         except MlflowException as exc:
             if exc.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise
-        version = client.create_model_version(name, source=self.artifact_uri(artifact_path), run_id=self.run_id,
-                                              tags=dict(tags or {}))
+        version = mlflow.register_model(model_uri, name, tags=text_values(tags or {}, TAG_LIMIT))
         self.set_tags({"registered_model_version": version.version})
         return str(version.version)
 
 
+def set_alias(name: str, alias: str, version: str) -> None:
+    """Point `models:/<name>@<alias>` at `version` (moved from whichever version held it)."""
+    import mlflow
+
+    mlflow.MlflowClient().set_registered_model_alias(name, alias, version)
+
+
+def alias_version(name: str, alias: str) -> str | None:
+    """The version `models:/<name>@<alias>` points at, or None when the alias is not set."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return str(mlflow.MlflowClient().get_model_version_by_alias(name, alias).version)
+    except MlflowException:
+        return None
+
+
+def model_with_files(model_id: str | None) -> bool:
+    """True when the LoggedModel `model_id` exists in the current store and MLflow holds its files (so it can
+    be registered and served); False for an unknown id (another store) or an external model."""
+    if not model_id:
+        return False
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    try:
+        model = mlflow.MlflowClient().get_logged_model(model_id)
+    except MlflowException:
+        return False
+    return "artifact_pointer" not in model.tags
+
+
+def model_exists(model_id: str | None) -> bool:
+    """True when the LoggedModel `model_id` exists in the current store (metrics can be linked to it)."""
+    if not model_id:
+        return False
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    try:
+        mlflow.MlflowClient().get_logged_model(model_id)
+    except MlflowException:
+        return False
+    return True
+
+
+@functools.cache
+def predictor_model_class() -> type:
+    """The `mlflow.pyfunc.PythonModel` behind every model `log_predictor_model` logs (built on first use, so
+    importing this module does not import MLflow)."""
+    from mlflow.pyfunc import PythonModel
+
+    class PredictorModel(PythonModel):
+        """Texts in, `label` and `score` out, by the predictor class named `module:Class` in `target`."""
+
+        def __init__(self, target: str) -> None:
+            self.target = target
+            self.predictor: Any = None
+
+        def load_context(self, context: Any) -> None:
+            module, _, attr = self.target.partition(":")
+            factory = getattr(importlib.import_module(module), attr)
+            self.predictor = factory(context.artifacts[MODEL_ARTIFACT], **(context.model_config or {}))
+
+        # MLflow infers no signature from `pd.DataFrame` hints, so the logged signature (column `text`) rules and
+        # MLflow hands its input over as a DataFrame of that column.
+        def predict(self, context: Any, model_input: pd.DataFrame,
+                    params: dict[str, Any] | None = None) -> pd.DataFrame:
+            texts = model_input[TEXT_COLUMN].tolist()
+            predictions = self.predictor.predict([str(t) for t in texts])
+            return pd.DataFrame({"label": [p.label for p in predictions],
+                                 "score": [float(p.score) for p in predictions]}, columns=list(OUTPUT_COLUMNS))
+
+    return PredictorModel
+
+
+def set_predictor_model(target: str) -> None:
+    """Called by the models-from-code entry (`MODEL_CODE`) when MLflow loads or logs a predictor model."""
+    import mlflow
+
+    mlflow.models.set_model(predictor_model_class()(target))
+
+
 @contextlib.contextmanager
 def stage_run(params: MlflowParams, stage: str, run_name: str | None = None,
-              tags: Mapping[str, str] | None = None) -> Iterator[StageRun]:
-    """A child run of the pipeline's parent run, active for the `with` body."""
+              tags: Mapping[str, str] | None = None, system_metrics: bool = False) -> Iterator[StageRun]:
+    """A child run of the pipeline's parent run, active for the `with` body; `system_metrics` samples the
+    machine's CPU, memory, disk and network (and GPU) load into it as `system/*` metrics."""
     import mlflow
 
     parent = parent_run_id(params)
     all_tags = {RUN_ID_TAG: pipeline_run_id(), ROLE_TAG: "stage", "pipeline.stage": stage,
                 "git.commit": git_commit(), "mlflow.parentRunId": parent, **(tags or {})}
-    with mlflow.start_run(run_name=run_name or stage, tags=all_tags) as run:
+    with mlflow.start_run(run_name=run_name or stage, tags=all_tags,
+                          log_system_metrics=True if system_metrics else None) as run:
         yield StageRun(run)
 
 
@@ -175,6 +400,29 @@ def log_parent_artifact(params: MlflowParams, local_path: Path, artifact_path: s
     import mlflow
 
     mlflow.MlflowClient().log_artifact(parent_run_id(params), str(local_path), artifact_path)
+
+
+def log_parent_summary(params: MlflowParams, metrics: Mapping[str, Any], tags: Mapping[str, Any]) -> str:
+    """The pipeline's headline numbers and names on the parent run, so the runs page charts them on first
+    open; returns the parent run's id."""
+    import mlflow
+    from mlflow.entities import Metric, RunTag
+    from mlflow.utils.time import get_current_time_millis
+
+    parent = parent_run_id(params)
+    now = get_current_time_millis()
+    mlflow.MlflowClient().log_batch(
+        parent, metrics=[Metric(k, v, now, 0) for k, v in flatten_numbers(metrics).items()],
+        tags=[RunTag(k, v) for k, v in text_values(tags, TAG_LIMIT).items()])
+    return parent
+
+
+def log_parent_table(params: MlflowParams, rows: Sequence[Mapping[str, Any]], artifact_file: str) -> None:
+    """A table on the parent run (`mlflow.log_table`: shown as a table in the artifacts view). MLflow appends
+    to a table file that already exists, so rows should say which run wrote them."""
+    import mlflow
+
+    mlflow.log_table(pd.DataFrame([dict(r) for r in rows]), artifact_file, run_id=parent_run_id(params))
 
 
 def flatten_numbers(d: Mapping[str, Any], prefix: str = "") -> dict[str, float]:

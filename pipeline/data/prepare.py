@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.core.io import write_json
-from pipeline.core.params import DataParams, ModelParams
+from pipeline.core.params import DataParams, ModelParams, Params, to_dict
 from pipeline.data.imdb import SPLITS, load_imdb, make_splits
 from pipeline.data.tokens import tokenize_frame
 
@@ -45,4 +45,31 @@ def prepare(data: DataParams, model: ModelParams, prepared_dir: Path, tokenized_
     metrics["wall_time_s"] = round(time.perf_counter() - started, 2)
     write_json(metrics_path, metrics)
     log.info("prepared splits %s", report.sizes)
+    return metrics
+
+
+#: The MLflow input context of each split.
+SPLIT_CONTEXTS = {"train": "training", "val": "validation", "test": "test"}
+
+
+def run_prepare_stage(params: Params, prepared_dir: Path, tokenized_dir: Path, metrics_path: Path) -> dict[str, Any]:
+    """`prepare` inside an MLflow child run: its params sections, metrics and statuses, and each prepared split
+    recorded as a dataset input (`mlflow.log_input`: source, schema, rows and a digest of the content)."""
+    import pandas as pd
+
+    from pipeline.core.tracking import stage_run, text_leaves
+
+    with stage_run(params.mlflow, "prepare") as run:
+        run.log_sections({"data": to_dict(params.data), "model": to_dict(params.model)})
+        metrics = prepare(params.data, params.model, prepared_dir, tokenized_dir, metrics_path)
+        run.log_metrics(metrics)
+        run.set_tags(text_leaves(metrics))
+        run.log_artifact(metrics_path)
+        hub = params.data.source == "hub"
+        for split in SPLITS:
+            frame = pd.read_parquet(prepared_dir / f"{split}.parquet")
+            digest = run.log_dataset(frame, f"imdb-{split}", SPLIT_CONTEXTS[split],
+                                     params.data.hub_name if hub else params.data.local_dir,
+                                     hub_revision=params.data.hub_revision if hub else None, targets="label")
+            log.info("%s split logged to MLflow as imdb-%s (digest %s)", split, split, digest)
     return metrics

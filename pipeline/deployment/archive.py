@@ -2,11 +2,12 @@
 
 The archive holds the variant directory (`model/`), the TorchServe-independent code it needs
 (`pipeline/`, `serving/protocol.py`), `serving.json` (limits, threads, the model label answered in every
-response) and the handler. Nothing is installed per model at serve time."""
+response, and the MLflow registry entry it serves: `models:/<name>@<alias>` and the version) and the handler.
+Nothing is installed per model at serve time. The same registered version is what
+`mlflow models serve -m models:/<name>@<alias>` serves."""
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import subprocess
@@ -65,10 +66,20 @@ def choose_variant(variants: dict[str, dict[str, Any]], params: PackageParams, t
     return Choice("fp32-onnx", f"no INT8 variant within {budget} pt of FP32; serving FP32 ONNX")
 
 
-def registry_label(finetuned: Path) -> dict[str, Any]:
-    """Registered model name/version of the finetuned model (written by the finetune stage), if any."""
-    path = finetuned / "registered.json"
-    return json.loads(path.read_text()) if path.is_file() else {"name": "unregistered", "version": "0"}
+def serving_summary(choice: Choice, variants: dict[str, dict[str, Any]], benchmark: dict[str, dict[str, Any]],
+                    registry: dict[str, Any]) -> tuple[dict[str, float], dict[str, str]]:
+    """The pipeline's headline for its parent run: FP32's test accuracy and the served variant's accuracy, its
+    distance from FP32, its batch-1 p50, speed-up over FP32 eager and size (metrics), and what is served where
+    (tags). A benchmark row that is missing or skipped leaves its numbers out."""
+    served, bench = variants[choice.name], benchmark.get(choice.name, {})
+    metrics = {"test_accuracy": variants[REFERENCE]["accuracy"], "served_accuracy": served.get("accuracy"),
+               "served_accuracy_delta_pt": served.get("accuracy_delta_pt"), "served_size_mb": served.get("size_mb"),
+               "served_p50_ms": bench.get("p50_ms_b1"), "served_speedup": bench.get("speedup_p50_vs_fp32_eager"),
+               "fp32_p50_ms": benchmark.get(REFERENCE, {}).get("p50_ms_b1")}
+    tags = {"served_variant": choice.name, "served_model_uri": registry["uri"],
+            "served_model_version": str(registry["version"]), "served_model_id": registry.get("model_id", ""),
+            "choice_reason": choice.reason}
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}, tags
 
 
 def build_archive(variant_dir: Path, choice: Choice, registry: dict[str, Any], params: PackageParams,
@@ -100,25 +111,68 @@ def build_archive(variant_dir: Path, choice: Choice, registry: dict[str, Any], p
     return config
 
 
-def run_package_stage(finetuned: Path, variants_root: Path, variants_metrics: Path, mar: Path, manifest_path: Path,
-                      params: Params) -> dict[str, Any]:
-    """Choose the variant to serve, build the `.mar` and record what it serves (manifest and MLflow)."""
+def run_package_stage(variants_root: Path, variants_metrics: Path, benchmark_metrics: Path, mar: Path,
+                      manifest_path: Path, params: Params) -> dict[str, Any]:
+    """Choose the variant to serve, register its MLflow model as a new version of
+    `mlflow.registered_model_name`, build the `.mar` that names that version, then move the alias
+    `mlflow.champion_alias` to it and put the pipeline's summary on the parent run.
+
+    The evaluate stage logged every variant as an MLflow model (its id is in `metrics/variants.json`); when that
+    model is not in this tracking store or holds no files (logged as external above `evaluate.artifact_max_mb`)
+    the variant is logged again here, since the registered, served model must carry its files. Versions are
+    only added, never deleted; the alias moves only once the archive that serves its version is built."""
     from pipeline.core.io import read_json
     from pipeline.core.params import to_dict
-    from pipeline.core.tracking import stage_run
-    from pipeline.variants.registry import directories
+    from pipeline.core.tracking import (
+        alias_version,
+        git_commit,
+        log_parent_summary,
+        model_with_files,
+        pipeline_run_id,
+        set_alias,
+        stage_run,
+    )
+    from pipeline.deployment.inference import EXAMPLE_REVIEWS, SentimentPredictor, runtime_requirements
+    from pipeline.variants.registry import directories, spec
 
-    choice = choose_variant(read_json(variants_metrics), params.package, params.targets)
-    registry = registry_label(finetuned)
+    variants = read_json(variants_metrics)
+    choice = choose_variant(variants, params.package, params.targets)
+    variant_dir = directories(variants_root)[choice.name]
+    entry = variants[choice.name]
+    name, alias = params.mlflow.registered_model_name, params.mlflow.champion_alias
     with stage_run(params.mlflow, "package") as run:
         run.log_sections({"package": to_dict(params.package), "targets": to_dict(params.targets)})
-        config = build_archive(directories(variants_root)[choice.name], choice, registry, params.package, mar)
+        model_id = entry.get("model_id")
+        if not model_with_files(model_id):
+            log.info("%s: logging its MLflow model in the package run (evaluate's model %s is not usable here)",
+                     choice.name, model_id)
+            row = spec(choice.name)
+            ref = run.log_predictor_model(
+                choice.name, variant_dir, SentimentPredictor, EXAMPLE_REVIEWS,
+                {"max_chars": params.package.max_chars_per_text, "threads": params.package.threads},
+                runtime_requirements(row.format), {"variant": choice.name},
+                {"variant": choice.name, "format": row.format, "dtype": row.precision, "family": row.family},
+                f"{row.format}-{row.precision}")
+            model_id = ref.model_id
+        previous = alias_version(name, alias)
+        version = run.register(name, f"models:/{model_id}", "IMDB sentiment classifier: the variant the pipeline "
+                               f"packages and serves (alias @{alias})",
+                               {"variant": choice.name, "choice_reason": choice.reason,
+                                "pipeline.run_id": pipeline_run_id(), "git.commit": git_commit()})
+        registry = {"name": name, "version": version, "alias": alias, "uri": f"models:/{name}@{alias}",
+                    "version_uri": f"models:/{name}/{version}", "model_id": model_id,
+                    "previous_champion_version": previous}
+        config = build_archive(variant_dir, choice, registry, params.package, mar)
+        set_alias(name, alias, version)
+        log.info("%s@%s -> version %s (was %s)", name, alias, version, previous or "unset")
         manifest = {**config, "mar": str(mar), "mar_size_mb": round(mar.stat().st_size / 1e6, 3)}
         write_json(manifest_path, manifest)
         run.set_tags({"served_variant": choice.name, "served_model": config["model"],
-                      "choice_reason": choice.reason, "registered_model_name": registry["name"],
-                      "registered_model_version": registry["version"],
-                      "registered_model_link": f"models:/{registry['name']}/{registry['version']}"})
+                      "choice_reason": choice.reason, "registered_model_name": name,
+                      "registered_model_version": version, "registered_model_alias": alias,
+                      "registered_model_link": registry["uri"], "served_model_id": model_id})
         run.log_metrics({"mar_size_mb": manifest["mar_size_mb"]})
         run.log_artifact(manifest_path)
+    metrics, tags = serving_summary(choice, variants, read_json(benchmark_metrics), registry)
+    log_parent_summary(params.mlflow, metrics, tags)
     return manifest

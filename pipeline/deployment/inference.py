@@ -7,7 +7,7 @@ It does not depend on TorchServe."""
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +17,25 @@ import numpy as np
 from pipeline.data.tokens import clip_chars, encode_texts
 from pipeline.variants.record import VARIANT_FILE, read_variant
 from pipeline.variants.runners import load_runner, pad_batch
+
+#: What a variant needs at serve time besides the pipeline's own code, by the variant's format: MLflow records
+#: these (pinned to the running versions) with each logged model, for `mlflow models serve` with an env manager
+#: other than `local`.
+RUNTIME_PACKAGES: Mapping[str, tuple[str, ...]] = {
+    "onnx": ("mlflow", "onnxruntime", "transformers", "tokenizers", "numpy", "pandas"),
+    "torchscript": ("mlflow", "torch", "transformers", "tokenizers", "numpy", "pandas"),
+    "eager": ("mlflow", "torch", "transformers", "tokenizers", "safetensors", "numpy", "pandas"),
+}
+
+#: Reviews stored with every logged model as its input example (and scored once by MLflow when logging).
+EXAMPLE_REVIEWS = ("A wonderful, moving film with a superb cast.", "Dull, predictable and far too long.")
+
+
+def runtime_requirements(fmt: str) -> list[str]:
+    """`RUNTIME_PACKAGES[fmt]` pinned to the versions installed here (`name==version`)."""
+    from importlib.metadata import version
+
+    return [f"{name}=={version(name)}" for name in RUNTIME_PACKAGES[fmt]]
 
 
 @dataclass(frozen=True)

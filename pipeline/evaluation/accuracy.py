@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 
 from pipeline.core.io import read_predictions
-from pipeline.core.params import EvaluateParams, Params, TargetsParams
+from pipeline.core.params import EvaluateParams, MlflowParams, PackageParams, Params, TargetsParams, flatten
 from pipeline.data.tokens import read_tokenized
 from pipeline.variants.record import VariantError, read_variant, size_mb
-from pipeline.variants.registry import REFERENCE, VARIANTS
+from pipeline.variants.registry import REFERENCE, VARIANTS, spec
 from pipeline.variants.runners import load_runner, predict_logits
 
 log = logging.getLogger(__name__)
@@ -113,10 +113,23 @@ def check_targets(results: dict[str, dict[str, Any]], targets: TargetsParams,
     return lines
 
 
+#: The scores linked to each variant's MLflow model (the benchmark stage adds its timings).
+MODEL_METRICS = ("accuracy", "accuracy_delta_pt", "agreement_with_fp32", "size_mb")
+
+
 def log_variant_runs(results: dict[str, dict[str, Any]], variant_dirs: dict[str, Path], finetuned: Path,
-                     params: EvaluateParams, tracking: Any) -> None:
-    """One MLflow child run per variant under the pipeline's parent run, for the compare view."""
+                     params: EvaluateParams, tracking: MlflowParams, serving: PackageParams) -> None:
+    """One MLflow child run per variant under the pipeline's parent run, and one MLflow LoggedModel per built
+    variant with its scores linked to it, so the experiment's models view lines the variants up.
+
+    Every deployable variant (the ONNX and TorchScript ones) is logged as a pyfunc model around
+    `SentimentPredictor` with its directory (model file, tokenizer, label map, record), cutting texts and
+    using threads as the served `.mar` does (`serving`). A deployable variant larger than
+    `params.artifact_max_mb`, the FP32 reference (its weights are the finetune run's artifacts) and variants
+    only a GPU runs are logged as external models: their metrics line up, their files stay where they are.
+    Each entry of `results` gains the model's id and URI (`model_id`, `model_uri`, `model_files`)."""
     from pipeline.core.tracking import stage_run
+    from pipeline.deployment.inference import EXAMPLE_REVIEWS, SentimentPredictor, runtime_requirements
 
     dirs = {REFERENCE: finetuned, **variant_dirs}
     for name, entry in results.items():
@@ -127,11 +140,25 @@ def log_variant_runs(results: dict[str, dict[str, Any]], variant_dirs: dict[str,
             run.log_params({"variant": name, "format": entry["format"], "dtype": entry["dtype"], **info_params})
             run.set_tags({"status": entry["status"], "reason": entry["reason"],
                           **({"scored_by": entry["scored_by"]} if "scored_by" in entry else {})})
-            run.log_metrics(entry)
-            if entry["status"] == "ok" and entry.get("size_mb", 0) <= params.artifact_max_mb:
-                run.log_artifacts(directory, "variant")
+            if entry["status"] != "ok":
+                run.log_metrics(entry)
+                continue
+            row = spec(name)
+            model_params = {"variant": name, **flatten(info_params)}
+            model_tags = {"variant": name, "format": row.format, "dtype": row.precision, "family": row.family}
+            model_type = f"{row.format}-{row.precision}"
+            if row.servable and entry["size_mb"] <= params.artifact_max_mb:
+                ref = run.log_predictor_model(
+                    name, directory, SentimentPredictor, EXAMPLE_REVIEWS,
+                    {"max_chars": serving.max_chars_per_text, "threads": serving.threads},
+                    runtime_requirements(row.format), model_params, model_tags, model_type)
             else:
+                ref = run.log_external_model(name, directory, model_params, model_tags, model_type)
                 run.set_tags({"artifact_pointer": Path(directory).resolve()})
+            entry.update(ref.to_dict())
+            run.log_metrics({k: entry[k] for k in MODEL_METRICS if k in entry}, model_id=ref.model_id)
+            # the bookkeeping (timings, counts) stays on the run, out of the models view's columns
+            run.log_metrics({k: v for k, v in entry.items() if k not in MODEL_METRICS}, run_only=True)
 
 
 def accuracy_bars(results: dict[str, dict[str, Any]], path: Path) -> None:
@@ -162,18 +189,18 @@ def accuracy_bars(results: dict[str, dict[str, Any]], path: Path) -> None:
 def run_evaluate_stage(finetuned: Path, variants_root: Path, tokenized: Path, reference_predictions: Path | None,
                        metrics_path: Path, plot: Path, params: Params) -> dict[str, dict[str, Any]]:
     """Score every registered variant, write `metrics/variants.json` and the chart, state the targets, and log
-    one MLflow run per variant."""
+    one MLflow run and one MLflow model per variant."""
     from pipeline.core.io import write_json
     from pipeline.core.tracking import log_parent_artifact
     from pipeline.variants.registry import directories
 
     variants = directories(variants_root)
     results = score_variants(finetuned, variants, tokenized, params.evaluate, reference_predictions)
-    write_json(metrics_path, results)
     accuracy_bars(results, plot)
     for line in check_targets(results, params.targets):
         log.info(line)
-    log_variant_runs(results, variants, finetuned, params.evaluate, params.mlflow)
+    log_variant_runs(results, variants, finetuned, params.evaluate, params.mlflow, params.package)
+    write_json(metrics_path, results)  # with each variant's MLflow model id, which benchmark and package link to
     log_parent_artifact(params.mlflow, metrics_path)
     log_parent_artifact(params.mlflow, plot)
     return results

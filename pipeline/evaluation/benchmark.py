@@ -126,15 +126,37 @@ def main(argv: list[str] | None = None) -> None:
 
 METRIC_KEYS = ("p50_ms_b1", "p95_ms_b1", "p99_ms_b1", "throughput_b32", "peak_rss_mb", "speedup_p50_vs_fp32_eager",
                "speedup_p50_low", "speedup_p50_high", "accuracy", "size_mb")
+#: The measurements linked to each variant's MLflow model (evaluate linked its accuracy, agreement and size).
+MODEL_METRIC_KEYS = ("p50_ms_b1", "p95_ms_b1", "p99_ms_b1", "throughput_b32", "peak_rss_mb",
+                     "speedup_p50_vs_fp32_eager", "speedup_p50_low", "speedup_p50_high")
+#: The benchmark table on the pipeline's parent run (`mlflow.log_table`).
+TABLE_FILE = "comparison/benchmark_table.json"
+
+
+def table_rows(variants: dict[str, Any], accuracy: dict[str, dict[str, Any]], measured_by: str) -> list[dict[str, Any]]:
+    """One row per benchmark row: status, latency, throughput, speed-up, accuracy, size and the MLflow model it
+    belongs to; `measured_by` (the pipeline run) tells apart rows that MLflow appends to an existing table."""
+    rows = []
+    for name, entry in variants.items():
+        row: dict[str, Any] = {"variant": name, "status": entry["status"]}
+        row.update({k: entry.get(k) for k in METRIC_KEYS})
+        row["model_id"] = (accuracy.get(name) or {}).get("model_id") if name != BF16_ROW else None
+        row["reason"] = entry.get("reason", "")
+        row["measured_by"] = measured_by
+        rows.append(row)
+    return rows
 
 
 def run_benchmark_stage(finetuned: Path, variants_root: Path, tokenized: Path, accuracy_file: Path,
                         metrics_path: Path, plot_data: Path, report: Path, all_params: Params) -> dict[str, Any]:
-    """Benchmark every registered variant; `metrics/benchmark.json` holds one object per variant."""
-    from pipeline.core.tracking import log_parent_artifact, stage_run
+    """Benchmark every registered variant; `metrics/benchmark.json` holds one object per variant. Each variant's
+    timings are linked to its MLflow model (the evaluate stage logged it and wrote its id into
+    `metrics/variants.json`), and the whole table goes on the parent run."""
+    from pipeline.core.tracking import log_parent_artifact, log_parent_table, model_exists, pipeline_run_id, stage_run
 
     params, tracking = all_params.benchmark, all_params.mlflow
-    result = run_benchmark(finetuned, directories(variants_root), tokenized, params, read_json(accuracy_file))
+    accuracy = read_json(accuracy_file)
+    result = run_benchmark(finetuned, directories(variants_root), tokenized, params, accuracy)
     variants = result["variants"]
     write_json(metrics_path, variants)
     write_json(metrics_path.with_name("benchmark_machine.json"), {**result["machine"], **result["settings"]})
@@ -149,6 +171,15 @@ def run_benchmark_stage(finetuned: Path, variants_root: Path, tokenized: Path, a
             run.log_params({"variant": name, **to_dict(params), "cpu": result["machine"]["cpu"]})
             run.set_tags({"status": entry["status"], "reason": entry["reason"]})
             run.log_metrics({k: entry[k] for k in METRIC_KEYS if entry.get(k) is not None})
+            # the bf16 row times the FP32 model under another runtime setting: its numbers are not that model's
+            model_id = (accuracy.get(name) or {}).get("model_id") if name != BF16_ROW else None
+            if entry["status"] == "ok" and model_exists(model_id):
+                run.log_metrics({k: entry[k] for k in MODEL_METRIC_KEYS if entry.get(k) is not None},
+                                model_id=model_id)
+            elif model_id:
+                log.warning("%s: MLflow model %s is not in this tracking store; timings not linked to it",
+                            name, model_id)
+    log_parent_table(tracking, table_rows(variants, accuracy, pipeline_run_id()), TABLE_FILE)
     for f in (report, chart, metrics_path):
         log_parent_artifact(tracking, f, "comparison")
     return result

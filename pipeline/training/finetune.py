@@ -1,5 +1,6 @@
 """The `finetune` stage's work: train, keep the best checkpoint, score validation and test, save the model
-in HF format with its record, and register it in MLflow (rank 0 only under DDP)."""
+in HF format with its record, and log it to MLflow with the machine's load during training (rank 0 only under
+DDP)."""
 
 from __future__ import annotations
 
@@ -205,14 +206,17 @@ def is_rank_zero() -> bool:
 def run_finetune(tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots_dir: Path, report_dir: Path,
                  data: DataParams, model: ModelParams, train: TrainParams, tracking: MlflowParams,
                  predictions_path: Path | None = None) -> FinetuneResult:
-    """Finetune inside an MLflow child run; log curves, metrics, the model, and register it."""
+    """Finetune inside an MLflow child run that samples the machine's load (`mlflow.system_metrics`); log curves,
+    metrics and the model's files.
+
+    Nothing is registered here: the registry holds the variant the package stage serves (`@champion`)."""
     from pipeline.core.tracking import stage_run
 
     if not is_rank_zero():
         return finetune(tokenized_dir, model_dir, metrics_path, plots_dir, report_dir, data, model, train,
                         predictions_path=predictions_path)
 
-    with stage_run(tracking, "finetune") as run:
+    with stage_run(tracking, "finetune", system_metrics=tracking.system_metrics) as run:
         run.log_sections({"data": to_dict(data), "model": to_dict(model), "train": to_dict(train)})
         result = finetune(tokenized_dir, model_dir, metrics_path, plots_dir, report_dir, data, model, train,
                           mlflow_logger=run.lightning_logger(tracking), predictions_path=predictions_path)
@@ -224,16 +228,4 @@ def run_finetune(tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots
         run.log_artifacts(model_dir, "model")
         if predictions_path is not None and predictions_path.exists():
             run.log_artifact(predictions_path, "predictions")  # the logits evaluate's FP32 row reuses
-        scores = {k: f"{result.metrics[k]:.4f}" for k in ("test_accuracy", "test_f1") if k in result.metrics}
-        version = run.register_version(tracking.registered_model_name, "model",
-                                       "IMDB sentiment classifier finetuned by this pipeline", scores)
-        log.info("registered model %s version %s", tracking.registered_model_name, version)
-        write_registration(model_dir, tracking.registered_model_name, version, run.run_id)
     return result
-
-
-def write_registration(model_dir: Path, name: str, version: str, run_id: str) -> None:
-    """Record the registry entry next to the model so later stages (package) can point back to it."""
-    from pipeline.core.io import write_json
-
-    write_json(model_dir / "registered.json", {"name": name, "version": version, "run_id": run_id})

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -116,5 +117,65 @@ def test_mlflow_parent_with_stage_children_and_registered_model(repo):
     assert logged == {"predictions/finetune-test.npz"}
     variant_runs = {r.data.tags.get("variant") for r in children if r.data.tags.get("variant")}
     assert "int8-static" in variant_runs and "tensorrt-int8" in variant_runs
+    served = json.loads((repo / "metrics" / "package.json").read_text())["variant"]
     versions = client.search_model_versions("name = 'imdb-sentiment'")
-    assert versions and versions[0].run_id == finetune.info.run_id
+    assert [str(v.version) for v in versions] == ["1"]  # registered by the package stage, not by finetune
+    logged_by = client.get_run(versions[0].run_id).data.tags  # the run that logged the served model
+    assert logged_by["pipeline.stage"] == "evaluate" and logged_by["variant"] == served
+    assert finetune.data.metrics["system/cpu_utilization_percentage"] >= 0  # sampled during training
+    assert finetune.data.metrics["system/system_memory_usage_megabytes"] > 0
+
+
+def test_mlflow_models_alias_summary_and_inputs(repo, tmp_path):
+    """The state `make run` leaves for a user of the MLflow UI: the experiment opens as model training, every
+    built variant is a model with its accuracy and latency, the packaged one is `imdb-sentiment@champion`, the
+    parent run carries the summary and the benchmark table, and the prepared splits are dataset inputs."""
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("sentiment-pipeline")
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    variants = json.loads((repo / "metrics" / "variants.json").read_text())
+    bench = json.loads((repo / "metrics" / "benchmark.json").read_text())
+    manifest = json.loads((repo / "metrics" / "package.json").read_text())
+    built = {name for name, entry in variants.items() if entry["status"] == "ok"}
+    models = {m.name: m for m in client.search_logged_models([exp.experiment_id])}
+    assert set(models) == built and len(models) >= 7  # fp32-eager, 2 FP32 exports, 4 INT8 (+ TensorRT on CUDA)
+    for name, model in models.items():
+        assert variants[name]["model_id"] == model.model_id
+        metrics = {m.key: m.value for m in model.metrics}
+        assert metrics["accuracy"] == variants[name]["accuracy"] and metrics["size_mb"] == variants[name]["size_mb"]
+        assert metrics["p50_ms_b1"] == bench[name]["p50_ms_b1"]
+        assert metrics["speedup_p50_vs_fp32_eager"] == bench[name]["speedup_p50_vs_fp32_eager"]
+        assert {"p95_ms_b1", "p99_ms_b1", "throughput_b32", "agreement_with_fp32"} <= set(metrics)
+    for name in ("fp32-torchscript", "fp32-onnx", "int8-dynamic", "int8-static", "int8-qat", "int8-pruned"):
+        assert variants[name]["model_files"] and "artifact_pointer" not in models[name].tags, name
+    assert not variants["fp32-eager"]["model_files"]  # the reference's weights are the finetune run's artifacts
+
+    served = manifest["variant"]
+    registry = manifest["registered_model"]
+    assert registry["uri"] == "models:/imdb-sentiment@champion" and registry["version"] == "1"
+    champion = client.get_model_version_by_alias("imdb-sentiment", "champion")
+    assert str(champion.version) == registry["version"]
+    assert champion.source == f"models:/{variants[served]['model_id']}"
+    with zipfile.ZipFile(repo / "model_store" / "sentiment.mar") as archive:
+        assert json.loads(archive.read("serving.json"))["registered_model"] == registry
+
+    runs = client.search_runs([exp.experiment_id], "tags.`pipeline.run_id` = 'e2e-test'")
+    parent = next(r for r in runs if r.data.tags.get("pipeline.role") == "parent")
+    assert parent.data.tags["served_variant"] == served
+    assert parent.data.tags["served_model_uri"] == "models:/imdb-sentiment@champion"
+    finetune = json.loads((repo / "metrics" / "finetune.json").read_text())
+    assert parent.data.metrics["test_accuracy"] == finetune["test_accuracy"]
+    assert parent.data.metrics["served_p50_ms"] == bench[served]["p50_ms_b1"]
+    assert parent.data.metrics["served_speedup"] == bench[served]["speedup_p50_vs_fp32_eager"]
+    assert parent.data.metrics["served_accuracy_delta_pt"] == variants[served]["accuracy_delta_pt"]
+    table = json.loads(Path(client.download_artifacts(parent.info.run_id, "comparison/benchmark_table.json",
+                                                     str(tmp_path))).read_text())  # mlflow.log_table's layout
+    rows = [dict(zip(table["columns"], row, strict=True)) for row in table["data"]]
+    assert {r["variant"] for r in rows} == set(bench) and {r["measured_by"] for r in rows} == {"e2e-test"}
+    assert next(r for r in rows if r["variant"] == served)["p50_ms_b1"] == pytest.approx(bench[served]["p50_ms_b1"])
+    prepare = next(r for r in runs if r.data.tags.get("pipeline.stage") == "prepare")
+    inputs = {i.dataset.name: i.dataset for i in prepare.inputs.dataset_inputs}
+    assert set(inputs) == {"imdb-train", "imdb-val", "imdb-test"} and all(d.digest for d in inputs.values())
+    assert json.loads(inputs["imdb-train"].profile)["num_rows"] == 800

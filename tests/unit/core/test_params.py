@@ -75,3 +75,15 @@ def test_qat_distillation_weight_is_a_share():
     assert section({"quantize": {"qat_distillation": 0.5}}, "quantize", QuantizeParams).qat_distillation == 0.5
     with pytest.raises(ParamsError, match="qat_distillation must be in"):
         section({"quantize": {"qat_distillation": 1.5}}, "quantize", QuantizeParams)
+
+
+def test_get_prints_one_validated_value(tmp_path, capsys):
+    from pipeline.core.params import main
+
+    p = tmp_path / "params.yaml"
+    p.write_text("mlflow:\n  champion_alias: prod\n")
+    main(["--params", str(p), "get", "mlflow.champion_alias"])
+    main(["--params", str(p), "get", "mlflow.registered_model_name"])  # a default the file leaves out
+    assert capsys.readouterr().out.splitlines() == ["prod", "imdb-sentiment"]
+    with pytest.raises(SystemExit, match=r"unknown key mlflow\.nope"):
+        main(["--params", str(p), "get", "mlflow.nope"])

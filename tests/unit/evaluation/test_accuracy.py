@@ -1,8 +1,10 @@
-"""Unit: every variant scored the same way (accuracy, agreement with FP32, size), reusing the finetune logits."""
+"""Unit: every variant scored the same way (accuracy, agreement with FP32, size), reusing the finetune logits, and
+logged as an MLflow model with those scores linked to it."""
 
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from pipeline.core.io import write_predictions
@@ -63,3 +65,46 @@ def test_reference_row_reuses_the_finetune_logits_only_for_the_same_split(built,
         score_variants(tiny_model_dir, {}, built["tokenized"], params, reference_predictions=other)
     with pytest.raises(VariantError, match="not found"):
         score_variants(tiny_model_dir, {}, built["tokenized"], params, reference_predictions=tmp_path / "none.npz")
+
+
+def test_every_built_variant_is_an_mlflow_model_with_its_scores(built, tiny_model_dir, tmp_path, monkeypatch):
+    """Deployable variants within `evaluate.artifact_max_mb` are pyfunc models holding their files; larger ones,
+    the FP32 reference and GPU-only variants are external models; skipped variants get none. Each model carries
+    its variant's scores, and each entry the model's id."""
+    import mlflow
+
+    from pipeline.core.params import MlflowParams, PackageParams
+    from pipeline.evaluation.accuracy import log_variant_runs
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PIPELINE_RUN_ID", "unit-evaluate")
+    tracking = MlflowParams(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="unit-evaluate")
+    dirs = {n: built["dirs"][n] for n in ("fp32-onnx", "int8-static", "tensorrt-fp16")}
+    results = score_variants(tiny_model_dir, dirs, built["tokenized"], EvaluateParams(batch_size=16))
+    limit = (results["fp32-onnx"]["size_mb"] + results["int8-static"]["size_mb"]) / 2  # fp32-onnx is above it
+    log_variant_runs(results, dirs, tiny_model_dir, EvaluateParams(artifact_max_mb=limit), tracking,
+                     PackageParams(max_chars_per_text=100))
+    experiment = mlflow.get_experiment_by_name("unit-evaluate")
+    models = {m.name: m for m in mlflow.search_logged_models(experiment_ids=[experiment.experiment_id],
+                                                               output_format="list")}
+    assert set(models) == {"fp32-eager", "fp32-onnx", "int8-static"}  # tensorrt-fp16 was skipped (no CUDA)
+    assert "model_id" not in results["tensorrt-fp16"]
+    for name, model in models.items():
+        assert results[name]["model_id"] == model.model_id
+        metrics = {m.key: m.value for m in model.metrics}
+        assert metrics["accuracy"] == results[name]["accuracy"]
+        assert metrics["agreement_with_fp32"] == results[name]["agreement_with_fp32"]
+        assert metrics["size_mb"] == results[name]["size_mb"]
+        assert "eval_seconds" not in metrics  # bookkeeping stays on the run, out of the models view
+        assert mlflow.get_run(model.source_run_id).data.metrics["eval_seconds"] == results[name]["eval_seconds"]
+        assert model.tags["variant"] == name
+    assert [results[n]["model_files"] for n in ("fp32-eager", "fp32-onnx", "int8-static")] == [False, False, True]
+    assert models["fp32-onnx"].tags["artifact_pointer"] == str(dirs["fp32-onnx"].resolve())
+    assert models["int8-static"].model_type == "onnx-int8"
+    loaded = mlflow.pyfunc.load_model(results["int8-static"]["model_uri"])
+    assert loaded.model_config == {"max_chars": 100, "threads": None}
+    from pipeline.deployment.inference import SentimentPredictor
+
+    texts = ["great wonderful film", "awful boring film"]
+    want = SentimentPredictor(dirs["int8-static"], max_chars=100).predict(texts)
+    assert loaded.predict(pd.DataFrame({"text": texts}))["label"].tolist() == [p.label for p in want]

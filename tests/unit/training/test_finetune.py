@@ -88,6 +88,30 @@ def test_no_bucketing_with_grad_accum(tmp_path, tokenized_dir):
     assert rows[-1].split(",")[0] == "6"  # 12 batches, accumulated in pairs -> 6 optimizer steps
 
 
+def test_finetune_run_samples_the_machine_load_and_registers_nothing(tmp_path, tokenized_dir, monkeypatch):
+    import mlflow
+
+    from pipeline.core.params import MlflowParams
+    from pipeline.training.finetune import run_finetune
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PIPELINE_RUN_ID", "unit-finetune")
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.2")  # MLflow's default is 10 s
+    tracking = MlflowParams(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="unit-finetune")
+    out = tmp_path / "out"
+    run_finetune(tokenized_dir, out / "model", out / "metrics.json", out / "plots", out / "reports",
+                 DataParams(max_length=64), ModelParams(source="tiny"), TrainParams(**{**TINY_TRAIN, "epochs": 1}),
+                 tracking)
+    runs = mlflow.search_runs(experiment_names=["unit-finetune"], output_format="list",
+                              filter_string="tags.`pipeline.stage` = 'finetune'")
+    assert len(runs) == 1
+    metrics = runs[0].data.metrics
+    assert metrics["system/cpu_utilization_percentage"] >= 0 and metrics["system/system_memory_usage_megabytes"] > 0
+    assert "test_accuracy" in metrics
+    assert mlflow.MlflowClient().search_registered_models() == []  # the package stage registers what it serves
+    assert not (out / "model" / "registered.json").exists()
+
+
 def _write_params(path: Path, **train) -> None:
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())
     raw["model"] = {"source": "tiny", "name": "tiny"}

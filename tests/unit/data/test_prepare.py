@@ -1,0 +1,42 @@
+"""Unit: the prepare stage records each prepared split in MLflow as a dataset input with a digest of its content
+(real SQLite store; a small parquet source of synthetic reviews)."""
+
+from __future__ import annotations
+
+import warnings
+
+import mlflow
+import pandas as pd
+
+from pipeline.core.params import DataParams, MlflowParams, ModelParams, Params
+from pipeline.data.prepare import run_prepare_stage
+from tests.factories import synthetic_reviews
+
+
+def test_prepare_logs_every_split_as_a_dataset_input(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PIPELINE_RUN_ID", "unit-prepare")
+    source = tmp_path / "imdb"
+    source.mkdir()
+    synthetic_reviews(60, seed=1).to_parquet(source / "train.parquet")
+    synthetic_reviews(40, seed=2).to_parquet(source / "test.parquet")
+    params = Params(data=DataParams(local_dir=str(source), train_count=50, val_count=20, train_subsample=None,
+                                    val_subsample=None, test_subsample=None, max_length=32),
+                    model=ModelParams(source="tiny"),
+                    mlflow=MlflowParams(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="unit-prep"))
+    run_prepare_stage(params, tmp_path / "prepared", tmp_path / "tokenized", tmp_path / "prepare.json")
+    runs = mlflow.search_runs(experiment_names=["unit-prep"], output_format="list",
+                              filter_string="tags.`pipeline.stage` = 'prepare'")
+    assert len(runs) == 1 and runs[0].data.metrics["wall_time_s"] > 0
+    inputs = {i.dataset.name: i for i in runs[0].inputs.dataset_inputs}
+    assert set(inputs) == {"imdb-train", "imdb-val", "imdb-test"}
+    contexts = {name: {t.value for t in i.tags if t.key == "mlflow.data.context"} for name, i in inputs.items()}
+    assert contexts == {"imdb-train": {"training"}, "imdb-val": {"validation"}, "imdb-test": {"test"}}
+    digests = {i.dataset.digest for i in inputs.values()}
+    assert len(digests) == 3 and all(digests)
+    train = pd.read_parquet(tmp_path / "prepared" / "train.parquet")
+    with warnings.catch_warnings():  # MLflow's notes on resolving a local source and on integer columns
+        warnings.simplefilter("ignore", UserWarning)
+        expected = mlflow.data.from_pandas(train, source=str(source), name="imdb-train", targets="label").digest
+    assert inputs["imdb-train"].dataset.digest == expected  # the digest is of the prepared split's content
+    assert str(source.resolve()) in inputs["imdb-train"].dataset.source

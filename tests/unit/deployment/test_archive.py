@@ -1,0 +1,97 @@
+"""Unit: the package stage registers the variant it packages as a new version, moves `@champion` to it, names
+both in the `.mar`'s `serving.json`, and puts the pipeline's summary on the parent run (real SQLite store)."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+
+import mlflow
+import pandas as pd
+import pytest
+
+from pipeline.core.io import write_json
+from pipeline.core.params import EvaluateParams, MlflowParams, PackageParams, Params, TargetsParams
+from pipeline.core.tracking import alias_version
+from pipeline.deployment.archive import Choice, choose_variant, run_package_stage, serving_summary
+from pipeline.deployment.inference import SentimentPredictor
+from pipeline.evaluation.accuracy import log_variant_runs, score_variants
+
+NAMES = ("fp32-onnx", "int8-dynamic", "int8-static")
+
+
+def _serving_json(mar) -> dict:
+    with zipfile.ZipFile(mar) as archive:
+        return json.loads(archive.read("serving.json"))
+
+
+def test_package_registers_versions_and_moves_the_champion_alias(built, tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PIPELINE_RUN_ID", "unit-package")
+    tracking = MlflowParams(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="unit-package")
+    dirs = {n: built["dirs"][n] for n in NAMES}
+    results = score_variants(tiny_model_dir, dirs, built["tokenized"], EvaluateParams(batch_size=16))
+    log_variant_runs(results, dirs, tiny_model_dir, EvaluateParams(), tracking, PackageParams())
+    write_json(tmp_path / "variants.json", results)
+    bench = {name: {"status": "ok", "p50_ms_b1": 10.0 / (i + 1), "speedup_p50_vs_fp32_eager": float(i + 1)}
+             for i, name in enumerate(["fp32-eager", *NAMES])}
+    write_json(tmp_path / "benchmark.json", bench)
+    choice = choose_variant(results, PackageParams(), TargetsParams())
+
+    def package(params: Params, tag: str) -> dict:
+        return run_package_stage(built["root"], tmp_path / "variants.json", tmp_path / "benchmark.json",
+                                 tmp_path / f"{tag}.mar", tmp_path / f"{tag}.json", params)
+
+    first = package(Params(mlflow=tracking), "first")
+    served = _serving_json(tmp_path / "first.mar")
+    assert served["registered_model"] == first["registered_model"]
+    assert served["registered_model"]["uri"] == "models:/imdb-sentiment@champion"
+    assert served["registered_model"]["version"] == "1" and served["model"] == f"imdb-sentiment:v1/{choice.name}"
+    assert served["registered_model"]["model_id"] == results[choice.name]["model_id"]  # evaluate's model, reused
+    assert alias_version("imdb-sentiment", "champion") == "1"
+    client = mlflow.MlflowClient()
+    assert client.get_model_version("imdb-sentiment", "1").source == f"models:/{results[choice.name]['model_id']}"
+    parent = mlflow.get_run(package_runs(client)[0].data.tags["mlflow.parentRunId"])
+    assert parent.data.tags["served_variant"] == choice.name
+    assert parent.data.tags["served_model_uri"] == "models:/imdb-sentiment@champion"
+    assert parent.data.tags["served_model_version"] == "1"
+    assert parent.data.metrics["test_accuracy"] == results["fp32-eager"]["accuracy"]
+    assert parent.data.metrics["served_p50_ms"] == bench[choice.name]["p50_ms_b1"]
+    assert parent.data.metrics["served_speedup"] == bench[choice.name]["speedup_p50_vs_fp32_eager"]
+    assert parent.data.metrics["served_accuracy_delta_pt"] == results[choice.name]["accuracy_delta_pt"]
+
+    # A second run serves fp32-onnx, whose evaluate model is unknown to this store (as after a change of
+    # tracking server): it is logged again by the package stage, registered as version 2, and the alias moves.
+    write_json(tmp_path / "variants.json", {**results, "fp32-onnx": {**results["fp32-onnx"], "model_id": "m-gone"}})
+    second = package(Params(mlflow=tracking, package=PackageParams(variant="fp32-onnx")), "second")
+    assert second["model"] == "imdb-sentiment:v2/fp32-onnx"
+    assert second["registered_model"]["previous_champion_version"] == "1"
+    assert _serving_json(tmp_path / "second.mar")["registered_model"]["version"] == "2"
+    assert alias_version("imdb-sentiment", "champion") == "2"
+    assert sorted(str(v.version) for v in client.search_model_versions("name = 'imdb-sentiment'")) == ["1", "2"]
+    relogged = client.get_logged_model(second["registered_model"]["model_id"])
+    assert relogged.name == "fp32-onnx" and relogged.model_id != "m-gone"
+    assert mlflow.get_run(relogged.source_run_id).data.tags["pipeline.stage"] == "package"
+    texts = ["a great film", "an awful film", "fine"]
+    got = mlflow.pyfunc.load_model("models:/imdb-sentiment@champion").predict(pd.DataFrame({"text": texts}))
+    want = SentimentPredictor(dirs["fp32-onnx"]).predict(texts)
+    assert got["label"].tolist() == [p.label for p in want]
+    assert got["score"].tolist() == pytest.approx([p.score for p in want], abs=1e-6)
+
+
+def package_runs(client: mlflow.MlflowClient) -> list:
+    """The package stage's runs of this test, oldest first."""
+    experiment = client.get_experiment_by_name("unit-package")
+    return client.search_runs([experiment.experiment_id], "tags.`pipeline.stage` = 'package'",
+                              order_by=["attributes.start_time ASC"])
+
+
+def test_summary_leaves_out_numbers_a_skipped_benchmark_row_lacks():
+    variants = {"fp32-eager": {"accuracy": 0.9}, "int8-static": {"accuracy": 0.89, "accuracy_delta_pt": -1.0,
+                                                                  "size_mb": 23.0}}
+    registry = {"uri": "models:/imdb-sentiment@champion", "version": "3", "model_id": "m-1"}
+    metrics, tags = serving_summary(Choice("int8-static", "why"), variants,
+                                    {"int8-static": {"status": "skipped", "reason": "no"}}, registry)
+    assert metrics == {"test_accuracy": 0.9, "served_accuracy": 0.89, "served_accuracy_delta_pt": -1.0,
+                       "served_size_mb": 23.0}
+    assert tags["served_variant"] == "int8-static" and tags["served_model_version"] == "3"
