@@ -140,14 +140,17 @@ def quantize_static_onnx_methods(src: Path, dsts: dict[str, Path], calibration: 
 #: What a TensorRT explicit-quantization input may hold besides float ops: QuantizeLinear/DequantizeLinear only.
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 def quantize_qdq_for_tensorrt(src: Path, dst: Path, calibration: Sequence[np.ndarray], method: str,
-                              params: QuantizeParams, pad_id: int = 0) -> dict[str, Any]:
+                              params: QuantizeParams, pad_id: int = 0,
+                              float_ffn_output_of: int | None = None) -> dict[str, Any]:
     """The INT8 input of a TensorRT engine: a QDQ model in the form TensorRT's explicit quantization accepts.
 
     Signed int8 everywhere with zero points 0 (symmetric activations, calibrated with `method` on real reviews,
     and per-channel symmetric weights with the full 8-bit range: GPUs have no int16 saturation), and nothing but
     QuantizeLinear/DequantizeLinear around float ops: no per-batch `DynamicQuantizeLinear`/`MatMulInteger` (the
-    FFN down-projections are calibrated like the rest here) and no onnxruntime contrib op. Weight products are
-    quantized; the two activation-only products per attention layer stay float, as in `int8-static`.
+    FFN down-projections that `int8-static` quantizes per batch stay float here when `float_ffn_output_of` gives
+    the FFN width: one calibrated symmetric range over their GELU input, outliers and all, costs accuracy) and no
+    onnxruntime contrib op. The other weight products are quantized; the two activation-only products per
+    attention layer stay float, as in `int8-static`; TensorRT runs float layers in its own precision.
     Returns the census, checked with `tensorrt_qdq_problems` (an unusable model raises `QuantizeError`)."""
     import onnx
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
@@ -159,6 +162,8 @@ def quantize_qdq_for_tensorrt(src: Path, dst: Path, calibration: Sequence[np.nda
         pre = Path(tmp) / "pre.onnx"
         quant_pre_process(str(src), str(pre), skip_symbolic_shape=True)
         graph = onnx.load(str(pre), load_external_data=False).graph
+        ffn = ffn_output_matmuls(graph, float_ffn_output_of) if float_ffn_output_of else []
+        keep_float = [*activation_matmuls(graph), *ffn]
         extra: dict[str, Any] = {"ActivationSymmetric": True, "WeightSymmetric": True, "QuantizeBias": False,
                                  "DefaultTensorType": onnx.TensorProto.FLOAT}
         if method == "percentile":
@@ -168,7 +173,7 @@ def quantize_qdq_for_tensorrt(src: Path, dst: Path, calibration: Sequence[np.nda
             TokenCalibrationReader(calibration, params.calibration_batch_size, {i.name for i in graph.input}, pad_id),
             quant_format=QuantFormat.QDQ, per_channel=True, reduce_range=False,
             activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
-            op_types_to_quantize=["MatMul", "Gemm"], nodes_to_exclude=activation_matmuls(graph),
+            op_types_to_quantize=["MatMul", "Gemm"], nodes_to_exclude=keep_float,
             calibrate_method={"minmax": CalibrationMethod.MinMax, "percentile": CalibrationMethod.Percentile,
                               "entropy": CalibrationMethod.Entropy}[method],
             extra_options=extra,
@@ -176,7 +181,8 @@ def quantize_qdq_for_tensorrt(src: Path, dst: Path, calibration: Sequence[np.nda
     problems = tensorrt_qdq_problems(dst)
     if problems:
         raise QuantizeError(f"{dst} is not a valid TensorRT INT8 input: {'; '.join(problems[:5])}")
-    return {"calibration": method, "calibration_samples": len(calibration), **matmul_census(dst)}
+    return {"calibration": method, "calibration_samples": len(calibration), "float_ffn_output": len(ffn),
+            **matmul_census(dst)}
 
 
 def tensorrt_qdq_problems(path: Path) -> list[str]:

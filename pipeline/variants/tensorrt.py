@@ -132,7 +132,7 @@ def tensorrt_int8_source(fp32_onnx: Path, int8_static: Path, tokenized: Path, ds
                          pad_id: int = 0) -> dict[str, Any]:
     """Build the TensorRT INT8 input (`TENSORRT_QDQ_FILE`) from fp32-onnx, calibrated on the training reviews
     `int8-static` was calibrated on, with the method it chose; score it and fp32-onnx with onnxruntime on the
-    validation reviews `quantize` uses for its own selection."""
+    whole validation split."""
     from pipeline.data.tokens import draw_rows, read_tokenized
     from pipeline.variants.onnx_int8 import quantize_qdq_for_tensorrt
     from pipeline.variants.record import read_variant
@@ -143,8 +143,11 @@ def tensorrt_int8_source(fp32_onnx: Path, int8_static: Path, tokenized: Path, ds
     train = read_tokenized(tokenized, "train")
     calibration = [train["input_ids"].iloc[i] for i in draw_rows(len(train), q.calibration_samples, params.train.seed)]
     dst.parent.mkdir(parents=True, exist_ok=True)
-    census = quantize_qdq_for_tensorrt(fp32_onnx / "model.onnx", dst, calibration, method, q, pad_id)
-    val = read_tokenized(tokenized, "val").iloc[: q.selection_samples]
+    # The FFN down-projections int8-static quantizes per batch (`quantize.ffn_output_dynamic`) stay float here:
+    # TensorRT has no per-batch quantization.
+    ffn = int(read_variant(fp32_onnx).params["intermediate_size"]) if q.ffn_output_dynamic else None
+    census = quantize_qdq_for_tensorrt(fp32_onnx / "model.onnx", dst, calibration, method, q, pad_id, ffn)
+    val = read_tokenized(tokenized, "val")
     seqs, labels = val["input_ids"].tolist(), val["label"].to_numpy()
     scores = {}
     for key, path in (("fp32_onnx", fp32_onnx / "model.onnx"), ("source_onnx", dst)):
