@@ -246,9 +246,7 @@ def _score_survivors(survivors: list[tuple[int, ParsedRequest, list[Any]]],
         return []
     flat = [ids for _, _, encoded in survivors for ids in encoded]
     try:
-        predictions = scorer.score(flat)
-        if len(predictions) != len(flat):
-            raise RuntimeError(f"model returned {len(predictions)} predictions for {len(flat)} texts")
+        predictions = _scored(scorer, flat)
     except Exception:
         log.exception("batched scoring of %d requests failed; scoring them one by one", len(survivors))
     else:
@@ -261,11 +259,16 @@ def _score_survivors(survivors: list[tuple[int, ParsedRequest, list[Any]]],
     alone: list[tuple[int, ParsedRequest, list[Any] | None]] = []
     for idx, parsed, encoded in survivors:
         try:
-            predictions = scorer.score(encoded)
-            if len(predictions) != len(encoded):
-                raise RuntimeError(f"model returned {len(predictions)} predictions for {len(encoded)} texts")
-            alone.append((idx, parsed, list(predictions)))
+            alone.append((idx, parsed, _scored(scorer, encoded)))
         except Exception:
             log.exception("scoring request %d alone failed", idx)
             alone.append((idx, parsed, None))
     return alone
+
+
+def _scored(scorer: Scorer, encoded: Sequence[Any]) -> list[Any]:
+    """The scorer's predictions for `encoded`, checked to be one per sequence."""
+    predictions = list(scorer.score(encoded))
+    if len(predictions) != len(encoded):
+        raise RuntimeError(f"model returned {len(predictions)} predictions for {len(encoded)} texts")
+    return predictions

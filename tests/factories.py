@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
+
+if TYPE_CHECKING:
+    from pipeline.core.params import Params
 
 ROOT = Path(__file__).resolve().parents[1]
 IMDB_DIR = Path(os.environ.get("IMDB_DIR", ROOT.parent / "shared" / "data" / "imdb"))
@@ -100,3 +104,23 @@ def stop_server(proc) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=10)
+
+
+def evaluated_fp32_onnx(work: Path, tiny_model_dir: Path, params: Params) -> dict[str, Path]:
+    """The tiny model's fp32-onnx variant exported, scored and logged by the evaluate stage's MLflow code (to
+    the store `params.mlflow` or `$MLFLOW_TRACKING_URI` names), with `variants.json` and a stand-in
+    `benchmark.json` written under `work`, as the package stage reads them. Returns the variant directories."""
+    from pipeline.core.io import write_json
+    from pipeline.core.params import EvaluateParams, ExportParams
+    from pipeline.evaluation.accuracy import log_variant_runs, score_variants
+    from pipeline.variants.export import run_export
+
+    tok = write_tokenized(work / "tok", {"test": 16})
+    run_export(tiny_model_dir, tok, work / "variants", ExportParams(parity_samples=4))
+    dirs = {"fp32-onnx": work / "variants" / "fp32-onnx"}
+    results = score_variants(tiny_model_dir, dirs, tok, EvaluateParams())
+    log_variant_runs(results, dirs, tiny_model_dir, params.evaluate, params.mlflow, params.package)
+    write_json(work / "variants.json", results)
+    write_json(work / "benchmark.json", {"fp32-eager": {"status": "ok", "p50_ms_b1": 5.0},
+                                         "fp32-onnx": {"status": "ok", "p50_ms_b1": 4.0}})
+    return dirs

@@ -160,15 +160,18 @@ class StageRun:
         should not become a column of the models view)."""
         import mlflow
 
-        if not run_only:
+        if run_only:
+            log_batch(self.run_id, metrics)
+        else:
             mlflow.log_metrics(flatten_numbers(metrics), model_id=model_id)
-            return
-        from mlflow.entities import Metric
-        from mlflow.utils.time import get_current_time_millis
 
-        now = get_current_time_millis()
-        mlflow.MlflowClient().log_batch(self.run_id, metrics=[Metric(k, v, now, 0)
-                                                              for k, v in flatten_numbers(metrics).items()])
+    def log_report(self, report: Mapping[str, Any], artifacts: Sequence[Path] = ()) -> None:
+        """A stage's report: its numbers as metrics, its text (statuses, reasons) as tags, its files as
+        artifacts."""
+        self.log_metrics(report)
+        self.set_tags(text_leaves(report))
+        for path in artifacts:
+            self.log_artifact(path)
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         """Tags, each value as text cut to MLflow's limit."""
@@ -303,33 +306,29 @@ def alias_version(name: str, alias: str) -> str | None:
         return None
 
 
-def model_with_files(model_id: str | None) -> bool:
-    """True when the LoggedModel `model_id` exists in the current store and MLflow holds its files (so it can
-    be registered and served); False for an unknown id (another store) or an external model."""
+def logged_model(model_id: str | None) -> Any:
+    """The LoggedModel `model_id` in the current store, or None (no id, or one from another store)."""
     if not model_id:
-        return False
+        return None
     import mlflow
     from mlflow.exceptions import MlflowException
 
     try:
-        model = mlflow.MlflowClient().get_logged_model(model_id)
+        return mlflow.MlflowClient().get_logged_model(model_id)
     except MlflowException:
-        return False
-    return "artifact_pointer" not in model.tags
+        return None
+
+
+def model_with_files(model_id: str | None) -> bool:
+    """True when the LoggedModel `model_id` exists in the current store and MLflow holds its files (so it can
+    be registered and served); False for an unknown id (another store) or an external model."""
+    model = logged_model(model_id)
+    return model is not None and "artifact_pointer" not in model.tags
 
 
 def model_exists(model_id: str | None) -> bool:
     """True when the LoggedModel `model_id` exists in the current store (metrics can be linked to it)."""
-    if not model_id:
-        return False
-    import mlflow
-    from mlflow.exceptions import MlflowException
-
-    try:
-        mlflow.MlflowClient().get_logged_model(model_id)
-    except MlflowException:
-        return False
-    return True
+    return logged_model(model_id) is not None
 
 
 @functools.cache
@@ -402,18 +401,24 @@ def log_parent_artifact(params: MlflowParams, local_path: Path, artifact_path: s
     mlflow.MlflowClient().log_artifact(parent_run_id(params), str(local_path), artifact_path)
 
 
-def log_parent_summary(params: MlflowParams, metrics: Mapping[str, Any], tags: Mapping[str, Any]) -> str:
-    """The pipeline's headline numbers and names on the parent run, so the runs page charts them on first
-    open; returns the parent run's id."""
+def log_batch(run_id: str, metrics: Mapping[str, Any], tags: Mapping[str, Any] | None = None) -> None:
+    """Numeric leaves of `metrics` and `tags` (as cut text) on run `run_id`, whether or not it is active, in
+    one call; metrics logged this way are the run's alone, never linked to a model."""
     import mlflow
     from mlflow.entities import Metric, RunTag
     from mlflow.utils.time import get_current_time_millis
 
-    parent = parent_run_id(params)
     now = get_current_time_millis()
     mlflow.MlflowClient().log_batch(
-        parent, metrics=[Metric(k, v, now, 0) for k, v in flatten_numbers(metrics).items()],
-        tags=[RunTag(k, v) for k, v in text_values(tags, TAG_LIMIT).items()])
+        run_id, metrics=[Metric(k, v, now, 0) for k, v in flatten_numbers(metrics).items()],
+        tags=[RunTag(k, v) for k, v in text_values(tags or {}, TAG_LIMIT).items()])
+
+
+def log_parent_summary(params: MlflowParams, metrics: Mapping[str, Any], tags: Mapping[str, Any]) -> str:
+    """The pipeline's headline numbers and names on the parent run, so the runs page charts them on first
+    open; returns the parent run's id."""
+    parent = parent_run_id(params)
+    log_batch(parent, metrics, tags)
     return parent
 
 
@@ -446,8 +451,5 @@ def tracked_stage(params: Params, stage: str, sections: Sequence[str], body: Cal
     with stage_run(params.mlflow, stage) as run:
         run.log_sections({name: to_dict(getattr(params, name)) for name in sections})
         report = body()
-        run.log_metrics(report)
-        run.set_tags(text_leaves(report))
-        for path in artifacts:
-            run.log_artifact(path)
+        run.log_report(report, artifacts)
         return report

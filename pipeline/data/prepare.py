@@ -57,14 +57,12 @@ def run_prepare_stage(params: Params, prepared_dir: Path, tokenized_dir: Path, m
     recorded as a dataset input (`mlflow.log_input`: source, schema, rows and a digest of the content)."""
     import pandas as pd
 
-    from pipeline.core.tracking import stage_run, text_leaves
+    from pipeline.core.tracking import stage_run
 
     with stage_run(params.mlflow, "prepare") as run:
         run.log_sections({"data": to_dict(params.data), "model": to_dict(params.model)})
         metrics = prepare(params.data, params.model, prepared_dir, tokenized_dir, metrics_path)
-        run.log_metrics(metrics)
-        run.set_tags(text_leaves(metrics))
-        run.log_artifact(metrics_path)
+        run.log_report(metrics, [metrics_path])
         hub = params.data.source == "hub"
         for split in SPLITS:
             frame = pd.read_parquet(prepared_dir / f"{split}.parquet")

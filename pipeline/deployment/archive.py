@@ -132,8 +132,8 @@ def run_package_stage(variants_root: Path, variants_metrics: Path, benchmark_met
         set_alias,
         stage_run,
     )
-    from pipeline.deployment.inference import EXAMPLE_REVIEWS, SentimentPredictor, runtime_requirements
-    from pipeline.variants.registry import directories, spec
+    from pipeline.deployment.inference import log_predictor_model
+    from pipeline.variants.registry import directories
 
     variants = read_json(variants_metrics)
     choice = choose_variant(variants, params.package, params.targets)
@@ -146,14 +146,8 @@ def run_package_stage(variants_root: Path, variants_metrics: Path, benchmark_met
         if not model_with_files(model_id):
             log.info("%s: logging its MLflow model in the package run (evaluate's model %s is not usable here)",
                      choice.name, model_id)
-            row = spec(choice.name)
-            ref = run.log_predictor_model(
-                choice.name, variant_dir, SentimentPredictor, EXAMPLE_REVIEWS,
-                {"max_chars": params.package.max_chars_per_text, "threads": params.package.threads},
-                runtime_requirements(row.format), {"variant": choice.name},
-                {"variant": choice.name, "format": row.format, "dtype": row.precision, "family": row.family},
-                f"{row.format}-{row.precision}")
-            model_id = ref.model_id
+            model_id = log_predictor_model(run, choice.name, variant_dir, params.package,
+                                           {"variant": choice.name}).model_id
         previous = alias_version(name, alias)
         version = run.register(name, f"models:/{model_id}", "IMDB sentiment classifier: the variant the pipeline "
                                f"packages and serves (alias @{alias})",

@@ -10,13 +10,16 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pipeline.data.tokens import clip_chars, encode_texts
 from pipeline.variants.record import VARIANT_FILE, read_variant
 from pipeline.variants.runners import load_runner, pad_batch
+
+if TYPE_CHECKING:  # only for hints: the served archive's worker never imports the params loader
+    from pipeline.core.params import PackageParams
 
 #: What a variant needs at serve time besides the pipeline's own code, by the variant's format: MLflow records
 #: these (pinned to the running versions) with each logged model, for `mlflow models serve` with an env manager
@@ -36,6 +39,29 @@ def runtime_requirements(fmt: str) -> list[str]:
     from importlib.metadata import version
 
     return [f"{name}=={version(name)}" for name in RUNTIME_PACKAGES[fmt]]
+
+
+def model_labels(name: str) -> tuple[dict[str, str], str]:
+    """Tags (variant, format, dtype, family from the registry) and the model type MLflow shows for the MLflow
+    model of variant `name`."""
+    from pipeline.variants.registry import spec
+
+    row = spec(name)
+    return {"variant": name, "format": row.format, "dtype": row.precision, "family": row.family}, \
+        f"{row.format}-{row.precision}"
+
+
+def log_predictor_model(run: Any, name: str, directory: Path, serving: PackageParams,
+                        params: Mapping[str, Any]) -> Any:
+    """Variant `name` (its `directory`) as an MLflow model of `run` (a `pipeline.core.tracking.StageRun`): a
+    pyfunc around `SentimentPredictor` that cuts texts and uses threads as the served `.mar` does (`serving`),
+    with the packages its format needs at serve time. Returns the `LoggedModelRef`."""
+    from pipeline.variants.registry import spec
+
+    tags, model_type = model_labels(name)
+    return run.log_predictor_model(name, directory, SentimentPredictor, EXAMPLE_REVIEWS,
+                                   {"max_chars": serving.max_chars_per_text, "threads": serving.threads},
+                                   runtime_requirements(spec(name).format), params, tags, model_type)
 
 
 @dataclass(frozen=True)

@@ -129,7 +129,7 @@ def log_variant_runs(results: dict[str, dict[str, Any]], variant_dirs: dict[str,
     only a GPU runs are logged as external models: their metrics line up, their files stay where they are.
     Each entry of `results` gains the model's id and URI (`model_id`, `model_uri`, `model_files`)."""
     from pipeline.core.tracking import stage_run
-    from pipeline.deployment.inference import EXAMPLE_REVIEWS, SentimentPredictor, runtime_requirements
+    from pipeline.deployment.inference import log_predictor_model, model_labels
 
     dirs = {REFERENCE: finetuned, **variant_dirs}
     for name, entry in results.items():
@@ -143,17 +143,11 @@ def log_variant_runs(results: dict[str, dict[str, Any]], variant_dirs: dict[str,
             if entry["status"] != "ok":
                 run.log_metrics(entry)
                 continue
-            row = spec(name)
             model_params = {"variant": name, **flatten(info_params)}
-            model_tags = {"variant": name, "format": row.format, "dtype": row.precision, "family": row.family}
-            model_type = f"{row.format}-{row.precision}"
-            if row.servable and entry["size_mb"] <= params.artifact_max_mb:
-                ref = run.log_predictor_model(
-                    name, directory, SentimentPredictor, EXAMPLE_REVIEWS,
-                    {"max_chars": serving.max_chars_per_text, "threads": serving.threads},
-                    runtime_requirements(row.format), model_params, model_tags, model_type)
+            if spec(name).servable and entry["size_mb"] <= params.artifact_max_mb:
+                ref = log_predictor_model(run, name, directory, serving, model_params)
             else:
-                ref = run.log_external_model(name, directory, model_params, model_tags, model_type)
+                ref = run.log_external_model(name, directory, model_params, *model_labels(name))
                 run.set_tags({"artifact_pointer": Path(directory).resolve()})
             entry.update(ref.to_dict())
             run.log_metrics({k: entry[k] for k in MODEL_METRICS if k in entry}, model_id=ref.model_id)

@@ -133,6 +133,12 @@ MODEL_METRIC_KEYS = ("p50_ms_b1", "p95_ms_b1", "p99_ms_b1", "throughput_b32", "p
 TABLE_FILE = "comparison/benchmark_table.json"
 
 
+def model_id_of(accuracy: dict[str, dict[str, Any]], name: str) -> str | None:
+    """The MLflow model evaluate logged for row `name`; none for the bf16 row, which times the FP32 model under
+    another runtime setting (its numbers are not that model's)."""
+    return (accuracy.get(name) or {}).get("model_id") if name != BF16_ROW else None
+
+
 def table_rows(variants: dict[str, Any], accuracy: dict[str, dict[str, Any]], measured_by: str) -> list[dict[str, Any]]:
     """One row per benchmark row: status, latency, throughput, speed-up, accuracy, size and the MLflow model it
     belongs to; `measured_by` (the pipeline run) tells apart rows that MLflow appends to an existing table."""
@@ -140,7 +146,7 @@ def table_rows(variants: dict[str, Any], accuracy: dict[str, dict[str, Any]], me
     for name, entry in variants.items():
         row: dict[str, Any] = {"variant": name, "status": entry["status"]}
         row.update({k: entry.get(k) for k in METRIC_KEYS})
-        row["model_id"] = (accuracy.get(name) or {}).get("model_id") if name != BF16_ROW else None
+        row["model_id"] = model_id_of(accuracy, name)
         row["reason"] = entry.get("reason", "")
         row["measured_by"] = measured_by
         rows.append(row)
@@ -171,8 +177,7 @@ def run_benchmark_stage(finetuned: Path, variants_root: Path, tokenized: Path, a
             run.log_params({"variant": name, **to_dict(params), "cpu": result["machine"]["cpu"]})
             run.set_tags({"status": entry["status"], "reason": entry["reason"]})
             run.log_metrics({k: entry[k] for k in METRIC_KEYS if entry.get(k) is not None})
-            # the bf16 row times the FP32 model under another runtime setting: its numbers are not that model's
-            model_id = (accuracy.get(name) or {}).get("model_id") if name != BF16_ROW else None
+            model_id = model_id_of(accuracy, name)
             if entry["status"] == "ok" and model_exists(model_id):
                 run.log_metrics({k: entry[k] for k in MODEL_METRIC_KEYS if entry.get(k) is not None},
                                 model_id=model_id)

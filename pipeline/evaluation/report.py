@@ -158,8 +158,9 @@ def write_report(result: dict[str, Any], chart: Path, path: Path, targets: Targe
         *([f"- bf16 row: {settings['bf16_row_choice']}"] if "bf16_row_choice" in settings else []),
         "",
     ]
-    isa_of = machine["isa"]
-    if not any(isa_of.get(f) for f in ("avx512_vnni", "avx_vnni", "amx_int8")):
+    from pipeline.core.machine import INT8_DOT_FLAGS
+
+    if not any(machine["isa"].get(f) for f in INT8_DOT_FLAGS):
         lines += [
             "This CPU has neither VNNI nor AMX: INT8 matrix kernels fall back to AVX2 (`vpmaddubsw`), so INT8 "
             "speed-ups are smaller here than on a VNNI/AMX CPU, and INT8 weights are 7-bit (`quantize.reduce_range`).",

@@ -7,12 +7,15 @@ import logging
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pipeline.core.params import QuantizeParams
+from pipeline.core.params import Params, QuantizeParams
 from pipeline.variants.runners import pad_batch
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +99,7 @@ def quantize_static_onnx_methods(src: Path, dsts: dict[str, Path], calibration: 
     on the calibration method, so they run once for all methods.
     """
     import onnx
-    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     unknown = [m for m in dsts if m not in CALIBRATION_METHODS]
@@ -118,12 +121,6 @@ def quantize_static_onnx_methods(src: Path, dsts: dict[str, Path], calibration: 
         for method, dst in dsts.items():
             # No symbolic shape inference (it fails on the exporter's graph); ONNX's own inference types every
             # tensor of the unfused graph, which is what the quantizer needs.
-            # Biases stay float: int32 bias scales need a calibrated input scale, which sliced inputs
-            # (the pooler's [CLS] `select`) do not get, and float biases cost nothing measurable.
-            extra: dict[str, Any] = {"ActivationSymmetric": False, "WeightSymmetric": True, "QuantizeBias": False,
-                                     "DefaultTensorType": onnx.TensorProto.FLOAT}
-            if method == "percentile":
-                extra["CalibPercentile"] = params.calibration_percentile
             quantize_static(
                 str(base), str(dst), TokenCalibrationReader(calibration, params.calibration_batch_size, names,
                                                             pad_id),
@@ -131,14 +128,40 @@ def quantize_static_onnx_methods(src: Path, dsts: dict[str, Path], calibration: 
                 reduce_range=params.weights_reduce_range(), activation_type=QuantType.QUInt8,
                 weight_type=QuantType.QInt8,
                 op_types_to_quantize=["MatMul", "Gemm", "Gather"], nodes_to_exclude=excluded,
-                calibrate_method={"minmax": CalibrationMethod.MinMax, "percentile": CalibrationMethod.Percentile,
-                                  "entropy": CalibrationMethod.Entropy}[method],
-                extra_options=extra,
+                **calibration_options(method, params, activation_symmetric=False),
             )
 
 
 #: What a TensorRT explicit-quantization input may hold besides float ops: QuantizeLinear/DequantizeLinear only.
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
+
+
+def calibration_reviews(train: pd.DataFrame, params: Params) -> list[np.ndarray]:
+    """The training reviews every static INT8 build calibrates on: `quantize.calibration_samples` of them,
+    drawn with `train.seed` (the TensorRT INT8 input is calibrated on the same ones)."""
+    from pipeline.data.tokens import draw_rows
+
+    rows = draw_rows(len(train), params.quantize.calibration_samples, params.train.seed)
+    return [train["input_ids"].iloc[i] for i in rows]
+
+
+def calibration_options(method: str, params: QuantizeParams, activation_symmetric: bool) -> dict[str, Any]:
+    """`quantize_static`'s calibration method and extra options shared by every QDQ build: symmetric
+    per-channel weights, float biases (int32 bias scales need a calibrated input scale, which sliced inputs such
+    as the pooler's [CLS] `select` do not get, and float biases cost nothing measurable), fused contrib ops typed
+    float, the percentile from params; activations asymmetric uint8 for onnxruntime, symmetric for TensorRT."""
+    import onnx
+    from onnxruntime.quantization import CalibrationMethod
+
+    extra: dict[str, Any] = {"ActivationSymmetric": activation_symmetric, "WeightSymmetric": True,
+                             "QuantizeBias": False, "DefaultTensorType": onnx.TensorProto.FLOAT}
+    if method == "percentile":
+        extra["CalibPercentile"] = params.calibration_percentile
+    methods = {"minmax": CalibrationMethod.MinMax, "percentile": CalibrationMethod.Percentile,
+               "entropy": CalibrationMethod.Entropy}
+    return {"calibrate_method": methods[method], "extra_options": extra}
+
+
 def quantize_qdq_for_tensorrt(src: Path, dst: Path, calibration: Sequence[np.ndarray], method: str,
                               params: QuantizeParams, pad_id: int = 0,
                               float_ffn_output_of: int | None = None) -> dict[str, Any]:
@@ -153,7 +176,7 @@ def quantize_qdq_for_tensorrt(src: Path, dst: Path, calibration: Sequence[np.nda
     attention layer stay float, as in `int8-static`; TensorRT runs float layers in its own precision.
     Returns the census, checked with `tensorrt_qdq_problems` (an unusable model raises `QuantizeError`)."""
     import onnx
-    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     if method not in CALIBRATION_METHODS:
@@ -164,19 +187,13 @@ def quantize_qdq_for_tensorrt(src: Path, dst: Path, calibration: Sequence[np.nda
         graph = onnx.load(str(pre), load_external_data=False).graph
         ffn = ffn_output_matmuls(graph, float_ffn_output_of) if float_ffn_output_of else []
         keep_float = [*activation_matmuls(graph), *ffn]
-        extra: dict[str, Any] = {"ActivationSymmetric": True, "WeightSymmetric": True, "QuantizeBias": False,
-                                 "DefaultTensorType": onnx.TensorProto.FLOAT}
-        if method == "percentile":
-            extra["CalibPercentile"] = params.calibration_percentile
         quantize_static(
             str(pre), str(dst),
             TokenCalibrationReader(calibration, params.calibration_batch_size, {i.name for i in graph.input}, pad_id),
             quant_format=QuantFormat.QDQ, per_channel=True, reduce_range=False,
             activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
             op_types_to_quantize=["MatMul", "Gemm"], nodes_to_exclude=keep_float,
-            calibrate_method={"minmax": CalibrationMethod.MinMax, "percentile": CalibrationMethod.Percentile,
-                              "entropy": CalibrationMethod.Entropy}[method],
-            extra_options=extra,
+            **calibration_options(method, params, activation_symmetric=True),
         )
     problems = tensorrt_qdq_problems(dst)
     if problems:
@@ -198,7 +215,7 @@ def tensorrt_qdq_problems(path: Path) -> list[str]:
     for node in model.graph.node:
         if node.domain not in ("", "ai.onnx"):
             problems.append(f"{node.name}: {node.domain}.{node.op_type} is not a standard ONNX op")
-        elif node.op_type in (*INTEGER_OPS, "DynamicQuantizeLinear", "MatMulInteger", "ConvInteger", "QLinearConv"):
+        elif node.op_type in (*INTEGER_OPS, "DynamicQuantizeLinear", "ConvInteger", "QLinearConv"):
             problems.append(f"{node.name}: {node.op_type} has no TensorRT importer")
         elif node.op_type in QDQ_OPS:
             zero = inits.get(node.input[2]) if len(node.input) > 2 and node.input[2] else None

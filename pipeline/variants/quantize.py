@@ -19,7 +19,13 @@ from pipeline.data.tokens import draw_rows, read_tokenized, training_window
 from pipeline.modeling import load_finetuned
 from pipeline.variants.export import export_onnx, inference_model, max_length_of
 from pipeline.variants.fusion import FusionCheck, fused_graph
-from pipeline.variants.onnx_int8 import QuantizeError, int8_census, quantize_dynamic_onnx, quantize_static_onnx
+from pipeline.variants.onnx_int8 import (
+    QuantizeError,
+    calibration_reviews,
+    int8_census,
+    quantize_dynamic_onnx,
+    quantize_static_onnx,
+)
 from pipeline.variants.record import VariantInfo, read_variant, write_variant
 from pipeline.variants.registry import directories
 from pipeline.variants.runners import OrtRunner, predict_logits
@@ -67,7 +73,7 @@ def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, variants_roo
     with tempfile.TemporaryDirectory(prefix="quantize-") as tmp:
         inputs = QuantizeInputs(
             finetuned, meta, tokenizer.pad_token_id or 0, train,
-            [train["input_ids"].iloc[i] for i in draw_rows(len(train), q.calibration_samples, params.train.seed)],
+            calibration_reviews(train, params),
             int(arch["intermediate_size"]) if q.ffn_output_dynamic else None,
             bool(arch.get("cls_readout", False)), Path(tmp))
 

@@ -133,15 +133,14 @@ def tensorrt_int8_source(fp32_onnx: Path, int8_static: Path, tokenized: Path, ds
     """Build the TensorRT INT8 input (`TENSORRT_QDQ_FILE`) from fp32-onnx, calibrated on the training reviews
     `int8-static` was calibrated on, with the method it chose; score it and fp32-onnx with onnxruntime on the
     whole validation split."""
-    from pipeline.data.tokens import draw_rows, read_tokenized
-    from pipeline.variants.onnx_int8 import quantize_qdq_for_tensorrt
+    from pipeline.data.tokens import read_tokenized
+    from pipeline.variants.onnx_int8 import calibration_reviews, quantize_qdq_for_tensorrt
     from pipeline.variants.record import read_variant
     from pipeline.variants.runners import OrtRunner, predict_logits
 
     q = params.quantize
     method = str(read_variant(int8_static).params.get("calibration", q.calibration_methods[0]))
-    train = read_tokenized(tokenized, "train")
-    calibration = [train["input_ids"].iloc[i] for i in draw_rows(len(train), q.calibration_samples, params.train.seed)]
+    calibration = calibration_reviews(read_tokenized(tokenized, "train"), params)
     dst.parent.mkdir(parents=True, exist_ok=True)
     # The FFN down-projections int8-static quantizes per batch (`quantize.ffn_output_dynamic`) stay float here:
     # TensorRT has no per-batch quantization.
@@ -184,15 +183,15 @@ def run_tensorrt(finetuned: Path, fp32_onnx: Path, int8_static: Path, tokenized:
     for name, (src, precision, source_record) in sources.items():
         d = out[name]
         base = {"precision": precision, "profile": shapes.__dict__, **to_dict(trt), **source_record}
+        measured = {k: v for k, v in source_record.items() if k != "source_onnx"}  # the input's own numbers
         if not ok:
             log.warning("%s skipped: %s", name, reason)
             write_variant(d, VariantInfo.skipped(name, reason, base), finetuned)
-            report[name] = {"status": "skipped", "reason": reason,
-                            **({k: v for k, v in source_record.items() if k != "source_onnx"})}
+            report[name] = {"status": "skipped", "reason": reason, **measured}
             continue
         t0 = time.perf_counter()
         info = build_engine(src, d / "model.engine", shapes, precision, trt.workspace_mb)
         base.update(info, build_seconds=round(time.perf_counter() - t0, 2))
         write_variant(d, VariantInfo.built(name, base), finetuned)
-        report[name] = {"status": "ok", **({k: v for k, v in source_record.items() if k != "source_onnx"})}
+        report[name] = {"status": "ok", **measured}
     return report

@@ -14,10 +14,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from pipeline.core.io import write_json
-from pipeline.core.params import EvaluateParams, ExportParams, Params
+from pipeline.core.params import Params
 from pipeline.deployment.inference import SentimentPredictor
-from tests.factories import ROOT, free_port, start_server, stop_server, write_tokenized
+from tests.factories import ROOT, evaluated_fp32_onnx, free_port, start_server, stop_server
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
@@ -42,24 +41,13 @@ def server(tmp_path_factory):
 def test_stages_run_unchanged_against_a_tracking_server(server, tiny_model_dir, tmp_path, monkeypatch):
     import mlflow
 
-    from pipeline.evaluation.accuracy import log_variant_runs, score_variants
-    from pipeline.variants.export import run_export
-
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", server["url"])
     monkeypatch.setenv("PIPELINE_RUN_ID", "remote-test")
     shutil.copy2(ROOT / "params.yaml", tmp_path / "params.yaml")  # the default profile, untouched
     params = Params()
     assert params.mlflow.tracking_uri == "sqlite:///mlflow.db"
-    tok = write_tokenized(tmp_path / "tok", {"test": 16})
-    run_export(tiny_model_dir, tok, tmp_path / "variants", ExportParams(parity_samples=4))
-    # the evaluate stage's MLflow work, in this process
-    dirs = {"fp32-onnx": tmp_path / "variants" / "fp32-onnx"}
-    results = score_variants(tiny_model_dir, dirs, tok, EvaluateParams())
-    log_variant_runs(results, dirs, tiny_model_dir, params.evaluate, params.mlflow, params.package)
-    write_json(tmp_path / "variants.json", results)
-    write_json(tmp_path / "benchmark.json", {"fp32-eager": {"status": "ok", "p50_ms_b1": 5.0},
-                                             "fp32-onnx": {"status": "ok", "p50_ms_b1": 4.0}})
+    dirs = evaluated_fp32_onnx(tmp_path, tiny_model_dir, params)  # the evaluate stage's MLflow work, in this process
     # the package stage as `dvc repro` runs it: its own process, the environment naming the server
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PATH": f"{BIN}:{os.environ['PATH']}"}
     proc = subprocess.run(

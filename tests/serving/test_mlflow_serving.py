@@ -17,10 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.core.io import write_json
-from pipeline.core.params import EvaluateParams, ExportParams, MlflowParams, PackageParams, Params
+from pipeline.core.params import MlflowParams, PackageParams, Params
 from pipeline.deployment.inference import SentimentPredictor
-from tests.factories import free_port, start_server, stop_server, write_tokenized
+from tests.factories import evaluated_fp32_onnx, free_port, start_server, stop_server
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
@@ -33,23 +32,14 @@ def champion(tmp_path_factory, tiny_model_dir):
     """The tiny model's fp32-onnx variant evaluated, packaged as `imdb-sentiment@champion`, and a scoring server
     for `models:/imdb-sentiment@champion` (stopped even when a test fails)."""
     from pipeline.deployment.archive import run_package_stage
-    from pipeline.evaluation.accuracy import log_variant_runs, score_variants
-    from pipeline.variants.export import run_export
 
     work = tmp_path_factory.mktemp("mlflow-serve")
-    tok = write_tokenized(work / "tok", {"test": 16})
-    run_export(tiny_model_dir, tok, work / "variants", ExportParams(parity_samples=4))
     store = f"sqlite:///{work / 'mlflow.db'}"
     params = Params(mlflow=MlflowParams(tracking_uri=store))
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(work)
         mp.setenv("PIPELINE_RUN_ID", "serving-test")
-        dirs = {"fp32-onnx": work / "variants" / "fp32-onnx"}
-        results = score_variants(tiny_model_dir, dirs, tok, EvaluateParams())
-        log_variant_runs(results, dirs, tiny_model_dir, params.evaluate, params.mlflow, params.package)
-        write_json(work / "variants.json", results)
-        write_json(work / "benchmark.json", {"fp32-eager": {"status": "ok", "p50_ms_b1": 5.0},
-                                             "fp32-onnx": {"status": "ok", "p50_ms_b1": 4.0}})
+        dirs = evaluated_fp32_onnx(work, tiny_model_dir, params)
         manifest = run_package_stage(work / "variants", work / "variants.json", work / "benchmark.json",
                                      work / "sentiment.mar", work / "package.json", params)
     port = free_port()
