@@ -2,7 +2,8 @@
 
 The default profile scores its test accuracy on 1,500 reviews: one standard error is about 0.9 point, too
 coarse to say whether a model is at 87 or 88 %. The train split has ~30,000 reviews the CPU profile never
-trains on (it subsamples 5,500); this script scores `models/finetuned` on a stratified sample of them, the
+trains on (it subsamples 5,500, and the distill stage's unlabelled transfer reviews are excluded too); this
+script scores `models/finetuned` on a stratified sample of them, the
 same cleaning and truncation as the pipeline, at each `--lengths` value (the pipeline's own `data.max_length`
 first, then longer inference lengths, which the pretrained position table covers up to 512).
 They are not the test split: they serve as a larger validation set when a profile setting is chosen (the
@@ -32,7 +33,7 @@ import torch
 
 from pipeline.core.io import write_json
 from pipeline.core.params import DataParams, read_params, section
-from pipeline.data.imdb import load_imdb, make_splits
+from pipeline.data.imdb import TRANSFER, load_imdb, make_splits
 from pipeline.data.tokens import encode_texts
 from pipeline.modeling import load_finetuned
 from pipeline.variants.runners import EagerLogits, TorchRunner, load_runner, predict_logits
@@ -42,8 +43,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def unseen_train_reviews(data: DataParams, imdb_dir: Path, trained_on: pd.DataFrame, n: int,
                          seed: int) -> pd.DataFrame:
-    """A stratified sample of train-split reviews that the profile's subsample left out."""
-    full = dataclasses.replace(data, train_subsample=None, val_subsample=None, test_subsample=None)
+    """A stratified sample of train-split reviews that the profile's subsample left out; `trained_on` holds every
+    review a model of the profile saw (the training subsample and the distill stage's transfer reviews)."""
+    full = dataclasses.replace(data, train_subsample=None, val_subsample=None, test_subsample=None,
+                               transfer_reviews=0)
     splits, _ = make_splits(load_imdb(full, imdb_dir), full)
     unseen = splits["train"][~splits["train"]["text"].isin(set(trained_on["text"]))]
     if len(unseen) == 0:
@@ -66,7 +69,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="default: IMDB_DIR or params data.local_dir")
     parser.add_argument("--reviews", type=int, default=3000)
     parser.add_argument("--lengths", default="", help="comma-separated; default: the pipeline's data.max_length")
-    parser.add_argument("--variants", default="", help="comma-separated variant names under --variants-dir")
+    parser.add_argument("--variants", default="",
+                        help="comma-separated variant names under --variants-dir, or LABEL=DIR for a variant "
+                             "directory elsewhere (a candidate student's)")
     parser.add_argument("--variants-dir", type=Path, default=ROOT / "models/variants")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -81,8 +86,9 @@ def main(argv: list[str] | None = None) -> None:
     if trained["train_subsample"] != data.train_subsample or trained["seed"] != data.seed:
         raise SystemExit(f"{args.finetuned} was trained with other data params than {args.params}; "
                          "run `make run` first")
-    reviews = unseen_train_reviews(data, imdb_dir, pd.read_parquet(args.prepared / "train.parquet"),
-                                   args.reviews, args.seed)
+    seen = [pd.read_parquet(p) for p in (args.prepared / "train.parquet", args.prepared / f"{TRANSFER}.parquet")
+            if p.is_file()]  # the student also learnt from the transfer reviews (through the teacher's labels)
+    reviews = unseen_train_reviews(data, imdb_dir, pd.concat(seen, ignore_index=True), args.reviews, args.seed)
     lengths = [int(x) for x in args.lengths.split(",") if x] or [trained["max_length"]]
     runner = TorchRunner(EagerLogits(model.eval()))
     labels = reviews["label"].to_numpy()
@@ -105,9 +111,11 @@ def main(argv: list[str] | None = None) -> None:
     by_variant: dict[str, dict[str, Any]] = {}
     for name in variants:
         start = time.perf_counter()
-        pred = predict_logits(load_runner(args.variants_dir / name, args.threads), fp32_seqs, 16, pad_id=pad,
-                              progress=name).argmax(-1)
-        by_variant[name] = paired_difference(pred, fp32_pred, labels) | {"seconds": time.perf_counter() - start}
+        label, _, where = name.partition("=")  # LABEL=DIR scores a variant directory outside --variants-dir
+        directory = Path(where) if where else args.variants_dir / name
+        pred = predict_logits(load_runner(directory, args.threads), fp32_seqs, 16, pad_id=pad,
+                              progress=label).argmax(-1)
+        by_variant[label] = paired_difference(pred, fp32_pred, labels) | {"seconds": time.perf_counter() - start}
     window = meta["params"].get("train", {}).get("max_length") or trained["max_length"]
     result = {"reviews": len(labels), "source": "train split, reviews the profile did not train on",
               "data_max_length": trained["max_length"],

@@ -43,6 +43,10 @@ class DataParams:
     train_subsample: int | None = 5_500  # stratified subsamples (null = the whole split)
     val_subsample: int | None = 500
     test_subsample: int | None = 1_500
+    # At most this many train-split reviews outside train_subsample, written without labels (`transfer` split)
+    # for the distill stage, which labels them with the teacher's predictions; 0 = none. Drawn uniformly, never
+    # by label; fewer when fewer are left (none when train_subsample is null), and prepare's metrics say how many.
+    transfer_reviews: int = 5_500
     max_length: int = 192  # tokens every model reads at inference (training may use a shorter train.max_length)
     truncation: Literal["head", "head_tail"] = "head_tail"  # head_tail keeps the start and the end of long reviews
     head_fraction: float = 0.25  # share of max_length taken from the start under head_tail
@@ -53,6 +57,7 @@ class DataParams:
         for name in ("train_subsample", "val_subsample", "test_subsample"):
             value = getattr(self, name)
             _require(value is None or value >= 2, f"data.{name} must be >= 2 or null")
+        _require(self.transfer_reviews >= 0, "data.transfer_reviews must be >= 0")
         _require(8 <= self.max_length <= 512, "data.max_length must be in [8, 512]")
         _require(0.0 <= self.head_fraction <= 1.0, "data.head_fraction must be in [0, 1]")
 
@@ -130,6 +135,35 @@ class TrainParams:
             not (self.persistent_workers and self.num_workers == 0),
             "train.persistent_workers needs train.num_workers > 0",
         )
+
+
+@dataclass(frozen=True)
+class DistillParams:
+    """The distilled student (`distill` stage): fewer encoder layers initialised from the finetuned teacher, trained
+    on the teacher's soft predictions over the training reviews and the unlabelled `transfer` reviews
+    (`data.transfer_reviews`). Its variants (`fp32-distilled`, `int8-distilled`) go through the teacher's export,
+    readout and dynamic INT8 paths. The trainer's other settings (precision, bucketing, threads, ...) are `train`'s."""
+
+    enabled: bool = True
+    depth: int = 3  # encoder layers of the student, taken evenly from the teacher's, its last layer always kept
+    # FFN neurons kept per layer (null = the teacher's intermediate_size), chosen and least-squares repaired on
+    # training reviews as `prune` does, before distillation (BERT-family teachers)
+    ffn_width: int | None = None
+    epochs: int = 2
+    batch_size: int = 16
+    lr: float = 1e-4
+    temperature: float = 2.0  # softens both distributions in the KL term (scaled by temperature^2)
+    # Weight of cross-entropy on gold labels (labelled training reviews only; transfer reviews have none); the
+    # KL term to the teacher gets 1 - hard_label_weight.
+    hard_label_weight: float = 0.1
+
+    def __post_init__(self) -> None:
+        _require(self.depth >= 1, "distill.depth must be >= 1")
+        _require(self.ffn_width is None or self.ffn_width >= 1, "distill.ffn_width must be >= 1 or null")
+        _require(self.epochs >= 1 and self.batch_size >= 1, "distill.epochs and distill.batch_size must be >= 1")
+        _require(self.lr > 0, "distill.lr must be > 0")
+        _require(self.temperature > 0, "distill.temperature must be > 0")
+        _require(0.0 <= self.hard_label_weight <= 1.0, "distill.hard_label_weight must be in [0, 1]")
 
 
 @dataclass(frozen=True)
@@ -300,7 +334,9 @@ class TargetsParams:
 class PackageParams:
     """Which variant goes into the TorchServe archive and the endpoint's limits."""
 
-    variant: str = "auto"  # auto = most accurate INT8 within targets.max_accuracy_loss_pt of FP32, else fp32-onnx
+    variant: str = "auto"  # auto = an INT8 variant within targets.max_accuracy_loss_pt of FP32, else fp32-onnx
+    # Which one `auto` serves: the most accurate within the window, or the fastest at batch 1 (benchmark p50)
+    prefer: Literal["accuracy", "speed"] = "accuracy"
     max_texts: int = 64  # most texts in one {"texts": [...]} request
     max_body_bytes: int = 1_000_000  # larger bodies get a JSON 413 (config.properties' max_request_size is above it)
     max_chars_per_text: int = 20_000  # longer texts are cut to this many characters (head and tail kept) before
@@ -323,6 +359,7 @@ class Params:
     data: DataParams = dataclasses.field(default_factory=DataParams)
     model: ModelParams = dataclasses.field(default_factory=ModelParams)
     train: TrainParams = dataclasses.field(default_factory=TrainParams)
+    distill: DistillParams = dataclasses.field(default_factory=DistillParams)
     mlflow: MlflowParams = dataclasses.field(default_factory=MlflowParams)
     export: ExportParams = dataclasses.field(default_factory=ExportParams)
     quantize: QuantizeParams = dataclasses.field(default_factory=QuantizeParams)

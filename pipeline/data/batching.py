@@ -9,49 +9,65 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
+#: The label of a review whose gold label is not known (the distill stage's transfer reviews).
+NO_LABEL = -1
+
 
 class TokenizedDataset(Dataset):
-    """Unpadded token-id arrays plus labels."""
+    """Unpadded token-id arrays plus labels (`NO_LABEL` where unknown) and, for distillation, the teacher's
+    logits per review (`soft_targets`)."""
 
-    def __init__(self, input_ids: Sequence[np.ndarray], labels: Sequence[int]) -> None:
+    def __init__(self, input_ids: Sequence[np.ndarray], labels: Sequence[int],
+                 soft_targets: np.ndarray | None = None) -> None:
         if len(input_ids) != len(labels):
             raise ValueError(f"{len(input_ids)} reviews but {len(labels)} labels")
+        if soft_targets is not None and len(soft_targets) != len(labels):
+            raise ValueError(f"{len(input_ids)} reviews but {len(soft_targets)} soft targets")
         self.input_ids = list(input_ids)
         self.labels = np.asarray(labels, dtype=np.int64)
+        self.soft_targets = None if soft_targets is None else np.asarray(soft_targets, dtype=np.float32)
         self.lengths = np.asarray([len(x) for x in self.input_ids], dtype=np.int64)
 
     def __len__(self) -> int:
         return len(self.input_ids)
 
-    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
-        return self.input_ids[i], int(self.labels[i])
+    def __getitem__(self, i: int) -> tuple[Any, ...]:
+        if self.soft_targets is None:
+            return self.input_ids[i], int(self.labels[i])
+        return self.input_ids[i], int(self.labels[i]), self.soft_targets[i]
 
 
 class Collator:
-    """Pad a list of (ids, label) to the longest in the batch, rounded up to `multiple_of`."""
+    """Pad a list of (ids, label) or (ids, label, teacher logits) to the longest in the batch, rounded up to
+    `multiple_of`; teacher logits come out as `teacher_logits`."""
 
     def __init__(self, pad_id: int = 0, multiple_of: int = 8, max_length: int | None = None) -> None:
         self.pad_id = pad_id
         self.multiple_of = multiple_of
         self.max_length = max_length
 
-    def __call__(self, batch: Sequence[tuple[np.ndarray, int]]) -> dict[str, torch.Tensor]:
-        longest = max(len(ids) for ids, _ in batch)
+    def __call__(self, batch: Sequence[tuple[Any, ...]]) -> dict[str, torch.Tensor]:
+        longest = max(len(item[0]) for item in batch)
         width = math.ceil(longest / self.multiple_of) * self.multiple_of
         if self.max_length is not None:
             width = max(min(width, self.max_length), longest)
         input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, (ids, _) in enumerate(batch):
+        for row, item in enumerate(batch):
+            ids = item[0]
             input_ids[row, : len(ids)] = torch.from_numpy(np.asarray(ids, dtype=np.int64))
             mask[row, : len(ids)] = 1
-        labels = torch.tensor([label for _, label in batch], dtype=torch.long)
-        return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+        out = {"input_ids": input_ids, "attention_mask": mask,
+               "labels": torch.tensor([item[1] for item in batch], dtype=torch.long)}
+        if len(batch[0]) > 2:
+            out["teacher_logits"] = torch.from_numpy(np.stack([item[2] for item in batch]))
+        return out
 
 
 class LengthBucketBatchSampler(Sampler[list[int]]):

@@ -22,6 +22,11 @@ log = logging.getLogger(__name__)
 SPLITS = ("train", "val", "test")
 
 
+#: Reviews of the train split the subsample left out, drawn without their labels for the distill stage's
+#: teacher labelling (`data.transfer_reviews`); written beside the labelled splits, never with a label column.
+TRANSFER = "transfer"
+
+
 LABELS = {0: "negative", 1: "positive"}
 
 
@@ -122,7 +127,8 @@ class SplitReport:
 
 
 def make_splits(frame: pd.DataFrame, params: DataParams) -> tuple[dict[str, pd.DataFrame], SplitReport]:
-    """Clean, deduplicate, shuffle with the seed and cut the 35k/5k/rest reference split."""
+    """Clean, deduplicate, shuffle with the seed and cut the 35k/5k/rest reference split; with
+    `data.transfer_reviews`, also the unlabelled `transfer` split (text only) from the train split's unused part."""
     check_frame(frame, "source")
     df = pd.DataFrame({"text": frame["text"].map(clean_text), "label": frame["label"].astype(int)})
     n0 = len(df)
@@ -145,17 +151,48 @@ def make_splits(frame: pd.DataFrame, params: DataParams) -> tuple[dict[str, pd.D
     end = len(df) if params.test_count is None else min(len(df), t + v + params.test_count)
     splits = {"train": df.iloc[:t], "val": df.iloc[t : t + v], "test": df.iloc[t + v : end]}
     subs = {"train": params.train_subsample, "val": params.val_subsample, "test": params.test_subsample}
+    unused_train = splits["train"][["text"]]  # the label column goes before any row of it is drawn
     splits = {k: _stratified_subsample(s, subs[k], params.seed) for k, s in splits.items()}
+    transfer = _transfer_reviews(unused_train.drop(index=splits["train"].index), params)
     splits = {k: s.reset_index(drop=True) for k, s in splits.items()}
     validate_splits(splits)
     report = SplitReport(
         source_rows=n0,
         duplicates_dropped=n_dups,
         conflicting_dropped=n_conflicting,
-        sizes={k: len(s) for k, s in splits.items()},
+        sizes={k: len(s) for k, s in splits.items()} | ({TRANSFER: len(transfer)} if transfer is not None else {}),
         positive_share={k: round(float(s["label"].mean()), 4) for k, s in splits.items()},
     )
+    if transfer is not None:
+        validate_transfer(transfer, splits)
+        splits[TRANSFER] = transfer
     return splits, report
+
+
+def _transfer_reviews(unused: pd.DataFrame, params: DataParams) -> pd.DataFrame | None:
+    """At most `data.transfer_reviews` texts drawn uniformly from the train-split reviews the subsample left out.
+
+    `unused` holds the text column only: the draw cannot be stratified, weighted or filtered by a gold label,
+    so the distill stage sees these reviews exactly as an unlabelled corpus."""
+    if params.transfer_reviews == 0:
+        return None
+    if len(unused) < params.transfer_reviews:
+        log.warning("data.transfer_reviews=%d but only %d train-split reviews lie outside data.train_subsample: "
+                    "taking those", params.transfer_reviews, len(unused))
+    if len(unused) == 0:
+        return None
+    drawn = unused.sample(n=min(params.transfer_reviews, len(unused)), random_state=params.seed + 1)
+    return drawn.reset_index(drop=True)
+
+
+def validate_transfer(transfer: pd.DataFrame, splits: dict[str, pd.DataFrame]) -> None:
+    """The unlabelled transfer reviews carry no label column and share no review with a labelled split."""
+    if list(transfer.columns) != ["text"]:
+        raise DataValidationError(f"{TRANSFER}: expected only a text column, found {list(transfer.columns)}")
+    labelled = {text_digest(t) for df in splits.values() for t in df["text"]}
+    shared = sum(text_digest(t) in labelled for t in transfer["text"])
+    if shared:
+        raise DataValidationError(f"leakage: {shared} {TRANSFER} review(s) also sit in a labelled split")
 
 
 def _stratified_subsample(df: pd.DataFrame, n: int | None, seed: int) -> pd.DataFrame:

@@ -12,7 +12,7 @@ import numpy as np
 
 from pipeline.core.io import write_json
 from pipeline.core.params import DataParams, ModelParams, Params, to_dict
-from pipeline.data.imdb import SPLITS, load_imdb, make_splits
+from pipeline.data.imdb import SPLITS, TRANSFER, load_imdb, make_splits
 from pipeline.data.tokens import tokenize_frame
 
 log = logging.getLogger(__name__)
@@ -20,7 +20,8 @@ log = logging.getLogger(__name__)
 
 def prepare(data: DataParams, model: ModelParams, prepared_dir: Path, tokenized_dir: Path,
             metrics_path: Path) -> dict[str, Any]:
-    """Write `{train,val,test}.parquet` (clean text) and their tokenized twins; returns the metrics."""
+    """Write `{train,val,test}.parquet` (clean text), `transfer.parquet` (text only) when `data.transfer_reviews`
+    asks for it, and their tokenized twins; returns the metrics."""
     from tqdm.auto import tqdm
 
     from pipeline.modeling import load_tokenizer
@@ -32,7 +33,9 @@ def prepare(data: DataParams, model: ModelParams, prepared_dir: Path, tokenized_
     prepared_dir.mkdir(parents=True, exist_ok=True)
     tokenized_dir.mkdir(parents=True, exist_ok=True)
     metrics: dict[str, Any] = {**dataclasses.asdict(report)}
-    for name in tqdm(SPLITS, desc="tokenize", unit="split"):
+    for stale in (prepared_dir / f"{TRANSFER}.parquet", tokenized_dir / f"{TRANSFER}.parquet"):
+        stale.unlink(missing_ok=True)  # a transfer split of an earlier run must not outlive data.transfer_reviews
+    for name in tqdm(list(splits), desc="tokenize", unit="split"):
         df = splits[name]
         df.to_parquet(prepared_dir / f"{name}.parquet", index=False)
         tok = tokenize_frame(df, tokenizer, data)
@@ -49,7 +52,7 @@ def prepare(data: DataParams, model: ModelParams, prepared_dir: Path, tokenized_
 
 
 #: The MLflow input context of each split.
-SPLIT_CONTEXTS = {"train": "training", "val": "validation", "test": "test"}
+SPLIT_CONTEXTS = {"train": "training", "val": "validation", "test": "test", TRANSFER: "distillation"}
 
 
 def run_prepare_stage(params: Params, prepared_dir: Path, tokenized_dir: Path, metrics_path: Path) -> dict[str, Any]:
@@ -64,10 +67,12 @@ def run_prepare_stage(params: Params, prepared_dir: Path, tokenized_dir: Path, m
         metrics = prepare(params.data, params.model, prepared_dir, tokenized_dir, metrics_path)
         run.log_report(metrics, [metrics_path])
         hub = params.data.source == "hub"
-        for split in SPLITS:
+        written = [s for s in (*SPLITS, TRANSFER) if (prepared_dir / f"{s}.parquet").is_file()]
+        for split in written:
             frame = pd.read_parquet(prepared_dir / f"{split}.parquet")
             digest = run.log_dataset(frame, f"imdb-{split}", SPLIT_CONTEXTS[split],
                                      params.data.hub_name if hub else params.data.local_dir,
-                                     hub_revision=params.data.hub_revision if hub else None, targets="label")
+                                     hub_revision=params.data.hub_revision if hub else None,
+                                     targets="label" if "label" in frame.columns else None)
             log.info("%s split logged to MLflow as imdb-%s (digest %s)", split, split, digest)
     return metrics

@@ -84,7 +84,10 @@ def tokenize_frame(df: pd.DataFrame, tokenizer: Any, params: DataParams, chunk: 
             kept = truncate_ids(ids, params.max_length, params.truncation, params.head_fraction,
                                 tokenizer.cls_token_id, tokenizer.sep_token_id)
             out.append(np.asarray(kept, dtype=np.int32))
-    return pd.DataFrame({"input_ids": out, "length": [len(x) for x in out], "label": df["label"].to_numpy()})
+    frame = pd.DataFrame({"input_ids": out, "length": [len(x) for x in out]})
+    if "label" in df.columns:  # the unlabelled transfer split has none
+        frame["label"] = df["label"].to_numpy()
+    return frame
 
 
 def encode_texts(texts: Sequence[str], tokenizer: Any, max_length: int, truncation: str = "head",

@@ -42,9 +42,11 @@ class Choice:
     reason: str
 
 
-def choose_variant(variants: dict[str, dict[str, Any]], params: PackageParams, targets: TargetsParams) -> Choice:
-    """`auto`: the most accurate servable INT8 variant within `targets.max_accuracy_loss_pt` of FP32, else the
-    FP32 ONNX export. A variant named in `package.variant` must be servable and built."""
+def choose_variant(variants: dict[str, dict[str, Any]], params: PackageParams, targets: TargetsParams,
+                   benchmark: dict[str, dict[str, Any]] | None = None) -> Choice:
+    """`auto`: among the servable INT8 variants within `targets.max_accuracy_loss_pt` of FP32, the most accurate
+    (`package.prefer: accuracy`) or the fastest at batch 1 in `benchmark` (`prefer: speed`); else the FP32 ONNX
+    export. A variant named in `package.variant` must be servable and built."""
     if params.variant != "auto":
         if params.variant not in {v.name for v in VARIANTS if v.servable}:
             raise PackageError(f"package.variant={params.variant} is not a variant the handler can serve "
@@ -59,6 +61,14 @@ def choose_variant(variants: dict[str, dict[str, Any]], params: PackageParams, t
     int8 = {v.name for v in VARIANTS if v.cpu_int8}
     ok = {n: e for n, e in variants.items()
           if n in int8 and e.get("status") == "ok" and 100 * (ref - e["accuracy"]) <= budget}
+    if ok and params.prefer == "speed":
+        timed = {n: (benchmark or {}).get(n, {}).get("p50_ms_b1") for n in ok}
+        missing = sorted(n for n, p50 in timed.items() if p50 is None)
+        if missing:
+            raise PackageError(f"package.prefer=speed needs batch-1 latencies; none in the benchmark for {missing}")
+        best = min(ok, key=lambda n: (timed[n], -ok[n]["accuracy"]))
+        return Choice(best, f"fastest INT8 variant within {budget} pt of FP32 (package.prefer: speed): "
+                            f"p50 {timed[best]:.2f} ms, {100 * ok[best]['accuracy']:.2f}% vs {100 * ref:.2f}%")
     if ok:
         best = max(ok, key=lambda n: (ok[n]["accuracy"], -ok[n]["size_mb"]))
         return Choice(best, f"most accurate INT8 variant within {budget} pt of FP32 "
@@ -135,8 +145,8 @@ def run_package_stage(variants_root: Path, variants_metrics: Path, benchmark_met
     from pipeline.deployment.inference import log_predictor_model
     from pipeline.variants.registry import directories
 
-    variants = read_json(variants_metrics)
-    choice = choose_variant(variants, params.package, params.targets)
+    variants, benchmark = read_json(variants_metrics), read_json(benchmark_metrics)
+    choice = choose_variant(variants, params.package, params.targets, benchmark)
     variant_dir = directories(variants_root)[choice.name]
     entry = variants[choice.name]
     name, alias = params.mlflow.registered_model_name, params.mlflow.champion_alias
@@ -167,6 +177,6 @@ def run_package_stage(variants_root: Path, variants_metrics: Path, benchmark_met
                       "registered_model_link": registry["uri"], "served_model_id": model_id})
         run.log_metrics({"mar_size_mb": manifest["mar_size_mb"]})
         run.log_artifact(manifest_path)
-    metrics, tags = serving_summary(choice, variants, read_json(benchmark_metrics), registry)
+    metrics, tags = serving_summary(choice, variants, benchmark, registry)
     log_parent_summary(params.mlflow, metrics, tags)
     return manifest

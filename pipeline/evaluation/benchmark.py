@@ -15,7 +15,6 @@ from pipeline.core.io import read_json, write_json
 from pipeline.core.machine import machine_info
 from pipeline.core.params import BenchmarkParams, Params, to_dict
 from pipeline.evaluation.latency import (
-    BF16_ROW,
     SPEEDUP_LEVEL,
     _rss_probe,
     candidates,
@@ -25,9 +24,17 @@ from pipeline.evaluation.latency import (
     speedup_interval,
     throughput_batches,
 )
-from pipeline.evaluation.report import latency_chart, markdown_table, plot_rows, target_lines, write_report
+from pipeline.evaluation.report import (
+    latency_chart,
+    markdown_table,
+    pareto_chart,
+    plot_rows,
+    speedup_sources,
+    target_lines,
+    write_report,
+)
 from pipeline.variants.record import VARIANT_FILE
-from pipeline.variants.registry import REFERENCE, directories
+from pipeline.variants.registry import REFERENCE, TIMING_ROWS, directories
 from pipeline.variants.runners import Runner, load_runner
 
 log = logging.getLogger(__name__)
@@ -55,10 +62,15 @@ def run_benchmark(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Pat
     bf16 = resolve_bf16_row(params.bf16_row)
     log.info("benchmark.bf16_row: %s", bf16.tag())
     cands = candidates(finetuned, variant_dirs, bf16.value)
+    from pipeline.variants.readout import ReadoutError
+
     runners: dict[str, Runner] = {}
     for c in cands:
         if c.status == "ok":
-            runners[c.name] = load_runner(c.directory, threads, **c.options)
+            try:
+                runners[c.name] = load_runner(c.directory, threads, **c.options)
+            except ReadoutError as exc:  # the readout row, for a head that reads every position
+                c.status, c.reason = "skipped", str(exc)
     total = params.rounds * len(runners)
     with tqdm(total=total, desc="benchmark", unit="run") as bar:
         timings = measure(runners, lat_inputs, tp_batches, params, progress=lambda _: bar.update(1))
@@ -77,9 +89,9 @@ def run_benchmark(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Pat
                 entry["speedup_p50_low"], entry["speedup_p50_high"] = low, high
             if params.memory:
                 entry["peak_rss_mb"] = peak_rss_mb(c.directory, c.options, tp_batches[0], threads)
-        acc = (accuracy or {}).get(c.name if c.name != BF16_ROW else REFERENCE, {})
+        acc = (accuracy or {}).get(c.name, {})  # the timing rows of the reference's weights have none of their own
         for key in ("accuracy", "size_mb", "agreement_with_fp32"):
-            if key in acc and c.name != BF16_ROW:
+            if key in acc:
                 entry[key] = acc[key]
         results[c.name] = entry
     return {"variants": results, "machine": machine_info(threads),
@@ -114,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     params = load_params(args.params).benchmark
     wanted = [v for v in args.variants.split(",") if v]
     dirs = {name: d for name, d in directories(args.variants_root).items() if (d / VARIANT_FILE).is_file()}
-    unknown = [v for v in wanted if v not in dirs and v not in (REFERENCE, BF16_ROW)]
+    unknown = [v for v in wanted if v not in dirs and v not in (REFERENCE, *TIMING_ROWS)]
     if unknown:
         raise SystemExit(f"unknown or unbuilt variant(s) {unknown}; built: {sorted(dirs)}")
     if wanted:
@@ -134,9 +146,9 @@ TABLE_FILE = "comparison/benchmark_table.json"
 
 
 def model_id_of(accuracy: dict[str, dict[str, Any]], name: str) -> str | None:
-    """The MLflow model evaluate logged for row `name`; none for the bf16 row, which times the FP32 model under
-    another runtime setting (its numbers are not that model's)."""
-    return (accuracy.get(name) or {}).get("model_id") if name != BF16_ROW else None
+    """The MLflow model evaluate logged for row `name`; none for the timing rows (bf16 autocast, eager readout),
+    which time the FP32 model under another runtime setting (their numbers are not that model's)."""
+    return (accuracy.get(name) or {}).get("model_id") if name not in TIMING_ROWS else None
 
 
 def table_rows(variants: dict[str, Any], accuracy: dict[str, dict[str, Any]], measured_by: str) -> list[dict[str, Any]]:
@@ -158,7 +170,14 @@ def run_benchmark_stage(finetuned: Path, variants_root: Path, tokenized: Path, a
     """Benchmark every registered variant; `metrics/benchmark.json` holds one object per variant. Each variant's
     timings are linked to its MLflow model (the evaluate stage logged it and wrote its id into
     `metrics/variants.json`), and the whole table goes on the parent run."""
-    from pipeline.core.tracking import log_parent_artifact, log_parent_table, model_exists, pipeline_run_id, stage_run
+    from pipeline.core.tracking import (
+        log_parent_artifact,
+        log_parent_summary,
+        log_parent_table,
+        model_exists,
+        pipeline_run_id,
+        stage_run,
+    )
 
     params, tracking = all_params.benchmark, all_params.mlflow
     accuracy = read_json(accuracy_file)
@@ -167,9 +186,10 @@ def run_benchmark_stage(finetuned: Path, variants_root: Path, tokenized: Path, a
     write_json(metrics_path, variants)
     write_json(metrics_path.with_name("benchmark_machine.json"), {**result["machine"], **result["settings"]})
     plot_rows(variants, plot_data)
-    chart = report.with_name("variants_latency.png")
+    chart, pareto = report.with_name("variants_latency.png"), report.with_name("variants_pareto.png")
     latency_chart(variants, chart)
-    write_report(result, chart, report, all_params.targets)
+    pareto_chart(variants, all_params.targets, pareto)
+    write_report(result, chart, report, all_params.targets, pareto)
     for line in target_lines(variants, all_params.targets):
         log.info(line.replace("**", ""))
     for name, entry in variants.items():
@@ -185,7 +205,9 @@ def run_benchmark_stage(finetuned: Path, variants_root: Path, tokenized: Path, a
                 log.warning("%s: MLflow model %s is not in this tracking store; timings not linked to it",
                             name, model_id)
     log_parent_table(tracking, table_rows(variants, accuracy, pipeline_run_id()), TABLE_FILE)
-    for f in (report, chart, metrics_path):
+    log_parent_summary(tracking, {f"speedup_source/{s['to']}_vs_{s['from']}": s["factor"]
+                                  for s in speedup_sources(variants)}, {})
+    for f in (report, chart, pareto, metrics_path):
         log_parent_artifact(tracking, f, "comparison")
     return result
 

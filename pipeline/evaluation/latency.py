@@ -16,7 +16,7 @@ import numpy as np
 
 from pipeline.core.params import BenchmarkParams
 from pipeline.variants.record import read_variant
-from pipeline.variants.registry import BF16_ROW, REFERENCE
+from pipeline.variants.registry import BF16_ROW, READOUT_ROW, REFERENCE
 from pipeline.variants.runners import Runner, load_runner, pad_batch
 
 log = logging.getLogger(__name__)
@@ -77,10 +77,12 @@ class Candidate:
 
 
 def candidates(finetuned: Path, variant_dirs: dict[str, Path], include_bf16: bool) -> list[Candidate]:
-    """FP32 eager first (the reference), the bf16-autocast row, then every variant (skipped ones kept)."""
+    """FP32 eager first (the reference), the bf16-autocast row, the eager [CLS]-readout row (the readout's own
+    share of the exported variants' speed-up), then every variant (skipped ones kept)."""
     out = [Candidate(REFERENCE, finetuned, {})]
     if include_bf16:
         out.append(Candidate(BF16_ROW, finetuned, {"autocast_bf16": True}))
+    out.append(Candidate(READOUT_ROW, finetuned, {"cls_readout": True}, cls_readout=True))
     for name, d in variant_dirs.items():
         info = read_variant(d)
         out.append(Candidate(name, d, {}, info.status, info.reason, bool(info.params.get("cls_readout", False))))

@@ -10,7 +10,7 @@ import numpy as np
 
 from pipeline.core.params import TargetsParams
 from pipeline.evaluation.latency import SPEEDUP_LEVEL
-from pipeline.variants.registry import REFERENCE, spec
+from pipeline.variants.registry import READOUT_ROW, REFERENCE, spec
 
 
 def latency_chart(variants: dict[str, dict[str, Any]], path: Path) -> None:
@@ -46,6 +46,101 @@ def latency_chart(variants: dict[str, dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def pareto_front(variants: dict[str, dict[str, Any]]) -> list[str]:
+    """The measured variants no other beats on both batch-1 p50 and accuracy, fastest first."""
+    rows = {n: e for n, e in variants.items() if e["status"] == "ok" and e.get("accuracy") is not None}
+    front = [n for n, e in rows.items()
+             if not any(o["p50_ms_b1"] <= e["p50_ms_b1"] and o["accuracy"] >= e["accuracy"]
+                        and (o["p50_ms_b1"], o["accuracy"]) != (e["p50_ms_b1"], e["accuracy"])
+                        for o in rows.values())]
+    return sorted(front, key=lambda n: rows[n]["p50_ms_b1"])
+
+
+def pareto_chart(variants: dict[str, dict[str, Any]], targets: TargetsParams, path: Path) -> None:
+    """Accuracy against batch-1 p50 of every variant with both, the Pareto front joined, and the targets drawn:
+    the accuracy window under FP32 and the latency `targets.min_speedup` asks for."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = {n: e for n, e in variants.items() if e["status"] == "ok" and e.get("accuracy") is not None}
+    front = pareto_front(variants)
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+    for name, e in rows.items():
+        family = _family(name)
+        ax.scatter(e["p50_ms_b1"], 100 * e["accuracy"], s=50, zorder=3, color=FAMILY_COLOURS.get(family, "#777777"),
+                   edgecolor="black" if name in front else "none", label=family)
+        ax.annotate(name, (e["p50_ms_b1"], 100 * e["accuracy"]), textcoords="offset points", xytext=(5, 4),
+                    fontsize=8)
+    ax.plot([rows[n]["p50_ms_b1"] for n in front], [100 * rows[n]["accuracy"] for n in front], color="black",
+            linewidth=0.8, linestyle="--", zorder=2, label="Pareto front")
+    if REFERENCE in rows:
+        ref = rows[REFERENCE]
+        ax.axhline(100 * ref["accuracy"] - targets.max_accuracy_loss_pt, color="#c44e52", linewidth=0.8,
+                   label=f"FP32 - {targets.max_accuracy_loss_pt} pt")
+        ax.axvline(ref["p50_ms_b1"] / targets.min_speedup, color="#8172b2", linewidth=0.8,
+                   label=f"{targets.min_speedup}x FP32 eager")
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles, strict=True))
+    ax.legend(unique.values(), unique.keys(), fontsize=8, loc="lower right")
+    ax.set_xscale("log")
+    ax.set_xlabel("p50 latency, batch 1 (ms, log scale; left is faster)")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title("accuracy vs latency (outlined: the Pareto front)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+FAMILY_COLOURS = {"fp32": "#4c72b0", "int8": "#55a868", "pruned": "#dd8452", "distilled": "#c44e52",
+                  "tensorrt": "#8172b2"}
+
+
+def _family(name: str) -> str:
+    from pipeline.variants.registry import UnknownVariant
+
+    try:
+        return spec(name).family
+    except UnknownVariant:
+        return "other"
+
+
+#: The chain of rows that splits the best INT8 student's speed-up into its causes: each step changes one thing.
+SPEEDUP_STEPS = (
+    ("[CLS] readout (last layer computes one position)", REFERENCE, READOUT_ROW),
+    ("runtime (ONNX Runtime graph vs PyTorch eager, both with the readout)", READOUT_ROW, "fp32-onnx"),
+    ("quantization (dynamic INT8 of the same model)", "fp32-onnx", "int8-dynamic"),
+    ("smaller model (the distilled student, both INT8)", "int8-dynamic", "int8-distilled"),
+)
+
+
+def speedup_sources(variants: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each step of `SPEEDUP_STEPS` whose two rows were measured: the batch-1 p50 ratio it contributes. Along
+    the chain the factors multiply to the last row's speed-up over FP32 eager."""
+    out = []
+    for what, before, after in SPEEDUP_STEPS:
+        a, b = variants.get(before, {}), variants.get(after, {})
+        if a.get("status") == "ok" and b.get("status") == "ok":
+            out.append({"step": what, "from": before, "to": after, "factor": a["p50_ms_b1"] / b["p50_ms_b1"]})
+    return out
+
+
+def speedup_sources_lines(variants: dict[str, dict[str, Any]]) -> list[str]:
+    """The speed-up decomposition as a Markdown table (empty when fewer than two steps were measured)."""
+    steps = speedup_sources(variants)
+    if len(steps) < 2:
+        return []
+    lines = ["## Where the speed-up comes from", "",
+             "Batch-1 p50 ratios between rows that differ in one thing; along the chain they multiply.", "",
+             "| step | from | to | factor |", "|---|---|---|---:|"]
+    lines += [f"| {s['step']} | {s['from']} | {s['to']} | {s['factor']:.2f}x |" for s in steps]
+    total = float(np.prod([s["factor"] for s in steps]))
+    lines += ["", f"Product: {total:.2f}x ({steps[0]['from']} -> {steps[-1]['to']}).", ""]
+    return lines
+
+
 def plot_rows(variants: dict[str, dict[str, Any]], path: Path) -> None:
     """One CSV row per measured variant, for `dvc plots` bar charts."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -60,23 +155,30 @@ def plot_rows(variants: dict[str, dict[str, Any]], path: Path) -> None:
 def target_lines(variants: dict[str, dict[str, Any]], targets: TargetsParams) -> list[str]:
     """Plain statements of the latency target: met or missed, with the numbers.
 
-    Pruned variants (`int8-pruned`) compute fewer FLOPs, so the target is stated twice when one is present:
-    over every INT8 variant, and over quantization alone, so nobody reads a pruning gain as an INT8 one.
+    Pruned and distilled variants (`int8-pruned`, `int8-distilled`) compute fewer FLOPs, so the target is stated
+    twice when one is present: over every INT8 variant, and over quantization alone, so nobody reads a smaller
+    model's gain as an INT8 one.
     """
     min_speedup, max_loss_pt = targets.min_speedup, targets.max_accuracy_loss_pt
     int8 = {n: e for n, e in variants.items() if _is(n, "cpu_int8") and e["status"] == "ok"}
     if not int8:
         return ["No INT8 variant was measured."]
     lines = [_target_line(variants, int8, min_speedup, max_loss_pt, "")]
-    plain = {n: e for n, e in int8.items() if not is_pruned(n)}
+    plain = {n: e for n, e in int8.items() if not smaller_model(n)}
     if plain and len(plain) < len(int8):
-        lines.append(_target_line(variants, plain, min_speedup, max_loss_pt, "quantization alone (no pruning): "))
+        lines.append(_target_line(variants, plain, min_speedup, max_loss_pt,
+                                  "quantization alone (no pruning or distillation): "))
     return lines
 
 
-def is_pruned(name: str) -> bool:
-    """Whether a variant's speed also comes from removed heads/neurons (see `pipeline.variants.prune`)."""
-    return _is(name, "family", "pruned")
+#: What makes a smaller-model family's variants fast besides INT8, as the target line says it.
+SMALLER_MODEL = {"pruned": "structured pruning + INT8: fewer FLOPs, not faster INT8 kernels alone",
+                 "distilled": "distilled student + INT8: a smaller model, not faster INT8 kernels alone"}
+
+
+def smaller_model(name: str) -> str | None:
+    """Why a variant's speed also comes from a smaller model (pruned or distilled), or None when it does not."""
+    return next((why for family, why in SMALLER_MODEL.items() if _is(name, "family", family)), None)
 
 
 def _is(name: str, attribute: str, value: Any = True) -> bool:
@@ -104,7 +206,7 @@ def _target_line(variants: dict[str, dict[str, Any]], int8: dict[str, dict[str, 
     loss = ""
     if ref_acc is not None and pool[best].get("accuracy") is not None:
         loss = f", {100 * (pool[best]['accuracy'] - ref_acc):+.2f} pt accuracy"
-    kind = " (structured pruning + INT8: fewer FLOPs, not faster INT8 kernels alone)" if is_pruned(best) else ""
+    kind = f" ({smaller_model(best)})" if smaller_model(best) else ""
     spread = ""
     if "speedup_p50_low" in pool[best]:
         low, high = pool[best]["speedup_p50_low"], pool[best]["speedup_p50_high"]
@@ -128,8 +230,10 @@ def readout_note(variants: dict[str, dict[str, Any]]) -> list[str]:
             "fp32-onnx † for the share that INT8 alone brings.", ""]
 
 
-def write_report(result: dict[str, Any], chart: Path, path: Path, targets: TargetsParams) -> None:
-    """`reports/variants.md`: the table, the chart, the machine and the targets, readable on its own."""
+def write_report(result: dict[str, Any], chart: Path, path: Path, targets: TargetsParams,
+                 pareto: Path | None = None) -> None:
+    """`reports/variants.md`: the table, the charts, where the speed-up comes from, the machine and the targets,
+    readable on its own."""
     variants, machine, settings = result["variants"], result["machine"], result["settings"]
     isa = ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in machine["isa"].items())
     lines = [
@@ -146,6 +250,9 @@ def write_report(result: dict[str, Any], chart: Path, path: Path, targets: Targe
         *readout_note(variants),
         f"![latency and throughput]({chart.name})",
         "",
+        *([f"![accuracy vs latency]({pareto.name})", "",
+           f"Pareto front (fastest first): {', '.join(pareto_front(variants))}.", ""] if pareto else []),
+        *speedup_sources_lines(variants),
         "## Targets",
         "",
         *[f"- {t}" for t in target_lines(variants, targets)],

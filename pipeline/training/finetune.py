@@ -143,9 +143,11 @@ def predict_split(module: SentimentClassifier, dm: IMDBDataModule,
 
 
 def save_model(model: torch.nn.Module, tokenizer: Any, model_dir: Path, data: DataParams,
-               model_params: ModelParams, params: TrainParams, choices: Sequence[Choice] = ()) -> None:
+               model_params: ModelParams, params: TrainParams, choices: Sequence[Choice] = (),
+               extra: dict[str, Any] | None = None) -> None:
     """HF weights + config (with id2label) + tokenizer + the preprocessing that inference must repeat, and the
-    machine-dependent choices training made (`auto` settings, with the CPU they were resolved on)."""
+    machine-dependent choices training made (`auto` settings, with the CPU they were resolved on); `extra`
+    sections join the record (the distill stage's `distillation`)."""
     from pipeline.core.machine import isa_record
 
     model_dir.mkdir(parents=True, exist_ok=True)
@@ -156,7 +158,7 @@ def save_model(model: torch.nn.Module, tokenizer: Any, model_dir: Path, data: Da
         "preprocessing": {"max_length": data.max_length, "truncation": data.truncation,
                           "head_fraction": data.head_fraction, "clean": "strip <br /> and collapse spaces"},
         "params": {"data": to_dict(data), "model": to_dict(model_params), "train": to_dict(params)},
-        "choices": {c.setting: c.to_dict() for c in choices}, "built_on": isa_record(),
+        "choices": {c.setting: c.to_dict() for c in choices}, "built_on": isa_record(), **(extra or {}),
     }
     write_json(model_dir / "pipeline.json", meta)
 

@@ -180,15 +180,23 @@ def run_export(finetuned: Path, tokenized: Path, variants_root: Path, params: Ex
                                                              "deprecated_api": TORCHSCRIPT_DEPRECATION,
                                                              **report["fp32-torchscript"]}), finetuned)
 
-    d = out_dirs["fp32-onnx"]
-    t0 = time.perf_counter()
-    export_onnx(graph, d / "model.onnx", max_len, params.opset)
-    runner = OrtRunner(d / "model.onnx", optimization="disable")
-    report["fp32-onnx"] = _checked(reference, runner, seqs, params, max_len, t0, tokenizer.pad_token_id)
-    write_variant(d, VariantInfo.built("fp32-onnx", {"method": "torch.onnx.export(dynamo=True)", "opset": params.opset,
-                                                      **describe(model), **readout, **report["fp32-onnx"]}),
-                  finetuned)
+    report["fp32-onnx"] = onnx_variant("fp32-onnx", model, graph, readout, out_dirs["fp32-onnx"], finetuned, seqs,
+                                       params, max_len, tokenizer.pad_token_id)
     return report
+
+
+def onnx_variant(name: str, model: Any, graph: Any, readout: dict[str, Any], directory: Path, model_dir: Path,
+                 seqs: list[np.ndarray], params: ExportParams, max_len: int, pad_id: int) -> dict[str, Any]:
+    """An FP32 ONNX variant of `model` (exported from `graph`, its inference form): parity-checked against the
+    unchanged model on real reviews, recorded with its architecture and readout; `model_dir` is the HF directory
+    whose tokenizer and record go with it (the finetuned teacher's, or the distilled student's)."""
+    t0 = time.perf_counter()
+    export_onnx(graph, directory / "model.onnx", max_len, params.opset)
+    runner = OrtRunner(directory / "model.onnx", optimization="disable")
+    checked = _checked(eager_runner(model), runner, seqs, params, max_len, t0, pad_id)
+    write_variant(directory, VariantInfo.built(name, {"method": "torch.onnx.export(dynamo=True)", "opset": params.opset,
+                                                      **describe(model), **readout, **checked}), model_dir)
+    return checked
 
 
 def _checked(reference: Any, runner: Any, seqs: list[np.ndarray], params: ExportParams, max_len: int,

@@ -17,6 +17,9 @@ from pipeline.variants.runners import pad_batch
 if TYPE_CHECKING:
     import pandas as pd
 
+    from pipeline.core.machine import Choice
+    from pipeline.variants.fusion import FusionCheck
+
 log = logging.getLogger(__name__)
 
 
@@ -314,3 +317,17 @@ def int8_census(directory: Path, name: str) -> dict[str, int]:
     if counts["int8_matmuls"] == 0:
         raise QuantizeError(f"{name}: no matrix product was quantized ({counts})")
     return counts
+
+
+def fused_dynamic_int8(model: Any, name: str, out_dir: Path, check: FusionCheck, cls_readout: bool,
+                       per_channel: bool, reduce_range: Choice, tmp: Path) -> dict[str, Any]:
+    """The `int8-dynamic` recipe for any model of the teacher's family (a pruned or distilled one): exported with
+    the [CLS] readout when asked, fused and checked against `check.reference` (`fused_graph`), then dynamic INT8
+    with per-channel weights and the CPU's `reduce_range` choice. Returns what goes into the variant's record."""
+    from pipeline.variants.fusion import fused_graph
+
+    fused, fusion = fused_graph(model, cls_readout, check, tmp)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    quantize_dynamic_onnx(fused, out_dir / "model.onnx", per_channel, bool(reduce_range.value))
+    return {"per_channel": per_channel, "reduce_range": bool(reduce_range.value),
+            "reduce_range_choice": reduce_range.tag(), **fusion, **int8_census(out_dir, name)}

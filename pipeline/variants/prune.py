@@ -35,8 +35,7 @@ from pipeline.variants.export import (
     eager_runner,
     max_length_of,
 )
-from pipeline.variants.fusion import FusionCheck, fused_graph
-from pipeline.variants.onnx_int8 import int8_census
+from pipeline.variants.fusion import FusionCheck
 from pipeline.variants.record import VariantInfo, write_variant
 from pipeline.variants.registry import built_by, directories
 
@@ -348,7 +347,7 @@ def run_prune(finetuned: Path, tokenized: Path, variants_root: Path, all_params:
     (`quantize.per_channel`, `quantize.reduce_range`). Disabled, it is written as a skipped variant."""
     import torch
 
-    from pipeline.variants.onnx_int8 import quantize_dynamic_onnx
+    from pipeline.variants.onnx_int8 import fused_dynamic_int8
     from pipeline.variants.runners import pad_batch
 
     name = "int8-pruned"
@@ -379,14 +378,10 @@ def run_prune(finetuned: Path, tokenized: Path, variants_root: Path, all_params:
     with tempfile.TemporaryDirectory(prefix="prune-") as tmp:
         check = FusionCheck(eager_runner(student), "the pruned model", int(model.config.num_hidden_layers),
                             max_length_of(meta), read_tokenized(tokenized, "val")["input_ids"].tolist()[:16], pad)
-        fused, fusion = fused_graph(student, all_params.export.cls_readout, check, Path(tmp))
-        out.mkdir(parents=True, exist_ok=True)
-        quantize_dynamic_onnx(fused, out / "model.onnx", quantize.per_channel, reduce_range.value)
-    census = int8_census(out, name)
+        built = fused_dynamic_int8(student, name, out, check, all_params.export.cls_readout, quantize.per_channel,
+                                   reduce_range, Path(tmp))
     info = {"method": "structured pruning (OBS selection + least-squares repair) + onnxruntime.quantize_dynamic",
-            **to_dict(params), "per_channel": quantize.per_channel, "reduce_range": reduce_range.value,
-            "reduce_range_choice": reduce_range.tag(),
-            **fusion, **report, **census,
+            **to_dict(params), **built, **report,
             "build_seconds": round(time.perf_counter() - started, 2)}
     write_variant(out, VariantInfo.built(name, info), finetuned)
     return info

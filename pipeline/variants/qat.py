@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from pipeline.core.params import QuantizeParams
+from pipeline.training.distill import distillation_loss
 
 log = logging.getLogger(__name__)
 
@@ -102,17 +103,6 @@ class QatResult:
     steps: int
     samples: int
     final_loss: float
-
-
-def distillation_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor,
-                      weight: float) -> torch.Tensor:
-    """`weight` x KL(teacher || student) + (1 - weight) x cross-entropy on the labels."""
-    ce = torch.nn.functional.cross_entropy(logits.float(), labels)
-    if weight == 0.0:
-        return ce
-    student, teacher = torch.log_softmax(logits.float(), -1), torch.log_softmax(teacher_logits.float(), -1)
-    kl = torch.nn.functional.kl_div(student, teacher, reduction="batchmean", log_target=True)
-    return weight * kl + (1.0 - weight) * ce
 
 
 def qat_finetune(model: torch.nn.Module, seqs: Sequence[np.ndarray], labels: Sequence[int],

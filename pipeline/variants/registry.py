@@ -15,9 +15,9 @@ from typing import Literal
 Format = Literal["eager", "torchscript", "onnx", "tensorrt"]
 Precision = Literal["float32", "bfloat16", "float16", "int8"]
 #: fp32: the finetuned weights in another runtime; int8: quantization alone; pruned: fewer heads/neurons + INT8;
-#: tensorrt: GPU engines.
-Family = Literal["fp32", "int8", "pruned", "tensorrt"]
-Stage = Literal["finetune", "export", "quantize", "prune", "tensorrt", "benchmark"]
+#: distilled: the smaller student model (FP32 or INT8); tensorrt: GPU engines.
+Family = Literal["fp32", "int8", "pruned", "distilled", "tensorrt"]
+Stage = Literal["finetune", "export", "quantize", "prune", "distill", "tensorrt", "benchmark"]
 
 
 class UnknownVariant(KeyError):
@@ -58,12 +58,17 @@ class VariantSpec:
 
 REFERENCE = "fp32-eager"
 BF16_ROW = "fp32-eager-bf16"
+READOUT_ROW = "fp32-eager-readout"
+#: Rows that time the reference's own weights another way: no accuracy, file or MLflow model of their own.
+TIMING_ROWS = (BF16_ROW, READOUT_ROW)
 
 VARIANTS: tuple[VariantSpec, ...] = (
     VariantSpec(REFERENCE, "eager", "float32", "fp32", "finetune", None,
                 "the finetuned PyTorch model: the reference every variant is compared with"),
     VariantSpec(BF16_ROW, "eager", "bfloat16", "fp32", "benchmark", None,
                 "the finetuned model under bf16 autocast (benchmark row only)"),
+    VariantSpec(READOUT_ROW, "eager", "float32", "fp32", "benchmark", None,
+                "the finetuned model with the [CLS] readout, eager (benchmark row: the readout's share of speed-up)"),
     VariantSpec("fp32-torchscript", "torchscript", "float32", "fp32", "export", "model.pt",
                 "traced TorchScript, frozen and optimised at load"),
     VariantSpec("fp32-onnx", "onnx", "float32", "fp32", "export", "model.onnx",
@@ -76,6 +81,10 @@ VARIANTS: tuple[VariantSpec, ...] = (
                 "quantization-aware finetune, then the same QDQ conversion as int8-static"),
     VariantSpec("int8-pruned", "onnx", "int8", "pruned", "prune", "model.onnx",
                 "fewer attention heads and FFN neurons (least-squares repaired), then dynamic INT8"),
+    VariantSpec("fp32-distilled", "onnx", "float32", "distilled", "distill", "model.onnx",
+                "the distilled student (fewer layers, trained on the teacher's predictions), FP32 ONNX"),
+    VariantSpec("int8-distilled", "onnx", "int8", "distilled", "distill", "model.onnx",
+                "the distilled student through int8-dynamic's recipe (fused graph, dynamic INT8)"),
     VariantSpec("tensorrt-fp16", "tensorrt", "float16", "tensorrt", "tensorrt", "model.engine",
                 "TensorRT FP16 engine (CUDA only)"),
     VariantSpec("tensorrt-int8", "tensorrt", "int8", "tensorrt", "tensorrt", "model.engine",

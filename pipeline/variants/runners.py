@@ -122,6 +122,10 @@ def load_runner(directory: Path, threads: int | None = None, **options: Any) -> 
         from pipeline.modeling import load_finetuned
 
         model, _, _ = load_finetuned(directory)
+        if options.get("cls_readout"):  # raises ReadoutError for a head that reads more than [CLS]
+            from pipeline.variants.readout import cls_readout
+
+            model = cls_readout(model)
         _set_threads(threads)
         return TorchRunner(EagerLogits(model), autocast_bf16=bool(options.get("autocast_bf16")))
     info = read_variant(directory)

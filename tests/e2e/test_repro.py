@@ -18,7 +18,7 @@ def test_repro_outputs_and_metrics(repo):
     assert m["test_accuracy"] > 0.65, m  # 800 reviews of 64 tokens: well above chance, far from the full run
     assert m["train_samples_per_s"] > 0
     prep = json.loads((repo / "metrics" / "prepare.json").read_text())
-    assert prep["sizes"] == {"train": 800, "val": 100, "test": 300}
+    assert prep["sizes"] == {"train": 800, "val": 100, "test": 300, "transfer": 200}
     for f in ("config.json", "model.safetensors", "tokenizer.json", "pipeline.json"):
         assert (repo / "models" / "finetuned" / f).is_file()
     assert (repo / "plots" / "finetune" / "train.csv").read_text().count("\n") > 10
@@ -27,17 +27,25 @@ def test_repro_outputs_and_metrics(repo):
 def test_variants_metrics(repo):
     v = json.loads((repo / "metrics" / "variants.json").read_text())
     assert set(v) == {"fp32-eager", "fp32-torchscript", "fp32-onnx", "int8-dynamic", "int8-static", "int8-qat",
-                      "int8-pruned", "tensorrt-fp16", "tensorrt-int8"}
+                      "int8-pruned", "fp32-distilled", "int8-distilled", "tensorrt-fp16", "tensorrt-int8"}
     for name in ("fp32-torchscript", "fp32-onnx"):
         assert v[name]["agreement_with_fp32"] == 1.0
         assert v[name]["accuracy"] == v["fp32-eager"]["accuracy"]
-    for name in ("int8-dynamic", "int8-static", "int8-qat", "int8-pruned"):
+    for name in ("int8-dynamic", "int8-static", "int8-qat", "int8-pruned", "int8-distilled"):
         assert v[name]["status"] == "ok"
         assert v[name]["size_mb"] < 0.35 * v["fp32-onnx"]["size_mb"]
     # the miniature profile prunes to 8 of 12 heads and 768 of 1536 neurons: fewer weights than int8-dynamic's
     assert v["int8-pruned"]["size_mb"] < 0.85 * v["int8-dynamic"]["size_mb"]
     pruned = json.loads((repo / "models" / "variants" / "int8-pruned" / "variant.json").read_text())["params"]
     assert pruned["heads"] == 8 and pruned["ffn_width"] == 768 and pruned["fusions"]["Attention"] == 6
+    # the student: 2 of 6 layers, 768 of 1536 FFN neurons, trained on the teacher's labels of 1,000 reviews
+    distill = json.loads((repo / "metrics" / "distill.json").read_text())
+    assert distill["student_layers"] == 2 and distill["transfer_reviews"] == 200
+    assert v["fp32-distilled"]["size_mb"] < v["fp32-onnx"]["size_mb"]
+    assert v["int8-distilled"]["size_mb"] < v["int8-dynamic"]["size_mb"]
+    assert v["fp32-distilled"]["accuracy"] > 0.6 and v["int8-distilled"]["accuracy"] > 0.6
+    student = json.loads((repo / "models" / "distilled" / "pipeline.json").read_text())
+    assert student["distillation"]["kept_layers"] == [2, 5] and student["distillation"]["ffn_width"] == 768
     for name in ("int8-dynamic", "int8-static"):  # PTQ keeps the FP32 weights' decisions
         assert v[name]["agreement_with_fp32"] > 0.9, (name, v[name])
     # QAT trains further, so it may disagree with FP32 more; it must not lose accuracy badly.
@@ -74,17 +82,23 @@ def test_tensorrt_int8_input_keeps_fp32_decisions_on_the_test_split(repo):
 def test_benchmark_report_and_package(repo):
     bench = json.loads((repo / "metrics" / "benchmark.json").read_text())
     variants = json.loads((repo / "metrics" / "variants.json").read_text())
-    assert set(bench) == set(variants) | {"fp32-eager-bf16"}
+    assert set(bench) == set(variants) | {"fp32-eager-bf16", "fp32-eager-readout"}
     for name, entry in bench.items():
         if entry["status"] == "ok":
             assert entry["p50_ms_b1"] <= entry["p95_ms_b1"] <= entry["p99_ms_b1"]
             assert entry["throughput_b32"] > 0 and entry["peak_rss_mb"] > 50
-        else:
-            assert name.startswith("tensorrt") and entry["reason"]
+        else:  # no CUDA here; no readout for the miniature profile's mean-pooling head
+            assert (name.startswith("tensorrt") or name == "fp32-eager-readout") and entry["reason"]
     assert bench["fp32-eager"]["speedup_p50_vs_fp32_eager"] == 1.0
     report = (repo / "reports" / "benchmark" / "variants.md").read_text()
     assert "| int8-static |" in report and "skipped" in report and "## Targets" in report
     assert (repo / "reports" / "benchmark" / "variants_latency.png").stat().st_size > 5000
+    assert (repo / "reports" / "benchmark" / "variants_pareto.png").stat().st_size > 5000
+    assert "Pareto front" in report
+    # the miniature model reads every position (model.head: mean): no readout row, so the chain starts at ONNX
+    readout = bench["fp32-eager-readout"]
+    assert readout["status"] == "skipped" and "reads more than" in readout["reason"]
+    assert "## Where the speed-up comes from" in report and "| smaller model" in report
     manifest = json.loads((repo / "metrics" / "package.json").read_text())
     assert manifest["variant"] in variants and (repo / "model_store" / "sentiment.mar").stat().st_size > 1e6
     assert manifest["model"].startswith("imdb-sentiment:v1/")
@@ -108,7 +122,7 @@ def test_mlflow_parent_with_stage_children_and_registered_model(repo):
     assert len(parents) == 1
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
     stages = {r.data.tags["pipeline.stage"] for r in children}
-    assert {"prepare", "finetune", "export", "quantize", "prune", "tensorrt", "evaluate", "benchmark",
+    assert {"prepare", "finetune", "distill", "export", "quantize", "prune", "tensorrt", "evaluate", "benchmark",
             "package"} <= stages
     finetune = next(r for r in children if r.data.tags["pipeline.stage"] == "finetune")
     assert finetune.data.metrics["test_accuracy"] > 0.65
@@ -177,5 +191,8 @@ def test_mlflow_models_alias_summary_and_inputs(repo, tmp_path):
     assert next(r for r in rows if r["variant"] == served)["p50_ms_b1"] == pytest.approx(bench[served]["p50_ms_b1"])
     prepare = next(r for r in runs if r.data.tags.get("pipeline.stage") == "prepare")
     inputs = {i.dataset.name: i.dataset for i in prepare.inputs.dataset_inputs}
-    assert set(inputs) == {"imdb-train", "imdb-val", "imdb-test"} and all(d.digest for d in inputs.values())
+    assert set(inputs) == {"imdb-train", "imdb-val", "imdb-test", "imdb-transfer"}
+    assert all(d.digest for d in inputs.values())
+    transfer_columns = [c["name"] for c in json.loads(inputs["imdb-transfer"].schema)["mlflow_colspec"]]
+    assert transfer_columns == ["text"]  # the teacher-labelled reviews are logged without a label column
     assert json.loads(inputs["imdb-train"].profile)["num_rows"] == 800

@@ -81,6 +81,13 @@ def test_build_stage_outs_are_its_registry_rows(stage):
     assert "--variants-dir models/variants" in DVC[stage]["cmd"]
 
 
+def test_distill_outs_are_the_student_and_its_registry_rows():
+    outs = {str(o) for o in DVC["distill"]["outs"]}
+    assert outs == {"models/distilled"} | {f"models/variants/{v.name}" for v in built_by("distill")}
+    assert "--variants-dir models/variants" in DVC["distill"]["cmd"]
+    assert "data/tokenized" in DVC["distill"]["deps"]  # where the transfer split lives
+
+
 @pytest.mark.parametrize("stage", ["evaluate", "benchmark"])
 def test_readers_depend_on_every_registered_variant(stage):
     deps = {str(d) for d in DVC[stage]["deps"]}

@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
+
 from pipeline.core.params import TargetsParams
-from pipeline.evaluation.report import markdown_table, target_lines
+from pipeline.evaluation.report import (
+    markdown_table,
+    pareto_chart,
+    pareto_front,
+    speedup_sources,
+    speedup_sources_lines,
+    target_lines,
+)
 
 
 def _row(p50: float, acc: float | None = 0.9) -> dict:
@@ -39,5 +49,33 @@ def test_pruned_variant_target_stated_apart_from_quantization_alone():
     overall, plain = target_lines(variants, TargetsParams())
     assert "**int8-pruned** (structured pruning + INT8" in overall and "3.33x" in overall and "met" in overall
     assert "-0.30 pt" in overall
-    assert plain.startswith("quantization alone (no pruning): ")
+    assert plain.startswith("quantization alone (no pruning or distillation): ")
     assert "int8-static" in plain and "2.50x" in plain and "MISSED" in plain
+
+
+def test_distilled_variant_target_stated_apart_and_named_as_a_smaller_model():
+    variants = {"fp32-eager": _row(10.0), "int8-dynamic": _row(4.0, 0.899), "int8-distilled": _row(2.5, 0.897)}
+    overall, plain = target_lines(variants, TargetsParams())
+    assert "**int8-distilled** (distilled student + INT8: a smaller model" in overall and "met" in overall
+    assert plain.startswith("quantization alone (no pruning or distillation): ") and "int8-dynamic" in plain
+
+
+def test_pareto_front_keeps_only_the_undominated_rows(tmp_path):
+    variants = {"fp32-eager": _row(10.0, 0.90), "fp32-onnx": _row(5.0, 0.90), "int8-static": _row(4.0, 0.895),
+                "int8-qat": _row(4.5, 0.89),  # slower and less accurate than int8-static: dominated
+                "int8-distilled": _row(2.0, 0.893), "fp32-torchscript": _row(9.0, 0.90),
+                "tensorrt-int8": {"status": "skipped", "reason": "no CUDA"}}
+    assert pareto_front(variants) == ["int8-distilled", "int8-static", "fp32-onnx"]
+    pareto_chart(variants, TargetsParams(), tmp_path / "pareto.png")
+    assert (tmp_path / "pareto.png").stat().st_size > 10_000
+
+
+def test_speedup_sources_multiply_to_the_students_speedup():
+    variants = {"fp32-eager": _row(20.0), "fp32-eager-readout": _row(16.0), "fp32-onnx": _row(8.0),
+                "int8-dynamic": _row(4.0), "int8-distilled": _row(2.0)}
+    steps = speedup_sources(variants)
+    assert [round(s["factor"], 3) for s in steps] == [1.25, 2.0, 2.0, 2.0]
+    assert float(np.prod([s["factor"] for s in steps])) == pytest.approx(20.0 / 2.0)
+    assert "Product: 10.00x (fp32-eager -> int8-distilled)" in "\n".join(speedup_sources_lines(variants))
+    variants["int8-distilled"] = {"status": "skipped", "reason": "distill.enabled is false"}
+    assert [s["to"] for s in speedup_sources(variants)] == ["fp32-eager-readout", "fp32-onnx", "int8-dynamic"]

@@ -77,7 +77,7 @@ def test_qat_really_trained_with_fake_quant(built):
 def test_qat_distillation_loss():
     import torch
 
-    from pipeline.variants.qat import distillation_loss
+    from pipeline.training.distill import distillation_loss
 
     logits = torch.tensor([[2.0, -1.0], [0.5, 0.3]])
     labels = torch.tensor([1, 0])

@@ -1,0 +1,65 @@
+"""The distilled student's variants, built by the teacher's own paths: `fp32-distilled` through the export
+stage's ONNX export and parity check (`onnx_variant`), `int8-distilled` through int8-dynamic's recipe (fused graph,
+dynamic INT8: `fused_dynamic_int8`), both with the [CLS] readout when `export.cls_readout`. A skipped student
+gives skipped variants with its reason."""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from pipeline.core.params import Params, to_dict
+from pipeline.data.tokens import read_tokenized
+from pipeline.modeling import load_finetuned
+from pipeline.variants.export import eager_runner, inference_model, max_length_of, onnx_variant
+from pipeline.variants.fusion import FusionCheck
+from pipeline.variants.onnx_int8 import fused_dynamic_int8
+from pipeline.variants.record import VariantInfo, write_variant
+from pipeline.variants.registry import built_by, directories
+
+log = logging.getLogger(__name__)
+
+
+def skipped_reason(student_dir: Path) -> str | None:
+    """Why the distill stage wrote no student (its record says so), or None when it did."""
+    record = json.loads((student_dir / "pipeline.json").read_text())
+    return record["reason"] if record.get("status") == "skipped" else None
+
+
+def run_distilled_variants(student_dir: Path, tokenized: Path, variants_root: Path, params: Params) -> dict[str, Any]:
+    """`fp32-distilled` and `int8-distilled` from the student in `student_dir`, each parity-checked on real reviews
+    against the student in PyTorch."""
+    from pipeline.core.machine import resolve_reduce_range
+
+    out = directories(variants_root, built_by("distill"))
+    reason = skipped_reason(student_dir)
+    if reason is not None:
+        for name, d in out.items():
+            write_variant(d, VariantInfo.skipped(name, reason, to_dict(params.distill)), student_dir)
+        return {name: {"status": "skipped", "reason": reason} for name in out}
+
+    model, tokenizer, meta = load_finetuned(student_dir)
+    pad = tokenizer.pad_token_id or 0
+    max_len = max_length_of(meta)
+    report: dict[str, Any] = {}
+    seqs = read_tokenized(tokenized, "test")["input_ids"].tolist()[: params.export.parity_samples]
+    graph, readout = inference_model(model, params.export.cls_readout)
+    report["fp32-distilled"] = onnx_variant("fp32-distilled", model, graph, readout, out["fp32-distilled"],
+                                            student_dir, seqs, params.export, max_len, pad)
+
+    started = time.perf_counter()
+    reduce_range = resolve_reduce_range(params.quantize.reduce_range)
+    check = FusionCheck(eager_runner(model), "the distilled student", int(model.config.num_hidden_layers), max_len,
+                        read_tokenized(tokenized, "val")["input_ids"].tolist()[:16], pad)
+    with tempfile.TemporaryDirectory(prefix="distilled-") as tmp:
+        built = fused_dynamic_int8(model, "int8-distilled", out["int8-distilled"], check, params.export.cls_readout,
+                                   params.quantize.per_channel, reduce_range, Path(tmp))
+    report["int8-distilled"] = {"method": "distilled student + onnxruntime.quantize_dynamic (int8-dynamic's recipe)",
+                                **built, "student_layers": int(model.config.num_hidden_layers),
+                                "build_seconds": round(time.perf_counter() - started, 2)}
+    write_variant(out["int8-distilled"], VariantInfo.built("int8-distilled", report["int8-distilled"]), student_dir)
+    return report
