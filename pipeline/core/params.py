@@ -156,6 +156,10 @@ class DistillParams:
     # Weight of cross-entropy on gold labels (labelled training reviews only; transfer reviews have none); the
     # KL term to the teacher gets 1 - hard_label_weight.
     hard_label_weight: float = 0.1
+    # Weight of the hidden-state term: each student layer's output pulled towards that of the teacher layer it
+    # was copied from (mean squared error over real tokens). 0 = predictions only; > 0 runs the teacher beside
+    # the student at every step (about 1.5x the step's cost).
+    hidden_weight: float = 0.0
 
     def __post_init__(self) -> None:
         _require(self.depth >= 1, "distill.depth must be >= 1")
@@ -164,6 +168,7 @@ class DistillParams:
         _require(self.lr > 0, "distill.lr must be > 0")
         _require(self.temperature > 0, "distill.temperature must be > 0")
         _require(0.0 <= self.hard_label_weight <= 1.0, "distill.hard_label_weight must be in [0, 1]")
+        _require(self.hidden_weight >= 0.0, "distill.hidden_weight must be >= 0")
 
 
 @dataclass(frozen=True)

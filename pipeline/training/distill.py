@@ -124,18 +124,52 @@ def distillation_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, labels
     return kl_weight * temperature**2 * kl + (1.0 - kl_weight) * ce
 
 
+def hidden_state_loss(student_hidden: tuple[torch.Tensor, ...], teacher_hidden: tuple[torch.Tensor, ...],
+                      kept: list[int], mask: torch.Tensor) -> torch.Tensor:
+    """Mean squared distance between each student layer's output and the output of the teacher layer it was
+    copied from (`kept`), over the real (unpadded) tokens, averaged over layers.
+
+    `*_hidden` are HF `hidden_states` (embeddings first, then one entry per layer), so student layer i is entry
+    i + 1 and its teacher layer entry kept[i] + 1. TinyBERT-style layer matching: the student keeps imitating
+    what its layers computed in the teacher, not only the teacher's final prediction."""
+    weights = mask.unsqueeze(-1).float()
+    tokens = weights.sum().clamp(min=1.0) * student_hidden[-1].shape[-1]
+    per_layer = [(((s.float() - teacher_hidden[k + 1].float()) ** 2) * weights).sum() / tokens
+                 for s, k in zip(student_hidden[1:], kept, strict=True)]
+    return torch.stack(per_layer).mean()
+
+
 class StudentClassifier(SentimentClassifier):
-    """`SentimentClassifier` trained on the teacher's logits in each batch (`teacher_logits`)."""
+    """`SentimentClassifier` trained on the teacher's logits in each batch (`teacher_logits`) and, with
+    `distill.hidden_weight` > 0, on the teacher's hidden states (the teacher runs alongside, frozen)."""
 
     def __init__(self, model: torch.nn.Module, params: DistillParams, weight_decay: float, warmup_ratio: float,
-                 **kwargs: Any) -> None:
+                 teacher: torch.nn.Module | None = None, kept: list[int] | None = None, **kwargs: Any) -> None:
         super().__init__(model, params.lr, weight_decay, warmup_ratio, **kwargs)
         self.kl_weight = 1.0 - params.hard_label_weight
         self.temperature = params.temperature
+        self.hidden_weight = params.hidden_weight
+        if self.hidden_weight > 0 and (teacher is None or kept is None):
+            raise DistillError("distill.hidden_weight > 0 needs the teacher and the kept layer indices")
+        # a plain attribute, not a submodule: the teacher is neither trained nor saved with the student
+        object.__setattr__(self, "_teacher", None if teacher is None else teacher.eval().requires_grad_(False))
+        self.kept = kept or []
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        logits = self(batch["input_ids"], batch["attention_mask"])
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        if self.hidden_weight > 0:
+            out = self._fn()(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+            logits = out.logits
+            teacher = self._teacher.to(ids.device)
+            with torch.no_grad():
+                reference = teacher(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+            hidden = hidden_state_loss(out.hidden_states, reference, self.kept, mask)
+            self.log("hidden_loss", hidden, batch_size=len(ids))
+        else:
+            logits, hidden = self(ids, mask), None
         loss = distillation_loss(logits, batch["teacher_logits"], batch["labels"], self.kl_weight, self.temperature)
+        if hidden is not None:
+            loss = loss + self.hidden_weight * hidden
         self.log("train_loss", loss, prog_bar=True, batch_size=len(batch["labels"]))
         return loss
 
@@ -253,7 +287,8 @@ def distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metrics_p
     if d.ffn_width is not None:
         student, width = narrow_ffn(student, dm.datasets["train"].input_ids, d.ffn_width, pad)
     student.train()
-    module = StudentClassifier(student, d, train.weight_decay, train.warmup_ratio, compile_model=train.compile,
+    module = StudentClassifier(student, d, train.weight_decay, train.warmup_ratio,
+                               teacher=teacher if d.hidden_weight > 0 else None, kept=keep, compile_model=train.compile,
                                compile_mode=train.compile_mode, fused_optimizer=train.fused_optimizer)
     recorder = CurveRecorder()
     with tempfile.TemporaryDirectory(prefix="distill-") as tmp:

@@ -12,7 +12,8 @@ from pipeline.deployment.inference import SentimentPredictor
 
 pytestmark = pytest.mark.slow
 
-VARIANTS = ["fp32-eager", "fp32-torchscript", "fp32-onnx", "int8-dynamic", "int8-static", "int8-qat"]
+VARIANTS = ["fp32-eager", "fp32-torchscript", "fp32-onnx", "int8-dynamic", "int8-static", "int8-qat",
+            "fp32-distilled", "int8-distilled"]
 
 NEGATIVE = [
     "This was the worst movie I have ever seen. Awful acting, a boring plot and terrible dialogue. "

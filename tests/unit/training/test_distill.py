@@ -165,7 +165,8 @@ def test_soft_targets_travel_with_their_reviews():
 
 @pytest.fixture(scope="module")
 def distilled(tmp_path_factory):
-    """A tiny 2-layer teacher (trained briefly) distilled into 1 layer, and the student's variants."""
+    """A tiny 2-layer teacher (trained briefly) distilled into 1 layer with half its FFN neurons, and the
+    student's variants."""
     from pipeline.training.distill import distill
     from pipeline.training.finetune import finetune
     from pipeline.variants.distilled import run_distilled_variants
@@ -183,7 +184,7 @@ def distilled(tmp_path_factory):
     finetune(tok, teacher_dir, root / "finetune.json", root / "plots", root / "reports", DataParams(max_length=64),
              ModelParams(source="tiny"), train)
     params = Params(data=DataParams(max_length=64), model=ModelParams(source="tiny"), train=train,
-                    distill=DistillParams(depth=1, epochs=1, batch_size=16, lr=5e-4),
+                    distill=DistillParams(depth=1, ffn_width=64, epochs=1, batch_size=16, lr=5e-4),
                     export=ExportParams(parity_samples=8))
     result = distill(teacher_dir, tok, root / "student", root / "distill.json", root / "distill-plots", params)
     report = run_distilled_variants(root / "student", tok, root / "variants", params)
@@ -196,11 +197,13 @@ def test_distill_writes_a_student_with_its_record(distilled):
     m = distilled["result"].metrics
     assert m["labelled_reviews"] == 96 and m["transfer_reviews"] == 64
     assert m["student_layers"] == 1 and m["teacher_layers"] == 2
-    assert m["student_encoder_parameters"] * 2 == m["teacher_encoder_parameters"]
+    assert m["student_encoder_parameters"] * 2 < m["teacher_encoder_parameters"]  # half the layers, narrower FFN
     assert 0.0 <= m["test_accuracy"] <= 1.0 and 0.0 <= m["teacher_train_accuracy"] <= 1.0
     model, _, meta = load_finetuned(distilled["root"] / "student")
     assert model.config.num_hidden_layers == 1
     assert meta["distillation"]["kept_layers"] == [1] and meta["distillation"]["transfer_reviews"] == 64
+    assert meta["distillation"]["ffn_width"] == 64 and meta["distillation"]["teacher_ffn_width"] == 128
+    assert model.config.intermediate_size == 64 and model.bert.encoder.layer[0].intermediate.dense.out_features == 64
     teacher_meta = json.loads((distilled["teacher"] / "pipeline.json").read_text())
     assert meta["preprocessing"] == teacher_meta["preprocessing"]  # the student reads reviews as the teacher does
     assert meta["choices"]["train.precision"]["value"] == "32-true"
@@ -239,3 +242,41 @@ def test_a_disabled_student_leaves_skipped_records(tmp_path):
     for name in report:
         info = read_variant(tmp_path / "variants" / name)
         assert info.status == "skipped" and info.reason == "distill.enabled is false"
+
+
+def test_hidden_state_loss_matches_each_student_layer_to_its_teacher_layer():
+    from pipeline.training.distill import StudentClassifier, hidden_state_loss
+
+    teacher = _tiny(4)
+    student, keep = build_student(teacher, 2)
+    ids = torch.randint(1000, 2000, (2, 10))
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0
+    with torch.no_grad():
+        t = teacher(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+        s = student(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    assert len(s) == 3 and len(t) == 5
+    # the student's first layer is the teacher's layer 1, fed embeddings instead of layer 0's output: not equal
+    loss = hidden_state_loss(s, t, keep, mask)
+    assert loss > 0
+    # a student that keeps every layer reproduces the teacher exactly
+    whole, all_layers = build_student(teacher, 4)
+    with torch.no_grad():
+        w = whole(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    assert hidden_state_loss(w, t, all_layers, mask) < 1e-10
+    # padded positions do not count
+    noisy = tuple(h.clone() for h in s)
+    for h in noisy[1:]:
+        h[1, 5:] += 100.0
+    assert torch.isclose(hidden_state_loss(noisy, t, keep, mask), loss)
+
+    module = StudentClassifier(student.train(), DistillParams(hidden_weight=0.5), 0.0, 0.0, teacher=teacher, kept=keep)
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([1, NO_LABEL]),
+             "teacher_logits": torch.zeros(2, 2)}
+    module.log = lambda *a, **k: None  # outside a Trainer
+    step = module.training_step(batch, 0)
+    step.backward()
+    assert all(p.grad is None for p in teacher.parameters())  # the teacher is frozen
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in student.parameters())
+    with pytest.raises(DistillError, match="needs the teacher"):
+        StudentClassifier(student, DistillParams(hidden_weight=0.5), 0.0, 0.0)
