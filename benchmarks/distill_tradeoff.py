@@ -119,7 +119,10 @@ def main(argv: list[str] | None = None) -> None:
                        "train_seconds": m["train_seconds"], "wall_time_s": m["wall_time_s"],
                        **{kind: heldout["variants_vs_fp32"][f"{label}/{kind}"]
                           for kind in ("fp32-distilled", "int8-distilled")}}
-    result = {"teacher_heldout": heldout["by_inference_length"], "reviews": heldout["reviews"],
+    from pipeline.core.machine import isa_record
+
+    result = {"machine": isa_record(),  # INT8 accuracy depends on the CPU's kernels: recorded with the figures
+              "teacher_heldout": heldout["by_inference_length"], "reviews": heldout["reviews"],
               "teacher_int8_dynamic": heldout["variants_vs_fp32"]["int8-dynamic"], "candidates": rows}
     write_json(args.out, result)
     print(f"\nheld-out: {heldout['reviews']} unseen train-split reviews; Δ = paired difference to the FP32 teacher\n")
