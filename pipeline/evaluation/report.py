@@ -63,6 +63,7 @@ def pareto_chart(variants: dict[str, dict[str, Any]], targets: TargetsParams, pa
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator
 
     rows = {n: e for n, e in variants.items() if e["status"] == "ok" and e.get("accuracy") is not None}
     front = pareto_front(variants)
@@ -71,7 +72,8 @@ def pareto_chart(variants: dict[str, dict[str, Any]], targets: TargetsParams, pa
         family = _family(name)
         ax.scatter(e["p50_ms_b1"], 100 * e["accuracy"], s=50, zorder=3, color=FAMILY_COLOURS.get(family, "#777777"),
                    edgecolor="black" if name in front else "none", label=family)
-        ax.annotate(name, (e["p50_ms_b1"], 100 * e["accuracy"]), textcoords="offset points", xytext=(5, 4),
+    for (name, e), dy in zip(rows.items(), _label_offsets(rows), strict=True):
+        ax.annotate(name, (e["p50_ms_b1"], 100 * e["accuracy"]), textcoords="offset points", xytext=(5, dy),
                     fontsize=8)
     ax.plot([rows[n]["p50_ms_b1"] for n in front], [100 * rows[n]["accuracy"] for n in front], color="black",
             linewidth=0.8, linestyle="--", zorder=2, label="Pareto front")
@@ -85,6 +87,9 @@ def pareto_chart(variants: dict[str, dict[str, Any]], targets: TargetsParams, pa
     unique = dict(zip(labels, handles, strict=True))
     ax.legend(unique.values(), unique.keys(), fontsize=8, loc="lower right")
     ax.set_xscale("log")
+    ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_minor_formatter(FuncFormatter(lambda *_: ""))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
     ax.set_xlabel("p50 latency, batch 1 (ms, log scale; left is faster)")
     ax.set_ylabel("test accuracy (%)")
     ax.set_title("accuracy vs latency (outlined: the Pareto front)")
@@ -92,6 +97,19 @@ def pareto_chart(variants: dict[str, dict[str, Any]], targets: TargetsParams, pa
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
+
+
+def _label_offsets(rows: dict[str, dict[str, Any]]) -> list[int]:
+    """Vertical label offsets (points) that keep the names of points at nearly the same place apart: labels are
+    stacked upwards within a group of points less than 0.05 pt and 25 % latency from each other."""
+    offsets: list[int] = []
+    placed: list[tuple[float, float]] = []
+    for e in rows.values():
+        x, y = e["p50_ms_b1"], 100 * e["accuracy"]
+        near = sum(1 for px, py in placed if abs(py - y) < 0.05 and max(px, x) / min(px, x) < 1.25)
+        offsets.append(4 + 10 * near)
+        placed.append((x, y))
+    return offsets
 
 
 FAMILY_COLOURS = {"fp32": "#4c72b0", "int8": "#55a868", "pruned": "#dd8452", "distilled": "#c44e52",
