@@ -10,7 +10,7 @@ import numpy as np
 
 from pipeline.core.params import TargetsParams
 from pipeline.evaluation.latency import SPEEDUP_LEVEL
-from pipeline.variants.registry import READOUT_ROW, REFERENCE, spec
+from pipeline.variants.registry import READOUT_ROW, REFERENCE, VariantSpec, spec
 
 
 def latency_chart(variants: dict[str, dict[str, Any]], path: Path) -> None:
@@ -46,9 +46,14 @@ def latency_chart(variants: dict[str, dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def _scored(variants: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The rows with both a measured latency and an accuracy."""
+    return {n: e for n, e in variants.items() if e["status"] == "ok" and e.get("accuracy") is not None}
+
+
 def pareto_front(variants: dict[str, dict[str, Any]]) -> list[str]:
     """The measured variants no other beats on both batch-1 p50 and accuracy, fastest first."""
-    rows = {n: e for n, e in variants.items() if e["status"] == "ok" and e.get("accuracy") is not None}
+    rows = _scored(variants)
     front = [n for n, e in rows.items()
              if not any(o["p50_ms_b1"] <= e["p50_ms_b1"] and o["accuracy"] >= e["accuracy"]
                         and (o["p50_ms_b1"], o["accuracy"]) != (e["p50_ms_b1"], e["accuracy"])
@@ -65,7 +70,7 @@ def pareto_chart(variants: dict[str, dict[str, Any]], targets: TargetsParams, pa
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter, LogLocator
 
-    rows = {n: e for n, e in variants.items() if e["status"] == "ok" and e.get("accuracy") is not None}
+    rows = _scored(variants)
     front = pareto_front(variants)
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
     for name, e in rows.items():
@@ -117,12 +122,8 @@ FAMILY_COLOURS = {"fp32": "#4c72b0", "int8": "#55a868", "pruned": "#dd8452", "di
 
 
 def _family(name: str) -> str:
-    from pipeline.variants.registry import UnknownVariant
-
-    try:
-        return spec(name).family
-    except UnknownVariant:
-        return "other"
+    row = _row(name)
+    return row.family if row is not None else "other"
 
 
 #: The chain of rows that splits the best INT8 student's speed-up into its causes: each step changes one thing.
@@ -199,14 +200,20 @@ def smaller_model(name: str) -> str | None:
     return next((why for family, why in SMALLER_MODEL.items() if _is(name, "family", family)), None)
 
 
-def _is(name: str, attribute: str, value: Any = True) -> bool:
-    """A registry attribute of a table row; rows that are no registered variant have none."""
+def _row(name: str) -> VariantSpec | None:
+    """The registry row of a table row; rows that are no registered variant have none."""
     from pipeline.variants.registry import UnknownVariant
 
     try:
-        return getattr(spec(name), attribute) == value
+        return spec(name)
     except UnknownVariant:
-        return False
+        return None
+
+
+def _is(name: str, attribute: str, value: Any = True) -> bool:
+    """A registry attribute of a table row (False for rows that are no registered variant)."""
+    row = _row(name)
+    return row is not None and getattr(row, attribute) == value
 
 
 def _target_line(variants: dict[str, dict[str, Any]], int8: dict[str, dict[str, Any]], min_speedup: float,
@@ -224,7 +231,8 @@ def _target_line(variants: dict[str, dict[str, Any]], int8: dict[str, dict[str, 
     loss = ""
     if ref_acc is not None and pool[best].get("accuracy") is not None:
         loss = f", {100 * (pool[best]['accuracy'] - ref_acc):+.2f} pt accuracy"
-    kind = f" ({smaller_model(best)})" if smaller_model(best) else ""
+    why = smaller_model(best)
+    kind = f" ({why})" if why else ""
     spread = ""
     if "speedup_p50_low" in pool[best]:
         low, high = pool[best]["speedup_p50_low"], pool[best]["speedup_p50_high"]

@@ -49,16 +49,22 @@ _LAYER_LISTS = (("bert.encoder.layer", "num_hidden_layers"), ("distilbert.transf
                 ("roberta.encoder.layer", "num_hidden_layers"))
 
 
-def layer_list(model: torch.nn.Module) -> tuple[torch.nn.ModuleList, str]:
-    """The encoder's list of layers and the config key that counts them."""
+def _find_layers(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList, str]:
+    """Where the encoder keeps its layers: attribute path, the layer list and the config key that counts them."""
     for path, key in _LAYER_LISTS:
         try:
             layers = model.get_submodule(path)
         except AttributeError:
             continue
         if isinstance(layers, torch.nn.ModuleList):
-            return layers, key
+            return path, layers, key
     raise DistillError(f"{type(model).__name__}: no encoder layer list at any of {[p for p, _ in _LAYER_LISTS]}")
+
+
+def layer_list(model: torch.nn.Module) -> tuple[torch.nn.ModuleList, str]:
+    """The encoder's list of layers and the config key that counts them."""
+    _, layers, key = _find_layers(model)
+    return layers, key
 
 
 def kept_layers(teacher_depth: int, depth: int) -> list[int]:
@@ -73,10 +79,10 @@ def kept_layers(teacher_depth: int, depth: int) -> list[int]:
 def build_student(teacher: torch.nn.Module, depth: int) -> tuple[torch.nn.Module, list[int]]:
     """A copy of `teacher` with only `kept_layers(...)` of its encoder layers (weights copied, config updated)."""
     student = copy.deepcopy(teacher)
-    layers, key = layer_list(student)
+    path, layers, key = _find_layers(student)
     keep = kept_layers(len(layers), depth)
     kept = torch.nn.ModuleList([layers[i] for i in keep])
-    parent_path, _, name = _layer_path(student).rpartition(".")
+    parent_path, _, name = path.rpartition(".")
     setattr(student.get_submodule(parent_path), name, kept)
     setattr(student.config, key, len(keep))
     for i, layer in enumerate(kept):  # attention modules that index a KV cache by layer number
@@ -84,16 +90,6 @@ def build_student(teacher: torch.nn.Module, depth: int) -> tuple[torch.nn.Module
         if attention is not None and hasattr(attention, "layer_idx"):
             attention.layer_idx = i
     return student, keep
-
-
-def _layer_path(model: torch.nn.Module) -> str:
-    for path, _ in _LAYER_LISTS:
-        try:
-            model.get_submodule(path)
-            return path
-        except AttributeError:
-            continue
-    raise DistillError(f"{type(model).__name__}: no encoder layer list")
 
 
 def count_parameters(model: torch.nn.Module, encoder_only: bool = False) -> int:
@@ -186,6 +182,10 @@ class TransferSet:
     labelled: int
     unlabelled: int
 
+    def dataset(self) -> TokenizedDataset:
+        """The student's training split: every review with its label and the teacher's logits."""
+        return TokenizedDataset(self.input_ids, self.labels, self.teacher_logits)
+
 
 def read_transfer_ids(tokenized_dir: Path) -> list[np.ndarray]:
     """Token ids of the unlabelled transfer split (none when prepare wrote none); its label column is never read,
@@ -220,18 +220,6 @@ def transfer_set(teacher: torch.nn.Module, train: IMDBDataModule, transfer_ids: 
     labels = np.concatenate([labelled.labels, np.full(len(unlabelled), NO_LABEL, dtype=np.int64)])
     logits = teacher_logits(teacher, seqs, batch_size, pad_id, autocast_bf16)
     return TransferSet(seqs, labels, logits, len(labelled), len(unlabelled))
-
-
-class DistillDataModule(IMDBDataModule):
-    """The finetune data module whose training split is a `TransferSet` (teacher logits attached)."""
-
-    def __init__(self, tokenized_dir: Path, params: TrainParams, pad_id: int, shorten_train: Any = None) -> None:
-        super().__init__(tokenized_dir, params, pad_id=pad_id, shorten_train=shorten_train)
-        self.transfer: TransferSet | None = None
-
-    def use(self, transfer: TransferSet) -> None:
-        self.transfer = transfer
-        self.datasets["train"] = TokenizedDataset(transfer.input_ids, transfer.labels, transfer.teacher_logits)
 
 
 # ------------------------------------------------------------------------------------------ the stage's work
@@ -272,13 +260,13 @@ def distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metrics_p
     teacher, tokenizer, meta = load_finetuned(teacher_dir)
     pad = tokenizer.pad_token_id or 0
     window = training_window(meta, tokenizer)
-    dm = DistillDataModule(tokenized_dir, train, pad_id=pad, shorten_train=window)
+    dm = IMDBDataModule(tokenized_dir, train, pad_id=pad, shorten_train=window)
     dm.setup("fit")
     labelled_at = time.perf_counter()
     transfer = transfer_set(teacher, dm, read_transfer_ids(tokenized_dir), window, train.eval_batch_size, pad,
                             autocast_bf16=choice.value.startswith("bf16") and not torch.cuda.is_available())
     labelling_seconds = time.perf_counter() - labelled_at
-    dm.use(transfer)
+    dm.datasets["train"] = transfer.dataset()  # setup() keeps a split it already has
     teacher_train_accuracy = float((transfer.teacher_logits[: transfer.labelled].argmax(-1)
                                      == transfer.labels[: transfer.labelled]).mean())
 
@@ -286,7 +274,6 @@ def distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metrics_p
     width: dict[str, Any] = {}
     if d.ffn_width is not None:
         student, width = narrow_ffn(student, dm.datasets["train"].input_ids, d.ffn_width, pad)
-    student.train()
     module = StudentClassifier(student, d, train.weight_decay, train.warmup_ratio,
                                teacher=teacher if d.hidden_weight > 0 else None, kept=keep, compile_model=train.compile,
                                compile_mode=train.compile_mode, fused_optimizer=train.fused_optimizer)
@@ -342,12 +329,9 @@ def narrow_ffn(student: torch.nn.Module, reviews: list[np.ndarray], ffn_width: i
     """The student with `ffn_width` FFN neurons per layer, chosen and least-squares repaired on 256 training
     reviews as `prune` does (`prune_encoder`); its config's `intermediate_size` follows, so it saves and loads as
     an ordinary HF model. Heads are not narrowed: a BERT config cannot state fewer heads of the same size."""
-    from pipeline.variants.prune import prune_encoder
-    from pipeline.variants.runners import pad_batch
+    from pipeline.variants.prune import calibration_batches, prune_encoder
 
-    seqs = sorted(reviews[:256], key=len)
-    batches = [tuple(torch.from_numpy(a) for a in pad_batch(seqs[i : i + 16], pad)) for i in range(0, len(seqs), 16)]
-    narrowed, report = prune_encoder(student, batches, None, ffn_width)
+    narrowed, report = prune_encoder(student, calibration_batches(reviews[:256], 16, pad), None, ffn_width)
     return narrowed, {"ffn_width": report["ffn_width"], "teacher_ffn_width": report["original_ffn_width"],
                       "ffn_rel_error": report["ffn_rel_error"]}
 

@@ -5,7 +5,6 @@ gives skipped variants with its reason."""
 
 from __future__ import annotations
 
-import json
 import logging
 import tempfile
 import time
@@ -14,7 +13,7 @@ from typing import Any
 
 from pipeline.core.params import Params, to_dict
 from pipeline.data.tokens import read_tokenized
-from pipeline.modeling import load_finetuned
+from pipeline.modeling import load_finetuned, read_model_record
 from pipeline.variants.export import eager_runner, inference_model, max_length_of, onnx_variant
 from pipeline.variants.fusion import FusionCheck
 from pipeline.variants.onnx_int8 import fused_dynamic_int8
@@ -26,7 +25,7 @@ log = logging.getLogger(__name__)
 
 def skipped_reason(student_dir: Path) -> str | None:
     """Why the distill stage wrote no student (its record says so), or None when it did."""
-    record = json.loads((student_dir / "pipeline.json").read_text())
+    record = read_model_record(student_dir)
     return record["reason"] if record.get("status") == "skipped" else None
 
 

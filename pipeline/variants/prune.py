@@ -341,14 +341,20 @@ def _bar(layers: Sequence[torch.nn.Module], progress: bool) -> Any:
     return tqdm(layers, desc="prune", unit="layer")
 
 
+def calibration_batches(seqs: Sequence[Any], batch_size: int, pad_id: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`(input_ids, attention_mask)` batches for `prune_encoder`, of similar length (little padding to run)."""
+    from pipeline.variants.runners import pad_batch
+
+    ordered = sorted(seqs, key=len)
+    batches = [pad_batch(ordered[i : i + batch_size], pad_id) for i in range(0, len(ordered), batch_size)]
+    return [(torch.from_numpy(ids), torch.from_numpy(mask)) for ids, mask in batches]
+
+
 def run_prune(finetuned: Path, tokenized: Path, variants_root: Path, all_params: Params) -> dict[str, Any]:
     """`int8-pruned`: the finetuned model with whole heads and FFN neurons removed (`prune_encoder`), exported
     with the [CLS] readout (`export.cls_readout`), fused by onnxruntime and quantized like `int8-dynamic`
     (`quantize.per_channel`, `quantize.reduce_range`). Disabled, it is written as a skipped variant."""
-    import torch
-
     from pipeline.variants.onnx_int8 import fused_dynamic_int8
-    from pipeline.variants.runners import pad_batch
 
     name = "int8-pruned"
     from pipeline.core.machine import resolve_reduce_range
@@ -369,10 +375,7 @@ def run_prune(finetuned: Path, tokenized: Path, variants_root: Path, all_params:
     seed = all_params.train.seed + 2
     seqs = [train["input_ids"].iloc[i] for i in draw_rows(len(train), params.calibration_samples, seed)]
     seqs = [window(s) for s in seqs] if window is not None else seqs
-    seqs.sort(key=len)  # batches of similar length: little padding to run through the model
-    step = params.calibration_batch_size
-    batches = [tuple(torch.from_numpy(a) for a in pad_batch(seqs[i : i + step], pad))
-               for i in range(0, len(seqs), step)]
+    batches = calibration_batches(seqs, params.calibration_batch_size, pad)
     student, report = prune_encoder(model, batches, params.heads, params.ffn_width, params.damp)
 
     with tempfile.TemporaryDirectory(prefix="prune-") as tmp:
