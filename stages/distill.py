@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     from pipeline.training.distill import DistillError
     from pipeline.variants.export import ExportError
     from pipeline.variants.onnx_int8 import QuantizeError
+    from pipeline.variants.prune import PruneError
     from pipeline.variants.record import VariantError
 
     def body() -> None:
@@ -36,7 +37,8 @@ def main(argv: list[str] | None = None) -> None:
                     lambda: run_distilled_variants(args.student_dir, args.tokenized, args.variants_dir, params))
 
     run_stage("distill", body,
-              extra_errors=(AccelerationUnavailable, DistillError, ExportError, QuantizeError, VariantError))
+              extra_errors=(AccelerationUnavailable, DistillError, ExportError, PruneError, QuantizeError,
+                            VariantError))
 
 
 if __name__ == "__main__":
