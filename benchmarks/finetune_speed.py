@@ -25,7 +25,7 @@ import torch
 from pipeline.core.params import DataParams, ModelParams, TrainParams
 from pipeline.data.imdb import clean_text
 from pipeline.data.tokens import tokenize_frame
-from pipeline.modeling import load_model, load_tokenizer
+from pipeline.modeling import load_model, load_tokenizer, pad_id
 from pipeline.variants.runners import EagerLogits, TorchRunner, predict_logits
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,7 +83,7 @@ def pipeline_path(
             params.compile,
             params.compile_mode,
         )
-        dm = IMDBDataModule(d, params, pad_id=tok.pad_token_id or 0)
+        dm = IMDBDataModule(d, params, pad_id=pad_id(tok))
         recorder = CurveRecorder()
         trainer = build_trainer(params, d, [recorder], logger=False)
         trainer.limit_val_batches = 0

@@ -35,7 +35,7 @@ from pipeline.core.io import write_json
 from pipeline.core.params import DataParams, read_params, section
 from pipeline.data.imdb import TRANSFER, load_imdb, make_splits
 from pipeline.data.tokens import encode_texts
-from pipeline.modeling import load_finetuned
+from pipeline.modeling import load_finetuned, pad_id
 from pipeline.variants.runners import EagerLogits, TorchRunner, load_runner, predict_logits
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     lengths = [int(x) for x in args.lengths.split(",") if x] or [trained["max_length"]]
     runner = TorchRunner(EagerLogits(model.eval()))
     labels = reviews["label"].to_numpy()
-    pad = tokenizer.pad_token_id or 0
+    pad = pad_id(tokenizer)
     variants = [v for v in args.variants.split(",") if v]
     if variants and trained["max_length"] not in lengths:
         lengths.append(trained["max_length"])  # the variants are compared with FP32 at the pipeline's length

@@ -173,6 +173,18 @@ def load_model(params: ModelParams, seed: int = 0, attention_dropout: float | No
         hf_logging.set_verbosity(verbosity)
 
 
+def pad_id(tokenizer: Any) -> int:
+    """The id batches are padded with: the tokenizer's own padding id, 0 for a tokenizer without one."""
+    return 0 if tokenizer.pad_token_id is None else int(tokenizer.pad_token_id)
+
+
+def saved_pad_id(model_dir: str | Path) -> int:
+    """`pad_id` of the tokenizer saved beside a model (a finetuned or student directory)."""
+    from transformers import AutoTokenizer
+
+    return pad_id(AutoTokenizer.from_pretrained(model_dir))
+
+
 def read_model_record(model_dir: str | Path) -> dict[str, Any]:
     """The finetune stage's `pipeline.json`: label map, preprocessing (max_length, truncation) and params. It is
     the one place every later stage reads the model's inference length and training window from."""

@@ -137,6 +137,10 @@ class TrainParams:
         )
 
 
+#: What the distill stage's teacher reads when it labels a review (`distill.teacher_reads`).
+TEACHER_READS = ("window", "review")
+
+
 @dataclass(frozen=True)
 class DistillParams:
     """The distilled student (`distill` stage): fewer encoder layers initialised from the finetuned teacher, trained
@@ -160,9 +164,14 @@ class DistillParams:
     # was copied from (mean squared error over real tokens). 0 = predictions only; > 0 runs the teacher beside
     # the student at every step (about 1.5x the step's cost).
     hidden_weight: float = 0.0
+    # What the teacher reads when it labels a review: `window` = the student's training window (`train.max_length`
+    # tokens), `review` = the whole prepared review (`data.max_length` tokens), so the student learns to predict from
+    # its window what the teacher concludes from more of the text
+    teacher_reads: str = "window"
 
     def __post_init__(self) -> None:
         _require(self.depth >= 1, "distill.depth must be >= 1")
+        _require(self.teacher_reads in TEACHER_READS, f"distill.teacher_reads must be one of {TEACHER_READS}")
         _require(self.ffn_width is None or self.ffn_width >= 1, "distill.ffn_width must be >= 1 or null")
         _require(self.epochs >= 1 and self.batch_size >= 1, "distill.epochs and distill.batch_size must be >= 1")
         _require(self.lr > 0, "distill.lr must be > 0")

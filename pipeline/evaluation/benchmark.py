@@ -52,9 +52,9 @@ def run_benchmark(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Pat
 
     torch.set_num_threads(threads)
     seqs = read_tokenized(tokenized, "test")["input_ids"].tolist()
-    from transformers import AutoTokenizer
+    from pipeline.modeling import saved_pad_id
 
-    pad = AutoTokenizer.from_pretrained(finetuned).pad_token_id or 0  # the model's own padding id
+    pad = saved_pad_id(finetuned)
     lat_inputs = latency_inputs(seqs, params.seq_len, params.latency_reviews, pad)
     tp_batches = throughput_batches(seqs, params.batch_size, params.throughput_batches, pad)
     from pipeline.core.machine import resolve_bf16_row

@@ -81,7 +81,7 @@ def candidates(finetuned: Path, variant_dirs: dict[str, Path], include_bf16: boo
     share of the exported variants' speed-up), then every variant (skipped ones kept)."""
     out = [Candidate(REFERENCE, finetuned, {})]
     if include_bf16:
-        out.append(Candidate(BF16_ROW, finetuned, {"autocast_bf16": True}))
+        out.append(Candidate(BF16_ROW, finetuned, {"autocast": "bf16"}))
     out.append(Candidate(READOUT_ROW, finetuned, {"cls_readout": True}, cls_readout=True))
     for name, d in variant_dirs.items():
         info = read_variant(d)

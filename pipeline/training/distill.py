@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from pipeline.core.io import write_json
-from pipeline.core.params import DistillParams, MlflowParams, Params, TrainParams, to_dict
+from pipeline.core.params import TEACHER_READS, DistillParams, MlflowParams, Params, TrainParams, to_dict
 from pipeline.data.batching import NO_LABEL, TokenizedDataset
 from pipeline.data.imdb import TRANSFER
 from pipeline.training.classifier import CurveRecorder, IMDBDataModule, SentimentClassifier, build_trainer
@@ -201,25 +201,52 @@ def read_transfer_ids(tokenized_dir: Path) -> list[np.ndarray]:
     return frame["input_ids"].tolist()
 
 
+@dataclass(frozen=True)
+class Labelling:
+    """Where and how the teacher labels the reviews."""
+
+    device: str  # the device the student trains on: "cuda" where training uses the GPU, else "cpu"
+    autocast: str | None  # `TorchRunner` autocast: what the resolved training precision runs in, None for fp32
+
+
+def labelling_setup(train: TrainParams, precision: str, cuda: bool | None = None) -> Labelling:
+    """The teacher labels on the device the student trains on, in the training precision `precision` (resolved,
+    not `auto`): bf16 autocast for bf16-mixed (resolved so only where bf16 is native), fp16 autocast for 16-mixed
+    on CUDA, fp32 otherwise."""
+    if cuda is None:
+        cuda = torch.cuda.is_available()
+    on_gpu = cuda and train.accelerator in ("auto", "gpu", "cuda")
+    autocast = "bf16" if precision.startswith("bf16") else "fp16" if precision.startswith("16") and on_gpu else None
+    return Labelling("cuda" if on_gpu else "cpu", autocast)
+
+
 def teacher_logits(teacher: torch.nn.Module, seqs: list[np.ndarray], batch_size: int, pad_id: int,
-                   autocast_bf16: bool) -> np.ndarray:
-    """The teacher's logits per review (its predictions are the student's targets)."""
+                   labelling: Labelling) -> np.ndarray:
+    """The teacher's logits per review (its predictions are the student's targets), computed on
+    `labelling.device`; the teacher is back on the CPU afterwards, where the student is built from it."""
     from pipeline.variants.runners import EagerLogits, TorchRunner, predict_logits
 
-    runner = TorchRunner(EagerLogits(teacher.eval()), autocast_bf16=autocast_bf16)
-    return predict_logits(runner, seqs, batch_size, pad_id=pad_id, progress="teacher labels")
+    runner = TorchRunner(EagerLogits(teacher.eval().to(labelling.device)), autocast=labelling.autocast)
+    try:
+        return predict_logits(runner, seqs, batch_size, pad_id=pad_id, progress="teacher labels")
+    finally:
+        teacher.to("cpu")
 
 
-def transfer_set(teacher: torch.nn.Module, train: IMDBDataModule, transfer_ids: list[np.ndarray],
-                 window: Any, batch_size: int, pad_id: int, autocast_bf16: bool) -> TransferSet:
-    """The labelled training reviews (in the training window) and the transfer reviews (in the same window,
-    `NO_LABEL`), each with the teacher's logits."""
-    labelled = train.datasets["train"]
-    unlabelled = [window(ids) for ids in transfer_ids] if window is not None else list(transfer_ids)
-    seqs = [*labelled.input_ids, *unlabelled]
-    labels = np.concatenate([labelled.labels, np.full(len(unlabelled), NO_LABEL, dtype=np.int64)])
-    logits = teacher_logits(teacher, seqs, batch_size, pad_id, autocast_bf16)
-    return TransferSet(seqs, labels, logits, len(labelled), len(unlabelled))
+def transfer_set(teacher: torch.nn.Module, labelled: TokenizedDataset, transfer_ids: list[np.ndarray],
+                 window: Callable[[np.ndarray], np.ndarray] | None, teacher_reads: str, batch_size: int, pad_id: int,
+                 labelling: Labelling) -> TransferSet:
+    """The labelled training reviews and the transfer reviews (`NO_LABEL`), each in the student's training window,
+    with the teacher's logits. `labelled` holds whole prepared reviews; the teacher reads each in the training
+    window (`teacher_reads: window`) or whole (`review`: its prediction from more of the text is the target for
+    what the student sees)."""
+    if teacher_reads not in TEACHER_READS:
+        raise DistillError(f"distill.teacher_reads must be one of {TEACHER_READS}, not {teacher_reads!r}")
+    reviews = [*labelled.input_ids, *transfer_ids]
+    seqs = [window(ids) for ids in reviews] if window is not None else reviews
+    labels = np.concatenate([labelled.labels, np.full(len(transfer_ids), NO_LABEL, dtype=np.int64)])
+    logits = teacher_logits(teacher, reviews if teacher_reads == "review" else seqs, batch_size, pad_id, labelling)
+    return TransferSet(seqs, labels, logits, len(labelled.labels), len(transfer_ids))
 
 
 # ------------------------------------------------------------------------------------------ the stage's work
@@ -247,7 +274,7 @@ def distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metrics_p
 
     from pipeline.core.machine import resolve_precision
     from pipeline.data.tokens import training_window
-    from pipeline.modeling import load_finetuned
+    from pipeline.modeling import load_finetuned, pad_id
 
     started = time.perf_counter()
     d = params.distill
@@ -258,13 +285,14 @@ def distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metrics_p
         torch.set_num_threads(train.threads)
     L.seed_everything(train.seed, workers=True, verbose=False)
     teacher, tokenizer, meta = load_finetuned(teacher_dir)
-    pad = tokenizer.pad_token_id or 0
+    pad = pad_id(tokenizer)
     window = training_window(meta, tokenizer)
-    dm = IMDBDataModule(tokenized_dir, train, pad_id=pad, shorten_train=window)
+    dm = IMDBDataModule(tokenized_dir, train, pad_id=pad)  # whole reviews: transfer_set windows the student's
     dm.setup("fit")
+    labelling = labelling_setup(train, choice.value)
     labelled_at = time.perf_counter()
-    transfer = transfer_set(teacher, dm, read_transfer_ids(tokenized_dir), window, train.eval_batch_size, pad,
-                            autocast_bf16=choice.value.startswith("bf16") and not torch.cuda.is_available())
+    transfer = transfer_set(teacher, dm.datasets["train"], read_transfer_ids(tokenized_dir), window, d.teacher_reads,
+                            train.eval_batch_size, pad, labelling)
     labelling_seconds = time.perf_counter() - labelled_at
     dm.datasets["train"] = transfer.dataset()  # setup() keeps a split it already has
     teacher_train_accuracy = float((transfer.teacher_logits[: transfer.labelled].argmax(-1)
@@ -294,6 +322,7 @@ def distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metrics_p
         "labelled_reviews": transfer.labelled, "transfer_reviews": transfer.unlabelled,
         "teacher_train_accuracy": teacher_train_accuracy,  # how often the soft targets agree with gold labels
         "teacher_labelling_seconds": round(labelling_seconds, 2),
+        "teacher_labelling_device": labelling.device, "teacher_labelling_autocast": labelling.autocast or "none",
         "train_seconds": recorder.train_seconds,
         "train_samples_per_s": recorder.samples / recorder.train_seconds if recorder.train_seconds else 0.0,
         "student_layers": len(keep), "teacher_layers": len(layer_list(teacher)[0]),
@@ -361,7 +390,9 @@ def run_distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metri
             result = distill(teacher_dir, tokenized_dir, student_dir, metrics_path, plots_dir, params,
                              mlflow_logger=run.lightning_logger(tracking))
             run.log_metrics(result.metrics)
-            run.set_tags({"status": "ok", "train.precision.resolved": result.metrics["precision"]})
+            run.set_tags({"status": "ok", "train.precision.resolved": result.metrics["precision"],
+                          "teacher_labelling": f"{result.metrics['teacher_labelling_device']}, autocast "
+                                               f"{result.metrics['teacher_labelling_autocast']}"})
             run.log_artifacts(plots_dir, "curves")
             run.log_artifacts(student_dir, "model")
         else:

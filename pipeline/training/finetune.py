@@ -56,7 +56,7 @@ def finetune(tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots_dir
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from pipeline.core.machine import resolve_precision
-    from pipeline.modeling import load_model, load_tokenizer
+    from pipeline.modeling import load_model, load_tokenizer, pad_id
 
     choice = resolve_precision(params.precision, params.accelerator)
     log.info("train.precision: %s", choice.tag())
@@ -76,7 +76,7 @@ def finetune(tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots_dir
                                  fused_optimizer=params.fused_optimizer)
     shorten = window_shortener(params.max_length, data.max_length, data.truncation, data.head_fraction,
                                tokenizer.cls_token_id, tokenizer.sep_token_id)
-    dm = IMDBDataModule(tokenized_dir, params, pad_id=tokenizer.pad_token_id or 0, shorten_train=shorten)
+    dm = IMDBDataModule(tokenized_dir, params, pad_id=pad_id(tokenizer), shorten_train=shorten)
     recorder = CurveRecorder()
     with tempfile.TemporaryDirectory(prefix="finetune-") as tmp:
         work = Path(tmp)

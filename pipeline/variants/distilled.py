@@ -13,7 +13,7 @@ from typing import Any
 
 from pipeline.core.params import Params, to_dict
 from pipeline.data.tokens import read_tokenized
-from pipeline.modeling import load_finetuned, read_model_record
+from pipeline.modeling import load_finetuned, pad_id, read_model_record
 from pipeline.variants.export import eager_runner, inference_model, max_length_of, onnx_variant
 from pipeline.variants.fusion import FusionCheck
 from pipeline.variants.onnx_int8 import fused_dynamic_int8
@@ -42,7 +42,7 @@ def run_distilled_variants(student_dir: Path, tokenized: Path, variants_root: Pa
         return {name: {"status": "skipped", "reason": reason} for name in out}
 
     model, tokenizer, meta = load_finetuned(student_dir)
-    pad = tokenizer.pad_token_id or 0
+    pad = pad_id(tokenizer)
     max_len = max_length_of(meta)
     report: dict[str, Any] = {}
     seqs = read_tokenized(tokenized, "test")["input_ids"].tolist()[: params.export.parity_samples]

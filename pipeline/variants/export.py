@@ -17,7 +17,7 @@ import torch
 
 from pipeline.core.params import ExportParams
 from pipeline.data.tokens import read_tokenized
-from pipeline.modeling import load_finetuned
+from pipeline.modeling import load_finetuned, pad_id
 from pipeline.variants.record import VariantInfo, write_variant
 from pipeline.variants.registry import built_by, directories
 from pipeline.variants.runners import (
@@ -175,13 +175,13 @@ def run_export(finetuned: Path, tokenized: Path, variants_root: Path, params: Ex
     export_torchscript(graph, d / "model.pt", max_len)
     with legacy_torchscript():
         runner = TorchRunner(torch.jit.load(str(d / "model.pt")))
-    report["fp32-torchscript"] = _checked(reference, runner, seqs, params, max_len, t0, tokenizer.pad_token_id)
+    report["fp32-torchscript"] = _checked(reference, runner, seqs, params, max_len, t0, pad_id(tokenizer))
     write_variant(d, VariantInfo.built("fp32-torchscript", {"method": "torch.jit.trace", **readout,
                                                              "deprecated_api": TORCHSCRIPT_DEPRECATION,
                                                              **report["fp32-torchscript"]}), finetuned)
 
     report["fp32-onnx"] = onnx_variant("fp32-onnx", model, graph, readout, out_dirs["fp32-onnx"], finetuned, seqs,
-                                       params, max_len, tokenizer.pad_token_id)
+                                       params, max_len, pad_id(tokenizer))
     return report
 
 

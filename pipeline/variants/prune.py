@@ -30,7 +30,7 @@ import torch
 
 from pipeline.core.params import Params, to_dict
 from pipeline.data.tokens import draw_rows, read_tokenized, training_window
-from pipeline.modeling import load_finetuned
+from pipeline.modeling import load_finetuned, pad_id
 from pipeline.variants.export import (
     eager_runner,
     max_length_of,
@@ -369,7 +369,7 @@ def run_prune(finetuned: Path, tokenized: Path, variants_root: Path, all_params:
         return {"status": "skipped", "reason": reason}
     started = time.perf_counter()
     model, tokenizer, meta = load_finetuned(finetuned)
-    pad = tokenizer.pad_token_id or 0
+    pad = pad_id(tokenizer)
     train = read_tokenized(tokenized, "train")
     window = training_window(meta, tokenizer)
     seed = all_params.train.seed + 2

@@ -16,7 +16,7 @@ import pandas as pd
 
 from pipeline.core.params import Params, QuantizeParams
 from pipeline.data.tokens import draw_rows, read_tokenized, training_window
-from pipeline.modeling import load_finetuned
+from pipeline.modeling import load_finetuned, pad_id
 from pipeline.variants.export import export_onnx, inference_model, max_length_of
 from pipeline.variants.fusion import FusionCheck, fused_graph
 from pipeline.variants.onnx_int8 import (
@@ -72,7 +72,7 @@ def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, variants_roo
 
     with tempfile.TemporaryDirectory(prefix="quantize-") as tmp:
         inputs = QuantizeInputs(
-            finetuned, meta, tokenizer.pad_token_id or 0, train,
+            finetuned, meta, pad_id(tokenizer), train,
             calibration_reviews(train, params),
             int(arch["intermediate_size"]) if q.ffn_output_dynamic else None,
             bool(arch.get("cls_readout", False)), Path(tmp))

@@ -76,15 +76,22 @@ class OrtRunner:
         return self.session.run(None, {k: v for k, v in feed.items() if k in self.inputs})[0]
 
 
-class TorchRunner:
-    """Runs an eager or TorchScript module under `inference_mode` (optionally bf16 autocast) on the device its
-    parameters live on (CPU for every variant; CUDA when a trained module is scored where it was trained)."""
+#: Autocast dtypes a `TorchRunner` can run under, by name.
+AUTOCAST = {"bf16": "bfloat16", "fp16": "float16"}
 
-    def __init__(self, module: Any, autocast_bf16: bool = False) -> None:
+
+class TorchRunner:
+    """Runs an eager or TorchScript module under `inference_mode` (optionally under autocast, `AUTOCAST`) on the
+    device its parameters live on (CPU for every variant; CUDA when a trained module is scored where it was trained
+    or the distill stage's teacher labels reviews on the training GPU)."""
+
+    def __init__(self, module: Any, autocast: str | None = None) -> None:
         import torch
 
+        if autocast is not None and autocast not in AUTOCAST:
+            raise ValueError(f"autocast must be one of {sorted(AUTOCAST)} or None, not {autocast!r}")
         self.module = module
-        self.autocast_bf16 = autocast_bf16
+        self.autocast = autocast
         params = getattr(module, "parameters", None)
         first = next(iter(params()), None) if callable(params) else None
         self.device = first.device if first is not None else torch.device("cpu")
@@ -94,8 +101,8 @@ class TorchRunner:
 
         ids = torch.from_numpy(np.ascontiguousarray(input_ids, dtype=np.int64)).to(self.device)
         mask = torch.from_numpy(np.ascontiguousarray(attention_mask, dtype=np.int64)).to(self.device)
-        with torch.inference_mode(), torch.autocast(self.device.type, dtype=torch.bfloat16,
-                                                     enabled=self.autocast_bf16):
+        dtype = getattr(torch, AUTOCAST[self.autocast]) if self.autocast else None
+        with torch.inference_mode(), torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
             out = self.module(ids, mask)
         logits = out[0] if isinstance(out, tuple | list) else getattr(out, "logits", out)
         return logits.float().cpu().numpy()
@@ -127,7 +134,7 @@ def load_runner(directory: Path, threads: int | None = None, **options: Any) -> 
 
             model = cls_readout(model)
         _set_threads(threads)
-        return TorchRunner(EagerLogits(model), autocast_bf16=bool(options.get("autocast_bf16")))
+        return TorchRunner(EagerLogits(model), autocast=options.get("autocast"))
     info = read_variant(directory)
     if info.status != "ok":
         raise VariantError(f"variant {info.name} was {info.status}: {info.reason}")

@@ -172,11 +172,10 @@ def run_tensorrt(finetuned: Path, fp32_onnx: Path, int8_static: Path, tokenized:
     ok, reason = availability()
     report: dict[str, Any] = {}
     out = directories(variants_root, built_by("tensorrt"))
-    from transformers import AutoTokenizer
+    from pipeline.modeling import saved_pad_id
 
-    pad_id = AutoTokenizer.from_pretrained(finetuned).pad_token_id or 0  # the model's own padding id
     int8_source = tensorrt_int8_source(fp32_onnx, int8_static, tokenized, out["tensorrt-int8"] / TENSORRT_QDQ_FILE,
-                                       params, pad_id)
+                                       params, saved_pad_id(finetuned))
     log.info("tensorrt-int8 input %s: %s", TENSORRT_QDQ_FILE, int8_source)
     sources = {"tensorrt-fp16": (fp32_onnx / "model.onnx", "fp16", {"source_onnx": str(fp32_onnx / "model.onnx")}),
                "tensorrt-int8": (out["tensorrt-int8"] / TENSORRT_QDQ_FILE, "int8", int8_source)}

@@ -65,3 +65,14 @@ def test_attention_dropout_is_validated():
     with pytest.raises(ParamsError, match=r"train\.attention_dropout"):
         section({"train": {"attention_dropout": 1.5}}, "train", TrainParams)
     assert section({"train": {"attention_dropout": None}}, "train", TrainParams).attention_dropout is None
+
+
+def test_pad_id_is_the_tokenizers_own_or_zero(tmp_path, tokenizer):
+    from types import SimpleNamespace
+
+    from pipeline.modeling import pad_id, saved_pad_id
+
+    assert pad_id(SimpleNamespace(pad_token_id=None)) == 0
+    assert pad_id(SimpleNamespace(pad_token_id=1)) == 1  # RoBERTa pads with 1, not 0
+    tokenizer.save_pretrained(tmp_path)
+    assert saved_pad_id(tmp_path) == tokenizer.pad_token_id

@@ -14,10 +14,13 @@ from pipeline.core.params import DataParams, DistillParams, ExportParams, ModelP
 from pipeline.data.batching import NO_LABEL, Collator, TokenizedDataset
 from pipeline.training.distill import (
     DistillError,
+    Labelling,
     build_student,
     distillation_loss,
     kept_layers,
+    labelling_setup,
     read_transfer_ids,
+    transfer_set,
 )
 from tests.factories import synthetic_reviews, write_tokenized
 
@@ -163,6 +166,77 @@ def test_soft_targets_travel_with_their_reviews():
         TokenizedDataset(ids, [1, 0], soft[:1])
 
 
+class _RecordingTeacher(torch.nn.Module):
+    """A stand-in teacher: remembers the length of every review it reads (its real tokens) and says 'positive'
+    with a confidence that grows with that length."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(()))
+        self.read: list[int] = []
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> object:
+        lengths = attention_mask.sum(-1)
+        self.read.extend(lengths.tolist())
+        logits = torch.stack([-lengths.float(), lengths.float()], -1) * self.scale
+        return type("Out", (), {"logits": logits})()
+
+
+@pytest.mark.parametrize("reads", ["window", "review"])
+def test_teacher_reads_the_window_or_the_whole_review_while_the_student_gets_its_window(reads):
+    reviews = [np.arange(1, n + 1) for n in (12, 7, 20)]
+    labelled = TokenizedDataset(reviews[:2], np.array([1, 0]))
+
+    def window(ids: np.ndarray) -> np.ndarray:
+        return ids[:8]
+
+    teacher = _RecordingTeacher()
+    got = transfer_set(teacher, labelled, [reviews[2]], window, reads, batch_size=2, pad_id=0,
+                       labelling=Labelling("cpu", None))
+    assert [len(x) for x in got.input_ids] == [8, 7, 8]  # the student always trains on its window
+    assert got.labels.tolist() == [1, 0, NO_LABEL] and (got.labelled, got.unlabelled) == (2, 1)
+    expected = [12, 7, 20] if reads == "review" else [8, 7, 8]
+    assert sorted(teacher.read) == sorted(expected)
+    assert got.teacher_logits[:, 1].tolist() == expected  # each review's logits are those of its own reading
+    with pytest.raises(DistillError, match="teacher_reads"):
+        transfer_set(teacher, labelled, [], window, "summary", 2, 0, Labelling("cpu", None))
+    with pytest.raises(ValueError, match="teacher_reads"):
+        DistillParams(teacher_reads="summary")
+
+
+@pytest.mark.parametrize(("precision", "accelerator", "cuda", "expected"), [
+    ("32-true", "cpu", False, Labelling("cpu", None)),
+    ("bf16-mixed", "cpu", False, Labelling("cpu", "bf16")),  # resolved so only where the CPU has native bf16
+    ("bf16-mixed", "auto", True, Labelling("cuda", "bf16")),
+    ("16-mixed", "gpu", True, Labelling("cuda", "fp16")),
+    ("16-mixed", "cpu", True, Labelling("cpu", None)),  # training on the CPU of a GPU machine: label there too
+    ("32-true", "cuda", True, Labelling("cuda", None)),
+])
+def test_the_teacher_labels_where_and_how_the_student_trains(precision, accelerator, cuda, expected):
+    assert labelling_setup(TrainParams(accelerator=accelerator), precision, cuda=cuda) == expected
+
+
+def test_the_teacher_is_back_on_the_cpu_after_labelling_even_when_labelling_fails():
+    from pipeline.training.distill import teacher_logits
+
+    class Failing(_RecordingTeacher):
+        def __init__(self) -> None:
+            super().__init__()
+            self.moves: list[str] = []
+
+        def to(self, device: str) -> Failing:  # records the moves instead of making them (no GPU here)
+            self.moves.append(str(device))
+            return self
+
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> object:
+            raise RuntimeError("out of memory")
+
+    teacher = Failing()
+    with pytest.raises(RuntimeError, match="out of memory"):
+        teacher_logits(teacher, [np.arange(1, 5)], 2, 0, Labelling("cuda", "bf16"))
+    assert teacher.moves == ["cuda", "cpu"]
+
+
 @pytest.fixture(scope="module")
 def distilled(tmp_path_factory):
     """A tiny 2-layer teacher (trained briefly) distilled into 1 layer with half its FFN neurons, and the
@@ -207,6 +281,8 @@ def test_distill_writes_a_student_with_its_record(distilled):
     teacher_meta = json.loads((distilled["teacher"] / "pipeline.json").read_text())
     assert meta["preprocessing"] == teacher_meta["preprocessing"]  # the student reads reviews as the teacher does
     assert meta["choices"]["train.precision"]["value"] == "32-true"
+    assert meta["distillation"]["teacher_reads"] == "window"
+    assert (m["teacher_labelling_device"], m["teacher_labelling_autocast"]) == ("cpu", "none")
     assert (distilled["root"] / "distill-plots" / "train.csv").is_file()
 
 

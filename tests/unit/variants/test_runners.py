@@ -23,3 +23,30 @@ def test_thread_settings_are_honoured(tiny_model_dir):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_torch_runner_autocast_runs_in_the_named_dtype_and_refuses_others():
+    import numpy as np
+    import pytest
+    import torch
+
+    from pipeline.variants.runners import TorchRunner
+
+    seen: list[torch.dtype] = []
+
+    class Probe(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 2)
+
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            out = self.linear(torch.ones(len(input_ids), 4))
+            seen.append(out.dtype)
+            return out
+
+    ids = np.ones((3, 5), dtype=np.int64)
+    for autocast, dtype in ((None, torch.float32), ("bf16", torch.bfloat16)):
+        logits = TorchRunner(Probe(), autocast=autocast)(ids, ids)
+        assert seen[-1] == dtype and logits.dtype == np.float32 and logits.shape == (3, 2)
+    with pytest.raises(ValueError, match="autocast"):
+        TorchRunner(Probe(), autocast="int4")
