@@ -78,3 +78,22 @@ def test_compiled_training_on_cuda_learns(tmp_path, tokenized_dir):
     # Dynamo really compiled the model's forward (a fallback to eager would leave no graph).
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
     assert result.metrics["test_accuracy"] > 0.75
+
+
+@pytest.mark.parametrize(("precision", "autocast"), [("bf16-mixed", "bf16"), ("16-mixed", "fp16"), ("32-true", None)])
+def test_the_teacher_labels_on_the_gpu_in_the_training_precision(tiny_model_dir, precision, autocast):
+    """The distill stage's teacher labels reviews on CUDA under the training precision's autocast, agrees with its
+    fp32 CPU logits, and is back on the CPU afterwards (the student is built from it there)."""
+    import numpy as np
+
+    from pipeline.training.distill import labelling_setup, teacher_logits
+
+    teacher, _tok, _meta = load_finetuned(tiny_model_dir)
+    labelling = labelling_setup(TrainParams(accelerator="gpu"), precision)
+    assert (labelling.device, labelling.autocast) == ("cuda", autocast)
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(1000, 2000, size=n) for n in (5, 17, 40, 64)]
+    on_gpu = teacher_logits(teacher, seqs, 2, 0, labelling)
+    assert next(teacher.parameters()).device.type == "cpu"
+    on_cpu = teacher_logits(teacher, seqs, 2, 0, labelling_setup(TrainParams(accelerator="cpu"), "32-true"))
+    assert np.abs(on_gpu - on_cpu).max() < (5e-2 if autocast else 1e-3)
