@@ -290,6 +290,8 @@ def distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metrics_p
     dm = IMDBDataModule(tokenized_dir, train, pad_id=pad)  # whole reviews: transfer_set windows the student's
     dm.setup("fit")
     labelling = labelling_setup(train, choice.value)
+    log.info("distill: the teacher labels on %s (autocast %s), reading each review's %s", labelling.device,
+             labelling.autocast or "none", "training window" if d.teacher_reads == "window" else "whole prepared text")
     labelled_at = time.perf_counter()
     transfer = transfer_set(teacher, dm.datasets["train"], read_transfer_ids(tokenized_dir), window, d.teacher_reads,
                             train.eval_batch_size, pad, labelling)
