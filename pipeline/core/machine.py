@@ -79,17 +79,23 @@ def _present(flags: frozenset[str], wanted: tuple[str, ...]) -> list[str]:
     return [f for f in wanted if f in flags]
 
 
+def trains_on_cuda(accelerator: str, cuda: bool | None = None) -> bool:
+    """Whether work that follows `train.accelerator` runs on a CUDA device: `auto`, `gpu` or `cuda` where one is
+    visible (`cuda`, default: ask torch)."""
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    return cuda and accelerator in ("auto", "gpu", "cuda")
+
+
 def resolve_precision(asked: str, accelerator: str, flags: frozenset[str] | None = None,
                       cuda: bool | None = None) -> Choice:
     """`train.precision`. `auto`: on CUDA bf16-mixed where the GPU supports it, else 16-mixed; on the CPU
     bf16-mixed where the CPU has native bf16 (AVX512-BF16 or AMX), else 32-true."""
     if asked != "auto":
         return Choice("train.precision", asked, asked, "set explicitly")
-    if cuda is None:
-        import torch
-
-        cuda = torch.cuda.is_available()
-    if cuda and accelerator in ("auto", "gpu", "cuda"):
+    if trains_on_cuda(accelerator, cuda):
         import torch
 
         if torch.cuda.is_bf16_supported():

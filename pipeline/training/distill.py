@@ -213,9 +213,9 @@ def labelling_setup(train: TrainParams, precision: str, cuda: bool | None = None
     """The teacher labels on the device the student trains on, in the training precision `precision` (resolved,
     not `auto`): bf16 autocast for bf16-mixed (resolved so only where bf16 is native), fp16 autocast for 16-mixed
     on CUDA, fp32 otherwise."""
-    if cuda is None:
-        cuda = torch.cuda.is_available()
-    on_gpu = cuda and train.accelerator in ("auto", "gpu", "cuda")
+    from pipeline.core.machine import trains_on_cuda
+
+    on_gpu = trains_on_cuda(train.accelerator, cuda)
     autocast = "bf16" if precision.startswith("bf16") else "fp16" if precision.startswith("16") and on_gpu else None
     return Labelling("cuda" if on_gpu else "cpu", autocast)
 
@@ -224,13 +224,10 @@ def teacher_logits(teacher: torch.nn.Module, seqs: list[np.ndarray], batch_size:
                    labelling: Labelling) -> np.ndarray:
     """The teacher's logits per review (its predictions are the student's targets), computed on
     `labelling.device`; the teacher is back on the CPU afterwards, where the student is built from it."""
-    from pipeline.variants.runners import EagerLogits, TorchRunner, predict_logits
+    from pipeline.variants.runners import predict_logits_on
 
-    runner = TorchRunner(EagerLogits(teacher.eval().to(labelling.device)), autocast=labelling.autocast)
-    try:
-        return predict_logits(runner, seqs, batch_size, pad_id=pad_id, progress="teacher labels")
-    finally:
-        teacher.to("cpu")
+    return predict_logits_on(teacher.eval(), labelling.device, seqs, batch_size, pad_id, labelling.autocast,
+                             progress="teacher labels")
 
 
 def transfer_set(teacher: torch.nn.Module, labelled: TokenizedDataset, transfer_ids: list[np.ndarray],

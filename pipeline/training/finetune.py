@@ -128,17 +128,14 @@ def predict_split(module: SentimentClassifier, dm: IMDBDataModule,
 
     Scored in full precision on the device training used (Lightning hands the module back on the CPU), and
     left on the CPU afterwards for saving."""
-    from pipeline.variants.runners import EagerLogits, TorchRunner, predict_logits
+    from pipeline.core.machine import trains_on_cuda
+    from pipeline.variants.runners import predict_logits_on
 
     module.eval()
     ds = dm.datasets[split]
-    on_gpu = dm.params.accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
-    model = module.model.to("cuda" if on_gpu else "cpu")
-    try:
-        logits = predict_logits(TorchRunner(EagerLogits(model)), ds.input_ids, dm.params.eval_batch_size,
-                                pad_id=dm.collate.pad_id, progress=f"score {split}")
-    finally:
-        module.model.to("cpu")
+    device = "cuda" if trains_on_cuda(dm.params.accelerator) else "cpu"
+    logits = predict_logits_on(module.model, device, ds.input_ids, dm.params.eval_batch_size, dm.collate.pad_id,
+                               progress=f"score {split}")
     return logits, ds.labels
 
 

@@ -92,6 +92,7 @@ class TorchRunner:
             raise ValueError(f"autocast must be one of {sorted(AUTOCAST)} or None, not {autocast!r}")
         self.module = module
         self.autocast = autocast
+        self.dtype = getattr(torch, AUTOCAST[autocast]) if autocast else None
         params = getattr(module, "parameters", None)
         first = next(iter(params()), None) if callable(params) else None
         self.device = first.device if first is not None else torch.device("cpu")
@@ -101,8 +102,8 @@ class TorchRunner:
 
         ids = torch.from_numpy(np.ascontiguousarray(input_ids, dtype=np.int64)).to(self.device)
         mask = torch.from_numpy(np.ascontiguousarray(attention_mask, dtype=np.int64)).to(self.device)
-        dtype = getattr(torch, AUTOCAST[self.autocast]) if self.autocast else None
-        with torch.inference_mode(), torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
+        with torch.inference_mode(), torch.autocast(self.device.type, dtype=self.dtype,
+                                                     enabled=self.dtype is not None):
             out = self.module(ids, mask)
         logits = out[0] if isinstance(out, tuple | list) else getattr(out, "logits", out)
         return logits.float().cpu().numpy()
@@ -175,6 +176,17 @@ def pad_batch(seqs: Sequence[np.ndarray], pad_id: int = 0, width: int | None = N
         ids[i, :n] = s[:n]
         mask[i, :n] = 1
     return ids, mask
+
+
+def predict_logits_on(model: Any, device: str, seqs: Sequence[np.ndarray], batch_size: int, pad_id: int,
+                      autocast: str | None = None, progress: str | None = None) -> np.ndarray:
+    """`predict_logits` of a HF model moved to `device` (under `autocast`, see `TorchRunner`); the model is back on
+    the CPU afterwards, also when scoring fails, where the stages save, copy and export it."""
+    model.to(device)
+    try:
+        return predict_logits(TorchRunner(EagerLogits(model), autocast=autocast), seqs, batch_size, pad_id, progress)
+    finally:
+        model.to("cpu")
 
 
 def predict_logits(runner: Runner, seqs: Sequence[np.ndarray], batch_size: int = 64, pad_id: int = 0,
