@@ -7,6 +7,13 @@ teacher's `int8-dynamic`, on the same unseen train-split reviews (none of them i
 transfer reviews), as paired differences to the FP32 teacher. Prints the trade-off table and writes `--out`
 (the candidates' models stay in `--work`, which git ignores). Needs `models/finetuned` (the teacher) from `make run`.
 
+The rule it applies and records (`chosen`): the smallest student (fewest encoder parameters, then the shortest
+distillation) whose INT8 variant is within `targets.max_accuracy_loss_pt` of the FP32 teacher **by one standard
+error** (Δ − s.e. ≥ −window). A point estimate just inside the window is a coin flip on the test split; the margin
+asks for a candidate that is inside it on the evidence. Score as many unseen reviews as there are
+(`--reviews 100000` takes them all): 3,000 leave a standard error of about 0.45 pt, larger than the differences
+between most candidates.
+
     python -m benchmarks.distill_tradeoff --config d3:distill.depth=3 --config d4:distill.depth=4 \\
         --config d3-x16k:data.transfer_reviews=16500,distill.epochs=1
 """
@@ -86,6 +93,16 @@ def excluded_reviews(dirs: list[Path], work: Path) -> Path:
     return merged
 
 
+def choose(rows: dict[str, dict[str, Any]], window_pt: float) -> str | None:
+    """The smallest candidate whose INT8 Δ to the FP32 teacher is above −`window_pt` by one standard error (fewest
+    encoder parameters first, then the shortest distillation); None when no candidate is."""
+    inside = [label for label, r in rows.items()
+              if 100 * (r["int8-distilled"]["delta"] - r["int8-distilled"]["delta_std_error"]) >= -window_pt]
+    if not inside:
+        return None
+    return min(inside, key=lambda label: (rows[label]["student_encoder_parameters"], rows[label]["wall_time_s"]))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", action="append", required=True, help="LABEL:key=value,... (repeatable)")
@@ -121,9 +138,12 @@ def main(argv: list[str] | None = None) -> None:
                           for kind in ("fp32-distilled", "int8-distilled")}}
     from pipeline.core.machine import isa_record
 
+    window = load_params(args.params).targets.max_accuracy_loss_pt
+    chosen = choose(rows, window)
     result = {"machine": isa_record(),  # INT8 accuracy depends on the CPU's kernels: recorded with the figures
               "teacher_heldout": heldout["by_inference_length"], "reviews": heldout["reviews"],
-              "teacher_int8_dynamic": heldout["variants_vs_fp32"]["int8-dynamic"], "candidates": rows}
+              "teacher_int8_dynamic": heldout["variants_vs_fp32"]["int8-dynamic"], "candidates": rows,
+              "rule": f"smallest student with INT8 delta - 1 s.e. >= -{window} pt", "chosen": chosen}
     write_json(args.out, result)
     print(f"\nheld-out: {heldout['reviews']} unseen train-split reviews; Δ = paired difference to the FP32 teacher\n")
     print("| candidate | overrides | layers | transfer | val acc | FP32 Δ | INT8 Δ | distill s |\n"
@@ -134,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['student_layers']} | {r['transfer_reviews']} | {100 * r['best_val_accuracy']:.1f} % | "
               f"{100 * f['delta']:+.2f} ± {100 * f['delta_std_error']:.2f} | "
               f"{100 * i['delta']:+.2f} ± {100 * i['delta_std_error']:.2f} | {r['wall_time_s']:.0f} |")
+    print(f"\nchosen ({result['rule']}): {chosen or 'none: no candidate is inside the window by one s.e.'}")
 
 
 if __name__ == "__main__":

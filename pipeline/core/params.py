@@ -149,7 +149,7 @@ class DistillParams:
     readout and dynamic INT8 paths. The trainer's other settings (precision, bucketing, threads, ...) are `train`'s."""
 
     enabled: bool = True
-    depth: int = 3  # encoder layers of the student, taken evenly from the teacher's, its last layer always kept
+    depth: int = 4  # encoder layers of the student, taken evenly from the teacher's, its last layer always kept
     # FFN neurons kept per layer (null = the teacher's intermediate_size), chosen and least-squares repaired on
     # training reviews as `prune` does, before distillation (BERT-family teachers)
     ffn_width: int | None = None
