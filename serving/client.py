@@ -11,20 +11,40 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 
-def _key_file(key_file: Path) -> dict[str, Any] | None:
-    if not key_file.is_file():
-        return None
-    return json.loads(key_file.read_text())
+class KeyFileError(ValueError):
+    """The key file exists but holds no complete set of keys, even after waiting for a writer to finish."""
+
+
+def _key_file(key_file: Path, settle_s: float = 2.0) -> dict[str, Any] | None:
+    """The parsed key file, None when there is none. TorchServe creates the file before writing it and rewrites it
+    when a key is replaced, so an empty or cut-off file is read again until it parses, for up to `settle_s`."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        if not key_file.is_file():
+            return None
+        try:
+            keys = json.loads(key_file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            problem = f"not complete JSON ({exc})"
+        else:
+            if isinstance(keys, dict) and isinstance(keys.get("inference"), dict) and "key" in keys["inference"]:
+                return keys
+            problem = "no inference key in it"
+        if time.monotonic() >= deadline:
+            raise KeyFileError(f"{key_file}: {problem} after waiting {settle_s:g} s for TorchServe to write it")
+        time.sleep(0.05)
 
 
 def inference_key(key_file: Path) -> str | None:
-    """The current inference key, or None when the file is absent (token auth disabled)."""
+    """The current inference key, or None when the file is absent (token auth disabled); waits out a key file
+    that is being written, and raises `KeyFileError` for one that stays unreadable."""
     keys = _key_file(key_file)
     return keys["inference"]["key"] if keys else None
 

@@ -111,3 +111,35 @@ def test_health_probe_refreshes_an_expired_key(fake):
     healthy, seen = probe(url, state.key_file, url, predict=True, timeout=5)
     assert healthy and seen == "/ping: Healthy; prediction: positive"
     assert state.refreshes == 1
+
+
+def test_a_key_file_being_written_is_waited_for_not_mistaken_for_keys(tmp_path):
+    """TorchServe creates `key_file.json` before it writes it: a reader that finds it empty or cut off waits for
+    the writer instead of failing; one that stays unreadable is a clear error, and no file means no token auth."""
+    import time
+
+    from serving.client import KeyFileError
+
+    key_file = tmp_path / "key_file.json"
+    assert inference_key(key_file) is None
+    key_file.write_text("")
+    complete = json.dumps({"management": {"key": "m"}, "inference": {"key": "fresh"}, "API": {"key": "a"}})
+
+    def writer() -> None:
+        time.sleep(0.3)
+        key_file.write_text(complete[:20])  # a half-written file on the way
+        time.sleep(0.3)
+        key_file.write_text(complete)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        assert inference_key(key_file) == "fresh"
+    finally:
+        thread.join()
+    from serving.client import _key_file
+
+    for broken in ("{\"inference\": ", "[1, 2]", "{\"API\": {\"key\": \"a\"}}"):
+        key_file.write_text(broken)
+        with pytest.raises(KeyFileError, match=r"key_file\.json"):
+            _key_file(key_file, settle_s=0.2)

@@ -143,7 +143,8 @@ def server(tmp_path_factory, tiny_model_dir):
         deadline = time.time() + 60
         while not (work / "key_file.json").is_file() and time.time() < deadline:
             time.sleep(0.5)
-        key = json.loads((work / "key_file.json").read_text())["inference"]["key"]
+        key = inference_key(work / "key_file.json")  # waits out a key file TorchServe is still writing
+        assert key, f"TorchServe wrote no key file within 60 s; see {log}"
         url = f"http://127.0.0.1:{ports['inference']}"
         _wait_healthy(url, key, work / "logs" / "ts_log.log" if (work / "logs").exists() else log)
         yield Server(work, url, key, variants["fp32-onnx"], ports)
