@@ -82,7 +82,7 @@ def tokenized_dir(tmp_path) -> Path:
 MINI = {
     "data": {"local_dir": str(IMDB_DIR), "train_subsample": 800, "val_subsample": 100, "test_subsample": 300,
              "max_length": 64, "transfer_reviews": 200},
-    "distill": {"depth": 3, "epochs": 1},
+    "distill": {"enabled": True, "depth": 3, "epochs": 1},  # on whatever precision this CPU trains in (auto may not)
     "model": {"head": "mean"},  # the default profile trains the [CLS] head; the e2e run covers the other one
     "train": {"epochs": 1, "batch_size": 16, "lr": 1e-4, "val_checks_per_epoch": 1,
               "max_length": 48},  # train on a shorter window than inference reads

@@ -120,6 +120,22 @@ def resolve_reduce_range(asked: bool | str, flags: frozenset[str] | None = None)
                                                          "pair sums (AVX2 vpmaddubsw), so weights are 7-bit")
 
 
+def resolve_distill(asked: bool | str, accelerator: str, precision: str, cuda: bool | None = None) -> Choice:
+    """`distill.enabled`. `auto`: the student is trained where training is accelerated (on CUDA, or on a CPU in a
+    reduced precision: `precision`, the resolved `train.precision`) and skipped where it would train in fp32 on the
+    CPU: there it costs several times the teacher's own finetune and the default profile's `make run` would no
+    longer fit its 20-minute budget (RESULTS.md has the measured stage times); `true` trains it anyway."""
+    if asked != "auto":
+        return Choice("distill.enabled", asked, bool(asked), "set explicitly")
+    if trains_on_cuda(accelerator, cuda):
+        return Choice("distill.enabled", asked, True, "training runs on a CUDA device")
+    if precision != "32-true":
+        return Choice("distill.enabled", asked, True, f"the CPU trains in {precision}")
+    return Choice("distill.enabled", asked, False,
+                  "the CPU trains in 32-true (no native bf16): the student's fp32 training would take the default "
+                  "make run past its 20-minute budget; set distill.enabled: true to train it anyway")
+
+
 def resolve_bf16_row(asked: bool | str, flags: frozenset[str] | None = None) -> Choice:
     """`benchmark.bf16_row`. `auto`: measure FP32 weights under bf16 autocast only where bf16 is native."""
     if asked != "auto":

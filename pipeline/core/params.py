@@ -148,12 +148,15 @@ class DistillParams:
     (`data.transfer_reviews`). Its variants (`fp32-distilled`, `int8-distilled`) go through the teacher's export,
     readout and dynamic INT8 paths. The trainer's other settings (precision, bucketing, threads, ...) are `train`'s."""
 
-    enabled: bool = True
+    # auto: trained where training is accelerated (CUDA, or bf16 on a CPU with native bf16), skipped with the reason
+    # recorded where the CPU would train it in fp32, which does not fit the default profile's 20-minute budget
+    # (`pipeline.core.machine.resolve_distill`; the choice is recorded in the stage's metrics and MLflow run)
+    enabled: bool | Literal["auto"] = "auto"
     depth: int = 4  # encoder layers of the student, taken evenly from the teacher's, its last layer always kept
     # FFN neurons kept per layer (null = the teacher's intermediate_size), chosen and least-squares repaired on
     # training reviews as `prune` does, before distillation (BERT-family teachers)
     ffn_width: int | None = None
-    epochs: int = 2
+    epochs: int = 1
     batch_size: int = 16
     lr: float = 1e-4
     temperature: float = 2.0  # softens both distributions in the KL term (scaled by temperature^2)

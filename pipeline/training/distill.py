@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import numpy as np
@@ -32,6 +32,9 @@ from pipeline.data.batching import NO_LABEL, TokenizedDataset
 from pipeline.data.imdb import TRANSFER
 from pipeline.training.classifier import CurveRecorder, IMDBDataModule, SentimentClassifier, build_trainer
 from pipeline.training.finetune import predict_split, save_model, write_curves
+
+if TYPE_CHECKING:
+    from pipeline.core.machine import Choice
 
 log = logging.getLogger(__name__)
 
@@ -264,9 +267,10 @@ def student_train_params(params: Params) -> TrainParams:
 
 
 def distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metrics_path: Path, plots_dir: Path,
-            params: Params, mlflow_logger: Any = None) -> DistillResult:
+            params: Params, mlflow_logger: Any = None, enabled: Choice | None = None) -> DistillResult:
     """Build the student, label the reviews with the teacher, train, keep the best epoch by validation accuracy,
-    score the test split and save the student in HF format with its record (the teacher's preprocessing)."""
+    score the test split and save the student in HF format with its record (the teacher's preprocessing, and the
+    machine choices: the precision and, from `run_distill`, how `distill.enabled` resolved)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from pipeline.core.machine import resolve_precision
@@ -335,7 +339,7 @@ def distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metrics_p
     record = {"distillation": {"teacher": str(teacher_dir), "kept_layers": keep, **width, **to_dict(d),
                                "labelled_reviews": transfer.labelled, "transfer_reviews": transfer.unlabelled}}
     save_model(module.model, tokenizer, student_dir, _teacher_data(meta, params), params.model, train,
-               choices=[choice], extra=record)
+               choices=[choice] + ([enabled] if enabled else []), extra=record)
     write_json(metrics_path, metrics)
     write_curves(plots_dir, recorder)
     log.info("student: %d of %d layers, test accuracy %.4f (best validation accuracy %.4f)",
@@ -364,13 +368,15 @@ def narrow_ffn(student: torch.nn.Module, reviews: list[np.ndarray], ffn_width: i
                       "ffn_rel_error": report["ffn_rel_error"]}
 
 
-def write_skipped(student_dir: Path, metrics_path: Path, plots_dir: Path, reason: str) -> DistillResult:
-    """The stage's outputs when the student is off: a record that says why, metrics that say skipped, and empty
-    curves."""
+def write_skipped(student_dir: Path, metrics_path: Path, plots_dir: Path, reason: str,
+                  enabled: Choice | None = None) -> DistillResult:
+    """The stage's outputs when the student is off: a record that says why (and how `distill.enabled` resolved),
+    metrics that say skipped, and empty curves."""
     student_dir.mkdir(parents=True, exist_ok=True)
     write_curves(plots_dir, CurveRecorder())
-    write_json(student_dir / STUDENT_RECORD, {"status": "skipped", "reason": reason})
-    write_json(metrics_path, {"status": "skipped", "reason": reason})
+    record = {"status": "skipped", "reason": reason} | ({"enabled": enabled.to_dict()} if enabled else {})
+    write_json(student_dir / STUDENT_RECORD, record)
+    write_json(metrics_path, record)
     return DistillResult({}, student_dir, "skipped", reason)
 
 
@@ -379,15 +385,21 @@ def run_distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metri
     """`distill` inside an MLflow child run like finetune's (machine load sampled, curves, metrics, the student's
     files), then `build_variants` (the student's exports) in the same run, its report logged like other build
     stages'. A disabled student is recorded as skipped with the reason, and so are its variants."""
+    from pipeline.core.machine import resolve_distill, resolve_precision
     from pipeline.core.tracking import stage_run
 
     tracking: MlflowParams = params.mlflow
+    train = params.train
+    enabled = resolve_distill(params.distill.enabled, train.accelerator,
+                              resolve_precision(train.precision, train.accelerator).value)
+    log.info("distill: distill.enabled %s", enabled.tag())
     with stage_run(tracking, "distill", system_metrics=tracking.system_metrics) as run:
-        run.log_sections({"distill": to_dict(params.distill), "train": to_dict(params.train),
+        run.log_sections({"distill": to_dict(params.distill), "train": to_dict(train),
                           "export": to_dict(params.export), "quantize": to_dict(params.quantize)})
-        if params.distill.enabled:
+        run.set_tags({"distill.enabled.resolved": enabled.tag()})
+        if enabled.value:
             result = distill(teacher_dir, tokenized_dir, student_dir, metrics_path, plots_dir, params,
-                             mlflow_logger=run.lightning_logger(tracking))
+                             mlflow_logger=run.lightning_logger(tracking), enabled=enabled)
             run.log_metrics(result.metrics)
             run.set_tags({"status": "ok", "train.precision.resolved": result.metrics["precision"],
                           "teacher_labelling": f"{result.metrics['teacher_labelling_device']}, autocast "
@@ -395,9 +407,10 @@ def run_distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metri
             run.log_artifacts(plots_dir, "curves")
             run.log_artifacts(student_dir, "model")
         else:
-            reason = "distill.enabled is false"
+            reason = ("distill.enabled is false" if enabled.asked is False
+                      else f"distill.enabled auto resolved to false: {enabled.reason}")
             log.warning("student skipped: %s", reason)
             run.set_tags({"status": "skipped", "reason": reason})
-            result = write_skipped(student_dir, metrics_path, plots_dir, reason)
+            result = write_skipped(student_dir, metrics_path, plots_dir, reason, enabled)
         run.log_report(build_variants(), [metrics_path])
     return result

@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.core.machine import machine_info, resolve_bf16_row, resolve_precision, resolve_reduce_range
+from pipeline.core.machine import (
+    machine_info,
+    resolve_bf16_row,
+    resolve_distill,
+    resolve_precision,
+    resolve_reduce_range,
+)
 
 
 def _cpuinfo_flags() -> set[str]:
@@ -58,6 +64,20 @@ def test_bf16_benchmark_row_auto_only_with_native_bf16():
     assert resolve_bf16_row("auto", ZEN4).value is True
     assert resolve_bf16_row("auto", AVX2).value is False
     assert resolve_bf16_row(True, AVX2).value is True
+
+
+@pytest.mark.parametrize(("flags", "trained"), [(AVX2, False), (ZEN4, True), (ALDER, False), (SAPPHIRE, True)])
+def test_distill_auto_trains_the_student_only_where_training_is_accelerated(flags, trained):
+    """`distill.enabled: auto` follows the precision the CPU trains in (an fp32 student does not fit the default
+    budget) and is on wherever training runs on CUDA; an explicit value is kept."""
+    precision = resolve_precision("auto", "cpu", flags, cuda=False).value
+    choice = resolve_distill("auto", "cpu", precision, cuda=False)
+    assert choice.value is trained and choice.asked == "auto"
+    assert ("32-true" in choice.reason) is not trained
+    assert resolve_distill("auto", "auto", "32-true", cuda=True).value is True  # a GPU even in fp32
+    assert resolve_distill("auto", "cpu", "32-true", cuda=True).value is False  # CUDA present, training on the CPU
+    assert resolve_distill(True, "cpu", "32-true", cuda=False).value is True
+    assert resolve_distill(False, "cpu", "bf16-mixed", cuda=False).value is False
 
 
 def test_choices_describe_themselves():

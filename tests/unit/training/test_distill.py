@@ -320,6 +320,48 @@ def test_a_disabled_student_leaves_skipped_records(tmp_path):
         assert info.status == "skipped" and info.reason == "distill.enabled is false"
 
 
+@pytest.mark.parametrize(("enabled", "skipped"), [("auto", True), (True, False)])
+def test_auto_skips_a_student_that_would_train_in_fp32_on_the_cpu_and_says_why(tmp_path, monkeypatch, enabled,
+                                                                               skipped):
+    """`distill.enabled: auto` where the CPU trains in 32-true: no teacher is read, the record, the metrics and
+    the MLflow run say what `auto` resolved to and why; `true` trains the student whatever the precision."""
+    import mlflow
+
+    import pipeline.training.distill as distill_module
+    from pipeline.core.params import MlflowParams
+    from pipeline.training.distill import STUDENT_RECORD, DistillResult, run_distill
+
+    trained: list[bool] = []
+
+    def fake_distill(teacher_dir, tokenized_dir, student_dir, metrics_path, plots_dir, params, mlflow_logger=None,
+                     enabled=None):
+        trained.append(enabled.value)
+        for directory in (student_dir, plots_dir):
+            directory.mkdir(parents=True, exist_ok=True)
+        metrics_path.write_text("{}")
+        return DistillResult({"precision": "32-true", "teacher_labelling_device": "cpu",
+                              "teacher_labelling_autocast": "none"}, tmp_path / "student")
+
+    monkeypatch.setattr(distill_module, "distill", fake_distill)
+    tracking = MlflowParams(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="unit-distill",
+                            system_metrics=False)
+    params = Params(train=TrainParams(precision="32-true", accelerator="cpu"),
+                    distill=DistillParams(enabled=enabled), mlflow=tracking)
+    result = run_distill(tmp_path / "no-teacher", tmp_path, tmp_path / "student", tmp_path / "distill.json",
+                         tmp_path / "plots", params, lambda: {})
+    assert (result.status == "skipped") is skipped and trained == ([] if skipped else [True])
+    mlflow.set_tracking_uri(tracking.tracking_uri)
+    run = mlflow.search_runs(experiment_names=["unit-distill"], output_format="list")[0]
+    assert run.data.tags["distill.enabled.resolved"].startswith(f"{not skipped} (asked {enabled}")
+    if skipped:
+        record = json.loads((tmp_path / "student" / STUDENT_RECORD).read_text())
+        assert record["status"] == "skipped" and "32-true" in record["reason"]
+        assert record["enabled"] == {"setting": "distill.enabled", "asked": "auto", "value": False,
+                                     "reason": record["enabled"]["reason"]}
+        assert json.loads((tmp_path / "distill.json").read_text()) == record
+        assert run.data.tags["status"] == "skipped" and "20-minute" in run.data.tags["reason"]
+
+
 def test_hidden_state_loss_matches_each_student_layer_to_its_teacher_layer():
     from pipeline.training.distill import StudentClassifier, hidden_state_loss
 
