@@ -22,9 +22,10 @@ class KeyFileError(ValueError):
     """The key file exists but holds no complete set of keys, even after waiting for a writer to finish."""
 
 
-def _key_file(key_file: Path, settle_s: float = 2.0) -> dict[str, Any] | None:
-    """The parsed key file, None when there is none. TorchServe creates the file before writing it and rewrites it
-    when a key is replaced, so an empty or cut-off file is read again until it parses, for up to `settle_s`."""
+def read_key_file(key_file: Path, settle_s: float = 2.0) -> dict[str, Any] | None:
+    """The parsed key file (every key TorchServe wrote), None when there is none. TorchServe creates the file
+    before writing it and rewrites it when a key is replaced, so an empty or cut-off file is read again until it
+    parses, for up to `settle_s`."""
     deadline = time.monotonic() + settle_s
     while True:
         if not key_file.is_file():
@@ -45,7 +46,7 @@ def _key_file(key_file: Path, settle_s: float = 2.0) -> dict[str, Any] | None:
 def inference_key(key_file: Path) -> str | None:
     """The current inference key, or None when the file is absent (token auth disabled); waits out a key file
     that is being written, and raises `KeyFileError` for one that stays unreadable."""
-    keys = _key_file(key_file)
+    keys = read_key_file(key_file)
     return keys["inference"]["key"] if keys else None
 
 
@@ -57,7 +58,7 @@ def is_invalid_key(status: int, body: Any) -> bool:
 def refresh_inference_key(management_url: str, key_file: Path, timeout: float = 10.0) -> str | None:
     """Ask TorchServe for a new inference key with the API key (its token authorization API); the server writes
     the new key to its key file, which is read back. None when there is no key file or the API refuses."""
-    keys = _key_file(key_file)
+    keys = read_key_file(key_file)
     if not keys or "API" not in keys:
         return None
     req = urllib.request.Request(f"{management_url}/token?type=inference",

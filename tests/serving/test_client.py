@@ -137,9 +137,9 @@ def test_a_key_file_being_written_is_waited_for_not_mistaken_for_keys(tmp_path):
         assert inference_key(key_file) == "fresh"
     finally:
         thread.join()
-    from serving.client import _key_file
+    from serving.client import read_key_file
 
     for broken in ("{\"inference\": ", "[1, 2]", "{\"API\": {\"key\": \"a\"}}"):
         key_file.write_text(broken)
         with pytest.raises(KeyFileError, match=r"key_file\.json"):
-            _key_file(key_file, settle_s=0.2)
+            read_key_file(key_file, settle_s=0.2)

@@ -24,7 +24,7 @@ import pytest
 
 from pipeline.core.params import ExportParams, PackageParams
 from pipeline.deployment.inference import SentimentPredictor
-from serving.client import inference_key, predict
+from serving.client import inference_key, predict, read_key_file
 from tests.factories import ROOT, write_tokenized
 
 pytestmark = pytest.mark.slow
@@ -377,7 +377,7 @@ def test_client_recovers_from_a_replaced_key_through_the_key_file(server):
     once with the key file's new one. Runs last: the module's server key changes."""
     key_file = server.workdir / "key_file.json"
     old = inference_key(key_file)
-    api = json.loads(key_file.read_text())["API"]["key"]
+    api = read_key_file(key_file)["API"]["key"]
     req = urllib.request.Request(f"{server.management_url}/token?type=inference",
                                  headers={"Authorization": f"Bearer {api}"})
     with urllib.request.urlopen(req, timeout=30) as resp:
