@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.factories import IMDB_DIR, ROOT, write_tokenized
+from tests.factories import AVX2_ONLY_FLAGS, IMDB_DIR, ROOT, write_tokenized
 
 os.environ.setdefault("MPLBACKEND", "Agg")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -38,10 +38,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def no_outside_tracking_server(monkeypatch):
-    """A tracking server named in the caller's environment wins over params (`pipeline.core.tracking`); the
-    tests pick their own stores, so it is removed (the remote-server tests set their own)."""
+def no_outside_settings(monkeypatch):
+    """Settings the caller's environment would impose are removed: a tracking server named there wins over params
+    (`pipeline.core.tracking`; the tests pick their own stores, the remote-server tests set their own), and
+    `PIPELINE_CPU_FLAGS` would replace this CPU's flags in the `auto` decisions (the tests that rehearse another
+    CPU set it themselves)."""
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("PIPELINE_CPU_FLAGS", raising=False)
 
 
 @pytest.fixture(scope="session")
@@ -105,23 +108,19 @@ def _copy_repo(dst: Path) -> None:
             shutil.copy2(src, dst / rel)
 
 
-@pytest.fixture(scope="session")
-def repo(tmp_path_factory) -> Path:
-    """A fresh copy of the project after a real `dvc repro` of the miniature profile.
-
-    The miniature profile finetunes the real (packaged) all-MiniLM-L6-v2 on a few hundred reviews, so the
-    behaviour tests run against artifacts of a model that has actually learned sentiment.
-    """
-    d = tmp_path_factory.mktemp("repo")
+def repro_copy(d: Path, overrides: dict[str, dict], extra_env: dict[str, str] | None = None) -> Path:
+    """A fresh copy of the project in `d` with `overrides` merged into params.yaml, after a real `dvc repro` (its
+    output in `d/repro.log`); `extra_env` is added to the environment the stages run in."""
     _copy_repo(d)
     raw = yaml.safe_load((d / "params.yaml").read_text())
-    for name, values in MINI.items():
+    for name, values in overrides.items():
         raw[name].update(values)
     (d / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
-    env = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"},  # the copy's own sqlite store
+    env = {**{k: v for k, v in os.environ.items()  # the copy's own sqlite store, this CPU's flags unless told
+              if k not in ("MLFLOW_TRACKING_URI", "PIPELINE_CPU_FLAGS")},
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PIPELINE_RUN_ID": "e2e-test",
            "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
-           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t", **(extra_env or {})}
     for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "copy"]):
         subprocess.run(cmd, cwd=d, env=env, check=True)
     proc = subprocess.run([str(Path(sys.executable).parent / "dvc"), "repro"], cwd=d, env=env,
@@ -129,3 +128,23 @@ def repo(tmp_path_factory) -> Path:
     (d / "repro.log").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return d
+
+
+@pytest.fixture(scope="session")
+def repo(tmp_path_factory) -> Path:
+    """A fresh copy of the project after a real `dvc repro` of the miniature profile.
+
+    The miniature profile finetunes the real (packaged) all-MiniLM-L6-v2 on a few hundred reviews, so the
+    behaviour tests run against artifacts of a model that has actually learned sentiment.
+    """
+    return repro_copy(tmp_path_factory.mktemp("repo"), MINI)
+
+
+@pytest.fixture(scope="session")
+def avx2_repo(tmp_path_factory) -> Path:
+    """The miniature profile with every setting at its default `auto`, run with the `auto` decisions taken on an
+    AVX2-only CPU's flags (`PIPELINE_CPU_FLAGS`): what `make run` chooses and builds on such a CPU, the student
+    included (skipped there by default). The kernels still run on this CPU's ISA."""
+    overrides = {**MINI, "distill": {**MINI["distill"], "enabled": "auto"},
+                 "benchmark": {**MINI["benchmark"], "bf16_row": "auto"}}
+    return repro_copy(tmp_path_factory.mktemp("avx2-repo"), overrides, {"PIPELINE_CPU_FLAGS": AVX2_ONLY_FLAGS})

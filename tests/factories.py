@@ -18,6 +18,9 @@ if TYPE_CHECKING:
 
 ROOT = Path(__file__).resolve().parents[1]
 IMDB_DIR = Path(os.environ.get("IMDB_DIR", ROOT.parent / "shared" / "data" / "imdb"))
+#: An AVX2-only CPU's flags, as `PIPELINE_CPU_FLAGS` takes them (a Zen 3 lists these and no AVX-512, VNNI, bf16 or
+#: AMX).
+AVX2_ONLY_FLAGS = "sse4_2 avx avx2 fma f16c bmi2"
 
 
 def synthetic_reviews(n: int, seed: int = 0) -> pd.DataFrame:

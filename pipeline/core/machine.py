@@ -16,6 +16,11 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_b
 INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 #: Native bf16 arithmetic: without it bf16 autocast on the CPU is emulated and much slower than fp32.
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+#: Environment variable that replaces this CPU's flags in the `auto` decisions (space or comma separated, e.g.
+#: "avx2 fma" for an AVX2-only CPU): it rehearses what the pipeline chooses and builds on another kind of CPU.
+#: Only the decisions follow it: the kernels still run on this CPU's ISA, so every record also keeps this CPU's
+#: real flags and says the decisions were made with others (`isa_record`).
+FLAGS_OVERRIDE_ENV = "PIPELINE_CPU_FLAGS"
 
 
 def cpu_flags() -> frozenset[str]:
@@ -40,10 +45,29 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
+def flags_override() -> frozenset[str] | None:
+    """The flags `PIPELINE_CPU_FLAGS` names (None where it is unset or empty)."""
+    raw = os.environ.get(FLAGS_OVERRIDE_ENV, "").replace(",", " ").split()
+    return frozenset(f.lower() for f in raw) if raw else None
+
+
+def decision_flags() -> tuple[frozenset[str], str]:
+    """The flags the `auto` settings decide with, and a note for their reason when they are not this CPU's."""
+    override = flags_override()
+    if override is None:
+        return cpu_flags(), ""
+    return override, f" [flags from {FLAGS_OVERRIDE_ENV}, not this CPU's]"
+
+
 def isa_record(flags: frozenset[str] | None = None) -> dict[str, Any]:
-    """CPU model and the flags that matter, each as this CPU has it or not."""
+    """CPU model and the flags that matter, each as this CPU has it or not; where `PIPELINE_CPU_FLAGS` replaced
+    them in the decisions, also the flags decided with (`decided_with`)."""
     have = cpu_flags() if flags is None else flags
-    return {"cpu": cpu_model(), "isa": {f: f in have for f in ISA_FLAGS}}
+    record: dict[str, Any] = {"cpu": cpu_model(), "isa": {f: f in have for f in ISA_FLAGS}}
+    override = flags_override()
+    if override is not None:
+        record["decided_with"] = {"source": FLAGS_OVERRIDE_ENV, "isa": {f: f in override for f in ISA_FLAGS}}
+    return record
 
 
 def machine_info(threads: int) -> dict[str, Any]:
@@ -79,6 +103,11 @@ def _present(flags: frozenset[str], wanted: tuple[str, ...]) -> list[str]:
     return [f for f in wanted if f in flags]
 
 
+def _decide_with(flags: frozenset[str] | None) -> tuple[frozenset[str], str]:
+    """`flags` where a caller passes them, else the decision flags (this CPU's or the override's) and their note."""
+    return (flags, "") if flags is not None else decision_flags()
+
+
 def trains_on_cuda(accelerator: str, cuda: bool | None = None) -> bool:
     """Whether work that follows `train.accelerator` runs on a CUDA device: `auto`, `gpu` or `cuda` where one is
     visible (`cuda`, default: ask torch)."""
@@ -101,10 +130,12 @@ def resolve_precision(asked: str, accelerator: str, flags: frozenset[str] | None
         if torch.cuda.is_bf16_supported():
             return Choice("train.precision", asked, "bf16-mixed", "CUDA device with bf16 support")
         return Choice("train.precision", asked, "16-mixed", "CUDA device without bf16 support")
-    have = _present(cpu_flags() if flags is None else flags, BF16_FLAGS)
+    flags, note = _decide_with(flags)
+    have = _present(flags, BF16_FLAGS)
     if have:
-        return Choice("train.precision", asked, "bf16-mixed", f"CPU has native bf16 ({', '.join(have)})")
-    return Choice("train.precision", asked, "32-true", "CPU has no native bf16 (no AVX512-BF16/AMX): bf16 is emulated")
+        return Choice("train.precision", asked, "bf16-mixed", f"CPU has native bf16 ({', '.join(have)}){note}")
+    return Choice("train.precision", asked, "32-true",
+                  f"CPU has no native bf16 (no AVX512-BF16/AMX): bf16 is emulated{note}")
 
 
 def resolve_reduce_range(asked: bool | str, flags: frozenset[str] | None = None) -> Choice:
@@ -112,12 +143,13 @@ def resolve_reduce_range(asked: bool | str, flags: frozenset[str] | None = None)
     (VNNI/AMX), whose absence makes onnxruntime's u8 x s8 kernels sum pairs in int16 and saturate."""
     if asked != "auto":
         return Choice("quantize.reduce_range", asked, bool(asked), "set explicitly")
-    have = _present(cpu_flags() if flags is None else flags, INT8_DOT_FLAGS)
+    flags, note = _decide_with(flags)
+    have = _present(flags, INT8_DOT_FLAGS)
     if have:
         return Choice("quantize.reduce_range", asked, False, f"CPU has INT8 dot products ({', '.join(have)}): "
-                                                              "full 8-bit weights are exact")
+                                                              f"full 8-bit weights are exact{note}")
     return Choice("quantize.reduce_range", asked, True, "CPU lacks VNNI/AMX: 8-bit weights can saturate int16 "
-                                                         "pair sums (AVX2 vpmaddubsw), so weights are 7-bit")
+                                                         f"pair sums (AVX2 vpmaddubsw), so weights are 7-bit{note}")
 
 
 def resolve_distill(asked: bool | str, accelerator: str, precision: str, cuda: bool | None = None) -> Choice:
@@ -129,18 +161,21 @@ def resolve_distill(asked: bool | str, accelerator: str, precision: str, cuda: b
         return Choice("distill.enabled", asked, bool(asked), "set explicitly")
     if trains_on_cuda(accelerator, cuda):
         return Choice("distill.enabled", asked, True, "training runs on a CUDA device")
+    note = decision_flags()[1]
     if precision != "32-true":
-        return Choice("distill.enabled", asked, True, f"the CPU trains in {precision}")
+        return Choice("distill.enabled", asked, True, f"the CPU trains in {precision}{note}")
     return Choice("distill.enabled", asked, False,
                   "the CPU trains in 32-true (no native bf16): the student's fp32 training would take the default "
-                  "make run past its 20-minute budget; set distill.enabled: true to train it anyway")
+                  f"make run past its 20-minute budget; set distill.enabled: true to train it anyway{note}")
 
 
 def resolve_bf16_row(asked: bool | str, flags: frozenset[str] | None = None) -> Choice:
     """`benchmark.bf16_row`. `auto`: measure FP32 weights under bf16 autocast only where bf16 is native."""
     if asked != "auto":
         return Choice("benchmark.bf16_row", asked, bool(asked), "set explicitly")
-    have = _present(cpu_flags() if flags is None else flags, BF16_FLAGS)
+    flags, note = _decide_with(flags)
+    have = _present(flags, BF16_FLAGS)
     if have:
-        return Choice("benchmark.bf16_row", asked, True, f"CPU has native bf16 ({', '.join(have)})")
-    return Choice("benchmark.bf16_row", asked, False, "CPU has no native bf16: the row would only show emulation")
+        return Choice("benchmark.bf16_row", asked, True, f"CPU has native bf16 ({', '.join(have)}){note}")
+    return Choice("benchmark.bf16_row", asked, False,
+                  f"CPU has no native bf16: the row would only show emulation{note}")

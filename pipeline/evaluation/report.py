@@ -256,12 +256,17 @@ def readout_note(variants: dict[str, dict[str, Any]]) -> list[str]:
             "fp32-onnx † for the share that INT8 alone brings.", ""]
 
 
+def isa_line(isa: dict[str, bool]) -> str:
+    """ISA flags as `flag=yes|no`, in the record's order."""
+    return ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in isa.items())
+
+
 def write_report(result: dict[str, Any], chart: Path, path: Path, targets: TargetsParams,
                  pareto: Path | None = None) -> None:
     """`reports/variants.md`: the table, the charts, where the speed-up comes from, the machine and the targets,
     readable on its own."""
     variants, machine, settings = result["variants"], result["machine"], result["settings"]
-    isa = ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in machine["isa"].items())
+    isa = isa_line(machine["isa"])
     lines = [
         "# Variant comparison: quantized and exported vs FP32",
         "",
@@ -287,6 +292,9 @@ def write_report(result: dict[str, Any], chart: Path, path: Path, targets: Targe
         "",
         f"- CPU: {machine['cpu']} ({machine['logical_cpus']} logical CPUs, {machine['threads_used']} threads used)",
         f"- ISA: {isa}",
+        *([f"- `auto` settings decided with {machine['decided_with']['source']}'s flags, not this CPU's: "
+           f"{isa_line(machine['decided_with']['isa'])} (a rehearsal of another CPU's choices; the kernels timed "
+           "above ran on this CPU's ISA)"] if "decided_with" in machine else []),
         f"- versions: {', '.join(f'{k} {v}' for k, v in machine['versions'].items())}",
         *([f"- bf16 row: {settings['bf16_row_choice']}"] if "bf16_row_choice" in settings else []),
         "",

@@ -267,10 +267,12 @@ def student_train_params(params: Params) -> TrainParams:
 
 
 def distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metrics_path: Path, plots_dir: Path,
-            params: Params, mlflow_logger: Any = None, enabled: Choice | None = None) -> DistillResult:
+            params: Params, mlflow_logger: Any = None, enabled: Choice | None = None,
+            precision: Choice | None = None) -> DistillResult:
     """Build the student, label the reviews with the teacher, train, keep the best epoch by validation accuracy,
     score the test split and save the student in HF format with its record (the teacher's preprocessing, and the
-    machine choices: the precision and, from `run_distill`, how `distill.enabled` resolved)."""
+    machine choices: the precision and, from `run_distill`, how `distill.enabled` resolved; `precision` is
+    `train.precision` as the caller resolved it, else it is resolved here)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from pipeline.core.machine import resolve_precision
@@ -279,7 +281,7 @@ def distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metrics_p
 
     started = time.perf_counter()
     d = params.distill
-    choice = resolve_precision(params.train.precision, params.train.accelerator)
+    choice = precision or resolve_precision(params.train.precision, params.train.accelerator)
     train = dataclasses.replace(student_train_params(params), precision=choice.value)
     log.info("distill: train.precision %s", choice.tag())
     if train.threads:
@@ -335,6 +337,7 @@ def distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metrics_p
         "teacher_encoder_parameters": count_parameters(teacher, encoder_only=True),
         "wall_time_s": time.perf_counter() - started,
         "precision": choice.value,
+        **({"enabled": enabled.to_dict()} if enabled else {}),  # as in the skip record: how the setting resolved
     }
     record = {"distillation": {"teacher": str(teacher_dir), "kept_layers": keep, **width, **to_dict(d),
                                "labelled_reviews": transfer.labelled, "transfer_reviews": transfer.unlabelled}}
@@ -390,8 +393,8 @@ def run_distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metri
 
     tracking: MlflowParams = params.mlflow
     train = params.train
-    enabled = resolve_distill(params.distill.enabled, train.accelerator,
-                              resolve_precision(train.precision, train.accelerator).value)
+    precision = resolve_precision(train.precision, train.accelerator)
+    enabled = resolve_distill(params.distill.enabled, train.accelerator, precision.value)
     log.info("distill: distill.enabled %s", enabled.tag())
     with stage_run(tracking, "distill", system_metrics=tracking.system_metrics) as run:
         run.log_sections({"distill": to_dict(params.distill), "train": to_dict(train),
@@ -399,7 +402,7 @@ def run_distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metri
         run.set_tags({"distill.enabled.resolved": enabled.tag()})
         if enabled.value:
             result = distill(teacher_dir, tokenized_dir, student_dir, metrics_path, plots_dir, params,
-                             mlflow_logger=run.lightning_logger(tracking), enabled=enabled)
+                             mlflow_logger=run.lightning_logger(tracking), enabled=enabled, precision=precision)
             run.log_metrics(result.metrics)
             run.set_tags({"status": "ok", "train.precision.resolved": result.metrics["precision"],
                           "teacher_labelling": f"{result.metrics['teacher_labelling_device']}, autocast "

@@ -8,6 +8,9 @@ from pathlib import Path
 import pytest
 
 from pipeline.core.machine import (
+    ISA_FLAGS,
+    cpu_flags,
+    isa_record,
     machine_info,
     resolve_bf16_row,
     resolve_distill,
@@ -85,3 +88,39 @@ def test_choices_describe_themselves():
     assert choice.to_dict() == {"setting": "quantize.reduce_range", "asked": "auto", "value": True,
                                 "reason": choice.reason}
     assert choice.tag().startswith("True (asked auto: ")
+
+
+def test_a_flags_override_rehearses_another_cpus_choices_and_every_record_says_so(monkeypatch):
+    """`PIPELINE_CPU_FLAGS` replaces this CPU's flags in the `auto` decisions (each reason says so) while the
+    records keep this CPU's real flags beside the ones decided with: a timing is never labelled with flags its
+    kernels did not have."""
+    real = _cpuinfo_flags()
+    monkeypatch.setenv("PIPELINE_CPU_FLAGS", "avx, AVX2 fma")  # commas, spaces and case as a user may type them
+    chosen = {"precision": resolve_precision("auto", "cpu", cuda=False), "reduce_range": resolve_reduce_range("auto"),
+              "bf16_row": resolve_bf16_row("auto"), "distill": resolve_distill("auto", "cpu", "32-true", cuda=False)}
+    assert [c.value for c in chosen.values()] == ["32-true", True, False, False]
+    assert all("PIPELINE_CPU_FLAGS" in c.reason for c in chosen.values())
+    info = machine_info(threads=1)
+    assert info["isa"] == {f: f in real for f in ISA_FLAGS}
+    assert info["decided_with"] == {"source": "PIPELINE_CPU_FLAGS",
+                                    "isa": {f: f in {"avx", "avx2", "fma"} for f in ISA_FLAGS}}
+    # flags a caller passes win over the override; an explicit setting ignores both
+    assert resolve_precision("auto", "cpu", ZEN4, cuda=False).value == "bf16-mixed"
+    assert resolve_reduce_range(False).reason == "set explicitly"
+    monkeypatch.setenv("PIPELINE_CPU_FLAGS", "avx2 avx512f avx512_vnni avx512_bf16")
+    assert resolve_precision("auto", "cpu", cuda=False).value == "bf16-mixed"
+    assert resolve_reduce_range("auto").value is False
+
+
+@pytest.mark.parametrize("value", [None, "", " , "])
+def test_without_an_override_the_decisions_use_this_cpus_flags_and_say_nothing_of_it(monkeypatch, value):
+    if value is None:
+        monkeypatch.delenv("PIPELINE_CPU_FLAGS", raising=False)
+    else:
+        monkeypatch.setenv("PIPELINE_CPU_FLAGS", value)
+    assert "decided_with" not in isa_record()
+    for auto, on_these_flags in ((resolve_precision("auto", "cpu", cuda=False),
+                                  resolve_precision("auto", "cpu", cpu_flags(), cuda=False)),
+                                 (resolve_reduce_range("auto"), resolve_reduce_range("auto", cpu_flags())),
+                                 (resolve_bf16_row("auto"), resolve_bf16_row("auto", cpu_flags()))):
+        assert auto == on_these_flags and "PIPELINE_CPU_FLAGS" not in auto.reason

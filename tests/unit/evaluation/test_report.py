@@ -79,3 +79,30 @@ def test_speedup_sources_multiply_to_the_students_speedup():
     assert "Product: 10.00x (fp32-eager -> int8-distilled)" in "\n".join(speedup_sources_lines(variants))
     variants["int8-distilled"] = {"status": "skipped", "reason": "distill.enabled is false"}
     assert [s["to"] for s in speedup_sources(variants)] == ["fp32-eager-readout", "fp32-onnx", "int8-dynamic"]
+
+
+@pytest.mark.parametrize("rehearsed", [False, True])
+def test_machine_section_states_the_isa_and_a_rehearsal_of_other_flags(tmp_path, rehearsed):
+    """The report's machine section lists this CPU's flags; where `PIPELINE_CPU_FLAGS` made the `auto` decisions
+    it also says so, with the flags decided with, and that the timings ran on this CPU. No VNNI: the AVX2 note."""
+    from pipeline.evaluation.report import write_report
+
+    machine = {"cpu": "Test CPU", "logical_cpus": 2, "threads_used": 2, "versions": {"onnxruntime": "x"},
+               "isa": {"avx2": True, "avx512_vnni": False, "avx512_bf16": False}}
+    if rehearsed:
+        machine["decided_with"] = {"source": "PIPELINE_CPU_FLAGS",
+                                   "isa": {"avx2": True, "avx512_vnni": True, "avx512_bf16": False}}
+    result = {"variants": {"fp32-eager": _row(10.0), "int8-dynamic": _row(3.0)}, "machine": machine,
+              "settings": {"seq_len": 128, "batch_size": 32, "rounds": 2, "iterations": 10, "warmup": 2}}
+    path = tmp_path / "variants.md"
+    write_report(result, tmp_path / "latency.png", path, TargetsParams())
+    text = path.read_text()
+    assert "- ISA: avx2=yes, avx512_vnni=no, avx512_bf16=no" in text
+    assert "neither VNNI nor AMX" in text  # this CPU's kernels decide the note, not the rehearsed flags
+    line = [x for x in text.splitlines() if "decided with" in x]
+    if rehearsed:
+        assert line == ["- `auto` settings decided with PIPELINE_CPU_FLAGS's flags, not this CPU's: avx2=yes, "
+                        "avx512_vnni=yes, avx512_bf16=no (a rehearsal of another CPU's choices; the kernels timed "
+                        "above ran on this CPU's ISA)"]
+    else:
+        assert line == []
