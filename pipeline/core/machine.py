@@ -59,6 +59,16 @@ def decision_flags() -> tuple[frozenset[str], str]:
     return override, f" [flags from {FLAGS_OVERRIDE_ENV}, not this CPU's]"
 
 
+def decision_tags() -> dict[str, str]:
+    """MLflow tags that mark a run whose `auto` settings were decided with `PIPELINE_CPU_FLAGS` (none otherwise),
+    so a rehearsal is never mistaken for a run on such a CPU."""
+    override = flags_override()
+    if override is None:
+        return {}
+    return {"cpu.decided_with": f"{FLAGS_OVERRIDE_ENV}={' '.join(sorted(override))} (not this CPU's flags: "
+                                f"{cpu_model()})"}
+
+
 def isa_record(flags: frozenset[str] | None = None) -> dict[str, Any]:
     """CPU model and the flags that matter, each as this CPU has it or not; where `PIPELINE_CPU_FLAGS` replaced
     them in the decisions, also the flags decided with (`decided_with`)."""

@@ -63,6 +63,10 @@ def test_the_student_is_skipped_with_the_reason_in_every_record(avx2_repo: Path)
     run = client.search_runs([exp.experiment_id], "tags.`pipeline.stage` = 'distill'")[0]
     assert run.data.tags["status"] == "skipped"
     assert run.data.tags["distill.enabled.resolved"].startswith("False (asked auto: ")
+    # every run of the rehearsal, the parent included, says its flags were not this CPU's
+    runs = client.search_runs([exp.experiment_id], "tags.`pipeline.run_id` = 'e2e-test'")
+    assert len(runs) > 10 and all(r.data.tags["cpu.decided_with"].startswith(f"{OVERRIDE}=avx avx2 bmi2 f16c fma")
+                                  for r in runs)
 
 
 def test_benchmark_has_no_bf16_row_and_the_report_says_the_flags_were_rehearsed(avx2_repo: Path):

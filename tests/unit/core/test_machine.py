@@ -10,6 +10,7 @@ import pytest
 from pipeline.core.machine import (
     ISA_FLAGS,
     cpu_flags,
+    decision_tags,
     isa_record,
     machine_info,
     resolve_bf16_row,
@@ -104,6 +105,7 @@ def test_a_flags_override_rehearses_another_cpus_choices_and_every_record_says_s
     assert info["isa"] == {f: f in real for f in ISA_FLAGS}
     assert info["decided_with"] == {"source": "PIPELINE_CPU_FLAGS",
                                     "isa": {f: f in {"avx", "avx2", "fma"} for f in ISA_FLAGS}}
+    assert decision_tags()["cpu.decided_with"].startswith("PIPELINE_CPU_FLAGS=avx avx2 fma (not this CPU's flags")
     # flags a caller passes win over the override; an explicit setting ignores both
     assert resolve_precision("auto", "cpu", ZEN4, cuda=False).value == "bf16-mixed"
     assert resolve_reduce_range(False).reason == "set explicitly"
@@ -118,7 +120,7 @@ def test_without_an_override_the_decisions_use_this_cpus_flags_and_say_nothing_o
         monkeypatch.delenv("PIPELINE_CPU_FLAGS", raising=False)
     else:
         monkeypatch.setenv("PIPELINE_CPU_FLAGS", value)
-    assert "decided_with" not in isa_record()
+    assert "decided_with" not in isa_record() and decision_tags() == {}
     for auto, on_these_flags in ((resolve_precision("auto", "cpu", cuda=False),
                                   resolve_precision("auto", "cpu", cpu_flags(), cuda=False)),
                                  (resolve_reduce_range("auto"), resolve_reduce_range("auto", cpu_flags())),
