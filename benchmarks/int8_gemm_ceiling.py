@@ -46,7 +46,7 @@ def single_node_model(kind: str, k: int, n: int, seed: int = 0) -> bytes:
 
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((k, n)).astype(np.float32) * 0.05
-    scale = np.abs(w).max() / 64  # 7-bit symmetric weights, as `quantize.reduce_range: true` stores them
+    scale = np.abs(w).max() / 64  # 7-bit symmetric weights, as `quantize.weight_format: s7` stores them
     w8 = np.clip(np.round(w / scale), -64, 64).astype(np.int8)
     x_type = TensorProto.UINT8 if kind == "int8-gemm-only" else TensorProto.FLOAT
     y_type = TensorProto.INT32 if kind == "int8-gemm-only" else TensorProto.FLOAT

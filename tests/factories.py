@@ -127,3 +127,26 @@ def evaluated_fp32_onnx(work: Path, tiny_model_dir: Path, params: Params) -> dic
     write_json(work / "benchmark.json", {"fp32-eager": {"status": "ok", "p50_ms_b1": 5.0},
                                          "fp32-onnx": {"status": "ok", "p50_ms_b1": 4.0}})
     return dirs
+
+
+def product_weights(path: Path) -> list[np.ndarray]:
+    """The integer weight matrices of an INT8 ONNX file's matrix products (what `quantize.weight_format` decides):
+    the weight operand of MatMulInteger/QAttention, and each DequantizeLinear'd initializer that feeds a MatMul or
+    Gemm. Embedding tables (read by Gather, never multiplied) and zero points are left out."""
+    import onnx
+    from onnx import numpy_helper
+
+    graph = onnx.load(str(path)).graph
+    inits = {i.name: i for i in graph.initializer}
+    consumers: dict[str, list[str]] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node.op_type)
+    names = []
+    for node in graph.node:
+        if node.op_type in ("MatMulInteger", "QAttention") and node.input[1] in inits:
+            names.append(node.input[1])
+        elif (node.op_type == "DequantizeLinear" and node.input[0] in inits
+              and any(op in ("MatMul", "Gemm") for op in consumers.get(node.output[0], []))):
+            names.append(node.input[0])
+    return [numpy_helper.to_array(inits[n]) for n in dict.fromkeys(names)]

@@ -148,18 +148,28 @@ def resolve_precision(asked: str, accelerator: str, flags: frozenset[str] | None
                   f"CPU has no native bf16 (no AVX512-BF16/AMX): bf16 is emulated{note}")
 
 
-def resolve_reduce_range(asked: bool | str, flags: frozenset[str] | None = None) -> Choice:
-    """`quantize.reduce_range`. `auto`: 7-bit weights only where the CPU lacks INT8 dot-product instructions
-    (VNNI/AMX), whose absence makes onnxruntime's u8 x s8 kernels sum pairs in int16 and saturate."""
+#: INT8 weight formats for onnxruntime's integer kernels (uint8 activations times these weights): `s8` signed 8-bit
+#: (U8S8 kernels), `s7` signed 7-bit (onnxruntime's `reduce_range`), `u8` unsigned 8-bit with a zero point (U8U8
+#: kernels).
+WEIGHT_FORMATS = ("s8", "s7", "u8")
+
+
+def resolve_weight_format(asked: str, flags: frozenset[str] | None = None) -> Choice:
+    """`quantize.weight_format`. Without INT8 dot products (VNNI/AMX) onnxruntime's U8S8 kernels multiply with
+    AVX2 `vpmaddubsw`, which sums byte pairs in int16 and saturates, so 8-bit signed weights give wrong products
+    there. `auto`: `s8` where the CPU has VNNI/AMX (exact, the fastest kernels), else `u8`, whose U8U8 kernels
+    multiply in 16 bits and are exact at full 8-bit resolution; `s7` is also exact there, one bit coarser
+    (RESULTS.md has the accuracy each format measured)."""
     if asked != "auto":
-        return Choice("quantize.reduce_range", asked, bool(asked), "set explicitly")
+        return Choice("quantize.weight_format", asked, asked, "set explicitly")
     flags, note = _decide_with(flags)
     have = _present(flags, INT8_DOT_FLAGS)
     if have:
-        return Choice("quantize.reduce_range", asked, False, f"CPU has INT8 dot products ({', '.join(have)}): "
-                                                              f"full 8-bit weights are exact{note}")
-    return Choice("quantize.reduce_range", asked, True, "CPU lacks VNNI/AMX: 8-bit weights can saturate int16 "
-                                                         f"pair sums (AVX2 vpmaddubsw), so weights are 7-bit{note}")
+        return Choice("quantize.weight_format", asked, "s8", f"CPU has INT8 dot products ({', '.join(have)}): "
+                                                            f"signed 8-bit weights are exact{note}")
+    return Choice("quantize.weight_format", asked, "u8", "CPU lacks VNNI/AMX: signed 8-bit weights can saturate "
+                                                         "int16 pair sums (AVX2 vpmaddubsw), so weights are unsigned "
+                                                         f"8-bit on the U8U8 kernels{note}")
 
 
 def resolve_distill(asked: bool | str, accelerator: str, precision: str, cuda: bool | None = None) -> Choice:

@@ -241,16 +241,17 @@ class QuantizeParams:
     # Static/QAT quantize each FFN down-projection per batch instead of with a calibrated range: its GELU input
     # has outliers that one fixed per-tensor uint8 range handles badly.
     ffn_output_dynamic: bool = True
-    # 7-bit weights (onnxruntime's `reduce_range`): its U8S8 kernels on CPUs without VNNI/AMX (AVX2 multiplies
-    # with vpmaddubsw, which saturates int16 pair sums) give wrong products with full 8-bit weights. auto: 7-bit
-    # only on such CPUs (`pipeline.core.machine.resolve_reduce_range`; the choice is recorded in each variant).
-    reduce_range: bool | Literal["auto"] = "auto"
+    # INT8 weight format (`pipeline.core.machine.WEIGHT_FORMATS`): s8 signed 8-bit, s7 signed 7-bit (onnxruntime's
+    # `reduce_range`), u8 unsigned 8-bit with a zero point. On CPUs without VNNI/AMX onnxruntime's U8S8 kernels (AVX2
+    # vpmaddubsw) saturate int16 pair sums, so s8 gives wrong products there; s7 and u8 are exact. auto: s8 with
+    # VNNI/AMX, else u8 (`pipeline.core.machine.resolve_weight_format`; the choice is recorded in each variant).
+    weight_format: Literal["auto", "s8", "s7", "u8"] = "auto"
 
-    def weights_reduce_range(self) -> bool:
-        """`reduce_range` as a bool, `auto` resolved for this machine's CPU."""
-        from pipeline.core.machine import resolve_reduce_range
+    def weights(self) -> str:
+        """`weight_format` with `auto` resolved for this machine's CPU."""
+        from pipeline.core.machine import resolve_weight_format
 
-        return bool(resolve_reduce_range(self.reduce_range).value)
+        return str(resolve_weight_format(self.weight_format).value)
 
     def __post_init__(self) -> None:
         known = ("minmax", "percentile", "entropy")
@@ -262,6 +263,9 @@ class QuantizeParams:
         _require(self.selection_samples >= 1, "quantize.selection_samples must be >= 1")
         _require(self.qat_train_samples >= 1 and self.qat_epochs >= 1, "quantize.qat_* sizes must be >= 1")
         _require(0.0 <= self.qat_distillation <= 1.0, "quantize.qat_distillation must be in [0, 1]")
+        formats = ("auto", "s8", "s7", "u8")
+        _require(self.weight_format in formats, f"quantize.weight_format must be one of {list(formats)}, "
+                                                f"not {self.weight_format!r}")
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,8 @@ def run_benchmark(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Pat
         entry: dict[str, Any] = {"status": c.status, "reason": c.reason}
         if c.status == "ok":
             entry["cls_readout"] = c.cls_readout
+            if c.weight_format is not None:
+                entry["weight_format"] = c.weight_format
             rounds = timings[c.name].pop("latency_rounds_ms")
             entry.update(timings[c.name])
             entry["speedup_p50_vs_fp32_eager"] = ref / entry["p50_ms_b1"]

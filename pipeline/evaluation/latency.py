@@ -74,6 +74,7 @@ class Candidate:
     status: str = "ok"
     reason: str = ""
     cls_readout: bool = False  # the variant's last layer computes the [CLS] position only (`pipeline.variants.readout`)
+    weight_format: str | None = None  # an INT8 variant's weight format (`quantize.weight_format`), from its record
 
 
 def candidates(finetuned: Path, variant_dirs: dict[str, Path], include_bf16: bool) -> list[Candidate]:
@@ -85,7 +86,8 @@ def candidates(finetuned: Path, variant_dirs: dict[str, Path], include_bf16: boo
     out.append(Candidate(READOUT_ROW, finetuned, {"cls_readout": True}, cls_readout=True))
     for name, d in variant_dirs.items():
         info = read_variant(d)
-        out.append(Candidate(name, d, {}, info.status, info.reason, bool(info.params.get("cls_readout", False))))
+        out.append(Candidate(name, d, {}, info.status, info.reason, bool(info.params.get("cls_readout", False)),
+                             info.params.get("weight_format")))
     return out
 
 

@@ -261,12 +261,28 @@ def isa_line(isa: dict[str, bool]) -> str:
     return ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in isa.items())
 
 
+def int8_kernel_note(isa: dict[str, bool], formats: set[str]) -> list[str]:
+    """A paragraph for a CPU without INT8 dot products (VNNI/AMX): slower INT8 kernels, and a warning where signed
+    8-bit weights ran on them, whose products saturate there (`pipeline.core.machine.resolve_weight_format`)."""
+    from pipeline.core.machine import INT8_DOT_FLAGS
+
+    if any(isa.get(f) for f in INT8_DOT_FLAGS):
+        return []
+    note = ("This CPU has neither VNNI nor AMX: INT8 matrix kernels fall back to AVX2 (U8S8 `vpmaddubsw`, U8U8 "
+            "16-bit multiplies), so INT8 speed-ups are smaller here than on a VNNI/AMX CPU.")
+    if "s8" in formats:
+        note += (" **Signed 8-bit weights (`s8`) ran on these kernels: their int16 pair sums saturate, so those "
+                 "variants' products are not exact here; `quantize.weight_format: auto` picks an exact format.**")
+    return [note, ""]
+
+
 def write_report(result: dict[str, Any], chart: Path, path: Path, targets: TargetsParams,
                  pareto: Path | None = None) -> None:
     """`reports/variants.md`: the table, the charts, where the speed-up comes from, the machine and the targets,
     readable on its own."""
     variants, machine, settings = result["variants"], result["machine"], result["settings"]
     isa = isa_line(machine["isa"])
+    formats = {str(v["weight_format"]) for v in variants.values() if v.get("weight_format")}
     lines = [
         "# Variant comparison: quantized and exported vs FP32",
         "",
@@ -297,16 +313,11 @@ def write_report(result: dict[str, Any], chart: Path, path: Path, targets: Targe
            "above ran on this CPU's ISA)"] if "decided_with" in machine else []),
         f"- versions: {', '.join(f'{k} {v}' for k, v in machine['versions'].items())}",
         *([f"- bf16 row: {settings['bf16_row_choice']}"] if "bf16_row_choice" in settings else []),
+        *([f"- INT8 weight format: {', '.join(sorted(formats))} (`quantize.weight_format`; each variant's "
+           "`variant.json` says how `auto` resolved)"] if formats else []),
         "",
     ]
-    from pipeline.core.machine import INT8_DOT_FLAGS
-
-    if not any(machine["isa"].get(f) for f in INT8_DOT_FLAGS):
-        lines += [
-            "This CPU has neither VNNI nor AMX: INT8 matrix kernels fall back to AVX2 (`vpmaddubsw`), so INT8 "
-            "speed-ups are smaller here than on a VNNI/AMX CPU, and INT8 weights are 7-bit (`quantize.reduce_range`).",
-            "",
-        ]
+    lines += int8_kernel_note(machine["isa"], formats)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
 

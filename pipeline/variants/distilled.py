@@ -32,7 +32,7 @@ def skipped_reason(student_dir: Path) -> str | None:
 def run_distilled_variants(student_dir: Path, tokenized: Path, variants_root: Path, params: Params) -> dict[str, Any]:
     """`fp32-distilled` and `int8-distilled` from the student in `student_dir`, each parity-checked on real reviews
     against the student in PyTorch."""
-    from pipeline.core.machine import resolve_reduce_range
+    from pipeline.core.machine import resolve_weight_format
 
     out = directories(variants_root, built_by("distill"))
     reason = skipped_reason(student_dir)
@@ -51,12 +51,12 @@ def run_distilled_variants(student_dir: Path, tokenized: Path, variants_root: Pa
                                             student_dir, seqs, params.export, max_len, pad)
 
     started = time.perf_counter()
-    reduce_range = resolve_reduce_range(params.quantize.reduce_range)
+    weight_format = resolve_weight_format(params.quantize.weight_format)
     check = FusionCheck(eager_runner(model), "the distilled student", int(model.config.num_hidden_layers), max_len,
                         read_tokenized(tokenized, "val")["input_ids"].tolist()[:16], pad)
     with tempfile.TemporaryDirectory(prefix="distilled-") as tmp:
         built = fused_dynamic_int8(model, "int8-distilled", out["int8-distilled"], check, params.export.cls_readout,
-                                   params.quantize.per_channel, reduce_range, Path(tmp))
+                                   params.quantize.per_channel, weight_format, Path(tmp))
     report["int8-distilled"] = {"method": "distilled student + onnxruntime.quantize_dynamic (int8-dynamic's recipe)",
                                 **built, "student_layers": int(model.config.num_hidden_layers),
                                 "build_seconds": round(time.perf_counter() - started, 2)}

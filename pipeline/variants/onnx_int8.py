@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pipeline.core.machine import WEIGHT_FORMATS
 from pipeline.core.params import Params, QuantizeParams
 from pipeline.variants.runners import pad_batch
 
@@ -41,16 +42,27 @@ def _without_value_info(src: Path, dst: Path) -> Path:
     return dst
 
 
-def quantize_dynamic_onnx(src: Path, dst: Path, per_channel: bool = True, reduce_range: bool = True) -> None:
-    """Weights to int8 ahead of time, activations quantized on the fly per batch."""
+def weight_options(weight_format: str) -> dict[str, Any]:
+    """onnxruntime quantizer arguments for a `quantize.weight_format` (resolved, see
+    `pipeline.core.machine.WEIGHT_FORMATS`): `s8`/`s7` are int8 (7-bit through `reduce_range`), `u8` uint8."""
+    from onnxruntime.quantization import QuantType
+
+    if weight_format not in WEIGHT_FORMATS:
+        raise QuantizeError(f"unknown INT8 weight format {weight_format!r}; use one of {WEIGHT_FORMATS}")
+    return {"weight_type": QuantType.QUInt8 if weight_format == "u8" else QuantType.QInt8,
+            "reduce_range": weight_format == "s7"}
+
+
+def quantize_dynamic_onnx(src: Path, dst: Path, per_channel: bool = True, weight_format: str = "s8") -> None:
+    """Weights to INT8 (`weight_format`) ahead of time, activations quantized on the fly per batch."""
     import onnx
-    from onnxruntime.quantization import QuantType, quantize_dynamic
+    from onnxruntime.quantization import quantize_dynamic
 
     with tempfile.TemporaryDirectory(prefix="dynq-") as tmp:
         clean = _without_value_info(src, Path(tmp) / "clean.onnx")
         # Fused contrib ops (SkipLayerNormalization, BiasGelu) have no ONNX shape inference: default to float.
-        quantize_dynamic(str(clean), str(dst), weight_type=QuantType.QInt8, per_channel=per_channel,
-                         reduce_range=reduce_range, op_types_to_quantize=["MatMul", "Gemm", "Attention", "Gather"],
+        quantize_dynamic(str(clean), str(dst), per_channel=per_channel, **weight_options(weight_format),
+                         op_types_to_quantize=["MatMul", "Gemm", "Attention", "Gather"],
                          extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
 
 
@@ -90,7 +102,7 @@ def quantize_static_onnx_methods(src: Path, dsts: dict[str, Path], calibration: 
                                  params: QuantizeParams, pad_id: int = 0,
                                  dynamic_ffn_output_of: int | None = None) -> None:
     """QDQ static INT8, one model per calibration method in `dsts`: uint8 activations with calibrated ranges,
-    per-channel symmetric int8 weights (7-bit where `params.weights_reduce_range()`, see `QuantizeParams.reduce_range`).
+    per-channel weights in the format `params.weights()` resolves to (see `QuantizeParams.weight_format`).
 
     Matrix products with a weight operand are quantized; the two activation-only products of each attention
     layer stay float (see `activation_matmuls`).
@@ -118,7 +130,7 @@ def quantize_static_onnx_methods(src: Path, dsts: dict[str, Path], calibration: 
         base = pre
         if ffn:  # first, on the float graph: the dynamic quantizer rewrites Gemm as MatMul, QDQ or not
             base = Path(tmp) / "ffn-dynamic.onnx"
-            converted = dynamic_int8_matmuls(pre, base, ffn, params.per_channel, params.weights_reduce_range())
+            converted = dynamic_int8_matmuls(pre, base, ffn, params.per_channel, params.weights())
             if converted != len(ffn):
                 raise QuantizeError(f"only {converted} of {len(ffn)} FFN down-projections were quantized dynamically")
         for method, dst in dsts.items():
@@ -127,9 +139,8 @@ def quantize_static_onnx_methods(src: Path, dsts: dict[str, Path], calibration: 
             quantize_static(
                 str(base), str(dst), TokenCalibrationReader(calibration, params.calibration_batch_size, names,
                                                             pad_id),
-                quant_format=QuantFormat.QDQ, per_channel=params.per_channel,
-                reduce_range=params.weights_reduce_range(), activation_type=QuantType.QUInt8,
-                weight_type=QuantType.QInt8,
+                quant_format=QuantFormat.QDQ, per_channel=params.per_channel, activation_type=QuantType.QUInt8,
+                **weight_options(params.weights()),
                 op_types_to_quantize=["MatMul", "Gemm", "Gather"], nodes_to_exclude=excluded,
                 **calibration_options(method, params, activation_symmetric=False),
             )
@@ -237,22 +248,22 @@ def tensorrt_qdq_problems(path: Path) -> list[str]:
 
 
 def dynamic_int8_matmuls(src: Path, dst: Path, node_names: Sequence[str], per_channel: bool = True,
-                         reduce_range: bool = True) -> int:
+                         weight_format: str = "s8") -> int:
     """onnxruntime's dynamic quantizer on just the MatMuls in `node_names`; returns how many it converted.
 
     Their inputs (the FFN's GELU output) have outliers that a calibrated per-tensor range handles badly, so
     they are quantized per batch at run time, as `int8-dynamic` does everywhere; the weights are stored INT8
-    (per output column; 7-bit with `reduce_range`) so the file stays at a quarter of FP32. onnxruntime fuses
+    (per output column, in `weight_format`) so the file stays at a quarter of FP32. onnxruntime fuses
     each resulting `DynamicQuantizeLinear` + `MatMulInteger` + scale chain into one `DynamicQuantizeMatMul`
     when it loads the file.
     """
     import onnx
-    from onnxruntime.quantization import QuantType, quantize_dynamic
+    from onnxruntime.quantization import quantize_dynamic
 
     with tempfile.TemporaryDirectory(prefix="dynffn-") as tmp:
         clean = _without_value_info(src, Path(tmp) / "clean.onnx")
-        quantize_dynamic(str(clean), str(dst), weight_type=QuantType.QInt8, per_channel=per_channel,
-                         reduce_range=reduce_range, op_types_to_quantize=["MatMul"], nodes_to_quantize=list(node_names),
+        quantize_dynamic(str(clean), str(dst), per_channel=per_channel, **weight_options(weight_format),
+                         op_types_to_quantize=["MatMul"], nodes_to_quantize=list(node_names),
                          extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT, "MatMulConstBOnly": True})
     wanted = {f"{name}_quant" for name in node_names}
     graph = onnx.load(str(dst), load_external_data=False).graph
@@ -320,14 +331,18 @@ def int8_census(directory: Path, name: str) -> dict[str, int]:
 
 
 def fused_dynamic_int8(model: Any, name: str, out_dir: Path, check: FusionCheck, cls_readout: bool,
-                       per_channel: bool, reduce_range: Choice, tmp: Path) -> dict[str, Any]:
+                       per_channel: bool, weight_format: Choice, tmp: Path) -> dict[str, Any]:
     """The `int8-dynamic` recipe for any model of the teacher's family (a pruned or distilled one): exported with
     the [CLS] readout when asked, fused and checked against `check.reference` (`fused_graph`), then dynamic INT8
-    with per-channel weights and the CPU's `reduce_range` choice. Returns what goes into the variant's record."""
+    with per-channel weights in the CPU's `weight_format` choice. Returns what goes into the variant's record."""
     from pipeline.variants.fusion import fused_graph
 
     fused, fusion = fused_graph(model, cls_readout, check, tmp)
     out_dir.mkdir(parents=True, exist_ok=True)
-    quantize_dynamic_onnx(fused, out_dir / "model.onnx", per_channel, bool(reduce_range.value))
-    return {"per_channel": per_channel, "reduce_range": bool(reduce_range.value),
-            "reduce_range_choice": reduce_range.tag(), **fusion, **int8_census(out_dir, name)}
+    quantize_dynamic_onnx(fused, out_dir / "model.onnx", per_channel, str(weight_format.value))
+    return {"per_channel": per_channel, **weight_record(weight_format), **fusion, **int8_census(out_dir, name)}
+
+
+def weight_record(choice: Choice) -> dict[str, Any]:
+    """What a variant's record says about its INT8 weights: the format and how `auto` resolved."""
+    return {"weight_format": choice.value, "weight_format_choice": choice.tag()}

@@ -353,14 +353,14 @@ def calibration_batches(seqs: Sequence[Any], batch_size: int, pad_id: int) -> li
 def run_prune(finetuned: Path, tokenized: Path, variants_root: Path, all_params: Params) -> dict[str, Any]:
     """`int8-pruned`: the finetuned model with whole heads and FFN neurons removed (`prune_encoder`), exported
     with the [CLS] readout (`export.cls_readout`), fused by onnxruntime and quantized like `int8-dynamic`
-    (`quantize.per_channel`, `quantize.reduce_range`). Disabled, it is written as a skipped variant."""
+    (`quantize.per_channel`, `quantize.weight_format`). Disabled, it is written as a skipped variant."""
     from pipeline.variants.onnx_int8 import fused_dynamic_int8
 
     name = "int8-pruned"
-    from pipeline.core.machine import resolve_reduce_range
+    from pipeline.core.machine import resolve_weight_format
 
     params, quantize = all_params.prune, all_params.quantize
-    reduce_range = resolve_reduce_range(quantize.reduce_range)
+    weight_format = resolve_weight_format(quantize.weight_format)
     out = directories(variants_root, built_by("prune"))[name]
     if not params.enabled:
         reason = "prune.enabled is false"
@@ -382,7 +382,7 @@ def run_prune(finetuned: Path, tokenized: Path, variants_root: Path, all_params:
         check = FusionCheck(eager_runner(student), "the pruned model", int(model.config.num_hidden_layers),
                             max_length_of(meta), read_tokenized(tokenized, "val")["input_ids"].tolist()[:16], pad)
         built = fused_dynamic_int8(student, name, out, check, all_params.export.cls_readout, quantize.per_channel,
-                                   reduce_range, Path(tmp))
+                                   weight_format, Path(tmp))
     info = {"method": "structured pruning (OBS selection + least-squares repair) + onnxruntime.quantize_dynamic",
             **to_dict(params), **built, **report,
             "build_seconds": round(time.perf_counter() - started, 2)}

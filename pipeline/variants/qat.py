@@ -5,8 +5,9 @@ rounding; the result is exported and converted like `int8-static`.
 The fake quantizers are torchao's (`torchao.quantization.pt2e.FakeQuantize` with its moving-average per-tensor
 and per-channel min/max observers: the modules torchao's PT2E QAT inserts, maintained there since
 `torch.ao.quantization` was deprecated). They reproduce what onnxruntime's QDQ conversion does to the same
-tensors: uint8 asymmetric per-tensor activations, int8 symmetric per-channel weights on onnxruntime's grid
-(+-64 with `reduce_range`, else +-127, scale = max |w| / 64 or / 127).
+tensors: uint8 asymmetric per-tensor activations and per-channel weights on onnxruntime's grid for the
+`quantize.weight_format`: int8 symmetric +-127 (`s8`) or +-64 (`s7`, onnxruntime's `reduce_range`), scale
+max |w| / 127 or / 64; uint8 asymmetric 0..255 (`u8`), scale (max(w, 0) - min(w, 0)) / 255 with a zero point.
 
 torchao's eager QAT API (`QATConfig` with `IntxFakeQuantizeConfig`, i.e. `FakeQuantizedLinear`) cannot express
 that, which is why it is not used here:
@@ -47,39 +48,45 @@ log = logging.getLogger(__name__)
 FAKE_QUANT_API = "torchao.quantization.pt2e.FakeQuantize"
 
 
-def weight_qmax(reduce_range: bool) -> int:
-    """onnxruntime's symmetric int8 weight range: [-64, 64] with `reduce_range`, else [-127, 127]."""
-    return 64 if reduce_range else 127
+def weight_grid(weight_format: str) -> tuple[int, int, torch.dtype, torch.qscheme]:
+    """onnxruntime's weight grid for a `quantize.weight_format`: (quant_min, quant_max, dtype, qscheme), each per
+    output channel: [-127, 127] symmetric (`s8`), [-64, 64] symmetric (`s7`), [0, 255] with a zero point (`u8`)."""
+    if weight_format == "u8":
+        return 0, 255, torch.quint8, torch.per_channel_affine
+    if weight_format in ("s8", "s7"):
+        qmax = 64 if weight_format == "s7" else 127
+        return -qmax, qmax, torch.qint8, torch.per_channel_symmetric
+    raise ValueError(f"unknown INT8 weight format {weight_format!r}")
 
 
 # ---------------------------------------------------------------------------------------- QAT
 class FakeQuantLinear(torch.nn.Module):
     """`nn.Linear` whose input and weight are fake-quantized as onnxruntime's QDQ MatMul will quantize them:
     the input per tensor to uint8 with a moving-average min/max range (the calibrated range of the
-    conversion), the weight per output channel to symmetric int8 (`weight_qmax`)."""
+    conversion), the weight per output channel on the `weight_format`'s grid (`weight_grid`)."""
 
-    def __init__(self, linear: torch.nn.Linear, reduce_range: bool = True) -> None:
+    def __init__(self, linear: torch.nn.Linear, weight_format: str = "s8") -> None:
         super().__init__()
         from torchao.quantization.pt2e import FakeQuantize, MovingAverageMinMaxObserver, PerChannelMinMaxObserver
 
         self.linear = linear
         self.input_fq = FakeQuantize(observer=MovingAverageMinMaxObserver, quant_min=0, quant_max=255,
                                      dtype=torch.quint8, qscheme=torch.per_tensor_affine)
-        qmax = weight_qmax(reduce_range)
-        self.weight_fq = FakeQuantize(observer=PerChannelMinMaxObserver, quant_min=-qmax, quant_max=qmax,
-                                      dtype=torch.qint8, qscheme=torch.per_channel_symmetric, ch_axis=0)
+        qmin, qmax, dtype, qscheme = weight_grid(weight_format)
+        self.weight_fq = FakeQuantize(observer=PerChannelMinMaxObserver, quant_min=qmin, quant_max=qmax,
+                                      dtype=dtype, qscheme=qscheme, ch_axis=0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(self.input_fq(x), self.weight_fq(self.linear.weight), self.linear.bias)
 
 
-def add_fake_quant(model: torch.nn.Module, skip_in_features: int | None = None, reduce_range: bool = True) -> int:
+def add_fake_quant(model: torch.nn.Module, skip_in_features: int | None = None, weight_format: str = "s8") -> int:
     """Wrap every Linear in place (except those with `skip_in_features` inputs, kept float); returns the count."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, torch.nn.Linear) and child.in_features != skip_in_features:
-                setattr(parent, name, FakeQuantLinear(child, reduce_range))
+                setattr(parent, name, FakeQuantLinear(child, weight_format))
                 count += 1
     return count
 
@@ -110,11 +117,11 @@ def qat_finetune(model: torch.nn.Module, seqs: Sequence[np.ndarray], labels: Seq
                  skip_in_features: int | None = None) -> QatResult:
     """A short finetune with fake quantization, via Lightning, from the FP32 weights.
 
-    `params` gives the epochs, batch size, learning rate, `reduce_range` and `qat_distillation`. Layers the INT8
-    conversion keeps float (`skip_in_features`) train without fake quantization. With `qat_distillation` > 0
-    the loss pulls the fake-quantized model towards a frozen copy of the FP32 model's predictions
-    (see `distillation_loss`), so QAT adapts to INT8 rounding instead of drifting on a few
-    hundred reviews.
+    `params` gives the epochs, batch size, learning rate, the INT8 weight format (`weights()`) and
+    `qat_distillation`. Layers the INT8 conversion keeps float (`skip_in_features`) train without fake
+    quantization. With `qat_distillation` > 0 the loss pulls the fake-quantized model towards a frozen copy of the
+    FP32 model's predictions (see `distillation_loss`), so QAT adapts to INT8 rounding instead of drifting on a
+    few hundred reviews.
     """
     import copy
 
@@ -125,7 +132,7 @@ def qat_finetune(model: torch.nn.Module, seqs: Sequence[np.ndarray], labels: Seq
     from pipeline.training.classifier import SentimentClassifier
 
     teacher = copy.deepcopy(model).eval().requires_grad_(False) if params.qat_distillation > 0 else None
-    wrapped = add_fake_quant(model, skip_in_features, params.weights_reduce_range())
+    wrapped = add_fake_quant(model, skip_in_features, params.weights())
     L.seed_everything(seed, verbose=False)
     ds = TokenizedDataset(seqs, labels)
     loader = DataLoader(ds, batch_sampler=LengthBucketBatchSampler(ds.lengths, params.qat_batch_size, seed=seed),

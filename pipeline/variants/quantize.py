@@ -25,6 +25,7 @@ from pipeline.variants.onnx_int8 import (
     int8_census,
     quantize_dynamic_onnx,
     quantize_static_onnx,
+    weight_record,
 )
 from pipeline.variants.record import VariantInfo, read_variant, write_variant
 from pipeline.variants.registry import directories
@@ -51,11 +52,11 @@ class QuantizeInputs:
 def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, variants_root: Path,
                  params: Params) -> dict[str, Any]:
     """`int8-dynamic`, `int8-static` (calibration method chosen on validation reviews) and `int8-qat`."""
-    from pipeline.core.machine import resolve_reduce_range
+    from pipeline.core.machine import resolve_weight_format
 
-    choice = resolve_reduce_range(params.quantize.reduce_range)
-    log.info("quantize.reduce_range: %s", choice.tag())
-    q = dataclasses.replace(params.quantize, reduce_range=choice.value)  # every builder below sees the bool
+    choice = resolve_weight_format(params.quantize.weight_format)
+    log.info("quantize.weight_format: %s", choice.tag())
+    q = dataclasses.replace(params.quantize, weight_format=choice.value)  # every builder below sees the format
     out = directories(variants_root)
     model, tokenizer, meta = load_finetuned(finetuned)
     arch = read_variant(fp32_onnx).params
@@ -81,9 +82,9 @@ def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, variants_roo
         base, fusion = _graph_for_quantization(model, fp32_onnx / "model.onnx", inputs, q, arch,
                                                val["input_ids"].tolist()[:16])
         out["int8-dynamic"].mkdir(parents=True, exist_ok=True)
-        quantize_dynamic_onnx(base, out["int8-dynamic"] / "model.onnx", q.per_channel, q.reduce_range)
+        quantize_dynamic_onnx(base, out["int8-dynamic"] / "model.onnx", q.per_channel, q.weights())
         report["int8-dynamic"] = {"method": "onnxruntime.quantize_dynamic", "per_channel": q.per_channel,
-                                  "reduce_range": q.reduce_range, "reduce_range_choice": choice.tag(),
+                                  **weight_record(choice),
                                   "fused_graph": q.optimize_graph, **fusion,
                                   **int8_census(out["int8-dynamic"], "int8-dynamic"),
                                   "build_seconds": round(time.perf_counter() - t0, 2)}
@@ -98,7 +99,7 @@ def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, variants_roo
         (inputs.tmp / f"static-{best['method']}.onnx").replace(out["int8-static"] / "model.onnx")
         report["int8-static"] = {"method": "onnxruntime.quantize_static (QDQ)", "calibration": best["method"],
                                  "calibration_samples": len(inputs.calibration), "per_channel": q.per_channel,
-                                 "reduce_range": q.reduce_range, "reduce_range_choice": choice.tag(),
+                                 **weight_record(choice),
                                  "dynamic_ffn_output": inputs.ffn_width is not None,
                                  "cls_readout": inputs.cls_readout, "selection_val_accuracy": best["scores"],
                                  **int8_census(out["int8-static"], "int8-static"),
@@ -108,7 +109,7 @@ def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, variants_roo
         t0 = time.perf_counter()
         report["int8-qat"] = _qat(inputs, best["method"], out["int8-qat"], q, params.train.seed,
                                   training_window(meta, tokenizer))
-        report["int8-qat"].update(int8_census(out["int8-qat"], "int8-qat"), reduce_range_choice=choice.tag(),
+        report["int8-qat"].update(int8_census(out["int8-qat"], "int8-qat"), **weight_record(choice),
                                   build_seconds=round(time.perf_counter() - t0, 2))
         write_variant(out["int8-qat"], VariantInfo.built("int8-qat", report["int8-qat"]), finetuned)
     return report
@@ -181,4 +182,4 @@ def _qat(inputs: QuantizeInputs, method: str, out: Path, params: QuantizeParams,
             "qat_lr": params.qat_lr, "qat_distillation": params.qat_distillation,
             "qat_final_loss": round(result.final_loss, 4),
             "fake_quant_layers": result.wrapped_layers, "dynamic_ffn_output": inputs.ffn_width is not None,
-            "reduce_range": params.reduce_range, **readout}
+            **readout}

@@ -10,10 +10,11 @@ import zipfile
 from pathlib import Path
 
 import mlflow
+import numpy as np
 import pytest
 
 from pipeline.core.machine import ISA_FLAGS
-from tests.factories import AVX2_ONLY_FLAGS
+from tests.factories import AVX2_ONLY_FLAGS, product_weights
 
 pytestmark = pytest.mark.slow
 
@@ -37,15 +38,17 @@ def test_training_runs_in_fp32_and_the_model_record_says_why(avx2_repo: Path):
     assert finetune["precision"] == "32-true" and finetune["test_accuracy"] > 0.65
 
 
-def test_int8_weights_are_7_bit_in_every_quantized_variant(avx2_repo: Path):
+def test_int8_weights_are_unsigned_8_bit_in_every_quantized_variant(avx2_repo: Path):
     variants = json.loads((avx2_repo / "metrics" / "variants.json").read_text())
     for name in ("int8-dynamic", "int8-static", "int8-qat", "int8-pruned"):
         assert variants[name]["status"] == "ok", (name, variants[name])
         record = json.loads((avx2_repo / "models" / "variants" / name / "variant.json").read_text())
-        assert record["params"]["reduce_range"] is True, name
-        assert "lacks VNNI/AMX" in record["params"]["reduce_range_choice"], name
+        assert record["params"]["weight_format"] == "u8", name
+        assert "lacks VNNI/AMX" in record["params"]["weight_format_choice"], name
         _decided_with_avx2(record["built_on"])
-    # 7-bit weights still keep FP32's decisions (the kernels here are VNNI ones: accuracy, not AVX2 speed)
+        weights = product_weights(avx2_repo / "models" / "variants" / name / "model.onnx")
+        assert weights and {w.dtype for w in weights} == {np.dtype(np.uint8)}, name
+    # unsigned weights keep FP32's decisions (the kernels here are VNNI ones: accuracy, not AVX2 speed)
     for name in ("int8-dynamic", "int8-static"):
         assert variants[name]["agreement_with_fp32"] > 0.9, (name, variants[name])
 

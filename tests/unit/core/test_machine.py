@@ -16,7 +16,7 @@ from pipeline.core.machine import (
     resolve_bf16_row,
     resolve_distill,
     resolve_precision,
-    resolve_reduce_range,
+    resolve_weight_format,
 )
 
 
@@ -48,13 +48,16 @@ ALDER = AVX2 | {"avx_vnni"}
 SAPPHIRE = AVX2 | {"avx512f", "avx512_vnni", "amx_int8", "amx_bf16", "amx_tile"}
 
 
-@pytest.mark.parametrize(("flags", "seven_bit"), [(AVX2, True), (ZEN4, False), (ALDER, False), (SAPPHIRE, False)])
-def test_reduce_range_auto_is_7_bit_only_without_int8_dot_products(flags, seven_bit):
-    choice = resolve_reduce_range("auto", flags)
-    assert choice.value is seven_bit and choice.asked == "auto" and choice.reason
+@pytest.mark.parametrize(("flags", "fmt"), [(AVX2, "u8"), (ZEN4, "s8"), (ALDER, "s8"), (SAPPHIRE, "s8")])
+def test_weight_format_auto_is_signed_8_bit_only_with_int8_dot_products(flags, fmt):
+    """Without VNNI/AMX signed 8-bit weights saturate onnxruntime's AVX2 U8S8 kernels: `auto` picks the exact
+    unsigned 8-bit format there, signed 8-bit elsewhere."""
+    choice = resolve_weight_format("auto", flags)
+    assert choice.value == fmt and choice.asked == "auto" and choice.reason
     # an explicit value is kept whatever the CPU
-    assert resolve_reduce_range(False, AVX2).value is False
-    assert resolve_reduce_range(True, ZEN4).value is True
+    for explicit in ("s8", "s7", "u8"):
+        assert resolve_weight_format(explicit, AVX2).value == explicit
+        assert resolve_weight_format(explicit, ZEN4).value == explicit
 
 
 @pytest.mark.parametrize(("flags", "precision"), [(AVX2, "32-true"), (ZEN4, "bf16-mixed"), (ALDER, "32-true"),
@@ -85,10 +88,10 @@ def test_distill_auto_trains_the_student_only_where_training_is_accelerated(flag
 
 
 def test_choices_describe_themselves():
-    choice = resolve_reduce_range("auto", AVX2)
-    assert choice.to_dict() == {"setting": "quantize.reduce_range", "asked": "auto", "value": True,
+    choice = resolve_weight_format("auto", AVX2)
+    assert choice.to_dict() == {"setting": "quantize.weight_format", "asked": "auto", "value": "u8",
                                 "reason": choice.reason}
-    assert choice.tag().startswith("True (asked auto: ")
+    assert choice.tag().startswith("u8 (asked auto: ")
 
 
 def test_a_flags_override_rehearses_another_cpus_choices_and_every_record_says_so(monkeypatch):
@@ -97,9 +100,9 @@ def test_a_flags_override_rehearses_another_cpus_choices_and_every_record_says_s
     kernels did not have."""
     real = _cpuinfo_flags()
     monkeypatch.setenv("PIPELINE_CPU_FLAGS", "avx, AVX2 fma")  # commas, spaces and case as a user may type them
-    chosen = {"precision": resolve_precision("auto", "cpu", cuda=False), "reduce_range": resolve_reduce_range("auto"),
+    chosen = {"precision": resolve_precision("auto", "cpu", cuda=False), "weights": resolve_weight_format("auto"),
               "bf16_row": resolve_bf16_row("auto"), "distill": resolve_distill("auto", "cpu", "32-true", cuda=False)}
-    assert [c.value for c in chosen.values()] == ["32-true", True, False, False]
+    assert [c.value for c in chosen.values()] == ["32-true", "u8", False, False]
     assert all("PIPELINE_CPU_FLAGS" in c.reason for c in chosen.values())
     info = machine_info(threads=1)
     assert info["isa"] == {f: f in real for f in ISA_FLAGS}
@@ -108,10 +111,10 @@ def test_a_flags_override_rehearses_another_cpus_choices_and_every_record_says_s
     assert decision_tags()["cpu.decided_with"].startswith("PIPELINE_CPU_FLAGS=avx avx2 fma (not this CPU's flags")
     # flags a caller passes win over the override; an explicit setting ignores both
     assert resolve_precision("auto", "cpu", ZEN4, cuda=False).value == "bf16-mixed"
-    assert resolve_reduce_range(False).reason == "set explicitly"
+    assert resolve_weight_format("s7").reason == "set explicitly"
     monkeypatch.setenv("PIPELINE_CPU_FLAGS", "avx2 avx512f avx512_vnni avx512_bf16")
     assert resolve_precision("auto", "cpu", cuda=False).value == "bf16-mixed"
-    assert resolve_reduce_range("auto").value is False
+    assert resolve_weight_format("auto").value == "s8"
 
 
 @pytest.mark.parametrize("value", [None, "", " , "])
@@ -123,6 +126,6 @@ def test_without_an_override_the_decisions_use_this_cpus_flags_and_say_nothing_o
     assert "decided_with" not in isa_record() and decision_tags() == {}
     for auto, on_these_flags in ((resolve_precision("auto", "cpu", cuda=False),
                                   resolve_precision("auto", "cpu", cpu_flags(), cuda=False)),
-                                 (resolve_reduce_range("auto"), resolve_reduce_range("auto", cpu_flags())),
+                                 (resolve_weight_format("auto"), resolve_weight_format("auto", cpu_flags())),
                                  (resolve_bf16_row("auto"), resolve_bf16_row("auto", cpu_flags()))):
         assert auto == on_these_flags and "PIPELINE_CPU_FLAGS" not in auto.reason

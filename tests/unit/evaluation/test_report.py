@@ -106,3 +106,28 @@ def test_machine_section_states_the_isa_and_a_rehearsal_of_other_flags(tmp_path,
                         "above ran on this CPU's ISA)"]
     else:
         assert line == []
+
+
+@pytest.mark.parametrize(("vnni", "formats", "warned"), [(False, ("u8",), False), (False, ("u8", "s8"), True),
+                                                         (True, ("s8",), False), (True, (), False)])
+def test_machine_section_names_the_int8_weight_format_and_warns_of_s8_without_vnni(tmp_path, vnni, formats,
+                                                                                 warned):
+    """The INT8 weight formats the variants were built with are listed; signed 8-bit weights timed on a CPU
+    without VNNI/AMX (whose U8S8 kernels saturate) are called out, an exact format is not."""
+    from pipeline.evaluation.report import write_report
+
+    machine = {"cpu": "Test CPU", "logical_cpus": 2, "threads_used": 2, "versions": {"onnxruntime": "x"},
+               "isa": {"avx2": True, "avx512_vnni": vnni}}
+    variants = {"fp32-eager": _row(10.0)}
+    for i, fmt in enumerate(formats):
+        variants[f"int8-{i}"] = {**_row(3.0), "weight_format": fmt}
+    result = {"variants": variants, "machine": machine,
+              "settings": {"seq_len": 128, "batch_size": 32, "rounds": 2, "iterations": 10, "warmup": 2}}
+    path = tmp_path / "variants.md"
+    write_report(result, tmp_path / "latency.png", path, TargetsParams())
+    text = path.read_text()
+    listed = [x for x in text.splitlines() if x.startswith("- INT8 weight format:")]
+    assert listed == ([f"- INT8 weight format: {', '.join(sorted(set(formats)))} (`quantize.weight_format`; each "
+                       "variant's `variant.json` says how `auto` resolved)"] if formats else [])
+    assert ("neither VNNI nor AMX" in text) is not vnni
+    assert ("products are not exact here" in text) is warned

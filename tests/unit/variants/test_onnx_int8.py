@@ -1,8 +1,9 @@
-"""Unit: the onnxruntime INT8 conversions (QDQ static, per-batch FFN products, 7-bit weights) and their census."""
+"""Unit: the onnxruntime INT8 conversions (QDQ static, per-batch FFN products, weight formats) and their census."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from pipeline.core.params import QuantizeParams
 
@@ -52,17 +53,21 @@ def test_ffn_products_quantized_per_batch_with_int8_weights(built, tmp_path):
     assert np.abs(OrtRunner(dst)(ids, mask) - reference).max() < 5e-2
 
 
-def test_seven_bit_weights_give_exact_int8_products():
-    """Why the range is reduced: u8 x s8 products summed in pairs must fit int16 (AVX2 `vpmaddubsw` saturates
-    there; on this project's AVX2 CPU 8-bit weights measured up to 26 % off). 7-bit weights are exact
-    whatever the CPU, which is what this checks through onnxruntime's own kernel."""
+@pytest.mark.parametrize(("weight_format", "low", "high", "dtype"),
+                         [("s7", 32, 65, np.int8), ("u8", 200, 256, np.uint8)])
+def test_the_formats_auto_picks_without_vnni_give_exact_int8_products(weight_format, low, high, dtype):
+    """Why `quantize.weight_format: auto` avoids s8 on CPUs without VNNI/AMX: u8 x s8 products summed in pairs
+    must fit int16 there (AVX2 `vpmaddubsw` saturates; on this project's AVX2 CPU 8-bit signed weights measured
+    up to 26 % off). 7-bit signed weights keep the pair sums in range, unsigned 8-bit weights run on the U8U8
+    kernels' 16-bit multiplies: both are exact whatever the CPU, which is what this checks through onnxruntime's
+    own kernel with the worst case of each (large same-sign activations and weights)."""
     import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(0)
     a = rng.integers(200, 256, (16, 256)).astype(np.uint8)  # large activations, like GELU outliers
-    b = rng.integers(32, 65, (256, 32)).astype(np.int8)  # same-sign 7-bit weights: the worst case
+    b = rng.integers(low, high, (256, 32)).astype(dtype)
     graph = helper.make_graph([helper.make_node("MatMulInteger", ["A", "B"], ["Y"])], "g",
                               [helper.make_tensor_value_info("A", TensorProto.UINT8, list(a.shape))],
                               [helper.make_tensor_value_info("Y", TensorProto.INT32, [16, 32])],

@@ -10,36 +10,47 @@ from pipeline.core.params import QuantizeParams
 from pipeline.modeling import load_finetuned
 
 
-def test_qat_fake_quant_is_onnxruntimes_quantization_of_the_same_tensors():
-    """The fake-quantized weight and input are what onnxruntime's QDQ conversion makes of them: per-channel
-    symmetric int8 weights on its grid (+-64 reduced, else +-127) and per-tensor uint8 asymmetric inputs, same
-    scales, zero points and levels."""
+@pytest.mark.parametrize(("weight_format", "ort_type", "symmetric", "reduce_range", "levels"),
+                         [("s8", "INT8", True, False, (-127, 127)), ("s7", "INT8", True, True, (-64, 64)),
+                          ("u8", "UINT8", False, False, (0, 255))])
+def test_qat_fake_quant_is_onnxruntimes_quantization_of_the_same_tensors(weight_format, ort_type, symmetric,
+                                                                         reduce_range, levels):
+    """The fake-quantized weight and input are what onnxruntime's QDQ conversion makes of them in each weight
+    format: per-channel weights on its grid (int8 symmetric +-127 or +-64 reduced, uint8 with a zero point) and
+    per-tensor uint8 asymmetric inputs, same scales, zero points and levels."""
     import torch
     from onnx import TensorProto
     from onnxruntime.quantization.quant_utils import quantize_data
 
-    from pipeline.variants.qat import FakeQuantLinear, weight_qmax
+    from pipeline.variants.qat import FakeQuantLinear, weight_grid
 
     torch.manual_seed(0)
     x = 3.0 * torch.randn(4, 6, 32) + 1.0  # one batch: the moving-average range starts at its min/max
-    for reduce_range, qmax in ((True, 64), (False, 127)):
-        assert weight_qmax(reduce_range) == qmax
-        layer = FakeQuantLinear(torch.nn.Linear(32, 8), reduce_range)
-        layer(x)
-        w = layer.linear.weight.detach()
-        fake_w = layer.weight_fq(w).detach().numpy()
-        levels = []
-        for row, fake_row, scale in zip(w.numpy(), fake_w, layer.weight_fq.scale.numpy(), strict=True):
-            ort_zero, ort_scale, ort_q = quantize_data(row, TensorProto.INT8, True, reduce_range=reduce_range)
-            assert int(ort_zero) == 0 and np.isclose(scale, ort_scale, rtol=1e-6)
-            np.testing.assert_allclose(fake_row, ort_q.astype(np.float32) * ort_scale, rtol=1e-6, atol=1e-7)
-            levels.append(np.abs(ort_q).max())
-        assert max(levels) == qmax
-        ort_zero, ort_scale, ort_q = quantize_data(x.numpy().ravel(), TensorProto.UINT8, False)
-        assert float(layer.input_fq.scale) == pytest.approx(float(ort_scale), rel=1e-6)
-        assert int(layer.input_fq.zero_point) == int(ort_zero)
-        dequantized = (ort_q.astype(np.float32) - float(ort_zero)) * float(ort_scale)
-        np.testing.assert_allclose(layer.input_fq(x).numpy().ravel(), dequantized, rtol=1e-5, atol=1e-5)
+    assert weight_grid(weight_format)[:2] == levels
+    layer = FakeQuantLinear(torch.nn.Linear(32, 8), weight_format)
+    layer(x)
+    w = layer.linear.weight.detach()
+    fake_w = layer.weight_fq(w).detach().numpy()
+    lows, highs = [], []
+    for row, fake_row, scale, zero in zip(w.numpy(), fake_w, layer.weight_fq.scale.numpy(),
+                                          layer.weight_fq.zero_point.numpy(), strict=True):
+        ort_zero, ort_scale, ort_q = quantize_data(row, getattr(TensorProto, ort_type), symmetric,
+                                                   reduce_range=reduce_range)
+        assert int(ort_zero) == int(zero) and np.isclose(scale, ort_scale, rtol=1e-6)
+        expected = (ort_q.astype(np.float32) - float(ort_zero)) * float(ort_scale)
+        np.testing.assert_allclose(fake_row, expected, rtol=1e-6, atol=1e-6)
+        lows.append(int(ort_q.min()))
+        highs.append(int(ort_q.max()))
+    # every row spans its grid: symmetric rows reach one end, asymmetric rows both
+    if symmetric:
+        assert max(max(highs), -min(lows)) == levels[1]
+    else:
+        assert min(lows) == levels[0] and max(highs) == levels[1]
+    ort_zero, ort_scale, ort_q = quantize_data(x.numpy().ravel(), TensorProto.UINT8, False)
+    assert float(layer.input_fq.scale) == pytest.approx(float(ort_scale), rel=1e-6)
+    assert int(layer.input_fq.zero_point) == int(ort_zero)
+    dequantized = (ort_q.astype(np.float32) - float(ort_zero)) * float(ort_scale)
+    np.testing.assert_allclose(layer.input_fq(x).numpy().ravel(), dequantized, rtol=1e-5, atol=1e-5)
 
 
 def test_fake_quant_wraps_every_linear_but_the_skipped_and_removal_restores_them(tiny_model_dir):

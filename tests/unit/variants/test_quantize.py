@@ -1,5 +1,5 @@
 """Unit: the `quantize` stage's INT8 builds of a tiny BERT: calibration selection, every weight product in
-INT8, the fused attention, 7-bit weights where the CPU needs them."""
+INT8, the fused attention, the weight format the CPU needs."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 from pipeline.core.params import Params, QuantizeParams
 from pipeline.variants.quantize import run_quantize
 from pipeline.variants.record import read_variant
+from tests.factories import product_weights
 
 
 def test_static_calibration_selected_by_validation(built):
@@ -61,44 +62,52 @@ def test_dynamic_quantizes_the_fused_attention(built):
     assert report["float_matmuls"] == 2 and report["int8_matmuls"] == 4 + 6 + 2
 
 
-def _int8_weights(path):
-    import onnx
-    from onnx import numpy_helper
-
-    graph = onnx.load(str(path)).graph
-    weights = [numpy_helper.to_array(i) for i in graph.initializer if i.data_type == onnx.TensorProto.INT8]
-    return [w for w in weights if w.size > 64]  # weight tensors, not zero points
-
-
-@pytest.mark.parametrize(("reduce_range", "qmax"), [(True, 64), (False, 127)])
-def test_reduce_range_gives_7_bit_weights_and_off_gives_full_8_bit(built, tmp_path, reduce_range, qmax):
+@pytest.mark.parametrize(("weight_format", "dtype", "low", "high"),
+                         [("s7", np.int8, -64, 64), ("s8", np.int8, -127, 127), ("u8", np.uint8, 0, 255)])
+def test_each_weight_format_stores_its_grid(built, tmp_path, weight_format, dtype, low, high):
+    """s7: symmetric int8 within +-64 (`reduce_range`); s8: the full +-127; u8: uint8 with zero points, rows
+    spread over 0..255. Every product's weight has the format's type."""
     from pipeline.variants.onnx_int8 import quantize_dynamic_onnx
 
     dst = tmp_path / "model.onnx"
     quantize_dynamic_onnx(built["dirs"]["fp32-onnx"] / "model.onnx", dst, per_channel=True,
-                          reduce_range=reduce_range)
-    weights = _int8_weights(dst)
-    assert len(weights) >= 2 * 4 + 2
-    # per-channel symmetric: every row's largest weight lands on the range's end
-    assert max(int(np.abs(w.astype(np.int32)).max()) for w in weights) == qmax
+                          weight_format=weight_format)
+    weights = product_weights(dst)
+    assert len(weights) >= 2 * 3 + 1 and {w.dtype for w in weights} == {np.dtype(dtype)}
+    values = [w.astype(np.int32) for w in weights]
+    assert min(int(w.min()) for w in values) >= low and max(int(w.max()) for w in values) <= high
+    if weight_format == "u8":  # asymmetric per channel: the rows use both ends of the range
+        assert min(int(w.min()) for w in values) == 0 and max(int(w.max()) for w in values) == 255
+    else:  # symmetric per channel: every row's largest weight lands on the range's end
+        assert max(int(np.abs(w).max()) for w in values) == high
 
 
-def test_reduce_range_auto_follows_this_cpu_and_is_recorded(built):
-    """`quantize.reduce_range: auto` (default): 7-bit weights only where the CPU lacks VNNI/AMX; each variant
-    records the choice, its reason and the CPU it was built on."""
-    from pipeline.core.machine import cpu_flags, resolve_reduce_range
+def test_an_unknown_weight_format_is_refused(built, tmp_path):
+    from pipeline.variants.onnx_int8 import QuantizeError, quantize_dynamic_onnx
 
-    expected = resolve_reduce_range("auto", cpu_flags()).value
+    with pytest.raises(QuantizeError, match="unknown INT8 weight format 'u7'"):
+        quantize_dynamic_onnx(built["dirs"]["fp32-onnx"] / "model.onnx", tmp_path / "m.onnx", weight_format="u7")
+    with pytest.raises(ValueError, match=r"quantize\.weight_format must be one of"):
+        QuantizeParams(weight_format="int8")  # type: ignore[arg-type]
+
+
+def test_weight_format_auto_follows_this_cpu_and_is_recorded(built):
+    """`quantize.weight_format: auto` (default): signed 8-bit where the CPU has VNNI/AMX, else unsigned 8-bit;
+    each variant records the format, the choice's reason and the CPU it was built on, and its file holds weights
+    of that type only."""
+    from pipeline.core.machine import cpu_flags, resolve_weight_format
+
+    expected = resolve_weight_format("auto", cpu_flags()).value
+    dtype = np.dtype(np.uint8 if expected == "u8" else np.int8)
     for name in ("int8-dynamic", "int8-static", "int8-qat"):
         report = built["quantize"][name]
-        assert report["reduce_range"] is expected
-        assert report["reduce_range_choice"].startswith(f"{expected} (asked auto: ")
+        assert report["weight_format"] == expected
+        assert report["weight_format_choice"].startswith(f"{expected} (asked auto: ")
         info = read_variant(built["dirs"][name])
-        assert info.params["reduce_range"] is expected
+        assert info.params["weight_format"] == expected
         assert set(info.built_on["isa"]) >= {"avx512_vnni", "avx_vnni", "amx_int8"}
-        limit = 64 if expected else 127
-        weights = _int8_weights(built["dirs"][name] / "model.onnx")
-        assert max(int(np.abs(w.astype(np.int32)).max()) for w in weights) <= limit
+        weights = product_weights(built["dirs"][name] / "model.onnx")
+        assert weights and {w.dtype for w in weights} == {dtype}, name
 
 
 def test_fp32_onnx_exported_with_another_readout_is_refused(built, tiny_model_dir, tmp_path):
