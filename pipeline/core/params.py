@@ -263,7 +263,9 @@ class QuantizeParams:
         _require(self.selection_samples >= 1, "quantize.selection_samples must be >= 1")
         _require(self.qat_train_samples >= 1 and self.qat_epochs >= 1, "quantize.qat_* sizes must be >= 1")
         _require(0.0 <= self.qat_distillation <= 1.0, "quantize.qat_distillation must be in [0, 1]")
-        formats = ("auto", "s8", "s7", "u8")
+        from pipeline.core.machine import WEIGHT_FORMATS
+
+        formats = ("auto", *WEIGHT_FORMATS)
         _require(self.weight_format in formats, f"quantize.weight_format must be one of {list(formats)}, "
                                                 f"not {self.weight_format!r}")
 
