@@ -32,6 +32,7 @@ import pandas as pd
 import torch
 
 from pipeline.core.io import write_json
+from pipeline.core.machine import machine_info
 from pipeline.core.params import DataParams, read_params, section
 from pipeline.data.imdb import TRANSFER, load_imdb, make_splits
 from pipeline.data.tokens import encode_texts
@@ -121,7 +122,9 @@ def main(argv: list[str] | None = None) -> None:
               "data_max_length": trained["max_length"],
               "train_window": window,
               "train_subsample": trained["train_subsample"],
-              "by_inference_length": rows, "variants_vs_fp32": by_variant}
+              "by_inference_length": rows, "variants_vs_fp32": by_variant,
+              # INT8 accuracy can depend on the CPU's kernels (a saturating format on a CPU without VNNI)
+              "machine": machine_info(args.threads)}
     write_json(args.out, result)
     print(f"\n{len(labels)} unseen train-split reviews (model trained on {window}-token windows, "
           f"the pipeline reads {trained['max_length']})\n")
