@@ -117,9 +117,33 @@ class TrainParams:
     threads: int | None = None  # torch intra-op threads (None = library default)
     val_checks_per_epoch: int = 1
     seed: int = 42
+    # Resumable checkpoints (`pipeline.training.resume`): every this many optimizer steps, and when SIGTERM, SIGINT or
+    # SIGUSR1 arrives, under `checkpoint_dir/<job>/` (outside every stage's outs, so `dvc repro` keeps them). The next
+    # run of the job continues from the newest one while its fingerprint (settings, input data, training code)
+    # matches, else starts fresh and says why; `resume: false` always starts fresh. 0 turns the periodic ones off.
+    checkpoint_every_n_steps: int = 50
+    checkpoint_dir: str = "checkpoints"  # a shared filesystem when training spans machines
+    resume: bool = True
+    # Recompute activations in the backward pass instead of keeping them (less memory, more compute): for long
+    # sequences on a GPU (benchmarks/gradient_checkpointing.py measures both sides).
+    gradient_checkpointing: bool = False
+    # `torchrun`: the finetune stage re-launches itself under torch.distributed.run (torchelastic): `devices`
+    # processes per machine, `min_nodes`..`num_nodes` machines meeting at `rdzv_endpoint` (c10d rendezvous), the
+    # whole group restarted from the newest checkpoint up to `max_restarts` times when a worker fails.
+    launcher: Literal["none", "torchrun"] = "none"
+    min_nodes: int | None = None  # None = num_nodes (a fixed-size job)
+    max_restarts: int = 3
+    rdzv_endpoint: str = "127.0.0.1:29400"
+    rdzv_id: str = "sentiment-finetune"
 
     def __post_init__(self) -> None:
         _require(self.epochs >= 1, "train.epochs must be >= 1")
+        _require(self.checkpoint_every_n_steps >= 0, "train.checkpoint_every_n_steps must be >= 0")
+        _require(bool(self.checkpoint_dir.strip()), "train.checkpoint_dir must not be empty")
+        _require(self.min_nodes is None or 1 <= self.min_nodes <= self.num_nodes,
+                 "train.min_nodes must be null or in [1, train.num_nodes]")
+        _require(self.max_restarts >= 0, "train.max_restarts must be >= 0")
+        _require(":" in self.rdzv_endpoint, "train.rdzv_endpoint must be host:port")
         _require(self.max_length is None or 8 <= self.max_length <= 512, "train.max_length must be null or in [8, 512]")
         _require(self.attention_dropout is None or 0.0 <= self.attention_dropout < 1.0,
                  "train.attention_dropout must be null or in [0, 1)")

@@ -195,11 +195,35 @@ class StageRun:
 
         return mlflow.get_artifact_uri(artifact_path)
 
-    def lightning_logger(self, params: MlflowParams) -> Any:
-        """Lightning's MLflow logger writing into this run (training curves and hyperparameters)."""
-        from lightning.pytorch.loggers import MLFlowLogger
+    def log_steps(self, points: Sequence[tuple[int, Mapping[str, float]]]) -> None:
+        """Curves: each (step, {name: value}) as metric points at that step, in as few calls as MLflow allows (a
+        `CurveRecorder` sink)."""
+        import mlflow
+        from mlflow.entities import Metric
+        from mlflow.utils.time import get_current_time_millis
 
-        return MLFlowLogger(tracking_uri=tracking_uri(params), run_id=self.run_id)
+        now = get_current_time_millis()
+        metrics = [Metric(k, float(v), now, step) for step, values in points for k, v in values.items()]
+        for start in range(0, len(metrics), 1000):  # log_batch takes at most 1000 metrics a call
+            mlflow.MlflowClient().log_batch(self.run_id, metrics=metrics[start:start + 1000])
+
+    def close_interrupted(self, previous_run_id: str) -> None:
+        """This run continues an interrupted attempt of the same stage: the earlier run, left RUNNING by a killed
+        process, is marked KILLED, and each run names the other. (The curves up to the resumed step come from the
+        checkpoint, `CurveRecorder`, not from the earlier run, which may hold points past it.)"""
+        import mlflow
+        from mlflow.entities import RunStatus
+        from mlflow.exceptions import MlflowException
+
+        client = mlflow.MlflowClient()
+        try:
+            previous = client.get_run(previous_run_id)
+        except MlflowException:
+            return
+        client.set_tag(previous_run_id, "resume.continued_by", self.run_id)
+        if previous.info.status == "RUNNING":
+            client.set_terminated(previous_run_id, RunStatus.to_string(RunStatus.KILLED))
+        self.set_tags({"resume.continues": previous_run_id})
 
     def log_dataset(self, frame: pd.DataFrame, name: str, context: str, source: str,
                     hub_revision: str | None = None, targets: str | None = None) -> str:
