@@ -10,8 +10,8 @@ import logging
 import pytest
 
 from pipeline.deployment.inference import SentimentPredictor
+from pipeline.deployment.protocol import Limits
 from serving.handler import SentimentHandler
-from serving.protocol import Limits
 
 
 class Context:

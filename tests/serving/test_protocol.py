@@ -1,4 +1,4 @@
-"""The request contract and per-request isolation in-process (`serving.protocol`, `serving.handler` without
+"""The request contract and per-request isolation in-process (`pipeline.deployment.protocol`, `serving.handler` without
 TorchServe): property-based over arbitrary bytes, arbitrary JSON values (as bytes and as JSON the server
 decoded itself) and mixes of valid and hostile requests, plus the poison payloads that once failed a batch."""
 
@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.deployment.inference import SentimentPredictor
+from pipeline.deployment.protocol import Limits, RequestError, answer_batch, is_json_media_type, parse_request
 from serving.handler import SentimentHandler
-from serving.protocol import Limits, RequestError, answer_batch, is_json_media_type, parse_request
 
 LIMITS = Limits(max_texts=4, max_body_bytes=4096, max_chars_per_text=256, max_json_depth=8)
 CONTENT_TYPES = [None, "application/json", "application/json; charset=utf-8", "text/plain",
