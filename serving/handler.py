@@ -76,10 +76,11 @@ def _body_and_type(request: Any, context: Any, idx: int) -> tuple[Any, str | Non
         headers = context.get_all_request_header(idx) or {}
     except Exception:  # no headers for this request: the protocol answers 415 (no Content-Type)
         headers = {}
+    # the request's own header, parameters (charset) included; TorchServe's per-input copy drops them
+    sent = next((v for k, v in headers.items() if str(k).lower() == "content-type"), None)
     declared = headers.get(name)
-    content_type = declared.get("content-type") if isinstance(declared, dict) else None
-    if name not in request and request.get("body") is None:
-        content_type = next((v for k, v in headers.items() if str(k).lower() == "content-type"), content_type)
+    content_type = sent if sent is not None else (declared.get("content-type") if isinstance(declared, dict)
+                                                  else None)
     return request.get(name), content_type
 
 

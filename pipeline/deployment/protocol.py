@@ -83,14 +83,15 @@ class Limits:
 
 @dataclass(frozen=True)
 class ParsedRequest:
-    """Texts to score and the shape they came in (`text` is answered with one object, the others with a list)."""
+    """Texts to score and the shape they came in (`text` and a plain-text body are answered with one object, the
+    others with a list)."""
 
     texts: list[str]
     shape: str
 
     @property
     def is_list(self) -> bool:
-        return self.shape != "text"
+        return self.shape not in ("text", "plain")
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,12 @@
-"""The maintained serving path: a real `mlflow models serve -m models:/imdb-sentiment@champion` (local env manager,
-free loopback port) on a tiny-model variant that the evaluate and package stages logged, registered and aliased
-in a SQLite store. It must answer like `SentimentPredictor` (what TorchServe's handler runs) on the same
-variant directory, and serve the version the `.mar`'s `serving.json` names.
-
-The server runs from a directory outside the checkout without PYTHONPATH: the model carries its own code."""
+"""The maintained serving path: MLflow's scoring server for `models:/imdb-sentiment@champion` behind the contract
+(the session's `champion`, tests/serving/conftest.py, `python -m serving.mlflow_server` on a free loopback port) on
+a tiny-model variant that the evaluate and package stages logged, registered and aliased in a SQLite store. It
+must answer like `SentimentPredictor` (what TorchServe's handler runs) on the same variant directory, and serve
+the version the `.mar`'s `serving.json` names. What both servers must answer alike is in test_conformance.py."""
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import urllib.error
 import urllib.request
@@ -17,44 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.core.params import MlflowParams, PackageParams, Params
 from pipeline.deployment.inference import SentimentPredictor
-from tests.factories import evaluated_fp32_onnx, free_port, start_server, stop_server
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
 REVIEWS = ["A wonderful, moving film; the cast is superb.", "Awful. Boring, predictable and far too long.",
-           "It was fine.", "great " * 3000]  # the last is cut to package.max_chars_per_text like in TorchServe
-
-
-@pytest.fixture(scope="module")
-def champion(tmp_path_factory, tiny_model_dir):
-    """The tiny model's fp32-onnx variant evaluated, packaged as `imdb-sentiment@champion`, and a scoring server
-    for `models:/imdb-sentiment@champion` (stopped even when a test fails)."""
-    from pipeline.deployment.archive import run_package_stage
-
-    work = tmp_path_factory.mktemp("mlflow-serve")
-    store = f"sqlite:///{work / 'mlflow.db'}"
-    params = Params(mlflow=MlflowParams(tracking_uri=store))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.chdir(work)
-        mp.setenv("PIPELINE_RUN_ID", "serving-test")
-        dirs = evaluated_fp32_onnx(work, tiny_model_dir, params)
-        manifest = run_package_stage(work / "variants", work / "variants.json", work / "benchmark.json",
-                                     work / "sentiment.mar", work / "package.json", params)
-    port = free_port()
-    serve_dir = work / "elsewhere"
-    serve_dir.mkdir()
-    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "MLFLOW_TRACKING_URI": store,
-           "PATH": f"{BIN}:{os.environ['PATH']}"}  # `mlflow models serve` starts `uvicorn` from PATH
-    cmd = [str(BIN / "mlflow"), "models", "serve", "-m", "models:/imdb-sentiment@champion", "--env-manager", "local",
-           "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
-    proc = start_server(cmd, env, serve_dir, f"http://127.0.0.1:{port}/ping", work / "serve.log")
-    try:
-        yield {"url": f"http://127.0.0.1:{port}", "variant_dir": dirs["fp32-onnx"], "manifest": manifest,
-               "mar": work / "sentiment.mar", "store": store}
-    finally:
-        stop_server(proc)
+           "It was fine.", "great " * 200]
 
 
 def _post(url: str, payload: object) -> tuple[int, dict]:
@@ -68,7 +34,7 @@ def _post(url: str, payload: object) -> tuple[int, dict]:
 
 
 def test_scoring_server_answers_like_the_predictor_on_the_same_variant(champion):
-    expected = SentimentPredictor(champion["variant_dir"], max_chars=PackageParams().max_chars_per_text)
+    expected = SentimentPredictor(champion["variant_dir"])
     want = expected.predict(REVIEWS)
     for payload in ({"dataframe_records": [{"text": t} for t in REVIEWS]}, {"inputs": REVIEWS},
                     {"dataframe_split": {"columns": ["text"], "data": [[t] for t in REVIEWS]}}):
