@@ -169,3 +169,38 @@ def champion(tmp_path_factory, tiny_model_dir):
                "mar": work / "sentiment.mar", "store": store, "log_dir": serve_dir / "logs"}
     finally:
         stop_server(proc)
+
+
+@pytest.fixture(scope="session")
+def proxy(tmp_path_factory, server):
+    """`serving/nginx.conf` as the Docker image runs it, in front of the session's TorchServe (only the listen
+    port, the upstream and the pid/temp paths rewritten); skipped where no nginx is installed."""
+    import shutil
+    import socket
+
+    nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").is_file() else None)
+    if nginx is None:
+        pytest.skip("nginx is not installed here (the Docker image installs it)")
+    work = tmp_path_factory.mktemp("nginx")
+    port = free_port()
+    conf = (ROOT / "serving" / "nginx.conf").read_text()
+    conf = re.sub(r"listen 8080;", f"listen 127.0.0.1:{port};", conf)
+    conf = re.sub(r"server 127\.0\.0\.1:8079;", f"server 127.0.0.1:{server.ports['inference']};", conf)
+    conf = conf.replace("/tmp/", f"{work}/")
+    (work / "nginx.conf").write_text(conf)
+    proc = subprocess.Popen([nginx, "-c", str(work / "nginx.conf"), "-g", "daemon off;"], cwd=work,
+                            stdout=subprocess.DEVNULL, stderr=(work / "nginx.log").open("wb"),
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError((work / "nginx.log").read_text()) from None
+                time.sleep(0.2)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop_server(proc)

@@ -60,3 +60,65 @@ def test_the_archive_names_the_version_the_alias_serves(champion):
     assert served["uri"] == "models:/imdb-sentiment@champion" and served["version"] == str(version.version)
     assert version.source == f"models:/{served['model_id']}"
     assert champion["manifest"]["model"] == f"imdb-sentiment:v{version.version}/fp32-onnx"
+
+
+def _get(url: str) -> tuple[int, dict[str, str], bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=60) as resp:
+            return resp.status, {k.lower(): v for k, v in resp.headers.items()}, resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, {k.lower(): v for k, v in err.headers.items()}, err.read()
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    """The value of sample `name{labels}` in Prometheus text, 0 when absent."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            found = dict(part.split("=", 1) for part in line[line.find("{") + 1 : line.rfind("}")].split(",")
+                         if "=" in part)
+            if all(found.get(k) == f'"{v}"' for k, v in labels.items()):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_readiness_metrics_and_logs_for_operators(champion):
+    status, headers, body = _get(f"{champion['url']}/ready")
+    version = champion["manifest"]["registered_model"]["version"]
+    assert status == 200 and json.loads(body) == {"status": "ready", "version": version, "variant": "fp32-onnx"}
+    assert headers["x-model-version"] == version and headers["x-model-variant"] == "fp32-onnx"
+    before = _get(f"{champion['url']}/metrics")[2].decode()
+    assert _post(champion["url"], {"inputs": ["fine", "awful"]})[0] == 200
+    assert _post(champion["url"], {"inputs": [None]})[0] == 400
+    status, headers, body = _get(f"{champion['url']}/metrics")
+    after = body.decode()
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    for name, labels, delta in (
+        ("sentiment_requests_total", {"path": "/invocations", "method": "POST", "status": "200"}, 1),
+        ("sentiment_requests_total", {"path": "/invocations", "method": "POST", "status": "400"}, 1),
+        ("sentiment_request_errors_total", {"kind": "invalid_input"}, 1),
+        ("sentiment_texts_scored_total", {}, 2),
+        ("sentiment_request_latency_seconds_count", {"path": "/invocations"}, 2),
+    ):
+        assert _metric(after, name, **labels) - _metric(before, name, **labels) == delta, (name, labels)
+    assert _metric(after, "sentiment_model_info", version=version, variant="fp32-onnx") == 1
+    log = (champion["log_dir"] / "mlflow_server.log").read_text()
+    assert '"POST /invocations HTTP/1.1" 400' in log and "serving models:/imdb-sentiment@champion" in log
+
+
+def test_the_launchers_log_appends_across_restarts_and_rotates(tmp_path):
+    import logging
+    import logging.config
+
+    from serving.mlflow_server import log_config
+
+    for start in range(2):  # two "runs" of the server
+        logging.config.dictConfig(log_config(tmp_path, max_bytes=2000, backups=2))
+        for i in range(15):
+            logging.getLogger("serving.mlflow_server").warning("start %d line %d %s", start, i, "x" * 100)
+        for handler in logging.getLogger("serving").handlers:
+            handler.close()
+    logging.config.dictConfig({"version": 1, "disable_existing_loggers": False})
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["mlflow_server.log", "mlflow_server.log.1", "mlflow_server.log.2"]
+    text = "".join((tmp_path / name).read_text() for name in files)
+    assert "start 1 line 14" in text and "start 0 line 9" in text  # the first run survived the second's start
