@@ -222,6 +222,9 @@ def test_only_the_documented_method_scores(endpoint, request):
         assert json.loads(body)["status"] == 405
     status, _, body = endpoint.post(b"", None, "OPTIONS", "/")
     assert status in (404, 405) and len(body) <= MAX_ERROR_BYTES and json.loads(body)["status"] == status
+    path = urllib.parse.urlsplit(endpoint.url).path
+    status, _, body = endpoint.post(_body(endpoint, ["ok"]), JSON, "POST", f"{path}?{MARKER}{'a' * 20_000}")
+    assert status == 414 and len(body) <= MAX_ERROR_BYTES and MARKER.encode() not in body
 
 
 def test_concurrent_poison_leaves_valid_neighbours_untouched(endpoint, predictor):
