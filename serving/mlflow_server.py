@@ -11,7 +11,8 @@ input); the middleware holds the contract of `pipeline.deployment.protocol` in f
 - URL and header sizes are bounded (414/431; uvicorn's h11 parser refuses far larger ones itself);
 - the body is read up to `package.max_body_bytes` (413 beyond, from Content-Length or while reading), then
   parsed and checked exactly as TorchServe's handler does, with MLflow's shapes (`dataframe_split`,
-  `dataframe_records`, `inputs`, `instances`, CSV); only a valid body reaches MLflow's app and the pyfunc;
+  `dataframe_records`, `inputs`, `instances`, CSV); only a valid body reaches MLflow's app and the pyfunc, as
+  the `dataframe_split` of the texts checked (so pandas never re-reads a CSV review "NA" as missing);
 - any non-200 answer of MLflow's app is replaced by the contract's bounded JSON error (never the input);
 - every answer carries `X-Model-Version` and `X-Model-Variant`; `/metrics` is Prometheus text (requests,
   latency histogram, errors by kind); `/ready` scores one review through the whole stack (readiness);
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import logging.config
 import os
@@ -33,6 +35,7 @@ from typing import Any
 
 from pipeline.deployment.protocol import (
     MLFLOW_SHAPES,
+    TEXT_COLUMN,
     VARIANT_HEADER,
     VERSION_HEADER,
     Limits,
@@ -160,7 +163,11 @@ class ContractMiddleware:
             parsed = parse_request(body, self.limits, headers.get("content-type"), MLFLOW_SHAPES)
         except RequestError as err:
             return await self._error(send, err), 0
-        status = await self._forward(scope, body, send)
+        # MLflow's app gets the texts the contract checked, in one canonical JSON form: pandas would otherwise read
+        # a CSV review "NA" or "null" as a missing value, and the shapes would each be converted their own way.
+        canonical = json.dumps({"dataframe_split": {"columns": [TEXT_COLUMN],
+                                                    "data": [[t] for t in parsed.texts]}}).encode()
+        status = await self._forward(_as_json(scope, len(canonical)), canonical, send)
         return status, len(parsed.texts) if status == 200 else 0
 
     async def _body(self, headers: dict[str, str], receive: Receive) -> bytes:
@@ -236,8 +243,6 @@ class ContractMiddleware:
 
     async def _json(self, send: Send, status: int, body: dict[str, Any],
                     extra: list[tuple[bytes, bytes]] | None = None) -> None:
-        import json
-
         await self._send(send, status, json.dumps(body).encode(), "application/json", extra)
 
     async def _send(self, send: Send, status: int, body: bytes, content_type: str,
@@ -246,6 +251,13 @@ class ContractMiddleware:
                    *self.model_headers, *(extra or [])]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def _as_json(scope: Scope, length: int) -> Scope:
+    """`scope` with its Content-Type and Content-Length headers replaced for a JSON body of `length` bytes."""
+    headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() not in (b"content-type", b"content-length")]
+    return {**scope, "headers": [*headers, (b"content-type", b"application/json"),
+                                 (b"content-length", str(length).encode())]}
 
 
 async def _discard(message: Message) -> None:
