@@ -319,7 +319,10 @@ def main(argv: list[str] | None = None) -> None:
     args.log_dir.mkdir(parents=True, exist_ok=True)
     config = log_config(args.log_dir, args.log_max_bytes, args.log_backups)
     logging.config.dictConfig(config)
-    app = build_app(args.model_uri, args.params)
+    try:
+        app = build_app(args.model_uri, args.params)
+    except LookupError as exc:  # no champion yet: say what to do instead of a traceback
+        raise SystemExit(f"{exc}: run `make run` first (its package stage registers and aliases the model)") from None
     print(f"serving {app.variant} (version {app.version}) at http://{args.host}:{args.port}/invocations; "
           f"logs in {args.log_dir / 'mlflow_server.log'}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, http="h11", h11_max_incomplete_event_size=H11_MAX_HEADER_BYTES,
