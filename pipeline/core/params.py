@@ -386,8 +386,8 @@ class PackageParams:
     prefer: Literal["accuracy", "speed"] = "accuracy"
     max_texts: int = 64  # most texts in one {"texts": [...]} request
     max_body_bytes: int = 1_000_000  # larger bodies get a JSON 413 (config.properties' max_request_size is above it)
-    max_chars_per_text: int = 20_000  # longer texts are cut to this many characters (head and tail kept) before
-    # tokenizing, never refused; above every IMDB review, so served reviews tokenize exactly as in training
+    max_chars_per_text: int = 20_000  # a longer text is refused (413) by both servers; above every IMDB review,
+    # so every served review tokenizes exactly as in training
     max_json_depth: int = 8  # deepest nesting of JSON arrays/objects in a body (a valid request needs 2); deeper: 400
     threads: int | None = None  # intra-op threads per worker (None = library default)
 

@@ -331,6 +331,28 @@ def alias_version(name: str, alias: str) -> str | None:
         return None
 
 
+def registered_version(name: str, alias: str) -> tuple[str, dict[str, str]]:
+    """The version `models:/<name>@<alias>` points at and that version's tags (the package stage writes
+    `variant` there); `LookupError` when the alias is not set."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    try:
+        version = mlflow.MlflowClient().get_model_version_by_alias(name, alias)
+    except MlflowException as exc:
+        raise LookupError(f"models:/{name}@{alias} is not set in {mlflow.get_tracking_uri()}") from exc
+    return str(version.version), dict(version.tags or {})
+
+
+def scoring_app(model_uri: str) -> Any:
+    """MLflow's own scoring server (the FastAPI app `mlflow models serve` runs under uvicorn: `/invocations`,
+    `/ping`, `/health`, `/version`) for the pyfunc at `model_uri`, loaded now."""
+    import mlflow
+    from mlflow.pyfunc import scoring_server
+
+    return scoring_server.init(mlflow.pyfunc.load_model(model_uri))
+
+
 def logged_model(model_id: str | None) -> Any:
     """The LoggedModel `model_id` in the current store, or None (no id, or one from another store)."""
     if not model_id:
@@ -376,10 +398,13 @@ def predictor_model_class() -> type:
 
         # MLflow infers no signature from `pd.DataFrame` hints, so the logged signature (column `text`) rules and
         # MLflow hands its input over as a DataFrame of that column.
+        # The column's values go to the predictor as they are (never `str()`-ed: null would become "None"), so a
+        # predictor that checks its input (the request contract's) refuses what is not text.
         def predict(self, context: Any, model_input: pd.DataFrame,
                     params: dict[str, Any] | None = None) -> pd.DataFrame:
-            texts = model_input[TEXT_COLUMN].tolist()
-            predictions = self.predictor.predict([str(t) for t in texts])
+            if TEXT_COLUMN not in model_input.columns:
+                raise ValueError(f"input needs a column named {TEXT_COLUMN!r}")
+            predictions = self.predictor.predict(model_input[TEXT_COLUMN].tolist())
             return pd.DataFrame({"label": [p.label for p in predictions],
                                  "score": [float(p.score) for p in predictions]}, columns=list(OUTPUT_COLUMNS))
 

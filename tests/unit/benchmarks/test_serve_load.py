@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.serve_load import malformed_bodies, table, targets
-from serving.protocol import Limits, RequestError, parse_request
+from pipeline.deployment.protocol import Limits, RequestError, parse_request
 
 
 def test_every_kind_of_malformed_request_is_refused_by_the_protocol():
