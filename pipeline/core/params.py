@@ -594,14 +594,15 @@ def set_value(path: str | Path, dotted_key: str, value: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m pipeline.core.params set KEY=VALUE | get KEY | overrides PROFILE | check [--params params.yaml]`."""
+    """`python -m pipeline.core.params set KEY=VALUE [KEY=VALUE ...] | get KEY | overrides PROFILE | check`
+    (each with `--params params.yaml`)."""
     import argparse
     import shlex
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    set_cmd = sub.add_parser("set", help="set one key of the params file in place, keeping its comments")
-    set_cmd.add_argument("assignment", help="dotted.key=value")
+    set_cmd = sub.add_parser("set", help="set keys of the params file in place, keeping its comments")
+    set_cmd.add_argument("assignments", nargs="+", help="dotted.key=value ...")
     over = sub.add_parser("overrides", help="print the `dvc exp run -S` arguments that apply a profile")
     over.add_argument("profile", type=Path)
     get_cmd = sub.add_parser("get", help="print one key's value from the validated params (for the Makefile)")
@@ -619,10 +620,11 @@ def main(argv: list[str] | None = None) -> None:
         print(shlex.join(profile_overrides(args.profile)))
         return
     if args.command == "set":
-        key, _, value = args.assignment.partition("=")
-        set_value(args.params, key, value)
-        load_params(args.params)
-        print(f"{args.params}: {key} = {value}")
+        for assignment in args.assignments:
+            key, _, value = assignment.partition("=")
+            set_value(args.params, key, value)
+            print(f"{args.params}: {key} = {value}")
+        load_params(args.params)  # the result as a whole is checked (a cross-key rule may need all of them)
         return
     load_params(args.params)
     print(f"{args.params}: valid")
