@@ -5,6 +5,7 @@ The uninterrupted reference run is shared by the tests of this module (one stage
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -205,11 +206,14 @@ def test_elastic_torchrun_restarts_a_lost_worker_and_finishes(tmp_path, tokenize
     proc = subprocess.Popen(_cmd(tmp_path, tokenized), cwd=tmp_path, env=_env(), stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     killed = None
+    seen: dict[int, object] = {}  # every worker ever started: torchrun puts them in sessions of their own
     try:
         deadline = time.monotonic() + 400
         while time.monotonic() < deadline and proc.poll() is None:
+            workers = _workers(proc.pid)
+            seen.update({w.pid: w for w in workers})
             if killed is None and any(p.parent.name == "periodic" for p in _checkpoints(tmp_path)):
-                victims = [w for w in _workers(proc.pid) if w.environ().get("LOCAL_RANK") == "1"]
+                victims = [w for w in workers if w.environ().get("LOCAL_RANK") == "1"]
                 if victims:
                     victims[0].send_signal(signal.SIGKILL)
                     killed = victims[0].pid
@@ -218,6 +222,9 @@ def test_elastic_torchrun_restarts_a_lost_worker_and_finishes(tmp_path, tokenize
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+        for worker in seen.values():  # a failed test must not leave workers waiting on their peers
+            with contextlib.suppress(Exception):
+                worker.kill()
         log.close()
     out = (tmp_path / "elastic.log").read_text()
     assert killed is not None, out[-3000:]
