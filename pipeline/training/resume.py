@@ -31,7 +31,7 @@ import shutil
 import signal
 import warnings
 import zipfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import FrameType
@@ -394,11 +394,3 @@ def _main_thread() -> bool:
     import threading
 
     return threading.current_thread() is threading.main_thread()
-
-
-@contextlib.contextmanager
-def resumable(store: CheckpointStore) -> Iterator[None]:
-    """The body trains a job of `store`: when it returns normally the job is done and its checkpoints go; when it
-    is preempted or fails they stay for the next attempt."""
-    yield
-    store.clear()
