@@ -74,8 +74,8 @@ class OrtRunner:
 
     def __init__(self, path: Path, threads: int | None = None, optimization: str = "all",
                  batching: Batching = "auto") -> None:
+        self.session = ort_session(path, threads, optimization)  # first: a file it cannot load is a VariantError
         self.rows_alone = scores_rows_alone(path, batching)
-        self.session = ort_session(path, threads, optimization)
         self.inputs = {i.name for i in self.session.get_inputs()}
 
     def _run(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
