@@ -57,20 +57,20 @@ plots: venv
 	$(BIN)/dvc plots show && echo "open dvc_plots/index.html"
 
 ## serve-mlflow: MLflow's scoring server for models:/<mlflow.registered_model_name>@<mlflow.champion_alias>, the variant
-## `make run` packaged, on 127.0.0.1:$(MLFLOW_PORT) (POST /invocations); the store is $$MLFLOW_TRACKING_URI when set,
-## else params' mlflow.tracking_uri. Runs in the foreground: Ctrl-C stops it.
+## `make run` packaged, behind the request contract TorchServe's handler enforces (serving/mlflow_server.py: limits
+## from params' package section, /ready, /metrics, logs/mlflow_server.log rotated), on 127.0.0.1:$(MLFLOW_PORT)
+## (POST /invocations); the store is $$MLFLOW_TRACKING_URI when set, else params' mlflow.tracking_uri. Runs in the
+## foreground: Ctrl-C stops it.
 MLFLOW_PORT ?= 5001
-PARAM = $(BIN)/python -m pipeline.core.params get
 serve-mlflow: venv
-	@export MLFLOW_TRACKING_URI="$${MLFLOW_TRACKING_URI:-$$($(PARAM) mlflow.tracking_uri)}" && \
-	uri="models:/$$($(PARAM) mlflow.registered_model_name)@$$($(PARAM) mlflow.champion_alias)" && \
-	echo "serving $$uri from $$MLFLOW_TRACKING_URI at http://127.0.0.1:$(MLFLOW_PORT)/invocations" && \
-	$(BIN)/mlflow models serve -m "$$uri" --env-manager local --host 127.0.0.1 --port $(MLFLOW_PORT)
+	$(BIN)/python -m serving.mlflow_server --host 127.0.0.1 --port $(MLFLOW_PORT) --params params.yaml --log-dir logs
 
-## serve: start TorchServe on 127.0.0.1:8080 with model_store/sentiment.mar (`make run` builds it); stop: `make stop`
+## serve: start TorchServe on 127.0.0.1:8080 with model_store/sentiment.mar (`make run` builds it); stop: `make stop`.
+## Logs: logs/*.log (serving/log4j2.xml: appended across restarts, rotated at 10 MB); logs/torchserve.out gets warnings
 serve: venv
 	@test -f model_store/sentiment.mar || { echo "model_store/sentiment.mar missing: run 'make run' first"; exit 1; }
-	mkdir -p logs && $(BIN)/torchserve --start --ncs --ts-config serving/config.properties --model-store model_store > logs/torchserve.out 2>&1 < /dev/null
+	mkdir -p logs && $(BIN)/torchserve --start --ncs --ts-config serving/config.properties --model-store model_store \
+		--log-config serving/log4j2.xml >> logs/torchserve.out 2>&1 < /dev/null
 	@echo "inference key: key_file.json; try: $(BIN)/python -m serving.client 'a wonderful film'"
 
 stop: venv

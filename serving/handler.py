@@ -1,10 +1,10 @@
 """TorchServe handler for the sentiment endpoint.
 
 Model logic lives in `pipeline.deployment.inference.SentimentPredictor` and the request contract, limits and
-per-request isolation in `serving.protocol`, neither of which imports TorchServe, so moving to another server
-means rewriting only this file. Each request of a server-side batch is parsed and tokenized on its own and
-the survivors are scored in one call; a bad request gets its own 4xx, a server fault on one request its own
-500, and neither touches the other requests of the batch.
+per-request isolation in `pipeline.deployment.protocol` (shared with the MLflow server), neither of which
+imports TorchServe, so moving to another server means rewriting only this file. Each request of a server-side
+batch is parsed and tokenized on its own and the survivors are scored in one call; a bad request gets its own
+4xx, a server fault on one request its own 500, and neither touches the other requests of the batch.
 """
 
 from __future__ import annotations
@@ -26,11 +26,12 @@ class SentimentHandler:
         self.predictor: Any = None
         self.limits: Any = None
         self.model_label = "unknown"
+        self.headers: dict[str, str] = {}
         self.initialized = False
 
     def initialize(self, context: Any) -> None:
         from pipeline.deployment.inference import SentimentPredictor
-        from serving.protocol import Limits
+        from pipeline.deployment.protocol import VARIANT_HEADER, VERSION_HEADER, Limits
 
         model_dir = Path(context.system_properties.get("model_dir"))
         config = json.loads((model_dir / "serving.json").read_text())
@@ -39,13 +40,15 @@ class SentimentHandler:
         self.predictor = SentimentPredictor(model_dir / config["variant_dir"], threads=threads,
                                             max_chars=self.limits.max_chars_per_text)
         self.model_label = config["model"]
+        version = (config.get("registered_model") or {}).get("version")
+        self.headers = {VERSION_HEADER: str(version or "unregistered"), VARIANT_HEADER: str(config["variant"])}
         self.predictor.predict(["warm-up review"])  # load kernels before /ping reports healthy
         self.initialized = True
         log.info("sentiment handler ready: %s", self.model_label)
 
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[Any]:
         """One JSON string per request, in order, with each request's status set on the context."""
-        from serving.protocol import SERVER_ERROR, answer_batch
+        from pipeline.deployment.protocol import SERVER_ERROR, answer_batch
 
         log.info("batch of %d requests", len(data))  # what TorchServe's server-side batching handed over
         requests = [_body_and_type(request, context, idx) for idx, request in enumerate(data)]
@@ -56,30 +59,39 @@ class SentimentHandler:
             answers = [SERVER_ERROR] * len(data)
         responses: list[Any] = []
         for idx, answer in enumerate(answers):
-            _set_status(context, idx, answer)
+            _set_status(context, idx, answer, self.headers)
             responses.append(json.dumps(answer.body))
         return responses
 
 
 def _body_and_type(request: Any, context: Any, idx: int) -> tuple[Any, str | None]:
-    """The request body (TorchServe names it `body` or `data`) and its declared content type, if any."""
+    """The request body (TorchServe names it `body` or `data`) and its declared content type, if any.
+
+    A form-encoded body never arrives whole: TorchServe splits it into form fields, so the request holds
+    neither `body` nor `data`, and the request's own Content-Type header says why (answered 415)."""
     if not isinstance(request, dict):
         return None, None
     name = "body" if request.get("body") is not None else "data"
     try:
         headers = context.get_all_request_header(idx) or {}
-        declared = headers.get(name)
-        content_type = declared.get("content-type") if isinstance(declared, dict) else None
-    except Exception:  # no headers for this request: the protocol then sniffs the body
-        content_type = None
+    except Exception:  # no headers for this request: the protocol answers 415 (no Content-Type)
+        headers = {}
+    # the request's own header, parameters (charset) included; TorchServe's per-input copy drops them
+    sent = next((v for k, v in headers.items() if str(k).lower() == "content-type"), None)
+    declared = headers.get(name)
+    content_type = sent if sent is not None else (declared.get("content-type") if isinstance(declared, dict)
+                                                  else None)
     return request.get(name), content_type
 
 
-def _set_status(context: Any, idx: int, answer: Any) -> None:
-    """Status and JSON content type of one request; the reason phrase is the standard one, the body says why."""
+def _set_status(context: Any, idx: int, answer: Any, headers: dict[str, str]) -> None:
+    """Status, JSON content type and model headers of one request; the reason phrase is the standard one, the
+    body says why."""
     try:
         context.set_response_status(answer.status, HTTPStatus(answer.status).phrase, idx=idx)
         context.set_response_content_type(idx, "application/json")
+        for key, value in headers.items():
+            context.set_response_header(idx, key, value)
     except Exception:
         log.exception("could not set the response status of request %d", idx)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 
@@ -24,9 +25,14 @@ def main(argv: list[str] | None = None) -> None:
 
     def body() -> None:
         from pipeline.core.params import load_params
+        from pipeline.training import elastic
         from pipeline.training.finetune import run_finetune
 
         params = load_params(args.params)
+        if params.train.launcher == "torchrun" and not elastic.under_torchelastic():
+            # this process only launches: the workers torchrun starts run this stage again, as a group
+            program = ["-m", "stages.finetune", *(sys.argv[1:] if argv is None else argv)]
+            raise SystemExit(elastic.launch(params.train, program))
         run_finetune(
             tokenized_dir=args.tokenized, model_dir=args.model_dir, metrics_path=args.metrics,
             plots_dir=args.plots, report_dir=args.reports, predictions_path=args.test_predictions,

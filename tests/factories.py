@@ -53,6 +53,11 @@ def write_tokenized(directory: Path, sizes: dict[str, int], max_length: int = 64
     return directory
 
 
+#: The limits both test servers run with (`package.*`): small, so every limit can be crossed cheaply, and a text's
+#: limit below the body's, so a too-long text is refused for itself.
+SERVING_LIMITS = {"max_texts": 4, "max_body_bytes": 4096, "max_chars_per_text": 1500, "max_json_depth": 8}
+
+
 def free_port() -> int:
     """A TCP port on the loopback interface that nothing listens on right now."""
     import socket

@@ -117,9 +117,33 @@ class TrainParams:
     threads: int | None = None  # torch intra-op threads (None = library default)
     val_checks_per_epoch: int = 1
     seed: int = 42
+    # Resumable checkpoints (`pipeline.training.resume`): every this many optimizer steps, and when SIGTERM, SIGINT or
+    # SIGUSR1 arrives, under `checkpoint_dir/<job>/` (outside every stage's outs, so `dvc repro` keeps them). The next
+    # run of the job continues from the newest one while its fingerprint (settings, input data, training code)
+    # matches, else starts fresh and says why; `resume: false` always starts fresh. 0 turns the periodic ones off.
+    checkpoint_every_n_steps: int = 50
+    checkpoint_dir: str = "checkpoints"  # a shared filesystem when training spans machines
+    resume: bool = True
+    # Recompute activations in the backward pass instead of keeping them (less memory, more compute): for long
+    # sequences on a GPU (benchmarks/gradient_checkpointing.py measures both sides).
+    gradient_checkpointing: bool = False
+    # `torchrun`: the finetune stage re-launches itself under torch.distributed.run (torchelastic): `devices`
+    # processes per machine, `min_nodes`..`num_nodes` machines meeting at `rdzv_endpoint` (c10d rendezvous), the
+    # whole group restarted from the newest checkpoint up to `max_restarts` times when a worker fails.
+    launcher: Literal["none", "torchrun"] = "none"
+    min_nodes: int | None = None  # None = num_nodes (a fixed-size job)
+    max_restarts: int = 3
+    rdzv_endpoint: str = "127.0.0.1:29400"
+    rdzv_id: str = "sentiment-finetune"
 
     def __post_init__(self) -> None:
         _require(self.epochs >= 1, "train.epochs must be >= 1")
+        _require(self.checkpoint_every_n_steps >= 0, "train.checkpoint_every_n_steps must be >= 0")
+        _require(bool(self.checkpoint_dir.strip()), "train.checkpoint_dir must not be empty")
+        _require(self.min_nodes is None or 1 <= self.min_nodes <= self.num_nodes,
+                 "train.min_nodes must be null or in [1, train.num_nodes]")
+        _require(self.max_restarts >= 0, "train.max_restarts must be >= 0")
+        _require(":" in self.rdzv_endpoint, "train.rdzv_endpoint must be host:port")
         _require(self.max_length is None or 8 <= self.max_length <= 512, "train.max_length must be null or in [8, 512]")
         _require(self.attention_dropout is None or 0.0 <= self.attention_dropout < 1.0,
                  "train.attention_dropout must be null or in [0, 1)")
@@ -362,8 +386,8 @@ class PackageParams:
     prefer: Literal["accuracy", "speed"] = "accuracy"
     max_texts: int = 64  # most texts in one {"texts": [...]} request
     max_body_bytes: int = 1_000_000  # larger bodies get a JSON 413 (config.properties' max_request_size is above it)
-    max_chars_per_text: int = 20_000  # longer texts are cut to this many characters (head and tail kept) before
-    # tokenizing, never refused; above every IMDB review, so served reviews tokenize exactly as in training
+    max_chars_per_text: int = 20_000  # a longer text is refused (413) by both servers; above every IMDB review,
+    # so every served review tokenizes exactly as in training
     max_json_depth: int = 8  # deepest nesting of JSON arrays/objects in a body (a valid request needs 2); deeper: 400
     threads: int | None = None  # intra-op threads per worker (None = library default)
 
@@ -570,14 +594,15 @@ def set_value(path: str | Path, dotted_key: str, value: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m pipeline.core.params set KEY=VALUE | get KEY | overrides PROFILE | check [--params params.yaml]`."""
+    """`python -m pipeline.core.params set KEY=VALUE [KEY=VALUE ...] | get KEY | overrides PROFILE | check`
+    (each with `--params params.yaml`)."""
     import argparse
     import shlex
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    set_cmd = sub.add_parser("set", help="set one key of the params file in place, keeping its comments")
-    set_cmd.add_argument("assignment", help="dotted.key=value")
+    set_cmd = sub.add_parser("set", help="set keys of the params file in place, keeping its comments")
+    set_cmd.add_argument("assignments", nargs="+", help="dotted.key=value ...")
     over = sub.add_parser("overrides", help="print the `dvc exp run -S` arguments that apply a profile")
     over.add_argument("profile", type=Path)
     get_cmd = sub.add_parser("get", help="print one key's value from the validated params (for the Makefile)")
@@ -595,10 +620,11 @@ def main(argv: list[str] | None = None) -> None:
         print(shlex.join(profile_overrides(args.profile)))
         return
     if args.command == "set":
-        key, _, value = args.assignment.partition("=")
-        set_value(args.params, key, value)
-        load_params(args.params)
-        print(f"{args.params}: {key} = {value}")
+        for assignment in args.assignments:
+            key, _, value = assignment.partition("=")
+            set_value(args.params, key, value)
+            print(f"{args.params}: {key} = {value}")
+        load_params(args.params)  # the result as a whole is checked (a cross-key rule may need all of them)
         return
     load_params(args.params)
     print(f"{args.params}: valid")

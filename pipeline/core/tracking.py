@@ -195,11 +195,35 @@ class StageRun:
 
         return mlflow.get_artifact_uri(artifact_path)
 
-    def lightning_logger(self, params: MlflowParams) -> Any:
-        """Lightning's MLflow logger writing into this run (training curves and hyperparameters)."""
-        from lightning.pytorch.loggers import MLFlowLogger
+    def log_steps(self, points: Sequence[tuple[int, Mapping[str, float]]]) -> None:
+        """Curves: each (step, {name: value}) as metric points at that step, in as few calls as MLflow allows (a
+        `CurveRecorder` sink)."""
+        import mlflow
+        from mlflow.entities import Metric
+        from mlflow.utils.time import get_current_time_millis
 
-        return MLFlowLogger(tracking_uri=tracking_uri(params), run_id=self.run_id)
+        now = get_current_time_millis()
+        metrics = [Metric(k, float(v), now, step) for step, values in points for k, v in values.items()]
+        for start in range(0, len(metrics), 1000):  # log_batch takes at most 1000 metrics a call
+            mlflow.MlflowClient().log_batch(self.run_id, metrics=metrics[start:start + 1000])
+
+    def close_interrupted(self, previous_run_id: str) -> None:
+        """This run continues an interrupted attempt of the same stage: the earlier run, left RUNNING by a killed
+        process, is marked KILLED, and each run names the other. (The curves up to the resumed step come from the
+        checkpoint, `CurveRecorder`, not from the earlier run, which may hold points past it.)"""
+        import mlflow
+        from mlflow.entities import RunStatus
+        from mlflow.exceptions import MlflowException
+
+        client = mlflow.MlflowClient()
+        try:
+            previous = client.get_run(previous_run_id)
+        except MlflowException:
+            return
+        client.set_tag(previous_run_id, "resume.continued_by", self.run_id)
+        if previous.info.status == "RUNNING":
+            client.set_terminated(previous_run_id, RunStatus.to_string(RunStatus.KILLED))
+        self.set_tags({"resume.continues": previous_run_id})
 
     def log_dataset(self, frame: pd.DataFrame, name: str, context: str, source: str,
                     hub_revision: str | None = None, targets: str | None = None) -> str:
@@ -307,6 +331,28 @@ def alias_version(name: str, alias: str) -> str | None:
         return None
 
 
+def registered_version(name: str, alias: str) -> tuple[str, dict[str, str]]:
+    """The version `models:/<name>@<alias>` points at and that version's tags (the package stage writes
+    `variant` there); `LookupError` when the alias is not set."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    try:
+        version = mlflow.MlflowClient().get_model_version_by_alias(name, alias)
+    except MlflowException as exc:
+        raise LookupError(f"models:/{name}@{alias} is not set in {mlflow.get_tracking_uri()}") from exc
+    return str(version.version), dict(version.tags or {})
+
+
+def scoring_app(model_uri: str) -> Any:
+    """MLflow's own scoring server (the FastAPI app `mlflow models serve` runs under uvicorn: `/invocations`,
+    `/ping`, `/health`, `/version`) for the pyfunc at `model_uri`, loaded now."""
+    import mlflow
+    from mlflow.pyfunc import scoring_server
+
+    return scoring_server.init(mlflow.pyfunc.load_model(model_uri))
+
+
 def logged_model(model_id: str | None) -> Any:
     """The LoggedModel `model_id` in the current store, or None (no id, or one from another store)."""
     if not model_id:
@@ -352,10 +398,13 @@ def predictor_model_class() -> type:
 
         # MLflow infers no signature from `pd.DataFrame` hints, so the logged signature (column `text`) rules and
         # MLflow hands its input over as a DataFrame of that column.
+        # The column's values go to the predictor as they are (never `str()`-ed: null would become "None"), so a
+        # predictor that checks its input (the request contract's) refuses what is not text.
         def predict(self, context: Any, model_input: pd.DataFrame,
                     params: dict[str, Any] | None = None) -> pd.DataFrame:
-            texts = model_input[TEXT_COLUMN].tolist()
-            predictions = self.predictor.predict([str(t) for t in texts])
+            if TEXT_COLUMN not in model_input.columns:
+                raise ValueError(f"input needs a column named {TEXT_COLUMN!r}")
+            predictions = self.predictor.predict(model_input[TEXT_COLUMN].tolist())
             return pd.DataFrame({"label": [p.label for p in predictions],
                                  "score": [float(p.score) for p in predictions]}, columns=list(OUTPUT_COLUMNS))
 

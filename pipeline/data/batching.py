@@ -70,6 +70,25 @@ class Collator:
         return out
 
 
+class LoaderPosition:
+    """Where a resumed run re-enters an epoch: the batches of `epoch` already trained, skipped once by the batch
+    sampler that holds this object (set by `pipeline.training.resume` from the checkpoint)."""
+
+    def __init__(self) -> None:
+        self.epoch: int | None = None
+        self.batches_done = 0
+
+    def resume_at(self, epoch: int, batches_done: int) -> None:
+        self.epoch, self.batches_done = epoch, batches_done
+
+    def take(self, epoch: int) -> int:
+        """The batches to skip in `epoch` (once: the next epoch starts from its first batch)."""
+        if self.epoch != epoch:
+            return 0
+        done, self.epoch, self.batches_done = self.batches_done, None, 0
+        return done
+
+
 class LengthBucketBatchSampler(Sampler[list[int]]):
     """Batches of similar length, in shuffled order, optionally sharded across DDP ranks.
 
@@ -77,10 +96,14 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
     and cut into batches, then all batches are shuffled. With `num_replicas > 1` every rank takes an
     equal, disjoint share of the batches (the tail that does not divide evenly is dropped on all ranks
     so collective ops stay in step).
+
+    An epoch's order depends only on (seed, epoch), so a resumed run rebuilds it and, through `position`, skips the
+    batches the interrupted run had already trained; `len()` stays the whole epoch's, as Lightning's loop expects.
     """
 
     def __init__(self, lengths: Sequence[int], batch_size: int, pool_batches: int = 50, shuffle: bool = True,
-                 seed: int = 0, num_replicas: int = 1, rank: int = 0, drop_last: bool = False) -> None:
+                 seed: int = 0, num_replicas: int = 1, rank: int = 0, drop_last: bool = False,
+                 position: LoaderPosition | None = None) -> None:
         if batch_size < 1 or pool_batches < 1:
             raise ValueError("batch_size and pool_batches must be >= 1")
         if not 0 <= rank < num_replicas:
@@ -93,6 +116,7 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
         self.num_replicas = num_replicas
         self.rank = rank
         self.drop_last = drop_last
+        self.position = position
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -118,7 +142,8 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
         return batches
 
     def __iter__(self) -> Iterator[list[int]]:
-        return iter(self._all_batches())
+        skip = self.position.take(self.epoch) if self.position is not None else 0
+        return iter(self._all_batches()[skip:])
 
     def __len__(self) -> int:
         return len(self._all_batches())

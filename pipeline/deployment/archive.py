@@ -1,11 +1,11 @@
 """The `package` stage: pick the variant to serve and build `model_store/sentiment.mar` with it.
 
-The archive holds the variant directory (`model/`), the TorchServe-independent code it needs
-(`pipeline/`, `serving/protocol.py`), `serving.json` (limits, threads, the model label answered in every
-response, how the variant is batched and why (`pipeline.variants.batch_invariance`), and the MLflow registry
-entry it serves: `models:/<name>@<alias>` and the version) and the handler.
-Nothing is installed per model at serve time. The same registered version is what
-`mlflow models serve -m models:/<name>@<alias>` serves."""
+The archive holds the variant directory (`model/`), the TorchServe-independent code it needs (`pipeline/`,
+the request contract `pipeline/deployment/protocol.py` included), `serving.json` (limits, threads, the model
+label answered in every response, how the variant is batched and why (`pipeline.variants.batch_invariance`),
+and the MLflow registry entry it serves: `models:/<name>@<alias>` and the version) and the handler. Nothing is
+installed per model at serve time. The same registered version is what `python -m serving.mlflow_server`
+(MLflow's scoring server) serves for `models:/<name>@<alias>`."""
 
 from __future__ import annotations
 
@@ -109,9 +109,6 @@ def build_archive(variant_dir: Path, choice: Choice, registry: dict[str, Any], p
         staging = Path(tmp) / "extra"
         shutil.copytree(variant_dir, staging / "model")
         shutil.copytree(ROOT / "pipeline", staging / "pipeline", ignore=shutil.ignore_patterns("__pycache__"))
-        (staging / "serving").mkdir()
-        for f in ("__init__.py", "protocol.py"):
-            shutil.copy2(ROOT / "serving" / f, staging / "serving" / f)
         write_json(staging / "serving.json", config)
         cmd = [str(Path(sys.executable).with_name("torch-model-archiver")), "--model-name", mar_path.stem,
                "--version", ARCHIVE_VERSION, "--handler", str(ROOT / "serving" / "handler.py"),

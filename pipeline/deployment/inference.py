@@ -54,13 +54,14 @@ def model_labels(name: str) -> tuple[dict[str, str], str]:
 def log_predictor_model(run: Any, name: str, directory: Path, serving: PackageParams,
                         params: Mapping[str, Any]) -> Any:
     """Variant `name` (its `directory`) as an MLflow model of `run` (a `pipeline.core.tracking.StageRun`): a
-    pyfunc around `SentimentPredictor` that cuts texts and uses threads as the served `.mar` does (`serving`),
+    pyfunc around `ContractPredictor` that checks texts and uses threads as the served `.mar` does (`serving`),
     with the packages its format needs at serve time. Returns the `LoggedModelRef`."""
     from pipeline.variants.registry import spec
 
     tags, model_type = model_labels(name)
-    return run.log_predictor_model(name, directory, SentimentPredictor, EXAMPLE_REVIEWS,
-                                   {"max_chars": serving.max_chars_per_text, "threads": serving.threads},
+    return run.log_predictor_model(name, directory, ContractPredictor, EXAMPLE_REVIEWS,
+                                   {"max_chars": serving.max_chars_per_text, "threads": serving.threads,
+                                    "max_texts": serving.max_texts},
                                    runtime_requirements(spec(name).format), params, tags, model_type)
 
 
@@ -121,3 +122,24 @@ class SentimentPredictor:
         probs = softmax(self.runner(ids, mask).astype(np.float64))
         best = probs.argmax(-1)
         return [Prediction(self.labels[int(i)], float(probs[row, i])) for row, i in enumerate(best)]
+
+
+class ContractPredictor(SentimentPredictor):
+    """`SentimentPredictor` that refuses what the request contract refuses (`pipeline.deployment.protocol`): the
+    MLflow pyfunc runs it, so a null, a number, a blank or invisible text, too long a text or too many rows is a
+    `RequestError`, never a label scored from `str(value)`, however the model is served or loaded."""
+
+    def __init__(self, directory: str | Path, threads: int | None = None, max_chars: int | None = None,
+                 max_texts: int | None = None, **runner_options: Any) -> None:
+        from pipeline.deployment.protocol import Limits
+
+        super().__init__(directory, threads, max_chars, **runner_options)
+        defaults = Limits()
+        self.limits = Limits(max_texts=max_texts or defaults.max_texts,
+                             max_chars_per_text=max_chars or defaults.max_chars_per_text)
+
+    def predict(self, texts: Sequence[Any]) -> list[Prediction]:
+        """Predictions for `texts` once each passed the contract's checks (`RequestError` otherwise)."""
+        from pipeline.deployment.protocol import TEXT_COLUMN, check_texts
+
+        return super().predict(check_texts(list(texts), self.limits, TEXT_COLUMN))

@@ -6,8 +6,9 @@ dynamic padding, gradient accumulation, DataLoader workers, the torch profiler, 
 from __future__ import annotations
 
 import logging
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from torch.utils.data import DataLoader
 from torchmetrics.classification import BinaryAccuracy
 
 from pipeline.core.params import TrainParams
-from pipeline.data.batching import Collator, LengthBucketBatchSampler, TokenizedDataset
+from pipeline.data.batching import Collator, LengthBucketBatchSampler, LoaderPosition, TokenizedDataset
 from pipeline.data.tokens import read_tokenized
 
 log = logging.getLogger(__name__)
@@ -59,13 +60,26 @@ def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, fuse
     return torch.optim.AdamW(groups, lr=lr, fused=True if fused else None)
 
 
+def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each encoder layer's activations in the backward pass (`train.gradient_checkpointing`).
+
+    Hugging Face's switch, with PyTorch's non-reentrant checkpoint (the one PyTorch recommends: it works with
+    `torch.compile`, autocast and inputs that need no gradient)."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"{type(model).__name__} does not support gradient checkpointing")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 class SentimentClassifier(L.LightningModule):
     """A Hugging Face sequence classifier trained with AdamW and linear warm-up/decay."""
 
     def __init__(self, model: torch.nn.Module, lr: float, weight_decay: float, warmup_ratio: float,
-                 compile_model: bool = False, compile_mode: str = "default", fused_optimizer: bool = True) -> None:
+                 compile_model: bool = False, compile_mode: str = "default", fused_optimizer: bool = True,
+                 gradient_checkpointing: bool = False) -> None:
         super().__init__()
         self.model = model.train()  # from_pretrained returns eval mode; training wants dropout on
+        if gradient_checkpointing:
+            enable_gradient_checkpointing(self.model)
         self.lr = lr
         self.fused_optimizer = fused_optimizer
         self.weight_decay = weight_decay
@@ -118,6 +132,7 @@ class IMDBDataModule(L.LightningDataModule):
         self.shorten_train = shorten_train  # the training window (`train.max_length`); other splits stay whole
         self.collate = Collator(pad_id=pad_id, multiple_of=params.pad_to_multiple_of)
         self.datasets: dict[str, TokenizedDataset] = {}
+        self.position = LoaderPosition()  # where a resumed run re-enters the training epoch
 
     def setup(self, stage: str | None = None) -> None:
         for split in ("train", "val", "test"):
@@ -137,15 +152,14 @@ class IMDBDataModule(L.LightningDataModule):
             "collate_fn": self.collate, "num_workers": p.num_workers, "pin_memory": p.pin_memory,
             "persistent_workers": p.persistent_workers,
         }
-        if p.bucketing or world > 1 or not shuffle:
-            # Evaluation is bucketed too (no shuffle): same predictions, far less padding.
-            # Without bucketing, pools of one batch give plain shuffled batches (still sharded under DDP).
-            sampler = LengthBucketBatchSampler(
-                ds.lengths, batch_size, pool_batches=p.bucket_pool_batches if p.bucketing else 1,
-                shuffle=shuffle, seed=p.seed, num_replicas=world, rank=rank,
-            )
-            return DataLoader(ds, batch_sampler=sampler, **common)
-        return DataLoader(ds, batch_size=batch_size, shuffle=True, **common)
+        # Evaluation is bucketed too (no shuffle): same predictions, far less padding. Without bucketing, pools of
+        # one batch give plain shuffled batches (still sharded under DDP, and resumable mid-epoch like the others).
+        sampler = LengthBucketBatchSampler(
+            ds.lengths, batch_size, pool_batches=p.bucket_pool_batches if p.bucketing else 1,
+            shuffle=shuffle, seed=p.seed, num_replicas=world, rank=rank,
+            position=self.position if shuffle else None,
+        )
+        return DataLoader(ds, batch_sampler=sampler, **common)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", self.params.batch_size, shuffle=True)
@@ -157,16 +171,38 @@ class IMDBDataModule(L.LightningDataModule):
         return self._loader("test", self.params.eval_batch_size, shuffle=False)
 
 
-class CurveRecorder(L.Callback):
-    """Training curves for DVC plots plus the honest training throughput (validation time excluded)."""
+#: Where a recorder sends its points: (step, {name: value}) pairs, e.g. an MLflow run (`StageRun.log_steps`).
+MetricSink = Callable[[Sequence[tuple[int, Mapping[str, float]]]], None]
 
-    def __init__(self) -> None:
+
+class CurveRecorder(L.Callback):
+    """Training curves for DVC plots and MLflow, plus the honest training throughput (validation time excluded).
+
+    The curves are part of every checkpoint (`state_dict`), and the MLflow points come from them (`sink`, rank 0,
+    sent every `flush_every` points): a resumed run first sends the checkpoint's curves again, so its MLflow run
+    holds every step once, neither the points the interrupted run logged after its last checkpoint nor a gap."""
+
+    def __init__(self, sink: MetricSink | None = None, flush_every: int = 10) -> None:
         self.train_rows: list[dict[str, float]] = []
         self.val_rows: list[dict[str, float]] = []
         self.samples = 0
         self.tokens = 0
         self.train_seconds = 0.0
+        self.sink = sink
+        self.flush_every = flush_every
+        self._pending: list[tuple[int, dict[str, float]]] = []
         self._t: float | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"train_rows": self.train_rows, "val_rows": self.val_rows, "samples": self.samples,
+                "tokens": self.tokens, "train_seconds": self.train_seconds}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.train_rows = list(state_dict["train_rows"])
+        self.val_rows = list(state_dict["val_rows"])
+        self.samples, self.tokens = int(state_dict["samples"]), int(state_dict["tokens"])
+        self.train_seconds = float(state_dict["train_seconds"])
+        self._pending = [_point(r) for r in sorted(self.train_rows + self.val_rows, key=lambda r: r["step"])]
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -181,15 +217,35 @@ class CurveRecorder(L.Callback):
         loss = trainer.callback_metrics.get("train_loss")
         if trainer.is_global_zero and loss is not None:
             lr = trainer.optimizers[0].param_groups[0]["lr"]
-            self.train_rows.append({"step": trainer.global_step, "train_loss": float(loss), "lr": lr})
+            self._add(self.train_rows, {"step": trainer.global_step, "train_loss": float(loss), "lr": lr})
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking or not trainer.is_global_zero:
             return
         m = trainer.callback_metrics
         if "val_acc" in m:
-            self.val_rows.append({"step": trainer.global_step, "epoch": trainer.current_epoch,
-                                  "val_acc": float(m["val_acc"]), "val_loss": float(m["val_loss"])})
+            self._add(self.val_rows, {"step": trainer.global_step, "epoch": trainer.current_epoch,
+                                      "val_acc": float(m["val_acc"]), "val_loss": float(m["val_loss"])})
+            self.flush()
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.flush()
+
+    def _add(self, rows: list[dict[str, float]], row: dict[str, float]) -> None:
+        rows.append(row)
+        self._pending.append(_point(row))
+        if len(self._pending) >= self.flush_every:
+            self.flush()
+
+    def flush(self) -> None:
+        """Send the points not sent yet to the sink (if any)."""
+        if self.sink is not None and self._pending:
+            self.sink(self._pending)
+        self._pending = []
+
+
+def _point(row: Mapping[str, float]) -> tuple[int, dict[str, float]]:
+    return int(row["step"]), {k: float(v) for k, v in row.items() if k != "step"}
 
 
 def build_trainer(params: TrainParams, work_dir: Path, callbacks: list[L.Callback], logger: Any = False,
@@ -206,9 +262,16 @@ def build_trainer(params: TrainParams, work_dir: Path, callbacks: list[L.Callbac
             dirpath=str(profiler_dir), filename="trace", export_to_chrome=True,
             schedule=torch.profiler.schedule(wait=2, warmup=2, active=5, repeat=1),
         )
+    from pipeline.training.resume import AtomicCheckpointIO
+
     accelerator = "gpu" if params.accelerator == "cuda" else params.accelerator
     strategy: Any = params.strategy
-    if params.strategy in ("ddp", "ddp_spawn") and not torch.cuda.is_available():
+    devices, num_nodes = params.devices, params.num_nodes
+    elastic = elastic_world()
+    if elastic is not None:  # under torchrun the group's shape is the rendezvous's, which may vary between restarts
+        devices, num_nodes = elastic
+        strategy = "ddp" if strategy == "auto" else strategy
+    if strategy in ("ddp", "ddp_spawn") and not torch.cuda.is_available():
         from lightning.pytorch.strategies import DDPStrategy
 
         # gloo is the CPU backend; NCCL is picked automatically on CUDA.
@@ -219,10 +282,20 @@ def build_trainer(params: TrainParams, work_dir: Path, callbacks: list[L.Callbac
     if enable_progress_bar:  # tqdm also reports when stderr is a log file, unlike the rich bar
         callbacks = [*callbacks, TQDMProgressBar(refresh_rate=10)]
     return L.Trainer(
-        max_epochs=params.epochs, accelerator=accelerator, devices=params.devices, num_nodes=params.num_nodes,
+        max_epochs=params.epochs, accelerator=accelerator, devices=devices, num_nodes=num_nodes,
         strategy=strategy, precision=params.precision, accumulate_grad_batches=params.grad_accum,
         val_check_interval=1.0 / params.val_checks_per_epoch, num_sanity_val_steps=0,
         default_root_dir=str(work_dir), callbacks=callbacks, logger=logger, profiler=profiler,
         enable_progress_bar=enable_progress_bar, use_distributed_sampler=False, log_every_n_steps=10,
-        deterministic=False,
+        deterministic=False, plugins=[AtomicCheckpointIO()],
     )
+
+
+def elastic_world() -> tuple[int, int] | None:
+    """(processes per machine, machines) when this process is a torchelastic worker (`torchrun`), else None."""
+    from lightning.fabric.plugins.environments import TorchElasticEnvironment
+
+    if not TorchElasticEnvironment.detect():
+        return None
+    local = int(os.environ["LOCAL_WORLD_SIZE"])
+    return local, max(int(os.environ["WORLD_SIZE"]) // local, 1)

@@ -30,8 +30,15 @@ from pipeline.core.io import write_json
 from pipeline.core.params import TEACHER_READS, DistillParams, MlflowParams, Params, TrainParams, to_dict
 from pipeline.data.batching import NO_LABEL, TokenizedDataset
 from pipeline.data.imdb import TRANSFER
-from pipeline.training.classifier import CurveRecorder, IMDBDataModule, SentimentClassifier, build_trainer
+from pipeline.training.classifier import (
+    CurveRecorder,
+    IMDBDataModule,
+    MetricSink,
+    SentimentClassifier,
+    build_trainer,
+)
 from pipeline.training.finetune import predict_split, save_model, write_curves
+from pipeline.training.resume import CheckpointStore, ResumePlan, fingerprint, trajectory_settings
 
 if TYPE_CHECKING:
     from pipeline.core.machine import Choice
@@ -267,12 +274,13 @@ def student_train_params(params: Params) -> TrainParams:
 
 
 def distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metrics_path: Path, plots_dir: Path,
-            params: Params, mlflow_logger: Any = None, enabled: Choice | None = None,
-            precision: Choice | None = None) -> DistillResult:
+            params: Params, metric_sink: MetricSink | None = None, enabled: Choice | None = None,
+            precision: Choice | None = None, plan: ResumePlan | None = None) -> DistillResult:
     """Build the student, label the reviews with the teacher, train, keep the best epoch by validation accuracy,
     score the test split and save the student in HF format with its record (the teacher's preprocessing, and the
     machine choices: the precision and, from `run_distill`, how `distill.enabled` resolved; `precision` is
-    `train.precision` as the caller resolved it, else it is resolved here)."""
+    `train.precision` as the caller resolved it, else it is resolved here). Training checkpoints and resumes as
+    finetune's does (`train.checkpoint_dir/distill`, `plan` else `distill_plan`)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from pipeline.core.machine import resolve_precision
@@ -310,12 +318,14 @@ def distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metrics_p
     module = StudentClassifier(student, d, train.weight_decay, train.warmup_ratio,
                                teacher=teacher if d.hidden_weight > 0 else None, kept=keep, compile_model=train.compile,
                                compile_mode=train.compile_mode, fused_optimizer=train.fused_optimizer)
-    recorder = CurveRecorder()
+    recorder = CurveRecorder(sink=metric_sink)
+    plan = plan or distill_plan(teacher_dir, tokenized_dir, params)
+    store = CheckpointStore.for_job(params.train, "distill")
     with tempfile.TemporaryDirectory(prefix="distill-") as tmp:
-        ckpt = ModelCheckpoint(dirpath=str(Path(tmp) / "ckpt"), monitor="val_acc", mode="max", save_top_k=1,
-                               filename="best-{step}-{val_acc:.4f}")
-        trainer = build_trainer(train, Path(tmp), [ckpt, recorder], logger=mlflow_logger or False)
-        trainer.fit(module, datamodule=dm)
+        ckpt = ModelCheckpoint(dirpath=str(store.best_dir), monitor="val_acc", mode="max", save_top_k=1,
+                               filename="best-{step}-{val_acc:.4f}", enable_version_counter=False)
+        trainer = build_trainer(train, Path(tmp), [ckpt, recorder, *store.callbacks(dm.position)])
+        trainer.fit(module, datamodule=dm, ckpt_path=plan.ckpt_path)
         if ckpt.best_model_path:  # the best epoch by validation accuracy, not the last
             state = torch.load(ckpt.best_model_path, map_location="cpu", weights_only=True)["state_dict"]
             module.load_state_dict(state)
@@ -337,6 +347,8 @@ def distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metrics_p
         "teacher_encoder_parameters": count_parameters(teacher, encoder_only=True),
         "wall_time_s": time.perf_counter() - started,
         "precision": choice.value,
+        "train_steps": trainer.global_step,
+        **plan.record(),  # resumed, resumed_from_step, resume_reason
         **({"enabled": enabled.to_dict()} if enabled else {}),  # as in the skip record: how the setting resolved
     }
     record = {"distillation": {"teacher": str(teacher_dir), "kept_layers": keep, **width, **to_dict(d),
@@ -345,9 +357,23 @@ def distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metrics_p
                choices=[choice] + ([enabled] if enabled else []), extra=record)
     write_json(metrics_path, metrics)
     write_curves(plots_dir, recorder)
+    store.clear()  # the student is saved: nothing left to resume
     log.info("student: %d of %d layers, test accuracy %.4f (best validation accuracy %.4f)",
              len(keep), metrics["teacher_layers"], metrics["test_accuracy"], metrics["best_val_accuracy"])
     return DistillResult(metrics, student_dir)
+
+
+def distill_plan(teacher_dir: Path, tokenized_dir: Path, params: Params) -> ResumePlan:
+    """Whether distill resumes from `train.checkpoint_dir/distill`: its fingerprint is the student's and the
+    trainer's settings, the teacher's files, the tokenized splits and the training code."""
+    from pipeline.core.machine import resolve_precision
+
+    train = student_train_params(params)
+    train = dataclasses.replace(train, precision=resolve_precision(train.precision, train.accelerator).value)
+    settings = {"distill": to_dict(params.distill), "train": trajectory_settings(to_dict(train)),
+                "export": to_dict(params.export), "data": to_dict(params.data)}
+    inputs = [teacher_dir, tokenized_dir]
+    return CheckpointStore.for_job(params.train, "distill").plan(fingerprint(settings, inputs), params.train.resume)
 
 
 def _teacher_data(meta: dict[str, Any], params: Params) -> Any:
@@ -401,8 +427,12 @@ def run_distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metri
                           "export": to_dict(params.export), "quantize": to_dict(params.quantize)})
         run.set_tags({"distill.enabled.resolved": enabled.tag()})
         if enabled.value:
+            from pipeline.training.finetune import start_attempt
+
+            plan = distill_plan(teacher_dir, tokenized_dir, params)
+            start_attempt(run, plan, CheckpointStore.for_job(train, "distill"))
             result = distill(teacher_dir, tokenized_dir, student_dir, metrics_path, plots_dir, params,
-                             mlflow_logger=run.lightning_logger(tracking), enabled=enabled, precision=precision)
+                             metric_sink=run.log_steps, enabled=enabled, precision=precision, plan=plan)
             run.log_metrics(result.metrics)
             run.set_tags({"status": "ok", "train.precision.resolved": result.metrics["precision"],
                           "teacher_labelling": f"{result.metrics['teacher_labelling_device']}, autocast "

@@ -25,9 +25,17 @@ from pipeline.data.tokens import window_shortener
 from pipeline.training.classifier import (
     CurveRecorder,
     IMDBDataModule,
+    MetricSink,
     SentimentClassifier,
     build_trainer,
     check_accelerations,
+)
+from pipeline.training.resume import (
+    CheckpointStore,
+    ResumePlan,
+    fingerprint,
+    is_rank_zero,
+    trajectory_settings,
 )
 
 if TYPE_CHECKING:
@@ -45,11 +53,25 @@ class FinetuneResult:
     best_checkpoint: str
 
 
+def finetune_plan(tokenized_dir: Path, data: DataParams, model_params: ModelParams, params: TrainParams) -> ResumePlan:
+    """Whether finetune resumes from `train.checkpoint_dir/finetune` (its fingerprint: the data, model and training
+    settings that shape the weights, the tokenized splits, the training code) or starts fresh, and why."""
+    from pipeline.core.machine import resolve_precision
+
+    # `auto` as this machine resolves it: the same settings trained in bf16 elsewhere are another trajectory
+    resolved = dataclasses.replace(params, precision=resolve_precision(params.precision, params.accelerator).value)
+    settings = {"data": to_dict(data), "model": to_dict(model_params), "train": trajectory_settings(to_dict(resolved))}
+    return CheckpointStore.for_job(params, "finetune").plan(fingerprint(settings, [tokenized_dir]), params.resume)
+
+
 def finetune(tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots_dir: Path, report_dir: Path,
              data: DataParams, model_params: ModelParams, params: TrainParams,
-             mlflow_logger: Any = None, predictions_path: Path | None = None) -> FinetuneResult:
+             metric_sink: MetricSink | None = None, predictions_path: Path | None = None,
+             plan: ResumePlan | None = None) -> FinetuneResult:
     """Train, keep the best checkpoint by validation accuracy, test it, and save it in HF format.
 
+    Checkpoints go to `train.checkpoint_dir/finetune` (outside DVC's outputs); `plan` (else `finetune_plan`) says
+    whether this run continues an interrupted one. They are removed once the model is saved.
     `predictions_path` keeps the test logits, so the evaluate stage's FP32 reference row need not score
     the same model on the same reviews again.
     """
@@ -68,23 +90,26 @@ def finetune(tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots_dir
     started = time.perf_counter()
     if params.threads:
         torch.set_num_threads(params.threads)
+    plan = plan or finetune_plan(tokenized_dir, data, model_params, params)
+    store = CheckpointStore.for_job(params, "finetune")
     L.seed_everything(params.seed, workers=True, verbose=False)
     tokenizer = load_tokenizer(model_params)
     model = load_model(model_params, seed=params.seed, attention_dropout=params.attention_dropout)
     module = SentimentClassifier(model, params.lr, params.weight_decay, params.warmup_ratio,
                                  compile_model=params.compile, compile_mode=params.compile_mode,
-                                 fused_optimizer=params.fused_optimizer)
+                                 fused_optimizer=params.fused_optimizer,
+                                 gradient_checkpointing=params.gradient_checkpointing)
     shorten = window_shortener(params.max_length, data.max_length, data.truncation, data.head_fraction,
                                tokenizer.cls_token_id, tokenizer.sep_token_id)
     dm = IMDBDataModule(tokenized_dir, params, pad_id=pad_id(tokenizer), shorten_train=shorten)
-    recorder = CurveRecorder()
+    recorder = CurveRecorder(sink=metric_sink)
     with tempfile.TemporaryDirectory(prefix="finetune-") as tmp:
         work = Path(tmp)
-        ckpt = ModelCheckpoint(dirpath=str(work / "ckpt"), monitor="val_acc", mode="max", save_top_k=1,
-                               filename="best-{step}-{val_acc:.4f}")
-        trainer = build_trainer(params, work, [ckpt, recorder], logger=mlflow_logger or False,
+        ckpt = ModelCheckpoint(dirpath=str(store.best_dir), monitor="val_acc", mode="max", save_top_k=1,
+                               filename="best-{step}-{val_acc:.4f}", enable_version_counter=False)
+        trainer = build_trainer(params, work, [ckpt, recorder, *store.callbacks(dm.position)],
                                 profiler_dir=report_dir / "profiler")
-        trainer.fit(module, datamodule=dm)
+        trainer.fit(module, datamodule=dm, ckpt_path=plan.ckpt_path)
         best = ckpt.best_model_path
         if not trainer.is_global_zero:
             return FinetuneResult({}, model_dir, best)
@@ -107,8 +132,10 @@ def finetune(tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots_dir
         "train_tokens_per_s": recorder.tokens / recorder.train_seconds if recorder.train_seconds else 0.0,
         "train_seconds": recorder.train_seconds,
         "train_samples_seen": recorder.samples,
-        "wall_time_s": time.perf_counter() - started,
+        "wall_time_s": time.perf_counter() - started,  # this attempt's (a resumed run's excludes the first)
+        "train_steps": trainer.global_step,
         "precision": choice.value,  # what `train.precision` resolved to (text: not an MLflow metric)
+        **plan.record(),  # resumed, resumed_from_step, resume_reason
     }
     save_model(module.model, tokenizer, model_dir, data, model_params, params, choices=[choice])
     if predictions_path is not None:
@@ -119,6 +146,7 @@ def finetune(tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots_dir
     write_curves(plots_dir, recorder)
     report_dir.mkdir(parents=True, exist_ok=True)
     save_confusion(labels, preds, report_dir / "confusion_matrix.png")
+    store.clear()  # the model is saved: nothing left to resume
     return FinetuneResult(metrics, model_dir, best)
 
 
@@ -197,9 +225,14 @@ def save_confusion(labels: np.ndarray, preds: np.ndarray, path: Path) -> None:
     plt.close(fig)
 
 
-def is_rank_zero() -> bool:
-    """True in the launching process; DDP re-launches the stage with LOCAL_RANK/NODE_RANK set."""
-    return int(os.environ.get("LOCAL_RANK", 0)) == 0 and int(os.environ.get("NODE_RANK", 0)) == 0
+def start_attempt(run: Any, plan: ResumePlan, store: CheckpointStore) -> None:
+    """Record the attempt in its MLflow run: whether it resumed and from where (tags), the interrupted attempt it
+    continues (closed as KILLED), and this run as the one a later attempt would continue."""
+    run.set_tags({"resume.resumed": str(plan.resumed).lower(), "resume.reason": plan.reason[:500],
+                  "resume.from_step": str(plan.step)})
+    if plan.resumed and plan.previous_run_id:
+        run.close_interrupted(plan.previous_run_id)
+    store.remember_run(run.run_id)
 
 
 def run_finetune(tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots_dir: Path, report_dir: Path,
@@ -215,10 +248,12 @@ def run_finetune(tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots
         return finetune(tokenized_dir, model_dir, metrics_path, plots_dir, report_dir, data, model, train,
                         predictions_path=predictions_path)
 
+    plan = finetune_plan(tokenized_dir, data, model, train)
     with stage_run(tracking, "finetune", system_metrics=tracking.system_metrics) as run:
         run.log_sections({"data": to_dict(data), "model": to_dict(model), "train": to_dict(train)})
+        start_attempt(run, plan, CheckpointStore.for_job(train, "finetune"))
         result = finetune(tokenized_dir, model_dir, metrics_path, plots_dir, report_dir, data, model, train,
-                          mlflow_logger=run.lightning_logger(tracking), predictions_path=predictions_path)
+                          metric_sink=run.log_steps, predictions_path=predictions_path, plan=plan)
         run.log_metrics(result.metrics)
         run.set_tags({"train.precision.resolved": result.metrics["precision"]})
         run.log_artifact(metrics_path)

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from pipeline.core.params import Params, QuantizeParams
+from pipeline.core.params import Params, QuantizeParams, TrainParams, to_dict
 from pipeline.data.tokens import draw_rows, read_tokenized, training_window
 from pipeline.modeling import load_finetuned, pad_id
 from pipeline.variants.export import export_onnx, inference_model, max_length_of
@@ -107,7 +107,7 @@ def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, variants_roo
         write_variant(out["int8-static"], VariantInfo.built("int8-static", report["int8-static"]), finetuned)
 
         t0 = time.perf_counter()
-        report["int8-qat"] = _qat(inputs, best["method"], out["int8-qat"], q, params.train.seed,
+        report["int8-qat"] = _qat(inputs, best["method"], out["int8-qat"], q, params.train,
                                   training_window(meta, tokenizer))
         report["int8-qat"].update(int8_census(out["int8-qat"], "int8-qat"), **weight_record(choice),
                                   build_seconds=round(time.perf_counter() - t0, 2))
@@ -155,11 +155,16 @@ def _static_with_selection(base: Path, inputs: QuantizeInputs, val: pd.DataFrame
     return {"method": best, "scores": scores}
 
 
-def _qat(inputs: QuantizeInputs, method: str, out: Path, params: QuantizeParams, seed: int,
+def _qat(inputs: QuantizeInputs, method: str, out: Path, params: QuantizeParams, train: TrainParams,
          window: Any = None) -> dict[str, Any]:
     """`int8-qat`: QAT on `params.qat_train_samples` training reviews (in the finetune stage's training window),
-    then the static QDQ conversion with the calibration `method` int8-static chose."""
+    then the static QDQ conversion with the calibration `method` int8-static chose. The QAT finetune checkpoints and
+    resumes under `train.checkpoint_dir/qat` like the other training jobs."""
+    from pipeline.core.io import token_fingerprint
+    from pipeline.training.resume import CheckpointStore, fingerprint
     from pipeline.variants.qat import FAKE_QUANT_API, qat_finetune
+
+    seed = train.seed
 
     model, _, _ = load_finetuned(inputs.finetuned)
     model.train()
@@ -167,8 +172,13 @@ def _qat(inputs: QuantizeInputs, method: str, out: Path, params: QuantizeParams,
     reviews = [inputs.train["input_ids"].iloc[i] for i in idx]
     if window is not None:
         reviews = [window(ids) for ids in reviews]
-    result = qat_finetune(model, reviews, inputs.train["label"].to_numpy()[idx], params, seed, inputs.pad_id,
-                          inputs.ffn_width)
+    labels = inputs.train["label"].to_numpy()[idx]
+    store = CheckpointStore.for_job(train, "qat")
+    settings = {"quantize": to_dict(params), "seed": seed, "ffn_width": inputs.ffn_width,
+                "reviews": token_fingerprint(reviews), "labels": token_fingerprint([labels])}
+    plan = store.plan(fingerprint(settings, [inputs.finetuned]), train.resume)
+    result = qat_finetune(model, reviews, labels, params, seed, inputs.pad_id, inputs.ffn_width, store=store,
+                          plan=plan)
     fp32 = inputs.tmp / "qat-fp32.onnx"
     graph, readout = inference_model(model, inputs.cls_readout)  # qat_finetune leaves the model in eval mode
     export_onnx(graph, fp32, max_length_of(inputs.meta))
@@ -180,6 +190,6 @@ def _qat(inputs: QuantizeInputs, method: str, out: Path, params: QuantizeParams,
             "qat_samples": result.samples, "qat_steps": result.steps, "qat_epochs": params.qat_epochs,
             "qat_max_length": max(len(ids) for ids in reviews),
             "qat_lr": params.qat_lr, "qat_distillation": params.qat_distillation,
-            "qat_final_loss": round(result.final_loss, 4),
+            "qat_final_loss": round(result.final_loss, 4), **{f"qat_{k}": v for k, v in plan.record().items()},
             "fake_quant_layers": result.wrapped_layers, "dynamic_ffn_output": inputs.ffn_width is not None,
             **readout}

@@ -197,3 +197,26 @@ def test_mlflow_models_alias_summary_and_inputs(repo, tmp_path):
     transfer_columns = [c["name"] for c in json.loads(inputs["imdb-transfer"].schema)["mlflow_colspec"]]
     assert transfer_columns == ["text"]  # the teacher-labelled reviews are logged without a label column
     assert json.loads(inputs["imdb-train"].profile)["num_rows"] == 800
+
+
+def test_training_checkpoints_stay_out_of_dvc_outputs_and_the_archive(repo):
+    """Training wrote resumable checkpoints (`train.checkpoint_dir`), outside every stage's outs, and removed them
+    once each job finished; the run records that it did not resume; the served archive holds no checkpoint."""
+    import zipfile
+
+    import yaml
+
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    ckpt_dir = params["train"]["checkpoint_dir"]
+    outs = [o if isinstance(o, str) else next(iter(o)) for stage in yaml.safe_load(
+        (repo / "dvc.yaml").read_text())["stages"].values() for o in stage.get("outs", [])]
+    assert not [o for o in outs if Path(o).parts[0] == Path(ckpt_dir).parts[0]]
+    assert not (repo / ckpt_dir).exists() or not list((repo / ckpt_dir).rglob("*.ckpt"))
+    for stage in ("finetune", "distill"):
+        m = json.loads((repo / "metrics" / f"{stage}.json").read_text())
+        assert m["resumed"] is False and m["resumed_from_step"] == 0 and "fresh start" in m["resume_reason"]
+        assert m["train_steps"] > 0
+    with zipfile.ZipFile(repo / "model_store" / "sentiment.mar") as mar:
+        assert not [n for n in mar.namelist() if n.endswith((".ckpt", ".ckpt.tmp"))]
+    log = (repo / "repro.log").read_text()
+    assert "finetune: fresh start: no checkpoint in" in log and "distill: fresh start" in log

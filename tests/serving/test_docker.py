@@ -54,3 +54,41 @@ def test_config_keeps_the_attack_surface_small():
     assert cfg["enable_model_api"] == "false"
     assert cfg["install_py_dep_per_model"] == "false"
     assert cfg["allowed_urls"].startswith("file://")
+
+
+def test_grpc_ports_stay_on_loopback():
+    """TorchServe 0.12 cannot turn its gRPC servers off: they must at least bind to loopback."""
+    cfg = dict(line.split("=", 1) for line in (ROOT / "serving" / "config.properties").read_text().splitlines()
+               if line and not line.startswith("#"))
+    assert cfg["grpc_inference_address"] == cfg["grpc_management_address"] == "127.0.0.1"
+    assert "7070" not in next(rest for word, rest in _instructions() if word == "EXPOSE")
+
+
+def test_the_image_puts_the_proxy_in_front_and_keeps_torchserve_on_loopback():
+    ins = _instructions()
+    cmd = next(rest for word, rest in ins if word == "CMD")
+    assert "nginx -c /home/serve/nginx.conf" in cmd and "--log-config /home/serve/log4j2.xml" in cmd
+    assert next(rest for word, rest in ins if word == "EXPOSE").split() == ["8080", "8082"]
+    conf = (ROOT / "serving" / "nginx.conf").read_text()
+    assert re.search(r"listen 8080;", conf) and re.search(r"server 127\.0\.0\.1:8079;", conf)
+    assert any("inference_address=http://127.0.0.1:8079" in rest for word, rest in ins if word == "RUN")
+    blocks = re.split(r"\n\s*location ", conf)[1:]
+    proxied = [block.split("{", 1)[0].strip() for block in blocks if "proxy_pass" in block]
+    assert proxied == ["= /predictions/sentiment"]  # the only path that reaches TorchServe
+    assert "if ($request_method != POST)" in blocks[0] and "return 405" in blocks[0]
+
+
+def test_torchserve_logs_are_files_that_append_and_rotate():
+    import xml.etree.ElementTree as ET
+
+    root = ET.parse(ROOT / "serving" / "log4j2.xml").getroot()
+    rolling = root.findall("./Appenders/RollingFile")
+    assert {r.get("name") for r in rolling} >= {"access_log", "model_log", "ts_log"}
+    for appender in rolling:
+        assert appender.get("append") == "true" and appender.find("./Policies/SizeBasedTriggeringPolicy") is not None
+    console = root.find("./Appenders/Console/ThresholdFilter")
+    assert console is not None and console.get("level") == "WARN"
+    loggers = {lg.get("name"): lg for lg in root.findall("./Loggers/Logger")}
+    assert loggers["ACCESS_LOG"].get("additivity") == "false"  # per-request lines never reach the console
+    makefile = (ROOT / "Makefile").read_text()
+    assert "--log-config serving/log4j2.xml >> logs/torchserve.out" in makefile

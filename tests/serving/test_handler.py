@@ -10,21 +10,30 @@ import logging
 import pytest
 
 from pipeline.deployment.inference import SentimentPredictor
+from pipeline.deployment.protocol import Limits
 from serving.handler import SentimentHandler
-from serving.protocol import Limits
 
 
 class Context:
-    """What the handler uses of TorchServe's context: per-request response statuses."""
+    """What the handler uses of TorchServe's context: each request's headers (its Content-Type), and per-request
+    response statuses and headers."""
 
-    def __init__(self) -> None:
+    def __init__(self, content_types: list[str]) -> None:
+        self.content_types = content_types
         self.statuses: dict[int, int] = {}
+        self.headers: dict[int, dict[str, str]] = {}
+
+    def get_all_request_header(self, idx: int) -> dict[str, object]:
+        return {"Content-Type": self.content_types[idx]}
 
     def set_response_status(self, code: int, phrase: str = "", idx: int = 0) -> None:
         self.statuses[idx] = code
 
     def set_response_content_type(self, idx: int, value: str) -> None:
         assert value == "application/json"
+
+    def set_response_header(self, idx: int, key: str, value: str) -> None:
+        self.headers.setdefault(idx, {})[key] = value
 
 
 class CountingPredictor:
@@ -47,6 +56,7 @@ def test_a_batch_is_scored_in_one_call_mapped_back_and_its_size_logged(tiny_mode
     handler.predictor = CountingPredictor(predictor)
     handler.limits = Limits(max_texts=4, max_body_bytes=2048)
     handler.model_label = "imdb-sentiment:v1/test"
+    handler.headers = {"X-Model-Version": "1", "X-Model-Variant": "test"}
     handler.initialized = True
     batch = [
         {"body": json.dumps({"text": "a wonderful film"}).encode()},
@@ -54,12 +64,13 @@ def test_a_batch_is_scored_in_one_call_mapped_back_and_its_size_logged(tiny_mode
         {"data": {"texts": ["awful", "boring plot"]}},  # TorchServe's decoded JSON, under "data"
         {"body": b"plain text review"},
     ]
-    context = Context()
+    context = Context(["application/json", "application/json", "application/json", "text/plain"])
     with caplog.at_level(logging.INFO, logger="serving.handler"):
         answers = [json.loads(a) for a in handler.handle(batch, context)]
     assert "batch of 4 requests" in caplog.text
     assert handler.predictor.calls == [4]  # the 4 texts of the 3 good requests, scored together
     assert context.statuses == {0: 200, 1: 400, 2: 200, 3: 200}
+    assert all(context.headers[i] == handler.headers for i in range(4))  # errors too name the model
     assert answers[1]["status"] == 400 and "must be a string" in answers[1]["error"]
     expected = predictor.predict(["a wonderful film", "awful", "boring plot", "plain text review"])
     got = [answers[0], *answers[2], answers[3]]

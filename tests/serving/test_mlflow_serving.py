@@ -1,14 +1,12 @@
-"""The maintained serving path: a real `mlflow models serve -m models:/imdb-sentiment@champion` (local env manager,
-free loopback port) on a tiny-model variant that the evaluate and package stages logged, registered and aliased
-in a SQLite store. It must answer like `SentimentPredictor` (what TorchServe's handler runs) on the same
-variant directory, and serve the version the `.mar`'s `serving.json` names.
-
-The server runs from a directory outside the checkout without PYTHONPATH: the model carries its own code."""
+"""The maintained serving path: MLflow's scoring server for `models:/imdb-sentiment@champion` behind the contract
+(the session's `champion`, tests/serving/conftest.py, `python -m serving.mlflow_server` on a free loopback port) on
+a tiny-model variant that the evaluate and package stages logged, registered and aliased in a SQLite store. It
+must answer like `SentimentPredictor` (what TorchServe's handler runs) on the same variant directory, and serve
+the version the `.mar`'s `serving.json` names. What both servers must answer alike is in test_conformance.py."""
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import urllib.error
 import urllib.request
@@ -17,44 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.core.params import MlflowParams, PackageParams, Params
 from pipeline.deployment.inference import SentimentPredictor
-from tests.factories import evaluated_fp32_onnx, free_port, start_server, stop_server
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
 REVIEWS = ["A wonderful, moving film; the cast is superb.", "Awful. Boring, predictable and far too long.",
-           "It was fine.", "great " * 3000]  # the last is cut to package.max_chars_per_text like in TorchServe
-
-
-@pytest.fixture(scope="module")
-def champion(tmp_path_factory, tiny_model_dir):
-    """The tiny model's fp32-onnx variant evaluated, packaged as `imdb-sentiment@champion`, and a scoring server
-    for `models:/imdb-sentiment@champion` (stopped even when a test fails)."""
-    from pipeline.deployment.archive import run_package_stage
-
-    work = tmp_path_factory.mktemp("mlflow-serve")
-    store = f"sqlite:///{work / 'mlflow.db'}"
-    params = Params(mlflow=MlflowParams(tracking_uri=store))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.chdir(work)
-        mp.setenv("PIPELINE_RUN_ID", "serving-test")
-        dirs = evaluated_fp32_onnx(work, tiny_model_dir, params)
-        manifest = run_package_stage(work / "variants", work / "variants.json", work / "benchmark.json",
-                                     work / "sentiment.mar", work / "package.json", params)
-    port = free_port()
-    serve_dir = work / "elsewhere"
-    serve_dir.mkdir()
-    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "MLFLOW_TRACKING_URI": store,
-           "PATH": f"{BIN}:{os.environ['PATH']}"}  # `mlflow models serve` starts `uvicorn` from PATH
-    cmd = [str(BIN / "mlflow"), "models", "serve", "-m", "models:/imdb-sentiment@champion", "--env-manager", "local",
-           "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
-    proc = start_server(cmd, env, serve_dir, f"http://127.0.0.1:{port}/ping", work / "serve.log")
-    try:
-        yield {"url": f"http://127.0.0.1:{port}", "variant_dir": dirs["fp32-onnx"], "manifest": manifest,
-               "mar": work / "sentiment.mar", "store": store}
-    finally:
-        stop_server(proc)
+           "It was fine.", "great " * 200]
 
 
 def _post(url: str, payload: object) -> tuple[int, dict]:
@@ -68,7 +34,7 @@ def _post(url: str, payload: object) -> tuple[int, dict]:
 
 
 def test_scoring_server_answers_like_the_predictor_on_the_same_variant(champion):
-    expected = SentimentPredictor(champion["variant_dir"], max_chars=PackageParams().max_chars_per_text)
+    expected = SentimentPredictor(champion["variant_dir"])
     want = expected.predict(REVIEWS)
     for payload in ({"dataframe_records": [{"text": t} for t in REVIEWS]}, {"inputs": REVIEWS},
                     {"dataframe_split": {"columns": ["text"], "data": [[t] for t in REVIEWS]}}):
@@ -94,3 +60,65 @@ def test_the_archive_names_the_version_the_alias_serves(champion):
     assert served["uri"] == "models:/imdb-sentiment@champion" and served["version"] == str(version.version)
     assert version.source == f"models:/{served['model_id']}"
     assert champion["manifest"]["model"] == f"imdb-sentiment:v{version.version}/fp32-onnx"
+
+
+def _get(url: str) -> tuple[int, dict[str, str], bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=60) as resp:
+            return resp.status, {k.lower(): v for k, v in resp.headers.items()}, resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, {k.lower(): v for k, v in err.headers.items()}, err.read()
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    """The value of sample `name{labels}` in Prometheus text, 0 when absent."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            found = dict(part.split("=", 1) for part in line[line.find("{") + 1 : line.rfind("}")].split(",")
+                         if "=" in part)
+            if all(found.get(k) == f'"{v}"' for k, v in labels.items()):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_readiness_metrics_and_logs_for_operators(champion):
+    status, headers, body = _get(f"{champion['url']}/ready")
+    version = champion["manifest"]["registered_model"]["version"]
+    assert status == 200 and json.loads(body) == {"status": "ready", "version": version, "variant": "fp32-onnx"}
+    assert headers["x-model-version"] == version and headers["x-model-variant"] == "fp32-onnx"
+    before = _get(f"{champion['url']}/metrics")[2].decode()
+    assert _post(champion["url"], {"inputs": ["fine", "awful"]})[0] == 200
+    assert _post(champion["url"], {"inputs": [None]})[0] == 400
+    status, headers, body = _get(f"{champion['url']}/metrics")
+    after = body.decode()
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    for name, labels, delta in (
+        ("sentiment_requests_total", {"path": "/invocations", "method": "POST", "status": "200"}, 1),
+        ("sentiment_requests_total", {"path": "/invocations", "method": "POST", "status": "400"}, 1),
+        ("sentiment_request_errors_total", {"kind": "invalid_input"}, 1),
+        ("sentiment_texts_scored_total", {}, 2),
+        ("sentiment_request_latency_seconds_count", {"path": "/invocations"}, 2),
+    ):
+        assert _metric(after, name, **labels) - _metric(before, name, **labels) == delta, (name, labels)
+    assert _metric(after, "sentiment_model_info", version=version, variant="fp32-onnx") == 1
+    log = (champion["log_dir"] / "mlflow_server.log").read_text()
+    assert '"POST /invocations HTTP/1.1" 400' in log and "serving models:/imdb-sentiment@champion" in log
+
+
+def test_the_launchers_log_appends_across_restarts_and_rotates(tmp_path):
+    import logging
+    import logging.config
+
+    from serving.mlflow_server import log_config
+
+    for start in range(2):  # two "runs" of the server
+        logging.config.dictConfig(log_config(tmp_path, max_bytes=2000, backups=2))
+        for i in range(15):
+            logging.getLogger("serving.mlflow_server").warning("start %d line %d %s", start, i, "x" * 100)
+        for handler in logging.getLogger("serving").handlers:
+            handler.close()
+    logging.config.dictConfig({"version": 1, "disable_existing_loggers": False})
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["mlflow_server.log", "mlflow_server.log.1", "mlflow_server.log.2"]
+    text = "".join((tmp_path / name).read_text() for name in files)
+    assert "start 1 line 14" in text and "start 0 line 9" in text  # the first run survived the second's start

@@ -1,10 +1,11 @@
-"""The request contract and per-request isolation in-process (`serving.protocol`, `serving.handler` without
+"""The request contract and per-request isolation in-process (`pipeline.deployment.protocol`, `serving.handler` without
 TorchServe): property-based over arbitrary bytes, arbitrary JSON values (as bytes and as JSON the server
 decoded itself) and mixes of valid and hostile requests, plus the poison payloads that once failed a batch."""
 
 from __future__ import annotations
 
 import json
+import unicodedata
 from dataclasses import dataclass
 
 import pytest
@@ -12,8 +13,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.deployment.inference import SentimentPredictor
+from pipeline.deployment.protocol import (
+    INVISIBLE_CATEGORIES,
+    MAX_ERROR_CHARS,
+    MLFLOW_SHAPES,
+    TORCHSERVE_SHAPES,
+    Limits,
+    RequestError,
+    answer_batch,
+    is_json_media_type,
+    parse_request,
+)
 from serving.handler import SentimentHandler
-from serving.protocol import Limits, RequestError, answer_batch, is_json_media_type, parse_request
 
 LIMITS = Limits(max_texts=4, max_body_bytes=4096, max_chars_per_text=256, max_json_depth=8)
 CONTENT_TYPES = [None, "application/json", "application/json; charset=utf-8", "text/plain",
@@ -78,14 +89,63 @@ def test_messages_say_what_was_wrong(body, status, needle):
 
 
 def test_valid_bodies_in_every_form():
-    assert parse_request(b'{"text": "good"}', LIMITS).texts == ["good"]
-    assert parse_request(bytearray(b'{"texts": ["a", "b"]}'), LIMITS).is_list
-    assert parse_request({"texts": ["a", "b"]}, LIMITS).texts == ["a", "b"]
+    json_type = "application/json"
+    assert parse_request(b'{"text": "good"}', LIMITS, json_type).texts == ["good"]
+    assert parse_request(bytearray(b'{"texts": ["a", "b"]}'), LIMITS, json_type).is_list
+    assert parse_request({"texts": ["a", "b"]}, LIMITS).texts == ["a", "b"]  # JSON the server decoded
     assert parse_request("a plain review", LIMITS, "text/plain").texts == ["a plain review"]
     assert parse_request(b"true", LIMITS, "text/plain").texts == ["true"]  # a plain-text review saying "true"
-    within_depth = {"text": "ok", "meta": nested(7, 1)}  # 8 levels: the object and 7 arrays
-    assert parse_request(json.dumps(within_depth).encode(), LIMITS).texts == ["ok"]
-    assert parse_request(within_depth, LIMITS).texts == ["ok"]
+    within_depth = {"texts": [nested(6, "ok")[0]]}  # 8 levels: the object, the list and 6 lists
+    with pytest.raises(RequestError, match="must be a string"):  # within the depth, but no string where one goes
+        parse_request(json.dumps(within_depth).encode(), LIMITS, json_type)
+    rows = ["a", 'b, "quoted"\nline']
+    mlflow = {"dataframe_split": {"columns": ["text"], "data": [[t] for t in rows]},
+              "dataframe_records": [{"text": t} for t in rows], "inputs": rows, "instances": {"text": rows}}
+    for key, value in mlflow.items():
+        parsed = parse_request(json.dumps({key: value}).encode(), LIMITS, json_type, MLFLOW_SHAPES)
+        assert parsed.texts == rows and parsed.shape == key
+    csv_body = b'text\na\n"b, ""quoted""\nline"\n'
+    assert parse_request(csv_body, LIMITS, "text/csv", MLFLOW_SHAPES).texts == rows
+
+
+@pytest.mark.parametrize(
+    ("body", "content_type", "shapes", "status", "needle"),
+    [
+        (b'{"text": "a"}', None, TORCHSERVE_SHAPES, 415, "no Content-Type"),
+        (b'{"text": "a"}', "application/x-www-form-urlencoded", TORCHSERVE_SHAPES, 415, "form-encoded"),
+        (b'{"text": "a"}', "application/json; charset=latin-1", TORCHSERVE_SHAPES, 415, "charset"),
+        (b"text\na\n", "text/csv", TORCHSERVE_SHAPES, 415, "not accepted"),
+        (b"a review", "text/plain", MLFLOW_SHAPES, 415, "not accepted"),
+        (b'{"text": "a", "texts": ["b"]}', "application/json", TORCHSERVE_SHAPES, 400, '"text" and "texts"'),
+        (b'{"text": "a", "extra": 1}', "application/json", TORCHSERVE_SHAPES, 400, "besides"),
+        (rb'{"text": "\u200b\u202e\u0007"}', "application/json", TORCHSERVE_SHAPES, 400, "no visible character"),
+        (json.dumps({"text": "x" * 257}).encode(), "application/json", TORCHSERVE_SHAPES, 413, "257 characters"),
+        (b'{"inputs": ["a"], "instances": ["b"]}', "application/json", MLFLOW_SHAPES, 400, "and"),
+        (b'{"dataframe_records": [{"review": "a"}]}', "application/json", MLFLOW_SHAPES, 400, "exactly one column"),
+        (b'{"dataframe_split": {"columns": ["x"], "data": [["a"]]}}', "application/json", MLFLOW_SHAPES, 400,
+         '"columns": ["text"]'),
+        (b'{"dataframe_records": [{"text": null}]}', "application/json", MLFLOW_SHAPES, 400, "got null"),
+        (b'{"inputs": [5]}', "application/json", MLFLOW_SHAPES, 400, "inputs[0] must be a string, got a number"),
+        (b'{"inputs": []}', "application/json", MLFLOW_SHAPES, 400, "no texts"),
+        (b"review\na\n", "text/csv", MLFLOW_SHAPES, 400, "header row"),
+        (b'text\n"a",b\n', "text/csv", MLFLOW_SHAPES, 400, "2 fields"),
+        (b"text\n" + b"a\n" * 5, "text/csv", MLFLOW_SHAPES, 413, "maximum of 4"),
+    ],
+)
+def test_the_contracts_refusals_name_the_problem(body, content_type, shapes, status, needle):
+    with pytest.raises(RequestError) as err:
+        parse_request(body, LIMITS, content_type, shapes)
+    assert err.value.status == status and needle in err.value.message, err.value.message
+
+
+def test_error_messages_are_bounded_and_never_quote_the_input():
+    marker = "ECHO-MARKER"
+    for body in (b'{"' + marker.encode() * 100 + b'": 1}', (marker * 100).encode() + b"\xff",
+                 b'{"text": "' + marker.encode() * 50 + b'\\ud800"}'):
+        with pytest.raises(RequestError) as err:
+            parse_request(body, LIMITS, "application/json")
+        assert marker not in err.value.message and len(err.value.message) <= MAX_ERROR_CHARS
+    assert len(RequestError(400, "x" * 5000).message) == MAX_ERROR_CHARS
 
 
 def test_json_media_types():
@@ -158,7 +218,9 @@ class FakeScorer:
         return [Verdict("positive" if len(t) % 2 else "negative", 0.75) for t in encoded]
 
 
-valid_texts = st.text(min_size=1, max_size=40).filter(lambda t: t.strip() and "BOOM" not in t and "POISON" not in t)
+valid_texts = st.text(min_size=1, max_size=40).filter(
+    lambda t: any(unicodedata.category(c) not in INVISIBLE_CATEGORIES for c in t) and "BOOM" not in t
+    and "POISON" not in t)
 valid_requests = st.one_of(
     valid_texts.map(lambda t: (json.dumps({"text": t}).encode(), "application/json")),
     st.lists(valid_texts, min_size=1, max_size=4).map(lambda ts: ({"texts": ts}, "application/json")),
@@ -188,8 +250,9 @@ def test_a_mixed_batch_gets_one_answer_per_request_and_every_valid_one_a_label(r
 
 def test_a_request_that_breaks_the_model_fails_alone():
     scorer = FakeScorer()
-    batch = [(b'{"text": "fine"}', None), (b'{"texts": ["ok", "POISON here"]}', None), (b"BOOM", "text/plain"),
-             (b'{"text": "also fine"}', None)]
+    json_type = "application/json"
+    batch = [(b'{"text": "fine"}', json_type), (b'{"texts": ["ok", "POISON here"]}', json_type),
+             (b"BOOM", "text/plain"), (b'{"text": "also fine"}', json_type)]
     answers = answer_batch(batch, scorer, LIMITS, "m")
     assert [a.status for a in answers] == [200, 500, 500, 200]
     assert "internal error" in answers[1].body["error"] and answers[2].body["status"] == 500
@@ -206,7 +269,10 @@ class Context:
         self.types: dict[int, str] = {}
 
     def get_all_request_header(self, idx: int) -> dict[str, object]:
-        return {"body": {"content-type": self.content_types[idx]}}
+        return {"body": {"content-type": self.content_types[idx]}, "Content-Type": self.content_types[idx]}
+
+    def set_response_header(self, idx: int, key: str, value: str) -> None:
+        pass
 
     def set_response_status(self, code: int, phrase: str = "", idx: int = 0) -> None:
         self.statuses[idx] = code

@@ -1,16 +1,12 @@
-"""Real TorchServe, started and stopped by the tests on free loopback ports, serving a tiny-model `.mar`.
-
-The server uses `serving/config.properties` as shipped (also what the Docker image copies); only the ports
-and the model store path are rewritten for the test.
-"""
+"""Real TorchServe (the session's `server`, tests/serving/conftest.py) serving a tiny-model `.mar` with
+`serving/config.properties` as shipped (also what the Docker image copies); only the ports and the model store
+path are rewritten for the test. What both servers must answer alike is in test_conformance.py."""
 
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -22,138 +18,14 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pipeline.core.params import ExportParams, PackageParams
 from pipeline.deployment.inference import SentimentPredictor
 from serving.client import inference_key, predict, read_key_file
-from tests.factories import ROOT, write_tokenized
+from tests.factories import ROOT
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
-LIMITS = PackageParams(max_texts=4, max_body_bytes=2048)
 CONFIG = dict(line.split("=", 1) for line in (ROOT / "serving" / "config.properties").read_text().splitlines()
               if line and not line.startswith("#"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """Handle on the running test server."""
-
-    def __init__(self, workdir: Path, url: str, key: str, variant_dir: Path, ports: dict[str, int]) -> None:
-        self.workdir, self.url, self.key, self.variant_dir = workdir, url, key, variant_dir
-        self.management_url = f"http://127.0.0.1:{ports['management']}"
-        self.metrics_url = f"http://127.0.0.1:{ports['metrics']}"
-
-    def frontend_pids(self) -> set[int]:
-        """The Java frontend serving this test's working directory."""
-        return {p.pid for p in psutil.process_iter(["name", "cmdline"])
-                if p.info["name"] == "java" and str(self.workdir) in " ".join(p.info["cmdline"] or [])}
-
-    def post(self, body: bytes, content_type: str = "application/json", key: str | None = "default") -> tuple[int, str]:
-        req = urllib.request.Request(
-            f"{self.url}/predictions/sentiment", data=body, method="POST", headers={"Content-Type": content_type}
-        )
-        token = self.key if key == "default" else key
-        if token:
-            req.add_header("Authorization", f"Bearer {token}")
-        try:
-            with urllib.request.urlopen(req, timeout=60) as resp:
-                return resp.status, resp.read().decode()
-        except urllib.error.HTTPError as err:
-            return err.code, err.read().decode("utf-8", "replace")
-
-    def predict(self, payload: object) -> tuple[int, object]:
-        status, text = self.post(json.dumps(payload).encode())
-        return status, json.loads(text) if text else None
-
-
-def _wait_healthy(url: str, key: str, log: Path, timeout: float = 180) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            req = urllib.request.Request(f"{url}/ping", headers={"Authorization": f"Bearer {key}"})
-            with urllib.request.urlopen(req, timeout=5) as resp:
-                if json.loads(resp.read()).get("status") == "Healthy":
-                    # /ping is healthy before the worker finishes loading: wait for a real answer too
-                    body = json.dumps({"text": "warm"}).encode()
-                    r = urllib.request.Request(
-                        f"{url}/predictions/sentiment",
-                        data=body,
-                        method="POST",
-                        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
-                    )
-                    with urllib.request.urlopen(r, timeout=30) as ok:
-                        if ok.status == 200:
-                            return
-        except (OSError, urllib.error.URLError, json.JSONDecodeError):
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"TorchServe not healthy after {timeout}s; log tail:\n{log.read_text()[-4000:]}")
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_model_dir):
-    from pipeline.deployment.archive import Choice, build_archive
-    from pipeline.variants.export import run_export
-
-    work = tmp_path_factory.mktemp("torchserve")
-    tok = write_tokenized(work / "tok", {"test": 8})
-    run_export(tiny_model_dir, tok, work / "v", ExportParams())
-    variants = {"fp32-onnx": work / "v" / "fp32-onnx"}
-    store = work / "model_store"
-    build_archive(
-        variants["fp32-onnx"],
-        Choice("fp32-onnx", "test"),
-        {"name": "imdb-sentiment", "version": "7"},
-        LIMITS,
-        store / "sentiment.mar",
-    )
-    ports = {"inference": _free_port(), "management": _free_port(), "metrics": _free_port()}
-    cfg = (ROOT / "serving" / "config.properties").read_text()
-    for api, port in ports.items():
-        cfg = re.sub(
-            rf"^{api}_address=http://127\.0\.0\.1:\d+", f"{api}_address=http://127.0.0.1:{port}", cfg, flags=re.M
-        )
-    cfg = re.sub(r"^model_store=.*$", f"model_store={store}", cfg, flags=re.M)
-    (work / "config.properties").write_text(cfg)
-    env = {
-        **os.environ,
-        "PATH": f"{BIN}:{os.environ['PATH']}",
-        "TMPDIR": str(work),
-        "LOG_LOCATION": str(work / "logs"),
-        "METRICS_LOCATION": str(work / "logs"),
-    }
-    start = [
-        str(BIN / "torchserve"),
-        "--start",
-        "--ncs",
-        "--ts-config",
-        str(work / "config.properties"),
-        "--model-store",
-        str(store),
-    ]
-    log = work / "server.log"
-    with log.open("w") as fh:
-        subprocess.run(start, cwd=work, env=env, stdout=fh, stderr=subprocess.STDOUT, check=True, timeout=120)
-    try:
-        deadline = time.time() + 60
-        while not (work / "key_file.json").is_file() and time.time() < deadline:
-            time.sleep(0.5)
-        key = inference_key(work / "key_file.json")  # waits out a key file TorchServe is still writing
-        assert key, f"TorchServe wrote no key file within 60 s; see {log}"
-        url = f"http://127.0.0.1:{ports['inference']}"
-        _wait_healthy(url, key, work / "logs" / "ts_log.log" if (work / "logs").exists() else log)
-        yield Server(work, url, key, variants["fp32-onnx"], ports)
-    finally:
-        subprocess.run([str(BIN / "torchserve"), "--stop"], cwd=work, env=env, capture_output=True, timeout=120)
-        for proc in psutil.process_iter(["cmdline"]):  # nothing may outlive the tests
-            cmd = " ".join(proc.info["cmdline"] or [])
-            if str(work) in cmd and proc.pid != os.getpid():
-                proc.kill()
 
 
 def test_prediction_contract(server):
@@ -196,7 +68,7 @@ def test_token_required(server):
         (b'{"texts": "one"}', "application/json", 400, "list of strings"),
         (b'["a"]', "application/json", 400, "must be an object"),
         (b"\xff\xfe\xfa bytes", "text/plain", 400, "not valid UTF-8"),
-        (b"x" * 3000, "text/plain", 413, "exceeds the limit"),
+        (b"x" * 5000, "text/plain", 413, "exceeds the limit"),
         (json.dumps({"texts": ["a"] * 5}).encode(), "application/json", 413, "maximum of 4"),
     ],
 )
@@ -221,7 +93,7 @@ def test_long_emoji_html_and_other_scripts(server):
     for text in texts[1:]:
         status, body = server.predict({"text": text})
         assert status == 200, (text, body)
-    status, _ = server.post(long_review.encode()[:2000], content_type="text/plain")
+    status, _ = server.post(long_review.encode()[:1400], content_type="text/plain")
     assert status == 200
 
 

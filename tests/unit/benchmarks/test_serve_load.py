@@ -7,7 +7,7 @@ import json
 import pytest
 
 from benchmarks.serve_load import Endpoint, malformed_bodies, table, targets, torchserve_batching
-from serving.protocol import Limits, RequestError, parse_request
+from pipeline.deployment.protocol import Limits, RequestError, parse_request
 
 
 def test_every_kind_of_malformed_request_is_refused_by_the_protocol():

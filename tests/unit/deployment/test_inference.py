@@ -29,3 +29,24 @@ def test_a_huge_text_is_cut_to_max_chars_before_tokenizing_and_scored_as_the_cut
     assert [ids.tolist() for ids in encoded] == [ids.tolist() for ids in capped.encode([huge[:5000], "short and fine"])]
     expected = capped.predict([huge, "short and fine"])
     assert [(p.label, p.score) for p in capped.score(encoded)] == [(p.label, p.score) for p in expected]
+
+
+def test_the_pyfunc_predictor_refuses_what_the_contract_refuses(tiny_model_dir):
+    """`ContractPredictor` (what the MLflow pyfunc runs) answers like `SentimentPredictor` on texts and refuses a
+    value MLflow's DataFrame may hold instead of scoring its `str()` (null once came back as a label)."""
+    import math
+
+    import pytest
+
+    from pipeline.deployment.inference import ContractPredictor
+    from pipeline.deployment.protocol import RequestError
+
+    checked = ContractPredictor(tiny_model_dir, max_chars=100, max_texts=3)
+    texts = ["great wonderful film", "awful boring film"]
+    assert [(p.label, p.score) for p in checked.predict(texts)] == \
+        [(p.label, p.score) for p in SentimentPredictor(tiny_model_dir).predict(texts)]
+    for values, needle in (([None], "got null"), ([math.nan], "got null"), ([5], "got a number"),
+                           (["  "], "whitespace"), (["\u200b\u202e"], "no visible character"),
+                           (["x" * 101], "more than the limit of 100"), (["a"] * 4, "maximum of 3"), ([], "no texts")):
+        with pytest.raises(RequestError, match=needle):
+            checked.predict(values)

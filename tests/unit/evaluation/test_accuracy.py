@@ -102,7 +102,7 @@ def test_every_built_variant_is_an_mlflow_model_with_its_scores(built, tiny_mode
     assert models["fp32-onnx"].tags["artifact_pointer"] == str(dirs["fp32-onnx"].resolve())
     assert models["int8-static"].model_type == "onnx-int8"
     loaded = mlflow.pyfunc.load_model(results["int8-static"]["model_uri"])
-    assert loaded.model_config == {"max_chars": 100, "threads": None}
+    assert loaded.model_config == {"max_chars": 100, "threads": None, "max_texts": 64}
     from pipeline.deployment.inference import SentimentPredictor
 
     texts = ["great wonderful film", "awful boring film"]

@@ -333,8 +333,8 @@ def test_auto_skips_a_student_that_would_train_in_fp32_on_the_cpu_and_says_why(t
 
     trained: list[bool] = []
 
-    def fake_distill(teacher_dir, tokenized_dir, student_dir, metrics_path, plots_dir, params, mlflow_logger=None,
-                     enabled=None, precision=None):
+    def fake_distill(teacher_dir, tokenized_dir, student_dir, metrics_path, plots_dir, params, metric_sink=None,
+                     enabled=None, precision=None, plan=None):
         assert precision.value == "32-true"  # resolved once, by run_distill, and handed down
         trained.append(enabled.value)
         for directory in (student_dir, plots_dir):

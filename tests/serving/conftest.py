@@ -1,0 +1,206 @@
+"""The two real servers of the serving tier, started once per session on free loopback ports and stopped even
+when a test fails: TorchServe (`server`) on a tiny-model `.mar` with `serving/config.properties` as shipped (only
+ports and the model store rewritten), and MLflow's scoring server behind the contract (`champion`,
+`python -m serving.mlflow_server`) on the same tiny model's fp32-onnx variant, registered and aliased in a SQLite
+store by the evaluate and package stages' own code. Both run with `tests.factories.SERVING_LIMITS`."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from pipeline.core.params import ExportParams, MlflowParams, PackageParams, Params
+from serving.client import inference_key
+from tests.factories import (
+    ROOT,
+    SERVING_LIMITS,
+    evaluated_fp32_onnx,
+    free_port,
+    start_server,
+    stop_server,
+    write_tokenized,
+)
+
+BIN = Path(sys.executable).parent
+
+
+class Server:
+    """Handle on the running TorchServe."""
+
+    def __init__(self, workdir: Path, url: str, key: str, variant_dir: Path, ports: dict[str, int]) -> None:
+        self.workdir, self.url, self.key, self.variant_dir = workdir, url, key, variant_dir
+        self.management_url = f"http://127.0.0.1:{ports['management']}"
+        self.metrics_url = f"http://127.0.0.1:{ports['metrics']}"
+        self.ports = ports
+
+    def frontend_pids(self) -> set[int]:
+        """The Java frontend serving this test's working directory."""
+        return {p.pid for p in psutil.process_iter(["name", "cmdline"])
+                if p.info["name"] == "java" and str(self.workdir) in " ".join(p.info["cmdline"] or [])}
+
+    def post(self, body: bytes, content_type: str = "application/json", key: str | None = "default") -> tuple[int, str]:
+        req = urllib.request.Request(
+            f"{self.url}/predictions/sentiment", data=body, method="POST", headers={"Content-Type": content_type}
+        )
+        token = self.key if key == "default" else key
+        if token:
+            req.add_header("Authorization", f"Bearer {token}")
+        try:
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                return resp.status, resp.read().decode()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read().decode("utf-8", "replace")
+
+    def predict(self, payload: object) -> tuple[int, object]:
+        status, text = self.post(json.dumps(payload).encode())
+        return status, json.loads(text) if text else None
+
+
+def _wait_healthy(url: str, key: str, log: Path, timeout: float = 180) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            req = urllib.request.Request(f"{url}/ping", headers={"Authorization": f"Bearer {key}"})
+            with urllib.request.urlopen(req, timeout=5) as resp:
+                if json.loads(resp.read()).get("status") == "Healthy":
+                    # /ping is healthy before the worker finishes loading: wait for a real answer too
+                    body = json.dumps({"text": "warm"}).encode()
+                    r = urllib.request.Request(
+                        f"{url}/predictions/sentiment",
+                        data=body,
+                        method="POST",
+                        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+                    )
+                    with urllib.request.urlopen(r, timeout=30) as ok:
+                        if ok.status == 200:
+                            return
+        except (OSError, urllib.error.URLError, json.JSONDecodeError):
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"TorchServe not healthy after {timeout}s; log tail:\n{log.read_text()[-4000:]}")
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory, tiny_model_dir):
+    """TorchServe serving the tiny model's fp32-onnx `.mar` (registry version 7), as `make serve` starts it."""
+    from pipeline.deployment.archive import Choice, build_archive
+    from pipeline.variants.export import run_export
+
+    work = tmp_path_factory.mktemp("torchserve")
+    tok = write_tokenized(work / "tok", {"test": 8})
+    run_export(tiny_model_dir, tok, work / "v", ExportParams())
+    variants = {"fp32-onnx": work / "v" / "fp32-onnx"}
+    store = work / "model_store"
+    build_archive(variants["fp32-onnx"], Choice("fp32-onnx", "test"), {"name": "imdb-sentiment", "version": "7"},
+                  PackageParams(**SERVING_LIMITS), store / "sentiment.mar")
+    ports = {name: free_port() for name in ("inference", "management", "metrics", "grpc_inference",
+                                            "grpc_management")}
+    cfg = (ROOT / "serving" / "config.properties").read_text()
+    for api in ("inference", "management", "metrics"):
+        cfg = re.sub(rf"^{api}_address=http://127\.0\.0\.1:\d+", f"{api}_address=http://127.0.0.1:{ports[api]}",
+                     cfg, flags=re.M)
+    for api in ("grpc_inference", "grpc_management"):
+        cfg = re.sub(rf"^{api}_port=\d+", f"{api}_port={ports[api]}", cfg, flags=re.M)
+    cfg = re.sub(r"^model_store=.*$", f"model_store={store}", cfg, flags=re.M)
+    (work / "config.properties").write_text(cfg)
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "TMPDIR": str(work),
+           "LOG_LOCATION": str(work / "logs"), "METRICS_LOCATION": str(work / "logs")}
+    start = [str(BIN / "torchserve"), "--start", "--ncs", "--ts-config", str(work / "config.properties"),
+             "--model-store", str(store), "--log-config", str(ROOT / "serving" / "log4j2.xml")]
+    log = work / "server.log"
+    with log.open("w") as fh:
+        subprocess.run(start, cwd=work, env=env, stdout=fh, stderr=subprocess.STDOUT, check=True, timeout=120)
+    try:
+        deadline = time.time() + 60
+        while not (work / "key_file.json").is_file() and time.time() < deadline:
+            time.sleep(0.5)
+        key = inference_key(work / "key_file.json")  # waits out a key file TorchServe is still writing
+        assert key, f"TorchServe wrote no key file within 60 s; see {log}"
+        url = f"http://127.0.0.1:{ports['inference']}"
+        _wait_healthy(url, key, work / "logs" / "ts_log.log" if (work / "logs").exists() else log)
+        yield Server(work, url, key, variants["fp32-onnx"], ports)
+    finally:
+        subprocess.run([str(BIN / "torchserve"), "--stop"], cwd=work, env=env, capture_output=True, timeout=120)
+        for proc in psutil.process_iter(["cmdline"]):  # nothing may outlive the tests
+            cmd = " ".join(proc.info["cmdline"] or [])
+            if str(work) in cmd and proc.pid != os.getpid():
+                proc.kill()
+
+
+@pytest.fixture(scope="session")
+def champion(tmp_path_factory, tiny_model_dir):
+    """The tiny model's fp32-onnx variant evaluated, packaged as `imdb-sentiment@champion`, and
+    `python -m serving.mlflow_server` serving `models:/imdb-sentiment@champion` with the test limits. It runs
+    from a directory outside the checkout: the model carries its own code, only the launcher comes from it."""
+    from pipeline.deployment.archive import run_package_stage
+
+    work = tmp_path_factory.mktemp("mlflow-serve")
+    store = f"sqlite:///{work / 'mlflow.db'}"
+    params = Params(mlflow=MlflowParams(tracking_uri=store))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(work)
+        mp.setenv("PIPELINE_RUN_ID", "serving-test")
+        dirs = evaluated_fp32_onnx(work, tiny_model_dir, params)
+        manifest = run_package_stage(work / "variants", work / "variants.json", work / "benchmark.json",
+                                     work / "sentiment.mar", work / "package.json", params)
+    port = free_port()
+    serve_dir = work / "elsewhere"
+    serve_dir.mkdir()
+    (serve_dir / "params.yaml").write_text(yaml.safe_dump({"mlflow": {"tracking_uri": store},
+                                                           "package": SERVING_LIMITS}))
+    env = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}, "PYTHONPATH": str(ROOT),
+           "PATH": f"{BIN}:{os.environ['PATH']}"}
+    cmd = [sys.executable, "-m", "serving.mlflow_server", "--port", str(port), "--params", "params.yaml",
+           "--log-dir", "logs"]
+    proc = start_server(cmd, env, serve_dir, f"http://127.0.0.1:{port}/ready", work / "serve.log")
+    try:
+        yield {"url": f"http://127.0.0.1:{port}", "variant_dir": dirs["fp32-onnx"], "manifest": manifest,
+               "mar": work / "sentiment.mar", "store": store, "log_dir": serve_dir / "logs"}
+    finally:
+        stop_server(proc)
+
+
+@pytest.fixture(scope="session")
+def proxy(tmp_path_factory, server):
+    """`serving/nginx.conf` as the Docker image runs it, in front of the session's TorchServe (only the listen
+    port, the upstream and the pid/temp paths rewritten); skipped where no nginx is installed."""
+    import shutil
+    import socket
+
+    nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").is_file() else None)
+    if nginx is None:
+        pytest.skip("nginx is not installed here (the Docker image installs it)")
+    work = tmp_path_factory.mktemp("nginx")
+    port = free_port()
+    conf = (ROOT / "serving" / "nginx.conf").read_text()
+    conf = re.sub(r"listen 8080;", f"listen 127.0.0.1:{port};", conf)
+    conf = re.sub(r"server 127\.0\.0\.1:8079;", f"server 127.0.0.1:{server.ports['inference']};", conf)
+    conf = conf.replace("/tmp/", f"{work}/")
+    (work / "nginx.conf").write_text(conf)
+    proc = subprocess.Popen([nginx, "-c", str(work / "nginx.conf"), "-g", "daemon off;"], cwd=work,
+                            stdout=subprocess.DEVNULL, stderr=(work / "nginx.log").open("wb"),
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError((work / "nginx.log").read_text()) from None
+                time.sleep(0.2)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop_server(proc)
