@@ -2,9 +2,10 @@
 
 The archive holds the variant directory (`model/`), the TorchServe-independent code it needs (`pipeline/`,
 the request contract `pipeline/deployment/protocol.py` included), `serving.json` (limits, threads, the model
-label answered in every response, and the MLflow registry entry it serves: `models:/<name>@<alias>` and the
-version) and the handler. Nothing is installed per model at serve time. The same registered version is what
-`python -m serving.mlflow_server` (MLflow's scoring server) serves for `models:/<name>@<alias>`."""
+label answered in every response, how the variant is batched and why (`pipeline.variants.batch_invariance`),
+and the MLflow registry entry it serves: `models:/<name>@<alias>` and the version) and the handler. Nothing is
+installed per model at serve time. The same registered version is what `python -m serving.mlflow_server`
+(MLflow's scoring server) serves for `models:/<name>@<alias>`."""
 
 from __future__ import annotations
 
@@ -95,8 +96,11 @@ def serving_summary(choice: Choice, variants: dict[str, dict[str, Any]], benchma
 def build_archive(variant_dir: Path, choice: Choice, registry: dict[str, Any], params: PackageParams,
                   mar_path: Path) -> dict[str, Any]:
     """Stage the archive contents and run `torch-model-archiver`; returns the serving config written."""
+    from pipeline.variants.batch_invariance import variant_batching
+
     model_label = f"{registry['name']}:v{registry['version']}/{choice.name}"
-    config = {"variant": choice.name, "variant_dir": "model", "model": model_label, "max_texts": params.max_texts,
+    config = {"variant": choice.name, "variant_dir": "model", "model": model_label, **variant_batching(variant_dir),
+              "max_texts": params.max_texts,
               "max_body_bytes": params.max_body_bytes, "max_chars_per_text": params.max_chars_per_text,
               "max_json_depth": params.max_json_depth, "threads": params.threads, "choice_reason": choice.reason,
               "registered_model": registry}
@@ -169,11 +173,12 @@ def run_package_stage(variants_root: Path, variants_metrics: Path, benchmark_met
         manifest = {**config, "mar": str(mar), "mar_size_mb": round(mar.stat().st_size / 1e6, 3)}
         write_json(manifest_path, manifest)
         run.set_tags({"served_variant": choice.name, "served_model": config["model"],
-                      "choice_reason": choice.reason, "registered_model_name": name,
+                      "choice_reason": choice.reason, "served_batching": config["served_batching"],
+                      "served_batching_reason": config["served_batching_reason"], "registered_model_name": name,
                       "registered_model_version": version, "registered_model_alias": alias,
                       "registered_model_link": registry["uri"], "served_model_id": model_id})
         run.log_metrics({"mar_size_mb": manifest["mar_size_mb"]})
         run.log_artifact(manifest_path)
     metrics, tags = serving_summary(choice, variants, benchmark, registry)
-    log_parent_summary(params.mlflow, metrics, tags)
+    log_parent_summary(params.mlflow, metrics, {**tags, "served_batching": config["served_batching"]})
     return manifest

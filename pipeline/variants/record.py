@@ -53,12 +53,17 @@ class VariantInfo:
 
 
 def write_variant(directory: Path, info: VariantInfo, finetuned_dir: Path) -> None:
-    """Write `variant.json` (with the CPU it was built on) and copy the tokenizer and preprocessing record next
-    to the model file."""
+    """Write `variant.json` (with the CPU it was built on and, for a servable variant, how it is batched:
+    `batch_invariance.batching_record` of its model file, written before) and copy the tokenizer and preprocessing
+    record next to the model file."""
     from pipeline.core.machine import isa_record
 
     if not info.built_on:
         info.built_on = isa_record()
+    if info.status == "ok" and info.file and info.format in ("onnx", "torchscript"):
+        from pipeline.variants.batch_invariance import batching_record
+
+        info.params = {**info.params, **batching_record(info.format, directory / info.file)}
     directory.mkdir(parents=True, exist_ok=True)
     for name in (*TOKENIZER_FILES, "pipeline.json", "config.json"):
         src = finetuned_dir / name

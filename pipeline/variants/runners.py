@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from pipeline.variants.batch_invariance import Batching, scores_rows_alone
 from pipeline.variants.record import VARIANT_FILE, VariantError, model_file, read_variant
 
 log = logging.getLogger(__name__)
@@ -65,15 +66,32 @@ def ort_session(path: Path, threads: int | None = None, optimization: str = "all
 
 
 class OrtRunner:
-    """Runs an ONNX variant; feeds only the inputs the graph declares."""
+    """Runs an ONNX variant; feeds only the inputs the graph declares.
 
-    def __init__(self, path: Path, threads: int | None = None, optimization: str = "all") -> None:
-        self.session = ort_session(path, threads, optimization)
+    A graph whose activation scales span the batch (`pipeline.variants.batch_invariance`) is run one review per
+    call, each cut to its own attention mask, under `batching="auto"` (the default), so a review gets the same
+    logits alone and in any batch; `batching="batched"` forces one call per batch (to measure what that costs)."""
+
+    def __init__(self, path: Path, threads: int | None = None, optimization: str = "all",
+                 batching: Batching = "auto") -> None:
+        self.session = ort_session(path, threads, optimization)  # first: a file it cannot load is a VariantError
+        self.rows_alone = scores_rows_alone(path, batching)
         self.inputs = {i.name for i in self.session.get_inputs()}
 
-    def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+    def _run(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         feed = {"input_ids": input_ids.astype(np.int64), "attention_mask": attention_mask.astype(np.int64)}
         return self.session.run(None, {k: v for k, v in feed.items() if k in self.inputs})[0]
+
+    def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        if not self.rows_alone or (len(input_ids) <= 1 and bool(np.all(attention_mask))):
+            return self._run(input_ids, attention_mask)
+        rows = []
+        for ids, mask in zip(input_ids, attention_mask, strict=True):
+            keep = mask.astype(bool)
+            if not keep.any():  # a fully masked row has no positions of its own: score it as given
+                keep[:] = True
+            rows.append(self._run(ids[keep][None, :], mask[keep][None, :]))
+        return np.concatenate(rows, axis=0)
 
 
 #: Autocast dtypes a `TorchRunner` can run under, by name.
@@ -141,7 +159,7 @@ def load_runner(directory: Path, threads: int | None = None, **options: Any) -> 
         raise VariantError(f"variant {info.name} was {info.status}: {info.reason}")
     path = model_file(directory, info)
     if info.format == "onnx":
-        return OrtRunner(path, threads, options.get("optimization", "all"))
+        return OrtRunner(path, threads, options.get("optimization", "all"), options.get("batching", "auto"))
     if info.format == "torchscript":
         import torch
 

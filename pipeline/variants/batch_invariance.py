@@ -1,0 +1,71 @@
+"""Whether a variant's answer for one review can depend on the other reviews of its batch, and how it is scored.
+
+A review must get the same label and score alone and inside any batch (server-side batching puts one client's
+review next to other clients' reviews and their padding). Float graphs meet that: padded positions are masked
+out and the rest is the same arithmetic. Graphs with onnxruntime's dynamic quantization do not:
+`DynamicQuantizeLinear` takes one activation scale and zero point over the whole input tensor, every row and
+padded position of the batch included, so a review's INT8 rounding moves with its neighbours. Such graphs
+(`int8-dynamic`, `int8-pruned`, `int8-distilled`, and `int8-static`/`int8-qat` when their FFN down-projections
+are quantized per batch) are scored row by row, each review unpadded in a batch of its own: exactly its
+answer alone. The measured cost is in RESULTS.md and docs/batch-invariance.md.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any, Literal
+
+#: Ops that compute an activation's quantization parameters at run time over the whole input tensor (the file's
+#: `DynamicQuantizeLinear`; the fused forms onnxruntime builds from it at load, should a file hold them).
+PER_TENSOR_DYNAMIC_OPS = ("DynamicQuantizeLinear", "DynamicQuantizeMatMul", "DynamicQuantizeLSTM")
+
+#: How a runner scores a padded batch: `batched` in one call, `rows` one unpadded review per call, `auto` rows
+#: exactly when the graph holds a per-tensor dynamic quantization op.
+Batching = Literal["auto", "batched", "rows"]
+BATCHING_MODES = ("auto", "batched", "rows")
+
+
+def per_tensor_dynamic_ops(model: Path) -> dict[str, int]:
+    """Op type -> count of the graph's ops whose activation scale spans the batch (empty for a batch-invariant
+    graph). Reads the graph structure only, not external weight data."""
+    import onnx
+
+    graph = onnx.load(str(model), load_external_data=False).graph
+    counts = Counter(n.op_type for n in graph.node if n.op_type in PER_TENSOR_DYNAMIC_OPS)
+    return dict(sorted(counts.items()))
+
+
+def scores_rows_alone(model: Path, batching: Batching = "auto") -> bool:
+    """Whether an ONNX model is scored one review per call under `batching`."""
+    if batching not in BATCHING_MODES:
+        raise ValueError(f"batching must be one of {BATCHING_MODES}, not {batching!r}")
+    if batching != "auto":
+        return batching == "rows"
+    return bool(per_tensor_dynamic_ops(model))
+
+
+def batching_record(fmt: str, model: Path) -> dict[str, Any]:
+    """What the record of a servable variant in format `fmt` (its model file `model`) says, and so its MLflow run
+    and model, about how it is served: `served_batching` is `batched` or `rows`, with the reason."""
+    ops = per_tensor_dynamic_ops(model) if fmt == "onnx" else {}
+    if not ops:
+        return {"served_batching": "batched",
+                "served_batching_reason": "float activations (no run-time per-tensor scales): a review's answer "
+                                          "does not depend on its batch, so a batch is scored in one call"}
+    listed = ", ".join(f"{n} {op}" for op, n in ops.items())
+    return {"served_batching": "rows",
+            "served_batching_reason": f"{listed}: one activation scale per batch tensor would move a review's "
+                                      "score with its neighbours and their padding, so every review is scored "
+                                      "unpadded on its own (the same answer alone and in any batch)"}
+
+
+def variant_batching(directory: Path) -> dict[str, Any]:
+    """How the variant in `directory` is served (`batching_record`): from its record, or from its model file for
+    a record written before the record carried it."""
+    from pipeline.variants.record import model_file, read_variant
+
+    info = read_variant(directory)
+    if "served_batching" in info.params:
+        return {k: info.params[k] for k in ("served_batching", "served_batching_reason")}
+    return batching_record(info.format, model_file(directory, info))

@@ -1,0 +1,106 @@
+"""Unit: a review gets the same label and score alone and inside any batch (server-side batching puts one client's
+review beside other clients' reviews and their padding), for every variant the package stage may serve, built
+from the tiny BERT and scored on real IMDB reviews of mixed lengths through `SentimentPredictor`."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from pipeline.core.params import ExportParams, Params, PruneParams
+from pipeline.deployment.inference import SentimentPredictor
+from pipeline.variants.registry import VARIANTS
+
+SERVABLE = [v.name for v in VARIANTS if v.servable]
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def servable_dirs(built, tiny_model_dir, tmp_path_factory):
+    """Every servable variant of the tiny model: the shared build plus int8-pruned and the distilled pair (the
+    tiny model standing in for a student: the same recipes, `fused_dynamic_int8` and `onnx_variant`)."""
+    from pipeline.variants.distilled import run_distilled_variants
+    from pipeline.variants.prune import run_prune
+
+    root = tmp_path_factory.mktemp("more-variants")
+    run_prune(tiny_model_dir, built["tokenized"], root,
+              Params(prune=PruneParams(enabled=True, heads=1, ffn_width=64, calibration_samples=32)))
+    run_distilled_variants(tiny_model_dir, built["tokenized"], root, Params(export=ExportParams(parity_samples=8)))
+    dirs = {**{n: d for n, d in built["dirs"].items() if n in SERVABLE},
+            **{n: root / n for n in ("int8-pruned", "fp32-distilled", "int8-distilled")}}
+    assert sorted(dirs) == sorted(SERVABLE)
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def reviews(imdb_dir) -> list[str]:
+    """24 real test reviews cut to lengths from a few words to past the tiny model's 64 tokens, so every batch
+    pads its shorter reviews differently."""
+    texts = pd.read_parquet(imdb_dir / "test.parquet", columns=["text"])["text"].sample(n=24, random_state=3)
+    return [t[: 20 + 25 * i] for i, t in enumerate(texts)]
+
+
+def positive_probability(predictor: SentimentPredictor, texts: list[str]) -> np.ndarray:
+    return np.array([p.score if p.label == "positive" else 1.0 - p.score for p in predictor.predict(texts)])
+
+
+def mixed_batches(n: int, seed: int = 0) -> list[np.ndarray]:
+    """Index batches of sizes 2, 5 and all, each from a fresh shuffle: every review meets different neighbours."""
+    rng = np.random.default_rng(seed)
+    batches = []
+    for size in (2, 5, n):
+        order = rng.permutation(n)
+        batches += [order[s : s + size] for s in range(0, n, size)]
+    return batches
+
+
+@pytest.mark.parametrize("name", SERVABLE)
+def test_a_review_gets_the_same_answer_alone_and_in_any_batch(name, servable_dirs, reviews):
+    predictor = SentimentPredictor(servable_dirs[name])
+    alone = np.concatenate([positive_probability(predictor, [r]) for r in reviews])
+    for idx in mixed_batches(len(reviews)):
+        batched = positive_probability(predictor, [reviews[i] for i in idx])
+        assert np.abs(batched - alone[idx]).max() <= TOLERANCE, (name, len(idx))
+        assert ((batched > 0.5) == (alone[idx] > 0.5)).all(), (name, len(idx))
+
+
+def test_the_record_says_how_each_servable_variant_is_batched_and_why(servable_dirs):
+    from pipeline.variants.batch_invariance import per_tensor_dynamic_ops, variant_batching
+    from pipeline.variants.record import model_file, read_variant
+
+    for name, directory in servable_dirs.items():
+        info = read_variant(directory)
+        record = variant_batching(directory)
+        assert info.params["served_batching"] == record["served_batching"]
+        dynamic = info.format == "onnx" and per_tensor_dynamic_ops(model_file(directory, info))
+        assert record["served_batching"] == ("rows" if dynamic else "batched"), name
+        assert ("DynamicQuantizeLinear" in record["served_batching_reason"]) == bool(dynamic), name
+    # the default recipes: int8-dynamic quantizes every activation per batch, int8-static its FFN down-projections
+    assert read_variant(servable_dirs["int8-dynamic"]).params["served_batching"] == "rows"
+    assert read_variant(servable_dirs["int8-static"]).params["served_batching"] == "rows"
+    assert read_variant(servable_dirs["fp32-onnx"]).params["served_batching"] == "batched"
+
+
+def test_per_batch_activation_scales_are_why_rows_are_scored_alone(servable_dirs, reviews):
+    """Forced into one call per batch, int8-dynamic's scores move with their neighbours (the reason its record
+    gives); scored row by row they do not move at all."""
+    one_call = SentimentPredictor(servable_dirs["int8-dynamic"], batching="batched")
+    rows = SentimentPredictor(servable_dirs["int8-dynamic"])
+    assert rows.runner.rows_alone and not one_call.runner.rows_alone
+    alone = np.concatenate([positive_probability(one_call, [r]) for r in reviews])
+    together = positive_probability(one_call, reviews)
+    assert np.abs(together - alone).max() > 0.0
+    assert np.array_equal(positive_probability(rows, reviews), alone)
+
+
+def test_rows_scored_alone_ignore_their_padding_wherever_it_is(servable_dirs):
+    from pipeline.variants.runners import load_runner
+
+    runner = load_runner(servable_dirs["int8-dynamic"])
+    ids = np.array([[101, 2307, 2143, 102, 0, 0], [0, 0, 101, 2307, 2143, 102], [101, 2307, 2143, 102, 7, 8]])
+    mask = np.array([[1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    logits = runner(ids, mask)
+    alone = runner(ids[:1, :4], mask[:1, :4])
+    assert np.array_equal(logits[0], alone[0]) and np.array_equal(logits[1], alone[0])
+    assert np.array_equal(logits[2], runner(ids[2:], mask[2:])[0])
