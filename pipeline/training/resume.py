@@ -43,6 +43,7 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from pipeline.core.io import write_json
+from pipeline.core.params import flatten
 from pipeline.data.batching import LoaderPosition
 
 log = logging.getLogger(__name__)
@@ -84,7 +85,7 @@ class Fingerprint:
     def differences(self, saved: Fingerprint) -> list[str]:
         """What changed since `saved`, one short phrase each (settings as `section.key old -> new`)."""
         out = []
-        old, new = _flatten(saved.settings), _flatten(self.settings)
+        old, new = flatten(saved.settings), flatten(self.settings)
         for key in sorted(old.keys() | new.keys()):
             if old.get(key, "<unset>") != new.get(key, "<unset>"):
                 out.append(f"{key} {old.get(key, '<unset>')!r} -> {new.get(key, '<unset>')!r}")
@@ -93,16 +94,6 @@ class Fingerprint:
         if saved.code != self.code:
             out.append("training code changed (" + ", ".join(f"pipeline/{c}" for c in TRAINING_CODE) + ")")
         return out
-
-
-def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, Mapping):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def digest_paths(paths: Sequence[Path]) -> str:
