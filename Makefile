@@ -25,8 +25,9 @@ $(STAMP): requirements.txt pyproject.toml
 
 venv: $(STAMP)
 
-## run: the whole DVC pipeline on params.yaml (`dvc repro`). PROFILE=name applies profiles/name.yaml's overrides
-## with `dvc exp run -S` (an experiment DVC records; `git checkout params.yaml` returns to the default).
+## run: the whole DVC pipeline on params.yaml (`dvc repro`). PROFILE=name checks profiles/name.yaml, then
+## `dvc exp run -S +profiles=name` composes it over params.yaml (DVC's Hydra composition, `.dvc/config`): an
+## experiment DVC records, which rewrites params.yaml without comments (`git checkout params.yaml` returns).
 ## IMDB_DIR=/path sets data.local_dir; FORCE=1 re-runs every stage, e.g. to time it.
 run: venv
 	@test -d .git || git init -q

@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.core.settings.choices import WEIGHT_FORMATS as WEIGHT_FORMATS  # the one definition, re-exported
+
 #: Flags that decide INT8 and bf16 speed, as /proc/cpuinfo names them.
 ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile")
 #: INT8 dot-product instructions: u8 x s8 products summed in int32, no int16 saturation (unlike AVX2 vpmaddubsw).
@@ -146,12 +148,6 @@ def resolve_precision(asked: str, accelerator: str, flags: frozenset[str] | None
         return Choice("train.precision", asked, "bf16-mixed", f"CPU has native bf16 ({', '.join(have)}){note}")
     return Choice("train.precision", asked, "32-true",
                   f"CPU has no native bf16 (no AVX512-BF16/AMX): bf16 is emulated{note}")
-
-
-#: INT8 weight formats for onnxruntime's integer kernels (uint8 activations times these weights): `s8` signed 8-bit
-#: (U8S8 kernels), `s7` signed 7-bit (onnxruntime's `reduce_range`), `u8` unsigned 8-bit with a zero point (U8U8
-#: kernels).
-WEIGHT_FORMATS = ("s8", "s7", "u8")
 
 
 def resolve_weight_format(asked: str, flags: frozenset[str] | None = None) -> Choice:

@@ -1,39 +1,147 @@
-"""Unit: params sections map to validated dataclasses."""
+"""Unit: params sections are validated pydantic dataclasses whose errors name the dotted keys."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from pipeline.core.params import DataParams, ParamsError, TrainParams, read_params, section, set_value
+from pipeline.core.params import (
+    DataParams,
+    Params,
+    ParamsError,
+    PruneParams,
+    QuantizeParams,
+    TrainParams,
+    json_schema,
+    main,
+    parse_params,
+    read_params,
+    resolve_auto,
+    section,
+    set_value,
+)
+from tests.factories import ROOT
 
 
-def test_defaults_and_coercion():
-    raw = {"train": {"lr": 1, "epochs": 2}}
-    t = section(raw, "train", TrainParams)
-    assert t.lr == 1.0 and isinstance(t.lr, float) and t.epochs == 2
+def error_keys(raw: dict) -> set[str]:
+    """The dotted keys a `ParamsError` for `raw` names (one `key: problem` per error, on one line)."""
+    with pytest.raises(ParamsError) as err:
+        parse_params(raw, where="p")
+    text = str(err.value)
+    assert "\n" not in text and text.startswith("p: ")
+    return {line.split(": ")[0] for line in text.removeprefix("p: ").split("; ")}
 
 
 @pytest.mark.parametrize(
-    ("values", "needle"),
+    ("raw", "key"),
     [
-        ({"epoch": 1}, "unknown key(s) in 'train': epoch"),
-        ({"epochs": "3"}, "train.epochs = '3'; expected int"),
-        ({"epochs": True}, "expected int"),
-        ({"precision": "fp8"}, "train.precision = 'fp8'; expected one of"),
-        ({"epochs": 0}, "train.epochs must be >= 1"),
-        ({"persistent_workers": True}, "persistent_workers needs"),
+        ({"train": {"epoch": 1}}, "train.epoch"),  # unknown key
+        ({"pruning": {}}, "pruning"),  # unknown section
+        ({"train": {"epochs": "3"}}, "train.epochs"),  # strings are not coerced
+        ({"train": {"epochs": True}}, "train.epochs"),  # nor booleans to numbers
+        ({"train": {"epochs": 2.0}}, "train.epochs"),  # nor floats to ints
+        ({"train": {"epochs": 0}}, "train.epochs"),
+        ({"train": {"lr": 0}}, "train.lr"),
+        ({"train": {"precision": "fp8"}}, "train.precision"),
+        ({"train": {"launcher": "slurm"}}, "train.launcher"),
+        ({"train": {"persistent_workers": True}}, "train.persistent_workers"),
+        ({"train": {"min_nodes": 3, "num_nodes": 2}}, "train.min_nodes"),
+        ({"train": {"rdzv_endpoint": "localhost"}}, "train.rdzv_endpoint"),
+        ({"train": {"rdzv_endpoint": "host:70000"}}, "train.rdzv_endpoint"),
+        ({"train": {"checkpoint_dir": " "}}, "train.checkpoint_dir"),
+        ({"train": {"max_length": 256}}, "train.max_length"),  # above data.max_length (192)
+        ({"data": {"test_count": "all"}}, "data.test_count"),
+        ({"data": {"train_subsample": 1}}, "data.train_subsample"),
+        ({"data": {"head_fraction": 1.5}}, "data.head_fraction"),
+        ({"data": {"max_length": 1024}}, "data.max_length"),
+        ({"distill": {"teacher_reads": "all"}}, "distill.teacher_reads"),
+        ({"distill": {"enabled": "yes"}}, "distill.enabled"),
+        ({"quantize": {"calibration_methods": ["minmax", "kl"]}}, "quantize.calibration_methods[1]"),
+        ({"quantize": {"calibration_methods": []}}, "quantize.calibration_methods"),
+        ({"quantize": {"weight_format": "s4"}}, "quantize.weight_format"),
+        ({"quantize": {"qat_distillation": 1.5}}, "quantize.qat_distillation"),
+        ({"prune": {"damp": 1.0}}, "prune.damp"),
+        ({"tensorrt": {"opt_batch": 128}}, "tensorrt.opt_batch"),
+        ({"tensorrt": {"min_seq": 64, "opt_seq": 32}}, "tensorrt.min_seq"),
+        ({"tensorrt": {"min_seq": 200, "opt_seq": 256}}, "tensorrt.min_seq"),  # above data.max_length
+        ({"benchmark": {"iterations": 2, "rounds": 5}}, "benchmark.iterations"),
+        ({"benchmark": {"bf16_row": "on"}}, "benchmark.bf16_row"),
+        ({"mlflow": {"champion_alias": ""}}, "mlflow.champion_alias"),
+        ({"package": {"prefer": "size"}}, "package.prefer"),
+        ({"package": {"max_json_depth": 1}}, "package.max_json_depth"),
     ],
 )
-def test_bad_train_values_name_the_key(values, needle):
-    with pytest.raises(ParamsError) as err:
-        section({"train": values}, "train", TrainParams)
-    assert needle in str(err.value)
+def test_a_bad_value_is_refused_naming_its_key(raw, key):
+    assert error_keys(raw) == {key}
 
 
-def test_optional_ints_accept_null_and_reject_strings():
-    assert section({"data": {"test_count": None}}, "data", DataParams).test_count is None
-    with pytest.raises(ParamsError):
-        section({"data": {"test_count": "all"}}, "data", DataParams)
+def test_every_error_is_reported_at_once():
+    assert error_keys({"train": {"lr": -1, "epochs": 0}, "prune": {"heads": 0}}) == {"train.lr", "train.epochs",
+                                                                                     "prune.heads"}
+
+
+def test_unknown_key_lists_the_known_ones():
+    with pytest.raises(ParamsError, match=r"train\.epoch: unknown key in 'train' \(known: epochs, batch_size"):
+        section({"train": {"epoch": 1}}, "train", TrainParams)
+
+
+def test_numbers_keep_their_type():
+    t = section({"train": {"lr": 1, "epochs": 2, "attention_dropout": None}}, "train", TrainParams)
+    assert (t.lr, type(t.lr), t.epochs, t.attention_dropout) == (1.0, float, 2, None)
+
+
+def test_sections_built_in_code_are_validated_too():
+    """Building a section, `dataclasses.replace` included (finetune, distill and quantize use it), checks it."""
+    with pytest.raises(ParamsError, match=r"^prune\.heads: must be greater than or equal to 1 \(got 0\)$"):
+        PruneParams(heads=0)
+    with pytest.raises(ParamsError, match=r"^train\.precision: "):
+        dataclasses.replace(TrainParams(), precision="fp8")
+    assert dataclasses.replace(QuantizeParams(), weight_format="s7").weight_format == "s7"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        TrainParams().lr = 1.0  # type: ignore[misc]
+
+
+@given(st.integers(1, 80), st.integers(1, 80), st.integers(1, 80))
+def test_tensorrt_batch_shapes_must_grow(low, opt, high):
+    raw = {"tensorrt": {"min_batch": low, "opt_batch": opt, "max_batch": high}}
+    if low <= opt <= high:
+        assert parse_params(raw).tensorrt.opt_batch == opt
+    else:
+        assert error_keys(raw) == {"tensorrt.opt_batch"}
+
+
+@given(st.integers(8, 512), st.one_of(st.none(), st.integers(8, 512)))
+def test_training_window_is_at_most_the_inference_length(data_len, train_len):
+    raw = {"data": {"max_length": data_len}, "train": {"max_length": train_len}, "tensorrt": {"min_seq": 8}}
+    if train_len is None or train_len <= data_len:
+        assert parse_params(raw).train.max_length == train_len
+    else:
+        assert error_keys(raw) == {"train.max_length"}
+
+
+def test_auto_settings_resolve_once_for_a_machine():
+    avx2 = resolve_auto(Params(), flags=frozenset({"avx2"}), cuda=False)
+    assert (avx2.precision.value, avx2.distill.value, avx2.weight_format.value, avx2.bf16_row.value) == (
+        "32-true", False, "u8", False)
+    amx = resolve_auto(Params(), flags=frozenset({"avx512_vnni", "amx_bf16", "amx_int8"}), cuda=False)
+    assert (amx.precision.value, amx.distill.value, amx.weight_format.value, amx.bf16_row.value) == (
+        "bf16-mixed", True, "s8", True)
+    resolved = amx.apply(Params())
+    assert (resolved.train.precision, resolved.distill.enabled, resolved.quantize.weight_format,
+            resolved.benchmark.bf16_row) == ("bf16-mixed", True, "s8", True)
+    assert set(amx.choices()) == {"train.precision", "distill.enabled", "quantize.weight_format", "benchmark.bf16_row"}
+
+
+def test_explicit_settings_are_kept_by_resolve_auto():
+    params = parse_params({"train": {"precision": "bf16-true"}, "distill": {"enabled": False},
+                           "quantize": {"weight_format": "s7"}, "benchmark": {"bf16_row": True}})
+    r = resolve_auto(params, flags=frozenset(), cuda=False)
+    assert [c.reason for c in (r.precision, r.distill, r.weight_format, r.bf16_row)] == ["set explicitly"] * 4
+    assert r.apply(params) == params
 
 
 def test_read_params_errors(tmp_path):
@@ -52,38 +160,47 @@ def test_set_value_keeps_comments(tmp_path):
     text = p.read_text()
     assert "# top comment" in text and "# where" in text and "test_count: null" in text
     assert read_params(p)["data"] == {"local_dir": "/x/y", "seed": 1, "test_count": None}
-    with pytest.raises(ParamsError, match="unknown key"):
-        set_value(p, "data.nope", "1")
+    for key in ("data.nope", "nope.seed", "data.seed.x"):
+        with pytest.raises(ParamsError, match="unknown key"):
+            set_value(p, key, "1")
 
 
-def test_repo_params_file_is_valid():
-    from pipeline.core.params import SECTIONS
-    from tests.factories import ROOT
-
-    raw = read_params(ROOT / "params.yaml")
-    for name, cls in SECTIONS.items():
-        section(raw, name, cls)
-    for profile in sorted((ROOT / "profiles").glob("*.yaml")):
-        raw = read_params(profile)
-        for name, cls in SECTIONS.items():
-            section(raw, name, cls)
-
-
-def test_qat_distillation_weight_is_a_share():
-    from pipeline.core.params import QuantizeParams
-
-    assert section({"quantize": {"qat_distillation": 0.5}}, "quantize", QuantizeParams).qat_distillation == 0.5
-    with pytest.raises(ParamsError, match="qat_distillation must be in"):
-        section({"quantize": {"qat_distillation": 1.5}}, "quantize", QuantizeParams)
-
-
-def test_get_prints_one_validated_value(tmp_path, capsys):
-    from pipeline.core.params import main
-
+def test_command_gets_sets_and_checks(tmp_path, capsys):
     p = tmp_path / "params.yaml"
-    p.write_text("mlflow:\n  champion_alias: prod\n")
+    p.write_text("mlflow:\n  champion_alias: prod\ndata:\n  seed: 1\n")
     main(["--params", str(p), "get", "mlflow.champion_alias"])
     main(["--params", str(p), "get", "mlflow.registered_model_name"])  # a default the file leaves out
-    assert capsys.readouterr().out.splitlines() == ["prod", "imdb-sentiment"]
-    with pytest.raises(SystemExit, match=r"unknown key mlflow\.nope"):
-        main(["--params", str(p), "get", "mlflow.nope"])
+    main(["--params", str(p), "set", "data.seed=7"])
+    main(["--params", str(p), "get", "data.seed"])
+    assert [line for line in capsys.readouterr().out.splitlines() if ":" not in line] == ["prod", "imdb-sentiment",
+                                                                                         "7"]
+    before = p.read_text()
+    for argv in (["get", "mlflow.nope"], ["set", "data.seed=3", "data.train_count=0"], ["set", "data.seed"]):
+        with pytest.raises(SystemExit) as stop:
+            main(["--params", str(p), *argv])
+        assert stop.value.code == 2, argv
+    assert p.read_text() == before  # a refused `set` leaves the file as it was
+    assert capsys.readouterr().err.count("error: ") == 3
+
+
+def test_published_schema_is_current():
+    """`docs/params.schema.json` is what `python -m pipeline.core.params schema` writes."""
+    assert json.loads((ROOT / "docs" / "params.schema.json").read_text()) == json_schema()
+    assert read_params(ROOT / "params.yaml") is not None
+    assert (ROOT / "params.yaml").read_text().startswith("# yaml-language-server: $schema=docs/params.schema.json")
+
+
+def test_schema_states_bounds_and_closed_sets():
+    defs = json_schema()["$defs"]
+    assert defs["TrainParams"]["additionalProperties"] is False
+    assert defs["TrainParams"]["properties"]["lr"]["exclusiveMinimum"] == 0
+    assert defs["QuantizeParams"]["properties"]["calibration_methods"]["items"]["enum"] == [
+        "minmax", "percentile", "entropy"]
+    assert defs["DataParams"]["properties"]["local_dir"]["description"].startswith("the local copy")
+
+
+def test_weight_formats_have_one_definition():
+    from pipeline.core import machine
+    from pipeline.core.params import WEIGHT_FORMATS
+
+    assert machine.WEIGHT_FORMATS is WEIGHT_FORMATS and DataParams().max_length == 192

@@ -1,4 +1,5 @@
-"""One source for each setting: `Params` defaults are the default profile, profiles only override."""
+"""One source for each setting: `Params` defaults are the default profile, profiles only override it and DVC's
+Hydra composition applies them."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[3]
 PROFILES = sorted((ROOT / "profiles").glob("*.yaml"))
 
 
-def test_dataclass_defaults_are_the_default_profile():
+def test_defaults_are_the_default_profile():
     assert load_params(ROOT / "params.yaml") == Params()
 
 
@@ -51,7 +52,8 @@ def test_profiles_hold_only_keys_that_differ(profile):
 
 @pytest.mark.parametrize("profile", PROFILES, ids=lambda p: p.stem)
 def test_profile_overrides_round_trip_through_dvc_exp_run(profile, tmp_path):
-    """`make run PROFILE=...` passes these `-S` arguments to `dvc exp run`; DVC must write what the profile says."""
+    """`make run PROFILE=...` passes these arguments to `dvc exp run`, whose Hydra composition (the repo's
+    `.dvc/config`) must write params.yaml merged with what the profile says."""
     import shutil
     import subprocess
     import sys
@@ -60,8 +62,10 @@ def test_profile_overrides_round_trip_through_dvc_exp_run(profile, tmp_path):
     env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t",
            "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(tmp_path)}
     shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    shutil.copytree(ROOT / "profiles", tmp_path / "profiles")
     (tmp_path / "dvc.yaml").write_text("stages:\n  s:\n    cmd: echo ok\n    params: [data, model, train, quantize]\n")
-    for cmd in (["git", "init", "-q"], [dvc, "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "i"]):
+    for cmd in (["git", "init", "-q"], [dvc, "init", "-q"], ["cp", str(ROOT / ".dvc" / "config"), ".dvc/config"],
+                ["git", "add", "-A"], ["git", "commit", "-qm", "i"]):
         subprocess.run(cmd, cwd=tmp_path, env=env, check=True, capture_output=True)
     proc = subprocess.run([dvc, "exp", "run", *profile_overrides(profile)], cwd=tmp_path, env=env,
                           capture_output=True, text=True)
@@ -72,6 +76,21 @@ def test_profile_overrides_round_trip_through_dvc_exp_run(profile, tmp_path):
 
 def test_unknown_profile_key_is_refused(tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("train:\n  epoch: 3\n")
+    bad.write_text("# @package _global_\ntrain:\n  epoch: 3\n")
     with pytest.raises(ParamsError, match=r"train\.epoch"):
         read_profile(bad)
+
+
+def test_profile_without_hydra_header_is_refused(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  epochs: 3\n")
+    with pytest.raises(ParamsError, match="@package _global_"):
+        read_profile(bad)
+
+
+def test_profile_breaking_a_cross_section_rule_is_refused(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("# @package _global_\ndata:\n  max_length: 64\n")  # below train.max_length's default 128
+    with pytest.raises(ParamsError, match=r"bad\.yaml: train\.max_length: must be at most data\.max_length \(64\)"):
+        read_profile(bad)
+    assert profile_overrides(ROOT / "profiles" / "cpu-long.yaml") == ["-S", "+profiles=cpu-long"]

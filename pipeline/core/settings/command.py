@@ -1,0 +1,105 @@
+"""The `python -m pipeline.core.params` command (typer): set keys of the params file in place, print one value,
+check the file or a profile, print the `dvc exp run` arguments of a profile, write or check the JSON schema."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import click
+import typer
+
+from pipeline.core.settings.params_file import read_params, set_value
+from pipeline.core.settings.profiles import flatten, profile_overrides, read_profile
+from pipeline.core.settings.root import Params, json_schema
+from pipeline.core.settings.validation import ParamsError, validate
+
+SCHEMA_PATH = Path("docs/params.schema.json")
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Edit, read and check params files and profiles; publish their JSON schema.")
+
+
+@app.callback()
+def options(ctx: typer.Context,
+            params: Annotated[Path, typer.Option(help="the params file")] = Path("params.yaml")) -> None:
+    ctx.obj = params
+
+
+def _load(path: Path) -> Params:
+    return validate(Params, read_params(path))
+
+
+@app.command("set")
+def set_keys(ctx: typer.Context,
+             assignments: Annotated[list[str], typer.Argument(metavar="KEY=VALUE...", help="dotted.key=yaml")]) -> None:
+    """Set keys in place, keeping the file's comments; the file is left as it was unless the result is valid."""
+    before = ctx.obj.read_text() if ctx.obj.is_file() else None
+    try:
+        for assignment in assignments:
+            key, eq, value = assignment.partition("=")
+            if not eq:
+                raise ParamsError(f"expected dotted.key=value, got {assignment!r}")
+            set_value(ctx.obj, key, value)
+        _load(ctx.obj)  # as a whole: a rule across keys may need all of them
+    except ParamsError:
+        if before is not None:
+            ctx.obj.write_text(before)
+        raise
+    for assignment in assignments:
+        print(f"{ctx.obj}: {assignment.replace('=', ' = ', 1)}")
+
+
+@app.command()
+def get(ctx: typer.Context, key: Annotated[str, typer.Argument(help="dotted.key")]) -> None:
+    """Print one key's value from the validated params (defaults fill keys the file leaves out)."""
+    values = flatten(dataclasses.asdict(_load(ctx.obj)))
+    if key not in values:
+        raise ParamsError(f"unknown key {key}")
+    print(values[key])
+
+
+@app.command()
+def check(ctx: typer.Context,
+          profile: Annotated[Path | None, typer.Option(help="also check this profile")] = None) -> None:
+    """Validate the params file (and a profile merged over the defaults)."""
+    _load(ctx.obj)
+    if profile is not None:
+        read_profile(profile)
+    print(f"{ctx.obj}{f' and {profile}' if profile else ''}: valid")
+
+
+@app.command()
+def overrides(profile: Annotated[Path, typer.Argument(help="profiles/NAME.yaml")]) -> None:
+    """Print the `dvc exp run` arguments that apply a profile (after checking it)."""
+    print(shlex.join(profile_overrides(profile)))
+
+
+@app.command()
+def schema(out: Annotated[Path, typer.Option(help="where the schema goes")] = SCHEMA_PATH,
+           check_only: Annotated[bool, typer.Option("--check", help="only fail if `out` is stale")] = False) -> None:
+    """Write the JSON schema of params files (editors validate params.yaml and profiles with it)."""
+    text = json.dumps(json_schema(), indent=2) + "\n"
+    if check_only:
+        if not out.is_file() or out.read_text() != text:
+            raise ParamsError(f"{out} is stale: run python -m pipeline.core.params schema")
+        return
+    out.write_text(text)
+    print(f"wrote {out}")
+
+
+def run(argv: list[str] | None = None) -> None:
+    """Run the command on `argv` (default: the process's arguments). Errors print one line and exit 2."""
+    command = typer.main.get_command(app)
+    try:
+        command.main(args=argv, prog_name="python -m pipeline.core.params", standalone_mode=False)
+    except ParamsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except click.ClickException as exc:
+        exc.show()
+        raise SystemExit(exc.exit_code) from None

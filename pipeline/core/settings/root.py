@@ -1,0 +1,67 @@
+"""The root of the settings: `Params`, one field per `params.yaml` section, the rules that span sections, and the
+JSON schema published for editors (`docs/params.schema.json`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from pydantic import TypeAdapter, model_validator
+
+from pipeline.core.settings.builders import ExportParams, PruneParams, QuantizeParams, TensorRTParams
+from pipeline.core.settings.reporting import (
+    BenchmarkParams,
+    EvaluateParams,
+    MlflowParams,
+    PackageParams,
+    TargetsParams,
+)
+from pipeline.core.settings.training import DataParams, DistillParams, ModelParams, TrainParams
+from pipeline.core.settings.validation import settings_section
+
+
+def _section(cls: type) -> Any:
+    return dataclasses.field(default_factory=cls)
+
+
+@settings_section("")
+class Params:
+    """Every setting of the pipeline: one section per field. Its defaults are the default profile (`params.yaml`
+    holds the same values so that DVC tracks them); a profile in `profiles/` overrides some keys."""
+
+    data: DataParams = _section(DataParams)
+    model: ModelParams = _section(ModelParams)
+    train: TrainParams = _section(TrainParams)
+    distill: DistillParams = _section(DistillParams)
+    mlflow: MlflowParams = _section(MlflowParams)
+    export: ExportParams = _section(ExportParams)
+    quantize: QuantizeParams = _section(QuantizeParams)
+    prune: PruneParams = _section(PruneParams)
+    tensorrt: TensorRTParams = _section(TensorRTParams)
+    evaluate: EvaluateParams = _section(EvaluateParams)
+    benchmark: BenchmarkParams = _section(BenchmarkParams)
+    targets: TargetsParams = _section(TargetsParams)
+    package: PackageParams = _section(PackageParams)
+
+    @model_validator(mode="after")
+    def _sections_agree(self) -> Params:
+        longest = self.data.max_length
+        if self.train.max_length is not None and self.train.max_length > longest:
+            raise ValueError(f"train.max_length: must be at most data.max_length ({longest}), "
+                             f"got {self.train.max_length}")
+        if self.tensorrt.min_seq > longest:
+            raise ValueError(f"tensorrt.min_seq: must be at most data.max_length ({longest}), "
+                             f"got {self.tensorrt.min_seq}")
+        return self
+
+
+#: Section name -> its class, in file order.
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Params)}  # type: ignore[misc]
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON schema of a params file (profiles are partial: editors check their keys and values with it too)."""
+    schema = TypeAdapter(Params).json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "sentiment-pipeline params.yaml"
+    return schema
