@@ -48,11 +48,15 @@ def settings_section(key: str) -> Callable[[type[T]], type[T]]:
     return build
 
 
+#: Validation context key: the values are a whole params file, so the rules across sections apply too.
+WHOLE_FILE = "whole_file"
+
+
 def validate(cls: type[T], values: Mapping[str, Any], prefix: str = "") -> T:
-    """`cls` built from plain YAML values. Strict validation takes them in JSON mode, where a mapping may stand for a
-    nested section (Python mode would ask for instances); YAML 1.2's scalars are JSON's."""
+    """`cls` built from plain YAML values, every rule checked. Strict validation takes them in JSON mode, where a
+    mapping may stand for a nested section (Python mode would ask for instances); YAML 1.2's scalars are JSON's."""
     try:
-        return TypeAdapter(cls).validate_json(json.dumps(values, default=str))
+        return TypeAdapter(cls).validate_json(json.dumps(values, default=str), context={WHOLE_FILE: True})
     except ValidationError as exc:
         raise ParamsError(describe(exc, cls, prefix)) from None
 

@@ -204,3 +204,9 @@ def test_weight_formats_have_one_definition():
     from pipeline.core.params import WEIGHT_FORMATS
 
     assert machine.WEIGHT_FORMATS is WEIGHT_FORMATS and DataParams().max_length == 192
+
+
+def test_rules_across_sections_hold_for_files_not_for_params_assembled_in_code():
+    assembled = Params(data=DataParams(max_length=64))  # a test's or benchmark's few sections
+    assert assembled.train.max_length == 128
+    assert error_keys({"data": {"max_length": 64}}) == {"train.max_length"}
