@@ -33,7 +33,7 @@ run: venv
 	@test -d .git || git init -q
 	$(if $(IMDB_DIR),$(BIN)/python -m pipeline.core.params set data.local_dir=$(IMDB_DIR) &&) \
 	export PIPELINE_RUN_ID=$$(date -u +%Y%m%dT%H%M%SZ)-$$(git rev-parse --short HEAD 2>/dev/null || echo nogit) && \
-	$(if $(PROFILE),eval "$(BIN)/dvc exp run $(if $(FORCE),--force) $$($(BIN)/python -m pipeline.core.params overrides profiles/$(PROFILE).yaml)",$(BIN)/dvc repro $(if $(FORCE),--force))
+	$(if $(PROFILE),args=$$($(BIN)/python -m pipeline.core.params overrides profiles/$(PROFILE).yaml) && eval "$(BIN)/dvc exp run $(if $(FORCE),--force) $$args",$(BIN)/dvc repro $(if $(FORCE),--force))
 
 ## test: unit, data, model and end-to-end tests (CI runs exactly this)
 test: venv

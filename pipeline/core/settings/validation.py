@@ -93,18 +93,21 @@ def _key(cls: type, prefix: str, loc: tuple[Any, ...]) -> str:
     for part in loc:
         if isinstance(part, int):
             key += f"[{part}]"
-        elif current is not None:
+        elif current is not None:  # past a leaf field, a string is the tag of a union branch
             key = f"{key}.{part}" if key else str(part)
-            factory = next((f.default_factory for f in dataclasses.fields(current) if f.name == part), None)
-            current = factory if isinstance(factory, type) and dataclasses.is_dataclass(factory) else None
+            current = _subsection(current, part)
     return key
 
 
 def _fields(cls: type, path: list[str]) -> list[str]:
     """Field names of the section that `path` leads to from `cls` (empty where it leads nowhere)."""
+    current: type | None = cls
     for part in path:
-        factory = next((f.default_factory for f in dataclasses.fields(cls) if f.name == part), None)
-        if not (isinstance(factory, type) and dataclasses.is_dataclass(factory)):
-            return []
-        cls = factory
-    return [f.name for f in dataclasses.fields(cls)]
+        current = _subsection(current, part) if current is not None else None
+    return [f.name for f in dataclasses.fields(current)] if current is not None else []
+
+
+def _subsection(cls: type, name: str) -> type | None:
+    """The section class of field `name` of `cls` (None for a leaf or an unknown name)."""
+    factory = next((f.default_factory for f in dataclasses.fields(cls) if f.name == name), None)
+    return factory if isinstance(factory, type) and dataclasses.is_dataclass(factory) else None
