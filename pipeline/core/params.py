@@ -6,7 +6,8 @@ the default profile (`params.yaml` holds the same values so that DVC tracks them
 hold only the keys that differ and are composed over `params.yaml` by DVC's Hydra composition
 (`make run PROFILE=NAME`). Stages call `load_params` once in `main()` and pass the sections down; nothing else in
 the code base reads `params.yaml`. Unknown keys and values of the wrong type or range fail with a one-line
-`ParamsError` naming the dotted key, so a typo never silently falls back to a default."""
+`ParamsError` naming the dotted key, so a typo never silently falls back to a default. `resolve_auto` turns every
+`auto` setting into its value for this machine, once per stage."""
 
 from __future__ import annotations
 

@@ -66,6 +66,5 @@ SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fiel
 def json_schema() -> dict[str, Any]:
     """The JSON schema of a params file (profiles are partial: editors check their keys and values with it too)."""
     schema = TypeAdapter(Params).json_schema()
-    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-    schema["title"] = "sentiment-pipeline params.yaml"
-    return schema
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema,
+            "title": "sentiment-pipeline params.yaml and profiles"}

@@ -82,6 +82,9 @@ def _line(key: str, errs: list[Any], cls: type) -> str:
         if re.match(r"^[\w.\[\]]+: ", msg):  # a rule naming its own key, relative to `key`
             return f"{key}.{msg}" if key else msg
         return f"{key}: {msg}" if key else msg
+    if all(e["type"] == "literal_error" for e in errs):  # one closed set, maybe split over union branches
+        allowed = ", ".join(e["ctx"]["expected"].replace(" or ", ", ") for e in errs)
+        return f"{key}: must be one of {allowed} (got {first['input']!r})"
     wants = dict.fromkeys(e["msg"].removeprefix("Input should be ") for e in errs)
     return f"{key}: must be {' or '.join(wants)} (got {first['input']!r})"
 

@@ -186,7 +186,6 @@ def test_command_gets_sets_and_checks(tmp_path, capsys):
 def test_published_schema_is_current():
     """`docs/params.schema.json` is what `python -m pipeline.core.params schema` writes."""
     assert json.loads((ROOT / "docs" / "params.schema.json").read_text()) == json_schema()
-    assert read_params(ROOT / "params.yaml") is not None
     assert (ROOT / "params.yaml").read_text().startswith("# yaml-language-server: $schema=docs/params.schema.json")
 
 

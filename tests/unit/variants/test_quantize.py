@@ -87,7 +87,7 @@ def test_an_unknown_weight_format_is_refused(built, tmp_path):
 
     with pytest.raises(QuantizeError, match="unknown INT8 weight format 'u7'"):
         quantize_dynamic_onnx(built["dirs"]["fp32-onnx"] / "model.onnx", tmp_path / "m.onnx", weight_format="u7")
-    with pytest.raises(ValueError, match=r"quantize\.weight_format must be one of"):
+    with pytest.raises(ValueError, match=r"quantize\.weight_format: must be one of 's8', 's7', 'u8', 'auto'"):
         QuantizeParams(weight_format="int8")  # type: ignore[arg-type]
 
 
