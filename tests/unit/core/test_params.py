@@ -202,7 +202,7 @@ def test_weight_formats_have_one_definition():
     from pipeline.core import machine
     from pipeline.core.params import WEIGHT_FORMATS
 
-    assert machine.WEIGHT_FORMATS is WEIGHT_FORMATS and DataParams().max_length == 192
+    assert machine.WEIGHT_FORMATS is WEIGHT_FORMATS == ("s8", "s7", "u8")
 
 
 def test_rules_across_sections_hold_for_files_not_for_params_assembled_in_code():

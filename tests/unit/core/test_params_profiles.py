@@ -74,23 +74,21 @@ def test_profile_overrides_round_trip_through_dvc_exp_run(profile, tmp_path):
     assert load_params(tmp_path / "params.yaml") == expected
 
 
-def test_unknown_profile_key_is_refused(tmp_path):
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("# @package _global_\ntrain:\n  epoch: 3\n", r"unknown key\(s\) train\.epoch"),
+        ("train:\n  epochs: 3\n", "first line must be '# @package _global_'"),  # Hydra would nest it
+        ("# @package _global_\ndata:\n  max_length: 64\n",  # below train.max_length's default, 128
+         r"bad\.yaml: train\.max_length: must be at most data\.max_length \(64\)"),
+    ],
+)
+def test_a_bad_profile_is_refused_before_dvc_runs(tmp_path, text, needle):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("# @package _global_\ntrain:\n  epoch: 3\n")
-    with pytest.raises(ParamsError, match=r"train\.epoch"):
-        read_profile(bad)
+    bad.write_text(text)
+    with pytest.raises(ParamsError, match=needle):
+        profile_overrides(bad)
 
 
-def test_profile_without_hydra_header_is_refused(tmp_path):
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("train:\n  epochs: 3\n")
-    with pytest.raises(ParamsError, match="@package _global_"):
-        read_profile(bad)
-
-
-def test_profile_breaking_a_cross_section_rule_is_refused(tmp_path):
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("# @package _global_\ndata:\n  max_length: 64\n")  # below train.max_length's default 128
-    with pytest.raises(ParamsError, match=r"bad\.yaml: train\.max_length: must be at most data\.max_length \(64\)"):
-        read_profile(bad)
+def test_a_profile_is_a_hydra_config_group_option():
     assert profile_overrides(ROOT / "profiles" / "cpu-long.yaml") == ["-S", "+profiles=cpu-long"]
