@@ -45,7 +45,8 @@ class QuantizeParams:
     qat_train_samples: int = Field(300, ge=1)
     qat_epochs: int = Field(1, ge=1)
     qat_batch_size: int = Field(16, ge=1)
-    qat_lr: float = Field(2e-5, gt=0)
+    qat_lr: float = Field(2e-5, ge=0)
+    """0 keeps the weights as they are (the QAT loss is still measured)"""
     qat_distillation: float = Field(1.0, ge=0, le=1)
     """Weight of the KL term to the FP32 model's predictions in the QAT loss (0 = plain cross-entropy on labels):
     QAT should learn to reproduce FP32 under INT8 rounding, not keep training on a few hundred reviews."""

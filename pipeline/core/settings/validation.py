@@ -20,9 +20,10 @@ class ParamsError(ValueError):
     """A params file or section that cannot be used as written."""
 
 
-#: Every section's: unknown keys are errors (a typo never falls back to a default), values are never coerced
-#: ("3" is not an int, 1 is not `true`), a field's docstring is its description in the JSON schema.
-SECTION_CONFIG = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True)
+#: Every section's: unknown keys are errors (a typo never falls back to a default), a field's docstring is its
+#: description in the JSON schema. Params files are also validated strictly (`validate`: "3" is not an int, 1 is not
+#: `true`); sections built in code take pydantic's lax mode, so a numpy integer still counts as an int.
+SECTION_CONFIG = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
 
 @dataclass_transform(frozen_default=True, field_specifiers=(dataclasses.field, Field))
@@ -53,10 +54,12 @@ WHOLE_FILE = "whole_file"
 
 
 def validate(cls: type[T], values: Mapping[str, Any], prefix: str = "") -> T:
-    """`cls` built from plain YAML values, every rule checked. Strict validation takes them in JSON mode, where a
-    mapping may stand for a nested section (Python mode would ask for instances); YAML 1.2's scalars are JSON's."""
+    """`cls` built from plain YAML values, strictly, every rule checked. Strict validation takes them in JSON mode,
+    where a mapping may stand for a nested section (Python mode would ask for instances); YAML 1.2's scalars are
+    JSON's."""
     try:
-        return TypeAdapter(cls).validate_json(json.dumps(values, default=str), context={WHOLE_FILE: True})
+        return TypeAdapter(cls).validate_json(json.dumps(values, default=str), strict=True,
+                                              context={WHOLE_FILE: True})
     except ValidationError as exc:
         raise ParamsError(describe(exc, cls, prefix)) from None
 
