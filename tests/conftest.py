@@ -90,7 +90,9 @@ MINI = {
     "train": {"epochs": 1, "batch_size": 16, "lr": 1e-4, "val_checks_per_epoch": 1,
               "max_length": 48},  # train on a shorter window than inference reads
     "quantize": {"calibration_samples": 32, "selection_samples": 100, "qat_train_samples": 64,
-                 "calibration_methods": ["minmax", "percentile"]},
+                 "calibration_methods": ["minmax", "percentile"],
+                 "build": ["int8-dynamic", "int8-static", "int8-qat"]},  # the default builds int8-dynamic only
+    "tensorrt": {"qdq_input": True},  # the engine's input is built and scored here although no engine can be
     "prune": {"enabled": True, "calibration_samples": 32},  # off in the 20-minute default; built here
     "export": {"parity_samples": 8},
     "benchmark": {"warmup": 2, "iterations": 10, "rounds": 2, "latency_reviews": 10, "throughput_batches": 1,
