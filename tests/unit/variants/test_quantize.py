@@ -51,7 +51,7 @@ def test_the_default_builds_only_int8_dynamic_and_records_the_others_as_skipped(
 def test_an_unknown_build_name_is_a_params_error():
     from pipeline.core.params import ParamsError
 
-    with pytest.raises(ParamsError, match="quantize.build"):
+    with pytest.raises(ParamsError, match=r"quantize\.build"):
         QuantizeParams(build=["int8-dynamic", "int8-fancy"])
 
 
