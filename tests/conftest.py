@@ -94,7 +94,7 @@ MINI = {
                  "build": ["int8-dynamic", "int8-static", "int8-qat"]},  # the default builds int8-dynamic only
     "tensorrt": {"qdq_input": True},  # the engine's input is built and scored here although no engine can be
     "prune": {"enabled": True, "calibration_samples": 32},  # off in the 20-minute default; built here
-    "export": {"parity_samples": 8},
+    "export": {"parity_samples": 8, "torchscript": True},
     "benchmark": {"warmup": 2, "iterations": 10, "rounds": 2, "latency_reviews": 10, "throughput_batches": 1,
                   "bf16_row": True},
 }

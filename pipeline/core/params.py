@@ -237,6 +237,9 @@ class ExportParams:
     # computes only the position the classifier reads (exact; `pipeline.variants.readout`). Models whose head
     # reads every position (model.head: mean) are exported whole, with the reason recorded.
     cls_readout: bool = True
+    # fp32-torchscript (torch.jit.trace, a deprecated API; not served by the default profile): built when true,
+    # else written as a skipped variant with the reason. fp32-onnx is always built: the INT8 variants start from it.
+    torchscript: bool = False
 
     def __post_init__(self) -> None:
         _require(self.opset >= 17, "export.opset must be >= 17")

@@ -22,7 +22,7 @@ def built(tmp_path_factory, tiny_model_dir):
     tok_dir = write_tokenized(root / "tokenized", {"train": 64, "val": 32, "test": 48})
     variants_root = root / "variants"
     dirs = {n: d for n, d in directories(variants_root).items() if n in NAMES}
-    export_report = run_export(tiny_model_dir, tok_dir, variants_root, ExportParams(parity_samples=8))
+    export_report = run_export(tiny_model_dir, tok_dir, variants_root, ExportParams(parity_samples=8, torchscript=True))
     q = QuantizeParams(calibration_samples=32, selection_samples=32, qat_train_samples=32, qat_batch_size=8,
                        calibration_methods=["minmax", "entropy"],
                        build=["int8-dynamic", "int8-static", "int8-qat"])
