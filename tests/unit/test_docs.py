@@ -232,10 +232,13 @@ def check_command(tokens: list[str], tmp_dir: Path) -> list[str]:
             flag = option.partition("=")[0]
             if flag.startswith("--") and f'"{flag}"' not in source and f"'{flag}'" not in source:
                 problems.append(f"{shown}: {module} has no option {flag}")
-        if module == "pipeline.core.params" and options[:1] == ["set"]:
-            refused = apply_settings(options[1:], tmp_dir)
-            if refused:
-                problems.append(f"{shown}: {refused}")
+        settings = options[1:] if module == "pipeline.core.params" and options[:1] == ["set"] else []
+        if module == "benchmarks.distill_tradeoff":  # --config NAME:key=value,key=value
+            configs = [options[i + 1] for i, o in enumerate(options[:-1]) if o == "--config"]
+            settings = [a for c in configs for a in c.partition(":")[2].split(",") if a]
+        refused = apply_settings(settings, tmp_dir) if settings else None
+        if refused:
+            problems.append(f"{shown}: {refused}")
         return problems
 
     if program.startswith(".venv/bin/"):
@@ -351,6 +354,7 @@ def test_every_documented_command_names_real_things(tmp_path: Path) -> None:
     (".venv/bin/python -m benchmarks.serve_load --no-such-option 3", "no option --no-such-option"),
     (".venv/bin/python -m pipeline.core.params set train.no_such_key=1", "no_such_key"),
     (".venv/bin/dvc exp run -S train.no_such_key=2", "no_such_key"),
+    (".venv/bin/python -m benchmarks.distill_tradeoff --config d9:distill.no_such_key=1", "no_such_key"),
     (".venv/bin/dvc repro nosuchstage", "no DVC stage nosuchstage"),
     (".venv/bin/python -m pytest tests/unit/no_such_test.py", "no file tests/unit/no_such_test.py"),
     ("wget http://example.org", "unknown program wget"),
