@@ -27,12 +27,15 @@ venv: $(STAMP)
 
 ## run: the whole DVC pipeline on params.yaml (`dvc repro`). PROFILE=name applies profiles/name.yaml's overrides
 ## with `dvc exp run -S` (an experiment DVC records; `git checkout params.yaml` returns to the default).
-## IMDB_DIR=/path sets data.local_dir; FORCE=1 re-runs every stage, e.g. to time it.
+## IMDB_DIR=/path sets data.local_dir; FORCE=1 re-runs every stage, e.g. to time it. Ends with a summary table
+## (pipeline/evaluation/run_summary.py: stage times, accuracy, the served variant and its speed-up).
+RUN_STARTED := $(shell date +%s)
 run: venv
 	@test -d .git || git init -q
 	$(if $(IMDB_DIR),$(BIN)/python -m pipeline.core.params set data.local_dir=$(IMDB_DIR) &&) \
 	export PIPELINE_RUN_ID=$$(date -u +%Y%m%dT%H%M%SZ)-$$(git rev-parse --short HEAD 2>/dev/null || echo nogit) && \
-	$(if $(PROFILE),eval "$(BIN)/dvc exp run $(if $(FORCE),--force) $$($(BIN)/python -m pipeline.core.params overrides profiles/$(PROFILE).yaml)",$(BIN)/dvc repro $(if $(FORCE),--force))
+	$(if $(PROFILE),eval "$(BIN)/dvc exp run $(if $(FORCE),--force) $$($(BIN)/python -m pipeline.core.params overrides profiles/$(PROFILE).yaml)",$(BIN)/dvc repro $(if $(FORCE),--force)) && \
+	$(BIN)/python -m pipeline.evaluation.run_summary --started $(RUN_STARTED)
 
 ## test: unit, data, model and end-to-end tests (CI runs exactly this)
 test: venv

@@ -90,7 +90,9 @@ MINI = {
     "train": {"epochs": 1, "batch_size": 16, "lr": 1e-4, "val_checks_per_epoch": 1,
               "max_length": 48},  # train on a shorter window than inference reads
     "quantize": {"calibration_samples": 32, "selection_samples": 100, "qat_train_samples": 64,
-                 "calibration_methods": ["minmax", "percentile"]},
+                 "calibration_methods": ["minmax", "percentile"],
+                 "build": ["int8-dynamic", "int8-static", "int8-qat"]},  # the default builds int8-dynamic only
+    "tensorrt": {"qdq_input": True},  # the engine's input is built and scored here although no engine can be
     "prune": {"enabled": True, "calibration_samples": 32},  # off in the 20-minute default; built here
     "export": {"parity_samples": 8},
     "benchmark": {"warmup": 2, "iterations": 10, "rounds": 2, "latency_reviews": 10, "throughput_batches": 1,
@@ -118,9 +120,10 @@ def repro_copy(d: Path, overrides: dict[str, dict], extra_env: dict[str, str] | 
     (d / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     env = {**{k: v for k, v in os.environ.items()  # the copy's own sqlite store, this CPU's flags unless told
               if k not in ("MLFLOW_TRACKING_URI", "PIPELINE_CPU_FLAGS")},
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PIPELINE_RUN_ID": "e2e-test",
+           "PIPELINE_RUN_ID": "e2e-test",
            "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
            "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t", **(extra_env or {})}
+    (d / ".venv").symlink_to(Path(sys.prefix))  # the stages run .venv/bin/python (dvc.yaml), this test's venv
     for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "copy"]):
         subprocess.run(cmd, cwd=d, env=env, check=True)
     proc = subprocess.run([str(Path(sys.executable).parent / "dvc"), "repro"], cwd=d, env=env,

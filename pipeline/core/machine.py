@@ -69,6 +69,18 @@ def decision_tags() -> dict[str, str]:
                                 f"{cpu_model()})"}
 
 
+def thread_tags() -> dict[str, str]:
+    """The threading a stage starts with, as MLflow tags: the CPUs this process may use, torch's intra-op threads
+    (its default is one per physical core; `*.threads` settings replace it), and the tokenizers' parallelism.
+    onnxruntime sessions use `*.threads` where set, else onnxruntime's own default (one per physical core)."""
+    import torch
+
+    return {"threads.cpus_available": str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                          else os.cpu_count()),
+            "threads.torch_intra_op": str(torch.get_num_threads()),
+            "threads.tokenizers_parallelism": os.environ.get("TOKENIZERS_PARALLELISM", "unset")}
+
+
 def isa_record(flags: frozenset[str] | None = None) -> dict[str, Any]:
     """CPU model and the flags that matter, each as this CPU has it or not; where `PIPELINE_CPU_FLAGS` replaced
     them in the decisions, also the flags decided with (`decided_with`)."""

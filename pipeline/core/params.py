@@ -172,10 +172,11 @@ class DistillParams:
     (`data.transfer_reviews`). Its variants (`fp32-distilled`, `int8-distilled`) go through the teacher's export,
     readout and dynamic INT8 paths. The trainer's other settings (precision, bucketing, threads, ...) are `train`'s."""
 
-    # auto: trained where training is accelerated (CUDA, or bf16 on a CPU with native bf16), skipped with the reason
-    # recorded where the CPU would train it in fp32, which does not fit the default profile's 20-minute budget
-    # (`pipeline.core.machine.resolve_distill`; the choice is recorded in the stage's metrics and MLflow run)
-    enabled: bool | Literal["auto"] = "auto"
+    # false in the default profile: `package.prefer: accuracy` serves int8-dynamic, so the student would be built
+    # and not served (profiles `full`, `avx2-student` and `cpu-long` build it). auto: trained where training is
+    # accelerated (CUDA, or bf16 on a CPU with native bf16), skipped with the reason recorded where the CPU would
+    # train it in fp32 (`pipeline.core.machine.resolve_distill`; the choice is in the stage's metrics and MLflow)
+    enabled: bool | Literal["auto"] = False
     depth: int = 4  # encoder layers of the student, taken evenly from the teacher's, its last layer always kept
     # FFN neurons kept per layer (null = the teacher's intermediate_size), chosen and least-squares repaired on
     # training reviews as `prune` does, before distillation (BERT-family teachers)
@@ -270,6 +271,9 @@ class QuantizeParams:
     # vpmaddubsw) saturate int16 pair sums, so s8 gives wrong products there; s7 and u8 are exact. auto: s8 with
     # VNNI/AMX, else u8 (`pipeline.core.machine.resolve_weight_format`; the choice is recorded in each variant).
     weight_format: Literal["auto", "s8", "s7", "u8"] = "auto"
+    # The quantize stage's variants to build; the others are written as skipped with the reason. The default
+    # profile builds what `package` serves (int8-dynamic); the `full` profile builds int8-static and int8-qat too.
+    build: list[str] = dataclasses.field(default_factory=lambda: ["int8-dynamic"])
 
     def weights(self) -> str:
         """`weight_format` with `auto` resolved for this machine's CPU."""
@@ -289,6 +293,9 @@ class QuantizeParams:
         _require(0.0 <= self.qat_distillation <= 1.0, "quantize.qat_distillation must be in [0, 1]")
         from pipeline.core.machine import WEIGHT_FORMATS
 
+        known_builds = ("int8-dynamic", "int8-static", "int8-qat")
+        unknown = [b for b in self.build if b not in known_builds]
+        _require(not unknown, f"quantize.build: unknown {unknown}; use any of {list(known_builds)}")
         formats = ("auto", *WEIGHT_FORMATS)
         _require(self.weight_format in formats, f"quantize.weight_format must be one of {list(formats)}, "
                                                 f"not {self.weight_format!r}")
@@ -329,6 +336,9 @@ class TensorRTParams:
     min_seq: int = 8
     opt_seq: int = 128
     workspace_mb: int = 2048
+    # The INT8 engine's QDQ input (built and scored with onnxruntime): auto builds it only where engines can be
+    # built (CUDA and `tensorrt` present); true builds it on any machine, e.g. to check its accuracy on a CPU.
+    qdq_input: bool | Literal["auto"] = "auto"
 
 
 @dataclass(frozen=True)

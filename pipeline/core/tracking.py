@@ -25,7 +25,7 @@ from typing import Any
 
 import pandas as pd  # at module level: MLflow resolves the predictor model's `pd.DataFrame` hints against it
 
-from pipeline.core.machine import decision_tags
+from pipeline.core.machine import decision_tags, thread_tags
 from pipeline.core.params import MlflowParams, Params, flatten
 
 RUN_ID_TAG = "pipeline.run_id"
@@ -427,7 +427,8 @@ def stage_run(params: MlflowParams, stage: str, run_name: str | None = None,
 
     parent = parent_run_id(params)
     all_tags = {RUN_ID_TAG: pipeline_run_id(), ROLE_TAG: "stage", "pipeline.stage": stage,
-                "git.commit": git_commit(), "mlflow.parentRunId": parent, **decision_tags(), **(tags or {})}
+                "git.commit": git_commit(), "mlflow.parentRunId": parent, **decision_tags(), **thread_tags(),
+                **(tags or {})}
     with mlflow.start_run(run_name=run_name or stage, tags=all_tags,
                           log_system_metrics=True if system_metrics else None) as run:
         yield StageRun(run)
