@@ -14,7 +14,7 @@ export DO_NOT_TRACK := 1
 # torch and would say so on every import of transformers.
 export TORCHAO_FORCE_SKIP_LOADING_SO_FILES := 1
 
-.PHONY: run test test-gpu venv lint mlflow-ui serve serve-mlflow stop plots
+.PHONY: run test test-gpu venv lint docs mlflow-ui serve serve-mlflow stop plots
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -49,6 +49,11 @@ test-gpu: $(if $(SYSTEM_PYTHON),,venv)
 
 lint: venv
 	$(BIN)/ruff check .
+
+## docs: the documentation site (mkdocs.yml: README, RESULTS and docs/) into site/, strictly: a broken link, a missing
+## page or a page left out of the nav fails. Open site/index.html, or `.venv/bin/mkdocs serve` for a live preview.
+docs: venv
+	$(BIN)/mkdocs build --strict --site-dir site
 
 ## mlflow-ui: browse runs, the variants' models, metrics and the model registry at http://127.0.0.1:5000
 ## (the link printed opens MLflow's model-training view; the UI otherwise starts in its GenAI view)
