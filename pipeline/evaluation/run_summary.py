@@ -33,27 +33,16 @@ class StageTime:
 
 def stage_times(tracking_uri: str, experiment: str, run_id: str) -> list[StageTime]:
     """Each stage's wall time in the MLflow runs tagged with `run_id` (the newest run per stage)."""
-    import mlflow
+    from pipeline.core.tracking import stage_run_times
 
-    from pipeline.core.tracking import ROLE_TAG, RUN_ID_TAG
-
-    client = mlflow.MlflowClient(tracking_uri=tracking_uri)
-    exp = client.get_experiment_by_name(experiment)
-    runs = [] if exp is None else client.search_runs(
-        [exp.experiment_id], f"tags.`{RUN_ID_TAG}` = '{run_id}' and tags.`{ROLE_TAG}` = 'stage'",
-        order_by=["attributes.start_time DESC"], max_results=200)
-    newest: dict[str, Any] = {}
-    for run in runs:
-        newest.setdefault(run.data.tags.get("pipeline.stage", ""), run)
+    found = stage_run_times(tracking_uri, experiment, run_id)
     out = []
     for stage in STAGES:
-        run = newest.get(stage)
-        if run is None:
+        if stage not in found:
             out.append(StageTime(stage, None, "up to date"))
             continue
-        end = run.info.end_time or int(time.time() * 1000)
-        status = run.data.tags.get("status", "ok" if run.info.status == "FINISHED" else run.info.status.lower())
-        out.append(StageTime(stage, (end - run.info.start_time) / 1000, "ran" if status == "ok" else status))
+        seconds, status = found[stage]
+        out.append(StageTime(stage, seconds, "ran" if status == "ok" else status))
     return out
 
 
