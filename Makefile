@@ -14,7 +14,7 @@ export DO_NOT_TRACK := 1
 # torch and would say so on every import of transformers.
 export TORCHAO_FORCE_SKIP_LOADING_SO_FILES := 1
 
-.PHONY: run test test-gpu venv lint mlflow-ui serve serve-mlflow stop plots
+.PHONY: run test test-gpu venv lint docs mlflow-ui serve serve-mlflow stop plots
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,16 +28,21 @@ venv: $(STAMP)
 ## run: the whole DVC pipeline on params.yaml (`dvc repro`). PROFILE=name checks profiles/name.yaml, then
 ## `dvc exp run -S +profiles=name` composes it over params.yaml (DVC's Hydra composition, `.dvc/config`): an
 ## experiment DVC records, which rewrites params.yaml without comments (`git checkout params.yaml` returns).
-## IMDB_DIR=/path sets data.local_dir; FORCE=1 re-runs every stage, e.g. to time it.
+## IMDB_DIR=/path sets data.local_dir; FORCE=1 re-runs every stage, e.g. to time it. Ends with a summary table
+## (pipeline/evaluation/run_summary.py: stage times, accuracy, the served variant and its speed-up).
+RUN_STARTED := $(shell date +%s)
 run: venv
 	@test -d .git || git init -q
 	$(if $(IMDB_DIR),$(BIN)/python -m pipeline.core.params set data.local_dir=$(IMDB_DIR) &&) \
 	export PIPELINE_RUN_ID=$$(date -u +%Y%m%dT%H%M%SZ)-$$(git rev-parse --short HEAD 2>/dev/null || echo nogit) && \
-	$(if $(PROFILE),args=$$($(BIN)/python -m pipeline.core.params overrides profiles/$(PROFILE).yaml) && eval "$(BIN)/dvc exp run $(if $(FORCE),--force) $$args",$(BIN)/dvc repro $(if $(FORCE),--force))
+	$(if $(PROFILE),args=$$($(BIN)/python -m pipeline.core.params overrides profiles/$(PROFILE).yaml) && eval "$(BIN)/dvc exp run $(if $(FORCE),--force) $$args",$(BIN)/dvc repro $(if $(FORCE),--force)) && \
+	$(BIN)/python -m pipeline.evaluation.run_summary --started $(RUN_STARTED)
 
-## test: unit, data, model and end-to-end tests (CI runs exactly this)
+## test: unit, data, model and end-to-end tests (CI runs exactly this), on one pytest-xdist worker per CPU core
+## (PYTEST_WORKERS=0 runs them in one process); tests sharing an expensive fixture share a worker (tests/conftest.py)
+PYTEST_WORKERS ?= auto
 test: venv
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 ## test-gpu: the tests marked `gpu` (tests/gpu: mixed-precision and compiled training on CUDA, exports from CUDA,
 ## TensorRT engines); each skips, with its reason, where no CUDA device or no `tensorrt` is present.
@@ -47,6 +52,11 @@ test-gpu: $(if $(SYSTEM_PYTHON),,venv)
 
 lint: venv
 	$(BIN)/ruff check .
+
+## docs: the documentation site (mkdocs.yml: README, RESULTS and docs/) into site/, strictly: a broken link, a missing
+## page or a page left out of the nav fails. Open site/index.html, or `.venv/bin/mkdocs serve` for a live preview.
+docs: venv
+	$(BIN)/mkdocs build --strict --site-dir site
 
 ## mlflow-ui: browse runs, the variants' models, metrics and the model registry at http://127.0.0.1:5000
 ## (the link printed opens MLflow's model-training view; the UI otherwise starts in its GenAI view)

@@ -23,8 +23,26 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+#: Session fixtures that are expensive to build (a dvc repro, every variant of the tiny model, running servers):
+#: under pytest-xdist every test that uses one runs on the same worker, so each is built once per session.
+SHARED_FIXTURES = {"repo": "repo", "built": "built", "server": "serving", "champion": "serving", "proxy": "serving"}
+
+
+def xdist_group(item) -> str:
+    """The worker group of a test: the expensive session fixture it shares, else its module (so module-scoped
+    fixtures, e.g. a module's reference training run, are built once)."""
+    for fixture, group in SHARED_FIXTURES.items():
+        if fixture in getattr(item, "fixturenames", ()):
+            return group
+    return item.module.__name__ if getattr(item, "module", None) else item.nodeid.split("::")[0]
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` need a CUDA device: skipped, with the reason, where none is visible."""
+    """Each test gets its xdist group (`make test` runs `--dist loadgroup`); tests marked `gpu` need a CUDA
+    device: skipped, with the reason, where none is visible."""
+    for item in items:
+        if not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
     gpu = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu:
         return
@@ -90,9 +108,11 @@ MINI = {
     "train": {"epochs": 1, "batch_size": 16, "lr": 1e-4, "val_checks_per_epoch": 1,
               "max_length": 48},  # train on a shorter window than inference reads
     "quantize": {"calibration_samples": 32, "selection_samples": 100, "qat_train_samples": 64,
-                 "calibration_methods": ["minmax", "percentile"]},
-    "prune": {"enabled": True, "calibration_samples": 32},  # off in the 20-minute default; built here
-    "export": {"parity_samples": 8},
+                 "calibration_methods": ["minmax", "percentile"],
+                 "build": ["int8-dynamic", "int8-static", "int8-qat"]},  # the default builds int8-dynamic only
+    "tensorrt": {"qdq_input": True},  # the engine's input is built and scored here although no engine can be
+    "prune": {"enabled": True, "calibration_samples": 32},  # off in the default profile; built here
+    "export": {"parity_samples": 8, "torchscript": True},
     "benchmark": {"warmup": 2, "iterations": 10, "rounds": 2, "latency_reviews": 10, "throughput_batches": 1,
                   "bf16_row": True},
 }
@@ -118,9 +138,10 @@ def repro_copy(d: Path, overrides: dict[str, dict], extra_env: dict[str, str] | 
     (d / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     env = {**{k: v for k, v in os.environ.items()  # the copy's own sqlite store, this CPU's flags unless told
               if k not in ("MLFLOW_TRACKING_URI", "PIPELINE_CPU_FLAGS")},
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PIPELINE_RUN_ID": "e2e-test",
+           "PIPELINE_RUN_ID": "e2e-test",
            "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
            "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t", **(extra_env or {})}
+    (d / ".venv").symlink_to(Path(sys.prefix))  # the stages run .venv/bin/python (dvc.yaml), this test's venv
     for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "copy"]):
         subprocess.run(cmd, cwd=d, env=env, check=True)
     proc = subprocess.run([str(Path(sys.executable).parent / "dvc"), "repro"], cwd=d, env=env,
@@ -132,19 +153,14 @@ def repro_copy(d: Path, overrides: dict[str, dict], extra_env: dict[str, str] | 
 
 @pytest.fixture(scope="session")
 def repo(tmp_path_factory) -> Path:
-    """A fresh copy of the project after a real `dvc repro` of the miniature profile.
+    """A fresh copy of the project after a real `dvc repro` of the miniature profile: the one pipeline run of the
+    session, shared by the e2e and model tiers.
 
     The miniature profile finetunes the real (packaged) all-MiniLM-L6-v2 on a few hundred reviews, so the
-    behaviour tests run against artifacts of a model that has actually learned sentiment.
+    behaviour tests run against artifacts of a model that has actually learned sentiment. Its `auto` settings are
+    decided with an AVX2-only CPU's flags (`PIPELINE_CPU_FLAGS`) on every machine, so the run rehearses what
+    `make run` chooses on the least capable CPU the project supports (fp32 training, unsigned 8-bit weights);
+    the kernels still run on this CPU's ISA. Settings the e2e tests need built whatever the CPU (the student,
+    the bf16 timing row) are set explicitly in `MINI`.
     """
-    return repro_copy(tmp_path_factory.mktemp("repo"), MINI)
-
-
-@pytest.fixture(scope="session")
-def avx2_repo(tmp_path_factory) -> Path:
-    """The miniature profile with every setting at its default `auto`, run with the `auto` decisions taken on an
-    AVX2-only CPU's flags (`PIPELINE_CPU_FLAGS`): what `make run` chooses and builds on such a CPU, the student
-    included (skipped there by default). The kernels still run on this CPU's ISA."""
-    overrides = {**MINI, "distill": {**MINI["distill"], "enabled": "auto"},
-                 "benchmark": {**MINI["benchmark"], "bf16_row": "auto"}}
-    return repro_copy(tmp_path_factory.mktemp("avx2-repo"), overrides, {"PIPELINE_CPU_FLAGS": AVX2_ONLY_FLAGS})
+    return repro_copy(tmp_path_factory.mktemp("repo"), MINI, {"PIPELINE_CPU_FLAGS": AVX2_ONLY_FLAGS})

@@ -71,6 +71,18 @@ def decision_tags() -> dict[str, str]:
                                 f"{cpu_model()})"}
 
 
+def thread_tags() -> dict[str, str]:
+    """The threading a stage starts with, as MLflow tags: the CPUs this process may use, torch's intra-op threads
+    (its default is one per physical core; `*.threads` settings replace it), and the tokenizers' parallelism.
+    onnxruntime sessions use `*.threads` where set, else onnxruntime's own default (one per physical core)."""
+    import torch
+
+    return {"threads.cpus_available": str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                          else os.cpu_count()),
+            "threads.torch_intra_op": str(torch.get_num_threads()),
+            "threads.tokenizers_parallelism": os.environ.get("TOKENIZERS_PARALLELISM", "unset")}
+
+
 def isa_record(flags: frozenset[str] | None = None) -> dict[str, Any]:
     """CPU model and the flags that matter, each as this CPU has it or not; where `PIPELINE_CPU_FLAGS` replaced
     them in the decisions, also the flags decided with (`decided_with`)."""
@@ -171,8 +183,8 @@ def resolve_weight_format(asked: str, flags: frozenset[str] | None = None) -> Ch
 def resolve_distill(asked: bool | str, accelerator: str, precision: str, cuda: bool | None = None) -> Choice:
     """`distill.enabled`. `auto`: the student is trained where training is accelerated (on CUDA, or on a CPU in a
     reduced precision: `precision`, the resolved `train.precision`) and skipped where it would train in fp32 on the
-    CPU: there it costs several times the teacher's own finetune and the default profile's `make run` would no
-    longer fit its 20-minute budget (RESULTS.md has the measured stage times); `true` trains it anyway."""
+    CPU: there it costs several times the teacher's own finetune, more than a whole default `make run` (RESULTS.md
+    has the measured stage times); `true` trains it anyway."""
     if asked != "auto":
         return Choice("distill.enabled", asked, bool(asked), "set explicitly")
     if trains_on_cuda(accelerator, cuda):
@@ -181,8 +193,8 @@ def resolve_distill(asked: bool | str, accelerator: str, precision: str, cuda: b
     if precision != "32-true":
         return Choice("distill.enabled", asked, True, f"the CPU trains in {precision}{note}")
     return Choice("distill.enabled", asked, False,
-                  "the CPU trains in 32-true (no native bf16): the student's fp32 training would take the default "
-                  f"make run past its 20-minute budget; set distill.enabled: true to train it anyway{note}")
+                  "the CPU trains in 32-true (no native bf16): the student's fp32 training would take longer than "
+                  f"a whole default make run; set distill.enabled: true to train it anyway{note}")
 
 
 def resolve_bf16_row(asked: bool | str, flags: frozenset[str] | None = None) -> Choice:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable
 
 from pipeline.core.params import ParamsError
@@ -45,11 +46,29 @@ def setup_logging() -> None:
             handler.addFilter(QuietThirdPartyRootInfo())
 
 
+def what_it_does() -> str:
+    """The first line of the running stage module's docstring (`python -m stages.<name>`), for the progress line."""
+    doc = getattr(sys.modules.get("__main__"), "__doc__", None) or ""
+    first = doc.strip().splitlines()[0] if doc.strip() else ""
+    return first.split(": ", 1)[-1] if first.startswith("DVC stage") else first
+
+
 def run_stage(name: str, body: Callable[[], None], extra_errors: tuple[type[BaseException], ...] = ()) -> None:
-    """Run a stage body; a known user error ends the process with exit 2 and one clear line."""
+    """Run a stage body between two progress lines (what it does; how long it took, or how it failed); a known
+    user error ends the process with exit 2 and one clear line."""
     setup_logging()
+    log = logging.getLogger("pipeline.stage")
+    started = time.perf_counter()
+    log.info("==> %s: %s", name, what_it_does() or "started")
+    outcome = "failed"
     try:
         body()
+        outcome = "done"
     except USER_ERRORS + extra_errors as exc:
         print(f"error: stage '{name}' failed: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    except SystemExit as exc:  # e.g. a preempted training job: exit 128 + signal, checkpoint written
+        outcome = f"stopped (exit {exc.code})"
+        raise
+    finally:
+        log.info("<== %s %s in %.1f s", name, outcome, time.perf_counter() - started)

@@ -25,7 +25,7 @@ from typing import Any
 
 import pandas as pd  # at module level: MLflow resolves the predictor model's `pd.DataFrame` hints against it
 
-from pipeline.core.machine import decision_tags
+from pipeline.core.machine import decision_tags, thread_tags
 from pipeline.core.params import MlflowParams, Params, flatten
 
 RUN_ID_TAG = "pipeline.run_id"
@@ -427,7 +427,8 @@ def stage_run(params: MlflowParams, stage: str, run_name: str | None = None,
 
     parent = parent_run_id(params)
     all_tags = {RUN_ID_TAG: pipeline_run_id(), ROLE_TAG: "stage", "pipeline.stage": stage,
-                "git.commit": git_commit(), "mlflow.parentRunId": parent, **decision_tags(), **(tags or {})}
+                "git.commit": git_commit(), "mlflow.parentRunId": parent, **decision_tags(), **thread_tags(),
+                **(tags or {})}
     with mlflow.start_run(run_name=run_name or stage, tags=all_tags,
                           log_system_metrics=True if system_metrics else None) as run:
         yield StageRun(run)
@@ -503,3 +504,27 @@ def tracked_stage(params: Params, stage: str, sections: Sequence[str], body: Cal
         report = body()
         run.log_report(report, artifacts)
         return report
+
+
+def stage_run_times(tracking_uri: str, experiment: str, run_id: str) -> dict[str, tuple[float, str]]:
+    """Stage name -> (seconds, status) of the newest stage run tagged with pipeline run `run_id`; status is the
+    run's `status` tag (e.g. `skipped`) or its MLflow state. A stage without a run of this id is absent."""
+    import time
+
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=tracking_uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return {}
+    runs = client.search_runs([exp.experiment_id], f"tags.`{RUN_ID_TAG}` = '{run_id}' and tags.`{ROLE_TAG}` = 'stage'",
+                              order_by=["attributes.start_time DESC"], max_results=500)
+    out: dict[str, tuple[float, str]] = {}
+    for run in runs:
+        stage = run.data.tags.get("pipeline.stage", "")
+        if stage in out:
+            continue
+        end = run.info.end_time or int(time.time() * 1000)
+        out[stage] = ((end - run.info.start_time) / 1000,
+                      run.data.tags.get("status", "ok" if run.info.status == "FINISHED" else run.info.status.lower()))
+    return out

@@ -440,7 +440,8 @@ def run_distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metri
             run.log_artifacts(plots_dir, "curves")
             run.log_artifacts(student_dir, "model")
         else:
-            reason = ("distill.enabled is false" if enabled.asked is False
+            reason = ("distill.enabled is false (make run PROFILE=full or PROFILE=avx2-student builds the student)"
+                      if enabled.asked is False
                       else f"distill.enabled auto resolved to false: {enabled.reason}")
             log.warning("student skipped: %s", reason)
             run.set_tags({"status": "skipped", "reason": reason})

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline.core.params import ExportParams
+from pipeline.core.params import ExportParams, to_dict
 from pipeline.data.tokens import read_tokenized
 from pipeline.modeling import load_finetuned, pad_id
 from pipeline.variants.record import VariantInfo, write_variant
@@ -158,8 +158,8 @@ def inference_model(model: Any, cls_readout: bool) -> tuple[Any, dict[str, Any]]
 
 
 def run_export(finetuned: Path, tokenized: Path, variants_root: Path, params: ExportParams) -> dict[str, Any]:
-    """`fp32-torchscript` and `fp32-onnx` (with the [CLS] readout when `export.cls_readout`), each checked
-    for parity against the unchanged PyTorch model on real test reviews."""
+    """`fp32-onnx` and, when `export.torchscript`, `fp32-torchscript` (with the [CLS] readout when
+    `export.cls_readout`), each checked for parity against the unchanged PyTorch model on real test reviews."""
     import torch
 
     model, tokenizer, meta = load_finetuned(finetuned)
@@ -171,14 +171,19 @@ def run_export(finetuned: Path, tokenized: Path, variants_root: Path, params: Ex
     out_dirs = directories(variants_root, built_by("export"))
 
     d = out_dirs["fp32-torchscript"]
-    t0 = time.perf_counter()
-    export_torchscript(graph, d / "model.pt", max_len)
-    with legacy_torchscript():
-        runner = TorchRunner(torch.jit.load(str(d / "model.pt")))
-    report["fp32-torchscript"] = _checked(reference, runner, seqs, params, max_len, t0, pad_id(tokenizer))
-    write_variant(d, VariantInfo.built("fp32-torchscript", {"method": "torch.jit.trace", **readout,
-                                                             "deprecated_api": TORCHSCRIPT_DEPRECATION,
-                                                             **report["fp32-torchscript"]}), finetuned)
+    if params.torchscript:
+        t0 = time.perf_counter()
+        export_torchscript(graph, d / "model.pt", max_len)
+        with legacy_torchscript():
+            runner = TorchRunner(torch.jit.load(str(d / "model.pt")))
+        report["fp32-torchscript"] = _checked(reference, runner, seqs, params, max_len, t0, pad_id(tokenizer))
+        write_variant(d, VariantInfo.built("fp32-torchscript", {"method": "torch.jit.trace", **readout,
+                                                                 "deprecated_api": TORCHSCRIPT_DEPRECATION,
+                                                                 **report["fp32-torchscript"]}), finetuned)
+    else:
+        reason = "export.torchscript is false (make run PROFILE=full builds it)"
+        write_variant(d, VariantInfo.skipped("fp32-torchscript", reason, to_dict(params)), finetuned)
+        report["fp32-torchscript"] = {"status": "skipped", "reason": reason}
 
     report["fp32-onnx"] = onnx_variant("fp32-onnx", model, graph, readout, out_dirs["fp32-onnx"], finetuned, seqs,
                                        params, max_len, pad_id(tokenizer))

@@ -51,7 +51,8 @@ class QuantizeInputs:
 
 def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, variants_root: Path,
                  params: Params) -> dict[str, Any]:
-    """`int8-dynamic`, `int8-static` (calibration method chosen on validation reviews) and `int8-qat`."""
+    """`int8-dynamic`, `int8-static` (calibration method chosen on validation reviews) and `int8-qat`, each when
+    `quantize.build` lists it (the rest are written as skipped with the reason)."""
     from pipeline.core.machine import resolve_weight_format
 
     choice = resolve_weight_format(params.quantize.weight_format)
@@ -78,41 +79,64 @@ def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, variants_roo
             int(arch["intermediate_size"]) if q.ffn_output_dynamic else None,
             bool(arch.get("cls_readout", False)), Path(tmp))
 
-        t0 = time.perf_counter()
-        base, fusion = _graph_for_quantization(model, fp32_onnx / "model.onnx", inputs, q, arch,
-                                               val["input_ids"].tolist()[:16])
-        out["int8-dynamic"].mkdir(parents=True, exist_ok=True)
-        quantize_dynamic_onnx(base, out["int8-dynamic"] / "model.onnx", q.per_channel, q.weights())
-        report["int8-dynamic"] = {"method": "onnxruntime.quantize_dynamic", "per_channel": q.per_channel,
-                                  **weight_record(choice),
-                                  "fused_graph": q.optimize_graph, **fusion,
-                                  **int8_census(out["int8-dynamic"], "int8-dynamic"),
-                                  "build_seconds": round(time.perf_counter() - t0, 2)}
-        write_variant(out["int8-dynamic"], VariantInfo.built("int8-dynamic", report["int8-dynamic"]), finetuned)
-
+        if "int8-dynamic" in q.build:
+            t0 = time.perf_counter()
+            base, fusion = _graph_for_quantization(model, fp32_onnx / "model.onnx", inputs, q, arch,
+                                                   val["input_ids"].tolist()[:16])
+            out["int8-dynamic"].mkdir(parents=True, exist_ok=True)
+            quantize_dynamic_onnx(base, out["int8-dynamic"] / "model.onnx", q.per_channel, q.weights())
+            report["int8-dynamic"] = {"method": "onnxruntime.quantize_dynamic", "per_channel": q.per_channel,
+                                      **weight_record(choice),
+                                      "fused_graph": q.optimize_graph, **fusion,
+                                      **int8_census(out["int8-dynamic"], "int8-dynamic"),
+                                      "build_seconds": round(time.perf_counter() - t0, 2)}
+            write_variant(out["int8-dynamic"], VariantInfo.built("int8-dynamic", report["int8-dynamic"]), finetuned)
+        else:
+            _skip_unbuilt(("int8-dynamic",), q, out, finetuned, report)
+        if not {"int8-static", "int8-qat"} & set(q.build):
+            _skip_unbuilt(("int8-static", "int8-qat"), q, out, finetuned, report)
+            return report
         t0 = time.perf_counter()
         # Static QDQ starts from the unfused export: onnxruntime's fused contrib ops carry no type
         # information, and quantize_static silently leaves every MatMul fed by them in float.
-        # onnxruntime applies its fusions around the QDQ nodes when the session loads.
+        # onnxruntime applies its fusions around the QDQ nodes when the session loads. int8-qat reuses the
+        # calibration method chosen here, so the selection runs when either is built.
         best = _static_with_selection(fp32_onnx / "model.onnx", inputs, val, q)
-        out["int8-static"].mkdir(parents=True, exist_ok=True)
-        (inputs.tmp / f"static-{best['method']}.onnx").replace(out["int8-static"] / "model.onnx")
-        report["int8-static"] = {"method": "onnxruntime.quantize_static (QDQ)", "calibration": best["method"],
-                                 "calibration_samples": len(inputs.calibration), "per_channel": q.per_channel,
-                                 **weight_record(choice),
-                                 "dynamic_ffn_output": inputs.ffn_width is not None,
-                                 "cls_readout": inputs.cls_readout, "selection_val_accuracy": best["scores"],
-                                 **int8_census(out["int8-static"], "int8-static"),
-                                 "build_seconds": round(time.perf_counter() - t0, 2)}
-        write_variant(out["int8-static"], VariantInfo.built("int8-static", report["int8-static"]), finetuned)
+        if "int8-static" in q.build:
+            out["int8-static"].mkdir(parents=True, exist_ok=True)
+            (inputs.tmp / f"static-{best['method']}.onnx").replace(out["int8-static"] / "model.onnx")
+            report["int8-static"] = {"method": "onnxruntime.quantize_static (QDQ)", "calibration": best["method"],
+                                     "calibration_samples": len(inputs.calibration), "per_channel": q.per_channel,
+                                     **weight_record(choice),
+                                     "dynamic_ffn_output": inputs.ffn_width is not None,
+                                     "cls_readout": inputs.cls_readout, "selection_val_accuracy": best["scores"],
+                                     **int8_census(out["int8-static"], "int8-static"),
+                                     "build_seconds": round(time.perf_counter() - t0, 2)}
+            write_variant(out["int8-static"], VariantInfo.built("int8-static", report["int8-static"]), finetuned)
+        else:
+            _skip_unbuilt(("int8-static",), q, out, finetuned, report)
 
-        t0 = time.perf_counter()
-        report["int8-qat"] = _qat(inputs, best["method"], out["int8-qat"], q, params.train,
-                                  training_window(meta, tokenizer))
-        report["int8-qat"].update(int8_census(out["int8-qat"], "int8-qat"), **weight_record(choice),
-                                  build_seconds=round(time.perf_counter() - t0, 2))
-        write_variant(out["int8-qat"], VariantInfo.built("int8-qat", report["int8-qat"]), finetuned)
+        if "int8-qat" in q.build:
+            t0 = time.perf_counter()
+            report["int8-qat"] = _qat(inputs, best["method"], out["int8-qat"], q, params.train,
+                                      training_window(meta, tokenizer))
+            report["int8-qat"].update(int8_census(out["int8-qat"], "int8-qat"), **weight_record(choice),
+                                      build_seconds=round(time.perf_counter() - t0, 2))
+            write_variant(out["int8-qat"], VariantInfo.built("int8-qat", report["int8-qat"]), finetuned)
+        else:
+            _skip_unbuilt(("int8-qat",), q, out, finetuned, report)
     return report
+
+
+def _skip_unbuilt(names: tuple[str, ...], q: QuantizeParams, out: dict[str, Path], finetuned: Path,
+                  report: dict[str, Any]) -> None:
+    """Write each of `names` (not in `quantize.build`) as a skipped variant with the reason."""
+    reason = (f"not in quantize.build ({', '.join(q.build)}); "
+              "add it there or run a profile that builds it (make run PROFILE=full)")
+    for name in names:
+        log.warning("%s skipped: %s", name, reason)
+        write_variant(out[name], VariantInfo.skipped(name, reason, to_dict(q)), finetuned)
+        report[name] = {"status": "skipped", "reason": reason}
 
 
 def _graph_for_quantization(model: Any, fp32_onnx: Path, inputs: QuantizeInputs, params: QuantizeParams,

@@ -3,9 +3,10 @@
 FP16 engines come from the FP32 ONNX graph; INT8 engines use explicit quantization (TensorRT 10 deprecates
 implicit INT8 calibrators), built from a QDQ model made for TensorRT (`onnx_int8.quantize_qdq_for_tensorrt`:
 signed symmetric int8, per-channel weights, Q/DQ only; `int8-static` itself has uint8 activations and
-per-batch FFN products TensorRT cannot import). That QDQ model is built and checked on every machine, and
-onnxruntime scores it on validation reviews next to fp32-onnx, so its accuracy is known before any GPU sees it;
-`source_onnx` in the `tensorrt-int8` record names it even when the engine is skipped. Without CUDA or the
+per-batch FFN products TensorRT cannot import). That QDQ model is built and checked where engines can be built,
+or on any machine with `tensorrt.qdq_input: true`, and onnxruntime scores it on validation reviews next to
+fp32-onnx, so its accuracy is known before any GPU sees it; `source_onnx` in the `tensorrt-int8` record names it
+even when the engine is skipped. Without CUDA or the
 `tensorrt` package the engine builders are not called: `availability()` says why, and the stage records the
 engines as skipped with that reason."""
 
@@ -160,7 +161,8 @@ def tensorrt_int8_source(fp32_onnx: Path, int8_static: Path, tokenized: Path, ds
 def run_tensorrt(finetuned: Path, fp32_onnx: Path, int8_static: Path, tokenized: Path, variants_root: Path,
                  params: Params) -> dict[str, Any]:
     """Build `tensorrt-fp16`/`tensorrt-int8` where possible; otherwise write the skip record and say why.
-    The INT8 engine's QDQ input is built either way (`tensorrt_int8_source`).
+    The INT8 engine's QDQ input (`tensorrt_int8_source`) is built where engines can be, or on any machine with
+    `tensorrt.qdq_input: true`.
 
     The profile's longest sequence is the model's own inference length (its `pipeline.json`)."""
     from pipeline.modeling import read_model_record
@@ -174,9 +176,16 @@ def run_tensorrt(finetuned: Path, fp32_onnx: Path, int8_static: Path, tokenized:
     out = directories(variants_root, built_by("tensorrt"))
     from pipeline.modeling import saved_pad_id
 
-    int8_source = tensorrt_int8_source(fp32_onnx, int8_static, tokenized, out["tensorrt-int8"] / TENSORRT_QDQ_FILE,
-                                       params, saved_pad_id(finetuned))
-    log.info("tensorrt-int8 input %s: %s", TENSORRT_QDQ_FILE, int8_source)
+    build_input = ok if trt.qdq_input == "auto" else bool(trt.qdq_input)
+    if build_input:
+        int8_source = tensorrt_int8_source(fp32_onnx, int8_static, tokenized,
+                                           out["tensorrt-int8"] / TENSORRT_QDQ_FILE, params, saved_pad_id(finetuned))
+        log.info("tensorrt-int8 input %s: %s", TENSORRT_QDQ_FILE, int8_source)
+    else:  # nothing here could run the engine, and the input costs a calibration and two validation passes
+        int8_source = {"source_onnx": None,
+                       "source_onnx_skipped": f"tensorrt.qdq_input is {trt.qdq_input!r} and engines cannot be built "
+                                              f"here; set tensorrt.qdq_input: true to build and score it anyway"}
+        log.info("tensorrt-int8 input not built: %s", int8_source["source_onnx_skipped"])
     sources = {"tensorrt-fp16": (fp32_onnx / "model.onnx", "fp16", {"source_onnx": str(fp32_onnx / "model.onnx")}),
                "tensorrt-int8": (out["tensorrt-int8"] / TENSORRT_QDQ_FILE, "int8", int8_source)}
     for name, (src, precision, source_record) in sources.items():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.core.params import ExportParams, Params, QuantizeParams
+from pipeline.core.params import ExportParams, Params, QuantizeParams, TensorRTParams
 from pipeline.variants.export import run_export
 from pipeline.variants.quantize import run_quantize
 from pipeline.variants.registry import directories
@@ -22,11 +22,12 @@ def built(tmp_path_factory, tiny_model_dir):
     tok_dir = write_tokenized(root / "tokenized", {"train": 64, "val": 32, "test": 48})
     variants_root = root / "variants"
     dirs = {n: d for n, d in directories(variants_root).items() if n in NAMES}
-    export_report = run_export(tiny_model_dir, tok_dir, variants_root, ExportParams(parity_samples=8))
+    export_report = run_export(tiny_model_dir, tok_dir, variants_root, ExportParams(parity_samples=8, torchscript=True))
     q = QuantizeParams(calibration_samples=32, selection_samples=32, qat_train_samples=32, qat_batch_size=8,
-                       calibration_methods=["minmax", "entropy"])
+                       calibration_methods=["minmax", "entropy"],
+                       build=["int8-dynamic", "int8-static", "int8-qat"])
     quant_report = run_quantize(tiny_model_dir, dirs["fp32-onnx"], tok_dir, variants_root, Params(quantize=q))
     trt_report = run_tensorrt(tiny_model_dir, dirs["fp32-onnx"], dirs["int8-static"], tok_dir, variants_root,
-                              Params(quantize=q))
+                              Params(quantize=q, tensorrt=TensorRTParams(qdq_input=True)))
     return {"dirs": dirs, "root": variants_root, "tokenized": tok_dir, "export": export_report,
             "quantize": quant_report, "trt": trt_report}

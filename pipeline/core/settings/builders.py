@@ -6,7 +6,7 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
-from pipeline.core.settings.choices import Auto, CalibrationMethodName, WeightFormat
+from pipeline.core.settings.choices import Auto, CalibrationMethodName, QuantizeBuild, WeightFormat
 from pipeline.core.settings.validation import settings_section
 
 Positive = Annotated[int, Field(ge=1)]
@@ -24,6 +24,9 @@ class ExportParams:
     """The one switch for the [CLS] readout of every exported graph (export, quantize, prune): the last layer
     computes only the position the classifier reads (exact; `pipeline.variants.readout`). Models whose head reads
     every position (model.head: mean) are exported whole, with the reason recorded."""
+    torchscript: bool = False
+    """fp32-torchscript (torch.jit.trace, a deprecated API; not served by the default profile): built when true, else
+    written as a skipped variant with the reason. fp32-onnx is always built: the INT8 variants start from it."""
 
 
 @settings_section("quantize")
@@ -58,6 +61,9 @@ class QuantizeParams:
     zero point. On CPUs without VNNI/AMX onnxruntime's U8S8 kernels (AVX2 vpmaddubsw) saturate int16 pair sums, so s8
     gives wrong products there; s7 and u8 are exact. auto: s8 with VNNI/AMX, else u8
     (`pipeline.core.machine.resolve_weight_format`; the choice is recorded in each variant)."""
+    build: list[QuantizeBuild] = Field(default_factory=lambda: ["int8-dynamic"])
+    """The quantize stage's variants to build; the others are written as skipped with the reason. The default profile
+    builds what `package` serves (int8-dynamic); the `full` profile builds int8-static and int8-qat too."""
 
     def weights(self) -> str:
         """`weight_format` with `auto` resolved for this machine's CPU."""
@@ -99,6 +105,9 @@ class TensorRTParams:
     min_seq: int = Field(8, ge=1)
     opt_seq: int = Field(128, ge=1)
     workspace_mb: int = Field(2048, ge=1)
+    qdq_input: bool | Auto = "auto"
+    """The INT8 engine's QDQ input (built and scored with onnxruntime): auto builds it only where engines can be built
+    (CUDA and `tensorrt` present); true builds it on any machine, e.g. to check its accuracy on a CPU."""
 
     @model_validator(mode="after")
     def _profile_grows(self) -> TensorRTParams:

@@ -29,10 +29,14 @@ CalibrationMethodName = Literal["minmax", "percentile", "entropy"]
 #: kernels).
 WeightFormat = Literal["s8", "s7", "u8"]
 
+#: The quantize stage's variants (`quantize.build`).
+QuantizeBuild = Literal["int8-dynamic", "int8-static", "int8-qat"]
+
 #: Which variant `package.variant: auto` serves among those within the accuracy window.
 Prefer = Literal["accuracy", "speed"]
 
 TEACHER_READS: tuple[str, ...] = get_args(TeacherReads)
 CALIBRATION_METHODS: tuple[str, ...] = get_args(CalibrationMethodName)
 WEIGHT_FORMATS: tuple[str, ...] = get_args(WeightFormat)
+QUANTIZE_BUILDS: tuple[str, ...] = get_args(QuantizeBuild)
 PRECISIONS: tuple[str, ...] = get_args(Precision)

@@ -157,10 +157,11 @@ class DistillParams:
     (`data.transfer_reviews`). Its variants (`fp32-distilled`, `int8-distilled`) go through the teacher's export,
     readout and dynamic INT8 paths. The trainer's other settings (precision, bucketing, threads, ...) are `train`'s."""
 
-    enabled: bool | Auto = "auto"
-    """auto: trained where training is accelerated (CUDA, or bf16 on a CPU with native bf16), skipped with the reason
-    recorded where the CPU would train it in fp32, which does not fit the default profile's 20-minute budget
-    (`pipeline.core.machine.resolve_distill`; the choice is recorded in the stage's metrics and MLflow run)"""
+    enabled: bool | Auto = False
+    """false in the default profile: `package.prefer: accuracy` serves int8-dynamic, so the student would be built and
+    not served (profiles `full`, `avx2-student` and `cpu-long` build it). auto: trained where training is accelerated
+    (CUDA, or bf16 on a CPU with native bf16), skipped with the reason recorded where the CPU would train it in fp32
+    (`pipeline.core.machine.resolve_distill`; the choice is in the stage's metrics and MLflow)"""
     depth: int = Field(4, ge=1)
     """encoder layers of the student, taken evenly from the teacher's, its last layer always kept"""
     ffn_width: Annotated[int, Field(ge=1)] | None = None

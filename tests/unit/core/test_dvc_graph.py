@@ -97,3 +97,10 @@ def test_readers_depend_on_every_registered_variant(stage):
 def test_package_depends_on_every_servable_variant():
     deps = {str(d) for d in DVC["package"]["deps"]}
     assert {f"models/variants/{v.name}" for v in with_directories() if v.servable} <= deps
+
+
+def test_every_stage_command_runs_the_project_interpreter():
+    """A stage started by `.venv/bin/dvc` with another `python` first on PATH still runs in the project's venv:
+    each command names `.venv/bin/python` (a bare `python` would be whatever PATH finds, e.g. the system one)."""
+    for name, stage in DVC.items():
+        assert stage["cmd"].startswith(f".venv/bin/python -m stages.{name} "), (name, stage["cmd"])

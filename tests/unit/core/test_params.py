@@ -126,13 +126,14 @@ def test_training_window_is_at_most_the_inference_length(data_len, train_len):
 
 
 def test_auto_settings_resolve_once_for_a_machine():
-    avx2 = resolve_auto(Params(), flags=frozenset({"avx2"}), cuda=False)
+    every_auto = parse_params({"distill": {"enabled": "auto"}})  # the others are `auto` by default
+    avx2 = resolve_auto(every_auto, flags=frozenset({"avx2"}), cuda=False)
     assert (avx2.precision.value, avx2.distill.value, avx2.weight_format.value, avx2.bf16_row.value) == (
         "32-true", False, "u8", False)
-    amx = resolve_auto(Params(), flags=frozenset({"avx512_vnni", "amx_bf16", "amx_int8"}), cuda=False)
+    amx = resolve_auto(every_auto, flags=frozenset({"avx512_vnni", "amx_bf16", "amx_int8"}), cuda=False)
     assert (amx.precision.value, amx.distill.value, amx.weight_format.value, amx.bf16_row.value) == (
         "bf16-mixed", True, "s8", True)
-    resolved = amx.apply(Params())
+    resolved = amx.apply(every_auto)
     assert (resolved.train.precision, resolved.distill.enabled, resolved.quantize.weight_format,
             resolved.benchmark.bf16_row) == ("bf16-mixed", True, "s8", True)
     assert set(amx.choices()) == {"train.precision", "distill.enabled", "quantize.weight_format", "benchmark.bf16_row"}

@@ -23,3 +23,24 @@ def test_root_info_from_onnxruntime_is_dropped_but_warnings_and_our_lines_stay()
     assert quiet.filter(_record("pipeline.quantize", logging.INFO, ours))
     # a named onnxruntime logger is left to its own level
     assert quiet.filter(_record("onnxruntime.quantization.preprocess", logging.INFO, ort))
+
+
+def test_a_stage_says_what_it_does_and_how_long_it_took(caplog):
+    import pytest
+
+    from pipeline.core.params import ParamsError
+    from pipeline.core.stage import run_stage
+
+    with caplog.at_level(logging.INFO, logger="pipeline.stage"):
+        run_stage("demo", lambda: None)
+    lines = [r.getMessage() for r in caplog.records if r.name == "pipeline.stage"]
+    assert lines[0].startswith("==> demo: ") and lines[1].startswith("<== demo done in ")
+
+    def bad() -> None:
+        raise ParamsError("train.lr: must be > 0")
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="pipeline.stage"), pytest.raises(SystemExit) as stop:
+        run_stage("demo", bad)
+    assert stop.value.code == 2
+    assert [r.getMessage() for r in caplog.records if r.name == "pipeline.stage"][-1].startswith("<== demo failed in ")

@@ -348,8 +348,15 @@ def test_auto_skips_a_student_that_would_train_in_fp32_on_the_cpu_and_says_why(t
                             system_metrics=False)
     params = Params(train=TrainParams(precision="32-true", accelerator="cpu"),
                     distill=DistillParams(enabled=enabled), mlflow=tracking)
+    from pipeline.variants.distilled import run_distilled_variants
+    from pipeline.variants.record import read_variant
+    from tests.factories import AVX2_ONLY_FLAGS
+
+    monkeypatch.setenv("PIPELINE_CPU_FLAGS", AVX2_ONLY_FLAGS)  # the rehearsal of an AVX2-only CPU's choice
+    variants = tmp_path / "variants"
+    built = (lambda: run_distilled_variants(tmp_path / "student", tmp_path, variants, params)) if skipped else dict
     result = run_distill(tmp_path / "no-teacher", tmp_path, tmp_path / "student", tmp_path / "distill.json",
-                         tmp_path / "plots", params, lambda: {})
+                         tmp_path / "plots", params, built)
     assert (result.status == "skipped") is skipped and trained == ([] if skipped else [True])
     mlflow.set_tracking_uri(tracking.tracking_uri)
     run = mlflow.search_runs(experiment_names=["unit-distill"], output_format="list")[0]
@@ -360,7 +367,12 @@ def test_auto_skips_a_student_that_would_train_in_fp32_on_the_cpu_and_says_why(t
         assert record["enabled"] == {"setting": "distill.enabled", "asked": "auto", "value": False,
                                      "reason": record["enabled"]["reason"]}
         assert json.loads((tmp_path / "distill.json").read_text()) == record
-        assert run.data.tags["status"] == "skipped" and "20-minute" in run.data.tags["reason"]
+        assert run.data.tags["status"] == "skipped"
+        assert "longer than a whole default make run" in run.data.tags["reason"]
+        assert "PIPELINE_CPU_FLAGS" in record["enabled"]["reason"]  # decided with the rehearsed flags, and says so
+        for name in ("fp32-distilled", "int8-distilled"):  # the student's variants carry the same reason
+            info = read_variant(variants / name)
+            assert info.status == "skipped" and info.reason == record["reason"], name
 
 
 def test_hidden_state_loss_matches_each_student_layer_to_its_teacher_layer():

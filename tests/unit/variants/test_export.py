@@ -29,3 +29,15 @@ def test_parity_failure_stops_export(tmp_path, tiny_model_dir, monkeypatch):
     tok_dir = write_tokenized(tmp_path / "tok", {"test": 8})
     with pytest.raises(ExportError, match="parity failed"):
         run_export(tiny_model_dir, tok_dir, tmp_path / "variants", ExportParams())
+
+
+def test_the_default_skips_torchscript_with_the_reason(tmp_path, tiny_model_dir):
+    """`export.torchscript: false` (the default profile serves an INT8 ONNX variant): fp32-onnx is built, and
+    fp32-torchscript is a skipped variant whose reason names the setting."""
+    tok_dir = write_tokenized(tmp_path / "tok", {"test": 8})
+    report = run_export(tiny_model_dir, tok_dir, tmp_path / "variants", ExportParams(parity_samples=4))
+    assert report["fp32-torchscript"]["status"] == "skipped"
+    info = read_variant(tmp_path / "variants" / "fp32-torchscript")
+    assert info.status == "skipped" and "export.torchscript" in info.reason
+    assert not (tmp_path / "variants" / "fp32-torchscript" / "model.pt").exists()
+    assert read_variant(tmp_path / "variants" / "fp32-onnx").status == "ok"

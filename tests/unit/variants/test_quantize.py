@@ -24,13 +24,35 @@ def test_single_calibration_method_skips_the_selection_pass(built, tiny_model_di
     scores), and int8-static and int8-qat are both calibrated with that method."""
     dirs = {name: tmp_path / name for name in ("int8-dynamic", "int8-static", "int8-qat")}
     params = QuantizeParams(calibration_samples=16, calibration_methods=["percentile"], qat_train_samples=8,
-                            qat_batch_size=8)
+                            qat_batch_size=8, build=["int8-static", "int8-qat"])
     report = run_quantize(tiny_model_dir, built["dirs"]["fp32-onnx"], built["tokenized"], tmp_path,
                           Params(quantize=params))
     assert report["int8-static"]["calibration"] == "percentile"
     assert report["int8-static"]["selection_val_accuracy"] == {}
     assert report["int8-qat"]["calibration"] == "percentile"
     assert read_variant(dirs["int8-static"]).status == "ok" and (dirs["int8-static"] / "model.onnx").is_file()
+    assert report["int8-dynamic"]["status"] == "skipped"  # not in quantize.build
+
+
+def test_the_default_builds_only_int8_dynamic_and_records_the_others_as_skipped(built, tiny_model_dir, tmp_path):
+    """The default profile builds what `package` serves; int8-static/int8-qat are written as skipped variants
+    whose reason names the setting that builds them."""
+    report = run_quantize(tiny_model_dir, built["dirs"]["fp32-onnx"], built["tokenized"], tmp_path, Params())
+    assert QuantizeParams().build == ["int8-dynamic"]
+    assert "status" not in report["int8-dynamic"] and report["int8-dynamic"]["int8_matmuls"] > 0
+    assert read_variant(tmp_path / "int8-dynamic").status == "ok"
+    for name in ("int8-static", "int8-qat"):
+        info = read_variant(tmp_path / name)
+        assert info.status == "skipped" and "quantize.build" in info.reason, name
+        assert report[name] == {"status": "skipped", "reason": info.reason}
+        assert not (tmp_path / name / "model.onnx").exists()
+
+
+def test_an_unknown_build_name_is_a_params_error():
+    from pipeline.core.params import ParamsError
+
+    with pytest.raises(ParamsError, match=r"quantize\.build"):
+        QuantizeParams(build=["int8-dynamic", "int8-fancy"])
 
 
 def test_every_weight_matmul_is_int8(built):

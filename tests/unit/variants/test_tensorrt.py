@@ -86,3 +86,21 @@ def test_a_uint8_qdq_model_is_refused_as_tensorrt_input(built):
     problems = tensorrt_qdq_problems(built["dirs"]["int8-static"] / "model.onnx")
     assert any("zero point of type UINT8" in p for p in problems)
     assert any("has no TensorRT importer" in p for p in problems)  # the per-batch FFN products
+
+
+def test_without_engines_auto_does_not_build_the_qdq_input(built, tiny_model_dir, tmp_path):
+    """`tensorrt.qdq_input: auto` builds the INT8 engine's input only where engines can be built: elsewhere the
+    skipped record says why and how to build it anyway, and no calibration is spent."""
+    from pipeline.core.params import Params
+    from pipeline.variants.tensorrt import TENSORRT_QDQ_FILE, run_tensorrt
+
+    ok, reason = availability()
+    if ok:
+        pytest.skip("a CUDA device with TensorRT is present: auto builds the input here")
+    report = run_tensorrt(tiny_model_dir, built["dirs"]["fp32-onnx"], built["dirs"]["int8-static"],
+                          built["tokenized"], tmp_path, Params())
+    info = read_variant(tmp_path / "tensorrt-int8")
+    assert info.status == "skipped" and info.reason == reason
+    assert info.params["source_onnx"] is None and "tensorrt.qdq_input" in info.params["source_onnx_skipped"]
+    assert not (tmp_path / "tensorrt-int8" / TENSORRT_QDQ_FILE).exists()
+    assert report["tensorrt-int8"]["status"] == "skipped"

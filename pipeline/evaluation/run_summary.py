@@ -1,0 +1,129 @@
+"""The table `make run` prints when `dvc repro` ends: each stage's time, the headline numbers and where to look next.
+
+Stage times come from the MLflow stage runs of this pipeline run (`pipeline.run_id`); a stage `dvc repro` did
+not re-run (its outputs were up to date or restored from the run cache) has no run of this id and is shown as
+`up to date`. The numbers come from the metrics files the stages wrote, so the table never shows a figure the
+pipeline did not measure.
+
+`python -m pipeline.evaluation.run_summary [--params params.yaml] [--metrics metrics] [--started EPOCH_S]`
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+#: dvc.yaml's stages in pipeline order (tests/unit/evaluation/test_run_summary.py checks it against dvc.yaml).
+STAGES = ("prepare", "finetune", "export", "quantize", "prune", "distill", "tensorrt", "evaluate", "benchmark",
+          "package")
+
+
+@dataclass(frozen=True)
+class StageTime:
+    """One stage in this run: seconds it ran (None when `dvc repro` did not run it) and its MLflow status."""
+
+    stage: str
+    seconds: float | None
+    status: str
+
+
+def stage_times(tracking_uri: str, experiment: str, run_id: str) -> list[StageTime]:
+    """Each stage's wall time in the MLflow runs tagged with `run_id` (the newest run per stage)."""
+    from pipeline.core.tracking import stage_run_times
+
+    found = stage_run_times(tracking_uri, experiment, run_id)
+    out = []
+    for stage in STAGES:
+        if stage not in found:
+            out.append(StageTime(stage, None, "up to date"))
+            continue
+        seconds, status = found[stage]
+        out.append(StageTime(stage, seconds, "ran" if status == "ok" else status))
+    return out
+
+
+def _read(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def headline(metrics: Path) -> dict[str, Any]:
+    """The run's headline figures from the metrics files (keys absent where a stage wrote none)."""
+    finetune, package = _read(metrics / "finetune.json"), _read(metrics / "package.json")
+    bench, machine = _read(metrics / "benchmark.json"), _read(metrics / "benchmark_machine.json")
+    out: dict[str, Any] = {}
+    if "test_accuracy" in finetune:
+        out["fp32_test_accuracy"] = finetune["test_accuracy"]
+    served = package.get("variant")
+    if served:
+        out["served"] = served
+        row, ref = bench.get(served, {}), bench.get("fp32-eager", {})
+        if row.get("status") == "ok":
+            out["served_accuracy"] = row.get("accuracy")
+            out["speedup"] = row.get("speedup_p50_vs_fp32_eager")
+            out["speedup_interval"] = (row.get("speedup_p50_low"), row.get("speedup_p50_high"))
+            out["p50_ms_b1"] = row.get("p50_ms_b1")
+            out["fp32_p50_ms_b1"] = ref.get("p50_ms_b1")
+        out["model_uri"] = package.get("registered_model", {}).get("uri")
+    if machine.get("cpu"):
+        isa = [flag for flag, present in machine.get("isa", {}).items() if present]
+        out["cpu"] = (f"{machine['cpu']} ({', '.join(isa) or 'no listed ISA extensions'}; "
+                      f"{machine.get('threads_used', '?')} threads)")
+    return out
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{int(seconds // 60)} min {seconds % 60:02.0f} s"
+
+
+def render(times: list[StageTime], head: dict[str, Any], total_s: float | None) -> str:
+    """The summary as plain text (fixed-width table, then the headline and the next steps)."""
+    lines = ["", "== sentiment-pipeline: run summary " + "=" * 44,
+             f"{'stage':<11} {'time':>12}  status"]
+    for t in times:
+        lines.append(f"{t.stage:<11} {_duration(t.seconds) if t.seconds is not None else '-':>12}  {t.status}")
+    if total_s is not None:
+        lines.append(f"{'total':<11} {_duration(total_s):>12}  (wall time of make run, venv included)")
+    lines.append("")
+    if "fp32_test_accuracy" in head:
+        lines.append(f"FP32 test accuracy   {100 * head['fp32_test_accuracy']:.2f} %")
+    if "served" in head:
+        acc = head.get("served_accuracy")
+        lines.append(f"served variant       {head['served']}" + (f" ({100 * acc:.2f} % test)" if acc else "")
+                     + (f", {head['model_uri']}" if head.get("model_uri") else ""))
+    if head.get("speedup"):
+        low, high = head["speedup_interval"]
+        lines.append(f"speed-up vs FP32     {head['speedup']:.2f}x p50 at batch 1 ({low:.2f}-{high:.2f}, 90 %): "
+                     f"{head['p50_ms_b1']:.1f} ms vs {head['fp32_p50_ms_b1']:.1f} ms"
+                     + (f" on {head['cpu']}" if head.get("cpu") else ""))
+    lines += ["", "next:  make serve   then   .venv/bin/python -m serving.client \"a wonderful film\"",
+              "       make mlflow-ui (runs, models, @champion)   reports/benchmark/   .venv/bin/dvc metrics show",
+              "=" * 79]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--metrics", type=Path, default=Path("metrics"))
+    parser.add_argument("--started", type=float, default=None, help="epoch seconds make run started at")
+    args = parser.parse_args(argv)
+
+    from pipeline.core.params import load_params
+    from pipeline.core.tracking import pipeline_run_id, tracking_uri
+
+    params = load_params(args.params)
+    try:
+        times = stage_times(tracking_uri(params.mlflow), params.mlflow.experiment, pipeline_run_id())
+    except Exception as exc:  # the summary must never fail a finished run; it says what it lacks
+        print(f"(stage times unavailable: {exc})")
+        times = [StageTime(s, None, "unknown") for s in STAGES]
+    total = time.time() - args.started if args.started else None
+    print(render(times, headline(args.metrics), total))
+
+
+if __name__ == "__main__":
+    main()
