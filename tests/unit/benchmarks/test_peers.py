@@ -36,10 +36,12 @@ def eager(built, tiny_model_dir, inputs) -> np.ndarray:
     return _logits(build_row(spec, {}, tiny_model_dir, built["root"], 1, inputs, "aot_eager"), inputs)
 
 
-ROWS = [s for s in specs(["teacher"]) if s.runtime != "pytorch-eager"]
+#: The compiled rows take minutes to trace on 2 cores even through `aot_eager`: marked slow.
+ROWS = [pytest.param(s, id=s.name, marks=[pytest.mark.slow] if "compile" in s.runtime else [])
+        for s in specs(["teacher"]) if s.runtime != "pytorch-eager"]
 
 
-@pytest.mark.parametrize("spec", ROWS, ids=[s.name for s in ROWS])
+@pytest.mark.parametrize("spec", ROWS)
 def test_every_runtime_builds_and_agrees_with_fp32_eager(spec, built, tiny_model_dir, inputs, eager):
     """Each peer (compiled through `aot_eager` here, so no C++ build: dynamo, AOTAutograd and torchao's tensor
     subclasses are still traced) and each of the pipeline's variants answers the test reviews like FP32 eager."""
@@ -90,7 +92,7 @@ def test_run_writes_the_schema_with_skipped_rows_and_the_ceiling(built, tiny_mod
     out = tmp_path / "peers.json"
     main(["--params", str(params), "--finetuned", str(tiny_model_dir), "--student", str(tmp_path / "none"),
           "--variants-root", str(built["root"]), "--tokenized", str(built["tokenized"]), "--threads", "1",
-          "--rows", "onnxruntime/int8-dynamic,openvino/fp32", "--ceiling", str(ceiling), "--out", str(out),
+          "--rows", "onnxruntime/int8-dynamic", "--ceiling", str(ceiling), "--out", str(out),
           "--compile-backend", "aot_eager"])
     result = read_json(out)
     assert result["machine"]["cpu"] and "avx2" in result["machine"]["isa"]
