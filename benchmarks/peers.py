@@ -172,6 +172,17 @@ def peak_rss(name: str, args: argparse.Namespace) -> float:
     return float(proc.stdout.strip().splitlines()[-1])
 
 
+def add_memory(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """`peak_rss_mb` of every measured row, each from a fresh process (`peak_rss`); a failed probe keeps its error."""
+    for row in rows:
+        if row["status"] == "ok":
+            log.info("peak RSS of %s", row["name"])
+            try:
+                row["peak_rss_mb"] = peak_rss(row["name"], args)
+            except RuntimeError as exc:
+                row["peak_rss_mb"], row["peak_rss_error"] = None, str(exc)[-500:]
+
+
 def _overrides(args: argparse.Namespace) -> list[str]:
     out = []
     for key in ("rounds", "iterations", "throughput_batches"):
@@ -360,13 +371,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 ref["latency_rounds_ms"], t["latency_rounds_ms"], SPEEDUP_LEVEL)
     del runtimes  # free every model before the memory probes start their own processes
     if not args.no_memory:
-        for row in rows:
-            if row["status"] == "ok":
-                log.info("peak RSS of %s", row["name"])
-                try:
-                    row["peak_rss_mb"] = peak_rss(row["name"], args)
-                except RuntimeError as exc:
-                    row["peak_rss_mb"], row["peak_rss_error"] = None, str(exc)[-500:]
+        add_memory(rows, args)
     result_verdicts = verdicts(rows, params.targets.max_accuracy_loss_pt)
     scored_ours = [r for r in rows if r["ours"] and r["status"] == "ok"]
     fastest = max(scored_ours, key=lambda r: r["reviews_per_s_b32"]) if scored_ours else None
@@ -412,7 +417,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parser.add_argument("--reviews", type=int, default=None, help="test reviews for accuracy (default: all)")
     parser.add_argument("--ort-tuning", action="store_true", help="add the pipeline's INT8 variants under other "
                                                                   "onnxruntime settings (`ORT_TUNING`)")
-    parser.add_argument("--no-memory", action="store_true", help="skip the per-row peak RSS processes")
+    parser.add_argument("--no-memory", action="store_true", help="skip the per-row peak RSS processes (add them "
+                                                                 "later with --memory-only)")
+    parser.add_argument("--memory-only", action="store_true", help="only add peak RSS to the rows of an existing "
+                                                                   "--out file (same models and settings)")
     parser.add_argument("--ceiling", type=Path, default=ROOT / "benchmarks" / "results" / "int8_gemm_ceiling.json")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "peers.json")
     parser.add_argument("--compile-backend", default="inductor", help=argparse.SUPPRESS)  # tests: aot_eager
@@ -427,7 +435,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     from pipeline.core.stage import setup_logging
 
     setup_logging()
-    result = run(args)
+    if args.memory_only:
+        result = read_json(args.out)
+        add_memory(result["rows"], args)
+        result["command"] += f" && python -m benchmarks.peers {' '.join(args.argv)}"
+    else:
+        result = run(args)
     write_json(args.out, result)
     title = (f"{result['machine']['cpu']}, {args.threads} threads, {result['date_utc']} UTC, load "
              f"{result['machine']['loadavg_start'][0]:.1f}-{result['machine']['loadavg_end'][0]:.1f}; green: pipeline")
