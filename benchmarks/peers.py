@@ -1,0 +1,464 @@
+"""The pipeline's own variants side by side with what a user would serve this model with instead, in one run.
+
+Same finetuned teacher (and, where the distill stage built it, the same student), same test reviews, same
+tokenization, same threads: PyTorch eager FP32 (the reference), `torch.compile` FP32 (and under bf16 autocast
+where the CPU has native bf16), torchao INT8 dynamic (compiled), OpenVINO FP32 and OpenVINO INT8 (NNCF
+post-training quantization on the pipeline's calibration reviews), and the pipeline's onnxruntime variants
+(`benchmarks.peer_runtimes` builds them all). Per row: test accuracy (and agreement with the same model's FP32
+eager labels), p50/p95 at batch 1 and `benchmark.seq_len` tokens, reviews/s at `benchmark.batch_size`, peak RSS
+(a fresh process per row, which builds the row and answers one batch), build time (to the first answer). Timings
+use the benchmark stage's machinery (`pipeline.evaluation.latency.measure`: warm-up, alternating rounds, a
+bootstrap 90 % interval of each p50 speed-up over FP32 eager by whole rounds).
+
+It then says, for batch 1 and for batch 32, whether the fastest peer within `targets.max_accuracy_loss_pt` of
+FP32 beats the fastest of the pipeline's variants within it (by how much, with the paired interval), and how
+much of the CPU's measured INT8 GEMM peak (`benchmarks/results/int8_gemm_ceiling.json`) the fastest variant
+uses at batch 32. `--ort-tuning` adds rows of the pipeline's INT8 variants under other onnxruntime settings.
+Prints a table; writes `benchmarks/results/peers.json` and `peers.png` beside it.
+
+    python -m benchmarks.peers [--models teacher,student --rounds 8 --iterations 160 --throughput-batches 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.peer_runtimes import (
+    BuildInputs,
+    OrtVariant,
+    PeerRuntime,
+    PeerSpec,
+    PeerUnavailable,
+    package_version,
+    runtime_for,
+    specs,
+)
+from pipeline.core.io import read_json, write_json
+from pipeline.core.machine import machine_info
+from pipeline.core.params import Params, load_params
+from pipeline.evaluation.latency import (
+    SPEEDUP_LEVEL,
+    latency_inputs,
+    measure,
+    speedup_interval,
+    throughput_batches,
+    vm_hwm_mb,
+)
+
+log = logging.getLogger(__name__)
+ROOT = Path(__file__).resolve().parents[1]
+REFERENCE_ROW = "teacher/pytorch-eager/fp32"
+#: `--ort-tuning` rows: onnxruntime settings tried on the pipeline's INT8 variants (`OrtVariant` options).
+ORT_TUNING: dict[str, dict[str, Any]] = {
+    "no-spin": {"allow_spinning": False},
+    "parallel": {"execution_mode": "parallel", "inter_op_threads": 2},
+    "batched": {"batching": "batched"},
+}
+
+
+@dataclasses.dataclass
+class Inputs:
+    """Everything built from the data once and shared by every row."""
+
+    test_seqs: list[np.ndarray]
+    labels: np.ndarray
+    pad: int
+    calibration: list[tuple[np.ndarray, np.ndarray]]
+    lat_inputs: list[tuple[np.ndarray, ...]]
+    tp_batches: list[tuple[np.ndarray, ...]]
+
+
+def read_inputs(finetuned: Path, tokenized: Path, params: Params, reviews: int | None) -> Inputs:
+    """Test reviews and labels, the calibration batches (the reviews int8-static calibrates on, batched as it
+    does), the batch-1 latency inputs and the throughput batches, as the benchmark stage builds them."""
+    from pipeline.data.tokens import read_tokenized
+    from pipeline.modeling import saved_pad_id
+    from pipeline.variants.onnx_int8 import calibration_reviews
+    from pipeline.variants.runners import pad_batch
+
+    test = read_tokenized(tokenized, "test")
+    if reviews:
+        test = test.iloc[:reviews]
+    seqs = [np.asarray(s) for s in test["input_ids"].tolist()]
+    pad = saved_pad_id(finetuned)
+    calib = calibration_reviews(read_tokenized(tokenized, "train"), params)
+    size = params.quantize.calibration_batch_size
+    batches = [pad_batch(calib[i : i + size], pad) for i in range(0, len(calib), size)]
+    b = params.benchmark
+    return Inputs(seqs, test["label"].to_numpy(), pad, batches,
+                  latency_inputs(seqs, b.seq_len, b.latency_reviews, pad),
+                  throughput_batches(seqs, b.batch_size, b.throughput_batches, pad))
+
+
+def model_dirs(finetuned: Path, student: Path, wanted: list[str]) -> tuple[dict[str, Path], dict[str, str]]:
+    """The HF directory of each wanted model, and the reason for each wanted model that is missing."""
+    from pipeline.modeling import read_model_record
+
+    dirs, missing = {}, {}
+    for role, d in (("teacher", finetuned), ("student", student)):
+        if role not in wanted:
+            continue
+        if not (d / "model.safetensors").is_file():
+            record = read_model_record(d) if (d / "pipeline.json").is_file() else {}
+            missing[role] = record.get("reason") or f"no model in {d} (the {role} was not built)"
+        else:
+            dirs[role] = d
+    return dirs, missing
+
+
+def row_specs(roles: list[str], tuning: bool) -> list[tuple[PeerSpec, dict[str, Any]]]:
+    """Every row for `roles`, with the `OrtVariant` options of the tuning rows."""
+    out: list[tuple[PeerSpec, dict[str, Any]]] = [(s, {}) for s in specs(roles)]  # type: ignore[arg-type]
+    if tuning:
+        for s in [s for s, _ in out if s.ours and s.precision.startswith("int8")]:
+            for tag, options in ORT_TUNING.items():
+                out.append((dataclasses.replace(s, variant=f"{s.variant}+{tag}"), options))
+    return out
+
+
+def build_row(spec: PeerSpec, options: dict[str, Any], model_dir: Path, variants_root: Path, threads: int,
+              inputs: Inputs, compile_backend: str) -> PeerRuntime:
+    """Load one row's runtime (raises `PeerUnavailable` with the reason)."""
+    if spec.ours and spec.variant and "+" in spec.variant:
+        runtime: PeerRuntime = OrtVariant(dataclasses.replace(spec, variant=spec.variant.split("+")[0]), **options)
+        runtime.spec = spec
+    else:
+        runtime = runtime_for(spec, **options)
+    build = BuildInputs(model_dir, variants_root, threads, inputs.lat_inputs[0], inputs.calibration,  # type: ignore[arg-type]
+                        compile_backend)
+    return runtime.load(build)
+
+
+def accuracy_of(runtime: PeerRuntime, inputs: Inputs, batch: int) -> tuple[float, np.ndarray]:
+    """Test accuracy and predicted labels, the reviews batched by length as the evaluate stage does."""
+    from pipeline.variants.runners import predict_logits
+
+    pred = predict_logits(runtime, inputs.test_seqs, batch, inputs.pad).argmax(axis=1)
+    return float((pred == inputs.labels).mean()), pred
+
+
+def rss_probe(args: argparse.Namespace) -> None:
+    """`--rss-probe ROW`: build one row in this fresh process, answer one throughput batch, print VmHWM (MB)."""
+    params = _params(args)
+    inputs = read_inputs(args.finetuned, args.tokenized, params, None)
+    dirs, _ = model_dirs(args.finetuned, args.student, ["teacher", "student"])
+    spec, options = next((s, o) for s, o in row_specs(["teacher", "student"], True) if s.name == args.rss_probe)
+    runtime = build_row(spec, options, dirs[spec.model], args.variants_root, args.threads, inputs,
+                        args.compile_backend)
+    runtime(*inputs.tp_batches[0])
+    print(vm_hwm_mb())
+
+
+def peak_rss(name: str, args: argparse.Namespace) -> float:
+    """Peak RSS of a fresh process that builds row `name` and answers one batch."""
+    cmd = [sys.executable, "-m", "benchmarks.peers", "--rss-probe", name, "--params", str(args.params),
+           "--finetuned", str(args.finetuned), "--student", str(args.student), "--variants-root",
+           str(args.variants_root), "--tokenized", str(args.tokenized), "--threads", str(args.threads),
+           "--compile-backend", args.compile_backend, *_overrides(args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"memory probe failed for {name}: {proc.stderr[-2000:]}")
+    return float(proc.stdout.strip().splitlines()[-1])
+
+
+def add_memory(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """`peak_rss_mb` of every measured row, each from a fresh process (`peak_rss`); a failed probe keeps its error."""
+    for row in rows:
+        if row["status"] == "ok":
+            log.info("peak RSS of %s", row["name"])
+            try:
+                row["peak_rss_mb"] = peak_rss(row["name"], args)
+            except RuntimeError as exc:
+                row["peak_rss_mb"], row["peak_rss_error"] = None, str(exc)[-500:]
+
+
+def _overrides(args: argparse.Namespace) -> list[str]:
+    out = []
+    for key in ("rounds", "iterations", "throughput_batches"):
+        if getattr(args, key) is not None:
+            out += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    return out
+
+
+def _params(args: argparse.Namespace) -> Params:
+    params = load_params(args.params)
+    b = params.benchmark
+    changes = {k: getattr(args, k) for k in ("rounds", "iterations", "throughput_batches")
+               if getattr(args, k) is not None}
+    return dataclasses.replace(params, benchmark=dataclasses.replace(b, **changes))
+
+
+def weight_gemm_flops(config: dict[str, Any], tokens: int, cls_readout: bool) -> float:
+    """Multiply-add FLOPs (2 per MAC) of one review's weight products (Q, K, V, output, FFN up and down in every
+    layer) over `tokens` real tokens; with the [CLS] readout the last layer computes K and V for every token and
+    the rest for [CLS] alone. Attention's score products and the classifier head are left out, as in the
+    ceiling measurement."""
+    h, i, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    per_token = 4 * h * h + 2 * h * i
+    if not cls_readout:
+        return 2.0 * layers * tokens * per_token
+    return 2.0 * ((layers - 1) * tokens * per_token + tokens * 2 * h * h + (2 * h * h + 2 * h * i))
+
+
+def ceiling_fraction(row: dict[str, Any], config: dict[str, Any], tp_batches: list[tuple[np.ndarray, ...]],
+                     ceiling_file: Path) -> dict[str, Any] | None:
+    """Share of the CPU's measured INT8 GEMM peak (the fastest bare `MatMulInteger` product of the ceiling
+    measurement, in FLOP/s) that `row` reaches at batch 32: its weight-product FLOPs per review (real tokens of
+    the same batches) times its reviews/s."""
+    if not ceiling_file.is_file():
+        return None
+    ceiling = read_json(ceiling_file)
+    tokens = ceiling["tokens"]
+    rates = {p["product"]: 2.0 * tokens * p["k"] * p["n"] / (p["int8-gemm-only_p50_ms"] / 1e3)
+             for p in ceiling["products"]}
+    best = max(rates, key=rates.__getitem__)
+    lengths = [int(m.sum()) for _, mask in tp_batches for m in mask]
+    flops = float(np.mean([weight_gemm_flops(config, n, bool(row.get("cls_readout"))) for n in lengths]))
+    achieved = flops * row["reviews_per_s_b32"]
+    return {"row": row["name"], "gemm_flops_per_review": flops, "mean_real_tokens": float(np.mean(lengths)),
+            "achieved_gflops": achieved / 1e9, "peak_int8_gflops": rates[best] / 1e9, "peak_product": best,
+            "peak_measured": ceiling.get("machine", {}).get("cpu", ""), "fraction_of_peak": achieved / rates[best],
+            "source": str(ceiling_file.relative_to(ROOT) if ceiling_file.is_relative_to(ROOT) else ceiling_file)}
+
+
+def verdicts(rows: list[dict[str, Any]], max_loss_pt: float) -> list[dict[str, Any]]:
+    """At batch 1 (p50) and batch 32 (reviews/s): the fastest of our rows and the fastest peer, each within
+    `max_loss_pt` of the teacher's FP32 eager accuracy, and which wins by how much. Batch 1 carries the paired
+    bootstrap interval of p50(ours) / p50(peer) by rounds."""
+    ref = next(r for r in rows if r["name"] == REFERENCE_ROW)
+    ok = [r for r in rows if r["status"] == "ok" and r.get("accuracy") is not None
+          and 100 * (ref["accuracy"] - r["accuracy"]) <= max_loss_pt + 1e-9]
+    out = []
+    for metric, better in (("p50_ms_b1", min), ("reviews_per_s_b32", max)):
+        ours = [r for r in ok if r["ours"]]
+        peers = [r for r in ok if not r["ours"]]
+        if not ours or not peers:
+            continue
+        a, b = better(ours, key=lambda r: r[metric]), better(peers, key=lambda r: r[metric])
+        ratio = (b[metric] / a[metric]) if metric == "p50_ms_b1" else (a[metric] / b[metric])
+        entry = {"metric": metric, "best_ours": a["name"], "best_ours_value": a[metric],
+                 "best_peer": b["name"], "best_peer_value": b[metric], "ours_speed_vs_peer": ratio,
+                 "winner": "ours" if ratio >= 1 else "peer"}
+        if metric == "p50_ms_b1":
+            low, high = speedup_interval(b["_rounds"], a["_rounds"], SPEEDUP_LEVEL)
+            entry["interval"] = [low, high]
+        out.append(entry)
+    return out
+
+
+def chart(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    """p50 at batch 1 and reviews/s at batch 32 per row, the pipeline's rows in green, accuracy in the labels."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r["status"] == "ok"]
+    labels = [f"{r['name']}  ({100 * r['accuracy']:.2f} %)" if r.get("accuracy") is not None else r["name"]
+              for r in ok]
+    colors = ["#55a868" if r["ours"] else "#4c72b0" for r in ok]
+    y = np.arange(len(ok))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 0.42 * len(ok) + 1.9), dpi=110)
+    axes[0].barh(y, [r["p50_ms_b1"] for r in ok], color=colors)
+    axes[0].errorbar([r["p95_ms_b1"] for r in ok], y, fmt="|", color="black", label="p95")
+    axes[0].set_yticks(y, labels, fontsize=8)
+    axes[0].invert_yaxis()
+    axes[0].set_xlabel("p50 latency, batch 1 (ms, lower is better); | = p95")
+    axes[1].barh(y, [r["reviews_per_s_b32"] for r in ok], color=colors)
+    axes[1].set_yticks(y, [])
+    axes[1].invert_yaxis()
+    axes[1].set_xlabel("reviews/s at batch 32 (higher is better)")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The printed table: one line per row, skipped rows with their reason."""
+    head = (f"{'row':<46}{'acc %':>7}{'agree':>7}{'p50 ms':>8}{'p95 ms':>8}{'x eager (90 %)':>19}"
+            f"{'rev/s@32':>9}{'RSS MB':>8}{'build s':>8}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        name = r["name"] + (" *" if r["ours"] else "")
+        if r["status"] != "ok":
+            lines.append(f"{name:<46}{r['status']}: {r['reason'][:110]}")
+            continue
+        interval = (f"{r['speedup_p50']:.2f} [{r['speedup_p50_low']:.2f},{r['speedup_p50_high']:.2f}]"
+                    if "speedup_p50_low" in r else f"{r['speedup_p50']:.2f}")
+        rss = f"{r['peak_rss_mb']:.0f}" if r.get("peak_rss_mb") is not None else "-"
+        lines.append(f"{name:<46}{100 * r['accuracy']:>7.2f}{100 * r['agreement_with_fp32']:>7.1f}"
+                     f"{r['p50_ms_b1']:>8.2f}{r['p95_ms_b1']:>8.2f}{interval:>19}{r['reviews_per_s_b32']:>9.1f}"
+                     f"{rss:>8}{r['build_s']:>8.1f}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Build, score and time every row; returns the JSON document."""
+    import torch
+
+    params = _params(args)
+    torch.set_num_threads(args.threads)
+    load_start = os.getloadavg()
+    wanted = [m for m in args.models.split(",") if m]
+    dirs, missing = model_dirs(args.finetuned, args.student, wanted)
+    if "teacher" not in dirs:
+        raise SystemExit(f"the teacher is needed as the reference: {missing.get('teacher')}")
+    inputs = read_inputs(args.finetuned, args.tokenized, params, args.reviews)
+    rows: list[dict[str, Any]] = []
+    runtimes: dict[str, PeerRuntime] = {}
+    reference_labels: dict[str, np.ndarray] = {}
+    for spec, options in row_specs(wanted, args.ort_tuning):
+        row: dict[str, Any] = {"name": spec.name, "runtime": spec.runtime, "model": spec.model,
+                               "precision": spec.precision, "ours": spec.ours, "variant": spec.variant,
+                               "status": "ok", "reason": ""}
+        rows.append(row)
+        if spec.model in missing:
+            row.update(status="skipped", reason=missing[spec.model])
+            continue
+        if args.rows and not any(part in spec.name for part in args.rows.split(",")) and spec.name != REFERENCE_ROW \
+                and not spec.name.endswith("pytorch-eager/fp32"):
+            row.update(status="skipped", reason="not asked for (--rows)")
+            continue
+        log.info("building %s", spec.name)
+        try:
+            runtime = build_row(spec, options, dirs[spec.model], args.variants_root, args.threads, inputs,
+                                args.compile_backend)
+        except PeerUnavailable as exc:
+            row.update(status="skipped", reason=str(exc))
+            continue
+        except Exception as exc:  # a peer that fails to build here is a finding: kept in the table with its error
+            log.exception("%s failed to build", spec.name)
+            row.update(status="failed", reason=f"{type(exc).__name__}: {exc}")
+            continue
+        log.info("scoring %s (built in %.1f s)", spec.name, runtime.build_s)
+        acc, pred = accuracy_of(runtime, inputs, params.benchmark.batch_size)
+        if spec.runtime == "pytorch-eager":
+            reference_labels[spec.model] = pred
+        row.update(runtime.describe())
+        row["accuracy"] = acc
+        row["agreement_with_fp32"] = float((pred == reference_labels[spec.model]).mean())
+        runtimes[spec.name] = runtime
+    log.info("timing %d rows, %d rounds", len(runtimes), params.benchmark.rounds)
+    t0 = time.perf_counter()
+    timings = measure(runtimes, inputs.lat_inputs, inputs.tp_batches, params.benchmark,  # type: ignore[arg-type]
+                      progress=lambda name: log.info("round done: %s", name))
+    measure_s = time.perf_counter() - t0
+    load_end = os.getloadavg()
+    ref = timings[REFERENCE_ROW]
+    for row in rows:
+        if row["name"] not in timings:
+            continue
+        t = timings[row["name"]]
+        row["_rounds"] = t["latency_rounds_ms"]
+        row.update({"p50_ms_b1": t["p50_ms_b1"], "p95_ms_b1": t["p95_ms_b1"], "p99_ms_b1": t["p99_ms_b1"],
+                    "reviews_per_s_b32": t["throughput_b32"], "latency_samples": t["latency_samples"],
+                    "speedup_p50": ref["p50_ms_b1"] / t["p50_ms_b1"]})
+        if row["name"] != REFERENCE_ROW:
+            row["speedup_p50_low"], row["speedup_p50_high"] = speedup_interval(
+                ref["latency_rounds_ms"], t["latency_rounds_ms"], SPEEDUP_LEVEL)
+    del runtimes  # free every model before the memory probes start their own processes
+    if not args.no_memory:
+        add_memory(rows, args)
+    result_verdicts = verdicts(rows, params.targets.max_accuracy_loss_pt)
+    scored_ours = [r for r in rows if r["ours"] and r["status"] == "ok"]
+    fastest = max(scored_ours, key=lambda r: r["reviews_per_s_b32"]) if scored_ours else None
+    ceiling = None
+    if fastest is not None:
+        config = json.loads((dirs[fastest["model"]] / "config.json").read_text())
+        ceiling = ceiling_fraction(fastest, config, inputs.tp_batches, args.ceiling)
+    for row in rows:
+        row.pop("_rounds", None)
+    b = params.benchmark
+    return {
+        "command": "python -m benchmarks.peers " + " ".join(args.argv),
+        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "machine": {**machine_info(args.threads), "loadavg_start": list(load_start), "loadavg_end": list(load_end),
+                    "versions_peers": {m: package_version(m) for m in ("openvino", "nncf", "torchao")}},
+        "settings": {"threads": args.threads, "seq_len": b.seq_len, "batch_size": b.batch_size, "rounds": b.rounds,
+                     "iterations": b.iterations, "warmup": b.warmup, "throughput_batches": b.throughput_batches,
+                     "latency_reviews": b.latency_reviews, "test_reviews": len(inputs.test_seqs),
+                     "calibration_reviews": sum(len(x[0]) for x in inputs.calibration),
+                     "compile_backend": args.compile_backend, "measure_s": measure_s,
+                     "max_accuracy_loss_pt": params.targets.max_accuracy_loss_pt},
+        "rows": rows,
+        "verdicts": result_verdicts,
+        "int8_ceiling": ceiling,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--params", type=Path, default=Path("params.yaml"))
+    parser.add_argument("--finetuned", type=Path, default=Path("models/finetuned"))
+    parser.add_argument("--student", type=Path, default=Path("models/distilled"))
+    parser.add_argument("--variants-root", type=Path, default=Path("models/variants"))
+    parser.add_argument("--tokenized", type=Path, default=Path("data/tokenized"))
+    parser.add_argument("--models", default="teacher,student", help="teacher, student or both (a missing student "
+                                                                     "is kept in the table as skipped)")
+    parser.add_argument("--rows", default="", help="comma-separated parts of row names to build (FP32 eager "
+                                                   "always); default: all")
+    parser.add_argument("--threads", type=int, default=None, help="default: benchmark.threads, else all CPUs")
+    parser.add_argument("--rounds", type=int, default=None, help="default: benchmark.rounds")
+    parser.add_argument("--iterations", type=int, default=None, help="default: benchmark.iterations")
+    parser.add_argument("--throughput-batches", type=int, default=None, help="default: benchmark.throughput_batches")
+    parser.add_argument("--reviews", type=int, default=None, help="test reviews for accuracy (default: all)")
+    parser.add_argument("--ort-tuning", action="store_true", help="add the pipeline's INT8 variants under other "
+                                                                  "onnxruntime settings (`ORT_TUNING`)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the per-row peak RSS processes (add them "
+                                                                 "later with --memory-only)")
+    parser.add_argument("--memory-only", action="store_true", help="only add peak RSS to the rows of an existing "
+                                                                   "--out file (same models and settings)")
+    parser.add_argument("--ceiling", type=Path, default=ROOT / "benchmarks" / "results" / "int8_gemm_ceiling.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "peers.json")
+    parser.add_argument("--compile-backend", default="inductor", help=argparse.SUPPRESS)  # tests: aot_eager
+    parser.add_argument("--rss-probe", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.threads is None:
+        args.threads = load_params(args.params).benchmark.threads or os.cpu_count() or 1
+    if args.rss_probe:
+        rss_probe(args)
+        return None
+    from pipeline.core.stage import setup_logging
+
+    setup_logging()
+    if args.memory_only:
+        result = read_json(args.out)
+        add_memory(result["rows"], args)
+        result["command"] += f" && python -m benchmarks.peers {' '.join(args.argv)}"
+    else:
+        result = run(args)
+    write_json(args.out, result)
+    title = (f"{result['machine']['cpu']}, {args.threads} threads, {result['date_utc']} UTC, load "
+             f"{result['machine']['loadavg_start'][0]:.1f}-{result['machine']['loadavg_end'][0]:.1f}; green: pipeline")
+    chart(result["rows"], args.out.with_suffix(".png"), title)
+    print(f"\n{title}\n" + table(result["rows"]))
+    for v in result["verdicts"]:
+        extra = f" (90 % interval {v['interval'][0]:.2f}-{v['interval'][1]:.2f})" if "interval" in v else ""
+        print(f"{v['metric']}: best ours {v['best_ours']} {v['best_ours_value']:.2f}, best peer {v['best_peer']} "
+              f"{v['best_peer_value']:.2f}: ours at {v['ours_speed_vs_peer']:.2f}x the peer's speed{extra} -> "
+              f"{v['winner']} wins")
+    if result["int8_ceiling"]:
+        c = result["int8_ceiling"]
+        print(f"INT8 ceiling: {c['row']} at batch 32 does {c['achieved_gflops']:.1f} GFLOP/s of weight products, "
+              f"{100 * c['fraction_of_peak']:.1f} % of the measured INT8 GEMM peak {c['peak_int8_gflops']:.1f} "
+              f"GFLOP/s ({c['peak_product']})")
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
