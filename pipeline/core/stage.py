@@ -7,14 +7,12 @@ import os
 import sys
 from collections.abc import Callable
 
+from pipeline.core.errors import UserError
 from pipeline.core.params import ParamsError
-from pipeline.data.imdb import DataSourceError, DataValidationError
-from pipeline.modeling import ModelSourceError
 
-#: Failures whose message already tells the user what to do: shown without a traceback.
-USER_ERRORS: tuple[type[BaseException], ...] = (
-    ParamsError, DataSourceError, DataValidationError, ModelSourceError, FileNotFoundError,
-)
+#: Failures whose message already tells the user what to do, shown without a traceback: every `UserError`, a
+#: missing file, and `ParamsError` until it subclasses `UserError` itself.
+USER_FAILURES: tuple[type[BaseException], ...] = (UserError, ParamsError, FileNotFoundError)
 
 
 class QuietThirdPartyRootInfo(logging.Filter):
@@ -45,11 +43,11 @@ def setup_logging() -> None:
             handler.addFilter(QuietThirdPartyRootInfo())
 
 
-def run_stage(name: str, body: Callable[[], None], extra_errors: tuple[type[BaseException], ...] = ()) -> None:
-    """Run a stage body; a known user error ends the process with exit 2 and one clear line."""
+def run_stage(name: str, body: Callable[[], None]) -> None:
+    """Run a stage body; a user error (`USER_FAILURES`) ends the process with exit 2 and one clear line."""
     setup_logging()
     try:
         body()
-    except USER_ERRORS + extra_errors as exc:
+    except USER_FAILURES as exc:
         print(f"error: stage '{name}' failed: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -2,7 +2,7 @@
 
 The archive holds the variant directory (`model/`), the TorchServe-independent code it needs (`pipeline/`,
 the request contract `pipeline/deployment/protocol.py` included), `serving.json` (limits, threads, the model
-label answered in every response, how the variant is batched and why (`pipeline.variants.batch_invariance`),
+label answered in every response, how the variant is batched and why (`pipeline.runtimes.batch_invariance`),
 and the MLflow registry entry it serves: `models:/<name>@<alias>` and the version) and the handler. Nothing is
 installed per model at serve time. The same registered version is what `python -m serving.mlflow_server`
 (MLflow's scoring server) serves for `models:/<name>@<alias>`."""
@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.core.errors import UserError
 from pipeline.core.io import write_json
 from pipeline.core.params import PackageParams, Params, TargetsParams
-from pipeline.variants.registry import REFERENCE, VARIANTS
+from pipeline.runtimes.catalog import REFERENCE, VARIANTS
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ARCHIVE_VERSION = "1.0"  # TorchServe's own version key; the registry version travels in serving.json
 
 
-class PackageError(RuntimeError):
+class PackageError(UserError):
     """The archive could not be built."""
 
 
@@ -96,7 +97,7 @@ def serving_summary(choice: Choice, variants: dict[str, dict[str, Any]], benchma
 def build_archive(variant_dir: Path, choice: Choice, registry: dict[str, Any], params: PackageParams,
                   mar_path: Path) -> dict[str, Any]:
     """Stage the archive contents and run `torch-model-archiver`; returns the serving config written."""
-    from pipeline.variants.batch_invariance import variant_batching
+    from pipeline.runtimes.record import variant_batching
 
     model_label = f"{registry['name']}:v{registry['version']}/{choice.name}"
     config = {"variant": choice.name, "variant_dir": "model", "model": model_label, **variant_batching(variant_dir),
@@ -144,7 +145,7 @@ def run_package_stage(variants_root: Path, variants_metrics: Path, benchmark_met
         stage_run,
     )
     from pipeline.deployment.inference import log_predictor_model
-    from pipeline.variants.registry import directories
+    from pipeline.runtimes.catalog import directories
 
     variants, benchmark = read_json(variants_metrics), read_json(benchmark_metrics)
     choice = choose_variant(variants, params.package, params.targets, benchmark)

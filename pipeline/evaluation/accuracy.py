@@ -12,9 +12,10 @@ import numpy as np
 from pipeline.core.io import read_predictions
 from pipeline.core.params import EvaluateParams, MlflowParams, PackageParams, Params, TargetsParams, flatten
 from pipeline.data.tokens import read_tokenized
-from pipeline.variants.record import VariantError, read_variant, size_mb
-from pipeline.variants.registry import REFERENCE, VARIANTS, spec
-from pipeline.variants.runners import load_runner, predict_logits
+from pipeline.runtimes.base import predict_logits
+from pipeline.runtimes.catalog import REFERENCE, VARIANTS, spec
+from pipeline.runtimes.record import VariantError, read_variant, size_mb
+from pipeline.runtimes.registry import load_runner
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +187,7 @@ def run_evaluate_stage(finetuned: Path, variants_root: Path, tokenized: Path, re
     one MLflow run and one MLflow model per variant."""
     from pipeline.core.io import write_json
     from pipeline.core.tracking import log_parent_artifact
-    from pipeline.variants.registry import directories
+    from pipeline.runtimes.catalog import directories
 
     variants = directories(variants_root)
     results = score_variants(finetuned, variants, tokenized, params.evaluate, reference_predictions)

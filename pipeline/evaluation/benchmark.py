@@ -33,9 +33,10 @@ from pipeline.evaluation.report import (
     target_lines,
     write_report,
 )
-from pipeline.variants.record import VARIANT_FILE
-from pipeline.variants.registry import REFERENCE, TIMING_ROWS, directories
-from pipeline.variants.runners import Runner, load_runner
+from pipeline.runtimes.base import Runner
+from pipeline.runtimes.catalog import REFERENCE, TIMING_ROWS, directories
+from pipeline.runtimes.record import VARIANT_FILE
+from pipeline.runtimes.registry import load_runner
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ def run_benchmark(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Pat
     bf16 = resolve_bf16_row(params.bf16_row)
     log.info("benchmark.bf16_row: %s", bf16.tag())
     cands = candidates(finetuned, variant_dirs, bf16.value)
-    from pipeline.variants.readout import ReadoutError
+    from pipeline.runtimes.readout import ReadoutError
 
     runners: dict[str, Runner] = {}
     for c in cands:

@@ -10,7 +10,7 @@ import numpy as np
 
 from pipeline.core.params import TargetsParams
 from pipeline.evaluation.latency import SPEEDUP_LEVEL
-from pipeline.variants.registry import READOUT_ROW, REFERENCE, VariantSpec, spec
+from pipeline.runtimes.catalog import READOUT_ROW, REFERENCE, VariantSpec, spec
 
 
 def latency_chart(variants: dict[str, dict[str, Any]], path: Path) -> None:
@@ -202,7 +202,7 @@ def smaller_model(name: str) -> str | None:
 
 def _row(name: str) -> VariantSpec | None:
     """The registry row of a table row; rows that are no registered variant have none."""
-    from pipeline.variants.registry import UnknownVariant
+    from pipeline.runtimes.catalog import UnknownVariant
 
     try:
         return spec(name)

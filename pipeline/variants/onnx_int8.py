@@ -11,15 +11,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pipeline.core.errors import UserError
 from pipeline.core.machine import WEIGHT_FORMATS
 from pipeline.core.params import Params, QuantizeParams
-from pipeline.variants.runners import pad_batch
+from pipeline.runtimes.base import pad_batch
 
 if TYPE_CHECKING:
     import pandas as pd
 
     from pipeline.core.machine import Choice
-    from pipeline.variants.fusion import FusionCheck
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 CALIBRATION_METHODS = ("minmax", "percentile", "entropy")
 
 
-class QuantizeError(RuntimeError):
+class QuantizeError(UserError):
     """A quantized variant could not be built."""
 
 
@@ -328,19 +328,6 @@ def int8_census(directory: Path, name: str) -> dict[str, int]:
     if counts["int8_matmuls"] == 0:
         raise QuantizeError(f"{name}: no matrix product was quantized ({counts})")
     return counts
-
-
-def fused_dynamic_int8(model: Any, name: str, out_dir: Path, check: FusionCheck, cls_readout: bool,
-                       per_channel: bool, weight_format: Choice, tmp: Path) -> dict[str, Any]:
-    """The `int8-dynamic` recipe for any model of the teacher's family (a pruned or distilled one): exported with
-    the [CLS] readout when asked, fused and checked against `check.reference` (`fused_graph`), then dynamic INT8
-    with per-channel weights in the CPU's `weight_format` choice. Returns what goes into the variant's record."""
-    from pipeline.variants.fusion import fused_graph
-
-    fused, fusion = fused_graph(model, cls_readout, check, tmp)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    quantize_dynamic_onnx(fused, out_dir / "model.onnx", per_channel, str(weight_format.value))
-    return {"per_channel": per_channel, **weight_record(weight_format), **fusion, **int8_census(out_dir, name)}
 
 
 def weight_record(choice: Choice) -> dict[str, Any]:

@@ -24,8 +24,8 @@ def test_ffn_products_quantized_per_batch_with_int8_weights(built, tmp_path):
     import onnxruntime as ort
     from onnx import numpy_helper
 
+    from pipeline.runtimes.ort import OrtRunner
     from pipeline.variants.onnx_int8 import dynamic_int8_matmuls, ffn_output_matmuls
-    from pipeline.variants.runners import OrtRunner
 
     for name in ("int8-static", "int8-qat"):
         graph = onnx.load(str(built["dirs"][name] / "model.onnx")).graph

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.variants.readout import ClsOnlyLayer, ReadoutError, cls_readout, unsupported
+from pipeline.runtimes.readout import ClsOnlyLayer, ReadoutError, cls_readout, unsupported
 
 
 def _tiny(attn: str = "eager", layers: int = 2, hidden: int = 64) -> torch.nn.Module:
@@ -98,9 +98,9 @@ def test_readout_onnx_fuses_the_other_layers_and_keeps_parity(tmp_path, attn):
     initializer (128 wide: over the rewriter's default constant-folding size), and the logits are unchanged."""
     import onnx
 
+    from pipeline.runtimes.ort import OrtRunner
     from pipeline.variants.export import export_onnx
     from pipeline.variants.fusion import optimize_for_quantization
-    from pipeline.variants.runners import OrtRunner
 
     model = _tiny(attn, layers=3, hidden=128)
     export_onnx(cls_readout(model), tmp_path / "raw.onnx", 64)

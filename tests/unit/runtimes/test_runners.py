@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from pipeline.modeling import load_finetuned
+from pipeline.runtimes.ort import OrtRunner
+from pipeline.runtimes.registry import load_runner
 from pipeline.variants.export import export_onnx
-from pipeline.variants.runners import OrtRunner, load_runner
 
 
 def test_ort_session_threads(tmp_path, tiny_model_dir):
@@ -30,7 +31,7 @@ def test_torch_runner_autocast_runs_in_the_named_dtype_and_refuses_others():
     import pytest
     import torch
 
-    from pipeline.variants.runners import TorchRunner
+    from pipeline.runtimes.eager import TorchRunner
 
     seen: list[torch.dtype] = []
 
