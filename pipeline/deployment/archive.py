@@ -14,14 +14,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pipeline.core.errors import UserError
 from pipeline.core.io import write_json
-from pipeline.core.params import PackageParams, Params, TargetsParams
-from pipeline.runtimes.catalog import REFERENCE, VARIANTS
+from pipeline.core.params import PackageParams, Params
+from pipeline.runtimes.catalog import REFERENCE
+from pipeline.selection import ServedChoice, choose_variant
 
 log = logging.getLogger(__name__)
 
@@ -36,49 +36,7 @@ class PackageError(UserError):
     """The archive could not be built."""
 
 
-@dataclass(frozen=True)
-class Choice:
-    """The variant to serve and why."""
-
-    name: str
-    reason: str
-
-
-def choose_variant(variants: dict[str, dict[str, Any]], params: PackageParams, targets: TargetsParams,
-                   benchmark: dict[str, dict[str, Any]] | None = None) -> Choice:
-    """`auto`: among the servable INT8 variants within `targets.max_accuracy_loss_pt` of FP32, the most accurate
-    (`package.prefer: accuracy`) or the fastest at batch 1 in `benchmark` (`prefer: speed`); else the FP32 ONNX
-    export. A variant named in `package.variant` must be servable and built."""
-    if params.variant != "auto":
-        if params.variant not in {v.name for v in VARIANTS if v.servable}:
-            raise PackageError(f"package.variant={params.variant} is not a variant the handler can serve "
-                               f"({', '.join(v.name for v in VARIANTS if v.servable)})")
-        entry = variants.get(params.variant)
-        if entry is None or entry.get("status") != "ok":
-            raise PackageError(f"package.variant={params.variant} is not an available variant "
-                               f"({sorted(n for n, e in variants.items() if e.get('status') == 'ok')})")
-        return Choice(params.variant, "named in params (package.variant)")
-    ref = variants[REFERENCE]["accuracy"]
-    budget = targets.max_accuracy_loss_pt
-    int8 = {v.name for v in VARIANTS if v.cpu_int8}
-    ok = {n: e for n, e in variants.items()
-          if n in int8 and e.get("status") == "ok" and 100 * (ref - e["accuracy"]) <= budget}
-    if ok and params.prefer == "speed":
-        timed = {n: (benchmark or {}).get(n, {}).get("p50_ms_b1") for n in ok}
-        missing = sorted(n for n, p50 in timed.items() if p50 is None)
-        if missing:
-            raise PackageError(f"package.prefer=speed needs batch-1 latencies; none in the benchmark for {missing}")
-        best = min(ok, key=lambda n: (timed[n], -ok[n]["accuracy"]))
-        return Choice(best, f"fastest INT8 variant within {budget} pt of FP32 (package.prefer: speed): "
-                            f"p50 {timed[best]:.2f} ms, {100 * ok[best]['accuracy']:.2f}% vs {100 * ref:.2f}%")
-    if ok:
-        best = max(ok, key=lambda n: (ok[n]["accuracy"], -ok[n]["size_mb"]))
-        return Choice(best, f"most accurate INT8 variant within {budget} pt of FP32 "
-                            f"({100 * ok[best]['accuracy']:.2f}% vs {100 * ref:.2f}%)")
-    return Choice("fp32-onnx", f"no INT8 variant within {budget} pt of FP32; serving FP32 ONNX")
-
-
-def serving_summary(choice: Choice, variants: dict[str, dict[str, Any]], benchmark: dict[str, dict[str, Any]],
+def serving_summary(choice: ServedChoice, variants: dict[str, dict[str, Any]], benchmark: dict[str, dict[str, Any]],
                     registry: dict[str, Any]) -> tuple[dict[str, float], dict[str, str]]:
     """The pipeline's headline for its parent run: FP32's test accuracy and the served variant's accuracy, its
     distance from FP32, its batch-1 p50, speed-up over FP32 eager and size (metrics), and what is served where
@@ -94,7 +52,7 @@ def serving_summary(choice: Choice, variants: dict[str, dict[str, Any]], benchma
     return {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}, tags
 
 
-def build_archive(variant_dir: Path, choice: Choice, registry: dict[str, Any], params: PackageParams,
+def build_archive(variant_dir: Path, choice: ServedChoice, registry: dict[str, Any], params: PackageParams,
                   mar_path: Path) -> dict[str, Any]:
     """Stage the archive contents and run `torch-model-archiver`; returns the serving config written."""
     from pipeline.runtimes.record import variant_batching

@@ -57,13 +57,14 @@ def log_predictor_model(run: Any, name: str, directory: Path, serving: PackagePa
     """Variant `name` (its `directory`) as an MLflow model of `run` (a `pipeline.core.tracking.StageRun`): a
     pyfunc around `ContractPredictor` that checks texts and uses threads as the served `.mar` does (`serving`),
     with the packages its format needs at serve time. Returns the `LoggedModelRef`."""
+    from pipeline.deployment.mlflow_model import log_predictor_model as log_pyfunc
     from pipeline.runtimes.catalog import spec
 
     tags, model_type = model_labels(name)
-    return run.log_predictor_model(name, directory, ContractPredictor, EXAMPLE_REVIEWS,
-                                   {"max_chars": serving.max_chars_per_text, "threads": serving.threads,
-                                    "max_texts": serving.max_texts},
-                                   runtime_requirements(spec(name).format), params, tags, model_type)
+    return log_pyfunc(run, name, directory, ContractPredictor, EXAMPLE_REVIEWS,
+                      {"max_chars": serving.max_chars_per_text, "threads": serving.threads,
+                       "max_texts": serving.max_texts},
+                      runtime_requirements(spec(name).format), params, tags, model_type)
 
 
 @dataclass(frozen=True)

@@ -23,11 +23,7 @@ from pipeline.runtimes.registry import load_runner
 log = logging.getLogger(__name__)
 
 
-
-
 SPEEDUP_LEVEL = 0.9  # the speed-up interval's coverage (`speedup_interval`)
-
-
 
 
 def percentiles(samples_ms: Sequence[float]) -> dict[str, float]:

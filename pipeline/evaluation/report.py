@@ -11,6 +11,7 @@ import numpy as np
 from pipeline.core.params import TargetsParams
 from pipeline.evaluation.latency import SPEEDUP_LEVEL
 from pipeline.runtimes.catalog import READOUT_ROW, REFERENCE, VariantSpec, spec
+from pipeline.selection import SpeedVerdict, smaller_model_family, speed_verdicts
 
 
 def latency_chart(variants: dict[str, dict[str, Any]], path: Path) -> None:
@@ -172,22 +173,17 @@ def plot_rows(variants: dict[str, dict[str, Any]], path: Path) -> None:
 
 
 def target_lines(variants: dict[str, dict[str, Any]], targets: TargetsParams) -> list[str]:
-    """Plain statements of the latency target: met or missed, with the numbers.
+    """The latency verdicts (`pipeline.selection.speed_verdicts`) as plain statements with the numbers.
 
     Pruned and distilled variants (`int8-pruned`, `int8-distilled`) compute fewer FLOPs, so the target is stated
     twice when one is present: over every INT8 variant, and over quantization alone, so nobody reads a smaller
     model's gain as an INT8 one.
     """
-    min_speedup, max_loss_pt = targets.min_speedup, targets.max_accuracy_loss_pt
-    int8 = {n: e for n, e in variants.items() if _is(n, "cpu_int8") and e["status"] == "ok"}
-    if not int8:
+    verdicts = speed_verdicts(variants, targets)
+    if not verdicts:
         return ["No INT8 variant was measured."]
-    lines = [_target_line(variants, int8, min_speedup, max_loss_pt, "")]
-    plain = {n: e for n, e in int8.items() if not smaller_model(n)}
-    if plain and len(plain) < len(int8):
-        lines.append(_target_line(variants, plain, min_speedup, max_loss_pt,
-                                  "quantization alone (no pruning or distillation): "))
-    return lines
+    scopes = {"all": "", "quantization": "quantization alone (no pruning or distillation): "}
+    return [_target_line(variants, v, targets.max_accuracy_loss_pt, scopes[scope]) for scope, v in verdicts]
 
 
 #: What makes a smaller-model family's variants fast besides INT8, as the target line says it.
@@ -197,7 +193,8 @@ SMALLER_MODEL = {"pruned": "structured pruning + INT8: fewer FLOPs, not faster I
 
 def smaller_model(name: str) -> str | None:
     """Why a variant's speed also comes from a smaller model (pruned or distilled), or None when it does not."""
-    return next((why for family, why in SMALLER_MODEL.items() if _is(name, "family", family)), None)
+    family = smaller_model_family(name)
+    return SMALLER_MODEL[family] if family else None
 
 
 def _row(name: str) -> VariantSpec | None:
@@ -210,40 +207,25 @@ def _row(name: str) -> VariantSpec | None:
         return None
 
 
-def _is(name: str, attribute: str, value: Any = True) -> bool:
-    """A registry attribute of a table row (False for rows that are no registered variant)."""
-    row = _row(name)
-    return row is not None and getattr(row, attribute) == value
-
-
-def _target_line(variants: dict[str, dict[str, Any]], int8: dict[str, dict[str, Any]], min_speedup: float,
-                 max_loss_pt: float, scope: str) -> str:
-    ref_acc = variants[REFERENCE].get("accuracy")
-    eligible = {
-        n: e
-        for n, e in int8.items()
-        if ref_acc is None or e.get("accuracy") is None or 100 * (ref_acc - e["accuracy"]) <= max_loss_pt
-    }
-    pool = eligible or int8
-    best = max(pool, key=lambda n: pool[n]["speedup_p50_vs_fp32_eager"])
-    s = pool[best]["speedup_p50_vs_fp32_eager"]
-    verdict = "met" if s >= min_speedup and eligible else "MISSED"
+def _target_line(variants: dict[str, dict[str, Any]], v: SpeedVerdict, max_loss_pt: float, scope: str) -> str:
+    row, ref_acc = variants[v.best], variants[REFERENCE].get("accuracy")
     loss = ""
-    if ref_acc is not None and pool[best].get("accuracy") is not None:
-        loss = f", {100 * (pool[best]['accuracy'] - ref_acc):+.2f} pt accuracy"
-    why = smaller_model(best)
+    if ref_acc is not None and row.get("accuracy") is not None:
+        loss = f", {100 * (row['accuracy'] - ref_acc):+.2f} pt accuracy"
+    why = smaller_model(v.best)
     kind = f" ({why})" if why else ""
     spread = ""
-    if "speedup_p50_low" in pool[best]:
-        low, high = pool[best]["speedup_p50_low"], pool[best]["speedup_p50_high"]
-        spread = f" ({100 * SPEEDUP_LEVEL:.0f} % interval over the rounds {low:.2f}-{high:.2f}x"
-        if low < min_speedup <= high:
-            spread += f": it straddles {min_speedup}x, so this verdict could go the other way in another run"
+    if "speedup_p50_low" in row:
+        spread = (f" ({100 * SPEEDUP_LEVEL:.0f} % interval over the rounds {row['speedup_p50_low']:.2f}-"
+                  f"{row['speedup_p50_high']:.2f}x")
+        if v.straddles:
+            spread += f": it straddles {v.min_speedup}x, so this verdict could go the other way in another run"
         spread += ")"
-    who = (f"Best INT8 variant within {max_loss_pt} pt of FP32 accuracy: **{best}**{kind}" if eligible else
-           f"No INT8 variant is within {max_loss_pt} pt of FP32 accuracy; the fastest INT8 variant is **{best}**{kind}")
-    return (f"{scope}{who}, p50 {pool[best]['p50_ms_b1']:.2f} ms at batch 1 = **{s:.2f}x** FP32 eager{spread}{loss} "
-            f"({verdict}: target >= {min_speedup}x within {max_loss_pt} pt).")
+    who = (f"Best INT8 variant within {max_loss_pt} pt of FP32 accuracy: **{v.best}**{kind}" if v.within_budget
+           else f"No INT8 variant is within {max_loss_pt} pt of FP32 accuracy; the fastest INT8 variant is "
+                f"**{v.best}**{kind}")
+    return (f"{scope}{who}, p50 {row['p50_ms_b1']:.2f} ms at batch 1 = **{v.speedup:.2f}x** FP32 eager{spread}{loss} "
+            f"({'met' if v.met else 'MISSED'}: target >= {v.min_speedup}x within {max_loss_pt} pt).")
 
 
 def readout_note(variants: dict[str, dict[str, Any]]) -> list[str]:

@@ -21,11 +21,11 @@ from pipeline.runtimes.base import predict_logits
 from pipeline.runtimes.catalog import directories
 from pipeline.runtimes.ort import OrtRunner
 from pipeline.runtimes.record import VariantInfo, read_variant, write_variant
+from pipeline.variants.calibration import calibration_reviews
 from pipeline.variants.export import export_onnx, inference_model, max_length_of
 from pipeline.variants.fusion import FusionCheck, fused_graph
 from pipeline.variants.onnx_int8 import (
     QuantizeError,
-    calibration_reviews,
     int8_census,
     quantize_dynamic_onnx,
     quantize_static_onnx,

@@ -1,7 +1,7 @@
 """TensorRT engines built from the ONNX variants (GPU only; `pip install .[gpu]`).
 
 FP16 engines come from the FP32 ONNX graph; INT8 engines use explicit quantization (TensorRT 10 deprecates
-implicit INT8 calibrators), built from a QDQ model made for TensorRT (`onnx_int8.quantize_qdq_for_tensorrt`:
+implicit INT8 calibrators), built from a QDQ model made for TensorRT (`tensorrt_qdq.quantize_qdq_for_tensorrt`:
 signed symmetric int8, per-channel weights, Q/DQ only; `int8-static` itself has uint8 activations and
 per-batch FFN products TensorRT cannot import). That QDQ model is built and checked on every machine, and
 onnxruntime scores it on validation reviews next to fp32-onnx, so its accuracy is known before any GPU sees it;
@@ -106,7 +106,8 @@ def tensorrt_int8_source(fp32_onnx: Path, int8_static: Path, tokenized: Path, ds
     from pipeline.runtimes.base import predict_logits
     from pipeline.runtimes.ort import OrtRunner
     from pipeline.runtimes.record import read_variant
-    from pipeline.variants.onnx_int8 import calibration_reviews, quantize_qdq_for_tensorrt
+    from pipeline.variants.calibration import calibration_reviews
+    from pipeline.variants.tensorrt_qdq import quantize_qdq_for_tensorrt
 
     q = params.quantize
     method = str(read_variant(int8_static).params.get("calibration", q.calibration_methods[0]))

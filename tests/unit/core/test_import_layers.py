@@ -20,6 +20,7 @@ LAYERS: tuple[str, ...] = (
     "pipeline.surgery",     # pruning, the distillation student and losses, QAT's fake quantizers
     "pipeline.training",    # finetune, distill and QAT training loops
     "pipeline.variants",    # the builders of each variant
+    "pipeline.selection",   # which variants meet the targets, which one is served
     "pipeline.deployment",  # the served predictor, protocol and archive
     "pipeline.evaluation",  # accuracy, latency, the report
 )

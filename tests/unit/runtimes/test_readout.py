@@ -54,7 +54,7 @@ def test_readout_is_a_copy_and_only_the_last_layer_changes():
 
 
 def test_readout_follows_pruned_head_counts():
-    """A layer with fewer heads (as `pipeline.variants.prune` leaves them) is read from its own projection sizes."""
+    """A layer with fewer heads (as `pipeline.surgery.prune` leaves them) is read from its own projection sizes."""
     model = _tiny()
     last = model.bert.encoder.layer[-1]
     keep = torch.arange(32)  # 2 of the 4 16-wide heads

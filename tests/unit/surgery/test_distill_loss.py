@@ -34,8 +34,6 @@ def test_unknown_labels_send_no_gradient_through_the_label_term():
     assert logits.grad[[1, 3]].abs().sum() == 0 and logits.grad[[0, 2]].abs().sum() > 0
 
 
-
-
 def test_qat_distillation_loss():
     import torch
 

@@ -141,7 +141,3 @@ def test_invalid_sizes_and_unsupported_models_fail_clearly():
         prune_encoder(distil, _batches(1), heads=1, ffn_width=None, progress=False)
 
 
-
-
-
-

@@ -85,8 +85,6 @@ def test_qat_really_trained_with_fake_quant(built):
     assert FAKE_QUANT_API in report["method"] and FAKE_QUANT_API.startswith("torchao.")
 
 
-
-
 def test_qat_loss_is_labels_only_or_distilled(tiny_model_dir):
     """distillation 0 trains on cross-entropy (≈ ln 2 for an untrained head); 1 on KL to FP32 (≈ 0 at the start)."""
     import math

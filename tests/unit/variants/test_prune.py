@@ -22,7 +22,7 @@ def test_params_validated():
 def test_pruned_variant_built_and_described(tmp_path, tiny_model_dir, tokenized_dir):
     from pipeline.runtimes.base import pad_batch
     from pipeline.runtimes.registry import load_runner
-    from pipeline.variants.onnx_int8 import matmul_census
+    from pipeline.variants.onnx_census import matmul_census
     from pipeline.variants.prune import run_prune
 
     out = tmp_path / "int8-pruned"
