@@ -2,8 +2,7 @@
 MLflow models, and the registry's champion alias.
 
 Stages run as separate processes under `dvc repro`, so they find their shared parent by a tag:
-`pipeline.run_id`, taken from `PIPELINE_RUN_ID` (set once per `make run`) or, when `dvc repro` is
-called directly, derived from the git commit (plus `-dirty` for uncommitted changes).
+`pipeline.run_id` (`pipeline.core.run_id.pipeline_run_id`: one per `make run` or `dvc repro`).
 
 This module and the served model's (`pipeline.deployment.mlflow_model`) are the only ones that import MLflow (a
 test checks it): the stages call `StageRun`'s methods and the functions below, so a change of MLflow API is a
@@ -13,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +21,7 @@ import pandas as pd
 
 from pipeline.core.machine import decision_tags
 from pipeline.core.params import MlflowParams, Params, flatten
+from pipeline.core.run_id import git_commit, pipeline_run_id
 
 RUN_ID_TAG = "pipeline.run_id"
 
@@ -37,29 +36,6 @@ EXPERIMENT_KIND = "custom_model_development"
 def tracking_uri(params: MlflowParams) -> str:
     """The tracking store: `$MLFLOW_TRACKING_URI` when set (a remote server, `http://host:port`), else params'."""
     return os.environ.get("MLFLOW_TRACKING_URI") or params.tracking_uri
-
-
-def pipeline_run_id() -> str:
-    """Identifier shared by all stages of one pipeline execution."""
-    explicit = os.environ.get("PIPELINE_RUN_ID")
-    if explicit:
-        return explicit
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, check=True).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "no-git"
-
-
-def git_commit() -> str:
-    """The current commit, or 'unknown' outside git."""
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def configure(params: MlflowParams) -> str:

@@ -93,15 +93,8 @@ def run_package_stage(variants_root: Path, variants_metrics: Path, benchmark_met
     only added, never deleted; the alias moves only once the archive that serves its version is built."""
     from pipeline.core.io import read_json
     from pipeline.core.params import to_dict
-    from pipeline.core.tracking import (
-        alias_version,
-        git_commit,
-        log_parent_summary,
-        model_with_files,
-        pipeline_run_id,
-        set_alias,
-        stage_run,
-    )
+    from pipeline.core.run_id import git_commit, pipeline_run_id
+    from pipeline.core.tracking import alias_version, log_parent_summary, model_with_files, set_alias, stage_run
     from pipeline.deployment.inference import log_predictor_model
     from pipeline.runtimes.catalog import directories
 

@@ -173,12 +173,12 @@ def run_benchmark_stage(finetuned: Path, variants_root: Path, tokenized: Path, a
     """Benchmark every registered variant; `metrics/benchmark.json` holds one object per variant. Each variant's
     timings are linked to its MLflow model (the evaluate stage logged it and wrote its id into
     `metrics/variants.json`), and the whole table goes on the parent run."""
+    from pipeline.core.run_id import pipeline_run_id
     from pipeline.core.tracking import (
         log_parent_artifact,
         log_parent_summary,
         log_parent_table,
         model_exists,
-        pipeline_run_id,
         stage_run,
     )
 
