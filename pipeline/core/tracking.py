@@ -4,9 +4,9 @@ MLflow models, and the registry's champion alias.
 Stages run as separate processes under `dvc repro`, so they find their shared parent by a tag:
 `pipeline.run_id` (`pipeline.core.run_id.pipeline_run_id`: one per `make run` or `dvc repro`).
 
-This module and the served model's (`pipeline.deployment.mlflow_model`) are the only ones that import MLflow (a
-test checks it): the stages call `StageRun`'s methods and the functions below, so a change of MLflow API is a
-change here or there alone."""
+This module, the registry's (`pipeline.core.model_registry`) and the served model's
+(`pipeline.deployment.mlflow_model`) are the only ones that import MLflow (a test checks it): the stages call
+`StageRun`'s methods and the functions below, so a change of MLflow API is a change there alone."""
 
 from __future__ import annotations
 
@@ -235,62 +235,6 @@ class StageRun:
         version = mlflow.register_model(model_uri, name, tags=text_values(tags or {}, TAG_LIMIT))
         self.set_tags({"registered_model_version": version.version})
         return str(version.version)
-
-
-def set_alias(name: str, alias: str, version: str) -> None:
-    """Point `models:/<name>@<alias>` at `version` (moved from whichever version held it)."""
-    import mlflow
-
-    mlflow.MlflowClient().set_registered_model_alias(name, alias, version)
-
-
-def alias_version(name: str, alias: str) -> str | None:
-    """The version `models:/<name>@<alias>` points at, or None when the alias is not set."""
-    import mlflow
-    from mlflow.exceptions import MlflowException
-
-    try:
-        return str(mlflow.MlflowClient().get_model_version_by_alias(name, alias).version)
-    except MlflowException:
-        return None
-
-
-def registered_version(name: str, alias: str) -> tuple[str, dict[str, str]]:
-    """The version `models:/<name>@<alias>` points at and that version's tags (the package stage writes
-    `variant` there); `LookupError` when the alias is not set."""
-    import mlflow
-    from mlflow.exceptions import MlflowException
-
-    try:
-        version = mlflow.MlflowClient().get_model_version_by_alias(name, alias)
-    except MlflowException as exc:
-        raise LookupError(f"models:/{name}@{alias} is not set in {mlflow.get_tracking_uri()}") from exc
-    return str(version.version), dict(version.tags or {})
-
-
-def logged_model(model_id: str | None) -> Any:
-    """The LoggedModel `model_id` in the current store, or None (no id, or one from another store)."""
-    if not model_id:
-        return None
-    import mlflow
-    from mlflow.exceptions import MlflowException
-
-    try:
-        return mlflow.MlflowClient().get_logged_model(model_id)
-    except MlflowException:
-        return None
-
-
-def model_with_files(model_id: str | None) -> bool:
-    """True when the LoggedModel `model_id` exists in the current store and MLflow holds its files (so it can
-    be registered and served); False for an unknown id (another store) or an external model."""
-    model = logged_model(model_id)
-    return model is not None and "artifact_pointer" not in model.tags
-
-
-def model_exists(model_id: str | None) -> bool:
-    """True when the LoggedModel `model_id` exists in the current store (metrics can be linked to it)."""
-    return logged_model(model_id) is not None
 
 
 @contextlib.contextmanager

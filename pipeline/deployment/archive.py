@@ -92,9 +92,10 @@ def run_package_stage(variants_root: Path, variants_metrics: Path, benchmark_met
     the variant is logged again here, since the registered, served model must carry its files. Versions are
     only added, never deleted; the alias moves only once the archive that serves its version is built."""
     from pipeline.core.io import read_json
+    from pipeline.core.model_registry import alias_version, model_with_files, set_alias
     from pipeline.core.params import to_dict
     from pipeline.core.run_id import git_commit, pipeline_run_id
-    from pipeline.core.tracking import alias_version, log_parent_summary, model_with_files, set_alias, stage_run
+    from pipeline.core.tracking import log_parent_summary, stage_run
     from pipeline.deployment.inference import log_predictor_model
     from pipeline.runtimes.catalog import directories
 

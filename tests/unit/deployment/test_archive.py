@@ -11,8 +11,8 @@ import pandas as pd
 import pytest
 
 from pipeline.core.io import write_json
+from pipeline.core.model_registry import alias_version
 from pipeline.core.params import EvaluateParams, MlflowParams, PackageParams, Params, TargetsParams
-from pipeline.core.tracking import alias_version
 from pipeline.deployment.archive import run_package_stage, serving_summary
 from pipeline.deployment.inference import SentimentPredictor
 from pipeline.evaluation.accuracy import log_variant_runs, score_variants

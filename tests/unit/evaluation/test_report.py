@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from pipeline.core.params import TargetsParams
+from pipeline.evaluation.charts import pareto_chart
 from pipeline.evaluation.report import (
     markdown_table,
-    pareto_chart,
     pareto_front,
     speedup_sources,
     speedup_sources_lines,
