@@ -100,8 +100,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     from pipeline.core.machine import isa_record
-    from pipeline.variants.record import VARIANT_FILE, read_variant
-    from pipeline.variants.registry import VARIANTS
+    from pipeline.runtimes.catalog import VARIANTS
+    from pipeline.runtimes.record import VARIANT_FILE, read_variant
 
     names = [n for n in args.variants.split(",") if n] or [v.name for v in VARIANTS if v.servable]
     texts = pd.read_parquet(args.imdb_dir / "test.parquet", columns=["text"])["text"].sample(

@@ -26,7 +26,8 @@ from pipeline.core.params import DataParams, ModelParams, TrainParams
 from pipeline.data.imdb import clean_text
 from pipeline.data.tokens import tokenize_frame
 from pipeline.modeling import load_model, load_tokenizer, pad_id
-from pipeline.variants.runners import EagerLogits, TorchRunner, predict_logits
+from pipeline.runtimes.base import predict_logits
+from pipeline.runtimes.eager import EagerLogits, TorchRunner
 
 ROOT = Path(__file__).resolve().parents[1]
 

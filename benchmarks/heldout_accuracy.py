@@ -37,7 +37,9 @@ from pipeline.core.params import DataParams, read_params, section
 from pipeline.data.imdb import TRANSFER, load_imdb, make_splits
 from pipeline.data.tokens import encode_texts
 from pipeline.modeling import load_finetuned, pad_id
-from pipeline.variants.runners import EagerLogits, TorchRunner, load_runner, predict_logits
+from pipeline.runtimes.base import predict_logits
+from pipeline.runtimes.eager import EagerLogits, TorchRunner
+from pipeline.runtimes.registry import load_runner
 
 ROOT = Path(__file__).resolve().parents[1]
 

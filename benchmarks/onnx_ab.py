@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.core.io import write_json
-from pipeline.variants.runners import ort_session
+from pipeline.runtimes.ort import ort_session
 
 ROOT = Path(__file__).resolve().parents[1]
 

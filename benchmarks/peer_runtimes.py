@@ -3,7 +3,7 @@
 Each runtime is built from a finetuned Hugging Face directory (the teacher's `models/finetuned` or the student's
 `models/distilled`), or, for the pipeline's own rows, from a built variant directory, and answers
 `predict_logits(input_ids, attention_mask)` on padded int64 batches (it is also callable that way, so it is a
-`pipeline.variants.runners.Runner` and the benchmark stage's `measure` and `predict_logits` take it as it is).
+`pipeline.runtimes.base.Runner` and the benchmark stage's `measure` and `predict_logits` take it as it is).
 
 - `pytorch-eager` FP32: the reference, exactly the benchmark stage's `fp32-eager` row.
 - `torch.compile` FP32 (inductor's CPU backend), and under bf16 autocast only where the CPU has native bf16
@@ -13,7 +13,7 @@ Each runtime is built from a finetuned Hugging Face directory (the teacher's `mo
 - `openvino` FP32 (`openvino.convert_model` of the `torch.export`ed PyTorch model) and INT8 (`nncf.quantize`
   post-training quantization of that OpenVINO model, calibrated on the same training reviews the pipeline's
   int8-static calibrates on).
-- `onnxruntime`: the pipeline's variants through `pipeline.variants.runners.load_runner`, as the benchmark
+- `onnxruntime`: the pipeline's variants through `pipeline.runtimes.registry.load_runner`, as the benchmark
   stage and the servers run them (row-by-row scoring included where a graph's activation scale spans the batch).
 
 Peers whose package is missing, or that the CPU cannot run natively, raise `PeerUnavailable` with the reason.
@@ -62,7 +62,7 @@ PEERS: tuple[tuple[str, str], ...] = (
     ("openvino", "fp32"),
     ("openvino", "int8-nncf"),
 )
-#: The pipeline's own variants per model (`pipeline.variants.registry` names), each run by onnxruntime.
+#: The pipeline's own variants per model (`pipeline.runtimes.catalog` names), each run by onnxruntime.
 OURS: dict[ModelRole, tuple[tuple[str, str], ...]] = {
     "teacher": (("fp32-onnx", "fp32"), ("int8-dynamic", "int8-dynamic"), ("int8-static", "int8-static")),
     "student": (("fp32-distilled", "fp32"), ("int8-distilled", "int8-dynamic")),
@@ -140,7 +140,7 @@ class TorchPeer(PeerRuntime):
 
         from pipeline.core.machine import BF16_FLAGS, decision_flags
         from pipeline.modeling import load_finetuned
-        from pipeline.variants.runners import EagerLogits, TorchRunner
+        from pipeline.runtimes.eager import EagerLogits, TorchRunner
 
         autocast = None
         if self.spec.precision == "bf16-autocast":
@@ -254,8 +254,8 @@ class OrtVariant(PeerRuntime):
     def _load(self, inputs: BuildInputs) -> None:
         import onnxruntime
 
-        from pipeline.variants.record import model_file, read_variant
-        from pipeline.variants.runners import load_runner
+        from pipeline.runtimes.record import model_file, read_variant
+        from pipeline.runtimes.registry import load_runner
 
         assert self.spec.variant is not None
         directory = inputs.variants_root / self.spec.variant
@@ -278,7 +278,7 @@ class OrtVariant(PeerRuntime):
             self.details["options"] = dict(self.options)
 
     def _session(self, path: Path, threads: int) -> Any:
-        """A session like `pipeline.variants.runners.ort_session`'s with the `SESSION_OPTIONS` applied."""
+        """A session like `pipeline.runtimes.ort.ort_session`'s with the `SESSION_OPTIONS` applied."""
         import onnxruntime as ort
 
         opts = ort.SessionOptions()

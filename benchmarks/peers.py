@@ -84,8 +84,8 @@ def read_inputs(finetuned: Path, tokenized: Path, params: Params, reviews: int |
     does), the batch-1 latency inputs and the throughput batches, as the benchmark stage builds them."""
     from pipeline.data.tokens import read_tokenized
     from pipeline.modeling import saved_pad_id
-    from pipeline.variants.onnx_int8 import calibration_reviews
-    from pipeline.variants.runners import pad_batch
+    from pipeline.runtimes.base import pad_batch
+    from pipeline.variants.calibration import calibration_reviews
 
     test = read_tokenized(tokenized, "test")
     if reviews:
@@ -142,7 +142,7 @@ def build_row(spec: PeerSpec, options: dict[str, Any], model_dir: Path, variants
 
 def accuracy_of(runtime: PeerRuntime, inputs: Inputs, batch: int) -> tuple[float, np.ndarray]:
     """Test accuracy and predicted labels, the reviews batched by length as the evaluate stage does."""
-    from pipeline.variants.runners import predict_logits
+    from pipeline.runtimes.base import predict_logits
 
     pred = predict_logits(runtime, inputs.test_seqs, batch, inputs.pad).argmax(axis=1)
     return float((pred == inputs.labels).mean()), pred

@@ -96,7 +96,7 @@ class StepClock:
 
 def plain_loop(model: Any, ids: list[np.ndarray], labels: np.ndarray, steps: int, clock: StepClock) -> None:
     """The blog's loop: fp32, every review padded to 512 tokens, Adam at 5e-5."""
-    from pipeline.variants.runners import pad_batch
+    from pipeline.runtimes.base import pad_batch
 
     model.to(clock.device).train()
     opt = torch.optim.Adam(model.parameters(), lr=BLOG_LR)

@@ -5,7 +5,7 @@ where VNNI/AMX make it exact, unsigned 8-bit (`u8`) elsewhere, with 7-bit signed
 AVX2-only CPUs. What each costs in time depends on which onnxruntime kernel runs it on this CPU, so the choice is
 only as good as a measurement of all of them side by side. For every `--models` entry (a finetuned or distilled
 HF directory) and every format this script builds the int8-dynamic recipe the pipeline uses for the teacher, the
-pruned and the distilled model (`pipeline.variants.onnx_int8.fused_dynamic_int8`: [CLS] readout as
+pruned and the distilled model (`pipeline.variants.fusion.fused_dynamic_int8`: [CLS] readout as
 `export.cls_readout` says, fused graph checked against the model, dynamic INT8) into `--work/<format>/<name>`,
 then times FP32 eager (`--reference`), the `--fp32-rows` as the pipeline built them and every build with the
 benchmark stage's alternating rounds (`pipeline.evaluation.latency.measure`). Prints a table and writes
@@ -31,7 +31,7 @@ from pipeline.core.io import read_json, write_json
 from pipeline.core.machine import WEIGHT_FORMATS, Choice, machine_info, resolve_weight_format
 from pipeline.core.params import Params, load_params
 from pipeline.evaluation.latency import latency_inputs, measure, speedup_interval, throughput_batches
-from pipeline.variants.registry import REFERENCE
+from pipeline.runtimes.catalog import REFERENCE
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,10 +41,9 @@ def build(name: str, model_dir: Path, fmt: str, work: Path, tokenized: Path, par
     it from the same model file and settings)."""
     from pipeline.data.tokens import read_tokenized
     from pipeline.modeling import load_finetuned, pad_id
+    from pipeline.runtimes.record import VariantInfo, write_variant
     from pipeline.variants.export import eager_runner, max_length_of
-    from pipeline.variants.fusion import FusionCheck
-    from pipeline.variants.onnx_int8 import fused_dynamic_int8
-    from pipeline.variants.record import VariantInfo, write_variant
+    from pipeline.variants.fusion import FusionCheck, fused_dynamic_int8
 
     out = work / fmt / name
     stamp = work / fmt / f"{name}.built_from.json"
@@ -110,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from pipeline.data.tokens import read_tokenized
     from pipeline.modeling import saved_pad_id
-    from pipeline.variants.runners import load_runner
+    from pipeline.runtimes.registry import load_runner
 
     torch.set_num_threads(args.threads)
     runners: dict[str, Any] = {REFERENCE: load_runner(args.reference, args.threads)}

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pipeline.core.errors import UserError
 from pipeline.core.params import ModelParams
 from pipeline.data.imdb import LABELS
 
@@ -18,7 +19,7 @@ ID2LABEL = dict(LABELS)
 LABEL2ID = {v: k for k, v in ID2LABEL.items()}
 
 
-class ModelSourceError(RuntimeError):
+class ModelSourceError(UserError):
     """The configured model cannot be found or loaded."""
 
 

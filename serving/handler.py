@@ -48,7 +48,8 @@ class SentimentHandler:
 
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[Any]:
         """One JSON string per request, in order, with each request's status set on the context."""
-        from pipeline.deployment.protocol import SERVER_ERROR, answer_batch
+        from pipeline.deployment.batch_answers import answer_batch
+        from pipeline.deployment.protocol import SERVER_ERROR
 
         log.info("batch of %d requests", len(data))  # what TorchServe's server-side batching handed over
         requests = [_body_and_type(request, context, idx) for idx, request in enumerate(data)]

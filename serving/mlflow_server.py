@@ -41,8 +41,8 @@ from pipeline.deployment.protocol import (
     Limits,
     RequestError,
     error_body,
-    parse_request,
 )
+from pipeline.deployment.request_parsing import parse_request
 
 log = logging.getLogger("serving.mlflow_server")
 
@@ -281,8 +281,10 @@ def log_config(log_dir: Path, max_bytes: int, backups: int) -> dict[str, Any]:
 
 def build_app(model_uri: str | None, params_path: Path) -> ContractMiddleware:
     """Load the champion (or `model_uri`) and wrap MLflow's scoring app for it in the contract."""
+    from pipeline.core.model_registry import registered_version
     from pipeline.core.params import load_params
-    from pipeline.core.tracking import registered_version, scoring_app, tracking_uri
+    from pipeline.core.tracking import tracking_uri
+    from pipeline.deployment.mlflow_model import scoring_app
 
     params = load_params(params_path) if params_path.is_file() else None
     if params is None:

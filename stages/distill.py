@@ -20,12 +20,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     from pipeline.core.stage import run_stage
-    from pipeline.training.classifier import AccelerationUnavailable
-    from pipeline.training.distill import DistillError
-    from pipeline.variants.export import ExportError
-    from pipeline.variants.onnx_int8 import QuantizeError
-    from pipeline.variants.prune import PruneError
-    from pipeline.variants.record import VariantError
 
     def body() -> None:
         from pipeline.core.params import load_params
@@ -36,9 +30,7 @@ def main(argv: list[str] | None = None) -> None:
         run_distill(args.finetuned, args.tokenized, args.student_dir, args.metrics, args.plots, params,
                     lambda: run_distilled_variants(args.student_dir, args.tokenized, args.variants_dir, params))
 
-    run_stage("distill", body,
-              extra_errors=(AccelerationUnavailable, DistillError, ExportError, PruneError, QuantizeError,
-                            VariantError))
+    run_stage("distill", body)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     from pipeline.core.stage import run_stage
-    from pipeline.variants.record import VariantError
 
     def body() -> None:
         from pipeline.core.params import load_params
@@ -29,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
         run_evaluate_stage(args.finetuned, args.variants_dir, args.tokenized, args.reference_predictions,
                            args.metrics, args.plot, load_params(args.params))
 
-    run_stage("evaluate", body, extra_errors=(VariantError,))
+    run_stage("evaluate", body)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     from pipeline.core.stage import run_stage
-    from pipeline.variants.export import ExportError
-    from pipeline.variants.record import VariantError
 
     def body() -> None:
         from pipeline.core.params import load_params
@@ -28,7 +26,7 @@ def main(argv: list[str] | None = None) -> None:
         tracked_stage(params, "export", ("export",),
                       lambda: run_export(args.finetuned, args.tokenized, args.variants_dir, params.export))
 
-    run_stage("export", body, extra_errors=(ExportError, VariantError))
+    run_stage("export", body)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     from pipeline.core.stage import run_stage
-    from pipeline.training.classifier import AccelerationUnavailable
 
     def body() -> None:
         from pipeline.core.params import load_params
@@ -39,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
             data=params.data, model=params.model, train=params.train, tracking=params.mlflow,
         )
 
-    run_stage("finetune", body, extra_errors=(AccelerationUnavailable,))
+    run_stage("finetune", body)
 
 
 if __name__ == "__main__":

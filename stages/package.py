@@ -20,7 +20,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     from pipeline.core.stage import run_stage
-    from pipeline.deployment.archive import PackageError
 
     def body() -> None:
         from pipeline.core.params import load_params
@@ -29,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
         run_package_stage(args.variants_dir, args.variants_metrics, args.benchmark, args.mar, args.manifest,
                           load_params(args.params))
 
-    run_stage("package", body, extra_errors=(PackageError,))
+    run_stage("package", body)
 
 
 if __name__ == "__main__":

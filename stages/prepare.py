@@ -20,8 +20,10 @@ def main(argv: list[str] | None = None) -> None:
     def body() -> None:
         from pipeline.core.params import load_params
         from pipeline.data.prepare import run_prepare_stage
+        from pipeline.modeling import load_tokenizer
 
-        run_prepare_stage(load_params(args.params), args.prepared, args.tokenized, args.metrics)
+        params = load_params(args.params)
+        run_prepare_stage(params, load_tokenizer(params.model), args.prepared, args.tokenized, args.metrics)
 
     run_stage("prepare", body)
 

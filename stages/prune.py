@@ -16,10 +16,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     from pipeline.core.stage import run_stage
-    from pipeline.variants.export import ExportError
-    from pipeline.variants.onnx_int8 import QuantizeError
-    from pipeline.variants.prune import PruneError
-    from pipeline.variants.record import VariantError
 
     def body() -> None:
         from pipeline.core.params import load_params
@@ -30,7 +26,7 @@ def main(argv: list[str] | None = None) -> None:
         tracked_stage(params, "prune", ("prune", "quantize", "export"),
                       lambda: {"int8-pruned": run_prune(args.finetuned, args.tokenized, args.variants_dir, params)})
 
-    run_stage("prune", body, extra_errors=(PruneError, QuantizeError, VariantError, ExportError))
+    run_stage("prune", body)
 
 
 if __name__ == "__main__":

@@ -16,9 +16,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     from pipeline.core.stage import run_stage
-    from pipeline.variants.export import ExportError
-    from pipeline.variants.onnx_int8 import QuantizeError
-    from pipeline.variants.record import VariantError
 
     def body() -> None:
         from pipeline.core.params import load_params
@@ -30,7 +27,7 @@ def main(argv: list[str] | None = None) -> None:
                       lambda: run_quantize(args.finetuned, args.variants_dir / "fp32-onnx", args.tokenized,
                                            args.variants_dir, params))
 
-    run_stage("quantize", body, extra_errors=(QuantizeError, VariantError, ExportError))
+    run_stage("quantize", body)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -155,3 +155,14 @@ def product_weights(path: Path) -> list[np.ndarray]:
               and any(op in ("MatMul", "Gemm") for op in consumers.get(node.output[0], []))):
             names.append(node.input[0])
     return [numpy_helper.to_array(inits[n]) for n in dict.fromkeys(names)]
+
+
+def tiny_classifier(layers: int = 4) -> Any:
+    """A randomly initialised tiny BERT classifier (seed 0) with `layers` encoder layers, in eval mode."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from pipeline.modeling import tiny_bert_config
+
+    torch.manual_seed(0)
+    return AutoModelForSequenceClassification.from_config(tiny_bert_config(layers=layers)).eval()

@@ -8,14 +8,11 @@ import sys
 import time
 from collections.abc import Callable
 
-from pipeline.core.params import ParamsError
-from pipeline.data.imdb import DataSourceError, DataValidationError
-from pipeline.modeling import ModelSourceError
+from pipeline.core.errors import UserError
 
-#: Failures whose message already tells the user what to do: shown without a traceback.
-USER_ERRORS: tuple[type[BaseException], ...] = (
-    ParamsError, DataSourceError, DataValidationError, ModelSourceError, FileNotFoundError,
-)
+#: Failures whose message already tells the user what to do, shown without a traceback: every `UserError`
+#: (`ParamsError` included) and a missing file.
+USER_FAILURES: tuple[type[BaseException], ...] = (UserError, FileNotFoundError)
 
 
 class QuietThirdPartyRootInfo(logging.Filter):
@@ -53,9 +50,9 @@ def what_it_does() -> str:
     return first.split(": ", 1)[-1] if first.startswith("DVC stage") else first
 
 
-def run_stage(name: str, body: Callable[[], None], extra_errors: tuple[type[BaseException], ...] = ()) -> None:
-    """Run a stage body between two progress lines (what it does; how long it took, or how it failed); a known
-    user error ends the process with exit 2 and one clear line."""
+def run_stage(name: str, body: Callable[[], None]) -> None:
+    """Run a stage body between two progress lines (what it does; how long it took, or how it failed); a user
+    error (`USER_FAILURES`) ends the process with exit 2 and one clear line."""
     setup_logging()
     log = logging.getLogger("pipeline.stage")
     started = time.perf_counter()
@@ -64,7 +61,7 @@ def run_stage(name: str, body: Callable[[], None], extra_errors: tuple[type[Base
     try:
         body()
         outcome = "done"
-    except USER_ERRORS + extra_errors as exc:
+    except USER_FAILURES as exc:
         print(f"error: stage '{name}' failed: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     except SystemExit as exc:  # e.g. a preempted training job: exit 128 + signal, checkpoint written

@@ -2,31 +2,26 @@
 MLflow models, and the registry's champion alias.
 
 Stages run as separate processes under `dvc repro`, so they find their shared parent by a tag:
-`pipeline.run_id`, taken from `PIPELINE_RUN_ID` (set once per `make run`) or, when `dvc repro` is
-called directly, derived from the git commit (plus `-dirty` for uncommitted changes).
+`pipeline.run_id` (`pipeline.core.run_id.pipeline_run_id`: one per `make run` or `dvc repro`).
 
-This is the only module that imports MLflow (a test checks it): the stages call `StageRun`'s methods and the
-functions below, so a change of MLflow API is a change here alone."""
+This module, the registry's (`pipeline.core.model_registry`) and the served model's
+(`pipeline.deployment.mlflow_model`) are the only ones that import MLflow (a test checks it): the stages call
+`StageRun`'s methods and the functions below, so a change of MLflow API is a change there alone."""
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import importlib
 import os
-import shutil
-import subprocess
-import sys
-import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pandas as pd  # at module level: MLflow resolves the predictor model's `pd.DataFrame` hints against it
+import pandas as pd
 
 from pipeline.core.machine import decision_tags, thread_tags
 from pipeline.core.params import MlflowParams, Params, flatten
+from pipeline.core.run_id import git_commit, pipeline_run_id
 
 RUN_ID_TAG = "pipeline.run_id"
 
@@ -38,47 +33,9 @@ ROLE_TAG = "pipeline.role"
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
 
-#: The column a served model reads (one review per row) and the columns it answers.
-TEXT_COLUMN = "text"
-OUTPUT_COLUMNS = ("label", "score")
-#: The key under which a logged model's variant directory is stored among its artifacts.
-MODEL_ARTIFACT = "variant"
-#: The models-from-code entry MLflow runs when it loads a predictor model: it builds the model object from
-#: the predictor class named below (imported from the model's own copy of the code, `code_paths`), so
-#: nothing is unpickled at load time.
-MODEL_CODE = """# MLflow models-from-code entry, written by pipeline.core.tracking.StageRun.log_predictor_model
-from pipeline.core.tracking import set_predictor_model
-
-set_predictor_model({target!r})
-"""
-
-
 def tracking_uri(params: MlflowParams) -> str:
     """The tracking store: `$MLFLOW_TRACKING_URI` when set (a remote server, `http://host:port`), else params'."""
     return os.environ.get("MLFLOW_TRACKING_URI") or params.tracking_uri
-
-
-def pipeline_run_id() -> str:
-    """Identifier shared by all stages of one pipeline execution."""
-    explicit = os.environ.get("PIPELINE_RUN_ID")
-    if explicit:
-        return explicit
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, check=True).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "no-git"
-
-
-def git_commit() -> str:
-    """The current commit, or 'unknown' outside git."""
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def configure(params: MlflowParams) -> str:
@@ -251,39 +208,6 @@ class StageRun:
             mlflow.log_input(dataset, context=context)  # the schema is inferred here
         return str(dataset.digest)
 
-    def log_predictor_model(self, name: str, directory: Path, predictor: type, examples: Sequence[str],
-                            model_config: Mapping[str, Any], requirements: Sequence[str],
-                            params: Mapping[str, Any] | None = None, tags: Mapping[str, Any] | None = None,
-                            model_type: str | None = None) -> LoggedModelRef:
-        """Log `directory` as an MLflow 3 LoggedModel of this run: a pyfunc that builds
-        `predictor(<its copy of directory>, **model_config)` when loaded and answers a DataFrame of texts
-        (column `text`) with `label` and `score`, using `predictor(...).predict(texts)`.
-
-        Logged from code (no pickled objects): the model holds the directory, a copy of the predictor's
-        top-level package (`code_paths`, so `mlflow models serve` needs no checkout), a signature, an input
-        example and the pinned `requirements` (given, so MLflow need not load the model to guess them)."""
-        import mlflow
-        from mlflow.models import ModelSignature
-        from mlflow.types import ColSpec, Schema
-
-        signature = ModelSignature(inputs=Schema([ColSpec("string", TEXT_COLUMN)]),
-                                   outputs=Schema([ColSpec("string", "label"), ColSpec("double", "score")]))
-        package = sys.modules[predictor.__module__.split(".")[0]]
-        with tempfile.TemporaryDirectory(prefix="pyfunc-") as tmp:
-            code = Path(tmp) / "predictor_model.py"
-            code.write_text(MODEL_CODE.format(target=f"{predictor.__module__}:{predictor.__qualname__}"))
-            package_copy = Path(tmp) / "code" / package.__name__
-            shutil.copytree(Path(package.__file__).parent, package_copy,
-                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-            info = mlflow.pyfunc.log_model(
-                name=name, python_model=str(code), artifacts={MODEL_ARTIFACT: str(directory)},
-                code_paths=[str(package_copy)], model_config=dict(model_config), signature=signature,
-                input_example=pd.DataFrame({TEXT_COLUMN: list(examples)}), pip_requirements=list(requirements),
-                params=text_values(params or {}, PARAM_LIMIT), tags=text_values(tags or {}, TAG_LIMIT),
-                model_type=model_type,
-            )
-        return LoggedModelRef(info.model_id, f"models:/{info.model_id}", files=True)
-
     def log_external_model(self, name: str, pointer: Path, params: Mapping[str, Any] | None = None,
                            tags: Mapping[str, Any] | None = None, model_type: str | None = None) -> LoggedModelRef:
         """A LoggedModel of this run whose files stay outside MLflow (at `pointer`, recorded as the tag
@@ -311,111 +235,6 @@ class StageRun:
         version = mlflow.register_model(model_uri, name, tags=text_values(tags or {}, TAG_LIMIT))
         self.set_tags({"registered_model_version": version.version})
         return str(version.version)
-
-
-def set_alias(name: str, alias: str, version: str) -> None:
-    """Point `models:/<name>@<alias>` at `version` (moved from whichever version held it)."""
-    import mlflow
-
-    mlflow.MlflowClient().set_registered_model_alias(name, alias, version)
-
-
-def alias_version(name: str, alias: str) -> str | None:
-    """The version `models:/<name>@<alias>` points at, or None when the alias is not set."""
-    import mlflow
-    from mlflow.exceptions import MlflowException
-
-    try:
-        return str(mlflow.MlflowClient().get_model_version_by_alias(name, alias).version)
-    except MlflowException:
-        return None
-
-
-def registered_version(name: str, alias: str) -> tuple[str, dict[str, str]]:
-    """The version `models:/<name>@<alias>` points at and that version's tags (the package stage writes
-    `variant` there); `LookupError` when the alias is not set."""
-    import mlflow
-    from mlflow.exceptions import MlflowException
-
-    try:
-        version = mlflow.MlflowClient().get_model_version_by_alias(name, alias)
-    except MlflowException as exc:
-        raise LookupError(f"models:/{name}@{alias} is not set in {mlflow.get_tracking_uri()}") from exc
-    return str(version.version), dict(version.tags or {})
-
-
-def scoring_app(model_uri: str) -> Any:
-    """MLflow's own scoring server (the FastAPI app `mlflow models serve` runs under uvicorn: `/invocations`,
-    `/ping`, `/health`, `/version`) for the pyfunc at `model_uri`, loaded now."""
-    import mlflow
-    from mlflow.pyfunc import scoring_server
-
-    return scoring_server.init(mlflow.pyfunc.load_model(model_uri))
-
-
-def logged_model(model_id: str | None) -> Any:
-    """The LoggedModel `model_id` in the current store, or None (no id, or one from another store)."""
-    if not model_id:
-        return None
-    import mlflow
-    from mlflow.exceptions import MlflowException
-
-    try:
-        return mlflow.MlflowClient().get_logged_model(model_id)
-    except MlflowException:
-        return None
-
-
-def model_with_files(model_id: str | None) -> bool:
-    """True when the LoggedModel `model_id` exists in the current store and MLflow holds its files (so it can
-    be registered and served); False for an unknown id (another store) or an external model."""
-    model = logged_model(model_id)
-    return model is not None and "artifact_pointer" not in model.tags
-
-
-def model_exists(model_id: str | None) -> bool:
-    """True when the LoggedModel `model_id` exists in the current store (metrics can be linked to it)."""
-    return logged_model(model_id) is not None
-
-
-@functools.cache
-def predictor_model_class() -> type:
-    """The `mlflow.pyfunc.PythonModel` behind every model `log_predictor_model` logs (built on first use, so
-    importing this module does not import MLflow)."""
-    from mlflow.pyfunc import PythonModel
-
-    class PredictorModel(PythonModel):
-        """Texts in, `label` and `score` out, by the predictor class named `module:Class` in `target`."""
-
-        def __init__(self, target: str) -> None:
-            self.target = target
-            self.predictor: Any = None
-
-        def load_context(self, context: Any) -> None:
-            module, _, attr = self.target.partition(":")
-            factory = getattr(importlib.import_module(module), attr)
-            self.predictor = factory(context.artifacts[MODEL_ARTIFACT], **(context.model_config or {}))
-
-        # MLflow infers no signature from `pd.DataFrame` hints, so the logged signature (column `text`) rules and
-        # MLflow hands its input over as a DataFrame of that column.
-        # The column's values go to the predictor as they are (never `str()`-ed: null would become "None"), so a
-        # predictor that checks its input (the request contract's) refuses what is not text.
-        def predict(self, context: Any, model_input: pd.DataFrame,
-                    params: dict[str, Any] | None = None) -> pd.DataFrame:
-            if TEXT_COLUMN not in model_input.columns:
-                raise ValueError(f"input needs a column named {TEXT_COLUMN!r}")
-            predictions = self.predictor.predict(model_input[TEXT_COLUMN].tolist())
-            return pd.DataFrame({"label": [p.label for p in predictions],
-                                 "score": [float(p.score) for p in predictions]}, columns=list(OUTPUT_COLUMNS))
-
-    return PredictorModel
-
-
-def set_predictor_model(target: str) -> None:
-    """Called by the models-from-code entry (`MODEL_CODE`) when MLflow loads or logs a predictor model."""
-    import mlflow
-
-    mlflow.models.set_model(predictor_model_class()(target))
 
 
 @contextlib.contextmanager
@@ -504,27 +323,3 @@ def tracked_stage(params: Params, stage: str, sections: Sequence[str], body: Cal
         report = body()
         run.log_report(report, artifacts)
         return report
-
-
-def stage_run_times(tracking_uri: str, experiment: str, run_id: str) -> dict[str, tuple[float, str]]:
-    """Stage name -> (seconds, status) of the newest stage run tagged with pipeline run `run_id`; status is the
-    run's `status` tag (e.g. `skipped`) or its MLflow state. A stage without a run of this id is absent."""
-    import time
-
-    import mlflow
-
-    client = mlflow.MlflowClient(tracking_uri=tracking_uri)
-    exp = client.get_experiment_by_name(experiment)
-    if exp is None:
-        return {}
-    runs = client.search_runs([exp.experiment_id], f"tags.`{RUN_ID_TAG}` = '{run_id}' and tags.`{ROLE_TAG}` = 'stage'",
-                              order_by=["attributes.start_time DESC"], max_results=500)
-    out: dict[str, tuple[float, str]] = {}
-    for run in runs:
-        stage = run.data.tags.get("pipeline.stage", "")
-        if stage in out:
-            continue
-        end = run.info.end_time or int(time.time() * 1000)
-        out[stage] = ((end - run.info.start_time) / 1000,
-                      run.data.tags.get("status", "ok" if run.info.status == "FINISHED" else run.info.status.lower()))
-    return out

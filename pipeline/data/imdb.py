@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from pipeline.core.errors import UserError
 from pipeline.core.params import DataParams
 
 log = logging.getLogger(__name__)
@@ -36,11 +37,11 @@ _BR = re.compile(r"<br\s*/?>", flags=re.IGNORECASE)
 _SPACES = re.compile(r"\s+")
 
 
-class DataSourceError(RuntimeError):
+class DataSourceError(UserError):
     """The configured IMDB source cannot be read; the message says what to set."""
 
 
-class DataValidationError(RuntimeError):
+class DataValidationError(UserError):
     """The prepared splits break an integrity rule (leakage, labels, empty text)."""
 
 

@@ -11,23 +11,20 @@ from typing import Any
 import numpy as np
 
 from pipeline.core.io import write_json
-from pipeline.core.params import DataParams, ModelParams, Params, to_dict
+from pipeline.core.params import DataParams, Params, to_dict
 from pipeline.data.imdb import SPLITS, TRANSFER, load_imdb, make_splits
 from pipeline.data.tokens import tokenize_frame
 
 log = logging.getLogger(__name__)
 
 
-def prepare(data: DataParams, model: ModelParams, prepared_dir: Path, tokenized_dir: Path,
+def prepare(data: DataParams, tokenizer: Any, prepared_dir: Path, tokenized_dir: Path,
             metrics_path: Path) -> dict[str, Any]:
     """Write `{train,val,test}.parquet` (clean text), `transfer.parquet` (text only) when `data.transfer_reviews`
-    asks for it, and their tokenized twins; returns the metrics."""
+    asks for it, and their tokenized twins (by `tokenizer`, saved beside them); returns the metrics."""
     from tqdm.auto import tqdm
 
-    from pipeline.modeling import load_tokenizer
-
     started = time.perf_counter()
-    tokenizer = load_tokenizer(model)  # fail on a bad model source before reading 45k reviews
     frame = load_imdb(data)
     splits, report = make_splits(frame, data)
     prepared_dir.mkdir(parents=True, exist_ok=True)
@@ -55,16 +52,19 @@ def prepare(data: DataParams, model: ModelParams, prepared_dir: Path, tokenized_
 SPLIT_CONTEXTS = {"train": "training", "val": "validation", "test": "test", TRANSFER: "distillation"}
 
 
-def run_prepare_stage(params: Params, prepared_dir: Path, tokenized_dir: Path, metrics_path: Path) -> dict[str, Any]:
+def run_prepare_stage(params: Params, tokenizer: Any, prepared_dir: Path, tokenized_dir: Path,
+                      metrics_path: Path) -> dict[str, Any]:
     """`prepare` inside an MLflow child run: its params sections, metrics and statuses, and each prepared split
-    recorded as a dataset input (`mlflow.log_input`: source, schema, rows and a digest of the content)."""
+    recorded as a dataset input (`mlflow.log_input`: source, schema, rows and a digest of the content).
+    `tokenizer` is the model's (`pipeline.modeling.load_tokenizer(params.model)`), loaded by the caller so that a
+    bad model source fails before 45k reviews are read."""
     import pandas as pd
 
     from pipeline.core.tracking import stage_run
 
     with stage_run(params.mlflow, "prepare") as run:
         run.log_sections({"data": to_dict(params.data), "model": to_dict(params.model)})
-        metrics = prepare(params.data, params.model, prepared_dir, tokenized_dir, metrics_path)
+        metrics = prepare(params.data, tokenizer, prepared_dir, tokenized_dir, metrics_path)
         run.log_report(metrics, [metrics_path])
         hub = params.data.source == "hub"
         written = [s for s in (*SPLITS, TRANSFER) if (prepared_dir / f"{s}.parquet").is_file()]

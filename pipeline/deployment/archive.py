@@ -2,7 +2,7 @@
 
 The archive holds the variant directory (`model/`), the TorchServe-independent code it needs (`pipeline/`,
 the request contract `pipeline/deployment/protocol.py` included), `serving.json` (limits, threads, the model
-label answered in every response, how the variant is batched and why (`pipeline.variants.batch_invariance`),
+label answered in every response, how the variant is batched and why (`pipeline.runtimes.batch_invariance`),
 and the MLflow registry entry it serves: `models:/<name>@<alias>` and the version) and the handler. Nothing is
 installed per model at serve time. The same registered version is what `python -m serving.mlflow_server`
 (MLflow's scoring server) serves for `models:/<name>@<alias>`."""
@@ -14,13 +14,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.core.errors import UserError
 from pipeline.core.io import write_json
-from pipeline.core.params import PackageParams, Params, TargetsParams
-from pipeline.variants.registry import REFERENCE, VARIANTS
+from pipeline.core.params import PackageParams, Params
+from pipeline.runtimes.catalog import REFERENCE
+from pipeline.selection import ServedChoice, choose_variant
 
 log = logging.getLogger(__name__)
 
@@ -31,53 +32,11 @@ ROOT = Path(__file__).resolve().parents[2]
 ARCHIVE_VERSION = "1.0"  # TorchServe's own version key; the registry version travels in serving.json
 
 
-class PackageError(RuntimeError):
+class PackageError(UserError):
     """The archive could not be built."""
 
 
-@dataclass(frozen=True)
-class Choice:
-    """The variant to serve and why."""
-
-    name: str
-    reason: str
-
-
-def choose_variant(variants: dict[str, dict[str, Any]], params: PackageParams, targets: TargetsParams,
-                   benchmark: dict[str, dict[str, Any]] | None = None) -> Choice:
-    """`auto`: among the servable INT8 variants within `targets.max_accuracy_loss_pt` of FP32, the most accurate
-    (`package.prefer: accuracy`) or the fastest at batch 1 in `benchmark` (`prefer: speed`); else the FP32 ONNX
-    export. A variant named in `package.variant` must be servable and built."""
-    if params.variant != "auto":
-        if params.variant not in {v.name for v in VARIANTS if v.servable}:
-            raise PackageError(f"package.variant={params.variant} is not a variant the handler can serve "
-                               f"({', '.join(v.name for v in VARIANTS if v.servable)})")
-        entry = variants.get(params.variant)
-        if entry is None or entry.get("status") != "ok":
-            raise PackageError(f"package.variant={params.variant} is not an available variant "
-                               f"({sorted(n for n, e in variants.items() if e.get('status') == 'ok')})")
-        return Choice(params.variant, "named in params (package.variant)")
-    ref = variants[REFERENCE]["accuracy"]
-    budget = targets.max_accuracy_loss_pt
-    int8 = {v.name for v in VARIANTS if v.cpu_int8}
-    ok = {n: e for n, e in variants.items()
-          if n in int8 and e.get("status") == "ok" and 100 * (ref - e["accuracy"]) <= budget}
-    if ok and params.prefer == "speed":
-        timed = {n: (benchmark or {}).get(n, {}).get("p50_ms_b1") for n in ok}
-        missing = sorted(n for n, p50 in timed.items() if p50 is None)
-        if missing:
-            raise PackageError(f"package.prefer=speed needs batch-1 latencies; none in the benchmark for {missing}")
-        best = min(ok, key=lambda n: (timed[n], -ok[n]["accuracy"]))
-        return Choice(best, f"fastest INT8 variant within {budget} pt of FP32 (package.prefer: speed): "
-                            f"p50 {timed[best]:.2f} ms, {100 * ok[best]['accuracy']:.2f}% vs {100 * ref:.2f}%")
-    if ok:
-        best = max(ok, key=lambda n: (ok[n]["accuracy"], -ok[n]["size_mb"]))
-        return Choice(best, f"most accurate INT8 variant within {budget} pt of FP32 "
-                            f"({100 * ok[best]['accuracy']:.2f}% vs {100 * ref:.2f}%)")
-    return Choice("fp32-onnx", f"no INT8 variant within {budget} pt of FP32; serving FP32 ONNX")
-
-
-def serving_summary(choice: Choice, variants: dict[str, dict[str, Any]], benchmark: dict[str, dict[str, Any]],
+def serving_summary(choice: ServedChoice, variants: dict[str, dict[str, Any]], benchmark: dict[str, dict[str, Any]],
                     registry: dict[str, Any]) -> tuple[dict[str, float], dict[str, str]]:
     """The pipeline's headline for its parent run: FP32's test accuracy and the served variant's accuracy, its
     distance from FP32, its batch-1 p50, speed-up over FP32 eager and size (metrics), and what is served where
@@ -93,10 +52,10 @@ def serving_summary(choice: Choice, variants: dict[str, dict[str, Any]], benchma
     return {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}, tags
 
 
-def build_archive(variant_dir: Path, choice: Choice, registry: dict[str, Any], params: PackageParams,
+def build_archive(variant_dir: Path, choice: ServedChoice, registry: dict[str, Any], params: PackageParams,
                   mar_path: Path) -> dict[str, Any]:
     """Stage the archive contents and run `torch-model-archiver`; returns the serving config written."""
-    from pipeline.variants.batch_invariance import variant_batching
+    from pipeline.runtimes.record import variant_batching
 
     model_label = f"{registry['name']}:v{registry['version']}/{choice.name}"
     config = {"variant": choice.name, "variant_dir": "model", "model": model_label, **variant_batching(variant_dir),
@@ -133,18 +92,12 @@ def run_package_stage(variants_root: Path, variants_metrics: Path, benchmark_met
     the variant is logged again here, since the registered, served model must carry its files. Versions are
     only added, never deleted; the alias moves only once the archive that serves its version is built."""
     from pipeline.core.io import read_json
+    from pipeline.core.model_registry import alias_version, model_with_files, set_alias
     from pipeline.core.params import to_dict
-    from pipeline.core.tracking import (
-        alias_version,
-        git_commit,
-        log_parent_summary,
-        model_with_files,
-        pipeline_run_id,
-        set_alias,
-        stage_run,
-    )
+    from pipeline.core.run_id import git_commit, pipeline_run_id
+    from pipeline.core.tracking import log_parent_summary, stage_run
     from pipeline.deployment.inference import log_predictor_model
-    from pipeline.variants.registry import directories
+    from pipeline.runtimes.catalog import directories
 
     variants, benchmark = read_json(variants_metrics), read_json(benchmark_metrics)
     choice = choose_variant(variants, params.package, params.targets, benchmark)

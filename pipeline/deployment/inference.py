@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pipeline.data.tokens import clip_chars, encode_texts
-from pipeline.variants.record import VARIANT_FILE, read_variant
-from pipeline.variants.runners import load_runner, pad_batch
+from pipeline.runtimes.base import pad_batch
+from pipeline.runtimes.record import VARIANT_FILE, read_variant
+from pipeline.runtimes.registry import load_runner
 
 if TYPE_CHECKING:  # only for hints: the served archive's worker never imports the params loader
     from pipeline.core.params import PackageParams
@@ -44,7 +45,7 @@ def runtime_requirements(fmt: str) -> list[str]:
 def model_labels(name: str) -> tuple[dict[str, str], str]:
     """Tags (variant, format, dtype, family from the registry) and the model type MLflow shows for the MLflow
     model of variant `name`."""
-    from pipeline.variants.registry import spec
+    from pipeline.runtimes.catalog import spec
 
     row = spec(name)
     return {"variant": name, "format": row.format, "dtype": row.precision, "family": row.family}, \
@@ -56,13 +57,14 @@ def log_predictor_model(run: Any, name: str, directory: Path, serving: PackagePa
     """Variant `name` (its `directory`) as an MLflow model of `run` (a `pipeline.core.tracking.StageRun`): a
     pyfunc around `ContractPredictor` that checks texts and uses threads as the served `.mar` does (`serving`),
     with the packages its format needs at serve time. Returns the `LoggedModelRef`."""
-    from pipeline.variants.registry import spec
+    from pipeline.deployment.mlflow_model import log_predictor_model as log_pyfunc
+    from pipeline.runtimes.catalog import spec
 
     tags, model_type = model_labels(name)
-    return run.log_predictor_model(name, directory, ContractPredictor, EXAMPLE_REVIEWS,
-                                   {"max_chars": serving.max_chars_per_text, "threads": serving.threads,
-                                    "max_texts": serving.max_texts},
-                                   runtime_requirements(spec(name).format), params, tags, model_type)
+    return log_pyfunc(run, name, directory, ContractPredictor, EXAMPLE_REVIEWS,
+                      {"max_chars": serving.max_chars_per_text, "threads": serving.threads,
+                       "max_texts": serving.max_texts},
+                      runtime_requirements(spec(name).format), params, tags, model_type)
 
 
 @dataclass(frozen=True)

@@ -12,13 +12,13 @@ import numpy as np
 from pipeline.core.io import read_predictions
 from pipeline.core.params import EvaluateParams, MlflowParams, PackageParams, Params, TargetsParams, flatten
 from pipeline.data.tokens import read_tokenized
-from pipeline.variants.record import VariantError, read_variant, size_mb
-from pipeline.variants.registry import REFERENCE, VARIANTS, spec
-from pipeline.variants.runners import load_runner, predict_logits
+from pipeline.runtimes.base import predict_logits
+from pipeline.runtimes.catalog import REFERENCE, spec
+from pipeline.runtimes.record import VariantError, read_variant, size_mb
+from pipeline.runtimes.registry import load_runner
+from pipeline.selection import quantization_verdicts
 
 log = logging.getLogger(__name__)
-
-
 
 
 def score_variants(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Path, params: EvaluateParams,
@@ -90,26 +90,17 @@ def score_variants(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Pa
 
 def check_targets(results: dict[str, dict[str, Any]], targets: TargetsParams,
                   max_size_share: float = 0.30) -> list[str]:
-    """The quantization targets, as plain sentences: each one met or missed, with the numbers."""
+    """The quantization targets (`pipeline.selection.quantization_verdicts`) as plain sentences for the log."""
     lines = []
-    max_loss_pt = targets.max_accuracy_loss_pt
-    fp32_onnx = results.get("fp32-onnx", {}).get("size_mb")
-    for name in [v.name for v in VARIANTS if v.family == "int8"]:
-        e = results.get(name)
-        if not e or e.get("status") != "ok":
-            continue
-        loss = -e["accuracy_delta_pt"]
-        lines.append(f"{name}: accuracy loss {loss:.2f} pt vs FP32 "
-                     f"({'met' if loss <= max_loss_pt else 'MISSED'}: <= {max_loss_pt} pt)")
-        if fp32_onnx:
-            share = e["size_mb"] / fp32_onnx
-            lines.append(f"{name}: size {share:.0%} of fp32-onnx "
-                         f"({'met' if share <= max_size_share else 'MISSED'}: <= {max_size_share:.0%})")
-    s, q = results.get("int8-static"), results.get("int8-qat")
-    if s and q and s.get("status") == q.get("status") == "ok":
-        ok = q["accuracy"] >= s["accuracy"]
-        lines.append(f"int8-qat {q['accuracy']:.4f} vs int8-static {s['accuracy']:.4f} "
-                     f"({'met' if ok else 'MISSED'}: QAT at least matches static)")
+    for v in quantization_verdicts(results, targets, max_size_share):
+        verdict = "met" if v.met else "MISSED"
+        if v.target == "accuracy_loss_pt":
+            lines.append(f"{v.variant}: accuracy loss {v.value:.2f} pt vs FP32 ({verdict}: <= {v.bound} pt)")
+        elif v.target == "size_share":
+            lines.append(f"{v.variant}: size {v.value:.0%} of fp32-onnx ({verdict}: <= {v.bound:.0%})")
+        else:
+            lines.append(f"int8-qat {v.value:.4f} vs int8-static {v.bound:.4f} "
+                         f"({verdict}: QAT at least matches static)")
     return lines
 
 
@@ -186,7 +177,7 @@ def run_evaluate_stage(finetuned: Path, variants_root: Path, tokenized: Path, re
     one MLflow run and one MLflow model per variant."""
     from pipeline.core.io import write_json
     from pipeline.core.tracking import log_parent_artifact
-    from pipeline.variants.registry import directories
+    from pipeline.runtimes.catalog import directories
 
     variants = directories(variants_root)
     results = score_variants(finetuned, variants, tokenized, params.evaluate, reference_predictions)

@@ -14,6 +14,7 @@ from typing import Any
 from pipeline.core.io import read_json, write_json
 from pipeline.core.machine import machine_info
 from pipeline.core.params import BenchmarkParams, Params, to_dict
+from pipeline.evaluation.charts import latency_chart, pareto_chart, plot_rows
 from pipeline.evaluation.latency import (
     SPEEDUP_LEVEL,
     _rss_probe,
@@ -24,18 +25,11 @@ from pipeline.evaluation.latency import (
     speedup_interval,
     throughput_batches,
 )
-from pipeline.evaluation.report import (
-    latency_chart,
-    markdown_table,
-    pareto_chart,
-    plot_rows,
-    speedup_sources,
-    target_lines,
-    write_report,
-)
-from pipeline.variants.record import VARIANT_FILE
-from pipeline.variants.registry import REFERENCE, TIMING_ROWS, directories
-from pipeline.variants.runners import Runner, load_runner
+from pipeline.evaluation.report import markdown_table, speedup_sources, target_lines, write_report
+from pipeline.runtimes.base import Runner
+from pipeline.runtimes.catalog import REFERENCE, TIMING_ROWS, directories
+from pipeline.runtimes.record import VARIANT_FILE
+from pipeline.runtimes.registry import load_runner
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +56,7 @@ def run_benchmark(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Pat
     bf16 = resolve_bf16_row(params.bf16_row)
     log.info("benchmark.bf16_row: %s", bf16.tag())
     cands = candidates(finetuned, variant_dirs, bf16.value)
-    from pipeline.variants.readout import ReadoutError
+    from pipeline.runtimes.readout import ReadoutError
 
     runners: dict[str, Runner] = {}
     for c in cands:
@@ -172,14 +166,9 @@ def run_benchmark_stage(finetuned: Path, variants_root: Path, tokenized: Path, a
     """Benchmark every registered variant; `metrics/benchmark.json` holds one object per variant. Each variant's
     timings are linked to its MLflow model (the evaluate stage logged it and wrote its id into
     `metrics/variants.json`), and the whole table goes on the parent run."""
-    from pipeline.core.tracking import (
-        log_parent_artifact,
-        log_parent_summary,
-        log_parent_table,
-        model_exists,
-        pipeline_run_id,
-        stage_run,
-    )
+    from pipeline.core.model_registry import model_exists
+    from pipeline.core.run_id import pipeline_run_id
+    from pipeline.core.tracking import log_parent_artifact, log_parent_summary, log_parent_table, stage_run
 
     params, tracking = all_params.benchmark, all_params.mlflow
     accuracy = read_json(accuracy_file)

@@ -15,18 +15,15 @@ from typing import Any
 import numpy as np
 
 from pipeline.core.params import BenchmarkParams
-from pipeline.variants.record import read_variant
-from pipeline.variants.registry import BF16_ROW, READOUT_ROW, REFERENCE
-from pipeline.variants.runners import Runner, load_runner, pad_batch
+from pipeline.runtimes.base import Runner, pad_batch
+from pipeline.runtimes.catalog import BF16_ROW, READOUT_ROW, REFERENCE
+from pipeline.runtimes.record import read_variant
+from pipeline.runtimes.registry import load_runner
 
 log = logging.getLogger(__name__)
 
 
-
-
 SPEEDUP_LEVEL = 0.9  # the speed-up interval's coverage (`speedup_interval`)
-
-
 
 
 def percentiles(samples_ms: Sequence[float]) -> dict[str, float]:
@@ -73,7 +70,7 @@ class Candidate:
     options: dict[str, Any]
     status: str = "ok"
     reason: str = ""
-    cls_readout: bool = False  # the variant's last layer computes the [CLS] position only (`pipeline.variants.readout`)
+    cls_readout: bool = False  # the variant's last layer computes the [CLS] position only (`pipeline.runtimes.readout`)
     weight_format: str | None = None  # an INT8 variant's weight format (`quantize.weight_format`), from its record
 
 

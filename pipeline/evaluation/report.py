@@ -1,8 +1,9 @@
-"""The benchmark report a user reads: the markdown table, target lines and the latency chart."""
+"""The benchmark report a user reads, in markdown: the table, the target lines (rendered from
+`pipeline.selection`'s verdicts), the speed-up's sources and notes on the machine; the charts are
+`pipeline.evaluation.charts`."""
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 from typing import Any
 
@@ -10,121 +11,8 @@ import numpy as np
 
 from pipeline.core.params import TargetsParams
 from pipeline.evaluation.latency import SPEEDUP_LEVEL
-from pipeline.variants.registry import READOUT_ROW, REFERENCE, VariantSpec, spec
-
-
-def latency_chart(variants: dict[str, dict[str, Any]], path: Path) -> None:
-    """p50/p95 batch-1 latency and batch throughput per variant, FP32 eager first."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [n for n, e in variants.items() if e["status"] == "ok"]
-    p50 = np.array([variants[n]["p50_ms_b1"] for n in names])
-    p95 = np.array([variants[n]["p95_ms_b1"] for n in names])
-    tput = np.array([variants[n]["throughput_b32"] for n in names])
-    fig, axes = plt.subplots(1, 2, figsize=(11, 0.5 * len(names) + 1.8), dpi=110)
-    y = np.arange(len(names))
-    axes[0].barh(y - 0.2, p50, height=0.4, label="p50", color="#4c72b0")
-    axes[0].barh(y + 0.2, p95, height=0.4, label="p95", color="#a1c4e8")
-    axes[0].set_yticks(y, names)
-    axes[0].invert_yaxis()
-    axes[0].set_xlabel("latency, batch 1 (ms, lower is better)")
-    axes[0].legend(loc="lower right")
-    for i, n in enumerate(names):
-        e = variants[n]
-        axes[0].text(p50[i], i - 0.2, f" {e['speedup_p50_vs_fp32_eager']:.2f}x{speedup_interval_text(e)}",
-                     va="center", fontsize=8)
-    axes[1].barh(y, tput, color="#55a868")
-    axes[1].set_yticks(y, [])
-    axes[1].invert_yaxis()
-    axes[1].set_xlabel("throughput, batch 32 (reviews/s, higher is better)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-
-
-def _scored(variants: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The rows with both a measured latency and an accuracy."""
-    return {n: e for n, e in variants.items() if e["status"] == "ok" and e.get("accuracy") is not None}
-
-
-def pareto_front(variants: dict[str, dict[str, Any]]) -> list[str]:
-    """The measured variants no other beats on both batch-1 p50 and accuracy, fastest first."""
-    rows = _scored(variants)
-    front = [n for n, e in rows.items()
-             if not any(o["p50_ms_b1"] <= e["p50_ms_b1"] and o["accuracy"] >= e["accuracy"]
-                        and (o["p50_ms_b1"], o["accuracy"]) != (e["p50_ms_b1"], e["accuracy"])
-                        for o in rows.values())]
-    return sorted(front, key=lambda n: rows[n]["p50_ms_b1"])
-
-
-def pareto_chart(variants: dict[str, dict[str, Any]], targets: TargetsParams, path: Path) -> None:
-    """Accuracy against batch-1 p50 of every variant with both, the Pareto front joined, and the targets drawn:
-    the accuracy window under FP32 and the latency `targets.min_speedup` asks for."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter, LogLocator
-
-    rows = _scored(variants)
-    front = pareto_front(variants)
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
-    for name, e in rows.items():
-        family = _family(name)
-        ax.scatter(e["p50_ms_b1"], 100 * e["accuracy"], s=50, zorder=3, color=FAMILY_COLOURS.get(family, "#777777"),
-                   edgecolor="black" if name in front else "none", label=family)
-    for (name, e), dy in zip(rows.items(), _label_offsets(rows), strict=True):
-        ax.annotate(name, (e["p50_ms_b1"], 100 * e["accuracy"]), textcoords="offset points", xytext=(5, dy),
-                    fontsize=8)
-    ax.plot([rows[n]["p50_ms_b1"] for n in front], [100 * rows[n]["accuracy"] for n in front], color="black",
-            linewidth=0.8, linestyle="--", zorder=2, label="Pareto front")
-    if REFERENCE in rows:
-        ref = rows[REFERENCE]
-        ax.axhline(100 * ref["accuracy"] - targets.max_accuracy_loss_pt, color="#c44e52", linewidth=0.8,
-                   label=f"FP32 - {targets.max_accuracy_loss_pt} pt")
-        ax.axvline(ref["p50_ms_b1"] / targets.min_speedup, color="#8172b2", linewidth=0.8,
-                   label=f"{targets.min_speedup}x FP32 eager")
-    handles, labels = ax.get_legend_handles_labels()
-    unique = dict(zip(labels, handles, strict=True))
-    ax.legend(unique.values(), unique.keys(), fontsize=8, loc="lower right")
-    ax.set_xscale("log")
-    ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
-    ax.xaxis.set_minor_formatter(FuncFormatter(lambda *_: ""))
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
-    ax.set_xlabel("p50 latency, batch 1 (ms, log scale; left is faster)")
-    ax.set_ylabel("test accuracy (%)")
-    ax.set_title("accuracy vs latency (outlined: the Pareto front)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-
-
-def _label_offsets(rows: dict[str, dict[str, Any]]) -> list[int]:
-    """Vertical label offsets (points) that keep the names of points at nearly the same place apart: labels are
-    stacked upwards within a group of points less than 0.05 pt and 25 % latency from each other."""
-    offsets: list[int] = []
-    placed: list[tuple[float, float]] = []
-    for e in rows.values():
-        x, y = e["p50_ms_b1"], 100 * e["accuracy"]
-        near = sum(1 for px, py in placed if abs(py - y) < 0.05 and max(px, x) / min(px, x) < 1.25)
-        offsets.append(4 + 10 * near)
-        placed.append((x, y))
-    return offsets
-
-
-FAMILY_COLOURS = {"fp32": "#4c72b0", "int8": "#55a868", "pruned": "#dd8452", "distilled": "#c44e52",
-                  "tensorrt": "#8172b2"}
-
-
-def _family(name: str) -> str:
-    row = _row(name)
-    return row.family if row is not None else "other"
-
+from pipeline.runtimes.catalog import READOUT_ROW, REFERENCE, VariantSpec, spec
+from pipeline.selection import SpeedVerdict, smaller_model_family, speed_verdicts
 
 #: The chain of rows that splits the best INT8 student's speed-up into its causes: each step changes one thing.
 SPEEDUP_STEPS = (
@@ -160,34 +48,18 @@ def speedup_sources_lines(variants: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
-def plot_rows(variants: dict[str, dict[str, Any]], path: Path) -> None:
-    """One CSV row per measured variant, for `dvc plots` bar charts."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(["variant", "p50_ms_b1", "p95_ms_b1", "throughput_b32"])
-        for name, e in variants.items():
-            if e["status"] == "ok":
-                w.writerow([name, round(e["p50_ms_b1"], 3), round(e["p95_ms_b1"], 3), round(e["throughput_b32"], 2)])
-
-
 def target_lines(variants: dict[str, dict[str, Any]], targets: TargetsParams) -> list[str]:
-    """Plain statements of the latency target: met or missed, with the numbers.
+    """The latency verdicts (`pipeline.selection.speed_verdicts`) as plain statements with the numbers.
 
     Pruned and distilled variants (`int8-pruned`, `int8-distilled`) compute fewer FLOPs, so the target is stated
     twice when one is present: over every INT8 variant, and over quantization alone, so nobody reads a smaller
     model's gain as an INT8 one.
     """
-    min_speedup, max_loss_pt = targets.min_speedup, targets.max_accuracy_loss_pt
-    int8 = {n: e for n, e in variants.items() if _is(n, "cpu_int8") and e["status"] == "ok"}
-    if not int8:
+    verdicts = speed_verdicts(variants, targets)
+    if not verdicts:
         return ["No INT8 variant was measured."]
-    lines = [_target_line(variants, int8, min_speedup, max_loss_pt, "")]
-    plain = {n: e for n, e in int8.items() if not smaller_model(n)}
-    if plain and len(plain) < len(int8):
-        lines.append(_target_line(variants, plain, min_speedup, max_loss_pt,
-                                  "quantization alone (no pruning or distillation): "))
-    return lines
+    scopes = {"all": "", "quantization": "quantization alone (no pruning or distillation): "}
+    return [_target_line(variants, v, targets.max_accuracy_loss_pt, scopes[scope]) for scope, v in verdicts]
 
 
 #: What makes a smaller-model family's variants fast besides INT8, as the target line says it.
@@ -197,12 +69,13 @@ SMALLER_MODEL = {"pruned": "structured pruning + INT8: fewer FLOPs, not faster I
 
 def smaller_model(name: str) -> str | None:
     """Why a variant's speed also comes from a smaller model (pruned or distilled), or None when it does not."""
-    return next((why for family, why in SMALLER_MODEL.items() if _is(name, "family", family)), None)
+    family = smaller_model_family(name)
+    return SMALLER_MODEL[family] if family else None
 
 
-def _row(name: str) -> VariantSpec | None:
+def catalog_row(name: str) -> VariantSpec | None:
     """The registry row of a table row; rows that are no registered variant have none."""
-    from pipeline.variants.registry import UnknownVariant
+    from pipeline.runtimes.catalog import UnknownVariant
 
     try:
         return spec(name)
@@ -210,40 +83,25 @@ def _row(name: str) -> VariantSpec | None:
         return None
 
 
-def _is(name: str, attribute: str, value: Any = True) -> bool:
-    """A registry attribute of a table row (False for rows that are no registered variant)."""
-    row = _row(name)
-    return row is not None and getattr(row, attribute) == value
-
-
-def _target_line(variants: dict[str, dict[str, Any]], int8: dict[str, dict[str, Any]], min_speedup: float,
-                 max_loss_pt: float, scope: str) -> str:
-    ref_acc = variants[REFERENCE].get("accuracy")
-    eligible = {
-        n: e
-        for n, e in int8.items()
-        if ref_acc is None or e.get("accuracy") is None or 100 * (ref_acc - e["accuracy"]) <= max_loss_pt
-    }
-    pool = eligible or int8
-    best = max(pool, key=lambda n: pool[n]["speedup_p50_vs_fp32_eager"])
-    s = pool[best]["speedup_p50_vs_fp32_eager"]
-    verdict = "met" if s >= min_speedup and eligible else "MISSED"
+def _target_line(variants: dict[str, dict[str, Any]], v: SpeedVerdict, max_loss_pt: float, scope: str) -> str:
+    row, ref_acc = variants[v.best], variants[REFERENCE].get("accuracy")
     loss = ""
-    if ref_acc is not None and pool[best].get("accuracy") is not None:
-        loss = f", {100 * (pool[best]['accuracy'] - ref_acc):+.2f} pt accuracy"
-    why = smaller_model(best)
+    if ref_acc is not None and row.get("accuracy") is not None:
+        loss = f", {100 * (row['accuracy'] - ref_acc):+.2f} pt accuracy"
+    why = smaller_model(v.best)
     kind = f" ({why})" if why else ""
     spread = ""
-    if "speedup_p50_low" in pool[best]:
-        low, high = pool[best]["speedup_p50_low"], pool[best]["speedup_p50_high"]
-        spread = f" ({100 * SPEEDUP_LEVEL:.0f} % interval over the rounds {low:.2f}-{high:.2f}x"
-        if low < min_speedup <= high:
-            spread += f": it straddles {min_speedup}x, so this verdict could go the other way in another run"
+    if "speedup_p50_low" in row:
+        spread = (f" ({100 * SPEEDUP_LEVEL:.0f} % interval over the rounds {row['speedup_p50_low']:.2f}-"
+                  f"{row['speedup_p50_high']:.2f}x")
+        if v.straddles:
+            spread += f": it straddles {v.min_speedup}x, so this verdict could go the other way in another run"
         spread += ")"
-    who = (f"Best INT8 variant within {max_loss_pt} pt of FP32 accuracy: **{best}**{kind}" if eligible else
-           f"No INT8 variant is within {max_loss_pt} pt of FP32 accuracy; the fastest INT8 variant is **{best}**{kind}")
-    return (f"{scope}{who}, p50 {pool[best]['p50_ms_b1']:.2f} ms at batch 1 = **{s:.2f}x** FP32 eager{spread}{loss} "
-            f"({verdict}: target >= {min_speedup}x within {max_loss_pt} pt).")
+    who = (f"Best INT8 variant within {max_loss_pt} pt of FP32 accuracy: **{v.best}**{kind}" if v.within_budget
+           else f"No INT8 variant is within {max_loss_pt} pt of FP32 accuracy; the fastest INT8 variant is "
+                f"**{v.best}**{kind}")
+    return (f"{scope}{who}, p50 {row['p50_ms_b1']:.2f} ms at batch 1 = **{v.speedup:.2f}x** FP32 eager{spread}{loss} "
+            f"({'met' if v.met else 'MISSED'}: target >= {v.min_speedup}x within {max_loss_pt} pt).")
 
 
 def readout_note(variants: dict[str, dict[str, Any]]) -> list[str]:
@@ -352,3 +210,18 @@ def speedup_interval_text(entry: dict[str, Any]) -> str:
     if "speedup_p50_low" not in entry:
         return ""
     return f" ({entry['speedup_p50_low']:.2f}-{entry['speedup_p50_high']:.2f})"
+
+
+def scored_rows(variants: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The rows with both a measured latency and an accuracy."""
+    return {n: e for n, e in variants.items() if e["status"] == "ok" and e.get("accuracy") is not None}
+
+
+def pareto_front(variants: dict[str, dict[str, Any]]) -> list[str]:
+    """The measured variants no other beats on both batch-1 p50 and accuracy, fastest first."""
+    rows = scored_rows(variants)
+    front = [n for n, e in rows.items()
+             if not any(o["p50_ms_b1"] <= e["p50_ms_b1"] and o["accuracy"] >= e["accuracy"]
+                        and (o["p50_ms_b1"], o["accuracy"]) != (e["p50_ms_b1"], e["accuracy"])
+                        for o in rows.values())]
+    return sorted(front, key=lambda n: rows[n]["p50_ms_b1"])

@@ -33,7 +33,7 @@ class StageTime:
 
 def stage_times(tracking_uri: str, experiment: str, run_id: str) -> list[StageTime]:
     """Each stage's wall time in the MLflow runs tagged with `run_id` (the newest run per stage)."""
-    from pipeline.core.tracking import stage_run_times
+    from pipeline.core.run_history import stage_run_times
 
     found = stage_run_times(tracking_uri, experiment, run_id)
     out = []
@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     from pipeline.core.params import load_params
-    from pipeline.core.tracking import pipeline_run_id, tracking_uri
+    from pipeline.core.run_id import pipeline_run_id
+    from pipeline.core.tracking import tracking_uri
 
     params = load_params(args.params)
     try:

@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 from torchmetrics.classification import BinaryAccuracy
 
+from pipeline.core.errors import UserError
 from pipeline.core.params import TrainParams
 from pipeline.data.batching import Collator, LengthBucketBatchSampler, LoaderPosition, TokenizedDataset
 from pipeline.data.tokens import read_tokenized
@@ -25,7 +26,7 @@ from pipeline.data.tokens import read_tokenized
 log = logging.getLogger(__name__)
 
 
-class AccelerationUnavailable(RuntimeError):
+class AccelerationUnavailable(UserError):
     """A requested acceleration needs hardware or a package this machine lacks."""
 
 
@@ -262,7 +263,7 @@ def build_trainer(params: TrainParams, work_dir: Path, callbacks: list[L.Callbac
             dirpath=str(profiler_dir), filename="trace", export_to_chrome=True,
             schedule=torch.profiler.schedule(wait=2, warmup=2, active=5, repeat=1),
         )
-    from pipeline.training.resume import AtomicCheckpointIO
+    from pipeline.training.checkpoints import AtomicCheckpointIO
 
     accelerator = "gpu" if params.accelerator == "cuda" else params.accelerator
     strategy: Any = params.strategy

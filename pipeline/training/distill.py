@@ -1,10 +1,14 @@
 """The `distill` stage's training: a shallower student initialised from the finetuned teacher and trained to
 imitate it.
 
+This module runs the stage's work (label, train, save, record, MLflow); the student is cut by
+`pipeline.surgery.student`, trained by `pipeline.training.student_classifier` on the targets of
+`pipeline.training.labelling`.
+
 The recipe is DistilBERT's (Sanh et al., 2019), for a finetuned classifier: the student keeps the teacher's
 embeddings, classifier head and an evenly spaced subset of its encoder layers (`distill.depth`; every other one
 at half depth, the last one always), optionally fewer FFN neurons per layer (`distill.ffn_width`, chosen and
-least-squares repaired as `pipeline.variants.prune` does). It is trained on the
+least-squares repaired as `pipeline.surgery.prune` does). It is trained on the
 teacher's soft predictions (KL at `distill.temperature`) plus, weighted by `distill.hard_label_weight`,
 cross-entropy on the gold labels of the labelled training reviews. The unlabelled `transfer` reviews
 (`data.transfer_reviews`) are labelled by the teacher alone: their split has no label column, and here they carry
@@ -12,7 +16,6 @@ cross-entropy on the gold labels of the labelled training reviews. The unlabelle
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import tempfile
@@ -23,22 +26,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import lightning as L
-import numpy as np
 import torch
 
 from pipeline.core.io import write_json
-from pipeline.core.params import TEACHER_READS, DistillParams, MlflowParams, Params, TrainParams, to_dict
-from pipeline.data.batching import NO_LABEL, TokenizedDataset
-from pipeline.data.imdb import TRANSFER
+from pipeline.core.params import MlflowParams, Params, TrainParams, to_dict
+from pipeline.surgery.student import build_student, count_parameters, layer_list, narrow_ffn
+from pipeline.training.checkpoints import CheckpointStore, ResumePlan, start_attempt
 from pipeline.training.classifier import (
     CurveRecorder,
     IMDBDataModule,
     MetricSink,
-    SentimentClassifier,
     build_trainer,
 )
 from pipeline.training.finetune import predict_split, save_model, write_curves
-from pipeline.training.resume import CheckpointStore, ResumePlan, fingerprint, trajectory_settings
+from pipeline.training.fingerprint import fingerprint, trajectory_settings
+from pipeline.training.labelling import labelling_setup, read_transfer_ids, transfer_set
+from pipeline.training.student_classifier import StudentClassifier
 
 if TYPE_CHECKING:
     from pipeline.core.machine import Choice
@@ -49,214 +52,6 @@ log = logging.getLogger(__name__)
 STUDENT_RECORD = "pipeline.json"
 
 
-class DistillError(RuntimeError):
-    """A teacher or setting the student cannot be built from."""
-
-
-# ------------------------------------------------------------------------------------------ the student
-#: (attribute path of the encoder's layer list, config key of the layer count) per architecture family.
-_LAYER_LISTS = (("bert.encoder.layer", "num_hidden_layers"), ("distilbert.transformer.layer", "n_layers"),
-                ("roberta.encoder.layer", "num_hidden_layers"))
-
-
-def _find_layers(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList, str]:
-    """Where the encoder keeps its layers: attribute path, the layer list and the config key that counts them."""
-    for path, key in _LAYER_LISTS:
-        try:
-            layers = model.get_submodule(path)
-        except AttributeError:
-            continue
-        if isinstance(layers, torch.nn.ModuleList):
-            return path, layers, key
-    raise DistillError(f"{type(model).__name__}: no encoder layer list at any of {[p for p, _ in _LAYER_LISTS]}")
-
-
-def layer_list(model: torch.nn.Module) -> tuple[torch.nn.ModuleList, str]:
-    """The encoder's list of layers and the config key that counts them."""
-    _, layers, key = _find_layers(model)
-    return layers, key
-
-
-def kept_layers(teacher_depth: int, depth: int) -> list[int]:
-    """Indices of the teacher layers the student keeps: evenly spaced, the last one always (it feeds the head).
-
-    6 -> 3 keeps 1, 3, 5 (every other layer, as DistilBERT took from BERT); depth >= teacher_depth keeps all."""
-    if depth >= teacher_depth:
-        return list(range(teacher_depth))
-    return [round((i + 1) * teacher_depth / depth) - 1 for i in range(depth)]
-
-
-def build_student(teacher: torch.nn.Module, depth: int) -> tuple[torch.nn.Module, list[int]]:
-    """A copy of `teacher` with only `kept_layers(...)` of its encoder layers (weights copied, config updated)."""
-    student = copy.deepcopy(teacher)
-    path, layers, key = _find_layers(student)
-    keep = kept_layers(len(layers), depth)
-    kept = torch.nn.ModuleList([layers[i] for i in keep])
-    parent_path, _, name = path.rpartition(".")
-    setattr(student.get_submodule(parent_path), name, kept)
-    setattr(student.config, key, len(keep))
-    for i, layer in enumerate(kept):  # attention modules that index a KV cache by layer number
-        attention = getattr(getattr(layer, "attention", None), "self", None)
-        if attention is not None and hasattr(attention, "layer_idx"):
-            attention.layer_idx = i
-    return student, keep
-
-
-def count_parameters(model: torch.nn.Module, encoder_only: bool = False) -> int:
-    if encoder_only:
-        layers, _ = layer_list(model)
-        return sum(p.numel() for p in layers.parameters())
-    return sum(p.numel() for p in model.parameters())
-
-
-# ------------------------------------------------------------------------------------------ the loss
-def distillation_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor,
-                      kl_weight: float, temperature: float = 1.0) -> torch.Tensor:
-    """`kl_weight` x T^2 x KL(teacher_T || student_T) + (1 - kl_weight) x cross-entropy on the known labels.
-
-    Softening both distributions by `temperature` T shows the student how sure the teacher is, and T^2 keeps the
-    KL gradients on the scale of the cross-entropy's (Hinton et al., 2015). Labels equal to `NO_LABEL` (the
-    teacher-labelled transfer reviews) contribute to the KL term only; a batch without any known label has no
-    cross-entropy term."""
-    logits = logits.float()
-    known = labels != NO_LABEL
-    ce = (torch.nn.functional.cross_entropy(logits[known], labels[known]) if bool(known.any())
-          else logits.new_zeros(()))
-    if kl_weight == 0.0:
-        return ce
-    student = torch.log_softmax(logits / temperature, -1)
-    teacher = torch.log_softmax(teacher_logits.float() / temperature, -1)
-    kl = torch.nn.functional.kl_div(student, teacher, reduction="batchmean", log_target=True)
-    return kl_weight * temperature**2 * kl + (1.0 - kl_weight) * ce
-
-
-def hidden_state_loss(student_hidden: tuple[torch.Tensor, ...], teacher_hidden: tuple[torch.Tensor, ...],
-                      kept: list[int], mask: torch.Tensor) -> torch.Tensor:
-    """Mean squared distance between each student layer's output and the output of the teacher layer it was
-    copied from (`kept`), over the real (unpadded) tokens, averaged over layers.
-
-    `*_hidden` are HF `hidden_states` (embeddings first, then one entry per layer), so student layer i is entry
-    i + 1 and its teacher layer entry kept[i] + 1. TinyBERT-style layer matching: the student keeps imitating
-    what its layers computed in the teacher, not only the teacher's final prediction."""
-    weights = mask.unsqueeze(-1).float()
-    tokens = weights.sum().clamp(min=1.0) * student_hidden[-1].shape[-1]
-    per_layer = [(((s.float() - teacher_hidden[k + 1].float()) ** 2) * weights).sum() / tokens
-                 for s, k in zip(student_hidden[1:], kept, strict=True)]
-    return torch.stack(per_layer).mean()
-
-
-class StudentClassifier(SentimentClassifier):
-    """`SentimentClassifier` trained on the teacher's logits in each batch (`teacher_logits`) and, with
-    `distill.hidden_weight` > 0, on the teacher's hidden states (the teacher runs alongside, frozen)."""
-
-    def __init__(self, model: torch.nn.Module, params: DistillParams, weight_decay: float, warmup_ratio: float,
-                 teacher: torch.nn.Module | None = None, kept: list[int] | None = None, **kwargs: Any) -> None:
-        super().__init__(model, params.lr, weight_decay, warmup_ratio, **kwargs)
-        self.kl_weight = 1.0 - params.hard_label_weight
-        self.temperature = params.temperature
-        self.hidden_weight = params.hidden_weight
-        if self.hidden_weight > 0 and (teacher is None or kept is None):
-            raise DistillError("distill.hidden_weight > 0 needs the teacher and the kept layer indices")
-        # a plain attribute, not a submodule: the teacher is neither trained nor saved with the student
-        object.__setattr__(self, "_teacher", None if teacher is None else teacher.eval().requires_grad_(False))
-        self.kept = kept or []
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        ids, mask = batch["input_ids"], batch["attention_mask"]
-        if self.hidden_weight > 0:
-            out = self._fn()(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-            logits = out.logits
-            teacher = self._teacher.to(ids.device)
-            with torch.no_grad():
-                reference = teacher(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
-            hidden = hidden_state_loss(out.hidden_states, reference, self.kept, mask)
-            self.log("hidden_loss", hidden, batch_size=len(ids))
-        else:
-            logits, hidden = self(ids, mask), None
-        loss = distillation_loss(logits, batch["teacher_logits"], batch["labels"], self.kl_weight, self.temperature)
-        if hidden is not None:
-            loss = loss + self.hidden_weight * hidden
-        self.log("train_loss", loss, prog_bar=True, batch_size=len(batch["labels"]))
-        return loss
-
-
-# ------------------------------------------------------------------------------------------ the data
-@dataclass(frozen=True)
-class TransferSet:
-    """Training reviews for the student: token ids, gold labels (`NO_LABEL` for transfer reviews) and the
-    teacher's logits for every one of them."""
-
-    input_ids: list[np.ndarray]
-    labels: np.ndarray
-    teacher_logits: np.ndarray
-    labelled: int
-    unlabelled: int
-
-    def dataset(self) -> TokenizedDataset:
-        """The student's training split: every review with its label and the teacher's logits."""
-        return TokenizedDataset(self.input_ids, self.labels, self.teacher_logits)
-
-
-def read_transfer_ids(tokenized_dir: Path) -> list[np.ndarray]:
-    """Token ids of the unlabelled transfer split (none when prepare wrote none); its label column is never read,
-    and a split that has one is refused."""
-    from pipeline.data.tokens import read_tokenized
-
-    if not (tokenized_dir / f"{TRANSFER}.parquet").is_file():
-        return []
-    frame = read_tokenized(tokenized_dir, TRANSFER)
-    if "label" in frame.columns:
-        raise DistillError(f"{tokenized_dir / TRANSFER}.parquet has a label column; the transfer split must be "
-                           "unlabelled (re-run `dvc repro prepare`)")
-    return frame["input_ids"].tolist()
-
-
-@dataclass(frozen=True)
-class Labelling:
-    """Where and how the teacher labels the reviews."""
-
-    device: str  # the device the student trains on: "cuda" where training uses the GPU, else "cpu"
-    autocast: str | None  # `TorchRunner` autocast: what the resolved training precision runs in, None for fp32
-
-
-def labelling_setup(train: TrainParams, precision: str, cuda: bool | None = None) -> Labelling:
-    """The teacher labels on the device the student trains on, in the training precision `precision` (resolved,
-    not `auto`): bf16 autocast for bf16-mixed (resolved so only where bf16 is native), fp16 autocast for 16-mixed
-    on CUDA, fp32 otherwise."""
-    from pipeline.core.machine import trains_on_cuda
-
-    on_gpu = trains_on_cuda(train.accelerator, cuda)
-    autocast = "bf16" if precision.startswith("bf16") else "fp16" if precision.startswith("16") and on_gpu else None
-    return Labelling("cuda" if on_gpu else "cpu", autocast)
-
-
-def teacher_logits(teacher: torch.nn.Module, seqs: list[np.ndarray], batch_size: int, pad_id: int,
-                   labelling: Labelling) -> np.ndarray:
-    """The teacher's logits per review (its predictions are the student's targets), computed on
-    `labelling.device`; the teacher is back on the CPU afterwards, where the student is built from it."""
-    from pipeline.variants.runners import predict_logits_on
-
-    return predict_logits_on(teacher.eval(), labelling.device, seqs, batch_size, pad_id, labelling.autocast,
-                             progress="teacher labels")
-
-
-def transfer_set(teacher: torch.nn.Module, labelled: TokenizedDataset, transfer_ids: list[np.ndarray],
-                 window: Callable[[np.ndarray], np.ndarray] | None, teacher_reads: str, batch_size: int, pad_id: int,
-                 labelling: Labelling) -> TransferSet:
-    """The labelled training reviews and the transfer reviews (`NO_LABEL`), each in the student's training window,
-    with the teacher's logits. `labelled` holds whole prepared reviews; the teacher reads each in the training
-    window (`teacher_reads: window`) or whole (`review`: its prediction from more of the text is the target for
-    what the student sees)."""
-    if teacher_reads not in TEACHER_READS:
-        raise DistillError(f"distill.teacher_reads must be one of {TEACHER_READS}, not {teacher_reads!r}")
-    reviews = [*labelled.input_ids, *transfer_ids]
-    seqs = [window(ids) for ids in reviews] if window is not None else reviews
-    labels = np.concatenate([labelled.labels, np.full(len(transfer_ids), NO_LABEL, dtype=np.int64)])
-    logits = teacher_logits(teacher, reviews if teacher_reads == "review" else seqs, batch_size, pad_id, labelling)
-    return TransferSet(seqs, labels, logits, len(labelled.labels), len(transfer_ids))
-
-
-# ------------------------------------------------------------------------------------------ the stage's work
 @dataclass(frozen=True)
 class DistillResult:
     """What the distill stage measured (empty when skipped)."""
@@ -385,18 +180,6 @@ def _teacher_data(meta: dict[str, Any], params: Params) -> Any:
     return from_mapping(DataParams, recorded, "data") if recorded else params.data
 
 
-def narrow_ffn(student: torch.nn.Module, reviews: list[np.ndarray], ffn_width: int,
-               pad: int) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """The student with `ffn_width` FFN neurons per layer, chosen and least-squares repaired on 256 training
-    reviews as `prune` does (`prune_encoder`); its config's `intermediate_size` follows, so it saves and loads as
-    an ordinary HF model. Heads are not narrowed: a BERT config cannot state fewer heads of the same size."""
-    from pipeline.variants.prune import calibration_batches, prune_encoder
-
-    narrowed, report = prune_encoder(student, calibration_batches(reviews[:256], 16, pad), None, ffn_width)
-    return narrowed, {"ffn_width": report["ffn_width"], "teacher_ffn_width": report["original_ffn_width"],
-                      "ffn_rel_error": report["ffn_rel_error"]}
-
-
 def write_skipped(student_dir: Path, metrics_path: Path, plots_dir: Path, reason: str,
                   enabled: Choice | None = None) -> DistillResult:
     """The stage's outputs when the student is off: a record that says why (and how `distill.enabled` resolved),
@@ -427,8 +210,6 @@ def run_distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metri
                           "export": to_dict(params.export), "quantize": to_dict(params.quantize)})
         run.set_tags({"distill.enabled.resolved": enabled.tag()})
         if enabled.value:
-            from pipeline.training.finetune import start_attempt
-
             plan = distill_plan(teacher_dir, tokenized_dir, params)
             start_attempt(run, plan, CheckpointStore.for_job(train, "distill"))
             result = distill(teacher_dir, tokenized_dir, student_dir, metrics_path, plots_dir, params,

@@ -22,6 +22,7 @@ import torch
 from pipeline.core.io import write_json, write_predictions
 from pipeline.core.params import DataParams, MlflowParams, ModelParams, TrainParams, to_dict
 from pipeline.data.tokens import window_shortener
+from pipeline.training.checkpoints import CheckpointStore, ResumePlan, is_rank_zero, start_attempt
 from pipeline.training.classifier import (
     CurveRecorder,
     IMDBDataModule,
@@ -30,13 +31,7 @@ from pipeline.training.classifier import (
     build_trainer,
     check_accelerations,
 )
-from pipeline.training.resume import (
-    CheckpointStore,
-    ResumePlan,
-    fingerprint,
-    is_rank_zero,
-    trajectory_settings,
-)
+from pipeline.training.fingerprint import fingerprint, trajectory_settings
 
 if TYPE_CHECKING:
     from pipeline.core.machine import Choice
@@ -157,7 +152,7 @@ def predict_split(module: SentimentClassifier, dm: IMDBDataModule,
     Scored in full precision on the device training used (Lightning hands the module back on the CPU), and
     left on the CPU afterwards for saving."""
     from pipeline.core.machine import trains_on_cuda
-    from pipeline.variants.runners import predict_logits_on
+    from pipeline.runtimes.eager import predict_logits_on
 
     module.eval()
     ds = dm.datasets[split]
@@ -223,16 +218,6 @@ def save_confusion(labels: np.ndarray, preds: np.ndarray, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
-
-
-def start_attempt(run: Any, plan: ResumePlan, store: CheckpointStore) -> None:
-    """Record the attempt in its MLflow run: whether it resumed and from where (tags), the interrupted attempt it
-    continues (closed as KILLED), and this run as the one a later attempt would continue."""
-    run.set_tags({"resume.resumed": str(plan.resumed).lower(), "resume.reason": plan.reason[:500],
-                  "resume.from_step": str(plan.step)})
-    if plan.resumed and plan.previous_run_id:
-        run.close_interrupted(plan.previous_run_id)
-    store.remember_run(run.run_id)
 
 
 def run_finetune(tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots_dir: Path, report_dir: Path,

@@ -14,11 +14,10 @@ from typing import Any
 from pipeline.core.params import Params, to_dict
 from pipeline.data.tokens import read_tokenized
 from pipeline.modeling import load_finetuned, pad_id, read_model_record
+from pipeline.runtimes.catalog import built_by, directories
+from pipeline.runtimes.record import VariantInfo, write_variant
 from pipeline.variants.export import eager_runner, inference_model, max_length_of, onnx_variant
-from pipeline.variants.fusion import FusionCheck
-from pipeline.variants.onnx_int8 import fused_dynamic_int8
-from pipeline.variants.record import VariantInfo, write_variant
-from pipeline.variants.registry import built_by, directories
+from pipeline.variants.fusion import FusionCheck, fused_dynamic_int8
 
 log = logging.getLogger(__name__)
 

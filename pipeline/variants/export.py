@@ -15,25 +15,21 @@ from typing import Any
 import numpy as np
 import torch
 
+from pipeline.core.errors import UserError
 from pipeline.core.params import ExportParams, to_dict
 from pipeline.data.tokens import read_tokenized
 from pipeline.modeling import load_finetuned, pad_id
-from pipeline.variants.record import VariantInfo, write_variant
-from pipeline.variants.registry import built_by, directories
-from pipeline.variants.runners import (
-    TORCHSCRIPT_DEPRECATION,
-    EagerLogits,
-    OrtRunner,
-    Runner,
-    TorchRunner,
-    legacy_torchscript,
-    pad_batch,
-)
+from pipeline.runtimes.base import Runner, pad_batch
+from pipeline.runtimes.catalog import built_by, directories
+from pipeline.runtimes.eager import EagerLogits, TorchRunner
+from pipeline.runtimes.ort import OrtRunner
+from pipeline.runtimes.record import VariantInfo, write_variant
+from pipeline.runtimes.torchscript import TORCHSCRIPT_DEPRECATION, legacy_torchscript
 
 log = logging.getLogger(__name__)
 
 
-class ExportError(RuntimeError):
+class ExportError(UserError):
     """An export failed or its output disagrees with the PyTorch model."""
 
 
@@ -115,7 +111,7 @@ def parity(reference: Runner, candidate: Runner, seqs: Sequence[np.ndarray], pad
 
 def eager_runner(model: torch.nn.Module) -> Runner:
     """The PyTorch reference as a runner."""
-    from pipeline.variants.runners import TorchRunner
+    from pipeline.runtimes.eager import TorchRunner
 
     return TorchRunner(EagerLogits(model.eval()))
 
@@ -144,10 +140,10 @@ def max_length_of(meta: dict[str, Any]) -> int:
 
 
 def inference_model(model: Any, cls_readout: bool) -> tuple[Any, dict[str, Any]]:
-    """The model as it is exported, and the record of it: with the [CLS] readout (`pipeline.variants.readout`) when
+    """The model as it is exported, and the record of it: with the [CLS] readout (`pipeline.runtimes.readout`) when
     asked for and possible, else the model itself with the reason logged and recorded."""
-    from pipeline.variants.readout import cls_readout as readout
-    from pipeline.variants.readout import unsupported
+    from pipeline.runtimes.readout import cls_readout as readout
+    from pipeline.runtimes.readout import unsupported
 
     reason = "export.cls_readout is false" if not cls_readout else unsupported(model)
     if reason is not None:

@@ -12,11 +12,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pipeline.runtimes.base import Runner
+from pipeline.runtimes.ort import OrtRunner
 from pipeline.variants.export import export_onnx, inference_model, parity
-from pipeline.variants.runners import OrtRunner, Runner
+from pipeline.variants.onnx_int8 import QuantizeError, int8_census, quantize_dynamic_onnx, weight_record
 
 if TYPE_CHECKING:
     import onnx_ir as ir
+
+    from pipeline.core.machine import Choice
 
 log = logging.getLogger(__name__)
 
@@ -138,8 +142,6 @@ def fused_graph(model: Any, cls_readout: bool, check: FusionCheck, tmp: Path) ->
     switched to it: pass one you own): the exporter's decomposition of `scaled_dot_product_attention` keeps a
     no-op Reshape for single-head layers (a pruned model) that onnxscript's attention pattern does not match,
     while the eager graph fuses at any head count."""
-    from pipeline.variants.onnx_int8 import QuantizeError
-
     model.set_attn_implementation("eager")
     graph, readout = inference_model(model, cls_readout)
     num_layers = check.num_layers - int(readout["cls_readout"])
@@ -155,3 +157,14 @@ def fused_graph(model: Any, cls_readout: bool, check: FusionCheck, tmp: Path) ->
                     counts.get("Attention", 0), num_layers)
     return fused, {**readout, "fusions": counts, "fused_attention": counts.get("Attention", 0),
                    "fused_parity_max_abs_diff": p.max_abs_diff}
+
+
+def fused_dynamic_int8(model: Any, name: str, out_dir: Path, check: FusionCheck, cls_readout: bool,
+                       per_channel: bool, weight_format: Choice, tmp: Path) -> dict[str, Any]:
+    """The `int8-dynamic` recipe for any model of the teacher's family (a pruned or distilled one): exported with
+    the [CLS] readout when asked, fused and checked against `check.reference` (`fused_graph`), then dynamic INT8
+    with per-channel weights in the CPU's `weight_format` choice. Returns what goes into the variant's record."""
+    fused, fusion = fused_graph(model, cls_readout, check, tmp)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    quantize_dynamic_onnx(fused, out_dir / "model.onnx", per_channel, str(weight_format.value))
+    return {"per_channel": per_channel, **weight_record(weight_format), **fusion, **int8_census(out_dir, name)}

@@ -17,19 +17,20 @@ import pandas as pd
 from pipeline.core.params import Params, QuantizeParams, TrainParams, to_dict
 from pipeline.data.tokens import draw_rows, read_tokenized, training_window
 from pipeline.modeling import load_finetuned, pad_id
+from pipeline.runtimes.base import predict_logits
+from pipeline.runtimes.catalog import directories
+from pipeline.runtimes.ort import OrtRunner
+from pipeline.runtimes.record import VariantInfo, read_variant, write_variant
+from pipeline.variants.calibration import calibration_reviews
 from pipeline.variants.export import export_onnx, inference_model, max_length_of
 from pipeline.variants.fusion import FusionCheck, fused_graph
 from pipeline.variants.onnx_int8 import (
     QuantizeError,
-    calibration_reviews,
     int8_census,
     quantize_dynamic_onnx,
     quantize_static_onnx,
     weight_record,
 )
-from pipeline.variants.record import VariantInfo, read_variant, write_variant
-from pipeline.variants.registry import directories
-from pipeline.variants.runners import OrtRunner, predict_logits
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, variants_roo
     model, tokenizer, meta = load_finetuned(finetuned)
     arch = read_variant(fp32_onnx).params
     # Static QDQ starts from the fp32-onnx file, so its readout must be the one params ask for now.
-    from pipeline.variants.readout import unsupported
+    from pipeline.runtimes.readout import unsupported
 
     expected = params.export.cls_readout and unsupported(model) is None  # what export records (`inference_model`)
     if bool(arch.get("cls_readout", False)) != expected:
@@ -185,8 +186,10 @@ def _qat(inputs: QuantizeInputs, method: str, out: Path, params: QuantizeParams,
     then the static QDQ conversion with the calibration `method` int8-static chose. The QAT finetune checkpoints and
     resumes under `train.checkpoint_dir/qat` like the other training jobs."""
     from pipeline.core.io import token_fingerprint
-    from pipeline.training.resume import CheckpointStore, fingerprint
-    from pipeline.variants.qat import FAKE_QUANT_API, qat_finetune
+    from pipeline.surgery.fake_quant import FAKE_QUANT_API
+    from pipeline.training.checkpoints import CheckpointStore
+    from pipeline.training.fingerprint import fingerprint
+    from pipeline.training.qat import qat_finetune
 
     seed = train.seed
 

@@ -1,7 +1,7 @@
 """TensorRT engines built from the ONNX variants (GPU only; `pip install .[gpu]`).
 
 FP16 engines come from the FP32 ONNX graph; INT8 engines use explicit quantization (TensorRT 10 deprecates
-implicit INT8 calibrators), built from a QDQ model made for TensorRT (`onnx_int8.quantize_qdq_for_tensorrt`:
+implicit INT8 calibrators), built from a QDQ model made for TensorRT (`tensorrt_qdq.quantize_qdq_for_tensorrt`:
 signed symmetric int8, per-channel weights, Q/DQ only; `int8-static` itself has uint8 activations and
 per-batch FFN products TensorRT cannot import). That QDQ model is built and checked where engines can be built,
 or on any machine with `tensorrt.qdq_input: true`, and onnxruntime scores it on validation reviews next to
@@ -18,11 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from pipeline.core.params import Params, to_dict
-from pipeline.variants.record import VariantInfo, write_variant
-from pipeline.variants.registry import built_by, directories
+from pipeline.runtimes.catalog import built_by, directories
+from pipeline.runtimes.record import VariantInfo, write_variant
 
 log = logging.getLogger(__name__)
 
@@ -97,35 +95,6 @@ def build_engine(onnx_path: Path, engine_path: Path, shapes: ProfileShapes, prec
     return {"tensorrt_version": trt.__version__, "precision": precision, "profile": shapes.__dict__}
 
 
-class TensorRTRunner:
-    """Runs a serialised engine with torch CUDA tensors as I/O buffers (TensorRT 10 tensor API)."""
-
-    def __init__(self, engine_path: Path) -> None:
-        import tensorrt as trt
-        import torch
-
-        self.torch = torch
-        runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
-        self.engine = runtime.deserialize_cuda_engine(Path(engine_path).read_bytes())
-        self.context = self.engine.create_execution_context()
-        self.stream = torch.cuda.Stream()
-
-    def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
-        torch = self.torch
-        feeds = {"input_ids": input_ids, "attention_mask": attention_mask}
-        buffers = {}
-        for name, array in feeds.items():
-            t = torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).cuda()
-            self.context.set_input_shape(name, tuple(t.shape))
-            self.context.set_tensor_address(name, t.data_ptr())
-            buffers[name] = t
-        out = torch.empty((input_ids.shape[0], 2), dtype=torch.float32, device="cuda")
-        self.context.set_tensor_address("logits", out.data_ptr())
-        self.context.execute_async_v3(self.stream.cuda_stream)
-        self.stream.synchronize()
-        return out.cpu().numpy()
-
-
 TENSORRT_QDQ_FILE = "model.qdq.onnx"
 
 
@@ -135,9 +104,11 @@ def tensorrt_int8_source(fp32_onnx: Path, int8_static: Path, tokenized: Path, ds
     `int8-static` was calibrated on, with the method it chose; score it and fp32-onnx with onnxruntime on the
     whole validation split."""
     from pipeline.data.tokens import read_tokenized
-    from pipeline.variants.onnx_int8 import calibration_reviews, quantize_qdq_for_tensorrt
-    from pipeline.variants.record import read_variant
-    from pipeline.variants.runners import OrtRunner, predict_logits
+    from pipeline.runtimes.base import predict_logits
+    from pipeline.runtimes.ort import OrtRunner
+    from pipeline.runtimes.record import read_variant
+    from pipeline.variants.calibration import calibration_reviews
+    from pipeline.variants.tensorrt_qdq import quantize_qdq_for_tensorrt
 
     q = params.quantize
     method = str(read_variant(int8_static).params.get("calibration", q.calibration_methods[0]))

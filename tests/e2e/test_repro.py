@@ -67,7 +67,8 @@ def test_tensorrt_int8_input_keeps_fp32_decisions_on_the_test_split(repo):
     """The INT8 engine's QDQ input, run by onnxruntime on the test split: a PTQ model, so it keeps FP32's
     decisions like int8-static does (whether or not a GPU built the engine)."""
     from pipeline.data.tokens import read_tokenized
-    from pipeline.variants.runners import OrtRunner, predict_logits
+    from pipeline.runtimes.base import predict_logits
+    from pipeline.runtimes.ort import OrtRunner
 
     variants = repo / "models" / "variants"
     record = json.loads((variants / "tensorrt-int8" / "variant.json").read_text())["params"]

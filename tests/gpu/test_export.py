@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from pipeline.modeling import load_finetuned
+from pipeline.runtimes.base import pad_batch
+from pipeline.runtimes.ort import OrtRunner
+from pipeline.runtimes.torchscript import legacy_torchscript
 from pipeline.variants.export import eager_runner, export_onnx, export_torchscript
-from pipeline.variants.runners import OrtRunner, legacy_torchscript, pad_batch
 
 pytestmark = pytest.mark.gpu
 

@@ -7,10 +7,12 @@ import numpy as np
 import pytest
 
 from pipeline.core.params import ExportParams
+from pipeline.runtimes.base import pad_batch
+from pipeline.runtimes.catalog import directories
+from pipeline.runtimes.ort import OrtRunner
+from pipeline.runtimes.tensorrt import TensorRTRunner
 from pipeline.variants.export import run_export
-from pipeline.variants.registry import directories
-from pipeline.variants.runners import OrtRunner, pad_batch
-from pipeline.variants.tensorrt import TensorRTRunner, availability, build_engine, profile_shapes
+from pipeline.variants.tensorrt import availability, build_engine, profile_shapes
 from tests.factories import write_tokenized
 
 pytestmark = pytest.mark.gpu

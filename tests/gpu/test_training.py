@@ -86,7 +86,7 @@ def test_the_teacher_labels_on_the_gpu_in_the_training_precision(tiny_model_dir,
     fp32 CPU logits, and is back on the CPU afterwards (the student is built from it there)."""
     import numpy as np
 
-    from pipeline.training.distill import labelling_setup, teacher_logits
+    from pipeline.training.labelling import labelling_setup, teacher_logits
 
     teacher, _tok, _meta = load_finetuned(tiny_model_dir)
     labelling = labelling_setup(TrainParams(accelerator="gpu"), precision)

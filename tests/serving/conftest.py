@@ -94,7 +94,8 @@ def _wait_healthy(url: str, key: str, log: Path, timeout: float = 180) -> None:
 @pytest.fixture(scope="session")
 def server(tmp_path_factory, tiny_model_dir):
     """TorchServe serving the tiny model's fp32-onnx `.mar` (registry version 7), as `make serve` starts it."""
-    from pipeline.deployment.archive import Choice, build_archive
+    from pipeline.deployment.archive import build_archive
+    from pipeline.selection import ServedChoice
     from pipeline.variants.export import run_export
 
     work = tmp_path_factory.mktemp("torchserve")
@@ -102,7 +103,7 @@ def server(tmp_path_factory, tiny_model_dir):
     run_export(tiny_model_dir, tok, work / "v", ExportParams())
     variants = {"fp32-onnx": work / "v" / "fp32-onnx"}
     store = work / "model_store"
-    build_archive(variants["fp32-onnx"], Choice("fp32-onnx", "test"), {"name": "imdb-sentiment", "version": "7"},
+    build_archive(variants["fp32-onnx"], ServedChoice("fp32-onnx", "test"), {"name": "imdb-sentiment", "version": "7"},
                   PackageParams(**SERVING_LIMITS), store / "sentiment.mar")
     ports = {name: free_port() for name in ("inference", "management", "metrics", "grpc_inference",
                                             "grpc_management")}

@@ -30,8 +30,8 @@ from pipeline.deployment.protocol import (
     VERSION_HEADER,
     Limits,
     RequestError,
-    parse_request,
 )
+from pipeline.deployment.request_parsing import parse_request
 from tests.factories import SERVING_LIMITS
 
 pytestmark = pytest.mark.slow

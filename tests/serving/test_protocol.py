@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pipeline.deployment.batch_answers import answer_batch
 from pipeline.deployment.inference import SentimentPredictor
 from pipeline.deployment.protocol import (
     INVISIBLE_CATEGORIES,
@@ -20,10 +21,8 @@ from pipeline.deployment.protocol import (
     TORCHSERVE_SHAPES,
     Limits,
     RequestError,
-    answer_batch,
-    is_json_media_type,
-    parse_request,
 )
+from pipeline.deployment.request_parsing import is_json_media_type, parse_request
 from serving.handler import SentimentHandler
 
 LIMITS = Limits(max_texts=4, max_body_bytes=4096, max_chars_per_text=256, max_json_depth=8)

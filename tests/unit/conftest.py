@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from pipeline.core.params import ExportParams, Params, QuantizeParams, TensorRTParams
+from pipeline.runtimes.catalog import directories
 from pipeline.variants.export import run_export
 from pipeline.variants.quantize import run_quantize
-from pipeline.variants.registry import directories
 from pipeline.variants.tensorrt import run_tensorrt
 from tests.factories import write_tokenized
 

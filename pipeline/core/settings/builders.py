@@ -22,7 +22,7 @@ class ExportParams:
     parity_tolerance: float = Field(1e-4, gt=0)
     cls_readout: bool = True
     """The one switch for the [CLS] readout of every exported graph (export, quantize, prune): the last layer
-    computes only the position the classifier reads (exact; `pipeline.variants.readout`). Models whose head reads
+    computes only the position the classifier reads (exact; `pipeline.runtimes.readout`). Models whose head reads
     every position (model.head: mean) are exported whole, with the reason recorded."""
     torchscript: bool = False
     """fp32-torchscript (torch.jit.trace, a deprecated API; not served by the default profile): built when true, else

@@ -89,7 +89,7 @@ class PackageParams:
 
     variant: str = Field("auto", min_length=1)
     """auto = an INT8 variant within targets.max_accuracy_loss_pt of FP32, else fp32-onnx; otherwise a variant name
-    of `pipeline.variants.registry` (checked by the package stage)"""
+    of `pipeline.runtimes.catalog` (checked by the package stage)"""
     prefer: Prefer = "accuracy"
     """Which one `auto` serves: the most accurate within the window, or the fastest at batch 1 (benchmark p50)"""
     max_texts: int = Field(64, ge=1)

@@ -13,10 +13,12 @@ from typing import Any, TypeVar, dataclass_transform
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass
 
+from pipeline.core.errors import UserError
+
 T = TypeVar("T")
 
 
-class ParamsError(ValueError):
+class ParamsError(UserError, ValueError):
     """A params file or section that cannot be used as written."""
 
 

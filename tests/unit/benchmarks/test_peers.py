@@ -25,7 +25,7 @@ def inputs(built, tiny_model_dir) -> Inputs:
 
 
 def _logits(runtime, inputs: Inputs) -> np.ndarray:
-    from pipeline.variants.runners import predict_logits
+    from pipeline.runtimes.base import predict_logits
 
     return predict_logits(runtime, inputs.test_seqs, 64, inputs.pad)  # one batch: one compile
 

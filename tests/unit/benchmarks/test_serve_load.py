@@ -7,7 +7,8 @@ import json
 import pytest
 
 from benchmarks.serve_load import Endpoint, malformed_bodies, table, targets, torchserve_batching
-from pipeline.deployment.protocol import Limits, RequestError, parse_request
+from pipeline.deployment.protocol import Limits, RequestError
+from pipeline.deployment.request_parsing import parse_request
 
 
 def test_every_kind_of_malformed_request_is_refused_by_the_protocol():

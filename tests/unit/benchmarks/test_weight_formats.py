@@ -9,7 +9,7 @@ import yaml
 
 from benchmarks.weight_formats import main
 from pipeline.core.io import read_json
-from pipeline.variants.record import read_variant
+from pipeline.runtimes.record import read_variant
 from tests.factories import product_weights
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.variants.registry import built_by, with_directories
+from pipeline.runtimes.catalog import built_by, with_directories
 
 ROOT = Path(__file__).resolve().parents[3]
 DVC = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
@@ -104,3 +104,29 @@ def test_every_stage_command_runs_the_project_interpreter():
     each command names `.venv/bin/python` (a bare `python` would be whatever PATH finds, e.g. the system one)."""
     for name, stage in DVC.items():
         assert stage["cmd"].startswith(f".venv/bin/python -m stages.{name} "), (name, stage["cmd"])
+
+
+def _covers(dep: Path, path: Path) -> bool:
+    return path == dep or dep in path.parents
+
+
+@pytest.mark.parametrize("stage", sorted(set(DVC) - {"package"}))  # package copies `pipeline` whole
+def test_every_declared_code_dep_is_imported(stage):
+    """No stage re-runs for code it does not import: each declared code dep holds a module of its import graph."""
+    files = import_closure(stage)
+    code = [Path(str(d)) for d in DVC[stage]["deps"] if str(d).startswith(("pipeline", "stages"))]
+    unused = [d for d in code if not any(_covers(d, f) for f in files)]
+    assert not unused, f"stage {stage} declares {unused} but imports nothing there"
+
+
+@pytest.mark.parametrize("stage", ["finetune", "distill"])
+def test_editing_a_builder_it_does_not_import_leaves_a_training_stage_unchanged(stage):
+    """What `dvc status` sees after an edit of, say, `pipeline/variants/tensorrt.py`: the deps of finetune and
+    distill cover no builder module they do not import."""
+    deps = [Path(str(d)) for d in DVC[stage]["deps"]]
+    imported = import_closure(stage)
+    builders = sorted((ROOT / "pipeline" / "variants").glob("*.py"))
+    assert Path("pipeline/variants/tensorrt.py") in [b.relative_to(ROOT) for b in builders]
+    rerun = [b.relative_to(ROOT) for b in builders if b.name != "__init__.py"
+             and b.relative_to(ROOT) not in imported and any(_covers(d, b.relative_to(ROOT)) for d in deps)]
+    assert rerun == []

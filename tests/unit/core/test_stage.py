@@ -44,3 +44,47 @@ def test_a_stage_says_what_it_does_and_how_long_it_took(caplog):
         run_stage("demo", bad)
     assert stop.value.code == 2
     assert [r.getMessage() for r in caplog.records if r.name == "pipeline.stage"][-1].startswith("<== demo failed in ")
+
+
+def test_a_user_error_ends_the_stage_with_status_2_and_one_line(capsys):
+    import pytest
+
+    from pipeline.core.stage import run_stage
+    from pipeline.runtimes.record import VariantError
+
+    def body() -> None:
+        raise VariantError("variant x was skipped: no GPU")
+
+    with pytest.raises(SystemExit) as stopped:
+        run_stage("evaluate", body)
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.strip() == "error: stage 'evaluate' failed: variant x was skipped: no GPU"
+
+
+def test_a_programming_error_keeps_its_traceback():
+    import pytest
+
+    from pipeline.core.stage import run_stage
+
+    def body() -> None:
+        raise KeyError("bug")
+
+    with pytest.raises(KeyError):
+        run_stage("evaluate", body)
+
+
+def test_every_domain_error_of_a_stage_is_a_user_error():
+    from pipeline.core.errors import UserError
+    from pipeline.core.params import ParamsError
+    from pipeline.data.imdb import DataSourceError, DataValidationError
+    from pipeline.deployment.archive import PackageError
+    from pipeline.modeling import ModelSourceError
+    from pipeline.runtimes.record import VariantError
+    from pipeline.surgery.errors import DistillError, PruneError
+    from pipeline.training.classifier import AccelerationUnavailable
+    from pipeline.variants.export import ExportError
+    from pipeline.variants.onnx_int8 import QuantizeError
+
+    for error in (DataSourceError, DataValidationError, PackageError, ModelSourceError, VariantError,
+                  AccelerationUnavailable, DistillError, ExportError, QuantizeError, PruneError, ParamsError):
+        assert issubclass(error, UserError), error

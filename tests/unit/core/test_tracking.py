@@ -1,8 +1,9 @@
-"""Unit: MLflow bookkeeping lives in `pipeline.core.tracking` alone, and in a real SQLite store: a tracked stage
-records what its work returns (numbers as metrics, statuses and reasons as tags, files as artifacts); the
-environment's tracking URI wins over params; the experiment opens as model training; a predictor model loads as
-pyfunc and answers like `SentimentPredictor`, with metrics from several runs linked to it; registering adds
-versions while the alias moves; the parent run carries the summary and a table; datasets carry digests."""
+"""Unit: MLflow bookkeeping lives in `pipeline.core.tracking` (and the registry's and served model's modules) alone,
+and in a real SQLite store: a tracked stage records what its work returns (numbers as metrics, statuses and reasons
+as tags, files as artifacts); the environment's tracking URI wins over params; the experiment opens as model
+training; a predictor model loads as pyfunc and answers like `SentimentPredictor`, with metrics from several runs
+linked to it; registering adds versions while the alias moves; the parent run carries the summary and a table;
+datasets carry digests."""
 
 from __future__ import annotations
 
@@ -13,14 +14,13 @@ import mlflow
 import pandas as pd
 import pytest
 
+from pipeline.core.model_registry import alias_version, set_alias
 from pipeline.core.params import MlflowParams, Params
 from pipeline.core.tracking import (
     EXPERIMENT_KIND,
     EXPERIMENT_KIND_TAG,
-    alias_version,
     log_parent_summary,
     log_parent_table,
-    set_alias,
     stage_run,
     tracked_stage,
     tracking_uri,
@@ -28,6 +28,9 @@ from pipeline.core.tracking import (
 from tests.factories import ROOT
 
 TRACKING = ROOT / "pipeline" / "core" / "tracking.py"
+SERVED_MODEL = ROOT / "pipeline" / "deployment" / "mlflow_model.py"
+MODEL_REGISTRY = ROOT / "pipeline" / "core" / "model_registry.py"
+RUN_HISTORY = ROOT / "pipeline" / "core" / "run_history.py"
 
 
 def _imports_mlflow(path: Path) -> list[str]:
@@ -43,9 +46,10 @@ def _imports_mlflow(path: Path) -> list[str]:
     return found
 
 
-def test_only_the_tracking_module_talks_to_mlflow():
-    files = [p for d in ("pipeline", "stages", "serving") for p in (ROOT / d).rglob("*.py") if p != TRACKING]
-    assert files and _imports_mlflow(TRACKING)  # the scan does see an import where there is one
+def test_only_the_tracking_registry_history_and_served_model_modules_talk_to_mlflow():
+    owners = (TRACKING, MODEL_REGISTRY, RUN_HISTORY, SERVED_MODEL)
+    files = [p for d in ("pipeline", "stages", "serving") for p in (ROOT / d).rglob("*.py") if p not in owners]
+    assert files and all(_imports_mlflow(p) for p in owners)  # the scan does see an import where there is one
     offenders = [hit for p in files for hit in _imports_mlflow(p)]
     assert offenders == []
 
@@ -95,14 +99,15 @@ def test_the_environment_names_the_tracking_store_and_the_experiment_opens_as_mo
 
 def test_a_predictor_model_loads_as_pyfunc_and_answers_like_the_predictor(tmp_path, monkeypatch, tiny_model_dir):
     from pipeline.deployment.inference import EXAMPLE_REVIEWS, SentimentPredictor, runtime_requirements
+    from pipeline.deployment.mlflow_model import log_predictor_model
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PIPELINE_RUN_ID", "unit-model")
     params = _store(tmp_path)
     with stage_run(params, "evaluate", run_name="fp32-eager") as run:
-        ref = run.log_predictor_model("fp32-eager", tiny_model_dir, SentimentPredictor, EXAMPLE_REVIEWS,
-                                      {"max_chars": 64, "threads": 1}, runtime_requirements("eager"),
-                                      params={"heads": 12}, tags={"variant": "fp32-eager"}, model_type="eager")
+        ref = log_predictor_model(run, "fp32-eager", tiny_model_dir, SentimentPredictor, EXAMPLE_REVIEWS,
+                                  {"max_chars": 64, "threads": 1}, runtime_requirements("eager"),
+                                  params={"heads": 12}, tags={"variant": "fp32-eager"}, model_type="eager")
         run.log_metrics({"accuracy": 0.75, "note": "text is skipped"}, model_id=ref.model_id)
     with stage_run(params, "benchmark") as other:
         other.log_metrics({"p50_ms_b1": 4.5}, model_id=ref.model_id)

@@ -11,11 +11,12 @@ import pandas as pd
 import pytest
 
 from pipeline.core.io import write_json
+from pipeline.core.model_registry import alias_version
 from pipeline.core.params import EvaluateParams, MlflowParams, PackageParams, Params, TargetsParams
-from pipeline.core.tracking import alias_version
-from pipeline.deployment.archive import Choice, choose_variant, run_package_stage, serving_summary
+from pipeline.deployment.archive import run_package_stage, serving_summary
 from pipeline.deployment.inference import SentimentPredictor
 from pipeline.evaluation.accuracy import log_variant_runs, score_variants
+from pipeline.selection import ServedChoice, choose_variant
 
 NAMES = ("fp32-onnx", "int8-dynamic", "int8-static")
 
@@ -90,24 +91,12 @@ def test_summary_leaves_out_numbers_a_skipped_benchmark_row_lacks():
     variants = {"fp32-eager": {"accuracy": 0.9}, "int8-static": {"accuracy": 0.89, "accuracy_delta_pt": -1.0,
                                                                   "size_mb": 23.0}}
     registry = {"uri": "models:/imdb-sentiment@champion", "version": "3", "model_id": "m-1"}
-    metrics, tags = serving_summary(Choice("int8-static", "why"), variants,
+    metrics, tags = serving_summary(ServedChoice("int8-static", "why"), variants,
                                     {"int8-static": {"status": "skipped", "reason": "no"}}, registry)
     assert metrics == {"test_accuracy": 0.9, "served_accuracy": 0.89, "served_accuracy_delta_pt": -1.0,
                        "served_size_mb": 23.0}
     assert tags["served_variant"] == "int8-static" and tags["served_model_version"] == "3"
 
 
-def _scored(acc: float, size: float = 20.0) -> dict:
-    return {"status": "ok", "accuracy": acc, "size_mb": size}
 
 
-def test_auto_serves_the_most_accurate_in_the_window_unless_speed_is_preferred():
-    variants = {"fp32-eager": _scored(0.900), "int8-dynamic": _scored(0.899), "int8-static": _scored(0.897),
-                "int8-distilled": _scored(0.896, 10.0), "int8-qat": _scored(0.890)}  # qat: outside the window
-    bench = {"int8-dynamic": {"p50_ms_b1": 4.0}, "int8-static": {"p50_ms_b1": 5.0},
-             "int8-distilled": {"p50_ms_b1": 2.0}, "int8-qat": {"p50_ms_b1": 1.0}}
-    assert choose_variant(variants, PackageParams(), TargetsParams(), bench).name == "int8-dynamic"
-    fast = choose_variant(variants, PackageParams(prefer="speed"), TargetsParams(), bench)
-    assert fast.name == "int8-distilled" and "prefer: speed" in fast.reason and "2.00 ms" in fast.reason
-    with pytest.raises(Exception, match="needs batch-1 latencies"):
-        choose_variant(variants, PackageParams(prefer="speed"), TargetsParams(), {})

@@ -10,7 +10,7 @@ import pytest
 
 from pipeline.core.params import ExportParams, Params, PruneParams
 from pipeline.deployment.inference import SentimentPredictor
-from pipeline.variants.registry import VARIANTS
+from pipeline.runtimes.catalog import VARIANTS
 
 SERVABLE = [v.name for v in VARIANTS if v.servable]
 TOLERANCE = 1e-4
@@ -66,8 +66,8 @@ def test_a_review_gets_the_same_answer_alone_and_in_any_batch(name, servable_dir
 
 
 def test_the_record_says_how_each_servable_variant_is_batched_and_why(servable_dirs):
-    from pipeline.variants.batch_invariance import per_tensor_dynamic_ops, variant_batching
-    from pipeline.variants.record import model_file, read_variant
+    from pipeline.runtimes.batch_invariance import per_tensor_dynamic_ops
+    from pipeline.runtimes.record import model_file, read_variant, variant_batching
 
     for name, directory in servable_dirs.items():
         info = read_variant(directory)
@@ -95,7 +95,7 @@ def test_per_batch_activation_scales_are_why_rows_are_scored_alone(servable_dirs
 
 
 def test_rows_scored_alone_ignore_their_padding_wherever_it_is(servable_dirs):
-    from pipeline.variants.runners import load_runner
+    from pipeline.runtimes.registry import load_runner
 
     runner = load_runner(servable_dirs["int8-dynamic"])
     ids = np.array([[101, 2307, 2143, 102, 0, 0], [0, 0, 101, 2307, 2143, 102], [101, 2307, 2143, 102, 7, 8]])

@@ -11,8 +11,9 @@ from pipeline.core.io import write_predictions
 from pipeline.core.params import EvaluateParams, TargetsParams
 from pipeline.data.tokens import read_tokenized
 from pipeline.evaluation.accuracy import check_targets, score_variants
-from pipeline.variants.record import VariantError
-from pipeline.variants.runners import load_runner, predict_logits
+from pipeline.runtimes.base import predict_logits
+from pipeline.runtimes.record import VariantError
+from pipeline.runtimes.registry import load_runner
 
 
 def test_scores_and_sizes(built, tiny_model_dir):

@@ -175,7 +175,7 @@ def test_resume_starts_fresh_when_a_param_changed(tmp_path, tokenized):
 def test_resume_neutral_settings_keep_the_checkpoint(tmp_path):
     """Where checkpoints go, how often, and the launcher do not change the trained weights: not in the fingerprint."""
     from pipeline.core.params import TrainParams, to_dict
-    from pipeline.training.resume import trajectory_settings
+    from pipeline.training.fingerprint import trajectory_settings
 
     a = trajectory_settings(to_dict(TrainParams()))
     b = trajectory_settings(to_dict(TrainParams(checkpoint_every_n_steps=7, checkpoint_dir="x", launcher="torchrun",

@@ -11,7 +11,8 @@ import torch
 
 from pipeline.core.params import TrainParams
 from pipeline.data.batching import LengthBucketBatchSampler, LoaderPosition
-from pipeline.training.resume import AtomicCheckpointIO, CheckpointStore, Fingerprint, fingerprint
+from pipeline.training.checkpoints import AtomicCheckpointIO, CheckpointStore
+from pipeline.training.fingerprint import Fingerprint, fingerprint
 
 
 def _ckpt(path: Path, step: int) -> Path:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pipeline.core.params import ExportParams
+from pipeline.runtimes.record import read_variant
 from pipeline.variants.export import ExportError, Parity, run_export
-from pipeline.variants.record import read_variant
 from tests.factories import write_tokenized
 
 

@@ -9,7 +9,8 @@ from pipeline.core.params import QuantizeParams
 
 
 def test_static_with_calibrated_ffn_quantizes_every_weight_product_in_qdq(built, tmp_path):
-    from pipeline.variants.onnx_int8 import ffn_output_matmuls, matmul_census, quantize_static_onnx
+    from pipeline.variants.onnx_census import ffn_output_matmuls, matmul_census
+    from pipeline.variants.onnx_int8 import quantize_static_onnx
 
     src = built["dirs"]["fp32-onnx"] / "model.onnx"
     assert len(ffn_output_matmuls(src, 128)) == 2  # the tiny BERT's FFN is 128 wide: one per layer
@@ -24,8 +25,9 @@ def test_ffn_products_quantized_per_batch_with_int8_weights(built, tmp_path):
     import onnxruntime as ort
     from onnx import numpy_helper
 
-    from pipeline.variants.onnx_int8 import dynamic_int8_matmuls, ffn_output_matmuls
-    from pipeline.variants.runners import OrtRunner
+    from pipeline.runtimes.ort import OrtRunner
+    from pipeline.variants.onnx_census import ffn_output_matmuls
+    from pipeline.variants.onnx_int8 import dynamic_int8_matmuls
 
     for name in ("int8-static", "int8-qat"):
         graph = onnx.load(str(built["dirs"][name] / "model.onnx")).graph

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from pipeline.core.params import Params, QuantizeParams
+from pipeline.runtimes.record import read_variant
 from pipeline.variants.quantize import run_quantize
-from pipeline.variants.record import read_variant
 from tests.factories import product_weights
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.variants.record import VariantError, read_variant
-from pipeline.variants.runners import load_runner
+from pipeline.runtimes.record import VariantError, read_variant
+from pipeline.runtimes.registry import load_runner
 from pipeline.variants.tensorrt import availability, profile_shapes
 
 
@@ -39,8 +39,8 @@ def test_int8_engine_input_is_symmetric_signed_qdq_only(built):
     import onnx
     from onnx import numpy_helper
 
-    from pipeline.variants.onnx_int8 import tensorrt_qdq_problems
     from pipeline.variants.tensorrt import TENSORRT_QDQ_FILE
+    from pipeline.variants.tensorrt_qdq import tensorrt_qdq_problems
 
     info = read_variant(built["dirs"]["tensorrt-int8"])
     assert info.params["source_onnx"] == TENSORRT_QDQ_FILE
@@ -66,7 +66,8 @@ def test_int8_engine_input_is_symmetric_signed_qdq_only(built):
 
 def test_int8_engine_input_runs_in_onnxruntime_close_to_fp32(built):
     """onnxruntime runs the TensorRT input, and its validation score is recorded next to fp32-onnx's."""
-    from pipeline.variants.runners import OrtRunner, pad_batch
+    from pipeline.runtimes.base import pad_batch
+    from pipeline.runtimes.ort import OrtRunner
     from pipeline.variants.tensorrt import TENSORRT_QDQ_FILE
 
     params = read_variant(built["dirs"]["tensorrt-int8"]).params
@@ -81,7 +82,7 @@ def test_int8_engine_input_runs_in_onnxruntime_close_to_fp32(built):
 
 
 def test_a_uint8_qdq_model_is_refused_as_tensorrt_input(built):
-    from pipeline.variants.onnx_int8 import tensorrt_qdq_problems
+    from pipeline.variants.tensorrt_qdq import tensorrt_qdq_problems
 
     problems = tensorrt_qdq_problems(built["dirs"]["int8-static"] / "model.onnx")
     assert any("zero point of type UINT8" in p for p in problems)

@@ -8,8 +8,8 @@ import re
 import pytest
 
 from pipeline.modeling import ModelSourceError, load_finetuned
-from pipeline.variants.record import VariantError, read_variant
-from pipeline.variants.runners import load_runner
+from pipeline.runtimes.record import VariantError, read_variant
+from pipeline.runtimes.registry import load_runner
 
 
 def test_variant_directories_describe_themselves(built):

@@ -58,14 +58,3 @@ def batching_record(fmt: str, model: Path) -> dict[str, Any]:
             "served_batching_reason": f"{listed}: one activation scale per batch tensor would move a review's "
                                       "score with its neighbours and their padding, so every review is scored "
                                       "unpadded on its own (the same answer alone and in any batch)"}
-
-
-def variant_batching(directory: Path) -> dict[str, Any]:
-    """How the variant in `directory` is served (`batching_record`): from its record, or from its model file for
-    a record written before the record carried it."""
-    from pipeline.variants.record import model_file, read_variant
-
-    info = read_variant(directory)
-    if "served_batching" in info.params:
-        return {k: info.params[k] for k in ("served_batching", "served_batching_reason")}
-    return batching_record(info.format, model_file(directory, info))

@@ -22,7 +22,7 @@ def test_qat_fake_quant_is_onnxruntimes_quantization_of_the_same_tensors(weight_
     from onnx import TensorProto
     from onnxruntime.quantization.quant_utils import quantize_data
 
-    from pipeline.variants.qat import FakeQuantLinear, weight_grid
+    from pipeline.surgery.fake_quant import FakeQuantLinear, weight_grid
 
     torch.manual_seed(0)
     x = 3.0 * torch.randn(4, 6, 32) + 1.0  # one batch: the moving-average range starts at its min/max
@@ -58,7 +58,7 @@ def test_fake_quant_wraps_every_linear_but_the_skipped_and_removal_restores_them
     same Linear modules back, whose weights QAT trained in place."""
     import torch
 
-    from pipeline.variants.qat import FakeQuantLinear, add_fake_quant, remove_fake_quant
+    from pipeline.surgery.fake_quant import FakeQuantLinear, add_fake_quant, remove_fake_quant
 
     model, _, _ = load_finetuned(tiny_model_dir)
     linears = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
@@ -77,7 +77,7 @@ def test_fake_quant_wraps_every_linear_but_the_skipped_and_removal_restores_them
 
 
 def test_qat_really_trained_with_fake_quant(built):
-    from pipeline.variants.qat import FAKE_QUANT_API
+    from pipeline.surgery.fake_quant import FAKE_QUANT_API
 
     report = built["quantize"]["int8-qat"]
     assert report["fake_quant_layers"] == 2 * 5 + 2  # 5 quantized Linear per layer x 2 layers + pooler + classifier
@@ -85,26 +85,11 @@ def test_qat_really_trained_with_fake_quant(built):
     assert FAKE_QUANT_API in report["method"] and FAKE_QUANT_API.startswith("torchao.")
 
 
-def test_qat_distillation_loss():
-    import torch
-
-    from pipeline.training.distill import distillation_loss
-
-    logits = torch.tensor([[2.0, -1.0], [0.5, 0.3]])
-    labels = torch.tensor([1, 0])
-    ce = torch.nn.functional.cross_entropy(logits, labels)
-    assert torch.isclose(distillation_loss(logits, logits + 5.0, labels, 0.0), ce)  # labels only
-    assert distillation_loss(logits, logits, labels, 1.0).abs() < 1e-6  # already matches FP32: nothing to learn
-    assert distillation_loss(logits, logits.flip(-1), labels, 1.0) > 0.1
-    half = distillation_loss(logits, logits, labels, 0.5)
-    assert torch.isclose(half, 0.5 * ce, atol=1e-6)
-
-
 def test_qat_loss_is_labels_only_or_distilled(tiny_model_dir):
     """distillation 0 trains on cross-entropy (≈ ln 2 for an untrained head); 1 on KL to FP32 (≈ 0 at the start)."""
     import math
 
-    from pipeline.variants.qat import qat_finetune
+    from pipeline.training.qat import qat_finetune
 
     rng = np.random.default_rng(0)
     seqs = [rng.integers(1000, 2000, size=24) for _ in range(8)]

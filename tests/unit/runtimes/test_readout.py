@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.variants.readout import ClsOnlyLayer, ReadoutError, cls_readout, unsupported
+from pipeline.runtimes.readout import ClsOnlyLayer, ReadoutError, cls_readout, unsupported
 
 
 def _tiny(attn: str = "eager", layers: int = 2, hidden: int = 64) -> torch.nn.Module:
@@ -54,7 +54,7 @@ def test_readout_is_a_copy_and_only_the_last_layer_changes():
 
 
 def test_readout_follows_pruned_head_counts():
-    """A layer with fewer heads (as `pipeline.variants.prune` leaves them) is read from its own projection sizes."""
+    """A layer with fewer heads (as `pipeline.surgery.prune` leaves them) is read from its own projection sizes."""
     model = _tiny()
     last = model.bert.encoder.layer[-1]
     keep = torch.arange(32)  # 2 of the 4 16-wide heads
@@ -98,9 +98,9 @@ def test_readout_onnx_fuses_the_other_layers_and_keeps_parity(tmp_path, attn):
     initializer (128 wide: over the rewriter's default constant-folding size), and the logits are unchanged."""
     import onnx
 
+    from pipeline.runtimes.ort import OrtRunner
     from pipeline.variants.export import export_onnx
     from pipeline.variants.fusion import optimize_for_quantization
-    from pipeline.variants.runners import OrtRunner
 
     model = _tiny(attn, layers=3, hidden=128)
     export_onnx(cls_readout(model), tmp_path / "raw.onnx", 64)

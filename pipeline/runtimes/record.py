@@ -10,8 +10,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.core.errors import UserError
 from pipeline.core.io import write_json
-from pipeline.variants.registry import spec
+from pipeline.runtimes.batch_invariance import batching_record
+from pipeline.runtimes.catalog import spec
 
 VARIANT_FILE = "variant.json"
 
@@ -19,7 +21,7 @@ VARIANT_FILE = "variant.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
 
 
-class VariantError(RuntimeError):
+class VariantError(UserError):
     """A variant directory is missing, incomplete or cannot be run."""
 
 
@@ -61,8 +63,6 @@ def write_variant(directory: Path, info: VariantInfo, finetuned_dir: Path) -> No
     if not info.built_on:
         info.built_on = isa_record()
     if info.status == "ok" and info.file and info.format in ("onnx", "torchscript"):
-        from pipeline.variants.batch_invariance import batching_record
-
         info.params = {**info.params, **batching_record(info.format, directory / info.file)}
     directory.mkdir(parents=True, exist_ok=True)
     for name in (*TOKENIZER_FILES, "pipeline.json", "config.json"):
@@ -101,3 +101,12 @@ def size_mb(directory: Path, info: VariantInfo) -> float:
     if data.is_file():
         total += data.stat().st_size
     return total / 1e6
+
+
+def variant_batching(directory: Path) -> dict[str, Any]:
+    """How the variant in `directory` is served (`batching_record`): from its record, or from its model file for
+    a record written before the record carried it."""
+    info = read_variant(directory)
+    if "served_batching" in info.params:
+        return {k: info.params[k] for k in ("served_batching", "served_batching_reason")}
+    return batching_record(info.format, model_file(directory, info))

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.variants.record import VariantInfo
-from pipeline.variants.registry import (
+from pipeline.runtimes.catalog import (
     BF16_ROW,
     REFERENCE,
     VARIANTS,
@@ -15,6 +14,7 @@ from pipeline.variants.registry import (
     spec,
     with_directories,
 )
+from pipeline.runtimes.record import VariantInfo
 
 
 def test_names_are_unique_and_reference_rows_have_no_directory():

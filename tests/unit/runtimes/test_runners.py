@@ -1,12 +1,13 @@
-"""Unit: runners honour their thread settings."""
+"""Unit: runners honour their thread settings and describe what they run with."""
 
 from __future__ import annotations
 
 import torch
 
 from pipeline.modeling import load_finetuned
+from pipeline.runtimes.ort import OrtRunner
+from pipeline.runtimes.registry import load_runner
 from pipeline.variants.export import export_onnx
-from pipeline.variants.runners import OrtRunner, load_runner
 
 
 def test_ort_session_threads(tmp_path, tiny_model_dir):
@@ -14,13 +15,15 @@ def test_ort_session_threads(tmp_path, tiny_model_dir):
     export_onnx(model, tmp_path / "m.onnx", 32)
     runner = OrtRunner(tmp_path / "m.onnx", threads=1)
     assert runner.session.get_session_options().intra_op_num_threads == 1
+    assert runner.describe() == {"runtime": "onnxruntime", "threads": 1, "optimization": "all", "batching": "batched"}
 
 
 def test_thread_settings_are_honoured(tiny_model_dir):
     before = torch.get_num_threads()
     try:
-        load_runner(tiny_model_dir, threads=1)
+        runner = load_runner(tiny_model_dir, threads=1)
         assert torch.get_num_threads() == 1
+        assert runner.describe() == {"runtime": "torch", "threads": 1, "device": "cpu", "autocast": "none"}
     finally:
         torch.set_num_threads(before)
 
@@ -30,7 +33,7 @@ def test_torch_runner_autocast_runs_in_the_named_dtype_and_refuses_others():
     import pytest
     import torch
 
-    from pipeline.variants.runners import TorchRunner
+    from pipeline.runtimes.eager import TorchRunner
 
     seen: list[torch.dtype] = []
 

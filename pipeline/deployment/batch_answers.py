@@ -1,0 +1,91 @@
+"""Answering a TorchServe batch with per-request isolation: each request is parsed, checked and tokenized on its
+own, whatever goes wrong with one becomes that request's own answer (4xx when the input is at fault, 500 when the
+server is), and only the survivors are scored, together, or one by one when the batched forward pass fails."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from pipeline.deployment.protocol import (
+    SERVER_ERROR,
+    Answer,
+    Limits,
+    ParsedRequest,
+    RequestError,
+    Scorer,
+    error_body,
+    format_predictions,
+)
+from pipeline.deployment.request_parsing import parse_request
+
+log = logging.getLogger(__name__)
+
+
+def answer_batch(requests: Sequence[tuple[Any, str | None]], scorer: Scorer, limits: Limits,
+                 model: str) -> list[Answer]:
+    """One answer per `(body, content_type)`, in order; never raises for a request's sake.
+
+    Each request is parsed, checked and tokenized on its own; the survivors' token ids are scored in one
+    batch; if that batch fails, each survivor is scored alone so one text that breaks the model fails only
+    its own request."""
+    answers: list[Answer | None] = [None] * len(requests)
+    survivors: list[tuple[int, ParsedRequest, list[Any]]] = []
+    for idx, (body, content_type) in enumerate(requests):
+        try:
+            parsed = parse_request(body, limits, content_type)
+            encoded = scorer.encode(parsed.texts)
+            if len(encoded) != len(parsed.texts):
+                raise RuntimeError(f"tokenizer returned {len(encoded)} sequences for {len(parsed.texts)} texts")
+            survivors.append((idx, parsed, encoded))
+        except RequestError as err:
+            answers[idx] = Answer(err.status, error_body(err))
+        except Exception:  # a server fault on this request alone: logged, answered 500, neighbours go on
+            log.exception("request %d of the batch failed before scoring", idx)
+            answers[idx] = SERVER_ERROR
+    for idx, parsed, predictions in _score_survivors(survivors, scorer):
+        try:
+            if predictions is None:
+                answers[idx] = SERVER_ERROR
+            else:
+                answers[idx] = Answer(200, format_predictions(predictions, parsed.is_list, model))
+        except Exception:
+            log.exception("request %d of the batch could not be formatted", idx)
+            answers[idx] = SERVER_ERROR
+    return [a if a is not None else SERVER_ERROR for a in answers]
+
+
+def _score_survivors(survivors: list[tuple[int, ParsedRequest, list[Any]]],
+                     scorer: Scorer) -> list[tuple[int, ParsedRequest, list[Any] | None]]:
+    """Predictions per surviving request (None where scoring it failed): one batch, else one by one."""
+    if not survivors:
+        return []
+    flat = [ids for _, _, encoded in survivors for ids in encoded]
+    try:
+        predictions = _scored(scorer, flat)
+    except Exception:
+        log.exception("batched scoring of %d requests failed; scoring them one by one", len(survivors))
+    else:
+        out: list[tuple[int, ParsedRequest, list[Any] | None]] = []
+        start = 0
+        for idx, parsed, encoded in survivors:
+            out.append((idx, parsed, list(predictions[start : start + len(encoded)])))
+            start += len(encoded)
+        return out
+    alone: list[tuple[int, ParsedRequest, list[Any] | None]] = []
+    for idx, parsed, encoded in survivors:
+        try:
+            alone.append((idx, parsed, _scored(scorer, encoded)))
+        except Exception:
+            log.exception("scoring request %d alone failed", idx)
+            alone.append((idx, parsed, None))
+    return alone
+
+
+def _scored(scorer: Scorer, encoded: Sequence[Any]) -> list[Any]:
+    """The scorer's predictions for `encoded`, checked to be one per sequence."""
+    predictions = list(scorer.score(encoded))
+    if len(predictions) != len(encoded):
+        raise RuntimeError(f"model returned {len(predictions)} predictions for {len(encoded)} texts")
+    return predictions

@@ -1,0 +1,118 @@
+"""The served MLflow model: every variant is logged as a models-from-code pyfunc (`log_predictor_model`) whose
+`PythonModel` (`predictor_model_class`) builds a predictor class of `pipeline.deployment` from the variant's
+files and answers a DataFrame of texts with `label` and `score`; and MLflow's own scoring app for one.
+
+Beside `pipeline.core.tracking` (runs, metrics, the registry), this is the one other module that imports MLflow (a
+test checks it): what the served model is belongs to deployment, how runs are recorded to core."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import shutil
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd  # at module level: MLflow resolves the predictor model's `pd.DataFrame` hints against it
+
+from pipeline.core.tracking import PARAM_LIMIT, TAG_LIMIT, LoggedModelRef, StageRun, text_values
+from pipeline.deployment.protocol import TEXT_COLUMN
+
+#: The columns a served model answers (it reads `pipeline.deployment.protocol.TEXT_COLUMN`, one review per row).
+OUTPUT_COLUMNS = ("label", "score")
+#: The key under which a logged model's variant directory is stored among its artifacts.
+MODEL_ARTIFACT = "variant"
+#: The models-from-code entry MLflow runs when it loads a predictor model: it builds the model object from
+#: the predictor class named below (imported from the model's own copy of the code, `code_paths`), so
+#: nothing is unpickled at load time.
+MODEL_CODE = """# MLflow models-from-code entry, written by pipeline.deployment.mlflow_model.log_predictor_model
+from pipeline.deployment.mlflow_model import set_predictor_model
+
+set_predictor_model({target!r})
+"""
+
+
+def log_predictor_model(run: StageRun, name: str, directory: Path, predictor: type, examples: Sequence[str],
+                        model_config: Mapping[str, Any], requirements: Sequence[str],
+                        params: Mapping[str, Any] | None = None, tags: Mapping[str, Any] | None = None,
+                        model_type: str | None = None) -> LoggedModelRef:
+    """Log `directory` as an MLflow 3 LoggedModel of `run`: a pyfunc that builds
+    `predictor(<its copy of directory>, **model_config)` when loaded and answers a DataFrame of texts
+    (column `text`) with `label` and `score`, using `predictor(...).predict(texts)`.
+
+    Logged from code (no pickled objects): the model holds the directory, a copy of the predictor's
+    top-level package (`code_paths`, so `mlflow models serve` needs no checkout), a signature, an input
+    example and the pinned `requirements` (given, so MLflow need not load the model to guess them)."""
+    import mlflow
+    from mlflow.models import ModelSignature
+    from mlflow.types import ColSpec, Schema
+
+    signature = ModelSignature(inputs=Schema([ColSpec("string", TEXT_COLUMN)]),
+                               outputs=Schema([ColSpec("string", "label"), ColSpec("double", "score")]))
+    package = sys.modules[predictor.__module__.split(".")[0]]
+    with tempfile.TemporaryDirectory(prefix="pyfunc-") as tmp:
+        code = Path(tmp) / "predictor_model.py"
+        code.write_text(MODEL_CODE.format(target=f"{predictor.__module__}:{predictor.__qualname__}"))
+        package_copy = Path(tmp) / "code" / package.__name__
+        shutil.copytree(Path(package.__file__).parent, package_copy,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        info = mlflow.pyfunc.log_model(
+            name=name, python_model=str(code), artifacts={MODEL_ARTIFACT: str(directory)},
+            code_paths=[str(package_copy)], model_config=dict(model_config), signature=signature,
+            input_example=pd.DataFrame({TEXT_COLUMN: list(examples)}), pip_requirements=list(requirements),
+            params=text_values(params or {}, PARAM_LIMIT), tags=text_values(tags or {}, TAG_LIMIT),
+            model_type=model_type,
+        )
+    return LoggedModelRef(info.model_id, f"models:/{info.model_id}", files=True)
+
+
+@functools.cache
+def predictor_model_class() -> type:
+    """The `mlflow.pyfunc.PythonModel` behind every model `log_predictor_model` logs (built on first use, so
+    importing this module does not import MLflow)."""
+    from mlflow.pyfunc import PythonModel
+
+    class PredictorModel(PythonModel):
+        """Texts in, `label` and `score` out, by the predictor class named `module:Class` in `target`."""
+
+        def __init__(self, target: str) -> None:
+            self.target = target
+            self.predictor: Any = None
+
+        def load_context(self, context: Any) -> None:
+            module, _, attr = self.target.partition(":")
+            factory = getattr(importlib.import_module(module), attr)
+            self.predictor = factory(context.artifacts[MODEL_ARTIFACT], **(context.model_config or {}))
+
+        # MLflow infers no signature from `pd.DataFrame` hints, so the logged signature (column `text`) rules and
+        # MLflow hands its input over as a DataFrame of that column.
+        # The column's values go to the predictor as they are (never `str()`-ed: null would become "None"), so a
+        # predictor that checks its input (the request contract's) refuses what is not text.
+        def predict(self, context: Any, model_input: pd.DataFrame,
+                    params: dict[str, Any] | None = None) -> pd.DataFrame:
+            if TEXT_COLUMN not in model_input.columns:
+                raise ValueError(f"input needs a column named {TEXT_COLUMN!r}")
+            predictions = self.predictor.predict(model_input[TEXT_COLUMN].tolist())
+            return pd.DataFrame({"label": [p.label for p in predictions],
+                                 "score": [float(p.score) for p in predictions]}, columns=list(OUTPUT_COLUMNS))
+
+    return PredictorModel
+
+
+def set_predictor_model(target: str) -> None:
+    """Called by the models-from-code entry (`MODEL_CODE`) when MLflow loads or logs a predictor model."""
+    import mlflow
+
+    mlflow.models.set_model(predictor_model_class()(target))
+
+
+def scoring_app(model_uri: str) -> Any:
+    """MLflow's own scoring server (the FastAPI app `mlflow models serve` runs under uvicorn: `/invocations`,
+    `/ping`, `/health`, `/version`) for the pyfunc at `model_uri`, loaded now."""
+    import mlflow
+    from mlflow.pyfunc import scoring_server
+
+    return scoring_server.init(mlflow.pyfunc.load_model(model_uri))

@@ -1,0 +1,241 @@
+"""Reading a request body under the endpoint's contract (`pipeline.deployment.protocol`): the media type, JSON
+decoded by orjson and checked (depth, number size, NaN), and the texts taken from each request shape either
+server accepts (TorchServe's `text`/`texts`/plain text, MLflow's four JSON formats and CSV)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+from typing import Any
+
+import orjson
+
+from pipeline.deployment.protocol import (
+    JSON_MEDIA_TYPES,
+    MAX_INT_BITS,
+    MLFLOW_JSON_SHAPES,
+    TEXT_COLUMN,
+    TORCHSERVE_SHAPES,
+    Limits,
+    ParsedRequest,
+    RequestError,
+    check_text,
+    check_texts,
+    json_type,
+)
+
+
+def media_type(content_type: str | None) -> tuple[str, dict[str, str]]:
+    """`(type, parameters)` of a Content-Type header, lower-cased; `("", {})` when absent or blank."""
+    if not content_type or not content_type.strip():
+        return "", {}
+    media, *params = content_type.split(";")
+    parsed = {}
+    for param in params:
+        key, _, value = param.partition("=")
+        parsed[key.strip().lower()] = value.strip().strip('"').lower()
+    return media.strip().lower(), parsed
+
+
+def is_json_media_type(content_type: str | None) -> bool:
+    """`application/json` or a `+json` suffix type, parameters (charset) ignored."""
+    media, _ = media_type(content_type)
+    return media in JSON_MEDIA_TYPES or media.endswith("+json")
+
+
+def body_kind(content_type: str | None, shapes: frozenset[str]) -> str:
+    """`json`, `plain` or `csv` for a declared Content-Type this endpoint takes; else `RequestError(415)`."""
+    media, params = media_type(content_type)
+    accepted = ["application/json"] + (["text/plain"] if "plain" in shapes else []) + \
+        (["text/csv"] if "csv" in shapes else [])
+    if not media:
+        raise RequestError(415, f"no Content-Type header; send one of {', '.join(accepted)}")
+    if media == "application/x-www-form-urlencoded" or media.startswith("multipart/"):
+        raise RequestError(415, f"a form-encoded body ({media}) is not accepted: send the JSON itself with "
+                                "'Content-Type: application/json' (curl -d sends form encoding unless told -H)")
+    charset = params.get("charset", "utf-8")
+    if charset not in ("utf-8", "utf8"):
+        raise RequestError(415, "only charset=utf-8 is accepted")
+    if set(params) - {"charset"}:
+        raise RequestError(415, "Content-Type parameters other than charset are not accepted")
+    if media in JSON_MEDIA_TYPES or media.endswith("+json"):
+        return "json"
+    if media == "text/plain" and "plain" in shapes:
+        return "plain"
+    if media == "text/csv" and "csv" in shapes:
+        return "csv"
+    shown = media if len(media) <= 60 and media.isascii() and media.isprintable() else "this media type"
+    raise RequestError(415, f"Content-Type {shown} is not accepted; send one of {', '.join(accepted)}")
+
+
+def parse_request(body: Any, limits: Limits, content_type: str | None = None,
+                  shapes: frozenset[str] = TORCHSERVE_SHAPES) -> ParsedRequest:
+    """Turn one request body into texts, or raise `RequestError` (and nothing else).
+
+    `body` is what the server hands over: bytes (the normal case: serving/config.properties turns
+    TorchServe's own decoding off; MLflow's launcher passes the raw body), a str (a text body the server
+    decoded) or JSON the server already decoded (dict, list or scalar). The same limits hold for each:
+    already-decoded JSON is walked without recursion and its encoded size estimated."""
+    if isinstance(body, bytes | bytearray | memoryview):
+        raw = bytes(body)
+    elif isinstance(body, str):
+        raw = body.encode("utf-8", "surrogatepass")  # the size the client sent; surrogates are refused below
+    elif body is None:
+        raw = b""
+    else:
+        return _from_payload(_checked_tree(body, limits, decoded_by_server=True), limits, shapes)
+    if len(raw) > limits.max_body_bytes:
+        raise RequestError(413, f"request body of {len(raw)} bytes exceeds the limit of {limits.max_body_bytes}")
+    kind = body_kind(content_type, shapes)
+    if not raw.strip():
+        raise RequestError(400, "empty request body; send {\"text\": \"...\"} or a plain-text review"
+                           if "text" in shapes else "empty request body; send {\"inputs\": [\"...\"]}")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RequestError(400, f"request body is not valid UTF-8 (byte {exc.start})") from None
+    if kind == "json":
+        return _from_payload(_checked_tree(decode_json(raw), limits, decoded_by_server=False), limits, shapes)
+    if kind == "csv":
+        return ParsedRequest(check_texts(_csv_column(text, limits), limits, "row"), "csv")
+    return ParsedRequest([check_text(text, "body", limits)], "plain")
+
+
+def decode_json(raw: bytes) -> Any:
+    """orjson's parse: it refuses NaN/Infinity, lone surrogates, numbers beyond a double and depth over 1024."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        # orjson's message names the problem and its position; it quotes no input
+        raise RequestError(400, f"invalid JSON: {exc}") from None
+
+
+def _checked_tree(payload: Any, limits: Limits, decoded_by_server: bool) -> Any:
+    """Refuse JSON nested deeper than `max_json_depth`, numbers outside a double's range, non-JSON types and
+    (for JSON the server decoded) an encoded size above `max_body_bytes`. Iterative, so no nesting depth can
+    exhaust the stack; stops at the first violation."""
+    size = 0
+    stack: list[tuple[Any, int]] = [(payload, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict | list):
+            if depth + 1 > limits.max_json_depth:
+                raise RequestError(400, f"JSON nested more than {limits.max_json_depth} levels deep")
+            size += 2 + len(node)  # brackets and separators
+            if isinstance(node, dict):
+                for key in node:
+                    if not isinstance(key, str):
+                        raise RequestError(400, f"JSON object key of type {type(key).__name__}")
+                    size += len(key) + 3
+                stack.extend((value, depth + 1) for value in node.values())
+            else:
+                stack.extend((value, depth + 1) for value in node)
+        elif isinstance(node, str):
+            size += len(node.encode("utf-8", "surrogatepass")) + 2  # quotes; escapes would only add more
+        elif node is None or isinstance(node, bool):
+            size += 5
+        elif isinstance(node, int):
+            if node.bit_length() > MAX_INT_BITS:
+                raise RequestError(400, f"JSON number too large (more than {MAX_INT_BITS} bits)")
+            size += node.bit_length() // 3 + 1
+        elif isinstance(node, float):
+            if not math.isfinite(node):
+                raise RequestError(400, "JSON number is NaN or infinite")
+            size += 8
+        else:
+            raise RequestError(400, f"request body of unsupported type {type(node).__name__}")
+        if decoded_by_server and size > limits.max_body_bytes:
+            raise RequestError(413, f"request body of at least {size} bytes exceeds the limit of "
+                                    f"{limits.max_body_bytes}")
+    return payload
+
+
+def _from_payload(payload: Any, limits: Limits, shapes: frozenset[str]) -> ParsedRequest:
+    mlflow = not {"text", "texts"} & shapes
+    wanted = ("exactly one of " + ", ".join(f'"{k}"' for k in MLFLOW_JSON_SHAPES) if mlflow
+              else 'a "text" string or a "texts" list')
+    if not isinstance(payload, dict):
+        raise RequestError(400, f"JSON body must be an object with {wanted}, got {json_type(payload)}")
+    keys = [k for k in payload if k in shapes]
+    if len(keys) > 1:
+        raise RequestError(400, f"JSON body has {' and '.join(f'{chr(34)}{k}{chr(34)}' for k in keys)}; "
+                                f"send {wanted}")
+    if not keys:
+        raise RequestError(400, f"JSON body needs {wanted}")
+    if len(payload) > 1:
+        raise RequestError(400, f"JSON body has {len(payload) - 1} field(s) besides \"{keys[0]}\"; send {wanted} "
+                                "and nothing else")
+    shape, value = keys[0], payload[keys[0]]
+    if shape == "text":
+        return ParsedRequest([check_text(value, "text", limits)], "text")
+    if shape == "texts":
+        return ParsedRequest(check_texts(_list(value, "texts", "a list of strings"), limits, "texts"), "texts")
+    if shape == "dataframe_split":
+        return ParsedRequest(check_texts(_split_column(value), limits, "data"), shape)
+    if shape == "dataframe_records":
+        return ParsedRequest(check_texts(_records_column(value, shape), limits, shape), shape)
+    return ParsedRequest(check_texts(_tensor_column(value, shape), limits, shape), shape)
+
+
+def _list(value: Any, where: str, what: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise RequestError(400, f"\"{where}\" must be {what}, got {json_type(value)}")
+    return value
+
+
+def _split_column(value: Any) -> list[Any]:
+    """`{"columns": ["text"], "data": [[t], ...]}` (an `index` is allowed) -> the texts."""
+    if not isinstance(value, dict):
+        raise RequestError(400, f"\"dataframe_split\" must be an object, got {json_type(value)}")
+    extra = set(value) - {"columns", "data", "index"}
+    if extra:
+        raise RequestError(400, f"\"dataframe_split\" has {len(extra)} field(s) besides columns, data and index")
+    if value.get("columns") != [TEXT_COLUMN]:
+        raise RequestError(400, f"\"dataframe_split\" needs \"columns\": [\"{TEXT_COLUMN}\"] (one column, "
+                                f"\"{TEXT_COLUMN}\")")
+    rows = _list(value.get("data"), "dataframe_split.data", "a list of one-item rows")
+    for i, row in enumerate(rows):
+        if not isinstance(row, list) or len(row) != 1:
+            raise RequestError(400, f"dataframe_split.data[{i}] must be a one-item list [text], got "
+                                    f"{json_type(row) if not isinstance(row, list) else f'{len(row)} items'}")
+    return [row[0] for row in rows]
+
+
+def _records_column(value: Any, where: str) -> list[Any]:
+    """`[{"text": t}, ...]` -> the texts; a record with another column or none is refused."""
+    rows = _list(value, where, f"a list of {{\"{TEXT_COLUMN}\": ...}} records")
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise RequestError(400, f"{where}[{i}] must be an object {{\"{TEXT_COLUMN}\": ...}}, got "
+                                    f"{json_type(row)}")
+        if list(row) != [TEXT_COLUMN]:
+            raise RequestError(400, f"{where}[{i}] must have exactly one column, \"{TEXT_COLUMN}\" (it has "
+                                    f"{len(row)} column(s){'' if TEXT_COLUMN in row else ', none of them text'})")
+    return [row[TEXT_COLUMN] for row in rows]
+
+
+def _tensor_column(value: Any, where: str) -> list[Any]:
+    """`inputs`/`instances`: `["t", ...]`, `{"text": ["t", ...]}` or `[{"text": "t"}, ...]` -> the texts."""
+    if isinstance(value, dict):
+        if list(value) != [TEXT_COLUMN]:
+            raise RequestError(400, f"\"{where}\" as an object must have exactly one column, \"{TEXT_COLUMN}\"")
+        return _list(value[TEXT_COLUMN], f"{where}.{TEXT_COLUMN}", "a list of strings")
+    rows = _list(value, where, "a list of strings")
+    if rows and all(isinstance(row, dict) for row in rows):
+        return _records_column(rows, where)
+    return rows
+
+
+def _csv_column(text: str, limits: Limits) -> list[str]:
+    """The `text` column of a CSV body with that one column and a header row."""
+    try:
+        rows = list(csv.reader(io.StringIO(text, newline=""), strict=True))
+    except csv.Error as exc:
+        raise RequestError(400, f"invalid CSV: {exc}") from None
+    if not rows or rows[0] != [TEXT_COLUMN]:
+        raise RequestError(400, f"CSV body needs a header row with one column, \"{TEXT_COLUMN}\"")
+    for i, row in enumerate(rows[1:]):
+        if len(row) != 1:
+            raise RequestError(400, f"CSV row {i} has {len(row)} fields; one ({TEXT_COLUMN}) is expected")
+    return [row[0] for row in rows[1:]]

@@ -1,0 +1,73 @@
+"""The interface every runtime implements (`Runtime`: load from a variant directory, logits for a padded batch,
+a description of its settings), padding, and batched logits for token-id arrays in their original order."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
+
+import numpy as np
+
+from pipeline.runtimes.record import VariantInfo
+
+
+class Runner(Protocol):
+    """Anything that maps a padded batch of token ids to logits."""
+
+    def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray: ...
+
+
+class Runtime(Runner, Protocol):
+    """A runtime of one variant format (`pipeline.runtimes.catalog.Format`): built from a variant directory by
+    `load`, it maps padded batches to logits and says what it runs with (`describe`)."""
+
+    format: ClassVar[str]
+
+    @classmethod
+    def load(cls, directory: Path, info: VariantInfo | None, threads: int | None = None,
+             **options: Any) -> Runtime:
+        """The runtime of the variant in `directory` (`info` is its record; None for the finetuned HF directory)
+        with `threads` intra-op threads (None: the library's default) and format-specific `options`."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """The runtime's name and the settings it runs with (threads, optimisation, batching, ...)."""
+        ...
+
+
+def pad_batch(seqs: Sequence[np.ndarray], pad_id: int = 0, width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pad token-id arrays to the longest (or `width`) and build the attention mask."""
+    w = width or max(len(s) for s in seqs)
+    ids = np.full((len(seqs), w), pad_id, dtype=np.int64)
+    mask = np.zeros((len(seqs), w), dtype=np.int64)
+    for i, s in enumerate(seqs):
+        n = min(len(s), w)
+        ids[i, :n] = s[:n]
+        mask[i, :n] = 1
+    return ids, mask
+
+
+def predict_logits(runner: Runner, seqs: Sequence[np.ndarray], batch_size: int = 64, pad_id: int = 0,
+                   progress: str | None = None) -> np.ndarray:
+    """Logits for token-id arrays in their original order, batched by length to save padding."""
+    order = np.argsort([len(s) for s in seqs], kind="stable")
+    out = np.zeros((len(seqs), 2), dtype=np.float32)
+    starts = range(0, len(order), batch_size)
+    if progress:
+        from tqdm.auto import tqdm
+
+        starts = tqdm(starts, desc=progress, unit="batch")
+    for start in starts:
+        idx = order[start : start + batch_size]
+        ids, mask = pad_batch([seqs[i] for i in idx], pad_id)
+        out[idx] = runner(ids, mask)
+    return out
+
+
+def set_torch_threads(threads: int | None) -> None:
+    """PyTorch's intra-op thread count, when one is given (None keeps the library's default)."""
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)

@@ -1,0 +1,93 @@
+"""The PyTorch runtime: an eager (or scripted) module under `inference_mode`, optionally under autocast, on the
+device its parameters live on; it loads the finetuned HF directory as `fp32-eager`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from pipeline.runtimes.base import predict_logits, set_torch_threads
+from pipeline.runtimes.record import VariantInfo
+
+#: Autocast dtypes a `TorchRunner` can run under, by name.
+AUTOCAST = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+class TorchRunner:
+    """Runs an eager or TorchScript module under `inference_mode` (optionally under autocast, `AUTOCAST`) on the
+    device its parameters live on (CPU for every variant; CUDA when a trained module is scored where it was trained
+    or the distill stage's teacher labels reviews on the training GPU)."""
+
+    format: ClassVar[str] = "eager"
+
+    def __init__(self, module: Any, autocast: str | None = None) -> None:
+        import torch
+
+        if autocast is not None and autocast not in AUTOCAST:
+            raise ValueError(f"autocast must be one of {sorted(AUTOCAST)} or None, not {autocast!r}")
+        self.module = module
+        self.autocast = autocast
+        self.dtype = getattr(torch, AUTOCAST[autocast]) if autocast else None
+        params = getattr(module, "parameters", None)
+        first = next(iter(params()), None) if callable(params) else None
+        self.device = first.device if first is not None else torch.device("cpu")
+
+    @classmethod
+    def load(cls, directory: Path, info: VariantInfo | None, threads: int | None = None,
+             **options: Any) -> TorchRunner:
+        """The finetuned HF model in `directory`; options `cls_readout` (the [CLS]-only last layer,
+        `pipeline.runtimes.readout`; raises `ReadoutError` for a head that reads more) and `autocast`."""
+        from pipeline.modeling import load_finetuned
+
+        model, _, _ = load_finetuned(directory)
+        if options.get("cls_readout"):
+            from pipeline.runtimes.readout import cls_readout
+
+            model = cls_readout(model)
+        set_torch_threads(threads)
+        return cls(EagerLogits(model), autocast=options.get("autocast"))
+
+    def describe(self) -> dict[str, Any]:
+        import torch
+
+        return {"runtime": "torch", "threads": torch.get_num_threads(), "device": str(self.device),
+                "autocast": self.autocast or "none"}
+
+    def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        import torch
+
+        ids = torch.from_numpy(np.ascontiguousarray(input_ids, dtype=np.int64)).to(self.device)
+        mask = torch.from_numpy(np.ascontiguousarray(attention_mask, dtype=np.int64)).to(self.device)
+        with torch.inference_mode(), torch.autocast(self.device.type, dtype=self.dtype,
+                                                     enabled=self.dtype is not None):
+            out = self.module(ids, mask)
+        logits = out[0] if isinstance(out, tuple | list) else getattr(out, "logits", out)
+        return logits.float().cpu().numpy()
+
+
+class EagerLogits:
+    """Wraps a HF model so it is called positionally, like the traced/exported graphs."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def __call__(self, input_ids: Any, attention_mask: Any) -> Any:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+    def parameters(self) -> Any:
+        """The wrapped model's parameters (`TorchRunner` reads the device from them)."""
+        return self.model.parameters()
+
+
+def predict_logits_on(model: Any, device: str, seqs: Sequence[np.ndarray], batch_size: int, pad_id: int,
+                      autocast: str | None = None, progress: str | None = None) -> np.ndarray:
+    """`predict_logits` of a HF model moved to `device` (under `autocast`, see `TorchRunner`); the model is back on
+    the CPU afterwards, also when scoring fails, where the stages save, copy and export it."""
+    model.to(device)
+    try:
+        return predict_logits(TorchRunner(EagerLogits(model), autocast=autocast), seqs, batch_size, pad_id, progress)
+    finally:
+        model.to("cpu")

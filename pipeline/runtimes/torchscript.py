@@ -1,0 +1,64 @@
+"""The TorchScript runtime: a traced module loaded, frozen and optimised for inference; and the one place the
+project calls torch.jit's deprecated API on purpose (`legacy_torchscript`)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+from pipeline.runtimes.base import set_torch_threads
+from pipeline.runtimes.eager import TorchRunner
+from pipeline.runtimes.record import VariantError, VariantInfo, model_file
+
+log = logging.getLogger(__name__)
+
+#: Why the project still calls a deprecated API, recorded in the fp32-torchscript variant and logged.
+TORCHSCRIPT_DEPRECATION = (
+    "TorchScript (torch.jit trace/load/freeze) is deprecated in the pinned PyTorch in favour of torch.export "
+    "and torch.compile; fp32-torchscript is kept because the project's export formats name TorchScript, and its "
+    "deprecation warnings are caught only around these calls (`legacy_torchscript`)"
+)
+
+
+@contextlib.contextmanager
+def legacy_torchscript() -> Iterator[None]:
+    """The one place the project calls deprecated API on purpose: torch.jit for the TorchScript variant.
+
+    torch.jit's own DeprecationWarnings are caught here (and only here; anywhere else the test suite turns them
+    into errors) and the reason is logged once per process."""
+    if not getattr(legacy_torchscript, "logged", False):
+        log.info("%s", TORCHSCRIPT_DEPRECATION)
+        legacy_torchscript.logged = True  # type: ignore[attr-defined]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.jit")
+        yield
+
+
+class TorchScriptRunner(TorchRunner):
+    """A TorchScript variant, run like any module (`TorchRunner`) on the CPU."""
+
+    format: ClassVar[str] = "torchscript"
+
+    @classmethod
+    def load(cls, directory: Path, info: VariantInfo | None, threads: int | None = None,
+             **options: Any) -> TorchScriptRunner:
+        """The variant's traced module, frozen and optimised for inference unless option `freeze` is False."""
+        import torch
+
+        if info is None:
+            raise VariantError(f"{directory} has no variant record: TorchScript runs TorchScript variants only")
+        path = model_file(directory, info)
+        set_torch_threads(threads)
+        with legacy_torchscript():
+            module = torch.jit.load(str(path), map_location="cpu")
+            module.eval()
+            if options.get("freeze", True):
+                module = torch.jit.optimize_for_inference(torch.jit.freeze(module))
+        return cls(module)
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "runtime": "torchscript"}

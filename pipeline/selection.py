@@ -1,0 +1,165 @@
+"""Which variants meet the targets, as data: the one accuracy-budget rule (`within_budget`: within
+`targets.max_accuracy_loss_pt` of FP32), the quantization verdicts evaluate states, the latency verdict the
+benchmark report states, and the variant package serves. Callers render the returned values; nothing here
+writes prose but the served variant's reason."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.core.errors import UserError
+from pipeline.core.params import PackageParams, TargetsParams
+from pipeline.runtimes.catalog import REFERENCE, VARIANTS, UnknownVariant, spec
+
+Results = Mapping[str, Mapping[str, Any]]
+
+
+class SelectionError(UserError):
+    """The variant named in params, or the data `prefer: speed` needs, is not there."""
+
+
+def loss_pt(reference_accuracy: float, accuracy: float) -> float:
+    """Accuracy points lost against the reference (negative: a gain), free of float noise past 6 decimals."""
+    return round(100 * (reference_accuracy - accuracy), 6)
+
+
+def within_budget(reference_accuracy: float | None, accuracy: float | None, targets: TargetsParams) -> bool:
+    """The rule: a variant counts when it loses at most `targets.max_accuracy_loss_pt` against FP32. A row with no
+    accuracy on either side (a timing row, or a benchmark read without evaluate's numbers) is not excluded."""
+    if reference_accuracy is None or accuracy is None:
+        return True
+    return loss_pt(reference_accuracy, accuracy) <= targets.max_accuracy_loss_pt
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One target for one variant: what was measured, the bound, and whether it was met."""
+
+    variant: str
+    target: str  # accuracy_loss_pt | size_share | qat_vs_static
+    value: float
+    bound: float
+    met: bool
+
+
+def quantization_verdicts(results: Results, targets: TargetsParams, max_size_share: float = 0.30) -> list[Verdict]:
+    """Evaluate's targets for each built INT8-family variant: accuracy loss within the budget, size at most
+    `max_size_share` of fp32-onnx; and QAT at least as accurate as static INT8 when both were built."""
+    out: list[Verdict] = []
+    reference = results[REFERENCE]["accuracy"]
+    fp32_onnx = results.get("fp32-onnx", {}).get("size_mb")
+    for name in [v.name for v in VARIANTS if v.family == "int8"]:
+        e = results.get(name)
+        if not e or e.get("status") != "ok":
+            continue
+        out.append(Verdict(name, "accuracy_loss_pt", loss_pt(reference, e["accuracy"]), targets.max_accuracy_loss_pt,
+                           within_budget(reference, e["accuracy"], targets)))
+        if fp32_onnx:
+            share = e["size_mb"] / fp32_onnx
+            out.append(Verdict(name, "size_share", share, max_size_share, share <= max_size_share))
+    s, q = results.get("int8-static"), results.get("int8-qat")
+    if s and q and s.get("status") == q.get("status") == "ok":
+        out.append(Verdict("int8-qat", "qat_vs_static", q["accuracy"], s["accuracy"], q["accuracy"] >= s["accuracy"]))
+    return out
+
+
+@dataclass(frozen=True)
+class SpeedVerdict:
+    """The latency target over a pool of INT8 variants: the fastest one within the accuracy budget (or, when none
+    is, the fastest at all), its batch-1 speed-up over FP32 eager, and whether the target was met."""
+
+    best: str
+    speedup: float
+    min_speedup: float
+    within_budget: bool  # some variant of the pool is within the budget (`best` is one of them)
+    met: bool
+    straddles: bool  # the speed-up's interval over the rounds contains the target: another run could flip it
+
+
+def speed_verdict(rows: Results, pool: Results, targets: TargetsParams) -> SpeedVerdict:
+    """The latency verdict over `pool` (rows of `rows`, each with `speedup_p50_vs_fp32_eager`)."""
+    reference = rows[REFERENCE].get("accuracy")
+    eligible = {n: e for n, e in pool.items() if within_budget(reference, e.get("accuracy"), targets)}
+    candidates = eligible or pool
+    best = max(candidates, key=lambda n: candidates[n]["speedup_p50_vs_fp32_eager"])
+    row = candidates[best]
+    speedup = row["speedup_p50_vs_fp32_eager"]
+    low, high = row.get("speedup_p50_low"), row.get("speedup_p50_high")
+    straddles = low is not None and high is not None and low < targets.min_speedup <= high
+    return SpeedVerdict(best, speedup, targets.min_speedup, bool(eligible),
+                        speedup >= targets.min_speedup and bool(eligible), straddles)
+
+
+def smaller_model_family(name: str) -> str | None:
+    """`pruned` or `distilled` when a variant's speed also comes from a smaller model, else None (also for rows
+    that are no registered variant)."""
+    try:
+        family = spec(name).family
+    except UnknownVariant:
+        return None
+    return family if family in ("pruned", "distilled") else None
+
+
+def speed_verdicts(rows: Results, targets: TargetsParams) -> list[tuple[str, SpeedVerdict]]:
+    """The latency verdict over every measured servable INT8 variant (scope `all`) and, when pruned or distilled
+    ones are among them, over quantization alone (scope `quantization`), so a smaller model's gain is not read
+    as an INT8 one. Empty when no INT8 variant was measured."""
+    int8 = {n: e for n, e in rows.items() if _cpu_int8(n) and e["status"] == "ok"}
+    if not int8:
+        return []
+    out = [("all", speed_verdict(rows, int8, targets))]
+    plain = {n: e for n, e in int8.items() if smaller_model_family(n) is None}
+    if plain and len(plain) < len(int8):
+        out.append(("quantization", speed_verdict(rows, plain, targets)))
+    return out
+
+
+def _cpu_int8(name: str) -> bool:
+    try:
+        return spec(name).cpu_int8
+    except UnknownVariant:
+        return False
+
+
+@dataclass(frozen=True)
+class ServedChoice:
+    """The variant package serves, and why."""
+
+    name: str
+    reason: str
+
+
+def choose_variant(variants: Results, params: PackageParams, targets: TargetsParams,
+                   benchmark: Results | None = None) -> ServedChoice:
+    """`auto`: among the servable INT8 variants within the accuracy budget, the most accurate
+    (`package.prefer: accuracy`) or the fastest at batch 1 in `benchmark` (`prefer: speed`); else the FP32 ONNX
+    export. A variant named in `package.variant` must be servable and built (`SelectionError` otherwise)."""
+    if params.variant != "auto":
+        if params.variant not in {v.name for v in VARIANTS if v.servable}:
+            raise SelectionError(f"package.variant={params.variant} is not a variant the handler can serve "
+                                 f"({', '.join(v.name for v in VARIANTS if v.servable)})")
+        entry = variants.get(params.variant)
+        if entry is None or entry.get("status") != "ok":
+            raise SelectionError(f"package.variant={params.variant} is not an available variant "
+                                 f"({sorted(n for n, e in variants.items() if e.get('status') == 'ok')})")
+        return ServedChoice(params.variant, "named in params (package.variant)")
+    ref = variants[REFERENCE]["accuracy"]
+    budget = targets.max_accuracy_loss_pt
+    int8 = {v.name for v in VARIANTS if v.cpu_int8}
+    ok = {n: e for n, e in variants.items()
+          if n in int8 and e.get("status") == "ok" and within_budget(ref, e["accuracy"], targets)}
+    if ok and params.prefer == "speed":
+        timed = {n: (benchmark or {}).get(n, {}).get("p50_ms_b1") for n in ok}
+        missing = sorted(n for n, p50 in timed.items() if p50 is None)
+        if missing:
+            raise SelectionError(f"package.prefer=speed needs batch-1 latencies; none in the benchmark for {missing}")
+        best = min(ok, key=lambda n: (timed[n], -ok[n]["accuracy"]))
+        return ServedChoice(best, f"fastest INT8 variant within {budget} pt of FP32 (package.prefer: speed): "
+                                  f"p50 {timed[best]:.2f} ms, {100 * ok[best]['accuracy']:.2f}% vs {100 * ref:.2f}%")
+    if ok:
+        best = max(ok, key=lambda n: (ok[n]["accuracy"], -ok[n]["size_mb"]))
+        return ServedChoice(best, f"most accurate INT8 variant within {budget} pt of FP32 "
+                                  f"({100 * ok[best]['accuracy']:.2f}% vs {100 * ref:.2f}%)")
+    return ServedChoice("fp32-onnx", f"no INT8 variant within {budget} pt of FP32; serving FP32 ONNX")

@@ -1,0 +1,171 @@
+"""A training job's checkpoint directory (`CheckpointStore`: `<train.checkpoint_dir>/<job>/`), the decision to
+resume from it or start fresh (`ResumePlan`), atomic checkpoint writes, and the attempt's record in MLflow."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import zipfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from pipeline.core.io import write_json
+from pipeline.data.batching import LoaderPosition
+from pipeline.training.fingerprint import Fingerprint
+from pipeline.training.resume import ResumableTraining
+
+log = logging.getLogger(__name__)
+
+_STEP = re.compile(r"step=(\d+)")
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """How a job starts: from `checkpoint` (at optimizer step `step`) or fresh, and why, in one line."""
+
+    job: str
+    checkpoint: Path | None
+    step: int
+    reason: str
+    previous_run_id: str | None = None  # the MLflow run of the interrupted attempt, whose curves continue
+
+    @property
+    def resumed(self) -> bool:
+        return self.checkpoint is not None
+
+    @property
+    def ckpt_path(self) -> str | None:
+        """For `trainer.fit(ckpt_path=...)`."""
+        return str(self.checkpoint) if self.checkpoint is not None else None
+
+    def record(self) -> dict[str, Any]:
+        """For `metrics/*.json` and MLflow: whether it resumed, from which step, and why (not)."""
+        return {"resumed": self.resumed, "resumed_from_step": self.step, "resume_reason": self.reason}
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint writer, but through a temporary file renamed into place: a checkpoint file is whole
+    or absent, whenever the process dies."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        target = Path(path)
+        tmp = target.with_name(target.name + ".tmp")
+        super().save_checkpoint(checkpoint, tmp, storage_options)
+        os.replace(tmp, target)
+
+
+def is_rank_zero() -> bool:
+    """True in the process that writes files and logs: global rank 0 under torchrun (RANK), else the launching
+    process of a Lightning DDP job (LOCAL_RANK and NODE_RANK unset or 0)."""
+    if "RANK" in os.environ:
+        return int(os.environ["RANK"]) == 0
+    return int(os.environ.get("LOCAL_RANK", 0)) == 0 and int(os.environ.get("NODE_RANK", 0)) == 0
+
+
+class CheckpointStore:
+    """`<root>/<job>/`: the job's fingerprint, the MLflow run of its last attempt, and its checkpoints
+    (`periodic/`, `best/`, `preempt-step=N.ckpt`). Only rank 0 changes it; other ranks read the same decision."""
+
+    FINGERPRINT = "fingerprint.json"
+    RUN = "run.json"
+
+    def __init__(self, root: Path, job: str, every_n_steps: int = 0, writer: bool | None = None) -> None:
+        self.dir = Path(root) / job
+        self.job = job
+        self.every_n_steps = every_n_steps
+        self.writer = is_rank_zero() if writer is None else writer
+
+    @classmethod
+    def for_job(cls, train: Any, job: str) -> CheckpointStore:
+        """The store of `job` as `train` (TrainParams) places and paces it."""
+        return cls(Path(train.checkpoint_dir), job, train.checkpoint_every_n_steps)
+
+    @property
+    def best_dir(self) -> Path:
+        return self.dir / "best"
+
+    def checkpoints(self) -> list[tuple[int, Path]]:
+        """Intact checkpoint files, newest step first (a torch checkpoint is a zip: a cut-off one is not)."""
+        found = []
+        for p in self.dir.rglob("*.ckpt") if self.dir.is_dir() else []:
+            m = _STEP.search(p.name)
+            if m and zipfile.is_zipfile(p):
+                found.append((int(m.group(1)), p))
+        return sorted(found, key=lambda sp: (sp[0], sp[1].stat().st_mtime), reverse=True)
+
+    def plan(self, current: Fingerprint, resume: bool = True) -> ResumePlan:
+        """Resume from the newest intact checkpoint if the saved fingerprint equals `current`; otherwise clear the
+        directory (rank 0) and start fresh. The reason is logged and returned."""
+        saved = self._read_fingerprint()
+        found = self.checkpoints()
+        previous = self._read_run()
+        if not resume:
+            plan = ResumePlan(self.job, None, 0, "fresh start: train.resume is false")
+        elif not found:
+            plan = ResumePlan(self.job, None, 0, f"fresh start: no checkpoint in {self.dir}")
+        elif saved is None:
+            plan = ResumePlan(self.job, None, 0, f"fresh start: {self.dir} has checkpoints but no fingerprint")
+        elif changed := current.differences(saved):
+            plan = ResumePlan(self.job, None, 0, f"fresh start, the checkpoint at step {found[0][0]} is for other "
+                                                 f"inputs: {'; '.join(changed)}")
+        else:
+            step, path = found[0]
+            plan = ResumePlan(self.job, path, step, f"resuming from step {step} ({path})", previous)
+        if not plan.resumed and self.writer:
+            self.clear()
+        if self.writer:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            write_json(self.dir / self.FINGERPRINT, asdict(current))
+        log.info("%s: %s", self.job, plan.reason)
+        return plan
+
+    def remember_run(self, run_id: str) -> None:
+        """The MLflow run of this attempt: a later resumed attempt continues its curves."""
+        if self.writer:
+            write_json(self.dir / self.RUN, {"mlflow_run_id": run_id})
+
+    def clear(self) -> None:
+        """Remove the job's checkpoints (rank 0): called when the job has finished and on a fresh start."""
+        if self.writer and self.dir.exists():
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def callbacks(self, position: LoaderPosition | None = None) -> list[L.Callback]:
+        """Periodic checkpoints (if `every_n_steps`) and the resume/signal handling, for a Trainer's callbacks."""
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        out: list[L.Callback] = [ResumableTraining(self.dir, position)]
+        if self.every_n_steps:
+            out.insert(0, ModelCheckpoint(dirpath=str(self.dir / "periodic"), filename="{step}", monitor=None,
+                                          save_top_k=1, every_n_train_steps=self.every_n_steps,
+                                          save_on_train_epoch_end=False, enable_version_counter=False))
+        return out
+
+    def _read_fingerprint(self) -> Fingerprint | None:
+        try:
+            raw = json.loads((self.dir / self.FINGERPRINT).read_text())
+            return Fingerprint(raw["settings"], raw["data"], raw["code"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def _read_run(self) -> str | None:
+        try:
+            return str(json.loads((self.dir / self.RUN).read_text())["mlflow_run_id"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+
+def start_attempt(run: Any, plan: ResumePlan, store: CheckpointStore) -> None:
+    """Record the attempt in its MLflow run: whether it resumed and from where (tags), the interrupted attempt it
+    continues (closed as KILLED), and this run as the one a later attempt would continue."""
+    run.set_tags({"resume.resumed": str(plan.resumed).lower(), "resume.reason": plan.reason[:500],
+                  "resume.from_step": str(plan.step)})
+    if plan.resumed and plan.previous_run_id:
+        run.close_interrupted(plan.previous_run_id)
+    store.remember_run(run.run_id)

@@ -1,0 +1,78 @@
+"""What makes a training checkpoint belong to a run (`Fingerprint`): the job's settings, a digest of its input files
+and a digest of the training code; a checkpoint is resumed only when all three match."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.core.params import flatten
+
+#: The code whose change makes an old checkpoint another trajectory (relative to the `pipeline` package).
+TRAINING_CODE = ("training", "surgery", "runtimes", "data", "modeling.py")
+#: `train` keys that change where or how fast a job runs, not what it computes: not part of the fingerprint.
+RESUME_NEUTRAL = frozenset({
+    "checkpoint_every_n_steps", "checkpoint_dir", "resume", "launcher", "min_nodes", "max_restarts",
+    "rdzv_endpoint", "rdzv_id", "num_workers", "pin_memory", "persistent_workers", "profiler", "threads",
+})
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What makes a checkpoint belong to this run: the job's settings, its input files and the training code."""
+
+    settings: dict[str, Any]
+    data: str
+    code: str
+
+    def differences(self, saved: Fingerprint) -> list[str]:
+        """What changed since `saved`, one short phrase each (settings as `section.key old -> new`)."""
+        out = []
+        old, new = flatten(saved.settings), flatten(self.settings)
+        for key in sorted(old.keys() | new.keys()):
+            if old.get(key, "<unset>") != new.get(key, "<unset>"):
+                out.append(f"{key} {old.get(key, '<unset>')!r} -> {new.get(key, '<unset>')!r}")
+        if saved.data != self.data:
+            out.append("input data changed")
+        if saved.code != self.code:
+            out.append("training code changed (" + ", ".join(f"pipeline/{c}" for c in TRAINING_CODE) + ")")
+        return out
+
+
+def digest_paths(paths: Sequence[Path]) -> str:
+    """SHA-256 over the files under `paths` (names relative to each path, then contents), caches skipped."""
+    h = hashlib.sha256()
+    for root in paths:
+        if not root.exists():  # the job's own loading reports a missing input; here it is just part of the digest
+            h.update(f"<missing {root.name}>".encode())
+            continue
+        files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
+        for f in files:
+            if "__pycache__" in f.parts or f.suffix == ".pyc":
+                continue
+            h.update(str(f.relative_to(root) if root.is_dir() else f.name).encode() + b"\0")
+            with f.open("rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(chunk)
+    return h.hexdigest()
+
+
+def training_code_digest() -> str:
+    """Digest of the training code (`TRAINING_CODE`) as it is on disk."""
+    package = Path(__file__).resolve().parents[1]
+    return digest_paths([package / rel for rel in TRAINING_CODE])
+
+
+def fingerprint(settings: Mapping[str, Any], inputs: Sequence[Path]) -> Fingerprint:
+    """The fingerprint of a job with these settings (JSON-able sections) reading these input files/dirs."""
+    plain = json.loads(json.dumps(settings, default=str))  # tuples, paths ... as a re-read file would have them
+    return Fingerprint(plain, digest_paths(inputs), training_code_digest())
+
+
+def trajectory_settings(train: Mapping[str, Any]) -> dict[str, Any]:
+    """A `train` section without the keys that do not change the trained weights (`RESUME_NEUTRAL`)."""
+    return {k: v for k, v in train.items() if k not in RESUME_NEUTRAL}
