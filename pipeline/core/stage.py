@@ -68,4 +68,28 @@ def run_stage(name: str, body: Callable[[], None]) -> None:
         outcome = f"stopped (exit {exc.code})"
         raise
     finally:
-        log.info("<== %s %s in %.1f s", name, outcome, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        log.info("<== %s %s in %.1f s", name, outcome, seconds)
+        record_stage_time(name, outcome, seconds)
+
+
+#: Where each stage process appends its wall time (`make run`'s summary reads it); a log, not a DVC output.
+STAGE_LOG_ENV = "PIPELINE_STAGE_LOG"
+STAGE_LOG = "logs/stages.jsonl"
+
+
+def record_stage_time(name: str, outcome: str, seconds: float) -> None:
+    """Append one line (pipeline run id, stage, outcome, seconds) to `$PIPELINE_STAGE_LOG` or `logs/stages.jsonl`;
+    a log that cannot be written costs the summary a row, never the stage."""
+    import json
+
+    from pipeline.core.run_id import pipeline_run_id
+
+    path = os.environ.get(STAGE_LOG_ENV, STAGE_LOG)
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"run_id": pipeline_run_id(), "stage": name, "outcome": outcome,
+                                "seconds": round(seconds, 1), "at": time.time()}) + "\n")
+    except OSError as exc:
+        logging.getLogger("pipeline.stage").warning("stage time not logged to %s: %s", path, exc)

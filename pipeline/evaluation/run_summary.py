@@ -1,17 +1,18 @@
 """The table `make run` prints when `dvc repro` ends: each stage's time, the headline numbers and where to look next.
 
-Stage times come from the MLflow stage runs of this pipeline run (`pipeline.run_id`); a stage `dvc repro` did
-not re-run (its outputs were up to date or restored from the run cache) has no run of this id and is shown as
-`up to date`. The numbers come from the metrics files the stages wrote, so the table never shows a figure the
-pipeline did not measure.
+Stage times are the wall times each stage process logged for this pipeline run (`pipeline.run_id`,
+`logs/stages.jsonl`); a stage `dvc repro` did not re-run (its outputs were up to date or restored from the run
+cache) logged none for this run and is shown as `up to date`. The numbers come from the metrics files the stages
+wrote, so the table never shows a figure the pipeline did not measure.
 
-`python -m pipeline.evaluation.run_summary [--params params.yaml] [--metrics metrics] [--started EPOCH_S]`
+`python -m pipeline.evaluation.run_summary [--metrics metrics] [--started EPOCH_S]`
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,18 +32,25 @@ class StageTime:
     status: str
 
 
-def stage_times(tracking_uri: str, experiment: str, run_id: str) -> list[StageTime]:
-    """Each stage's wall time in the MLflow runs tagged with `run_id` (the newest run per stage)."""
-    from pipeline.core.run_history import stage_run_times
-
-    found = stage_run_times(tracking_uri, experiment, run_id)
+def stage_times(stage_log: Path, run_id: str) -> list[StageTime]:
+    """Each stage's wall time in this pipeline run, from the lines stage processes append to `stage_log`
+    (`pipeline.core.stage.record_stage_time`; the newest line per stage)."""
+    found: dict[str, tuple[float, str]] = {}
+    if stage_log.is_file():
+        for line in stage_log.read_text(encoding="utf-8").splitlines():
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut off by a killed process
+            if entry.get("run_id") == run_id:
+                found[entry["stage"]] = (float(entry["seconds"]), str(entry["outcome"]))
     out = []
     for stage in STAGES:
         if stage not in found:
             out.append(StageTime(stage, None, "up to date"))
             continue
-        seconds, status = found[stage]
-        out.append(StageTime(stage, seconds, "ran" if status == "ok" else status))
+        seconds, outcome = found[stage]
+        out.append(StageTime(stage, seconds, "ran" if outcome == "done" else outcome))
     return out
 
 
@@ -107,21 +115,14 @@ def render(times: list[StageTime], head: dict[str, Any], total_s: float | None) 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--metrics", type=Path, default=Path("metrics"))
     parser.add_argument("--started", type=float, default=None, help="epoch seconds make run started at")
     args = parser.parse_args(argv)
 
-    from pipeline.core.params import load_params
     from pipeline.core.run_id import pipeline_run_id
-    from pipeline.core.tracking import tracking_uri
+    from pipeline.core.stage import STAGE_LOG, STAGE_LOG_ENV
 
-    params = load_params(args.params)
-    try:
-        times = stage_times(tracking_uri(params.mlflow), params.mlflow.experiment, pipeline_run_id())
-    except Exception as exc:  # the summary must never fail a finished run; it says what it lacks
-        print(f"(stage times unavailable: {exc})")
-        times = [StageTime(s, None, "unknown") for s in STAGES]
+    times = stage_times(Path(os.environ.get(STAGE_LOG_ENV, STAGE_LOG)), pipeline_run_id())
     total = time.time() - args.started if args.started else None
     print(render(times, headline(args.metrics), total))
 

@@ -25,8 +25,13 @@ def test_root_info_from_onnxruntime_is_dropped_but_warnings_and_our_lines_stay()
     assert quiet.filter(_record("onnxruntime.quantization.preprocess", logging.INFO, ort))
 
 
-def test_a_stage_says_what_it_does_and_how_long_it_took(caplog):
+def test_a_stage_says_what_it_does_and_how_long_it_took(caplog, tmp_path, monkeypatch):
+    import json
+
     import pytest
+
+    monkeypatch.setenv("PIPELINE_STAGE_LOG", str(tmp_path / "stages.jsonl"))
+    monkeypatch.setenv("PIPELINE_RUN_ID", "unit-stage")
 
     from pipeline.core.params import ParamsError
     from pipeline.core.stage import run_stage
@@ -44,6 +49,9 @@ def test_a_stage_says_what_it_does_and_how_long_it_took(caplog):
         run_stage("demo", bad)
     assert stop.value.code == 2
     assert [r.getMessage() for r in caplog.records if r.name == "pipeline.stage"][-1].startswith("<== demo failed in ")
+    logged = [json.loads(line) for line in (tmp_path / "stages.jsonl").read_text().splitlines()]
+    assert [(e["run_id"], e["stage"], e["outcome"]) for e in logged] == [("unit-stage", "demo", "done"),
+                                                                        ("unit-stage", "demo", "failed")]
 
 
 def test_a_user_error_ends_the_stage_with_status_2_and_one_line(capsys):
