@@ -38,11 +38,9 @@ run: venv
 	$(if $(PROFILE),args=$$($(BIN)/python -m pipeline.core.params overrides profiles/$(PROFILE).yaml) && eval "$(BIN)/dvc exp run $(if $(FORCE),--force) $$args",$(BIN)/dvc repro $(if $(FORCE),--force)) && \
 	$(BIN)/python -m pipeline.evaluation.run_summary --started $(RUN_STARTED)
 
-## test: unit, data, model and end-to-end tests (CI runs exactly this), on one pytest-xdist worker per CPU core
-## (PYTEST_WORKERS=0 runs them in one process); tests sharing an expensive fixture share a worker (tests/conftest.py)
-PYTEST_WORKERS ?= auto
+## test: unit, data, model and end-to-end tests (CI runs exactly this)
 test: venv
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 ## test-gpu: the tests marked `gpu` (tests/gpu: mixed-precision and compiled training on CUDA, exports from CUDA,
 ## TensorRT engines); each skips, with its reason, where no CUDA device or no `tensorrt` is present.

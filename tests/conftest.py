@@ -23,26 +23,8 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-#: Session fixtures that are expensive to build (a dvc repro, every variant of the tiny model, running servers):
-#: under pytest-xdist every test that uses one runs on the same worker, so each is built once per session.
-SHARED_FIXTURES = {"repo": "repo", "built": "built", "server": "serving", "champion": "serving", "proxy": "serving"}
-
-
-def xdist_group(item) -> str:
-    """The worker group of a test: the expensive session fixture it shares, else its module (so module-scoped
-    fixtures, e.g. a module's reference training run, are built once)."""
-    for fixture, group in SHARED_FIXTURES.items():
-        if fixture in getattr(item, "fixturenames", ()):
-            return group
-    return item.module.__name__ if getattr(item, "module", None) else item.nodeid.split("::")[0]
-
-
 def pytest_collection_modifyitems(config, items):
-    """Each test gets its xdist group (`make test` runs `--dist loadgroup`); tests marked `gpu` need a CUDA
-    device: skipped, with the reason, where none is visible."""
-    for item in items:
-        if not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
+    """Tests marked `gpu` need a CUDA device: skipped, with the reason, where none is visible."""
     gpu = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu:
         return
