@@ -281,13 +281,9 @@ class OrtVariant(PeerRuntime):
         """A session like `pipeline.runtimes.ort.ort_session`'s with the `SESSION_OPTIONS` applied."""
         import onnxruntime as ort
 
-        opts = ort.SessionOptions()
-        opts.graph_optimization_level = {
-            "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-            "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-            "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-            "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
-        }[self.options.get("optimization", "all")]
+        from pipeline.runtimes.ort import session_options
+
+        opts = session_options(threads, self.options.get("optimization", "all"))
         opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = int(self.options.get("inter_op_threads", 1))
         if self.options.get("execution_mode") == "parallel":

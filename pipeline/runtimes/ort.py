@@ -12,8 +12,9 @@ from pipeline.runtimes.batch_invariance import Batching, scores_rows_alone
 from pipeline.runtimes.record import VariantError, VariantInfo, model_file
 
 
-def ort_session(path: Path, threads: int | None = None, optimization: str = "all") -> Any:
-    """An onnxruntime CPU session with explicit graph optimisation level and thread count."""
+def session_options(threads: int | None = None, optimization: str = "all") -> Any:
+    """onnxruntime session options: the graph optimisation level by name and, when given, `threads` intra-op
+    threads with one inter-op thread."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
@@ -26,6 +27,14 @@ def ort_session(path: Path, threads: int | None = None, optimization: str = "all
     if threads:
         opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1
+    return opts
+
+
+def ort_session(path: Path, threads: int | None = None, optimization: str = "all") -> Any:
+    """An onnxruntime CPU session with explicit graph optimisation level and thread count."""
+    import onnxruntime as ort
+
+    opts = session_options(threads, optimization)
     try:
         return ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
     except Exception as exc:
