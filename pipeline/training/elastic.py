@@ -10,7 +10,7 @@ import logging
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from pipeline.core.params import TrainParams
 
@@ -32,10 +32,21 @@ def torchrun_command(train: TrainParams, program: Sequence[str]) -> list[str]:
             f"--rdzv-id={train.rdzv_id}", *program]
 
 
+def launch_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The agent's environment: `environ` plus unbuffered worker output and a rendezvous store per round.
+
+    By default the c10d rendezvous shares one TCPStore between the agent and every round of workers, so after a
+    restart the keys of the dead round are still there: a new rank 1 can read the old rank 0's gloo address (or
+    NCCL unique id) before the new rank 0 overwrites it and fail with "Connection refused", which burns a restart
+    each time (pytorch/pytorch#135712). TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 makes each round's rank 0 host a new
+    store on a new port; a value the user set is kept."""
+    return {**environ, "PYTHONUNBUFFERED": "1",
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")}
+
+
 def launch(train: TrainParams, program: Sequence[str]) -> int:
     """Run `program` under torchrun as `train` says and return its exit status (the agent's: 0 once the group
     finished, non-zero when it failed more than `max_restarts` times)."""
     cmd = torchrun_command(train, program)
     log.info("elastic launch: %s", " ".join(cmd))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(cmd, env=env, check=False).returncode
+    return subprocess.run(cmd, env=launch_env(os.environ), check=False).returncode

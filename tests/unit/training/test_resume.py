@@ -207,8 +207,9 @@ def test_elastic_torchrun_restarts_a_lost_worker_and_finishes(tmp_path, tokenize
                             start_new_session=True)
     killed = None
     seen: dict[int, object] = {}  # every worker ever started: torchrun puts them in sessions of their own
+    rc: int | None = None
     try:
-        deadline = time.monotonic() + 400
+        deadline = time.monotonic() + 420
         while time.monotonic() < deadline and proc.poll() is None:
             workers = _workers(proc.pid)
             seen.update({w.pid: w for w in workers})
@@ -217,8 +218,9 @@ def test_elastic_torchrun_restarts_a_lost_worker_and_finishes(tmp_path, tokenize
                 if victims:
                     victims[0].send_signal(signal.SIGKILL)
                     killed = victims[0].pid
-            time.sleep(0.01)
-        rc = proc.wait(timeout=60)
+            time.sleep(0.05 if killed is None else 0.5)  # a light poll: the 2 workers need both cores
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            rc = proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -228,9 +230,12 @@ def test_elastic_torchrun_restarts_a_lost_worker_and_finishes(tmp_path, tokenize
         log.close()
     out = (tmp_path / "elastic.log").read_text()
     assert killed is not None, out[-3000:]
-    assert rc == 0, out[-4000:]
+    assert rc == 0, f"torchrun exit status {rc} (None: still running after 450 s)\n{out[-6000:]}"
     m = _metrics(tmp_path)
     # 600 reviews in batches of 8 sharded over 2 ranks: 37 optimizer steps an epoch (the odd batch dropped)
     assert m["train_steps"] == 2 * (75 // 2), out[-3000:]
     assert m["resumed"] is True and m["resumed_from_step"] >= 10, m["resume_reason"]
     assert "restart" in out.lower()  # torchelastic said it restarted the group
+    # one kill, one restart: each rank of the second round resumed once, and no round died connecting to the
+    # dead round's addresses (what a rendezvous store shared across rounds does, pytorch#135712)
+    assert out.count("finetune: resuming from step") == 2 and "Connection refused" not in out, out[-4000:]

@@ -125,3 +125,12 @@ def test_torchrun_command_states_the_elastic_group():
     assert "--nnodes=1" in fixed
     with pytest.raises(Exception, match="min_nodes"):
         TrainParams(num_nodes=2, min_nodes=3)
+
+
+def test_torchrun_rounds_do_not_share_the_rendezvous_store():
+    """Each restarted round gets its own store, so no worker reads the dead round's addresses (pytorch#135712)."""
+    from pipeline.training.elastic import launch_env
+
+    env = launch_env({"PATH": "/bin"})
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and env["PATH"] == "/bin"
+    assert launch_env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"})["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "0"
