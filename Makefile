@@ -38,9 +38,12 @@ run: venv
 	$(if $(PROFILE),args=$$($(BIN)/python -m pipeline.core.params overrides profiles/$(PROFILE).yaml) && eval "$(BIN)/dvc exp run $(if $(FORCE),--force) $$args",$(BIN)/dvc repro $(if $(FORCE),--force)) && \
 	$(BIN)/python -m pipeline.evaluation.run_summary --started $(RUN_STARTED)
 
-## test: unit, data, model and end-to-end tests (CI runs exactly this)
+## test: unit, data, model and end-to-end tests (CI runs exactly this), in TEST_WORKERS pytest-xdist processes: the
+## miniature pipeline run (the longest fixture) goes on while the other tests run beside it; tests/conftest.py
+## keeps the tests that share a slow fixture in one worker. TEST_WORKERS=0 runs them all in this process.
+TEST_WORKERS ?= 2
 test: venv
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 ## test-gpu: the tests marked `gpu` (tests/gpu: mixed-precision and compiled training on CUDA, exports from CUDA,
 ## TensorRT engines); each skips, with its reason, where no CUDA device or no `tensorrt` is present.

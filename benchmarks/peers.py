@@ -45,7 +45,7 @@ from benchmarks.peer_runtimes import (
     specs,
 )
 from pipeline.core.io import read_json, write_json
-from pipeline.core.machine import machine_info
+from pipeline.core.machine import isa_record, machine_info
 from pipeline.core.params import Params, load_params
 from pipeline.evaluation.latency import (
     SPEEDUP_LEVEL,
@@ -219,6 +219,14 @@ def ceiling_fraction(row: dict[str, Any], config: dict[str, Any], tp_batches: li
     if not ceiling_file.is_file():
         return None
     ceiling = read_json(ceiling_file)
+    measured_on = ceiling.get("machine", {})
+    here = isa_record()
+    if measured_on.get("isa") and (measured_on.get("cpu"), measured_on["isa"]) != (here["cpu"], here["isa"]):
+        # a peak is a property of one CPU: an AVX2 ceiling says nothing of what a VNNI CPU leaves on the table
+        have = sorted(f for f, on in measured_on["isa"].items() if on)
+        return {"row": row["name"], "skipped": (
+            f"{ceiling_file.name} was measured on another CPU ({measured_on.get('cpu')}: {', '.join(have)}); run "
+            f"`python -m benchmarks.int8_gemm_ceiling --out <file>` here and pass it with --ceiling")}
     tokens = ceiling["tokens"]
     rates = {p["product"]: 2.0 * tokens * p["k"] * p["n"] / (p["int8-gemm-only_p50_ms"] / 1e3)
              for p in ceiling["products"]}
@@ -451,7 +459,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         print(f"{v['metric']}: best ours {v['best_ours']} {v['best_ours_value']:.2f}, best peer {v['best_peer']} "
               f"{v['best_peer_value']:.2f}: ours at {v['ours_speed_vs_peer']:.2f}x the peer's speed{extra} -> "
               f"{v['winner']} wins")
-    if result["int8_ceiling"]:
+    if result["int8_ceiling"] and "skipped" in result["int8_ceiling"]:
+        print(f"INT8 ceiling: not stated: {result['int8_ceiling']['skipped']}")
+    elif result["int8_ceiling"]:
         c = result["int8_ceiling"]
         print(f"INT8 ceiling: {c['row']} at batch 32 does {c['achieved_gflops']:.1f} GFLOP/s of weight products, "
               f"{100 * c['fraction_of_peak']:.1f} % of the measured INT8 GEMM peak {c['peak_int8_gflops']:.1f} "

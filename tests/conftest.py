@@ -23,8 +23,22 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+#: Session fixtures too slow to build twice, and the pytest-xdist group of every test that uses them.
+SHARED_BY_GROUP = {"repo": "repro", "server": "servers", "champion": "servers", "proxy": "servers"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` need a CUDA device: skipped, with the reason, where none is visible."""
+    """Groups for `make test`'s pytest-xdist workers (`--dist loadgroup`): the tests that use one of the slow
+    session fixtures (`SHARED_BY_GROUP`: the miniature pipeline run, the real servers) go to one worker, so each is
+    built once, and every other module's tests stay together, so a module-scoped fixture is built once too; an
+    explicit `xdist_group` mark wins. Tests marked `gpu` need a CUDA device: skipped, with the reason, where none
+    is visible."""
+    for item in items:
+        if not item.get_closest_marker("xdist_group"):
+            shared = [SHARED_BY_GROUP[f] for f in getattr(item, "fixturenames", ()) if f in SHARED_BY_GROUP]
+            group = shared[0] if shared else item.nodeid.split("::", 1)[0]
+            item.add_marker(pytest.mark.xdist_group(group))
     gpu = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu:
         return

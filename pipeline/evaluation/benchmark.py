@@ -21,7 +21,7 @@ from pipeline.evaluation.latency import (
     candidates,
     latency_inputs,
     measure,
-    peak_rss_mb,
+    peak_rss_of_each,
     speedup_interval,
     throughput_batches,
 )
@@ -68,6 +68,9 @@ def run_benchmark(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Pat
     total = params.rounds * len(runners)
     with tqdm(total=total, desc="benchmark", unit="run") as bar:
         timings = measure(runners, lat_inputs, tp_batches, params, progress=lambda _: bar.update(1))
+    ok = [c for c in cands if c.status == "ok"]
+    rss = peak_rss_of_each({c.name: (c.directory, c.options) for c in ok}, tp_batches[0], threads) \
+        if params.memory else {}
     results: dict[str, Any] = {}
     ref = timings[REFERENCE]["p50_ms_b1"]
     ref_rounds = timings[REFERENCE]["latency_rounds_ms"]
@@ -83,8 +86,8 @@ def run_benchmark(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Pat
             if c.name != REFERENCE:
                 low, high = speedup_interval(ref_rounds, rounds, SPEEDUP_LEVEL)
                 entry["speedup_p50_low"], entry["speedup_p50_high"] = low, high
-            if params.memory:
-                entry["peak_rss_mb"] = peak_rss_mb(c.directory, c.options, tp_batches[0], threads)
+            if c.name in rss:
+                entry["peak_rss_mb"] = rss[c.name]
         acc = (accuracy or {}).get(c.name, {})  # the timing rows of the reference's weights have none of their own
         for key in ("accuracy", "size_mb", "agreement_with_fp32"):
             if key in acc:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -160,6 +161,19 @@ def peak_rss_mb(directory: Path, options: dict[str, Any], batch: tuple[np.ndarra
         if proc.returncode != 0:
             raise RuntimeError(f"memory probe failed for {directory}: {proc.stderr[-2000:]}")
         return float(proc.stdout.strip().splitlines()[-1])
+
+
+def peak_rss_of_each(probes: dict[str, tuple[Path, dict[str, Any]]], batch: tuple[np.ndarray, ...],
+                     threads: int) -> dict[str, float]:
+    """`peak_rss_mb` of every (directory, options) in `probes`, by name. The probes run side by side, up to one per
+    core: each is its own process, whose peak RSS does not depend on what else runs, and most of a probe is the
+    single-threaded import of its runtime."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    workers = max(1, min(len(probes), os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = {name: pool.submit(peak_rss_mb, d, options, batch, threads) for name, (d, options) in probes.items()}
+        return {name: future.result() for name, future in futures.items()}
 
 
 def _rss_probe(directory: Path, batch_file: Path, threads: int, options: dict[str, Any]) -> None:

@@ -130,3 +130,22 @@ def test_ceiling_fraction_needs_the_ceiling_file(tmp_path):
     batch = (np.ones((1, 3), np.int64), np.ones((1, 3), np.int64))
     assert ceiling_fraction(row, {"hidden_size": 4, "intermediate_size": 8, "num_hidden_layers": 1}, [batch],
                             tmp_path / "absent.json") is None
+
+
+def test_ceiling_fraction_refuses_a_peak_measured_on_another_cpu(tmp_path):
+    """The INT8 peak belongs to the CPU it was measured on: a ceiling file from another ISA gives a reason, no share."""
+    from pipeline.core.machine import isa_record
+
+    here = isa_record()
+    other = {**here["isa"], "avx2": not here["isa"]["avx2"]}
+    ceiling = tmp_path / "ceiling.json"
+    write_json(ceiling, {"tokens": 8, "machine": {"cpu": here["cpu"], "isa": other},
+                         "products": [{"product": "a", "k": 4, "n": 4, "int8-gemm-only_p50_ms": 1.0}]})
+    row = {"name": "r", "reviews_per_s_b32": 1.0}
+    batch = (np.ones((1, 3), np.int64), np.ones((1, 3), np.int64))
+    config = {"hidden_size": 4, "intermediate_size": 8, "num_hidden_layers": 1}
+    share = ceiling_fraction(row, config, [batch], ceiling)
+    assert set(share) == {"row", "skipped"} and "another CPU" in share["skipped"]
+    write_json(ceiling, {"tokens": 8, "machine": here,
+                         "products": [{"product": "a", "k": 4, "n": 4, "int8-gemm-only_p50_ms": 1.0}]})
+    assert ceiling_fraction(row, config, [batch], ceiling)["fraction_of_peak"] > 0
