@@ -258,7 +258,7 @@ class OrtVariant(PeerRuntime):
         from pipeline.runtimes.registry import load_runner
 
         assert self.spec.variant is not None
-        directory = inputs.variants_root / self.spec.variant
+        directory = inputs.variants_root / self.spec.variant.split("+")[0]  # a tuning row: `<variant>+<tag>`
         try:
             info = read_variant(directory)
         except Exception as exc:
