@@ -40,10 +40,11 @@ run: venv
 
 ## test: unit, data, model and end-to-end tests (CI runs exactly this), in TEST_WORKERS pytest-xdist processes: the
 ## miniature pipeline run (the longest fixture) goes on while the other tests run beside it; tests/conftest.py
-## keeps the tests that share a slow fixture in one worker. TEST_WORKERS=0 runs them all in this process.
+## schedules by module and keeps the modules that share a slow fixture in one worker (MODULE_GROUPS).
+## TEST_WORKERS=0 runs them all in this process.
 TEST_WORKERS ?= 2
 test: venv
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 ## test-gpu: the tests marked `gpu` (tests/gpu: mixed-precision and compiled training on CUDA, exports from CUDA,
 ## TensorRT engines); each skips, with its reason, where no CUDA device or no `tensorrt` is present.

@@ -23,22 +23,46 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-#: Session fixtures too slow to build twice, and the pytest-xdist group of every test that uses them.
-SHARED_BY_GROUP = {"repo": "repro", "server": "servers", "champion": "servers", "proxy": "servers"}
+#: Test modules that share a session fixture too slow to build twice, by pytest-xdist scheduling group: the
+#: miniature pipeline run (`repo`) and the real servers (`server`, `champion`, `proxy`; test_tracking_server's own
+#: tracking server is also called `server`). `make test` runs two workers; a group runs in one of them, so its
+#: fixtures are built once, and every other module is a group of its own, so its module fixtures are built once.
+#: (xdist's `xdist_group` mark cannot do this under pytest 9: xdist 3.8 renames `item._nodeid`, which pytest 9 no
+#: longer reads.) `pytest_collection_modifyitems` refuses a module that uses one of these fixtures but is not listed.
+MODULE_GROUPS = {
+    "tests/e2e/test_avx2_choices.py": "repro",
+    "tests/e2e/test_repro.py": "repro",
+    "tests/model/test_behaviour.py": "repro",
+    "tests/e2e/test_tracking_server.py": "servers",
+    "tests/serving/test_conformance.py": "servers",  # asks for the servers by name (`request.getfixturevalue`)
+    "tests/serving/test_mlflow_serving.py": "servers",
+    "tests/serving/test_torchserve.py": "servers",
+}
+SHARED_FIXTURES = {"repo": "repro", "server": "servers", "champion": "servers", "proxy": "servers"}
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: only called where xdist runs the tests
+def pytest_xdist_make_scheduler(config, log):
+    """Module scheduling (xdist's `loadscope`) with the modules of `MODULE_GROUPS` merged into their group."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return MODULE_GROUPS.get(module, module)
+
+    return SharedFixtureScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Groups for `make test`'s pytest-xdist workers (`--dist loadgroup`): the tests that use one of the slow
-    session fixtures (`SHARED_BY_GROUP`: the miniature pipeline run, the real servers) go to one worker, so each is
-    built once, and every other module's tests stay together, so a module-scoped fixture is built once too; an
-    explicit `xdist_group` mark wins. Tests marked `gpu` need a CUDA device: skipped, with the reason, where none
-    is visible."""
+    """A module that uses a shared slow fixture must be in its group (`MODULE_GROUPS`), or two workers would each
+    build it. Tests marked `gpu` need a CUDA device: skipped, with the reason, where none is visible."""
     for item in items:
-        if not item.get_closest_marker("xdist_group"):
-            shared = [SHARED_BY_GROUP[f] for f in getattr(item, "fixturenames", ()) if f in SHARED_BY_GROUP]
-            group = shared[0] if shared else item.nodeid.split("::", 1)[0]
-            item.add_marker(pytest.mark.xdist_group(group))
+        module = item.nodeid.split("::", 1)[0]
+        for fixture in SHARED_FIXTURES.keys() & set(getattr(item, "fixturenames", ())):
+            if MODULE_GROUPS.get(module) != SHARED_FIXTURES[fixture]:
+                raise pytest.UsageError(f"{module} uses the session fixture {fixture!r}: add it to MODULE_GROUPS "
+                                        f"in tests/conftest.py as {SHARED_FIXTURES[fixture]!r}")
     gpu = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu:
         return
