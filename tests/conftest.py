@@ -130,7 +130,7 @@ MINI = {
               "max_length": 48},  # train on a shorter window than inference reads
     "quantize": {"calibration_samples": 32, "selection_samples": 100, "qat_train_samples": 64,
                  "calibration_methods": ["minmax", "percentile"],
-                 "build": ["int8-dynamic", "int8-static", "int8-qat"]},  # the default builds int8-dynamic only
+                 "build": ["int8-dynamic", "int8-openvino", "int8-static", "int8-qat"]},  # the default: the first two
     "tensorrt": {"qdq_input": True},  # the engine's input is built and scored here although no engine can be
     "prune": {"enabled": True, "calibration_samples": 32},  # off in the default profile; built here
     "export": {"parity_samples": 8, "torchscript": True},

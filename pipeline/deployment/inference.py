@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # only for hints: the served archive's worker never imports t
 #: other than `local`.
 RUNTIME_PACKAGES: Mapping[str, tuple[str, ...]] = {
     "onnx": ("mlflow", "onnxruntime", "transformers", "tokenizers", "numpy", "pandas"),
+    "openvino": ("mlflow", "openvino", "transformers", "tokenizers", "numpy", "pandas"),
     "torchscript": ("mlflow", "torch", "transformers", "tokenizers", "numpy", "pandas"),
     "eager": ("mlflow", "torch", "transformers", "tokenizers", "safetensors", "numpy", "pandas"),
 }

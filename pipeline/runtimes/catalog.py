@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-Format = Literal["eager", "torchscript", "onnx", "tensorrt"]
+Format = Literal["eager", "torchscript", "onnx", "openvino", "tensorrt"]
 Precision = Literal["float32", "bfloat16", "float16", "int8"]
 #: fp32: the finetuned weights in another runtime; int8: quantization alone; pruned: fewer heads/neurons + INT8;
 #: distilled: the smaller student model (FP32 or INT8); tensorrt: GPU engines.
@@ -44,7 +44,7 @@ class VariantSpec:
     @property
     def servable(self) -> bool:
         """The serving handler can run it on CPU, so the package stage may choose it."""
-        return self.format in ("torchscript", "onnx")
+        return self.format in ("torchscript", "onnx", "openvino")
 
     @property
     def quantized(self) -> bool:
@@ -79,6 +79,8 @@ VARIANTS: tuple[VariantSpec, ...] = (
                 "QDQ static INT8 with calibrated activation ranges"),
     VariantSpec("int8-qat", "onnx", "int8", "int8", "quantize", "model.onnx",
                 "quantization-aware finetune, then the same QDQ conversion as int8-static"),
+    VariantSpec("int8-openvino", "openvino", "int8", "int8", "quantize", "model.xml",
+                "OpenVINO IR of fp32-onnx, NNCF post-training INT8 (static activation scales, calibrated)"),
     VariantSpec("int8-pruned", "onnx", "int8", "pruned", "prune", "model.onnx",
                 "fewer attention heads and FFN neurons (least-squares repaired), then dynamic INT8"),
     VariantSpec("fp32-distilled", "onnx", "float32", "distilled", "distill", "model.onnx",

@@ -30,7 +30,7 @@ class VariantInfo:
     """What `variant.json` says about a variant."""
 
     name: str
-    format: str  # the registry's format: eager | torchscript | onnx | tensorrt
+    format: str  # the registry's format: eager | torchscript | onnx | openvino | tensorrt
     dtype: str  # the registry's precision: float32 | bfloat16 | float16 | int8
     file: str | None
     status: str = "ok"  # ok | skipped
@@ -62,7 +62,7 @@ def write_variant(directory: Path, info: VariantInfo, finetuned_dir: Path) -> No
 
     if not info.built_on:
         info.built_on = isa_record()
-    if info.status == "ok" and info.file and info.format in ("onnx", "torchscript"):
+    if info.status == "ok" and info.file and info.format in ("onnx", "torchscript", "openvino"):
         info.params = {**info.params, **batching_record(info.format, directory / info.file)}
     directory.mkdir(parents=True, exist_ok=True)
     for name in (*TOKENIZER_FILES, "pipeline.json", "config.json"):
@@ -97,9 +97,9 @@ def size_mb(directory: Path, info: VariantInfo) -> float:
     """On-disk size of the model file(s) alone (ONNX external data included), in MB."""
     path = model_file(directory, info)
     total = path.stat().st_size
-    data = path.with_name(path.name + ".data")
-    if data.is_file():
-        total += data.stat().st_size
+    for data in (path.with_name(path.name + ".data"), path.with_suffix(".bin")):  # ONNX external data, IR weights
+        if data != path and data.is_file():
+            total += data.stat().st_size
     return total / 1e6
 
 

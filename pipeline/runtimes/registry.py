@@ -8,6 +8,7 @@ from typing import Any
 
 from pipeline.runtimes.base import Runtime
 from pipeline.runtimes.eager import TorchRunner
+from pipeline.runtimes.openvino import OpenVinoRunner
 from pipeline.runtimes.ort import OrtRunner
 from pipeline.runtimes.record import VARIANT_FILE, VariantError, read_variant
 from pipeline.runtimes.tensorrt import TensorRTRunner
@@ -18,6 +19,7 @@ RUNTIMES: dict[str, type[Runtime]] = {
     "eager": TorchRunner,
     "torchscript": TorchScriptRunner,
     "onnx": OrtRunner,
+    "openvino": OpenVinoRunner,
     "tensorrt": TensorRTRunner,
 }
 

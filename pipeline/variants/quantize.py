@@ -1,5 +1,6 @@
-"""The `quantize` stage's work: `int8-dynamic` (fused graph, dynamic INT8), `int8-static` (QDQ, calibration
-method chosen on validation reviews) and `int8-qat` (QAT, then the same QDQ conversion)."""
+"""The `quantize` stage's work: `int8-dynamic` (fused graph, dynamic INT8), `int8-openvino` (OpenVINO IR, NNCF
+static INT8), `int8-static` (QDQ, calibration method chosen on validation reviews) and `int8-qat` (QAT, then the
+same QDQ conversion)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from pipeline.variants.onnx_int8 import (
     quantize_static_onnx,
     weight_record,
 )
+from pipeline.variants.openvino_int8 import quantize_openvino
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +54,8 @@ class QuantizeInputs:
 
 def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, variants_root: Path,
                  params: Params) -> dict[str, Any]:
-    """`int8-dynamic`, `int8-static` (calibration method chosen on validation reviews) and `int8-qat`, each when
-    `quantize.build` lists it (the rest are written as skipped with the reason)."""
+    """`int8-dynamic`, `int8-openvino`, `int8-static` (calibration method chosen on validation reviews) and
+    `int8-qat`, each when `quantize.build` lists it (the rest are written as skipped with the reason)."""
     from pipeline.core.machine import resolve_weight_format
 
     choice = resolve_weight_format(params.quantize.weight_format)
@@ -94,6 +96,15 @@ def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, variants_roo
             write_variant(out["int8-dynamic"], VariantInfo.built("int8-dynamic", report["int8-dynamic"]), finetuned)
         else:
             _skip_unbuilt(("int8-dynamic",), q, out, finetuned, report)
+        if "int8-openvino" in q.build:
+            report["int8-openvino"] = {**quantize_openvino(fp32_onnx / "model.onnx", inputs.calibration,
+                                                          inputs.pad_id, q.calibration_batch_size,
+                                                          out["int8-openvino"]),
+                                       "cls_readout": inputs.cls_readout}
+            write_variant(out["int8-openvino"], VariantInfo.built("int8-openvino", report["int8-openvino"]),
+                          finetuned)
+        else:
+            _skip_unbuilt(("int8-openvino",), q, out, finetuned, report)
         if not {"int8-static", "int8-qat"} & set(q.build):
             _skip_unbuilt(("int8-static", "int8-qat"), q, out, finetuned, report)
             return report

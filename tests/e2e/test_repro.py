@@ -26,12 +26,12 @@ def test_repro_outputs_and_metrics(repo):
 
 def test_variants_metrics(repo):
     v = json.loads((repo / "metrics" / "variants.json").read_text())
-    assert set(v) == {"fp32-eager", "fp32-torchscript", "fp32-onnx", "int8-dynamic", "int8-static", "int8-qat",
-                      "int8-pruned", "fp32-distilled", "int8-distilled", "tensorrt-fp16", "tensorrt-int8"}
+    assert set(v) == {"fp32-eager", "fp32-torchscript", "fp32-onnx", "int8-dynamic", "int8-openvino", "int8-static",
+                      "int8-qat", "int8-pruned", "fp32-distilled", "int8-distilled", "tensorrt-fp16", "tensorrt-int8"}
     for name in ("fp32-torchscript", "fp32-onnx"):
         assert v[name]["agreement_with_fp32"] == 1.0
         assert v[name]["accuracy"] == v["fp32-eager"]["accuracy"]
-    for name in ("int8-dynamic", "int8-static", "int8-qat", "int8-pruned", "int8-distilled"):
+    for name in ("int8-dynamic", "int8-openvino", "int8-static", "int8-qat", "int8-pruned", "int8-distilled"):
         assert v[name]["status"] == "ok"
         assert v[name]["size_mb"] < 0.35 * v["fp32-onnx"]["size_mb"]
     # the miniature profile prunes to 8 of 12 heads and 768 of 1536 neurons: fewer weights than int8-dynamic's
@@ -46,7 +46,7 @@ def test_variants_metrics(repo):
     assert v["fp32-distilled"]["accuracy"] > 0.6 and v["int8-distilled"]["accuracy"] > 0.6
     student = json.loads((repo / "models" / "distilled" / "pipeline.json").read_text())
     assert student["distillation"]["kept_layers"] == [1, 3, 5]
-    for name in ("int8-dynamic", "int8-static"):  # PTQ keeps the FP32 weights' decisions
+    for name in ("int8-dynamic", "int8-static", "int8-openvino"):  # PTQ keeps the FP32 weights' decisions
         assert v[name]["agreement_with_fp32"] > 0.9, (name, v[name])
     # QAT trains further, so it may disagree with FP32 more; it must not lose accuracy badly.
     assert v["int8-qat"]["accuracy"] > v["fp32-eager"]["accuracy"] - 0.05, v["int8-qat"]

@@ -12,7 +12,8 @@ from pipeline.variants.quantize import run_quantize
 from pipeline.variants.tensorrt import run_tensorrt
 from tests.factories import write_tokenized
 
-NAMES = ["fp32-torchscript", "fp32-onnx", "int8-dynamic", "int8-static", "int8-qat", "tensorrt-fp16", "tensorrt-int8"]
+NAMES = ["fp32-torchscript", "fp32-onnx", "int8-dynamic", "int8-static", "int8-qat", "int8-openvino", "tensorrt-fp16",
+         "tensorrt-int8"]
 
 
 @pytest.fixture(scope="session")
@@ -25,7 +26,7 @@ def built(tmp_path_factory, tiny_model_dir):
     export_report = run_export(tiny_model_dir, tok_dir, variants_root, ExportParams(parity_samples=8, torchscript=True))
     q = QuantizeParams(calibration_samples=32, selection_samples=32, qat_train_samples=32, qat_batch_size=8,
                        calibration_methods=["minmax", "entropy"],
-                       build=["int8-dynamic", "int8-static", "int8-qat"])
+                       build=["int8-dynamic", "int8-static", "int8-qat", "int8-openvino"])
     quant_report = run_quantize(tiny_model_dir, dirs["fp32-onnx"], tok_dir, variants_root, Params(quantize=q))
     trt_report = run_tensorrt(tiny_model_dir, dirs["fp32-onnx"], dirs["int8-static"], tok_dir, variants_root,
                               Params(quantize=q, tensorrt=TensorRTParams(qdq_input=True)))

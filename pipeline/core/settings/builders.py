@@ -61,9 +61,10 @@ class QuantizeParams:
     zero point. On CPUs without VNNI/AMX onnxruntime's U8S8 kernels (AVX2 vpmaddubsw) saturate int16 pair sums, so s8
     gives wrong products there; s7 and u8 are exact. auto: s8 with VNNI/AMX, else u8
     (`pipeline.core.machine.resolve_weight_format`; the choice is recorded in each variant)."""
-    build: list[QuantizeBuild] = Field(default_factory=lambda: ["int8-dynamic"])
+    build: list[QuantizeBuild] = Field(default_factory=lambda: ["int8-dynamic", "int8-openvino"])
     """The quantize stage's variants to build; the others are written as skipped with the reason. The default profile
-    builds what `package` serves (int8-dynamic); the `full` profile builds int8-static and int8-qat too."""
+    builds the two `package` chooses between (int8-dynamic on onnxruntime, int8-openvino on OpenVINO); the `full`
+    profile builds int8-static and int8-qat too."""
 
     def weights(self) -> str:
         """`weight_format` with `auto` resolved for this machine's CPU."""

@@ -50,3 +50,13 @@ def test_the_pyfunc_predictor_refuses_what_the_contract_refuses(tiny_model_dir):
                            (["x" * 101], "more than the limit of 100"), (["a"] * 4, "maximum of 3"), ([], "no texts")):
         with pytest.raises(RequestError, match=needle):
             checked.predict(values)
+
+
+def test_every_servable_format_names_the_packages_its_mlflow_model_needs():
+    from pipeline.deployment.inference import runtime_requirements
+    from pipeline.runtimes.catalog import VARIANTS
+
+    for fmt in {v.format for v in VARIANTS if v.servable}:
+        pins = runtime_requirements(fmt)
+        assert pins[0].startswith("mlflow==") and all("==" in p for p in pins), fmt
+    assert any(p.startswith("openvino==") for p in runtime_requirements("openvino"))

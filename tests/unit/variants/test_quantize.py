@@ -4,6 +4,7 @@ INT8, the fused attention, the weight format the CPU needs."""
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from pipeline.core.params import Params, QuantizeParams
@@ -34,18 +35,26 @@ def test_single_calibration_method_skips_the_selection_pass(built, tiny_model_di
     assert report["int8-dynamic"]["status"] == "skipped"  # not in quantize.build
 
 
-def test_the_default_builds_only_int8_dynamic_and_records_the_others_as_skipped(built, tiny_model_dir, tmp_path):
-    """The default profile builds what `package` serves; int8-static/int8-qat are written as skipped variants
-    whose reason names the setting that builds them."""
+def test_the_default_builds_the_two_served_candidates_and_records_the_others_as_skipped(built, tiny_model_dir,
+                                                                                          tmp_path):
+    """The default profile builds the two INT8 variants `package` chooses between (int8-dynamic, int8-openvino);
+    int8-static/int8-qat are written as skipped variants whose reason names the setting that builds them."""
+    assert QuantizeParams().build == ["int8-dynamic", "int8-openvino"]
     report = run_quantize(tiny_model_dir, built["dirs"]["fp32-onnx"], built["tokenized"], tmp_path, Params())
-    assert QuantizeParams().build == ["int8-dynamic"]
     assert "status" not in report["int8-dynamic"] and report["int8-dynamic"]["int8_matmuls"] > 0
-    assert read_variant(tmp_path / "int8-dynamic").status == "ok"
+    assert "status" not in report["int8-openvino"] and (tmp_path / "int8-openvino" / "model.xml").is_file()
+    for name in ("int8-dynamic", "int8-openvino"):
+        assert read_variant(tmp_path / name).status == "ok"
     for name in ("int8-static", "int8-qat"):
         info = read_variant(tmp_path / name)
         assert info.status == "skipped" and "quantize.build" in info.reason, name
         assert report[name] == {"status": "skipped", "reason": info.reason}
         assert not (tmp_path / name / "model.onnx").exists()
+    report = run_quantize(tiny_model_dir, built["dirs"]["fp32-onnx"], built["tokenized"], tmp_path / "one",
+                          Params(quantize=QuantizeParams(build=["int8-dynamic"])))
+    info = read_variant(tmp_path / "one" / "int8-openvino")
+    assert info.status == "skipped" and "quantize.build" in info.reason
+    assert not (tmp_path / "one" / "int8-openvino" / "model.xml").exists()
 
 
 def test_an_unknown_build_name_is_a_params_error():
@@ -141,3 +150,32 @@ def test_fp32_onnx_exported_with_another_readout_is_refused(built, tiny_model_di
         run_quantize(tiny_model_dir, built["dirs"]["fp32-onnx"], built["tokenized"], tmp_path,
                      Params(export=ExportParams(cls_readout=False)))
     assert not (tmp_path / "int8-dynamic").exists()
+
+
+def test_openvino_int8_is_static_int8_in_openvino_ir_and_agrees_with_fp32(built, tokenizer):
+    """int8-openvino: the fp32-onnx graph quantized by NNCF into OpenVINO IR whose weight products run in INT8
+    (FakeQuantize nodes, no float fallback), recorded with its build and served row by row; run through
+    `load_runner`, its logits stay within INT8 rounding of fp32-onnx's on the test reviews."""
+    import openvino as ov
+
+    from pipeline.runtimes.base import predict_logits
+    from pipeline.runtimes.record import size_mb
+    from pipeline.runtimes.registry import load_runner
+
+    d = built["dirs"]["int8-openvino"]
+    info = read_variant(d)
+    assert info.status == "ok" and info.format == "openvino" and info.file == "model.xml"
+    assert info.params["source"] == "fp32-onnx" and info.params["calibration_samples"] == 32
+    assert info.params["served_batching"] == "rows" and set(info.params["versions"]) == {"openvino", "nncf"}
+    ops = [op.get_type_name() for op in ov.Core().read_model(str(d / "model.xml")).get_ops()]
+    assert ops.count("FakeQuantize") >= 2 * 6, sorted(set(ops))  # Q, K, V, output, FFN up and down per layer
+    assert size_mb(d, info) > (d / "model.xml").stat().st_size / 1e6  # the weights (.bin) are counted
+    seqs = [np.asarray(s) for s in pd.read_parquet(built["tokenized"] / "test.parquet")["input_ids"]]
+    runner = load_runner(d, threads=1)
+    assert runner.describe()["runtime"] == "openvino" and runner.describe()["batching"] == "rows"
+    got = predict_logits(runner, seqs, batch_size=8, pad_id=tokenizer.pad_token_id)
+    ref = predict_logits(load_runner(built["dirs"]["fp32-onnx"], threads=1), seqs, batch_size=8,
+                         pad_id=tokenizer.pad_token_id)
+    # the tiny random model's logits differ by ~1e-4 between reviews: INT8 rounding is judged by its size, as for
+    # the onnxruntime INT8 variants (about 1e-3 here)
+    assert np.abs(got - ref).max() < 1e-2

@@ -1,0 +1,81 @@
+"""The OpenVINO runtime: OpenVINO IR variants (`model.xml` + `model.bin`) on OpenVINO's CPU plugin, with explicit
+threads, the LATENCY hint and one stream; the plugin's inference precision (bf16 where the CPU has native bf16,
+else f32) is its own run-time choice, read back and described."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from pipeline.runtimes.batch_invariance import BATCHING_MODES, Batching
+from pipeline.runtimes.record import VariantError, VariantInfo, model_file
+
+
+def compiled_model(path: Path, threads: int | None = None) -> Any:
+    """The IR at `path` compiled for the CPU: `threads` inference threads (None: the plugin's default), LATENCY
+    hint, one stream."""
+    try:
+        import openvino as ov
+    except ImportError as exc:
+        raise VariantError(f"{path} is an OpenVINO model and openvino is not installed: {exc}") from exc
+    config: dict[str, Any] = {"PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1}
+    if threads:
+        config["INFERENCE_NUM_THREADS"] = threads
+    try:
+        return ov.Core().compile_model(str(path), "CPU", config)
+    except Exception as exc:
+        raise VariantError(f"OpenVINO cannot load {path}: {exc}") from exc
+
+
+class OpenVinoRunner:
+    """Runs an OpenVINO IR variant; feeds only the inputs the model declares.
+
+    Under `batching="auto"` (the default) every review is scored unpadded on its own: the CPU plugin picks its
+    kernels, and on a CPU with native bf16 computes the non-INT8 ops in bf16, by input shape, so a review's
+    rounding could move with its batch's shape (`pipeline.runtimes.batch_invariance`); `batched` forces one call
+    per batch."""
+
+    format: ClassVar[str] = "openvino"
+
+    def __init__(self, path: Path, threads: int | None = None, batching: Batching = "auto") -> None:
+        if batching not in BATCHING_MODES:
+            raise ValueError(f"batching must be one of {BATCHING_MODES}, not {batching!r}")
+        self.compiled = compiled_model(path, threads)
+        self.request = self.compiled.create_infer_request()
+        self.inputs = {p.get_any_name() for p in self.compiled.inputs}
+        self.rows_alone = batching != "batched"
+        self.threads = threads
+
+    @classmethod
+    def load(cls, directory: Path, info: VariantInfo | None, threads: int | None = None,
+             **options: Any) -> OpenVinoRunner:
+        """The variant's IR file; option `batching` (default `auto`: one review per call)."""
+        if info is None:
+            raise VariantError(f"{directory} has no variant record: OpenVINO runs OpenVINO IR variants only")
+        return cls(model_file(directory, info), threads, options.get("batching", "auto"))
+
+    def describe(self) -> dict[str, Any]:
+        import openvino as ov
+
+        return {"runtime": "openvino", "version": ov.__version__, "threads": self.threads,
+                "inference_precision": str(self.compiled.get_property("INFERENCE_PRECISION_HINT")),
+                "batching": "rows" if self.rows_alone else "batched"}
+
+    def _run(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        feed = {"input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
+                "attention_mask": np.ascontiguousarray(attention_mask, dtype=np.int64)}
+        result = self.request.infer({k: v for k, v in feed.items() if k in self.inputs})
+        return np.asarray(result[self.compiled.outputs[0]], dtype=np.float32).copy()
+
+    def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        if not self.rows_alone or (len(input_ids) <= 1 and bool(np.all(attention_mask))):
+            return self._run(input_ids, attention_mask)
+        rows = []
+        for ids, mask in zip(input_ids, attention_mask, strict=True):
+            keep = mask.astype(bool)
+            if not keep.any():  # a fully masked row has no positions of its own: score it as given
+                keep[:] = True
+            rows.append(self._run(ids[keep][None, :], mask[keep][None, :]))
+        return np.concatenate(rows, axis=0)
