@@ -36,7 +36,7 @@ def quantize_openvino(fp32_onnx: Path, calibration: list[np.ndarray], pad_id: in
         return {k: v for k, v in zip(("input_ids", "attention_mask"), batch, strict=True) if k in names}
 
     quantized = nncf.quantize(model, nncf.Dataset(batches, feed), model_type=nncf.ModelType.TRANSFORMER,
-                              subset_size=len(calibration))
+                              subset_size=len(batches))  # NNCF counts dataset items: batches
     out_dir.mkdir(parents=True, exist_ok=True)
     ov.save_model(quantized, str(out_dir / "model.xml"), compress_to_fp16=False)
     return {"method": "nncf.quantize (OpenVINO IR, model_type=TRANSFORMER)", "source": "fp32-onnx",

@@ -6,6 +6,7 @@ store by the evaluate and package stages' own code. Both run with `tests.factori
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -91,20 +93,11 @@ def _wait_healthy(url: str, key: str, log: Path, timeout: float = 180) -> None:
     raise TimeoutError(f"TorchServe not healthy after {timeout}s; log tail:\n{log.read_text()[-4000:]}")
 
 
-@pytest.fixture(scope="session")
-def server(tmp_path_factory, tiny_model_dir):
-    """TorchServe serving the tiny model's fp32-onnx `.mar` (registry version 7), as `make serve` starts it."""
-    from pipeline.deployment.archive import build_archive
-    from pipeline.selection import ServedChoice
-    from pipeline.variants.export import run_export
-
-    work = tmp_path_factory.mktemp("torchserve")
-    tok = write_tokenized(work / "tok", {"test": 8})
-    run_export(tiny_model_dir, tok, work / "v", ExportParams())
-    variants = {"fp32-onnx": work / "v" / "fp32-onnx"}
+@contextlib.contextmanager
+def running_torchserve(work: Path, variant_dir: Path) -> Iterator[Server]:
+    """TorchServe started as `make serve` starts it (serving/config.properties on free loopback ports, token
+    authorization) on `work/model_store/sentiment.mar`, stopped, with everything it started, on exit."""
     store = work / "model_store"
-    build_archive(variants["fp32-onnx"], ServedChoice("fp32-onnx", "test"), {"name": "imdb-sentiment", "version": "7"},
-                  PackageParams(**SERVING_LIMITS), store / "sentiment.mar")
     ports = {name: free_port() for name in ("inference", "management", "metrics", "grpc_inference",
                                             "grpc_management")}
     cfg = (ROOT / "serving" / "config.properties").read_text()
@@ -130,13 +123,30 @@ def server(tmp_path_factory, tiny_model_dir):
         assert key, f"TorchServe wrote no key file within 60 s; see {log}"
         url = f"http://127.0.0.1:{ports['inference']}"
         _wait_healthy(url, key, work / "logs" / "ts_log.log" if (work / "logs").exists() else log)
-        yield Server(work, url, key, variants["fp32-onnx"], ports)
+        yield Server(work, url, key, variant_dir, ports)
     finally:
         subprocess.run([str(BIN / "torchserve"), "--stop"], cwd=work, env=env, capture_output=True, timeout=120)
         for proc in psutil.process_iter(["cmdline"]):  # nothing may outlive the tests
             cmd = " ".join(proc.info["cmdline"] or [])
             if str(work) in cmd and proc.pid != os.getpid():
                 proc.kill()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory, tiny_model_dir):
+    """TorchServe serving the tiny model's fp32-onnx `.mar` (registry version 7), as `make serve` starts it."""
+    from pipeline.deployment.archive import build_archive
+    from pipeline.selection import ServedChoice
+    from pipeline.variants.export import run_export
+
+    work = tmp_path_factory.mktemp("torchserve")
+    tok = write_tokenized(work / "tok", {"test": 8})
+    run_export(tiny_model_dir, tok, work / "v", ExportParams())
+    variant = work / "v" / "fp32-onnx"
+    build_archive(variant, ServedChoice("fp32-onnx", "test"), {"name": "imdb-sentiment", "version": "7"},
+                  PackageParams(**SERVING_LIMITS), work / "model_store" / "sentiment.mar")
+    with running_torchserve(work, variant) as handle:
+        yield handle
 
 
 @pytest.fixture(scope="session")

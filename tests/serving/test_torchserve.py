@@ -244,6 +244,32 @@ def test_worker_killed_and_replaced(server):
     assert now - old, "no new worker process"
 
 
+def test_an_openvino_archive_is_served_and_answers_like_its_predictor(server, tiny_model_dir, tmp_path):
+    """int8-openvino (OpenVINO IR, NNCF INT8) is servable: its `.mar`, served by a TorchServe of its own started as
+    `make serve` starts it, answers with the same labels and scores as `SentimentPredictor` on its directory."""
+    from pipeline.core.params import PackageParams, Params, QuantizeParams
+    from pipeline.deployment.archive import build_archive
+    from pipeline.selection import ServedChoice
+    from pipeline.variants.quantize import run_quantize
+    from tests.factories import SERVING_LIMITS, write_tokenized
+    from tests.serving.conftest import running_torchserve
+
+    tok = write_tokenized(tmp_path / "tok", {"train": 32, "val": 8, "test": 8})
+    params = Params(quantize=QuantizeParams(build=["int8-openvino"], calibration_samples=16))
+    run_quantize(tiny_model_dir, server.variant_dir, tok, tmp_path / "variants", params)  # from the fp32-onnx
+    variant = tmp_path / "variants" / "int8-openvino"
+    build_archive(variant, ServedChoice("int8-openvino", "test"), {"name": "imdb-sentiment", "version": "8"},
+                  PackageParams(**SERVING_LIMITS), tmp_path / "ts" / "model_store" / "sentiment.mar")
+    texts = ["a wonderful, moving film", "dull and far too long", "fine"]
+    with running_torchserve(tmp_path / "ts", variant) as ov_server:
+        status, body = ov_server.predict({"texts": texts})
+    assert status == 200, body
+    expected = SentimentPredictor(variant).predict(texts)
+    assert [b["model"] for b in body] == ["imdb-sentiment:v8/int8-openvino"] * 3
+    assert [b["label"] for b in body] == [e.label for e in expected]
+    assert [b["score"] for b in body] == pytest.approx([e.score for e in expected], abs=1e-4)
+
+
 def test_client_recovers_from_a_replaced_key_through_the_key_file(server):
     """TorchServe's token API replaces the inference key (as on expiry); a client holding the old key retries
     once with the key file's new one. Runs last: the module's server key changes."""
