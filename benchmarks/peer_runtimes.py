@@ -62,10 +62,12 @@ PEERS: tuple[tuple[str, str], ...] = (
     ("openvino", "fp32"),
     ("openvino", "int8-nncf"),
 )
-#: The pipeline's own variants per model (`pipeline.runtimes.catalog` names), each run by onnxruntime.
-OURS: dict[ModelRole, tuple[tuple[str, str], ...]] = {
-    "teacher": (("fp32-onnx", "fp32"), ("int8-dynamic", "int8-dynamic"), ("int8-static", "int8-static")),
-    "student": (("fp32-distilled", "fp32"), ("int8-distilled", "int8-dynamic")),
+#: The pipeline's own variants per model (`pipeline.runtimes.catalog` names): (variant, precision, runtime), each
+#: run as the pipeline runs it (`load_runner`).
+OURS: dict[ModelRole, tuple[tuple[str, str, str], ...]] = {
+    "teacher": (("fp32-onnx", "fp32", "onnxruntime"), ("int8-dynamic", "int8-dynamic", "onnxruntime"),
+                ("int8-static", "int8-static", "onnxruntime"), ("int8-openvino", "int8-nncf", "openvino")),
+    "student": (("fp32-distilled", "fp32", "onnxruntime"), ("int8-distilled", "int8-dynamic", "onnxruntime")),
 }
 
 
@@ -74,7 +76,7 @@ def specs(models: Sequence[ModelRole]) -> list[PeerSpec]:
     out = []
     for role in models:
         out += [PeerSpec(runtime, precision, role) for runtime, precision in PEERS]
-        out += [PeerSpec("onnxruntime", precision, role, True, variant) for variant, precision in OURS[role]]
+        out += [PeerSpec(runtime, precision, role, True, variant) for variant, precision, runtime in OURS[role]]
     return out
 
 
@@ -237,23 +239,21 @@ class OpenVinoPeer(PeerRuntime):
         return np.array(self.request.get_output_tensor(0).data, dtype=np.float32)
 
 
-#: `OrtVariant` options that change the onnxruntime session beyond what `load_runner` sets.
+#: `PipelineVariant` options that change the onnxruntime session beyond what `load_runner` sets.
 SESSION_OPTIONS = ("allow_spinning", "execution_mode", "inter_op_threads")
 
 
-class OrtVariant(PeerRuntime):
-    """One of the pipeline's own variants, run as the benchmark stage runs it (`load_runner`). For the tuning
-    experiments, `options` are `load_runner`'s (`optimization`, `batching`) and the session settings
-    `SESSION_OPTIONS`: intra-op thread spinning (`session.intra_op.allow_spinning`), execution mode
-    (`sequential`/`parallel`) and inter-op threads."""
+class PipelineVariant(PeerRuntime):
+    """One of the pipeline's own variants (onnxruntime or OpenVINO), run as the benchmark stage runs it
+    (`load_runner`). For the onnxruntime tuning experiments, `options` are `load_runner`'s (`optimization`,
+    `batching`) and the session settings `SESSION_OPTIONS`: intra-op thread spinning
+    (`session.intra_op.allow_spinning`), execution mode (`sequential`/`parallel`) and inter-op threads."""
 
     def __init__(self, spec: PeerSpec, **options: Any) -> None:
         super().__init__(spec)
         self.options = options
 
     def _load(self, inputs: BuildInputs) -> None:
-        import onnxruntime
-
         from pipeline.runtimes.record import model_file, read_variant
         from pipeline.runtimes.registry import load_runner
 
@@ -269,7 +269,8 @@ class OrtVariant(PeerRuntime):
                                   **{k: v for k, v in self.options.items() if k not in SESSION_OPTIONS})
         if any(k in self.options for k in SESSION_OPTIONS):
             self.runner.session = self._session(model_file(directory, info), inputs.threads)  # type: ignore[attr-defined]
-        self.details["versions"] = {"onnxruntime": onnxruntime.__version__}
+        package = {"onnx": "onnxruntime"}.get(info.format, info.format)  # onnxruntime or openvino
+        self.details["versions"] = {package: package_version(package)}
         self.details["scored_rows_alone"] = bool(getattr(self.runner, "rows_alone", False))
         for key in ("weight_format", "cls_readout"):
             if key in info.params:
@@ -300,7 +301,7 @@ class OrtVariant(PeerRuntime):
 def runtime_for(spec: PeerSpec, **options: Any) -> PeerRuntime:
     """The runtime class of a row (not loaded yet)."""
     if spec.ours:
-        return OrtVariant(spec, **options)
+        return PipelineVariant(spec, **options)
     if spec.runtime.startswith("openvino"):
         return OpenVinoPeer(spec)
     return TorchPeer(spec)

@@ -1,14 +1,14 @@
 """The pipeline's own variants side by side with what a user would serve this model with instead, in one run.
 
 Same finetuned teacher (and, where the distill stage built it, the same student), same test reviews, same
-tokenization, same threads: PyTorch eager FP32 (the reference), `torch.compile` FP32 (and under bf16 autocast
-where the CPU has native bf16), torchao INT8 dynamic (compiled), OpenVINO FP32 and OpenVINO INT8 (NNCF
-post-training quantization on the pipeline's calibration reviews), and the pipeline's onnxruntime variants
-(`benchmarks.peer_runtimes` builds them all). Per row: test accuracy (and agreement with the same model's FP32
-eager labels), p50/p95 at batch 1 and `benchmark.seq_len` tokens, reviews/s at `benchmark.batch_size`, peak RSS
-(a fresh process per row, which builds the row and answers one batch), build time (to the first answer). Timings
-use the benchmark stage's machinery (`pipeline.evaluation.latency.measure`: warm-up, alternating rounds, a
-bootstrap 90 % interval of each p50 speed-up over FP32 eager by whole rounds).
+tokenization, same threads: PyTorch eager FP32 (the reference), `torch.compile` FP32 (and under bf16 autocast where
+the CPU has native bf16), torchao INT8 dynamic (compiled), OpenVINO FP32 and OpenVINO INT8 (NNCF post-training
+quantization on the pipeline's calibration reviews), and the pipeline's own variants (onnxruntime ones and
+int8-openvino, as `load_runner` runs them; `benchmarks.peer_runtimes` builds them all). Per row: test accuracy (and
+agreement with the same model's FP32 eager labels), p50/p95 at batch 1 and `benchmark.seq_len` tokens, reviews/s at
+`benchmark.batch_size`, peak RSS (a fresh process per row, which builds the row and answers one batch), build time
+(to the first answer). Timings use the benchmark stage's machinery (`pipeline.evaluation.latency.measure`: warm-up,
+alternating rounds, a bootstrap 90 % interval of each p50 speed-up over FP32 eager by whole rounds).
 
 It then says, for batch 1 and for batch 32, whether the fastest peer within `targets.max_accuracy_loss_pt` of
 FP32 beats the fastest of the pipeline's variants within it (by how much, with the paired interval), and how
@@ -36,10 +36,10 @@ import numpy as np
 
 from benchmarks.peer_runtimes import (
     BuildInputs,
-    OrtVariant,
     PeerRuntime,
     PeerSpec,
     PeerUnavailable,
+    PipelineVariant,
     package_version,
     runtime_for,
     specs,
@@ -59,7 +59,7 @@ from pipeline.evaluation.latency import (
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE_ROW = "teacher/pytorch-eager/fp32"
-#: `--ort-tuning` rows: onnxruntime settings tried on the pipeline's INT8 variants (`OrtVariant` options).
+#: `--ort-tuning` rows: onnxruntime settings tried on the pipeline's INT8 variants (`PipelineVariant` options).
 ORT_TUNING: dict[str, dict[str, Any]] = {
     "no-spin": {"allow_spinning": False},
     "parallel": {"execution_mode": "parallel", "inter_op_threads": 2},
@@ -118,10 +118,10 @@ def model_dirs(finetuned: Path, student: Path, wanted: list[str]) -> tuple[dict[
 
 
 def row_specs(roles: list[str], tuning: bool) -> list[tuple[PeerSpec, dict[str, Any]]]:
-    """Every row for `roles`, with the `OrtVariant` options of the tuning rows."""
+    """Every row for `roles`, with the `PipelineVariant` options of the tuning rows."""
     out: list[tuple[PeerSpec, dict[str, Any]]] = [(s, {}) for s in specs(roles)]  # type: ignore[arg-type]
     if tuning:
-        for s in [s for s, _ in out if s.ours and s.precision.startswith("int8")]:
+        for s in [s for s, _ in out if s.ours and s.runtime == "onnxruntime" and s.precision.startswith("int8")]:
             for tag, options in ORT_TUNING.items():
                 out.append((dataclasses.replace(s, variant=f"{s.variant}+{tag}"), options))
     return out
@@ -131,7 +131,7 @@ def build_row(spec: PeerSpec, options: dict[str, Any], model_dir: Path, variants
               inputs: Inputs, compile_backend: str) -> PeerRuntime:
     """Load one row's runtime (raises `PeerUnavailable` with the reason)."""
     if spec.ours and spec.variant and "+" in spec.variant:
-        runtime: PeerRuntime = OrtVariant(dataclasses.replace(spec, variant=spec.variant.split("+")[0]), **options)
+        runtime: PeerRuntime = PipelineVariant(dataclasses.replace(spec, variant=spec.variant.split("+")[0]), **options)
         runtime.spec = spec
     else:
         runtime = runtime_for(spec, **options)
