@@ -49,10 +49,10 @@ def batching_record(fmt: str, model: Path) -> dict[str, Any]:
     """What the record of a servable variant in format `fmt` (its model file `model`) says, and so its MLflow run
     and model, about how it is served: `served_batching` is `batched` or `rows`, with the reason."""
     if fmt == "openvino":
-        return {"served_batching": "rows",
-                "served_batching_reason": "OpenVINO's CPU plugin picks kernels, and on a CPU with native bf16 computes "
-                                          "the non-INT8 ops in bf16, by input shape, so every review is scored "
-                                          "unpadded on its own (the same answer alone and in any batch)"}
+        return {"served_batching": "batched",
+                "served_batching_reason": "static INT8 (activation scales calibrated once, none computed over the "
+                                          "batch): a review's answer does not depend on its batch, so a batch is "
+                                          "scored in one call"}
     ops = per_tensor_dynamic_ops(model) if fmt == "onnx" else {}
     if not ops:
         return {"served_batching": "batched",

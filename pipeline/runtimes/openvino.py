@@ -32,10 +32,10 @@ def compiled_model(path: Path, threads: int | None = None) -> Any:
 class OpenVinoRunner:
     """Runs an OpenVINO IR variant; feeds only the inputs the model declares.
 
-    Under `batching="auto"` (the default) every review is scored unpadded on its own: the CPU plugin picks its
-    kernels, and on a CPU with native bf16 computes the non-INT8 ops in bf16, by input shape, so a review's
-    rounding could move with its batch's shape (`pipeline.runtimes.batch_invariance`); `batched` forces one call
-    per batch."""
+    Its INT8 is static (activation scales calibrated once, none computed over the batch), so under
+    `batching="auto"` (the default) a batch is scored in one call, as the float variants are: a review gets the
+    same answer alone and in any batch (`tests/unit/deployment/test_batch_invariance.py` checks it through the
+    serving path); `rows` scores one unpadded review per call."""
 
     format: ClassVar[str] = "openvino"
 
@@ -45,13 +45,13 @@ class OpenVinoRunner:
         self.compiled = compiled_model(path, threads)
         self.request = self.compiled.create_infer_request()
         self.inputs = {p.get_any_name() for p in self.compiled.inputs}
-        self.rows_alone = batching != "batched"
+        self.rows_alone = batching == "rows"
         self.threads = threads
 
     @classmethod
     def load(cls, directory: Path, info: VariantInfo | None, threads: int | None = None,
              **options: Any) -> OpenVinoRunner:
-        """The variant's IR file; option `batching` (default `auto`: one review per call)."""
+        """The variant's IR file; option `batching` (default `auto`: one call per batch)."""
         if info is None:
             raise VariantError(f"{directory} has no variant record: OpenVINO runs OpenVINO IR variants only")
         return cls(model_file(directory, info), threads, options.get("batching", "auto"))

@@ -154,7 +154,7 @@ def test_fp32_onnx_exported_with_another_readout_is_refused(built, tiny_model_di
 
 def test_openvino_int8_is_static_int8_in_openvino_ir_and_agrees_with_fp32(built, tokenizer):
     """int8-openvino: the fp32-onnx graph quantized by NNCF into OpenVINO IR whose weight products run in INT8
-    (FakeQuantize nodes, no float fallback), recorded with its build and served row by row; run through
+    (FakeQuantize nodes, no float fallback), recorded with its build and served in batches (static scales); run through
     `load_runner`, its logits stay within INT8 rounding of fp32-onnx's on the test reviews."""
     import openvino as ov
 
@@ -166,13 +166,13 @@ def test_openvino_int8_is_static_int8_in_openvino_ir_and_agrees_with_fp32(built,
     info = read_variant(d)
     assert info.status == "ok" and info.format == "openvino" and info.file == "model.xml"
     assert info.params["source"] == "fp32-onnx" and info.params["calibration_samples"] == 32
-    assert info.params["served_batching"] == "rows" and set(info.params["versions"]) == {"openvino", "nncf"}
+    assert info.params["served_batching"] == "batched" and set(info.params["versions"]) == {"openvino", "nncf"}
     ops = [op.get_type_name() for op in ov.Core().read_model(str(d / "model.xml")).get_ops()]
     assert ops.count("FakeQuantize") >= 2 * 6, sorted(set(ops))  # Q, K, V, output, FFN up and down per layer
     assert size_mb(d, info) > (d / "model.xml").stat().st_size / 1e6  # the weights (.bin) are counted
     seqs = [np.asarray(s) for s in pd.read_parquet(built["tokenized"] / "test.parquet")["input_ids"]]
     runner = load_runner(d, threads=1)
-    assert runner.describe()["runtime"] == "openvino" and runner.describe()["batching"] == "rows"
+    assert runner.describe()["runtime"] == "openvino" and runner.describe()["batching"] == "batched"
     got = predict_logits(runner, seqs, batch_size=8, pad_id=tokenizer.pad_token_id)
     ref = predict_logits(load_runner(built["dirs"]["fp32-onnx"], threads=1), seqs, batch_size=8,
                          pad_id=tokenizer.pad_token_id)
