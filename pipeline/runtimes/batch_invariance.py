@@ -13,8 +13,11 @@ answer alone. The measured cost is in RESULTS.md and docs/batch-invariance.md.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
+
+import numpy as np
 
 #: Ops that compute an activation's quantization parameters at run time over the whole input tensor (the file's
 #: `DynamicQuantizeLinear`; the fused forms onnxruntime builds from it at load, should a file hold them).
@@ -43,6 +46,22 @@ def scores_rows_alone(model: Path, batching: Batching = "auto") -> bool:
     if batching != "auto":
         return batching == "rows"
     return bool(per_tensor_dynamic_ops(model))
+
+
+def score_batch(run: Callable[[np.ndarray, np.ndarray], np.ndarray], input_ids: np.ndarray,
+                attention_mask: np.ndarray, rows_alone: bool) -> np.ndarray:
+    """Logits of a padded batch from `run`: in one call, or, when `rows_alone`, one call per review with the review
+    cut to its own attention mask (exactly its answer alone). A fully masked row has no positions of its own and
+    is scored as given."""
+    if not rows_alone or (len(input_ids) <= 1 and bool(np.all(attention_mask))):
+        return run(input_ids, attention_mask)
+    rows = []
+    for ids, mask in zip(input_ids, attention_mask, strict=True):
+        keep = mask.astype(bool)
+        if not keep.any():
+            keep[:] = True
+        rows.append(run(ids[keep][None, :], mask[keep][None, :]))
+    return np.concatenate(rows, axis=0)
 
 
 def batching_record(fmt: str, model: Path) -> dict[str, Any]:

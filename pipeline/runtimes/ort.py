@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from pipeline.runtimes.batch_invariance import Batching, scores_rows_alone
+from pipeline.runtimes.batch_invariance import Batching, score_batch, scores_rows_alone
 from pipeline.runtimes.record import VariantError, VariantInfo, model_file
 
 
@@ -75,12 +75,4 @@ class OrtRunner:
         return self.session.run(None, {k: v for k, v in feed.items() if k in self.inputs})[0]
 
     def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
-        if not self.rows_alone or (len(input_ids) <= 1 and bool(np.all(attention_mask))):
-            return self._run(input_ids, attention_mask)
-        rows = []
-        for ids, mask in zip(input_ids, attention_mask, strict=True):
-            keep = mask.astype(bool)
-            if not keep.any():  # a fully masked row has no positions of its own: score it as given
-                keep[:] = True
-            rows.append(self._run(ids[keep][None, :], mask[keep][None, :]))
-        return np.concatenate(rows, axis=0)
+        return score_batch(self._run, input_ids, attention_mask, self.rows_alone)
