@@ -224,8 +224,9 @@ class OpenVinoPeer(PeerRuntime):
             self.details["versions"]["nncf"] = nncf.__version__
             self.details["recipe"] = (f"nncf.quantize(model_type=TRANSFORMER) on {len(inputs.calibration)} batches "
                                       "of the pipeline's calibration reviews")
-        config = {"INFERENCE_NUM_THREADS": inputs.threads, "PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1}
-        compiled = ov.Core().compile_model(ov_model, "CPU", config)
+        from pipeline.runtimes.openvino import compiled_model
+
+        compiled = compiled_model(ov_model, inputs.threads)  # the settings int8-openvino is served with
         self.details["openvino_config"] = {k: str(compiled.get_property(k)) for k in
                                            ("INFERENCE_NUM_THREADS", "PERFORMANCE_HINT", "NUM_STREAMS",
                                             "INFERENCE_PRECISION_HINT")}

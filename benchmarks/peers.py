@@ -39,7 +39,6 @@ from benchmarks.peer_runtimes import (
     PeerRuntime,
     PeerSpec,
     PeerUnavailable,
-    PipelineVariant,
     package_version,
     runtime_for,
     specs,
@@ -130,11 +129,7 @@ def row_specs(roles: list[str], tuning: bool) -> list[tuple[PeerSpec, dict[str, 
 def build_row(spec: PeerSpec, options: dict[str, Any], model_dir: Path, variants_root: Path, threads: int,
               inputs: Inputs, compile_backend: str) -> PeerRuntime:
     """Load one row's runtime (raises `PeerUnavailable` with the reason)."""
-    if spec.ours and spec.variant and "+" in spec.variant:
-        runtime: PeerRuntime = PipelineVariant(dataclasses.replace(spec, variant=spec.variant.split("+")[0]), **options)
-        runtime.spec = spec
-    else:
-        runtime = runtime_for(spec, **options)
+    runtime = runtime_for(spec, **options)  # a tuning row `<variant>+<tag>` loads its base variant
     build = BuildInputs(model_dir, variants_root, threads, inputs.lat_inputs[0], inputs.calibration,  # type: ignore[arg-type]
                         compile_backend)
     return runtime.load(build)

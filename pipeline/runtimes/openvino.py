@@ -13,20 +13,20 @@ from pipeline.runtimes.batch_invariance import BATCHING_MODES, Batching, score_b
 from pipeline.runtimes.record import VariantError, VariantInfo, model_file
 
 
-def compiled_model(path: Path, threads: int | None = None) -> Any:
-    """The IR at `path` compiled for the CPU: `threads` inference threads (None: the plugin's default), LATENCY
-    hint, one stream."""
+def compiled_model(model: Path | Any, threads: int | None = None) -> Any:
+    """`model` (an IR file, or an `openvino.Model` in memory) compiled for the CPU: `threads` inference threads
+    (None: the plugin's default), LATENCY hint, one stream."""
     try:
         import openvino as ov
     except ImportError as exc:
-        raise VariantError(f"{path} is an OpenVINO model and openvino is not installed: {exc}") from exc
+        raise VariantError(f"{model} is an OpenVINO model and openvino is not installed: {exc}") from exc
     config: dict[str, Any] = {"PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1}
     if threads:
         config["INFERENCE_NUM_THREADS"] = threads
     try:
-        return ov.Core().compile_model(str(path), "CPU", config)
+        return ov.Core().compile_model(str(model) if isinstance(model, Path) else model, "CPU", config)
     except Exception as exc:
-        raise VariantError(f"OpenVINO cannot load {path}: {exc}") from exc
+        raise VariantError(f"OpenVINO cannot load {model}: {exc}") from exc
 
 
 class OpenVinoRunner:
