@@ -2,33 +2,33 @@
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pipeline.core.stage import StageContext, stage_main
+
+
+def benchmark(
+    stage: StageContext,
+    finetuned: Annotated[Path, typer.Option(help="the finetuned model (HF format)")],
+    tokenized: Annotated[Path, typer.Option(help="the tokenized splits (the test reviews are timed)")],
+    variants_dir: Annotated[Path, typer.Option(help="every registered variant under DIR/<name>")],
+    accuracy: Annotated[Path, typer.Option(help="metrics/variants.json")],
+    metrics: Annotated[Path, typer.Option(help="metrics/benchmark.json")],
+    plot_data: Annotated[Path, typer.Option(help="the latency table for `dvc plots`")],
+    report: Annotated[Path, typer.Option(help="the markdown report")],
+) -> None:
+    """Time every variant against FP32 eager."""
+    from pipeline.evaluation.benchmark import run_benchmark_stage
+
+    run_benchmark_stage(finetuned, variants_dir, tokenized, accuracy, metrics, plot_data, report, stage.params,
+                        stage.auto.bf16_row)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m stages.benchmark --finetuned DIR --tokenized DIR --variants-dir DIR --accuracy FILE ...`."""
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--params", default="params.yaml")
-    parser.add_argument("--finetuned", type=Path, required=True)
-    parser.add_argument("--tokenized", type=Path, required=True)
-    parser.add_argument("--variants-dir", type=Path, required=True, help="every registered variant under DIR/<name>")
-    parser.add_argument("--accuracy", type=Path, required=True, help="metrics/variants.json")
-    parser.add_argument("--metrics", type=Path, required=True)
-    parser.add_argument("--plot-data", type=Path, required=True)
-    parser.add_argument("--report", type=Path, required=True)
-    args = parser.parse_args(argv)
-
-    from pipeline.core.stage import run_stage
-
-    def body() -> None:
-        from pipeline.core.params import load_params
-        from pipeline.evaluation.benchmark import run_benchmark_stage
-
-        run_benchmark_stage(args.finetuned, args.variants_dir, args.tokenized, args.accuracy, args.metrics,
-                            args.plot_data, args.report, load_params(args.params))
-
-    run_stage("benchmark", body)
+    stage_main("benchmark", benchmark, argv)
 
 
 if __name__ == "__main__":

@@ -3,34 +3,34 @@ variants the registry assigns to `distill` (its FP32 ONNX export and dynamic INT
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pipeline.core.stage import StageContext, stage_main
+
+
+def distill(
+    stage: StageContext,
+    finetuned: Annotated[Path, typer.Option(help="the teacher (HF format)")],
+    tokenized: Annotated[Path, typer.Option(help="the tokenized splits")],
+    student_dir: Annotated[Path, typer.Option(help="where the student goes (HF format)")],
+    metrics: Annotated[Path, typer.Option(help="metrics/distill.json")],
+    plots: Annotated[Path, typer.Option(help="the training curves")],
+    variants_dir: Annotated[Path, typer.Option(help="each variant goes to DIR/<name>")],
+) -> None:
+    """Distill the student (or record why not), then build its variants in the same MLflow run."""
+    from pipeline.training.distill import run_distill
+    from pipeline.variants.distilled import run_distilled_variants
+
+    params, auto = stage.params, stage.auto
+    run_distill(finetuned, tokenized, student_dir, metrics, plots, params, auto,
+                lambda: run_distilled_variants(student_dir, tokenized, variants_dir, params, auto.weight_format))
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m stages.distill --finetuned DIR --tokenized DIR --student-dir DIR --variants-dir DIR ...`."""
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--params", default="params.yaml")
-    parser.add_argument("--finetuned", type=Path, required=True, help="the teacher")
-    parser.add_argument("--tokenized", type=Path, required=True)
-    parser.add_argument("--student-dir", type=Path, required=True)
-    parser.add_argument("--metrics", type=Path, required=True)
-    parser.add_argument("--plots", type=Path, required=True)
-    parser.add_argument("--variants-dir", type=Path, required=True, help="each variant goes to DIR/<name>")
-    args = parser.parse_args(argv)
-
-    from pipeline.core.stage import run_stage
-
-    def body() -> None:
-        from pipeline.core.params import load_params
-        from pipeline.training.distill import run_distill
-        from pipeline.variants.distilled import run_distilled_variants
-
-        params = load_params(args.params)
-        run_distill(args.finetuned, args.tokenized, args.student_dir, args.metrics, args.plots, params,
-                    lambda: run_distilled_variants(args.student_dir, args.tokenized, args.variants_dir, params))
-
-    run_stage("distill", body)
+    stage_main("distill", distill, argv)
 
 
 if __name__ == "__main__":

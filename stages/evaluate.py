@@ -2,33 +2,32 @@
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pipeline.core.stage import StageContext, stage_main
+
+
+def evaluate(
+    stage: StageContext,
+    finetuned: Annotated[Path, typer.Option(help="the finetuned model (HF format)")],
+    tokenized: Annotated[Path, typer.Option(help="the tokenized splits (the test split is scored)")],
+    variants_dir: Annotated[Path, typer.Option(help="every registered variant under DIR/<name>")],
+    metrics: Annotated[Path, typer.Option(help="metrics/variants.json")],
+    plot: Annotated[Path, typer.Option(help="the accuracy chart")],
+    reference_predictions: Annotated[Path | None, typer.Option(
+        help="the finetune stage's test logits: the FP32 reference row reuses them")] = None,
+) -> None:
+    """Score every variant and log each as an MLflow model."""
+    from pipeline.evaluation.accuracy import run_evaluate_stage
+
+    run_evaluate_stage(finetuned, variants_dir, tokenized, reference_predictions, metrics, plot, stage.params)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m stages.evaluate --finetuned DIR --tokenized DIR --variants-dir DIR --metrics FILE --plot FILE`."""
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--params", default="params.yaml")
-    parser.add_argument("--finetuned", type=Path, required=True)
-    parser.add_argument("--tokenized", type=Path, required=True)
-    parser.add_argument("--variants-dir", type=Path, required=True, help="every registered variant under DIR/<name>")
-    parser.add_argument("--reference-predictions", type=Path, default=None,
-                        help="the finetune stage's test logits: the FP32 reference row reuses them")
-    parser.add_argument("--metrics", type=Path, required=True)
-    parser.add_argument("--plot", type=Path, required=True)
-    args = parser.parse_args(argv)
-
-    from pipeline.core.stage import run_stage
-
-    def body() -> None:
-        from pipeline.core.params import load_params
-        from pipeline.evaluation.accuracy import run_evaluate_stage
-
-        run_evaluate_stage(args.finetuned, args.variants_dir, args.tokenized, args.reference_predictions,
-                           args.metrics, args.plot, load_params(args.params))
-
-    run_stage("evaluate", body)
+    stage_main("evaluate", evaluate, argv)
 
 
 if __name__ == "__main__":

@@ -2,31 +2,30 @@
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pipeline.core.stage import StageContext, stage_main
+
+
+def export(
+    stage: StageContext,
+    finetuned: Annotated[Path, typer.Option(help="the finetuned model (HF format)")],
+    tokenized: Annotated[Path, typer.Option(help="the tokenized splits (parity reviews)")],
+    variants_dir: Annotated[Path, typer.Option(help="each variant goes to DIR/<name>")],
+) -> None:
+    """Export the finetuned model, inside the stage's MLflow run."""
+    from pipeline.core.tracking import tracked_stage
+    from pipeline.variants.export import run_export
+
+    tracked_stage(stage.params, "export", ("export",),
+                  lambda: run_export(finetuned, tokenized, variants_dir, stage.params.export))
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m stages.export --finetuned DIR --tokenized DIR --variants-dir DIR`."""
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--params", default="params.yaml")
-    parser.add_argument("--finetuned", type=Path, required=True)
-    parser.add_argument("--tokenized", type=Path, required=True)
-    parser.add_argument("--variants-dir", type=Path, required=True, help="each variant goes to DIR/<name>")
-    args = parser.parse_args(argv)
-
-    from pipeline.core.stage import run_stage
-
-    def body() -> None:
-        from pipeline.core.params import load_params
-        from pipeline.core.tracking import tracked_stage
-        from pipeline.variants.export import run_export
-
-        params = load_params(args.params)
-        tracked_stage(params, "export", ("export",),
-                      lambda: run_export(args.finetuned, args.tokenized, args.variants_dir, params.export))
-
-    run_stage("export", body)
+    stage_main("export", export, argv)
 
 
 if __name__ == "__main__":

@@ -2,33 +2,32 @@
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pipeline.core.stage import StageContext, stage_main
+
+
+def package(
+    stage: StageContext,
+    variants_metrics: Annotated[Path, typer.Option(
+        help="metrics/variants.json (accuracy and each variant's MLflow model id)")],
+    benchmark: Annotated[Path, typer.Option(
+        help="metrics/benchmark.json (the served variant's latency for the run summary)")],
+    variants_dir: Annotated[Path, typer.Option(help="every registered variant under DIR/<name>")],
+    mar: Annotated[Path, typer.Option(help="the TorchServe archive to write")],
+    manifest: Annotated[Path, typer.Option(help="metrics/package.json")],
+) -> None:
+    """Choose, register and archive the served variant."""
+    from pipeline.deployment.archive import run_package_stage
+
+    run_package_stage(variants_dir, variants_metrics, benchmark, mar, manifest, stage.params)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m stages.package --variants-metrics FILE --benchmark FILE --variants-dir DIR --mar FILE ...`."""
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--params", default="params.yaml")
-    parser.add_argument("--variants-metrics", type=Path, required=True,
-                        help="metrics/variants.json (accuracy and each variant's MLflow model id)")
-    parser.add_argument("--benchmark", type=Path, required=True,
-                        help="metrics/benchmark.json (the served variant's latency for the run summary)")
-    parser.add_argument("--variants-dir", type=Path, required=True, help="every registered variant under DIR/<name>")
-    parser.add_argument("--mar", type=Path, required=True)
-    parser.add_argument("--manifest", type=Path, required=True)
-    args = parser.parse_args(argv)
-
-    from pipeline.core.stage import run_stage
-
-    def body() -> None:
-        from pipeline.core.params import load_params
-        from pipeline.deployment.archive import run_package_stage
-
-        run_package_stage(args.variants_dir, args.variants_metrics, args.benchmark, args.mar, args.manifest,
-                          load_params(args.params))
-
-    run_stage("package", body)
+    stage_main("package", package, argv)
 
 
 if __name__ == "__main__":

@@ -2,32 +2,31 @@
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pipeline.core.stage import StageContext, stage_main
+
+
+def quantize(
+    stage: StageContext,
+    finetuned: Annotated[Path, typer.Option(help="the finetuned model (HF format)")],
+    tokenized: Annotated[Path, typer.Option(help="the tokenized splits (calibration and selection reviews)")],
+    variants_dir: Annotated[Path, typer.Option(help="reads DIR/fp32-onnx, writes DIR/<name>")],
+) -> None:
+    """Build the INT8 variants `quantize.build` lists, inside the stage's MLflow run."""
+    from pipeline.core.tracking import tracked_stage
+    from pipeline.variants.quantize import run_quantize
+
+    tracked_stage(stage.params, "quantize", ("quantize", "export"),
+                  lambda: run_quantize(finetuned, variants_dir / "fp32-onnx", tokenized, variants_dir,
+                                       stage.params, stage.auto.weight_format))
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m stages.quantize --finetuned DIR --tokenized DIR --variants-dir DIR`."""
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--params", default="params.yaml")
-    parser.add_argument("--finetuned", type=Path, required=True)
-    parser.add_argument("--tokenized", type=Path, required=True)
-    parser.add_argument("--variants-dir", type=Path, required=True, help="reads DIR/fp32-onnx, writes DIR/<name>")
-    args = parser.parse_args(argv)
-
-    from pipeline.core.stage import run_stage
-
-    def body() -> None:
-        from pipeline.core.params import load_params
-        from pipeline.core.tracking import tracked_stage
-        from pipeline.variants.quantize import run_quantize
-
-        params = load_params(args.params)
-        tracked_stage(params, "quantize", ("quantize", "export"),
-                      lambda: run_quantize(args.finetuned, args.variants_dir / "fp32-onnx", args.tokenized,
-                                           args.variants_dir, params))
-
-    run_stage("quantize", body)
+    stage_main("quantize", quantize, argv)
 
 
 if __name__ == "__main__":

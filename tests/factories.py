@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 
 if TYPE_CHECKING:
+    from pipeline.core.machine import Choice
     from pipeline.core.params import Params
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,6 +113,14 @@ def stop_server(proc) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=10)
+
+
+def weight_format_here(params: Params | None = None) -> Choice:
+    """`quantize.weight_format` of `params` (default: the defaults) as a stage on this machine resolves it once
+    (`resolve_auto`) and hands it to the builders."""
+    from pipeline.core.params import Params, resolve_auto
+
+    return resolve_auto(params or Params()).weight_format
 
 
 def evaluated_fp32_onnx(work: Path, tiny_model_dir: Path, params: Params) -> dict[str, Path]:

@@ -1,14 +1,24 @@
-"""Shared plumbing for stage entry points: logging set-up and turning known failures into clean exits."""
+"""The one way a stage runs: its typed command line (`stage_main`), its params loaded and every `auto` resolved
+once (`StageContext`), progress lines and its wall time, and known failures turned into clean exits."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
 
 from pipeline.core.errors import UserError
+
+if TYPE_CHECKING:
+    import click
+
+    from pipeline.core.params import Params, ResolvedAuto
 
 #: Failures whose message already tells the user what to do, shown without a traceback: every `UserError`
 #: (`ParamsError` included) and a missing file.
@@ -93,3 +103,65 @@ def record_stage_time(name: str, outcome: str, seconds: float) -> None:
                                 "seconds": round(seconds, 1), "at": time.time()}) + "\n")
     except OSError as exc:
         logging.getLogger("pipeline.stage").warning("stage time not logged to %s: %s", path, exc)
+
+
+@dataclass(frozen=True)
+class StageContext:
+    """What every stage body receives: the validated params (as the file says them, `auto` kept) and what each
+    `auto` setting resolved to on this machine, decided once when the stage starts and passed down from here."""
+
+    name: str
+    params: Params
+    auto: ResolvedAuto
+
+    @classmethod
+    def load(cls, name: str, params_file: Path) -> StageContext:
+        """Load and validate `params_file`, resolve every `auto` once, and log the choices on one line."""
+        from pipeline.core.params import load_params, resolve_auto
+
+        params = load_params(params_file)
+        auto = resolve_auto(params)
+        logging.getLogger("pipeline.stage").info(
+            "%s: auto settings on this machine: %s", name,
+            "; ".join(f"{setting}={choice['value']}" for setting, choice in auto.choices().items()))
+        return cls(name, params, auto)
+
+
+StageBody = Callable[..., None]
+
+
+def stage_command(name: str, body: StageBody, doc: str | None = None) -> click.Command:
+    """The typed command line of stage `name`: `--params FILE` plus one option per keyword parameter of `body`
+    after its first (a `StageContext`), typed and documented by its annotation (`Annotated[Path,
+    typer.Option(help=...)]`); running it loads the context and runs `body` under `run_stage`."""
+    import typer
+
+    signature = inspect.signature(body, eval_str=True)
+    context, *options = signature.parameters.values()
+    if context.annotation is not StageContext:
+        raise TypeError(f"stage {name}: the first parameter of {body.__name__} must be a StageContext")
+    # the option every stage has: which params file to read (DVC's commands pass `params.yaml`)
+    params_option = inspect.Parameter(
+        "params_file", inspect.Parameter.KEYWORD_ONLY, default=Path("params.yaml"),
+        annotation=Annotated[Path, typer.Option("--params", help="the params file (profiles compose over it)")])
+
+    def command(params_file: Path, **values: Any) -> None:
+        run_stage(name, lambda: body(StageContext.load(name, params_file), **values))
+
+    command.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=[params_option, *(o.replace(kind=inspect.Parameter.KEYWORD_ONLY) for o in options)])
+    command.__doc__ = doc
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    app.command(name=name)(command)
+    return typer.main.get_command(app)
+
+
+def stage_main(name: str, body: StageBody, argv: list[str] | None = None) -> None:
+    """Parse `argv` (default: the process's) with `stage_command` and run the stage; a usage error ends with exit
+    status 2 and click's message, success returns (so `main([...])` can be called from Python)."""
+    doc = getattr(sys.modules.get(body.__module__), "__doc__", None)
+    try:
+        stage_command(name, body, doc).main(args=argv, prog_name=f"python -m stages.{name}")
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            raise

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.core.io import read_json, write_json
-from pipeline.core.machine import machine_info
+from pipeline.core.machine import Choice, machine_info
 from pipeline.core.params import BenchmarkParams, Params, to_dict
 from pipeline.evaluation.charts import latency_chart, pareto_chart, plot_rows
 from pipeline.evaluation.latency import (
@@ -35,8 +35,9 @@ log = logging.getLogger(__name__)
 
 
 def run_benchmark(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Path, params: BenchmarkParams,
-                  accuracy: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
-    """Measure every candidate; skipped variants stay in the table with their reason."""
+                  bf16: Choice, accuracy: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Measure every candidate; skipped variants stay in the table with their reason. `bf16`: how the caller
+    resolved `benchmark.bf16_row` (whether the FP32 model is also timed under bf16 autocast)."""
     from tqdm.auto import tqdm
 
     from pipeline.data.tokens import read_tokenized
@@ -51,9 +52,6 @@ def run_benchmark(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Pat
     pad = saved_pad_id(finetuned)
     lat_inputs = latency_inputs(seqs, params.seq_len, params.latency_reviews, pad)
     tp_batches = throughput_batches(seqs, params.batch_size, params.throughput_batches, pad)
-    from pipeline.core.machine import resolve_bf16_row
-
-    bf16 = resolve_bf16_row(params.bf16_row)
     log.info("benchmark.bf16_row: %s", bf16.tag())
     cands = candidates(finetuned, variant_dirs, bf16.value)
     from pipeline.runtimes.readout import ReadoutError
@@ -118,11 +116,12 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     from pipeline.core.io import write_json
-    from pipeline.core.params import load_params
+    from pipeline.core.params import load_params, resolve_auto
     from pipeline.core.stage import setup_logging
 
     setup_logging()
-    params = load_params(args.params).benchmark
+    all_params = load_params(args.params)
+    params = all_params.benchmark
     wanted = [v for v in args.variants.split(",") if v]
     dirs = {name: d for name, d in directories(args.variants_root).items() if (d / VARIANT_FILE).is_file()}
     unknown = [v for v in wanted if v not in dirs and v not in (REFERENCE, *TIMING_ROWS)]
@@ -130,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"unknown or unbuilt variant(s) {unknown}; built: {sorted(dirs)}")
     if wanted:
         dirs = {k: v for k, v in dirs.items() if k in wanted}
-    result = run_benchmark(args.finetuned, dirs, args.tokenized, params)
+    result = run_benchmark(args.finetuned, dirs, args.tokenized, params, resolve_auto(all_params).bf16_row)
     write_json(args.out, result)
     print(markdown_table(result["variants"]))
 
@@ -165,7 +164,8 @@ def table_rows(variants: dict[str, Any], accuracy: dict[str, dict[str, Any]], me
 
 
 def run_benchmark_stage(finetuned: Path, variants_root: Path, tokenized: Path, accuracy_file: Path,
-                        metrics_path: Path, plot_data: Path, report: Path, all_params: Params) -> dict[str, Any]:
+                        metrics_path: Path, plot_data: Path, report: Path, all_params: Params,
+                        bf16: Choice) -> dict[str, Any]:
     """Benchmark every registered variant; `metrics/benchmark.json` holds one object per variant. Each variant's
     timings are linked to its MLflow model (the evaluate stage logged it and wrote its id into
     `metrics/variants.json`), and the whole table goes on the parent run."""
@@ -175,7 +175,7 @@ def run_benchmark_stage(finetuned: Path, variants_root: Path, tokenized: Path, a
 
     params, tracking = all_params.benchmark, all_params.mlflow
     accuracy = read_json(accuracy_file)
-    result = run_benchmark(finetuned, directories(variants_root), tokenized, params, accuracy)
+    result = run_benchmark(finetuned, directories(variants_root), tokenized, params, bf16, accuracy)
     variants = result["variants"]
     write_json(metrics_path, variants)
     write_json(metrics_path.with_name("benchmark_machine.json"), {**result["machine"], **result["settings"]})

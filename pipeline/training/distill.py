@@ -45,6 +45,7 @@ from pipeline.training.student_classifier import StudentClassifier
 
 if TYPE_CHECKING:
     from pipeline.core.machine import Choice
+    from pipeline.core.params import ResolvedAuto
 
 log = logging.getLogger(__name__)
 
@@ -69,22 +70,21 @@ def student_train_params(params: Params) -> TrainParams:
 
 
 def distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metrics_path: Path, plots_dir: Path,
-            params: Params, metric_sink: MetricSink | None = None, enabled: Choice | None = None,
-            precision: Choice | None = None, plan: ResumePlan | None = None) -> DistillResult:
+            params: Params, precision: Choice, metric_sink: MetricSink | None = None,
+            enabled: Choice | None = None, plan: ResumePlan | None = None) -> DistillResult:
     """Build the student, label the reviews with the teacher, train, keep the best epoch by validation accuracy,
     score the test split and save the student in HF format with its record (the teacher's preprocessing, and the
-    machine choices: the precision and, from `run_distill`, how `distill.enabled` resolved; `precision` is
-    `train.precision` as the caller resolved it, else it is resolved here). Training checkpoints and resumes as
+    machine choices: `precision`, `train.precision` as the stage resolved it, and, from `run_distill`, how
+    `distill.enabled` resolved). Training checkpoints and resumes as
     finetune's does (`train.checkpoint_dir/distill`, `plan` else `distill_plan`)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from pipeline.core.machine import resolve_precision
     from pipeline.data.tokens import training_window
     from pipeline.modeling import load_finetuned, pad_id
 
     started = time.perf_counter()
     d = params.distill
-    choice = precision or resolve_precision(params.train.precision, params.train.accelerator)
+    choice = precision
     train = dataclasses.replace(student_train_params(params), precision=choice.value)
     log.info("distill: train.precision %s", choice.tag())
     if train.threads:
@@ -114,7 +114,7 @@ def distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metrics_p
                                teacher=teacher if d.hidden_weight > 0 else None, kept=keep, compile_model=train.compile,
                                compile_mode=train.compile_mode, fused_optimizer=train.fused_optimizer)
     recorder = CurveRecorder(sink=metric_sink)
-    plan = plan or distill_plan(teacher_dir, tokenized_dir, params)
+    plan = plan or distill_plan(teacher_dir, tokenized_dir, params, precision)
     store = CheckpointStore.for_job(params.train, "distill")
     with tempfile.TemporaryDirectory(prefix="distill-") as tmp:
         ckpt = ModelCheckpoint(dirpath=str(store.best_dir), monitor="val_acc", mode="max", save_top_k=1,
@@ -158,13 +158,11 @@ def distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metrics_p
     return DistillResult(metrics, student_dir)
 
 
-def distill_plan(teacher_dir: Path, tokenized_dir: Path, params: Params) -> ResumePlan:
+def distill_plan(teacher_dir: Path, tokenized_dir: Path, params: Params, precision: Choice) -> ResumePlan:
     """Whether distill resumes from `train.checkpoint_dir/distill`: its fingerprint is the student's and the
-    trainer's settings, the teacher's files, the tokenized splits and the training code."""
-    from pipeline.core.machine import resolve_precision
-
-    train = student_train_params(params)
-    train = dataclasses.replace(train, precision=resolve_precision(train.precision, train.accelerator).value)
+    trainer's settings (`precision`: `train.precision` as the stage resolved it), the teacher's files, the tokenized
+    splits and the training code."""
+    train = dataclasses.replace(student_train_params(params), precision=precision.value)
     settings = {"distill": to_dict(params.distill), "train": trajectory_settings(to_dict(train)),
                 "export": to_dict(params.export), "data": to_dict(params.data)}
     inputs = [teacher_dir, tokenized_dir]
@@ -193,27 +191,27 @@ def write_skipped(student_dir: Path, metrics_path: Path, plots_dir: Path, reason
 
 
 def run_distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metrics_path: Path, plots_dir: Path,
-                params: Params, build_variants: Callable[[], Mapping[str, Any]]) -> DistillResult:
+                params: Params, auto: ResolvedAuto,
+                build_variants: Callable[[], Mapping[str, Any]]) -> DistillResult:
     """`distill` inside an MLflow child run like finetune's (machine load sampled, curves, metrics, the student's
     files), then `build_variants` (the student's exports) in the same run, its report logged like other build
-    stages'. A disabled student is recorded as skipped with the reason, and so are its variants."""
-    from pipeline.core.machine import resolve_distill, resolve_precision
+    stages'. A disabled student is recorded as skipped with the reason, and so are its variants. `auto`: the
+    stage's resolved `auto` settings (`train.precision`, `distill.enabled`)."""
     from pipeline.core.tracking import stage_run
 
     tracking: MlflowParams = params.mlflow
     train = params.train
-    precision = resolve_precision(train.precision, train.accelerator)
-    enabled = resolve_distill(params.distill.enabled, train.accelerator, precision.value)
+    precision, enabled = auto.precision, auto.distill
     log.info("distill: distill.enabled %s", enabled.tag())
     with stage_run(tracking, "distill", system_metrics=tracking.system_metrics) as run:
         run.log_sections({"distill": to_dict(params.distill), "train": to_dict(train),
                           "export": to_dict(params.export), "quantize": to_dict(params.quantize)})
         run.set_tags({"distill.enabled.resolved": enabled.tag()})
         if enabled.value:
-            plan = distill_plan(teacher_dir, tokenized_dir, params)
+            plan = distill_plan(teacher_dir, tokenized_dir, params, precision)
             start_attempt(run, plan, CheckpointStore.for_job(train, "distill"))
-            result = distill(teacher_dir, tokenized_dir, student_dir, metrics_path, plots_dir, params,
-                             metric_sink=run.log_steps, enabled=enabled, precision=precision, plan=plan)
+            result = distill(teacher_dir, tokenized_dir, student_dir, metrics_path, plots_dir, params, precision,
+                             metric_sink=run.log_steps, enabled=enabled, plan=plan)
             run.log_metrics(result.metrics)
             run.set_tags({"status": "ok", "train.precision.resolved": result.metrics["precision"],
                           "teacher_labelling": f"{result.metrics['teacher_labelling_device']}, autocast "

@@ -48,19 +48,18 @@ class FinetuneResult:
     best_checkpoint: str
 
 
-def finetune_plan(tokenized_dir: Path, data: DataParams, model_params: ModelParams, params: TrainParams) -> ResumePlan:
+def finetune_plan(tokenized_dir: Path, data: DataParams, model_params: ModelParams, params: TrainParams,
+                  precision: Choice) -> ResumePlan:
     """Whether finetune resumes from `train.checkpoint_dir/finetune` (its fingerprint: the data, model and training
     settings that shape the weights, the tokenized splits, the training code) or starts fresh, and why."""
-    from pipeline.core.machine import resolve_precision
-
-    # `auto` as this machine resolves it: the same settings trained in bf16 elsewhere are another trajectory
-    resolved = dataclasses.replace(params, precision=resolve_precision(params.precision, params.accelerator).value)
+    # `auto` as this machine resolved it: the same settings trained in bf16 elsewhere are another trajectory
+    resolved = dataclasses.replace(params, precision=precision.value)
     settings = {"data": to_dict(data), "model": to_dict(model_params), "train": trajectory_settings(to_dict(resolved))}
     return CheckpointStore.for_job(params, "finetune").plan(fingerprint(settings, [tokenized_dir]), params.resume)
 
 
 def finetune(tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots_dir: Path, report_dir: Path,
-             data: DataParams, model_params: ModelParams, params: TrainParams,
+             data: DataParams, model_params: ModelParams, params: TrainParams, precision: Choice,
              metric_sink: MetricSink | None = None, predictions_path: Path | None = None,
              plan: ResumePlan | None = None) -> FinetuneResult:
     """Train, keep the best checkpoint by validation accuracy, test it, and save it in HF format.
@@ -72,10 +71,9 @@ def finetune(tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots_dir
     """
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from pipeline.core.machine import resolve_precision
     from pipeline.modeling import load_model, load_tokenizer, pad_id
 
-    choice = resolve_precision(params.precision, params.accelerator)
+    choice = precision  # `train.precision` as the stage resolved it
     log.info("train.precision: %s", choice.tag())
     params = dataclasses.replace(params, precision=choice.value)
     check_accelerations(params)
@@ -85,7 +83,7 @@ def finetune(tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots_dir
     started = time.perf_counter()
     if params.threads:
         torch.set_num_threads(params.threads)
-    plan = plan or finetune_plan(tokenized_dir, data, model_params, params)
+    plan = plan or finetune_plan(tokenized_dir, data, model_params, params, precision)
     store = CheckpointStore.for_job(params, "finetune")
     L.seed_everything(params.seed, workers=True, verbose=False)
     tokenizer = load_tokenizer(model_params)
@@ -222,7 +220,7 @@ def save_confusion(labels: np.ndarray, preds: np.ndarray, path: Path) -> None:
 
 def run_finetune(tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots_dir: Path, report_dir: Path,
                  data: DataParams, model: ModelParams, train: TrainParams, tracking: MlflowParams,
-                 predictions_path: Path | None = None) -> FinetuneResult:
+                 precision: Choice, predictions_path: Path | None = None) -> FinetuneResult:
     """Finetune inside an MLflow child run that samples the machine's load (`mlflow.system_metrics`); log curves,
     metrics and the model's files.
 
@@ -231,14 +229,14 @@ def run_finetune(tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots
 
     if not is_rank_zero():
         return finetune(tokenized_dir, model_dir, metrics_path, plots_dir, report_dir, data, model, train,
-                        predictions_path=predictions_path)
+                        precision, predictions_path=predictions_path)
 
-    plan = finetune_plan(tokenized_dir, data, model, train)
+    plan = finetune_plan(tokenized_dir, data, model, train, precision)
     with stage_run(tracking, "finetune", system_metrics=tracking.system_metrics) as run:
         run.log_sections({"data": to_dict(data), "model": to_dict(model), "train": to_dict(train)})
         start_attempt(run, plan, CheckpointStore.for_job(train, "finetune"))
         result = finetune(tokenized_dir, model_dir, metrics_path, plots_dir, report_dir, data, model, train,
-                          metric_sink=run.log_steps, predictions_path=predictions_path, plan=plan)
+                          precision, metric_sink=run.log_steps, predictions_path=predictions_path, plan=plan)
         run.log_metrics(result.metrics)
         run.set_tags({"train.precision.resolved": result.metrics["precision"]})
         run.log_artifact(metrics_path)

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipeline.core.machine import Choice
 from pipeline.core.params import Params, to_dict
 from pipeline.data.tokens import read_tokenized
 from pipeline.modeling import load_finetuned, pad_id, read_model_record
@@ -28,11 +29,11 @@ def skipped_reason(student_dir: Path) -> str | None:
     return record["reason"] if record.get("status") == "skipped" else None
 
 
-def run_distilled_variants(student_dir: Path, tokenized: Path, variants_root: Path, params: Params) -> dict[str, Any]:
+def run_distilled_variants(student_dir: Path, tokenized: Path, variants_root: Path, params: Params,
+                           weight_format: Choice) -> dict[str, Any]:
     """`fp32-distilled` and `int8-distilled` from the student in `student_dir`, each parity-checked on real reviews
-    against the student in PyTorch."""
-    from pipeline.core.machine import resolve_weight_format
-
+    against the student in PyTorch; INT8 weights in `weight_format` (how the stage resolved
+    `quantize.weight_format`)."""
     out = directories(variants_root, built_by("distill"))
     reason = skipped_reason(student_dir)
     if reason is not None:
@@ -50,7 +51,6 @@ def run_distilled_variants(student_dir: Path, tokenized: Path, variants_root: Pa
                                             student_dir, seqs, params.export, max_len, pad)
 
     started = time.perf_counter()
-    weight_format = resolve_weight_format(params.quantize.weight_format)
     check = FusionCheck(eager_runner(model), "the distilled student", int(model.config.num_hidden_layers), max_len,
                         read_tokenized(tokenized, "val")["input_ids"].tolist()[:16], pad)
     with tempfile.TemporaryDirectory(prefix="distilled-") as tmp:

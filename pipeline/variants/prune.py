@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipeline.core.machine import Choice
 from pipeline.core.params import Params, to_dict
 from pipeline.data.tokens import draw_rows, read_tokenized, training_window
 from pipeline.modeling import load_finetuned, pad_id
@@ -21,15 +22,14 @@ from pipeline.variants.fusion import FusionCheck, fused_dynamic_int8
 log = logging.getLogger(__name__)
 
 
-def run_prune(finetuned: Path, tokenized: Path, variants_root: Path, all_params: Params) -> dict[str, Any]:
+def run_prune(finetuned: Path, tokenized: Path, variants_root: Path, all_params: Params,
+              weight_format: Choice) -> dict[str, Any]:
     """`int8-pruned`: the finetuned model with whole heads and FFN neurons removed (`prune_encoder`), exported
     with the [CLS] readout (`export.cls_readout`), fused by onnxruntime and quantized like `int8-dynamic`
-    (`quantize.per_channel`, `quantize.weight_format`). Disabled, it is written as a skipped variant."""
+    (`quantize.per_channel`; `weight_format`: how the stage resolved `quantize.weight_format`). Disabled, it is
+    written as a skipped variant."""
     name = "int8-pruned"
-    from pipeline.core.machine import resolve_weight_format
-
     params, quantize = all_params.prune, all_params.quantize
-    weight_format = resolve_weight_format(quantize.weight_format)
     out = directories(variants_root, built_by("prune"))[name]
     if not params.enabled:
         reason = "prune.enabled is false"

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from pipeline.core.machine import Choice
 from pipeline.core.params import Params, QuantizeParams, TrainParams, to_dict
 from pipeline.data.tokens import draw_rows, read_tokenized, training_window
 from pipeline.modeling import load_finetuned, pad_id
@@ -53,12 +54,10 @@ class QuantizeInputs:
 
 
 def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, variants_root: Path,
-                 params: Params) -> dict[str, Any]:
+                 params: Params, choice: Choice) -> dict[str, Any]:
     """`int8-dynamic`, `int8-openvino`, `int8-static` (calibration method chosen on validation reviews) and
-    `int8-qat`, each when `quantize.build` lists it (the rest are written as skipped with the reason)."""
-    from pipeline.core.machine import resolve_weight_format
-
-    choice = resolve_weight_format(params.quantize.weight_format)
+    `int8-qat`, each when `quantize.build` lists it (the rest are written as skipped with the reason), with INT8
+    weights in the format `choice` (how the stage resolved `quantize.weight_format`)."""
     log.info("quantize.weight_format: %s", choice.tag())
     q = dataclasses.replace(params.quantize, weight_format=choice.value)  # every builder below sees the format
     out = directories(variants_root)

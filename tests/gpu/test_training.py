@@ -11,7 +11,7 @@ import lightning as L
 import pytest
 import torch
 
-from pipeline.core.params import DataParams, ModelParams, TrainParams
+from pipeline.core.params import DataParams, ModelParams, Params, TrainParams, resolve_auto
 from pipeline.modeling import load_finetuned, load_model
 from pipeline.training.classifier import IMDBDataModule, SentimentClassifier, build_trainer
 from pipeline.training.finetune import finetune
@@ -61,7 +61,7 @@ def test_amp_finetune_learns_and_saves_fp32_on_cuda(tmp_path, tokenized_dir):
     params = TrainParams(**{**CUDA_TRAIN, "precision": "16-mixed"})
     result = finetune(tokenized_dir, out / "model", out / "metrics.json", out / "plots", out / "reports",
                       DataParams(max_length=64), ModelParams(source="tiny"), params,
-                      predictions_path=out / "test-logits.npz")
+                      resolve_auto(Params(train=params)).precision, predictions_path=out / "test-logits.npz")
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["test_accuracy"] == result.metrics["test_accuracy"] > 0.75
     model, _tok, meta = load_finetuned(out / "model")
@@ -74,7 +74,8 @@ def test_compiled_training_on_cuda_learns(tmp_path, tokenized_dir):
     out = tmp_path / "out"
     params = TrainParams(**{**CUDA_TRAIN, "precision": "16-mixed", "compile": True})
     result = finetune(tokenized_dir, out / "model", out / "metrics.json", out / "plots", out / "reports",
-                      DataParams(max_length=64), ModelParams(source="tiny"), params)
+                      DataParams(max_length=64), ModelParams(source="tiny"), params,
+                      resolve_auto(Params(train=params)).precision)
     # Dynamo really compiled the model's forward (a fallback to eager would leave no graph).
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
     assert result.metrics["test_accuracy"] > 0.75

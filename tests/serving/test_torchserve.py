@@ -251,12 +251,13 @@ def test_an_openvino_archive_is_served_and_answers_like_its_predictor(server, ti
     from pipeline.deployment.archive import build_archive
     from pipeline.selection import ServedChoice
     from pipeline.variants.quantize import run_quantize
-    from tests.factories import SERVING_LIMITS, write_tokenized
+    from tests.factories import SERVING_LIMITS, weight_format_here, write_tokenized
     from tests.serving.conftest import running_torchserve
 
     tok = write_tokenized(tmp_path / "tok", {"train": 32, "val": 8, "test": 8})
     params = Params(quantize=QuantizeParams(build=["int8-openvino"], calibration_samples=16))
-    run_quantize(tiny_model_dir, server.variant_dir, tok, tmp_path / "variants", params)  # from the fp32-onnx
+    run_quantize(tiny_model_dir, server.variant_dir, tok, tmp_path / "variants", params,  # from the fp32-onnx
+                 weight_format_here())
     variant = tmp_path / "variants" / "int8-openvino"
     build_archive(variant, ServedChoice("int8-openvino", "test"), {"name": "imdb-sentiment", "version": "8"},
                   PackageParams(**SERVING_LIMITS), tmp_path / "ts" / "model_store" / "sentiment.mar")

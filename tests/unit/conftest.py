@@ -10,7 +10,7 @@ from pipeline.runtimes.catalog import directories
 from pipeline.variants.export import run_export
 from pipeline.variants.quantize import run_quantize
 from pipeline.variants.tensorrt import run_tensorrt
-from tests.factories import write_tokenized
+from tests.factories import weight_format_here, write_tokenized
 
 NAMES = ["fp32-torchscript", "fp32-onnx", "int8-dynamic", "int8-static", "int8-qat", "int8-openvino", "tensorrt-fp16",
          "tensorrt-int8"]
@@ -27,7 +27,8 @@ def built(tmp_path_factory, tiny_model_dir):
     q = QuantizeParams(calibration_samples=32, selection_samples=32, qat_train_samples=32, qat_batch_size=8,
                        calibration_methods=["minmax", "entropy"],
                        build=["int8-dynamic", "int8-static", "int8-qat", "int8-openvino"])
-    quant_report = run_quantize(tiny_model_dir, dirs["fp32-onnx"], tok_dir, variants_root, Params(quantize=q))
+    quant_report = run_quantize(tiny_model_dir, dirs["fp32-onnx"], tok_dir, variants_root, Params(quantize=q),
+                                weight_format_here())
     trt_report = run_tensorrt(tiny_model_dir, dirs["fp32-onnx"], dirs["int8-static"], tok_dir, variants_root,
                               Params(quantize=q, tensorrt=TensorRTParams(qdq_input=True)))
     return {"dirs": dirs, "root": variants_root, "tokenized": tok_dir, "export": export_report,

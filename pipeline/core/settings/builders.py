@@ -67,10 +67,12 @@ class QuantizeParams:
     profile builds int8-static and int8-qat too."""
 
     def weights(self) -> str:
-        """`weight_format` with `auto` resolved for this machine's CPU."""
-        from pipeline.core.machine import resolve_weight_format
-
-        return str(resolve_weight_format(self.weight_format).value)
+        """`weight_format` once the stage has resolved `auto` (`ResolvedAuto.weight_format`, put in place with
+        `dataclasses.replace`); a builder handed an unresolved `auto` is a bug, not a machine to guess about."""
+        if self.weight_format == "auto":
+            raise ValueError("quantize.weight_format is still 'auto': the stage resolves it once "
+                             "(pipeline.core.settings.auto.resolve_auto) and passes the choice down")
+        return str(self.weight_format)
 
 
 @settings_section("prune")

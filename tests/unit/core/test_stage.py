@@ -4,8 +4,20 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
+from typing import Annotated, Any
 
-from pipeline.core.stage import QuietThirdPartyRootInfo
+import typer
+
+from pipeline.core.stage import QuietThirdPartyRootInfo, StageContext
+
+#: What `demo_stage` saw, for the test that runs it.
+SEEN: dict[str, Any] = {}
+
+
+def demo_stage(stage: StageContext, out: Annotated[Path, typer.Option(help="an output")]) -> None:
+    """A stage body as `stages/*.py` write them: the context, then typed options."""
+    SEEN.update(lr=stage.params.train.lr, out=out, auto=stage.auto.choices())
 
 
 def _record(name: str, level: int, path: str) -> logging.LogRecord:
@@ -96,3 +108,94 @@ def test_every_domain_error_of_a_stage_is_a_user_error():
     for error in (DataSourceError, DataValidationError, PackageError, ModelSourceError, VariantError,
                   AccelerationUnavailable, DistillError, ExportError, QuantizeError, PruneError, ParamsError):
         assert issubclass(error, UserError), error
+
+
+STAGES = ("prepare", "finetune", "export", "quantize", "prune", "distill", "tensorrt", "evaluate", "benchmark",
+          "package")
+
+
+def _stage_cli(name: str):
+    import importlib
+
+    from pipeline.core.stage import stage_command
+
+    module = importlib.import_module(f"stages.{name}")
+    return stage_command(name, getattr(module, name), module.__doc__)
+
+
+def test_every_dvc_command_parses_into_its_stages_typed_options():
+    """Each `dvc.yaml` command line is accepted by its stage's typed entry point, every option the stage requires
+    is given there, and each value arrives as the annotated type (paths as `Path`)."""
+    import shlex
+
+    import yaml
+
+    from tests.factories import ROOT
+
+    dvc = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    assert set(dvc) == set(STAGES)
+    for name in STAGES:
+        argv = shlex.split(dvc[name]["cmd"])[3:]  # after `.venv/bin/python -m stages.<name>`
+        command = _stage_cli(name)
+        ctx = command.make_context(f"stages.{name}", list(argv))
+        required = {p.name for p in command.params if p.required}
+        assert required <= {k for k, v in ctx.params.items() if v is not None}, name
+        assert all(isinstance(v, Path) for v in ctx.params.values() if v is not None), (name, ctx.params)
+        assert ctx.params["params_file"] == Path("params.yaml")
+
+
+def test_a_missing_option_is_a_usage_error_with_status_2(capsys):
+    import pytest
+
+    from stages.quantize import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["--finetuned", "models/finetuned"])
+    assert stopped.value.code == 2
+    assert "--tokenized" in capsys.readouterr().err
+
+
+def test_the_body_gets_the_params_and_every_auto_resolved_once(tmp_path, monkeypatch):
+    """`stage_main` loads the params file, resolves each `auto` setting once (here as an AVX2-only CPU would) and
+    hands both to the body with its typed options."""
+    from pipeline.core import stage as stage_module
+    from pipeline.core.settings import auto as auto_module
+    from tests.factories import AVX2_ONLY_FLAGS
+
+    monkeypatch.setenv("PIPELINE_CPU_FLAGS", AVX2_ONLY_FLAGS)
+    monkeypatch.setenv("PIPELINE_STAGE_LOG", str(tmp_path / "stages.jsonl"))
+    (tmp_path / "params.yaml").write_text("train:\n  lr: 0.001\n")
+    calls = []
+    resolve = auto_module.resolve_auto
+
+    def counted(params, *args, **kwargs):
+        calls.append(params)
+        return resolve(params, *args, **kwargs)
+
+    monkeypatch.setattr(auto_module, "resolve_auto", counted)
+    monkeypatch.setattr("pipeline.core.params.resolve_auto", counted)
+    SEEN.clear()
+    stage_module.stage_main("demo", demo_stage, ["--params", str(tmp_path / "params.yaml"), "--out", "x/y"])
+    assert len(calls) == 1
+    assert SEEN["lr"] == 0.001 and SEEN["out"] == Path("x/y")
+    assert {k: v["value"] for k, v in SEEN["auto"].items()} == {
+        "train.precision": "32-true", "distill.enabled": False, "quantize.weight_format": "u8",
+        "benchmark.bf16_row": False}
+
+
+def test_auto_settings_are_resolved_only_where_a_stage_starts():
+    """No module of `pipeline/` calls a `resolve_*` rule of `pipeline.core.machine` but the one that resolves every
+    `auto` for a stage (`pipeline.core.settings.auto`): builders and trainers take the resolved choice."""
+    import ast
+
+    from tests.factories import ROOT
+
+    rules = {"resolve_precision", "resolve_weight_format", "resolve_distill", "resolve_bf16_row"}
+    callers = set()
+    for path in (ROOT / "pipeline").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+                if name in rules:
+                    callers.add(str(path.relative_to(ROOT)))
+    assert callers == {"pipeline/core/settings/auto.py"}

@@ -11,6 +11,7 @@ import pytest
 from pipeline.core.params import ExportParams, Params, PruneParams
 from pipeline.deployment.inference import SentimentPredictor
 from pipeline.runtimes.catalog import VARIANTS
+from tests.factories import weight_format_here
 
 SERVABLE = [v.name for v in VARIANTS if v.servable]
 TOLERANCE = 1e-4
@@ -25,8 +26,10 @@ def servable_dirs(built, tiny_model_dir, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("more-variants")
     run_prune(tiny_model_dir, built["tokenized"], root,
-              Params(prune=PruneParams(enabled=True, heads=1, ffn_width=64, calibration_samples=32)))
-    run_distilled_variants(tiny_model_dir, built["tokenized"], root, Params(export=ExportParams(parity_samples=8)))
+              Params(prune=PruneParams(enabled=True, heads=1, ffn_width=64, calibration_samples=32)),
+              weight_format_here())
+    run_distilled_variants(tiny_model_dir, built["tokenized"], root, Params(export=ExportParams(parity_samples=8)),
+                           weight_format_here())
     dirs = {**{n: d for n, d in built["dirs"].items() if n in SERVABLE},
             **{n: root / n for n in ("int8-pruned", "fp32-distilled", "int8-distilled")}}
     assert sorted(dirs) == sorted(SERVABLE)

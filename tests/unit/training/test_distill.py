@@ -9,7 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.core.params import DataParams, DistillParams, ExportParams, ModelParams, Params, TrainParams
+from pipeline.core.params import (
+    DataParams,
+    DistillParams,
+    ExportParams,
+    ModelParams,
+    Params,
+    TrainParams,
+    resolve_auto,
+)
 from pipeline.data.batching import NO_LABEL
 from pipeline.surgery.errors import DistillError
 from pipeline.surgery.student import build_student
@@ -35,12 +43,14 @@ def distilled(tmp_path_factory):
     teacher_dir = root / "teacher"
     train = TrainParams(epochs=1, batch_size=16, precision="32-true", max_length=None)
     finetune(tok, teacher_dir, root / "finetune.json", root / "plots", root / "reports", DataParams(max_length=64),
-             ModelParams(source="tiny"), train)
+             ModelParams(source="tiny"), train, resolve_auto(Params(train=train)).precision)
     params = Params(data=DataParams(max_length=64), model=ModelParams(source="tiny"), train=train,
                     distill=DistillParams(depth=1, ffn_width=64, epochs=1, batch_size=16, lr=5e-4),
                     export=ExportParams(parity_samples=8))
-    result = distill(teacher_dir, tok, root / "student", root / "distill.json", root / "distill-plots", params)
-    report = run_distilled_variants(root / "student", tok, root / "variants", params)
+    auto = resolve_auto(params)
+    result = distill(teacher_dir, tok, root / "student", root / "distill.json", root / "distill-plots", params,
+                     auto.precision)
+    report = run_distilled_variants(root / "student", tok, root / "variants", params, auto.weight_format)
     return {"root": root, "result": result, "report": report, "teacher": teacher_dir}
 
 
@@ -93,7 +103,8 @@ def test_a_disabled_student_leaves_skipped_records(tmp_path):
     reason = "distill.enabled is false"
     result = write_skipped(tmp_path / "student", tmp_path / "distill.json", tmp_path / "plots", reason)
     assert result.status == "skipped"
-    report = run_distilled_variants(tmp_path / "student", tmp_path, tmp_path / "variants", Params())
+    report = run_distilled_variants(tmp_path / "student", tmp_path, tmp_path / "variants", Params(),
+                                    resolve_auto(Params()).weight_format)
     assert set(report) == {"fp32-distilled", "int8-distilled"}
     for name in report:
         info = read_variant(tmp_path / "variants" / name)
@@ -113,9 +124,9 @@ def test_auto_skips_a_student_that_would_train_in_fp32_on_the_cpu_and_says_why(t
 
     trained: list[bool] = []
 
-    def fake_distill(teacher_dir, tokenized_dir, student_dir, metrics_path, plots_dir, params, metric_sink=None,
-                     enabled=None, precision=None, plan=None):
-        assert precision.value == "32-true"  # resolved once, by run_distill, and handed down
+    def fake_distill(teacher_dir, tokenized_dir, student_dir, metrics_path, plots_dir, params, precision,
+                     metric_sink=None, enabled=None, plan=None):
+        assert precision.value == "32-true"  # resolved once, by the stage, and handed down
         trained.append(enabled.value)
         for directory in (student_dir, plots_dir):
             directory.mkdir(parents=True, exist_ok=True)
@@ -134,9 +145,11 @@ def test_auto_skips_a_student_that_would_train_in_fp32_on_the_cpu_and_says_why(t
 
     monkeypatch.setenv("PIPELINE_CPU_FLAGS", AVX2_ONLY_FLAGS)  # the rehearsal of an AVX2-only CPU's choice
     variants = tmp_path / "variants"
-    built = (lambda: run_distilled_variants(tmp_path / "student", tmp_path, variants, params)) if skipped else dict
+    auto = resolve_auto(params)
+    built = ((lambda: run_distilled_variants(tmp_path / "student", tmp_path, variants, params, auto.weight_format))
+             if skipped else dict)
     result = run_distill(tmp_path / "no-teacher", tmp_path, tmp_path / "student", tmp_path / "distill.json",
-                         tmp_path / "plots", params, built)
+                         tmp_path / "plots", params, auto, built)
     assert (result.status == "skipped") is skipped and trained == ([] if skipped else [True])
     mlflow.set_tracking_uri(tracking.tracking_uri)
     run = mlflow.search_runs(experiment_names=["unit-distill"], output_format="list")[0]

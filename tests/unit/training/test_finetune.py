@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.core.params import DataParams, ModelParams, TrainParams
+from pipeline.core.params import DataParams, ModelParams, Params, TrainParams, resolve_auto
 from pipeline.modeling import load_finetuned
 from pipeline.training.finetune import finetune
 from tests.factories import ROOT
@@ -26,7 +26,7 @@ def _run(tmp_path: Path, tokenized_dir: Path, **overrides):
     params = TrainParams(**{**TINY_TRAIN, **overrides})
     result = finetune(tokenized_dir, out / "model", out / "metrics.json", out / "plots", out / "reports",
                       DataParams(max_length=64), ModelParams(source="tiny"), params,
-                      predictions_path=out / "test-logits.npz")
+                      resolve_auto(Params(train=params)).precision, predictions_path=out / "test-logits.npz")
     return out, result
 
 
@@ -99,9 +99,10 @@ def test_finetune_run_samples_the_machine_load_and_registers_nothing(tmp_path, t
     monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.2")  # MLflow's default is 10 s
     tracking = MlflowParams(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="unit-finetune")
     out = tmp_path / "out"
+    train = TrainParams(**{**TINY_TRAIN, "epochs": 1})
     run_finetune(tokenized_dir, out / "model", out / "metrics.json", out / "plots", out / "reports",
-                 DataParams(max_length=64), ModelParams(source="tiny"), TrainParams(**{**TINY_TRAIN, "epochs": 1}),
-                 tracking)
+                 DataParams(max_length=64), ModelParams(source="tiny"), train, tracking,
+                 resolve_auto(Params(train=train)).precision)
     runs = mlflow.search_runs(experiment_names=["unit-finetune"], output_format="list",
                               filter_string="tags.`pipeline.stage` = 'finetune'")
     assert len(runs) == 1

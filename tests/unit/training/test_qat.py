@@ -8,6 +8,7 @@ import pytest
 
 from pipeline.core.params import QuantizeParams
 from pipeline.modeling import load_finetuned
+from tests.factories import weight_format_here
 
 
 @pytest.mark.parametrize(("weight_format", "ort_type", "symmetric", "reduce_range", "levels"),
@@ -98,7 +99,8 @@ def test_qat_loss_is_labels_only_or_distilled(tiny_model_dir):
     for weight in (0.0, 1.0):
         model, _, _ = load_finetuned(tiny_model_dir)
         result = qat_finetune(model, seqs, labels,
-                              QuantizeParams(qat_epochs=1, qat_batch_size=4, qat_lr=0.0, qat_distillation=weight))
+                              QuantizeParams(qat_epochs=1, qat_batch_size=4, qat_lr=0.0, qat_distillation=weight,
+                                             weight_format=weight_format_here().value))
         assert result.steps == 2
         losses[weight] = result.final_loss
     assert abs(losses[0.0] - math.log(2)) < 0.2

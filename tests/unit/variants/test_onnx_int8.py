@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from pipeline.core.params import QuantizeParams
+from tests.factories import weight_format_here
 
 
 def test_static_with_calibrated_ffn_quantizes_every_weight_product_in_qdq(built, tmp_path):
@@ -15,7 +16,8 @@ def test_static_with_calibrated_ffn_quantizes_every_weight_product_in_qdq(built,
     src = built["dirs"]["fp32-onnx"] / "model.onnx"
     assert len(ffn_output_matmuls(src, 128)) == 2  # the tiny BERT's FFN is 128 wide: one per layer
     seqs = [np.arange(5, 5 + n) for n in (6, 9, 12, 20)]
-    quantize_static_onnx(src, tmp_path / "all.onnx", seqs, "minmax", QuantizeParams())
+    quantize_static_onnx(src, tmp_path / "all.onnx", seqs, "minmax",
+                         QuantizeParams(weight_format=weight_format_here().value))
     assert matmul_census(tmp_path / "all.onnx") == {"int8_matmuls": 2 * 6 + 2, "float_matmuls": 2 * 2}
 
 

@@ -10,7 +10,7 @@ import pytest
 from pipeline.core.params import Params, QuantizeParams
 from pipeline.runtimes.record import read_variant
 from pipeline.variants.quantize import run_quantize
-from tests.factories import product_weights
+from tests.factories import product_weights, weight_format_here
 
 
 def test_static_calibration_selected_by_validation(built):
@@ -27,7 +27,7 @@ def test_single_calibration_method_skips_the_selection_pass(built, tiny_model_di
     params = QuantizeParams(calibration_samples=16, calibration_methods=["percentile"], qat_train_samples=8,
                             qat_batch_size=8, build=["int8-static", "int8-qat"])
     report = run_quantize(tiny_model_dir, built["dirs"]["fp32-onnx"], built["tokenized"], tmp_path,
-                          Params(quantize=params))
+                          Params(quantize=params), weight_format_here())
     assert report["int8-static"]["calibration"] == "percentile"
     assert report["int8-static"]["selection_val_accuracy"] == {}
     assert report["int8-qat"]["calibration"] == "percentile"
@@ -40,7 +40,8 @@ def test_the_default_builds_the_two_served_candidates_and_records_the_others_as_
     """The default profile builds the two INT8 variants `package` chooses between (int8-dynamic, int8-openvino);
     int8-static/int8-qat are written as skipped variants whose reason names the setting that builds them."""
     assert QuantizeParams().build == ["int8-dynamic", "int8-openvino"]
-    report = run_quantize(tiny_model_dir, built["dirs"]["fp32-onnx"], built["tokenized"], tmp_path, Params())
+    report = run_quantize(tiny_model_dir, built["dirs"]["fp32-onnx"], built["tokenized"], tmp_path, Params(),
+                          weight_format_here())
     assert "status" not in report["int8-dynamic"] and report["int8-dynamic"]["int8_matmuls"] > 0
     assert "status" not in report["int8-openvino"] and (tmp_path / "int8-openvino" / "model.xml").is_file()
     for name in ("int8-dynamic", "int8-openvino"):
@@ -51,7 +52,7 @@ def test_the_default_builds_the_two_served_candidates_and_records_the_others_as_
         assert report[name] == {"status": "skipped", "reason": info.reason}
         assert not (tmp_path / name / "model.onnx").exists()
     report = run_quantize(tiny_model_dir, built["dirs"]["fp32-onnx"], built["tokenized"], tmp_path / "one",
-                          Params(quantize=QuantizeParams(build=["int8-dynamic"])))
+                          Params(quantize=QuantizeParams(build=["int8-dynamic"])), weight_format_here())
     info = read_variant(tmp_path / "one" / "int8-openvino")
     assert info.status == "skipped" and "quantize.build" in info.reason
     assert not (tmp_path / "one" / "int8-openvino" / "model.xml").exists()
@@ -148,7 +149,7 @@ def test_fp32_onnx_exported_with_another_readout_is_refused(built, tiny_model_di
 
     with pytest.raises(QuantizeError, match="re-run the export stage"):
         run_quantize(tiny_model_dir, built["dirs"]["fp32-onnx"], built["tokenized"], tmp_path,
-                     Params(export=ExportParams(cls_readout=False)))
+                     Params(export=ExportParams(cls_readout=False)), weight_format_here())
     assert not (tmp_path / "int8-dynamic").exists()
 
 
