@@ -8,15 +8,16 @@ from typing import Annotated
 import typer
 
 from pipeline.core.stage import StageContext, stage_main
+from stages.options import Finetuned, Metrics, Tokenized, VariantsDir
 
 
 def benchmark(
     stage: StageContext,
-    finetuned: Annotated[Path, typer.Option(help="the finetuned model (HF format)")],
-    tokenized: Annotated[Path, typer.Option(help="the tokenized splits (the test reviews are timed)")],
-    variants_dir: Annotated[Path, typer.Option(help="every registered variant under DIR/<name>")],
+    finetuned: Finetuned,
+    tokenized: Tokenized,
+    variants_dir: VariantsDir,
     accuracy: Annotated[Path, typer.Option(help="metrics/variants.json")],
-    metrics: Annotated[Path, typer.Option(help="metrics/benchmark.json")],
+    metrics: Metrics,
     plot_data: Annotated[Path, typer.Option(help="the latency table for `dvc plots`")],
     report: Annotated[Path, typer.Option(help="the markdown report")],
 ) -> None:
@@ -27,9 +28,5 @@ def benchmark(
                         stage.auto.bf16_row)
 
 
-def main(argv: list[str] | None = None) -> None:
-    stage_main("benchmark", benchmark, argv)
-
-
 if __name__ == "__main__":
-    main()
+    stage_main("benchmark", benchmark)

@@ -9,16 +9,17 @@ from typing import Annotated
 import typer
 
 from pipeline.core.stage import StageContext, stage_main
+from stages.options import Metrics, Plots, Tokenized, VariantsDir
 
 
 def distill(
     stage: StageContext,
     finetuned: Annotated[Path, typer.Option(help="the teacher (HF format)")],
-    tokenized: Annotated[Path, typer.Option(help="the tokenized splits")],
+    tokenized: Tokenized,
     student_dir: Annotated[Path, typer.Option(help="where the student goes (HF format)")],
-    metrics: Annotated[Path, typer.Option(help="metrics/distill.json")],
-    plots: Annotated[Path, typer.Option(help="the training curves")],
-    variants_dir: Annotated[Path, typer.Option(help="each variant goes to DIR/<name>")],
+    metrics: Metrics,
+    plots: Plots,
+    variants_dir: VariantsDir,
 ) -> None:
     """Distill the student (or record why not), then build its variants in the same MLflow run."""
     from pipeline.training.distill import run_distill
@@ -29,9 +30,5 @@ def distill(
                 lambda: run_distilled_variants(student_dir, tokenized, variants_dir, params, auto.weight_format))
 
 
-def main(argv: list[str] | None = None) -> None:
-    stage_main("distill", distill, argv)
-
-
 if __name__ == "__main__":
-    main()
+    stage_main("distill", distill)

@@ -8,14 +8,15 @@ from typing import Annotated
 import typer
 
 from pipeline.core.stage import StageContext, stage_main
+from stages.options import Finetuned, Metrics, Tokenized, VariantsDir
 
 
 def evaluate(
     stage: StageContext,
-    finetuned: Annotated[Path, typer.Option(help="the finetuned model (HF format)")],
-    tokenized: Annotated[Path, typer.Option(help="the tokenized splits (the test split is scored)")],
-    variants_dir: Annotated[Path, typer.Option(help="every registered variant under DIR/<name>")],
-    metrics: Annotated[Path, typer.Option(help="metrics/variants.json")],
+    finetuned: Finetuned,
+    tokenized: Tokenized,
+    variants_dir: VariantsDir,
+    metrics: Metrics,
     plot: Annotated[Path, typer.Option(help="the accuracy chart")],
     reference_predictions: Annotated[Path | None, typer.Option(
         help="the finetune stage's test logits: the FP32 reference row reuses them")] = None,
@@ -26,9 +27,5 @@ def evaluate(
     run_evaluate_stage(finetuned, variants_dir, tokenized, reference_predictions, metrics, plot, stage.params)
 
 
-def main(argv: list[str] | None = None) -> None:
-    stage_main("evaluate", evaluate, argv)
-
-
 if __name__ == "__main__":
-    main()
+    stage_main("evaluate", evaluate)

@@ -2,20 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Annotated
-
-import typer
-
 from pipeline.core.stage import StageContext, stage_main
+from stages.options import Finetuned, Tokenized, VariantsDir
 
 
-def export(
-    stage: StageContext,
-    finetuned: Annotated[Path, typer.Option(help="the finetuned model (HF format)")],
-    tokenized: Annotated[Path, typer.Option(help="the tokenized splits (parity reviews)")],
-    variants_dir: Annotated[Path, typer.Option(help="each variant goes to DIR/<name>")],
-) -> None:
+def export(stage: StageContext, finetuned: Finetuned, tokenized: Tokenized, variants_dir: VariantsDir) -> None:
     """Export the finetuned model, inside the stage's MLflow run."""
     from pipeline.core.tracking import tracked_stage
     from pipeline.variants.export import run_export
@@ -24,9 +15,5 @@ def export(
                   lambda: run_export(finetuned, tokenized, variants_dir, stage.params.export))
 
 
-def main(argv: list[str] | None = None) -> None:
-    stage_main("export", export, argv)
-
-
 if __name__ == "__main__":
-    main()
+    stage_main("export", export)

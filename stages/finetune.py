@@ -9,14 +9,15 @@ from typing import Annotated
 import typer
 
 from pipeline.core.stage import StageContext, stage_main
+from stages.options import Metrics, Plots, Tokenized
 
 
 def finetune(
     stage: StageContext,
-    tokenized: Annotated[Path, typer.Option(help="the tokenized splits")],
+    tokenized: Tokenized,
     model_dir: Annotated[Path, typer.Option(help="where the best model goes (HF format)")],
-    metrics: Annotated[Path, typer.Option(help="metrics/finetune.json")],
-    plots: Annotated[Path, typer.Option(help="the training curves")],
+    metrics: Metrics,
+    plots: Plots,
     reports: Annotated[Path, typer.Option(help="confusion matrix and profiler traces")],
     test_predictions: Annotated[Path | None, typer.Option(
         help="where to keep the test logits (the evaluate stage reuses them for FP32)")] = None,
@@ -34,9 +35,5 @@ def finetune(
                  train=params.train, tracking=params.mlflow, precision=stage.auto.precision)
 
 
-def main(argv: list[str] | None = None) -> None:
-    stage_main("finetune", finetune, argv)
-
-
 if __name__ == "__main__":
-    main()
+    stage_main("finetune", finetune)

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from pipeline.core.stage import StageContext, stage_main
+from stages.options import VariantsDir
 
 
 def package(
@@ -16,7 +17,7 @@ def package(
         help="metrics/variants.json (accuracy and each variant's MLflow model id)")],
     benchmark: Annotated[Path, typer.Option(
         help="metrics/benchmark.json (the served variant's latency for the run summary)")],
-    variants_dir: Annotated[Path, typer.Option(help="every registered variant under DIR/<name>")],
+    variants_dir: VariantsDir,
     mar: Annotated[Path, typer.Option(help="the TorchServe archive to write")],
     manifest: Annotated[Path, typer.Option(help="metrics/package.json")],
 ) -> None:
@@ -26,9 +27,5 @@ def package(
     run_package_stage(variants_dir, variants_metrics, benchmark, mar, manifest, stage.params)
 
 
-def main(argv: list[str] | None = None) -> None:
-    stage_main("package", package, argv)
-
-
 if __name__ == "__main__":
-    main()
+    stage_main("package", package)

@@ -8,13 +8,14 @@ from typing import Annotated
 import typer
 
 from pipeline.core.stage import StageContext, stage_main
+from stages.options import Metrics, Tokenized
 
 
 def prepare(
     stage: StageContext,
     prepared: Annotated[Path, typer.Option(help="where the cleaned splits go")],
-    tokenized: Annotated[Path, typer.Option(help="where the tokenized splits go")],
-    metrics: Annotated[Path, typer.Option(help="metrics/prepare.json")],
+    tokenized: Tokenized,
+    metrics: Metrics,
 ) -> None:
     """Read, clean, split, validate and tokenize IMDB."""
     from pipeline.data.prepare import run_prepare_stage
@@ -23,9 +24,5 @@ def prepare(
     run_prepare_stage(stage.params, load_tokenizer(stage.params.model), prepared, tokenized, metrics)
 
 
-def main(argv: list[str] | None = None) -> None:
-    stage_main("prepare", prepare, argv)
-
-
 if __name__ == "__main__":
-    main()
+    stage_main("prepare", prepare)

@@ -2,20 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Annotated
-
-import typer
-
 from pipeline.core.stage import StageContext, stage_main
+from stages.options import Finetuned, Tokenized, VariantsDir
 
 
-def prune(
-    stage: StageContext,
-    finetuned: Annotated[Path, typer.Option(help="the finetuned model (HF format)")],
-    tokenized: Annotated[Path, typer.Option(help="the tokenized splits (calibration and parity reviews)")],
-    variants_dir: Annotated[Path, typer.Option(help="each variant goes to DIR/<name>")],
-) -> None:
+def prune(stage: StageContext, finetuned: Finetuned, tokenized: Tokenized, variants_dir: VariantsDir) -> None:
     """Prune and quantize the finetuned model, inside the stage's MLflow run."""
     from pipeline.core.tracking import tracked_stage
     from pipeline.variants.prune import run_prune
@@ -25,9 +16,5 @@ def prune(
                                                     stage.auto.weight_format)})
 
 
-def main(argv: list[str] | None = None) -> None:
-    stage_main("prune", prune, argv)
-
-
 if __name__ == "__main__":
-    main()
+    stage_main("prune", prune)

@@ -2,20 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Annotated
-
-import typer
-
 from pipeline.core.stage import StageContext, stage_main
+from stages.options import Finetuned, Tokenized, VariantsDir
 
 
-def quantize(
-    stage: StageContext,
-    finetuned: Annotated[Path, typer.Option(help="the finetuned model (HF format)")],
-    tokenized: Annotated[Path, typer.Option(help="the tokenized splits (calibration and selection reviews)")],
-    variants_dir: Annotated[Path, typer.Option(help="reads DIR/fp32-onnx, writes DIR/<name>")],
-) -> None:
+def quantize(stage: StageContext, finetuned: Finetuned, tokenized: Tokenized, variants_dir: VariantsDir) -> None:
     """Build the INT8 variants `quantize.build` lists, inside the stage's MLflow run."""
     from pipeline.core.tracking import tracked_stage
     from pipeline.variants.quantize import run_quantize
@@ -25,9 +16,5 @@ def quantize(
                                        stage.params, stage.auto.weight_format))
 
 
-def main(argv: list[str] | None = None) -> None:
-    stage_main("quantize", quantize, argv)
-
-
 if __name__ == "__main__":
-    main()
+    stage_main("quantize", quantize)

@@ -2,20 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Annotated
-
-import typer
-
 from pipeline.core.stage import StageContext, stage_main
+from stages.options import Finetuned, Tokenized, VariantsDir
 
 
-def tensorrt(
-    stage: StageContext,
-    finetuned: Annotated[Path, typer.Option(help="the finetuned model (HF format)")],
-    tokenized: Annotated[Path, typer.Option(help="calibration and validation reviews")],
-    variants_dir: Annotated[Path, typer.Option(help="reads DIR/fp32-onnx and DIR/int8-static, writes DIR/<name>")],
-) -> None:
+def tensorrt(stage: StageContext, finetuned: Finetuned, tokenized: Tokenized, variants_dir: VariantsDir) -> None:
     """Build the engines (or record the skip), inside the stage's MLflow run."""
     from pipeline.core.tracking import tracked_stage
     from pipeline.variants.tensorrt import run_tensorrt
@@ -25,9 +16,5 @@ def tensorrt(
                                        tokenized, variants_dir, stage.params))
 
 
-def main(argv: list[str] | None = None) -> None:
-    stage_main("tensorrt", tensorrt, argv)
-
-
 if __name__ == "__main__":
-    main()
+    stage_main("tensorrt", tensorrt)

@@ -15,6 +15,10 @@ ROOT = Path(__file__).resolve().parents[3]
 DVC = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
 
 
+#: Top-level packages whose files a stage's code deps must cover.
+PROJECT_PACKAGES = ("pipeline", "serving", "stages")
+
+
 def _module_file(module: str) -> Path | None:
     for candidate in (ROOT / (module.replace(".", "/") + ".py"), ROOT / module.replace(".", "/") / "__init__.py"):
         if candidate.is_file():
@@ -26,11 +30,11 @@ def _imported(path: Path) -> set[str]:
     """Project modules imported anywhere in the file (function-level imports included)."""
     out: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in ("pipeline", "serving"):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in PROJECT_PACKAGES:
             out.add(node.module)
             out.update(f"{node.module}.{a.name}" for a in node.names if _module_file(f"{node.module}.{a.name}"))
         elif isinstance(node, ast.Import):
-            out.update(a.name for a in node.names if a.name.split(".")[0] in ("pipeline", "serving"))
+            out.update(a.name for a in node.names if a.name.split(".")[0] in PROJECT_PACKAGES)
     return out
 
 

@@ -147,10 +147,11 @@ def test_every_dvc_command_parses_into_its_stages_typed_options():
 def test_a_missing_option_is_a_usage_error_with_status_2(capsys):
     import pytest
 
-    from stages.quantize import main
+    from pipeline.core.stage import stage_main
+    from stages.quantize import quantize
 
     with pytest.raises(SystemExit) as stopped:
-        main(["--finetuned", "models/finetuned"])
+        stage_main("quantize", quantize, ["--finetuned", "models/finetuned"])
     assert stopped.value.code == 2
     assert "--tokenized" in capsys.readouterr().err
 
