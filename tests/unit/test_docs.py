@@ -181,6 +181,20 @@ def run_params_cli(argv: list[str]) -> str | None:
     return None
 
 
+def stage_flags(module: str) -> set[str] | None:
+    """The option names of a stage's typed entry point (`stages.<name>`, built from its signature by
+    `pipeline.core.stage.stage_command`); None for any other module, whose options are looked up in its source."""
+    if not module.startswith("stages."):
+        return None
+    import importlib
+
+    from pipeline.core.stage import stage_command
+
+    name = module.split(".", 1)[1]
+    stage = importlib.import_module(module)
+    return {flag for param in stage_command(name, getattr(stage, name)).params for flag in param.opts}
+
+
 def check_command(tokens: list[str], tmp_dir: Path) -> list[str]:
     """What is wrong with one documented command: an empty list when everything it names exists."""
     shown = shlex.join(tokens)
@@ -228,9 +242,11 @@ def check_command(tokens: list[str], tmp_dir: Path) -> list[str]:
             return [*problems, f"{shown}: no module {module}"]
         if "__main__" not in source:
             problems.append(f"{shown}: {module} has no `if __name__ == \"__main__\"`")
+        flags = stage_flags(module)
         for option in options:
             flag = option.partition("=")[0]
-            if flag.startswith("--") and f'"{flag}"' not in source and f"'{flag}'" not in source:
+            known = flag in flags if flags is not None else f'"{flag}"' in source or f"'{flag}'" in source
+            if flag.startswith("--") and not known:
                 problems.append(f"{shown}: {module} has no option {flag}")
         settings = options[1:] if module == "pipeline.core.params" and options[:1] == ["set"] else []
         if module == "benchmarks.distill_tradeoff":  # --config NAME:key=value,key=value
