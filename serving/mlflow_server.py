@@ -283,7 +283,7 @@ def build_app(model_uri: str | None, params_path: Path) -> ContractMiddleware:
     """Load the champion (or `model_uri`) and wrap MLflow's scoring app for it in the contract."""
     from pipeline.core.model_registry import registered_version
     from pipeline.core.params import load_params
-    from pipeline.core.tracking import tracking_uri
+    from pipeline.core.parent_run import tracking_uri
     from pipeline.deployment.mlflow_model import scoring_app
 
     params = load_params(params_path) if params_path.is_file() else None

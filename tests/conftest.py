@@ -78,7 +78,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def no_outside_settings(monkeypatch, tmp_path):
     """Settings the caller's environment would impose are removed: a tracking server named there wins over params
-    (`pipeline.core.tracking`; the tests pick their own stores, the remote-server tests set their own), and
+    (`pipeline.core.parent_run`; the tests pick their own stores, the remote-server tests set their own), and
     `PIPELINE_CPU_FLAGS` would replace this CPU's flags in the `auto` decisions (the tests that rehearse another
     CPU set it themselves); the stage-time log (`PIPELINE_STAGE_LOG`) goes to the test's own directory."""
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)

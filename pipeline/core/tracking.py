@@ -1,17 +1,14 @@
-"""MLflow: one parent run per pipeline execution, one child run per stage (and per variant), the variants as
-MLflow models, and the registry's champion alias.
+"""MLflow: one stage's run, a child of the pipeline's parent run (`pipeline.core.parent_run`), and what a stage
+records on it: params, metrics, tags, artifacts, curves, datasets, the variants as MLflow models and their
+registered versions; `tracked_stage` is the bookkeeping every simple stage shares.
 
-Stages run as separate processes under `dvc repro`, so they find their shared parent by a tag:
-`pipeline.run_id` (`pipeline.core.run_id.pipeline_run_id`: one per `make run` or `dvc repro`).
-
-This module, the registry's (`pipeline.core.model_registry`) and the served model's
-(`pipeline.deployment.mlflow_model`) are the only ones that import MLflow (a test checks it): the stages call
-`StageRun`'s methods and the functions below, so a change of MLflow API is a change there alone."""
+This module, the parent run's (`pipeline.core.parent_run`), the registry's (`pipeline.core.model_registry`) and
+the served model's (`pipeline.deployment.mlflow_model`) are the only ones that import MLflow (a test checks it):
+the stages call `StageRun`'s methods and the functions below, so a change of MLflow API is a change there alone."""
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,56 +18,17 @@ import pandas as pd
 
 from pipeline.core.machine import decision_tags, thread_tags
 from pipeline.core.params import MlflowParams, Params, flatten
+from pipeline.core.parent_run import (
+    ROLE_TAG,
+    RUN_ID_TAG,
+    TAG_LIMIT,
+    flatten_numbers,
+    log_batch,
+    parent_run_id,
+    text_values,
+)
 from pipeline.core.run_id import git_commit, pipeline_run_id
 
-RUN_ID_TAG = "pipeline.run_id"
-
-
-ROLE_TAG = "pipeline.role"
-
-#: MLflow 3 opens an experiment by this tag: `custom_model_development` is its model-training view (runs,
-#: models, charts); without the tag a new experiment may open in the GenAI overview ("Traces: 0").
-EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
-EXPERIMENT_KIND = "custom_model_development"
-
-def tracking_uri(params: MlflowParams) -> str:
-    """The tracking store: `$MLFLOW_TRACKING_URI` when set (a remote server, `http://host:port`), else params'."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or params.tracking_uri
-
-
-def configure(params: MlflowParams) -> str:
-    """Point MLflow at the store (`tracking_uri`) and the experiment, marked as a model-training experiment;
-    returns the experiment id."""
-    import mlflow
-
-    mlflow.set_tracking_uri(tracking_uri(params))
-    experiment = mlflow.set_experiment(params.experiment)
-    if experiment.tags.get(EXPERIMENT_KIND_TAG) != EXPERIMENT_KIND:
-        mlflow.MlflowClient().set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
-    return experiment.experiment_id
-
-
-def parent_run_id(params: MlflowParams) -> str:
-    """Find or create the parent run of this pipeline execution."""
-    import mlflow
-
-    experiment_id = configure(params)
-    rid = pipeline_run_id()
-    found = mlflow.search_runs(
-        experiment_ids=[experiment_id],
-        filter_string=f"tags.`{RUN_ID_TAG}` = '{rid}' and tags.`{ROLE_TAG}` = 'parent'",
-        output_format="list", max_results=1,
-    )
-    if found:
-        return found[0].info.run_id
-    client = mlflow.MlflowClient()
-    run = client.create_run(experiment_id, run_name=f"pipeline-{rid}",
-                            tags={RUN_ID_TAG: rid, ROLE_TAG: "parent", "git.commit": git_commit(), **decision_tags()})
-    client.set_terminated(run.info.run_id)
-    return run.info.run_id
-
-
-TAG_LIMIT = 5000  # MLflow's limit on a tag value's length
 PARAM_LIMIT = 500  # params longer than this (nested dicts and lists) are cut, their files hold the whole value
 
 
@@ -87,14 +45,10 @@ class LoggedModelRef:
         return {"model_id": self.model_id, "model_uri": self.uri, "model_files": self.files}
 
 
-def text_values(values: Mapping[str, Any], limit: int) -> dict[str, str]:
-    """Every value as text cut to `limit` characters (MLflow's tags and model params are strings)."""
-    return {k: str(v)[:limit] for k, v in values.items()}
-
-
 class StageRun:
     """The active MLflow run of one stage (or one variant of a stage): every MLflow call of the pipeline goes
-    through this class or the functions of this module, so the stages' modules never import MLflow."""
+    through this class or the functions of this module and `pipeline.core.parent_run`, so the stages' modules
+    never import MLflow."""
 
     def __init__(self, run: Any) -> None:
         self.run = run
@@ -262,48 +216,6 @@ def log_params_flat(sections: Mapping[str, Any]) -> None:
         for key, value in dict(values).items():
             flat[f"{name}.{key}"] = value
     mlflow.log_params(flat)
-
-
-def log_parent_artifact(params: MlflowParams, local_path: Path, artifact_path: str | None = None) -> None:
-    """Attach a file to the parent run (e.g. the variant comparison)."""
-    import mlflow
-
-    mlflow.MlflowClient().log_artifact(parent_run_id(params), str(local_path), artifact_path)
-
-
-def log_batch(run_id: str, metrics: Mapping[str, Any], tags: Mapping[str, Any] | None = None) -> None:
-    """Numeric leaves of `metrics` and `tags` (as cut text) on run `run_id`, whether or not it is active, in
-    one call; metrics logged this way are the run's alone, never linked to a model."""
-    import mlflow
-    from mlflow.entities import Metric, RunTag
-    from mlflow.utils.time import get_current_time_millis
-
-    now = get_current_time_millis()
-    mlflow.MlflowClient().log_batch(
-        run_id, metrics=[Metric(k, v, now, 0) for k, v in flatten_numbers(metrics).items()],
-        tags=[RunTag(k, v) for k, v in text_values(tags or {}, TAG_LIMIT).items()])
-
-
-def log_parent_summary(params: MlflowParams, metrics: Mapping[str, Any], tags: Mapping[str, Any]) -> str:
-    """The pipeline's headline numbers and names on the parent run, so the runs page charts them on first
-    open; returns the parent run's id."""
-    parent = parent_run_id(params)
-    log_batch(parent, metrics, tags)
-    return parent
-
-
-def log_parent_table(params: MlflowParams, rows: Sequence[Mapping[str, Any]], artifact_file: str) -> None:
-    """A table on the parent run (`mlflow.log_table`: shown as a table in the artifacts view). MLflow appends
-    to a table file that already exists, so rows should say which run wrote them."""
-    import mlflow
-
-    mlflow.log_table(pd.DataFrame([dict(r) for r in rows]), artifact_file, run_id=parent_run_id(params))
-
-
-def flatten_numbers(d: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
-    """Numeric leaves of a nested dict as `a.b` keys (non-numbers are skipped)."""
-    return {key: float(value) for key, value in flatten(d, prefix).items()
-            if isinstance(value, int | float) and not isinstance(value, bool)}
 
 
 def text_leaves(d: Mapping[str, Any], prefix: str = "") -> dict[str, str]:

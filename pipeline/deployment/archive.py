@@ -94,8 +94,9 @@ def run_package_stage(variants_root: Path, variants_metrics: Path, benchmark_met
     from pipeline.core.io import read_json
     from pipeline.core.model_registry import alias_version, model_with_files, set_alias
     from pipeline.core.params import to_dict
+    from pipeline.core.parent_run import log_parent_summary
     from pipeline.core.run_id import git_commit, pipeline_run_id
-    from pipeline.core.tracking import log_parent_summary, stage_run
+    from pipeline.core.tracking import stage_run
     from pipeline.deployment.inference import log_predictor_model
     from pipeline.runtimes.catalog import directories
 

@@ -2,8 +2,9 @@
 `PythonModel` (`predictor_model_class`) builds a predictor class of `pipeline.deployment` from the variant's
 files and answers a DataFrame of texts with `label` and `score`; and MLflow's own scoring app for one.
 
-Beside `pipeline.core.tracking` (runs, metrics, the registry), this is the one other module that imports MLflow (a
-test checks it): what the served model is belongs to deployment, how runs are recorded to core."""
+Beside `pipeline.core.tracking`, `pipeline.core.parent_run` (runs, metrics) and `pipeline.core.model_registry`,
+this is the one other module that imports MLflow (a test checks it): what the served model is belongs to
+deployment, how runs are recorded to core."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from typing import Any
 
 import pandas as pd  # at module level: MLflow resolves the predictor model's `pd.DataFrame` hints against it
 
-from pipeline.core.tracking import PARAM_LIMIT, TAG_LIMIT, LoggedModelRef, StageRun, text_values
+from pipeline.core.parent_run import TAG_LIMIT, text_values
+from pipeline.core.tracking import PARAM_LIMIT, LoggedModelRef, StageRun
 from pipeline.deployment.protocol import TEXT_COLUMN
 
 #: The columns a served model answers (it reads `pipeline.deployment.protocol.TEXT_COLUMN`, one review per row).

@@ -176,7 +176,7 @@ def run_evaluate_stage(finetuned: Path, variants_root: Path, tokenized: Path, re
     """Score every registered variant, write `metrics/variants.json` and the chart, state the targets, and log
     one MLflow run and one MLflow model per variant."""
     from pipeline.core.io import write_json
-    from pipeline.core.tracking import log_parent_artifact
+    from pipeline.core.parent_run import log_parent_artifact
     from pipeline.runtimes.catalog import directories
 
     variants = directories(variants_root)

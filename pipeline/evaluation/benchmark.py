@@ -170,8 +170,9 @@ def run_benchmark_stage(finetuned: Path, variants_root: Path, tokenized: Path, a
     timings are linked to its MLflow model (the evaluate stage logged it and wrote its id into
     `metrics/variants.json`), and the whole table goes on the parent run."""
     from pipeline.core.model_registry import model_exists
+    from pipeline.core.parent_run import log_parent_artifact, log_parent_summary, log_parent_table
     from pipeline.core.run_id import pipeline_run_id
-    from pipeline.core.tracking import log_parent_artifact, log_parent_summary, log_parent_table, stage_run
+    from pipeline.core.tracking import stage_run
 
     params, tracking = all_params.benchmark, all_params.mlflow
     accuracy = read_json(accuracy_file)

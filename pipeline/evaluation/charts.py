@@ -10,8 +10,15 @@ from typing import Any
 import numpy as np
 
 from pipeline.core.params import TargetsParams
-from pipeline.evaluation.report import catalog_row, pareto_front, scored_rows, speedup_interval_text
-from pipeline.runtimes.catalog import REFERENCE
+from pipeline.evaluation.report import pareto_front, scored_rows
+from pipeline.runtimes.catalog import REFERENCE, VariantSpec, spec
+
+
+def speedup_interval_text(entry: dict[str, Any]) -> str:
+    """The speed-up interval as the latency chart prints it after the ratio; empty for rows without one."""
+    if "speedup_p50_low" not in entry:
+        return ""
+    return f" ({entry['speedup_p50_low']:.2f}-{entry['speedup_p50_high']:.2f})"
 
 
 def latency_chart(variants: dict[str, dict[str, Any]], path: Path) -> None:
@@ -105,6 +112,16 @@ def _label_offsets(rows: dict[str, dict[str, Any]]) -> list[int]:
 
 FAMILY_COLOURS = {"fp32": "#4c72b0", "int8": "#55a868", "pruned": "#dd8452", "distilled": "#c44e52",
                   "tensorrt": "#8172b2"}
+
+
+def catalog_row(name: str) -> VariantSpec | None:
+    """The registry row of a chart's point; rows that are no registered variant have none."""
+    from pipeline.runtimes.catalog import UnknownVariant
+
+    try:
+        return spec(name)
+    except UnknownVariant:
+        return None
 
 
 def _family(name: str) -> str:

@@ -1,19 +1,28 @@
-"""Unit: the benchmark report: table rows (skipped, intervals) and the target lines."""
+"""Unit: the benchmark report: what it says as values (rows, verdicts, speed-up chain, machine and notes), and
+the markdown the template renders from them."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from pipeline.core.params import TargetsParams
 from pipeline.evaluation.charts import pareto_chart
+from pipeline.evaluation.latency import SPEEDUP_LEVEL
 from pipeline.evaluation.report import (
+    Interval,
+    Row,
     markdown_table,
     pareto_front,
+    report_data,
+    report_rows,
+    speedup_chain,
     speedup_sources,
-    speedup_sources_lines,
     target_lines,
+    target_verdicts,
+    write_report,
 )
+
+SETTINGS = {"seq_len": 128, "batch_size": 32, "rounds": 2, "iterations": 10, "warmup": 2}
 
 
 def _row(p50: float, acc: float | None = 0.9) -> dict:
@@ -21,44 +30,74 @@ def _row(p50: float, acc: float | None = 0.9) -> dict:
             "throughput_b32": 100 / p50, "speedup_p50_vs_fp32_eager": 10 / p50, "accuracy": acc, "size_mb": 20.0}
 
 
-def test_skipped_rows_and_targets_in_report():
+def _machine(**isa: bool) -> dict:
+    return {"cpu": "Test CPU", "logical_cpus": 2, "threads_used": 2, "versions": {"onnxruntime": "x"},
+            "isa": {"avx2": True, **isa}}
+
+
+def _result(variants: dict, machine: dict | None = None) -> dict:
+    return {"variants": variants, "machine": machine or _machine(avx512_vnni=True), "settings": dict(SETTINGS)}
+
+
+def test_rows_keep_a_skipped_variants_reason_and_a_measured_ones_numbers():
+    variants = {"fp32-eager": _row(10.0), "int8-static": {**_row(4.0, 0.899), "cls_readout": True},
+                "fp32-onnx": {**_row(5.0, None), "size_mb": None},
+                "tensorrt-int8": {"status": "skipped", "reason": "no CUDA device visible"}}
+    rows = {r.name: r for r in report_rows(variants)}
+    assert list(rows) == list(variants)  # the benchmark's order
+    assert rows["tensorrt-int8"] == Row("tensorrt-int8", "skipped", "no CUDA device visible")
+    static = rows["int8-static"]
+    assert (static.status, static.speedup, static.readout, static.interval) == ("ok", 2.5, True, None)
+    assert static.accuracy_pct == pytest.approx(89.9)
+    assert (rows["fp32-onnx"].accuracy_pct, rows["fp32-onnx"].size_mb, rows["fp32-onnx"].readout) == (None, None, False)
+
+
+def test_verdict_states_the_best_variant_its_speedup_and_a_missed_target():
     variants = {"fp32-eager": _row(10.0), "int8-static": _row(4.0, 0.899), "int8-dynamic": _row(2.0, 0.85),
                 "tensorrt-int8": {"status": "skipped", "reason": "no CUDA device visible"}}
-    table = markdown_table(variants)
-    assert "| tensorrt-int8 | skipped: no CUDA device visible |" in table
-    assert "2.50x" in table
-    (line,) = target_lines(variants, TargetsParams())
-    # the verdict itself is `pipeline.selection`'s (tests/unit/test_selection.py); the line renders it
-    assert "**int8-static**" in line and "**2.50x**" in line
-    assert line.endswith("(MISSED: target >= 3.0x within 0.5 pt).")
+    (line,) = target_verdicts(variants, TargetsParams())
+    # the verdict itself is `pipeline.selection`'s (tests/unit/test_selection.py); the report carries it
+    assert (line.scope, line.verdict.best, line.verdict.within_budget, line.verdict.met) == \
+        ("all", "int8-static", True, False)
+    assert (line.verdict.speedup, line.p50_ms, line.max_loss_pt, line.smaller_model) == (2.5, 4.0, 0.5, None)
+    assert line.accuracy_delta_pt == pytest.approx(-0.1)
+    variants["int8-static"]["accuracy"] = 0.85  # nothing within the budget: the fastest INT8 variant is named
+    (line,) = target_verdicts(variants, TargetsParams())
+    assert (line.verdict.best, line.verdict.within_budget, line.verdict.met) == ("int8-dynamic", False, False)
 
 
-def test_speedup_interval_in_table_and_target_line():
+def test_no_int8_variant_measured_gives_no_verdict():
+    variants = {"fp32-eager": _row(10.0), "int8-dynamic": {"status": "skipped", "reason": "not built"}}
+    assert target_verdicts(variants, TargetsParams()) == []
+    assert target_lines(variants, TargetsParams()) == ["No INT8 variant was measured."]
+
+
+def test_speedup_interval_on_the_row_and_the_verdict_straddling_the_target():
     variants = {"fp32-eager": _row(10.0), "int8-dynamic": _row(3.5, 0.898)}
     variants["int8-dynamic"].update(speedup_p50_low=2.6, speedup_p50_high=3.1)
-    table = markdown_table(variants)
-    assert "2.86x (2.60-3.10)" in table and "90 % interval" in table
-    (line,) = target_lines(variants, TargetsParams())
-    assert "2.60-3.10x" in line and "straddles 3.0x" in line
+    assert report_rows(variants)[1].interval == Interval(2.6, 3.1, SPEEDUP_LEVEL)
+    (line,) = target_verdicts(variants, TargetsParams())
+    assert (line.interval, line.verdict.straddles) == (Interval(2.6, 3.1), True)
     variants["int8-dynamic"].update(speedup_p50_high=2.9)
-    assert "straddles" not in target_lines(variants, TargetsParams())[0]
+    assert target_verdicts(variants, TargetsParams())[0].verdict.straddles is False
 
 
 def test_pruned_variant_target_stated_apart_from_quantization_alone():
     variants = {"fp32-eager": _row(10.0), "int8-static": _row(4.0, 0.899), "int8-dynamic": _row(2.0, 0.85),
                 "int8-pruned": _row(3.0, 0.897)}
-    overall, plain = target_lines(variants, TargetsParams())
-    assert "**int8-pruned** (structured pruning + INT8" in overall and "3.33x" in overall
-    assert "-0.30 pt" in overall
-    assert plain.startswith("quantization alone (no pruning or distillation): ")
-    assert "**int8-static**" in plain and "2.50x" in plain
+    overall, plain = target_verdicts(variants, TargetsParams())
+    assert (overall.scope, overall.verdict.best, overall.smaller_model) == ("all", "int8-pruned", "pruned")
+    assert overall.verdict.speedup == pytest.approx(10 / 3)
+    assert overall.accuracy_delta_pt == pytest.approx(-0.3)
+    assert (plain.scope, plain.verdict.best, plain.smaller_model, plain.verdict.speedup) == \
+        ("quantization", "int8-static", None, 2.5)
 
 
 def test_distilled_variant_target_stated_apart_and_named_as_a_smaller_model():
     variants = {"fp32-eager": _row(10.0), "int8-dynamic": _row(4.0, 0.899), "int8-distilled": _row(2.5, 0.897)}
-    overall, plain = target_lines(variants, TargetsParams())
-    assert "**int8-distilled** (distilled student + INT8: a smaller model" in overall
-    assert plain.startswith("quantization alone (no pruning or distillation): ") and "int8-dynamic" in plain
+    overall, plain = target_verdicts(variants, TargetsParams())
+    assert (overall.verdict.best, overall.smaller_model) == ("int8-distilled", "distilled")
+    assert (plain.scope, plain.verdict.best) == ("quantization", "int8-dynamic")
 
 
 def test_pareto_front_keeps_only_the_undominated_rows(tmp_path):
@@ -67,6 +106,8 @@ def test_pareto_front_keeps_only_the_undominated_rows(tmp_path):
                 "int8-distilled": _row(2.0, 0.893), "fp32-torchscript": _row(9.0, 0.90),
                 "tensorrt-int8": {"status": "skipped", "reason": "no CUDA"}}
     assert pareto_front(variants) == ["int8-distilled", "int8-static", "fp32-onnx"]
+    report = report_data(_result(variants), tmp_path / "latency.png", TargetsParams(), tmp_path / "pareto.png")
+    assert (report.pareto_front, report.pareto_chart) == (["int8-distilled", "int8-static", "fp32-onnx"], "pareto.png")
     pareto_chart(variants, TargetsParams(), tmp_path / "pareto.png")
     assert (tmp_path / "pareto.png").stat().st_size > 10_000
 
@@ -76,59 +117,73 @@ def test_speedup_sources_multiply_to_the_students_speedup():
                 "int8-dynamic": _row(4.0), "int8-distilled": _row(2.0)}
     steps = speedup_sources(variants)
     assert [round(s["factor"], 3) for s in steps] == [1.25, 2.0, 2.0, 2.0]
-    assert float(np.prod([s["factor"] for s in steps])) == pytest.approx(20.0 / 2.0)
-    assert "Product: 10.00x (fp32-eager -> int8-distilled)" in "\n".join(speedup_sources_lines(variants))
+    chain = speedup_chain(variants)
+    assert chain is not None and chain.steps == steps
+    assert chain.product == pytest.approx(20.0 / 2.0)
+    assert (chain.steps[0]["from"], chain.steps[-1]["to"]) == ("fp32-eager", "int8-distilled")
     variants["int8-distilled"] = {"status": "skipped", "reason": "distill.enabled is false"}
     assert [s["to"] for s in speedup_sources(variants)] == ["fp32-eager-readout", "fp32-onnx", "int8-dynamic"]
+    assert speedup_chain({"fp32-eager": _row(20.0), "fp32-eager-readout": _row(16.0)}) is None  # one step: no chain
 
 
 @pytest.mark.parametrize("rehearsed", [False, True])
-def test_machine_section_states_the_isa_and_a_rehearsal_of_other_flags(tmp_path, rehearsed):
-    """The report's machine section lists this CPU's flags; where `PIPELINE_CPU_FLAGS` made the `auto` decisions
-    it also says so, with the flags decided with, and that the timings ran on this CPU. No VNNI: the AVX2 note."""
-    from pipeline.evaluation.report import write_report
-
-    machine = {"cpu": "Test CPU", "logical_cpus": 2, "threads_used": 2, "versions": {"onnxruntime": "x"},
-               "isa": {"avx2": True, "avx512_vnni": False, "avx512_bf16": False}}
+def test_machine_section_holds_the_isa_and_a_rehearsal_of_other_flags(tmp_path, rehearsed):
+    """The machine section has this CPU's flags; where `PIPELINE_CPU_FLAGS` made the `auto` decisions it also has
+    the flags decided with. This CPU's kernels decide the no-VNNI note, not the rehearsed flags."""
+    machine = _machine(avx512_vnni=False, avx512_bf16=False)
     if rehearsed:
         machine["decided_with"] = {"source": "PIPELINE_CPU_FLAGS",
                                    "isa": {"avx2": True, "avx512_vnni": True, "avx512_bf16": False}}
-    result = {"variants": {"fp32-eager": _row(10.0), "int8-dynamic": _row(3.0)}, "machine": machine,
-              "settings": {"seq_len": 128, "batch_size": 32, "rounds": 2, "iterations": 10, "warmup": 2}}
-    path = tmp_path / "variants.md"
-    write_report(result, tmp_path / "latency.png", path, TargetsParams())
-    text = path.read_text()
-    assert "- ISA: avx2=yes, avx512_vnni=no, avx512_bf16=no" in text
-    assert "neither VNNI nor AMX" in text  # this CPU's kernels decide the note, not the rehearsed flags
-    line = [x for x in text.splitlines() if "decided with" in x]
+    result = _result({"fp32-eager": _row(10.0), "int8-dynamic": _row(3.0)}, machine)
+    report = report_data(result, tmp_path / "latency.png", TargetsParams())
+    assert report.machine.isa == {"avx2": True, "avx512_vnni": False, "avx512_bf16": False}
+    assert (report.machine.cpu, report.machine.logical_cpus, report.machine.threads_used) == ("Test CPU", 2, 2)
+    assert report.notes.no_int8_dot is True
     if rehearsed:
-        assert line == ["- `auto` settings decided with PIPELINE_CPU_FLAGS's flags, not this CPU's: avx2=yes, "
-                        "avx512_vnni=yes, avx512_bf16=no (a rehearsal of another CPU's choices; the kernels timed "
-                        "above ran on this CPU's ISA)"]
+        assert report.machine.decided_with_source == "PIPELINE_CPU_FLAGS"
+        assert report.machine.decided_with_isa == {"avx2": True, "avx512_vnni": True, "avx512_bf16": False}
     else:
-        assert line == []
+        assert (report.machine.decided_with_source, report.machine.decided_with_isa) == (None, None)
 
 
 @pytest.mark.parametrize(("vnni", "formats", "warned"), [(False, ("u8",), False), (False, ("u8", "s8"), True),
                                                          (True, ("s8",), False), (True, (), False)])
-def test_machine_section_names_the_int8_weight_format_and_warns_of_s8_without_vnni(tmp_path, vnni, formats,
-                                                                                 warned):
+def test_int8_weight_formats_and_the_s8_warning_without_vnni(tmp_path, vnni, formats, warned):
     """The INT8 weight formats the variants were built with are listed; signed 8-bit weights timed on a CPU
     without VNNI/AMX (whose U8S8 kernels saturate) are called out, an exact format is not."""
-    from pipeline.evaluation.report import write_report
-
-    machine = {"cpu": "Test CPU", "logical_cpus": 2, "threads_used": 2, "versions": {"onnxruntime": "x"},
-               "isa": {"avx2": True, "avx512_vnni": vnni}}
     variants = {"fp32-eager": _row(10.0)}
     for i, fmt in enumerate(formats):
         variants[f"int8-{i}"] = {**_row(3.0), "weight_format": fmt}
-    result = {"variants": variants, "machine": machine,
-              "settings": {"seq_len": 128, "batch_size": 32, "rounds": 2, "iterations": 10, "warmup": 2}}
-    path = tmp_path / "variants.md"
-    write_report(result, tmp_path / "latency.png", path, TargetsParams())
+    report = report_data(_result(variants, _machine(avx512_vnni=vnni)), tmp_path / "latency.png", TargetsParams())
+    assert report.weight_formats == sorted(set(formats))
+    assert (report.notes.no_int8_dot, report.notes.s8_saturates) == (not vnni, warned)
+
+
+def test_readout_note_and_bf16_row_only_where_the_result_has_them(tmp_path):
+    plain = report_data(_result({"fp32-eager": _row(10.0)}), tmp_path / "l.png", TargetsParams())
+    assert (plain.notes.readout, plain.bf16_row, plain.speedup, plain.pareto_chart) == (False, None, None, None)
+    result = _result({"fp32-eager": _row(10.0), "fp32-onnx": {**_row(5.0), "cls_readout": True}})
+    result["settings"]["bf16_row_choice"] = "False (asked auto: no native bf16)"
+    report = report_data(result, tmp_path / "l.png", TargetsParams())
+    assert (report.notes.readout, report.bf16_row) == (True, "False (asked auto: no native bf16)")
+
+
+def test_rendered_report_has_the_skipped_row_and_the_target_line(tmp_path):
+    """The markdown: a skipped row says why in the table, a verdict reads as a sentence with its numbers, and the
+    terminal's table and lines are the page's own."""
+    variants = {"fp32-eager": _row(10.0), "int8-dynamic": {**_row(3.5, 0.898), "cls_readout": True},
+                "tensorrt-int8": {"status": "skipped", "reason": "no CUDA device visible"}}
+    variants["int8-dynamic"].update(speedup_p50_low=2.6, speedup_p50_high=3.1)
+    path = tmp_path / "reports" / "variants.md"
+    write_report(_result(variants), tmp_path / "latency.png", path, TargetsParams())
     text = path.read_text()
-    listed = [x for x in text.splitlines() if x.startswith("- INT8 weight format:")]
-    assert listed == ([f"- INT8 weight format: {', '.join(sorted(set(formats)))} (`quantize.weight_format`; each "
-                       "variant's `variant.json` says how `auto` resolved)"] if formats else [])
-    assert ("neither VNNI nor AMX" in text) is not vnni
-    assert ("products are not exact here" in text) is warned
+    lines = text.splitlines()
+    assert "| tensorrt-int8 | skipped: no CUDA device visible |  |  |  |  |  |  |  |" in lines
+    assert "| int8-dynamic † | 89.80 | 20.0 | 3.50 | 4.20 | 5.25 | 28.6 | – | 2.86x (2.60-3.10) |" in lines
+    target = ("- Best INT8 variant within 0.5 pt of FP32 accuracy: **int8-dynamic**, p50 3.50 ms at batch 1 = "
+              "**2.86x** FP32 eager (90 % interval over the rounds 2.60-3.10x: it straddles 3.0x, so this verdict "
+              "could go the other way in another run), -0.20 pt accuracy (MISSED: target >= 3.0x within 0.5 pt).")
+    assert lines[lines.index("## Targets") + 2] == target
+    assert markdown_table(variants) in text
+    assert [f"- {x}" for x in target_lines(variants, TargetsParams())] == [target]
+    assert "- ISA: avx2=yes, avx512_vnni=yes" in lines and text.endswith("\n")
