@@ -173,21 +173,6 @@ class TorchPeer(PeerRuntime):
         return self.runner(input_ids, attention_mask)
 
 
-def logits_module(model: Any) -> Any:
-    """`model` as a module of (input_ids, attention_mask) that returns the logits tensor alone."""
-    import torch
-
-    class Logits(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = model
-
-        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-            return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
-
-    return Logits()
-
-
 class OpenVinoPeer(PeerRuntime):
     """OpenVINO FP32 from `openvino.convert_model` of the PyTorch model, and INT8 from NNCF post-training
     quantization of that OpenVINO model (`nncf.quantize`, transformer preset) on the calibration batches.
@@ -198,18 +183,13 @@ class OpenVinoPeer(PeerRuntime):
             import openvino as ov
         except ImportError as exc:
             raise PeerUnavailable(f"openvino is not installed: {exc}") from exc
-        import torch
-
         from pipeline.modeling import load_finetuned
+        from pipeline.variants.openvino_int8 import openvino_model
 
         model, _, _ = load_finetuned(inputs.model_dir)
-        ids, mask = (torch.from_numpy(np.repeat(a, 2, axis=0)) for a in inputs.example)  # batch 2: kept dynamic
-        batch, tokens = torch.export.Dim("batch"), torch.export.Dim("tokens", max=model.config.max_position_embeddings)
-        dims = {0: batch, 1: tokens}
-        # torch.export, not openvino's TorchScript tracing of the module (torch.jit.trace is deprecated)
-        exported = torch.export.export(logits_module(model), (ids, mask),
-                                       dynamic_shapes={"input_ids": dims, "attention_mask": dims})
-        ov_model = ov.convert_model(exported)
+        # torch.export of the whole model (int8-openvino's route, without its [CLS] readout), not openvino's
+        # TorchScript tracing of the module (torch.jit.trace is deprecated)
+        ov_model = openvino_model(model, inputs.example)
         self.details["versions"] = {"openvino": ov.__version__}
         if self.spec.precision == "int8-nncf":
             try:

@@ -1,6 +1,12 @@
-"""`int8-openvino`: the fp32-onnx graph read by OpenVINO and quantized by NNCF's post-training quantization
-(transformer preset: static INT8 activation scales calibrated once, on the same training reviews int8-static
-calibrates on), saved as OpenVINO IR (`model.xml` + `model.bin`) for `pipeline.runtimes.openvino`."""
+"""`int8-openvino`: the finetuned model as it is exported (with the [CLS] readout where `export.cls_readout` asks for
+it), captured by `torch.export` with dynamic batch and length, read by OpenVINO's PyTorch frontend and quantized by
+NNCF's post-training quantization (transformer preset: static INT8 activation scales calibrated once, on the same
+training reviews int8-static calibrates on), saved as OpenVINO IR (`model.xml` + `model.bin`) for
+`pipeline.runtimes.openvino`.
+
+The PyTorch frontend, not the fp32-onnx file, is the source: OpenVINO fuses the attention it reads from
+`torch.export` into its own kernels, which it does not for the ONNX graph's decomposed attention (docs/peers.md has
+the measurement)."""
 
 from __future__ import annotations
 
@@ -14,10 +20,42 @@ from pipeline.runtimes.base import pad_batch
 from pipeline.variants.onnx_int8 import QuantizeError
 
 
-def quantize_openvino(fp32_onnx: Path, calibration: list[np.ndarray], pad_id: int, batch_size: int,
+def logits_module(model: Any) -> Any:
+    """`model` as a module of (input_ids, attention_mask) that returns the logits tensor alone."""
+    import torch
+
+    class Logits(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+    return Logits()
+
+
+def openvino_model(model: Any, example: tuple[np.ndarray, np.ndarray]) -> Any:
+    """An OpenVINO model of `model` (a Hugging Face classifier, eval mode) through `torch.export`, batch and length
+    dynamic (up to the model's position table). `example` is one padded batch; it is repeated to two rows so that
+    the batch dimension is not specialised to 1."""
+    import openvino as ov
+    import torch
+
+    ids, mask = (torch.from_numpy(np.repeat(np.asarray(a, dtype=np.int64), 2, axis=0)) for a in example)
+    dims = {0: torch.export.Dim("batch"),
+            1: torch.export.Dim("tokens", max=int(model.config.max_position_embeddings))}
+    with torch.no_grad():
+        exported = torch.export.export(logits_module(model), (ids, mask),
+                                       dynamic_shapes={"input_ids": dims, "attention_mask": dims})
+    return ov.convert_model(exported)
+
+
+def quantize_openvino(model: Any, calibration: list[np.ndarray], pad_id: int, batch_size: int,
                       out_dir: Path) -> dict[str, Any]:
-    """Write `out_dir/model.xml` (+ `.bin`) and return what the variant record says of the build. The calibration
-    reviews go in length-sorted batches of `batch_size`, each padded to its own longest review."""
+    """Write `out_dir/model.xml` (+ `.bin`) from `model` (the inference graph, `pipeline.variants.export.
+    inference_model`) and return what the variant record says of the build. The calibration reviews go in
+    length-sorted batches of `batch_size`, each padded to its own longest review."""
     try:
         import nncf
         import openvino as ov
@@ -26,20 +64,21 @@ def quantize_openvino(fp32_onnx: Path, calibration: list[np.ndarray], pad_id: in
     if not calibration:
         raise QuantizeError("int8-openvino needs calibration reviews (quantize.calibration_samples > 0)")
     t0 = time.perf_counter()
-    model = ov.convert_model(str(fp32_onnx))
-    names = {p.get_any_name() for p in model.inputs}
     order = np.argsort([len(s) for s in calibration], kind="stable")
     batches = [pad_batch([calibration[i] for i in order[b : b + batch_size]], pad_id)
                for b in range(0, len(order), batch_size)]
+    converted = openvino_model(model, batches[-1])
+    names = {p.get_any_name() for p in converted.inputs}
 
     def feed(batch: tuple[np.ndarray, np.ndarray]) -> dict[str, np.ndarray]:
         return {k: v for k, v in zip(("input_ids", "attention_mask"), batch, strict=True) if k in names}
 
-    quantized = nncf.quantize(model, nncf.Dataset(batches, feed), model_type=nncf.ModelType.TRANSFORMER,
+    quantized = nncf.quantize(converted, nncf.Dataset(batches, feed), model_type=nncf.ModelType.TRANSFORMER,
                               subset_size=len(batches))  # NNCF counts dataset items: batches
     out_dir.mkdir(parents=True, exist_ok=True)
     ov.save_model(quantized, str(out_dir / "model.xml"), compress_to_fp16=False)
-    return {"method": "nncf.quantize (OpenVINO IR, model_type=TRANSFORMER)", "source": "fp32-onnx",
+    return {"method": "nncf.quantize (OpenVINO IR, model_type=TRANSFORMER)",
+            "source": "torch.export of the finetuned model (OpenVINO's PyTorch frontend)",
             "calibration_samples": len(calibration), "calibration_batches": len(batches),
             "versions": {"openvino": ov.__version__, "nncf": nncf.__version__},
             "build_seconds": round(time.perf_counter() - t0, 2)}

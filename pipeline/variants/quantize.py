@@ -96,10 +96,10 @@ def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, variants_roo
         else:
             _skip_unbuilt(("int8-dynamic",), q, out, finetuned, report)
         if "int8-openvino" in q.build:
-            report["int8-openvino"] = {**quantize_openvino(fp32_onnx / "model.onnx", inputs.calibration,
-                                                          inputs.pad_id, q.calibration_batch_size,
-                                                          out["int8-openvino"]),
-                                       "cls_readout": inputs.cls_readout}
+            graph, readout = inference_model(model, params.export.cls_readout)  # the graph fp32-onnx holds
+            report["int8-openvino"] = {**quantize_openvino(graph, inputs.calibration, inputs.pad_id,
+                                                          q.calibration_batch_size, out["int8-openvino"]),
+                                       **readout}
             write_variant(out["int8-openvino"], VariantInfo.built("int8-openvino", report["int8-openvino"]),
                           finetuned)
         else:

@@ -154,9 +154,9 @@ def test_fp32_onnx_exported_with_another_readout_is_refused(built, tiny_model_di
 
 
 def test_openvino_int8_is_static_int8_in_openvino_ir_and_agrees_with_fp32(built, tokenizer):
-    """int8-openvino: the fp32-onnx graph quantized by NNCF into OpenVINO IR whose weight products run in INT8
-    (FakeQuantize nodes, no float fallback), recorded with its build and served in batches (static scales); run through
-    `load_runner`, its logits stay within INT8 rounding of fp32-onnx's on the test reviews."""
+    """int8-openvino: the exported graph (through torch.export) quantized by NNCF into OpenVINO IR whose weight
+    products run in INT8 (FakeQuantize nodes, no float fallback), recorded with its build and served in batches (static
+    scales); run through `load_runner`, its logits stay within INT8 rounding of fp32-onnx's on the test reviews."""
     import openvino as ov
 
     from pipeline.runtimes.base import predict_logits
@@ -166,7 +166,8 @@ def test_openvino_int8_is_static_int8_in_openvino_ir_and_agrees_with_fp32(built,
     d = built["dirs"]["int8-openvino"]
     info = read_variant(d)
     assert info.status == "ok" and info.format == "openvino" and info.file == "model.xml"
-    assert info.params["source"] == "fp32-onnx" and info.params["calibration_samples"] == 32
+    assert info.params["source"].startswith("torch.export") and info.params["calibration_samples"] == 32
+    assert info.params["cls_readout"] is True  # the graph fp32-onnx holds: the last layer reads [CLS] only
     assert info.params["served_batching"] == "batched" and set(info.params["versions"]) == {"openvino", "nncf"}
     ops = [op.get_type_name() for op in ov.Core().read_model(str(d / "model.xml")).get_ops()]
     assert ops.count("FakeQuantize") >= 2 * 6, sorted(set(ops))  # Q, K, V, output, FFN up and down per layer
