@@ -38,10 +38,18 @@ def logits_module(model: Any) -> Any:
 def openvino_model(model: Any, example: tuple[np.ndarray, np.ndarray]) -> Any:
     """An OpenVINO model of `model` (a Hugging Face classifier, eval mode) through `torch.export`, batch and length
     dynamic (up to the model's position table). `example` is one padded batch; it is repeated to two rows so that
-    the batch dimension is not specialised to 1."""
+    the batch dimension is not specialised to 1.
+
+    A copy of `model` is exported with PyTorch's `scaled_dot_product_attention`, which OpenVINO reads as its fused
+    `ScaledDotProductAttention` op; eager attention (which the int8-dynamic build leaves the model in, see
+    `pipeline.variants.fusion.fused_graph`) reaches OpenVINO as separate MatMuls and a Softmax, and runs slower."""
+    import copy
+
     import openvino as ov
     import torch
 
+    model = copy.deepcopy(model)
+    model.set_attn_implementation("sdpa")
     ids, mask = (torch.from_numpy(np.repeat(np.asarray(a, dtype=np.int64), 2, axis=0)) for a in example)
     dims = {0: torch.export.Dim("batch"),
             1: torch.export.Dim("tokens", max=int(model.config.max_position_embeddings))}
