@@ -67,7 +67,8 @@ PEERS: tuple[tuple[str, str], ...] = (
 OURS: dict[ModelRole, tuple[tuple[str, str, str], ...]] = {
     "teacher": (("fp32-onnx", "fp32", "onnxruntime"), ("int8-dynamic", "int8-dynamic", "onnxruntime"),
                 ("int8-static", "int8-static", "onnxruntime"), ("int8-openvino", "int8-nncf", "openvino")),
-    "student": (("fp32-distilled", "fp32", "onnxruntime"), ("int8-distilled", "int8-dynamic", "onnxruntime")),
+    "student": (("fp32-distilled", "fp32", "onnxruntime"), ("int8-distilled", "int8-dynamic", "onnxruntime"),
+                ("int8-distilled-openvino", "int8-nncf", "openvino")),
 }
 
 

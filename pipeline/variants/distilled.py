@@ -1,7 +1,8 @@
 """The distilled student's variants, built by the teacher's own paths: `fp32-distilled` through the export
 stage's ONNX export and parity check (`onnx_variant`), `int8-distilled` through int8-dynamic's recipe (fused graph,
-dynamic INT8: `fused_dynamic_int8`), both with the [CLS] readout when `export.cls_readout`. A skipped student
-gives skipped variants with its reason."""
+dynamic INT8: `fused_dynamic_int8`) and `int8-distilled-openvino` through int8-openvino's (`torch.export`, NNCF
+static INT8 on the same calibration reviews: `quantize_openvino`), each with the [CLS] readout when
+`export.cls_readout`. A skipped student gives skipped variants with its reason."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ from pipeline.data.tokens import read_tokenized
 from pipeline.modeling import load_finetuned, pad_id, read_model_record
 from pipeline.runtimes.catalog import built_by, directories
 from pipeline.runtimes.record import VariantInfo, write_variant
+from pipeline.variants.calibration import calibration_reviews
 from pipeline.variants.export import eager_runner, inference_model, max_length_of, onnx_variant
 from pipeline.variants.fusion import FusionCheck, fused_dynamic_int8
+from pipeline.variants.openvino_int8 import quantize_openvino
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +34,9 @@ def skipped_reason(student_dir: Path) -> str | None:
 
 def run_distilled_variants(student_dir: Path, tokenized: Path, variants_root: Path, params: Params,
                            weight_format: Choice) -> dict[str, Any]:
-    """`fp32-distilled` and `int8-distilled` from the student in `student_dir`, each parity-checked on real reviews
-    against the student in PyTorch; INT8 weights in `weight_format` (how the stage resolved
-    `quantize.weight_format`)."""
+    """`fp32-distilled`, `int8-distilled` and `int8-distilled-openvino` from the student in `student_dir` (the first
+    two parity-checked on real reviews against the student in PyTorch); int8-distilled's weights in `weight_format`
+    (how the stage resolved `quantize.weight_format`)."""
     out = directories(variants_root, built_by("distill"))
     reason = skipped_reason(student_dir)
     if reason is not None:
@@ -60,4 +63,10 @@ def run_distilled_variants(student_dir: Path, tokenized: Path, variants_root: Pa
                                 **built, "student_layers": int(model.config.num_hidden_layers),
                                 "build_seconds": round(time.perf_counter() - started, 2)}
     write_variant(out["int8-distilled"], VariantInfo.built("int8-distilled", report["int8-distilled"]), student_dir)
+
+    name = "int8-distilled-openvino"
+    calibration = calibration_reviews(read_tokenized(tokenized, "train"), params)
+    report[name] = {**quantize_openvino(graph, calibration, pad, params.quantize.calibration_batch_size, out[name]),
+                    **readout, "student_layers": int(model.config.num_hidden_layers)}
+    write_variant(out[name], VariantInfo.built(name, report[name]), student_dir)
     return report

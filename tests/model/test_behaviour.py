@@ -13,7 +13,7 @@ from pipeline.deployment.inference import SentimentPredictor
 pytestmark = pytest.mark.slow
 
 VARIANTS = ["fp32-eager", "fp32-torchscript", "fp32-onnx", "int8-dynamic", "int8-static", "int8-qat",
-            "fp32-distilled", "int8-distilled"]
+            "fp32-distilled", "int8-distilled", "int8-distilled-openvino"]
 
 NEGATIVE = [
     "This was the worst movie I have ever seen. Awful acting, a boring plot and terrible dialogue. "

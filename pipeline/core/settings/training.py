@@ -154,8 +154,9 @@ class TrainParams:
 class DistillParams:
     """The distilled student (`distill` stage): fewer encoder layers initialised from the finetuned teacher, trained
     on the teacher's soft predictions over the training reviews and the unlabelled `transfer` reviews
-    (`data.transfer_reviews`). Its variants (`fp32-distilled`, `int8-distilled`) go through the teacher's export,
-    readout and dynamic INT8 paths. The trainer's other settings (precision, bucketing, threads, ...) are `train`'s."""
+    (`data.transfer_reviews`). Its variants (`fp32-distilled`, `int8-distilled`, `int8-distilled-openvino`) go
+    through the teacher's export, readout, dynamic INT8 and OpenVINO INT8 paths. The trainer's other settings
+    (precision, bucketing, threads, ...) are `train`'s."""
 
     enabled: bool | Auto = False
     """false in the default profile: `package.prefer: accuracy` serves int8-dynamic, so the student would be built and

@@ -31,7 +31,8 @@ def servable_dirs(built, tiny_model_dir, tmp_path_factory):
     run_distilled_variants(tiny_model_dir, built["tokenized"], root, Params(export=ExportParams(parity_samples=8)),
                            weight_format_here())
     dirs = {**{n: d for n, d in built["dirs"].items() if n in SERVABLE},
-            **{n: root / n for n in ("int8-pruned", "fp32-distilled", "int8-distilled")}}
+            **{n: root / n for n in ("int8-pruned", "fp32-distilled", "int8-distilled",
+                                              "int8-distilled-openvino")}}
     assert sorted(dirs) == sorted(SERVABLE)
     return dirs
 

@@ -93,6 +93,13 @@ def test_student_variants_pass_the_teachers_checks(distilled):
     ids, mask = pad_batch([np.array([101, 2307, 3185, 102]), np.array([101, 6659, 102])])
     logits = load_runner(root / "variants" / "int8-distilled")(ids, mask)
     assert logits.shape == (2, 2) and np.isfinite(logits).all()
+    # int8-openvino's recipe on the student: its own 1-layer graph, with the readout, close to fp32-distilled
+    ov = read_variant(root / "variants" / "int8-distilled-openvino")
+    assert ov.status == "ok" and ov.format == "openvino" and ov.params["cls_readout"] is True
+    assert ov.params["student_layers"] == 1
+    ov_logits = load_runner(root / "variants" / "int8-distilled-openvino")(ids, mask)
+    fp32_logits = load_runner(root / "variants" / "fp32-distilled")(ids, mask)
+    assert np.abs(ov_logits - fp32_logits).max() < 5e-2
 
 
 def test_a_disabled_student_leaves_skipped_records(tmp_path):
@@ -105,7 +112,7 @@ def test_a_disabled_student_leaves_skipped_records(tmp_path):
     assert result.status == "skipped"
     report = run_distilled_variants(tmp_path / "student", tmp_path, tmp_path / "variants", Params(),
                                     resolve_auto(Params()).weight_format)
-    assert set(report) == {"fp32-distilled", "int8-distilled"}
+    assert set(report) == {"fp32-distilled", "int8-distilled", "int8-distilled-openvino"}
     for name in report:
         info = read_variant(tmp_path / "variants" / name)
         assert info.status == "skipped" and info.reason == "distill.enabled is false"
@@ -163,7 +170,8 @@ def test_auto_skips_a_student_that_would_train_in_fp32_on_the_cpu_and_says_why(t
         assert run.data.tags["status"] == "skipped"
         assert "longer than a whole default make run" in run.data.tags["reason"]
         assert "PIPELINE_CPU_FLAGS" in record["enabled"]["reason"]  # decided with the rehearsed flags, and says so
-        for name in ("fp32-distilled", "int8-distilled"):  # the student's variants carry the same reason
+        # the student's variants carry the same reason
+        for name in ("fp32-distilled", "int8-distilled", "int8-distilled-openvino"):
             info = read_variant(variants / name)
             assert info.status == "skipped" and info.reason == record["reason"], name
 
