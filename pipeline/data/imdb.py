@@ -154,7 +154,7 @@ def make_splits(frame: pd.DataFrame, params: DataParams) -> tuple[dict[str, pd.D
     subs = {"train": params.train_subsample, "val": params.val_subsample, "test": params.test_subsample}
     unused_train = splits["train"][["text"]]  # the label column goes before any row of it is drawn
     splits = {k: _stratified_subsample(s, subs[k], params.seed) for k, s in splits.items()}
-    transfer = _transfer_reviews(unused_train.drop(index=splits["train"].index), params)
+    transfer = draw_transfer_reviews(unused_train.drop(index=splits["train"].index), params)
     splits = {k: s.reset_index(drop=True) for k, s in splits.items()}
     validate_splits(splits)
     report = SplitReport(
@@ -170,7 +170,7 @@ def make_splits(frame: pd.DataFrame, params: DataParams) -> tuple[dict[str, pd.D
     return splits, report
 
 
-def _transfer_reviews(unused: pd.DataFrame, params: DataParams) -> pd.DataFrame | None:
+def draw_transfer_reviews(unused: pd.DataFrame, params: DataParams) -> pd.DataFrame | None:
     """At most `data.transfer_reviews` texts drawn uniformly from the train-split reviews the subsample left out.
 
     `unused` holds the text column only: the draw cannot be stratified, weighted or filtered by a gold label,

@@ -36,13 +36,13 @@ def test_transfer_draw_never_reads_a_label(monkeypatch):
     import pipeline.data.imdb as imdb
 
     seen: list[list[str]] = []
-    original = imdb._transfer_reviews
+    original = imdb.draw_transfer_reviews
 
     def spy(unused: pd.DataFrame, params: DataParams):
         seen.append(list(unused.columns))
         return original(unused, params)
 
-    monkeypatch.setattr(imdb, "_transfer_reviews", spy)
+    monkeypatch.setattr(imdb, "draw_transfer_reviews", spy)
     imdb.make_splits(synthetic_reviews(400), DataParams(train_count=300, val_count=50, train_subsample=100,
                                                         seed=0, transfer_reviews=50))
     assert seen == [["text"]]
