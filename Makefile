@@ -19,9 +19,7 @@ export TORCHAO_FORCE_SKIP_LOADING_SO_FILES := 1
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	# --no-compile: Python compiles each module when it is first imported, instead of pip compiling every file of
-	# every package up front (most are never imported here); the install takes about half as long.
-	$(BIN)/python -m pip install --quiet --no-compile -r requirements.txt
+	$(BIN)/python -m pip install --quiet -r requirements.txt
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
