@@ -110,13 +110,13 @@ class StageContext:
     """What every stage body receives: the validated params (as the file says them, `auto` kept) and what each
     `auto` setting resolved to on this machine, decided once when the stage starts and passed down from here."""
 
-    name: str
     params: Params
     auto: ResolvedAuto
 
     @classmethod
     def load(cls, name: str, params_file: Path) -> StageContext:
-        """Load and validate `params_file`, resolve every `auto` once, and log the choices on one line."""
+        """Load and validate `params_file`, resolve every `auto` once, and log the choices on one line (as stage
+        `name`'s)."""
         from pipeline.core.params import load_params, resolve_auto
 
         params = load_params(params_file)
@@ -124,7 +124,7 @@ class StageContext:
         logging.getLogger("pipeline.stage").info(
             "%s: auto settings on this machine: %s", name,
             "; ".join(f"{setting}={choice['value']}" for setting, choice in auto.choices().items()))
-        return cls(name, params, auto)
+        return cls(params, auto)
 
 
 StageBody = Callable[..., None]

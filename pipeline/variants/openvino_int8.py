@@ -4,9 +4,9 @@ NNCF's post-training quantization (transformer preset: static INT8 activation sc
 training reviews int8-static calibrates on), saved as OpenVINO IR (`model.xml` + `model.bin`) for
 `pipeline.runtimes.openvino`.
 
-The PyTorch frontend, not the fp32-onnx file, is the source: OpenVINO fuses the attention it reads from
-`torch.export` into its own kernels, which it does not for the ONNX graph's decomposed attention (docs/peers.md has
-the measurement)."""
+The PyTorch frontend, not the fp32-onnx file, is the source: PyTorch's `sdpa` attention reaches OpenVINO as its
+fused `ScaledDotProductAttention` op, while the ONNX graph's attention arrives as separate MatMuls and a Softmax
+and runs slower (docs/peers.md has the measurement)."""
 
 from __future__ import annotations
 
