@@ -41,6 +41,17 @@ MODULE_GROUPS = {
 SHARED_FIXTURES = {"repo": "repro", "server": "servers", "champion": "servers", "proxy": "servers"}
 
 
+def pytest_configure(config):
+    """Under pytest-xdist the workers share the machine: each (and every process it starts: stages, servers, probes)
+    gets its share of the CPUs through `OMP_NUM_THREADS`, which torch reads and the pipeline hands to onnxruntime and
+    OpenVINO (`pipeline.core.machine.default_threads`). Without it every worker's thread pools size themselves to the
+    whole machine and spin-wait against each other. A value the caller set is kept."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers > 1:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cpus // workers)))
+
+
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: only called where xdist runs the tests
 def pytest_xdist_make_scheduler(config, log):
     """Module scheduling (xdist's `loadscope`) with the modules of `MODULE_GROUPS` merged into their group."""

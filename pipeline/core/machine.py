@@ -71,14 +71,28 @@ def decision_tags() -> dict[str, str]:
                                 f"{cpu_model()})"}
 
 
+#: The usual cap on a process's compute threads (OpenMP's; job schedulers, containers and `make test`'s parallel
+#: workers set it). torch reads it itself; onnxruntime and OpenVINO do not, so `default_threads` hands it to them.
+THREAD_CAP_ENV = "OMP_NUM_THREADS"
+
+
+def default_threads() -> int | None:
+    """The intra-op threads of a runtime whose `*.threads` setting is null: `OMP_NUM_THREADS` where it is a positive
+    integer, so one cap holds for torch, onnxruntime and OpenVINO alike; else None (each runtime's own default)."""
+    raw = os.environ.get(THREAD_CAP_ENV, "").strip()
+    return int(raw) if raw.isdigit() and int(raw) > 0 else None
+
+
 def thread_tags() -> dict[str, str]:
-    """The threading a stage starts with, as MLflow tags: the CPUs this process may use, torch's intra-op threads
-    (its default is one per physical core; `*.threads` settings replace it), and the tokenizers' parallelism.
-    onnxruntime sessions use `*.threads` where set, else onnxruntime's own default (one per physical core)."""
+    """The threading a stage starts with, as MLflow tags: the CPUs this process may use, the `OMP_NUM_THREADS` cap,
+    torch's intra-op threads (its default is one per physical core, or the cap; `*.threads` settings replace it),
+    and the tokenizers' parallelism. onnxruntime and OpenVINO use `*.threads` where set, else the cap where set
+    (`default_threads`), else their own default (one per physical core)."""
     import torch
 
     return {"threads.cpus_available": str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                                           else os.cpu_count()),
+            "threads.cap": os.environ.get(THREAD_CAP_ENV) or "unset",
             "threads.torch_intra_op": str(torch.get_num_threads()),
             "threads.tokenizers_parallelism": os.environ.get("TOKENIZERS_PARALLELISM", "unset")}
 

@@ -45,12 +45,33 @@ def setup_logging() -> None:
     """Console logging for a stage process (called from `main`, never at import)."""
     logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("urllib3", "alembic", "httpx", "filelock"):
+    for noisy in ("urllib3", "alembic", "httpx", "filelock", "onnx_ir", "onnxscript"):  # per-node rewrite lines
         logging.getLogger(noisy).setLevel(logging.WARNING)
     logging.getLogger("torchao").setLevel(logging.ERROR)  # "skipping its C++ kernels": see the Makefile
     for handler in logging.getLogger().handlers:
         if not any(isinstance(f, QuietThirdPartyRootInfo) for f in handler.filters):
             handler.addFilter(QuietThirdPartyRootInfo())
+
+
+class NoLitLoggerTip(logging.Filter):
+    """Drops Lightning's advertisement for its hosted logger, printed by every Trainer that has another logger."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "litlogger" not in record.getMessage().lower()
+
+
+def lightning_lines_once() -> None:
+    """Lightning's package logger (`lightning`) prints each line with a console handler of its own, added when it is
+    imported, and the line reaches the stage's root handler too: where the root has a handler, Lightning's own is
+    removed, so each line appears once, timestamped and named like the rest. Call it once Lightning is imported."""
+    if not logging.getLogger().handlers:
+        return
+    package = logging.getLogger("lightning")
+    for handler in list(package.handlers):
+        package.removeHandler(handler)
+    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, NoLitLoggerTip) for f in rank_zero.filters):
+        rank_zero.addFilter(NoLitLoggerTip())
 
 
 def what_it_does() -> str:

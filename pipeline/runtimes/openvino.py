@@ -15,7 +15,10 @@ from pipeline.runtimes.record import VariantError, VariantInfo, model_file
 
 def compiled_model(model: Path | Any, threads: int | None = None) -> Any:
     """`model` (an IR file, or an `openvino.Model` in memory) compiled for the CPU: `threads` inference threads
-    (None: the plugin's default), LATENCY hint, one stream."""
+    (None: the `OMP_NUM_THREADS` cap where set, else the plugin's default), LATENCY hint, one stream."""
+    from pipeline.core.machine import default_threads
+
+    threads = threads or default_threads()
     try:
         import openvino as ov
     except ImportError as exc:
@@ -42,6 +45,9 @@ class OpenVinoRunner:
     def __init__(self, path: Path, threads: int | None = None, batching: Batching = "auto") -> None:
         if batching not in BATCHING_MODES:
             raise ValueError(f"batching must be one of {BATCHING_MODES}, not {batching!r}")
+        from pipeline.core.machine import default_threads
+
+        threads = threads or default_threads()
         self.compiled = compiled_model(path, threads)
         self.request = self.compiled.create_infer_request()
         self.inputs = {p.get_any_name() for p in self.compiled.inputs}

@@ -13,10 +13,13 @@ from pipeline.runtimes.record import VariantError, VariantInfo, model_file
 
 
 def session_options(threads: int | None = None, optimization: str = "all") -> Any:
-    """onnxruntime session options: the graph optimisation level by name and, when given, `threads` intra-op
-    threads with one inter-op thread."""
+    """onnxruntime session options: the graph optimisation level by name and `threads` intra-op threads with one
+    inter-op thread (None: the `OMP_NUM_THREADS` cap where set, else onnxruntime's default)."""
     import onnxruntime as ort
 
+    from pipeline.core.machine import default_threads
+
+    threads = threads or default_threads()
     opts = ort.SessionOptions()
     opts.graph_optimization_level = {
         "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
@@ -52,6 +55,9 @@ class OrtRunner:
 
     def __init__(self, path: Path, threads: int | None = None, optimization: str = "all",
                  batching: Batching = "auto") -> None:
+        from pipeline.core.machine import default_threads
+
+        threads = threads or default_threads()
         self.session = ort_session(path, threads, optimization)  # first: a file it cannot load is a VariantError
         self.rows_alone = scores_rows_alone(path, batching)
         self.inputs = {i.name for i in self.session.get_inputs()}

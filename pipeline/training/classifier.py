@@ -20,6 +20,7 @@ from torchmetrics.classification import BinaryAccuracy
 
 from pipeline.core.errors import UserError
 from pipeline.core.params import TrainParams
+from pipeline.core.stage import lightning_lines_once
 from pipeline.data.batching import Collator, LengthBucketBatchSampler, LoaderPosition, TokenizedDataset
 from pipeline.data.tokens import read_tokenized
 
@@ -282,6 +283,7 @@ def build_trainer(params: TrainParams, work_dir: Path, callbacks: list[L.Callbac
 
     if enable_progress_bar:  # tqdm also reports when stderr is a log file, unlike the rich bar
         callbacks = [*callbacks, TQDMProgressBar(refresh_rate=10)]
+    lightning_lines_once()
     return L.Trainer(
         max_epochs=params.epochs, accelerator=accelerator, devices=devices, num_nodes=num_nodes,
         strategy=strategy, precision=params.precision, accumulate_grad_batches=params.grad_accum,

@@ -89,6 +89,9 @@ def qat_finetune(model: torch.nn.Module, seqs: Sequence[np.ndarray], labels: Seq
     with tempfile.TemporaryDirectory(prefix="qat-") as tmp:
         from lightning.pytorch.callbacks import TQDMProgressBar
 
+        from pipeline.core.stage import lightning_lines_once
+
+        lightning_lines_once()
         trainer = L.Trainer(max_epochs=params.qat_epochs, accelerator="cpu", devices=1, logger=False,
                             enable_checkpointing=store is not None and store.every_n_steps > 0,
                             default_root_dir=tmp, callbacks=[_Loss(), TQDMProgressBar(refresh_rate=10), *resume],

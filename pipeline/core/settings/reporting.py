@@ -38,6 +38,7 @@ class EvaluateParams:
     batch_size: int = Field(16, ge=1)
     """Equal to train.eval_batch_size, finetune's FP32 test logits are reused (else FP32 is scored again)."""
     threads: Threads = None
+    """intra-op threads (null = the OMP_NUM_THREADS cap where set, else the runtime's default)"""
     artifact_max_mb: float = Field(200.0, ge=0)
     """larger variant files are logged to MLflow as a path, not a copy"""
 
@@ -60,7 +61,7 @@ class BenchmarkParams:
     throughput_batches: int = Field(1, ge=1)
     """batches per round, median over the rounds"""
     threads: Threads = None
-    """null = all logical CPUs; recorded in the report"""
+    """null = the OMP_NUM_THREADS cap where set, else all logical CPUs; recorded in the report"""
     bf16_row: bool | Auto = "auto"
     """FP32 weights under bf16 autocast; auto: only on a CPU with native bf16 (emulated bf16 is far slower)"""
     memory: bool = True
@@ -102,4 +103,4 @@ class PackageParams:
     max_json_depth: int = Field(8, ge=2)
     """deepest nesting of JSON arrays/objects in a body (a valid request, {"texts": [...]}, needs 2); deeper: 400"""
     threads: Threads = None
-    """intra-op threads per worker (null = library default)"""
+    """intra-op threads per worker (null = the OMP_NUM_THREADS cap where set, else the runtime's default)"""

@@ -11,12 +11,14 @@ from pipeline.core.machine import (
     ISA_FLAGS,
     cpu_flags,
     decision_tags,
+    default_threads,
     isa_record,
     machine_info,
     resolve_bf16_row,
     resolve_distill,
     resolve_precision,
     resolve_weight_format,
+    thread_tags,
 )
 
 
@@ -129,3 +131,14 @@ def test_without_an_override_the_decisions_use_this_cpus_flags_and_say_nothing_o
                                  (resolve_weight_format("auto"), resolve_weight_format("auto", cpu_flags())),
                                  (resolve_bf16_row("auto"), resolve_bf16_row("auto", cpu_flags()))):
         assert auto == on_these_flags and "PIPELINE_CPU_FLAGS" not in auto.reason
+
+
+@pytest.mark.parametrize(("value", "expected"), [("4", 4), (" 1 ", 1), ("0", None), ("-2", None), ("two", None),
+                                                 ("", None), (None, None)])
+def test_the_omp_cap_is_read_only_where_it_is_a_positive_count(monkeypatch, value, expected):
+    if value is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", value)
+    assert default_threads() == expected
+    assert thread_tags()["threads.cap"] == (value or "unset")

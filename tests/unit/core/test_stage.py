@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
-from pipeline.core.stage import QuietThirdPartyRootInfo, StageContext
+from pipeline.core.stage import QuietThirdPartyRootInfo, StageContext, lightning_lines_once
 
 #: What `demo_stage` saw, for the test that runs it.
 SEEN: dict[str, Any] = {}
@@ -35,6 +35,32 @@ def test_root_info_from_onnxruntime_is_dropped_but_warnings_and_our_lines_stay()
     assert quiet.filter(_record("pipeline.quantize", logging.INFO, ours))
     # a named onnxruntime logger is left to its own level
     assert quiet.filter(_record("onnxruntime.quantization.preprocess", logging.INFO, ort))
+
+
+def test_lightning_lines_appear_once_through_the_root_handler_without_the_litlogger_tip():
+    import io
+
+    import lightning  # noqa: F401  (importing it adds its console handler to the "lightning" logger)
+
+    root, package = logging.getLogger(), logging.getLogger("lightning")
+    root_out, own_out = io.StringIO(), io.StringIO()
+    root_handler, own_handler = logging.StreamHandler(root_out), logging.StreamHandler(own_out)
+    saved = list(package.handlers)
+    root.addHandler(root_handler)
+    package.addHandler(own_handler)  # stands for the handler `import lightning` adds, whichever test imported it
+    try:
+        lightning_lines_once()
+        log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+        log.info("GPU available: False, used: False")
+        log.info("💡 Tip: For seamless cloud logging, try installing [litlogger](https://pypi.org/project/litlogger/)")
+    finally:
+        root.removeHandler(root_handler)
+        for handler in list(package.handlers):
+            package.removeHandler(handler)
+        for handler in saved:
+            package.addHandler(handler)
+    assert root_out.getvalue().splitlines() == ["GPU available: False, used: False"]
+    assert own_out.getvalue() == ""
 
 
 def test_a_stage_says_what_it_does_and_how_long_it_took(caplog, tmp_path, monkeypatch):

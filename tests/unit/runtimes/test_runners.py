@@ -53,3 +53,22 @@ def test_torch_runner_autocast_runs_in_the_named_dtype_and_refuses_others():
         assert seen[-1] == dtype and logits.dtype == np.float32 and logits.shape == (3, 2)
     with pytest.raises(ValueError, match="autocast"):
         TorchRunner(Probe(), autocast="int4")
+
+
+def test_a_null_thread_setting_takes_the_omp_cap_in_onnxruntime_and_openvino(tmp_path, tiny_model_dir, monkeypatch):
+    """torch reads OMP_NUM_THREADS itself; onnxruntime and OpenVINO are handed it, so one cap holds for all three."""
+    import openvino as ov
+
+    from pipeline.runtimes.openvino import compiled_model
+    from pipeline.runtimes.ort import session_options
+
+    model, _, _ = load_finetuned(tiny_model_dir)
+    export_onnx(model, tmp_path / "m.onnx", 32)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert session_options().intra_op_num_threads == 3
+    assert session_options(threads=2).intra_op_num_threads == 2  # an explicit setting wins over the cap
+    assert OrtRunner(tmp_path / "m.onnx").describe()["threads"] == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # OpenVINO clamps its threads to the cores there are
+    assert compiled_model(ov.convert_model(str(tmp_path / "m.onnx"))).get_property("INFERENCE_NUM_THREADS") == 1
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert session_options().intra_op_num_threads == 0  # onnxruntime's own default
