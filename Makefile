@@ -19,7 +19,11 @@ export TORCHAO_FORCE_SKIP_LOADING_SO_FILES := 1
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -r requirements.txt
+	$(BIN)/python -m pip install --quiet --no-compile -r requirements.txt
+	@# pip would compile every installed module to bytecode one after another; compileall does it on every core. The
+	@# bytecode must be there before the first run: where PYTHONDONTWRITEBYTECODE is set, imports never write it, and
+	@# every process would compile torch again. Like pip, it goes past the few files of a newer Python's syntax.
+	@$(BIN)/python -m compileall -q -j 0 $(VENV)/lib >/dev/null || true
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 

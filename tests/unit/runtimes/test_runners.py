@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from pipeline.modeling import load_finetuned
@@ -55,20 +57,31 @@ def test_torch_runner_autocast_runs_in_the_named_dtype_and_refuses_others():
         TorchRunner(Probe(), autocast="int4")
 
 
-def test_a_null_thread_setting_takes_the_omp_cap_in_onnxruntime_and_openvino(tmp_path, tiny_model_dir, monkeypatch):
+def _identity_onnx(path: Path) -> Path:
+    """A one-node ONNX graph (input_ids -> float logits): enough to open a session or compile a model."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Cast", ["input_ids"], ["logits"], to=TensorProto.FLOAT)], "identity",
+                              [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq"])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), path)
+    return path
+
+
+def test_a_null_thread_setting_takes_the_omp_cap_in_onnxruntime_and_openvino(tmp_path, monkeypatch):
     """torch reads OMP_NUM_THREADS itself; onnxruntime and OpenVINO are handed it, so one cap holds for all three."""
     import openvino as ov
 
     from pipeline.runtimes.openvino import compiled_model
     from pipeline.runtimes.ort import session_options
 
-    model, _, _ = load_finetuned(tiny_model_dir)
-    export_onnx(model, tmp_path / "m.onnx", 32)
+    model = _identity_onnx(tmp_path / "m.onnx")
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert session_options().intra_op_num_threads == 3
     assert session_options(threads=2).intra_op_num_threads == 2  # an explicit setting wins over the cap
-    assert OrtRunner(tmp_path / "m.onnx").describe()["threads"] == 3
+    assert OrtRunner(model).describe()["threads"] == 3
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # OpenVINO clamps its threads to the cores there are
-    assert compiled_model(ov.convert_model(str(tmp_path / "m.onnx"))).get_property("INFERENCE_NUM_THREADS") == 1
+    assert compiled_model(ov.convert_model(str(model))).get_property("INFERENCE_NUM_THREADS") == 1
     monkeypatch.delenv("OMP_NUM_THREADS")
     assert session_options().intra_op_num_threads == 0  # onnxruntime's own default
