@@ -59,11 +59,35 @@ def write_tokenized(directory: Path, sizes: dict[str, int], max_length: int = 64
 SERVING_LIMITS = {"max_texts": 4, "max_body_bytes": 4096, "max_chars_per_text": 1500, "max_json_depth": 8}
 
 
+#: Ports `free_port` handed out in this process: a server's several ports are never drawn twice.
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port on the loopback interface that nothing listens on right now."""
+    """A TCP port on the loopback interface that nothing listens on right now, drawn at random below the kernel's
+    ephemeral range. A port the kernel picks itself (bind to 0) lies inside that range, where every outgoing
+    connection also takes its local port: between this call and the server's bind (seconds, for TorchServe's JVM) a
+    client of the other test worker could take it, and the server would fail with "Address already in use"."""
+    import random
     import socket
 
-    with socket.socket() as s:
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768  # Linux's default
+    draw = random.SystemRandom()
+    for _ in range(200):
+        port = draw.randrange(10000, max(ephemeral_low, 10001))
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    with socket.socket() as s:  # below the range every port is taken: let the kernel choose
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -69,9 +69,12 @@ class Server:
         return status, json.loads(text) if text else None
 
 
-def _wait_healthy(url: str, key: str, log: Path, timeout: float = 180) -> None:
+def _wait_healthy(url: str, key: str, log: Path, startup_log: Path, timeout: float = 180) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
+        startup = startup_log.read_text(errors="replace") if startup_log.is_file() else ""
+        if "Address already in use" in startup:  # the frontend stops at once: no use waiting for it
+            raise RuntimeError(f"TorchServe could not bind one of its ports; {startup_log} ends:\n{startup[-3000:]}")
         try:
             req = urllib.request.Request(f"{url}/ping", headers={"Authorization": f"Bearer {key}"})
             with urllib.request.urlopen(req, timeout=5) as resp:
@@ -122,7 +125,7 @@ def running_torchserve(work: Path, variant_dir: Path) -> Iterator[Server]:
         key = inference_key(work / "key_file.json")  # waits out a key file TorchServe is still writing
         assert key, f"TorchServe wrote no key file within 60 s; see {log}"
         url = f"http://127.0.0.1:{ports['inference']}"
-        _wait_healthy(url, key, work / "logs" / "ts_log.log" if (work / "logs").exists() else log)
+        _wait_healthy(url, key, work / "logs" / "ts_log.log" if (work / "logs").exists() else log, log)
         yield Server(work, url, key, variant_dir, ports)
     finally:
         subprocess.run([str(BIN / "torchserve"), "--stop"], cwd=work, env=env, capture_output=True, timeout=120)
