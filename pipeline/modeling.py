@@ -179,11 +179,19 @@ def pad_id(tokenizer: Any) -> int:
     return 0 if tokenizer.pad_token_id is None else int(tokenizer.pad_token_id)
 
 
-def saved_pad_id(model_dir: str | Path) -> int:
-    """`pad_id` of the tokenizer saved beside a model (a finetuned or student directory)."""
+def load_saved_tokenizer(model_dir: str | Path) -> Any:
+    """The tokenizer saved beside a model or variant. The mean-pooling model type is registered first: transformers
+    reads the directory's `config.json` to choose the tokenizer class, and warns about a `model_type` it does not
+    know (as if one model type were being loaded as another)."""
     from transformers import AutoTokenizer
 
-    return pad_id(AutoTokenizer.from_pretrained(model_dir))
+    mean_pool_classes()
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def saved_pad_id(model_dir: str | Path) -> int:
+    """`pad_id` of the tokenizer saved beside a model (a finetuned or student directory)."""
+    return pad_id(load_saved_tokenizer(model_dir))
 
 
 def read_model_record(model_dir: str | Path) -> dict[str, Any]:

@@ -91,14 +91,14 @@ class SentimentPredictor:
 
     def __init__(self, directory: str | Path, threads: int | None = None, max_chars: int | None = None,
                  **runner_options: Any) -> None:
-        from transformers import AutoTokenizer
+        from pipeline.modeling import load_saved_tokenizer
 
         self.directory = Path(directory)
         self.max_chars = max_chars
         meta = json.loads((self.directory / "pipeline.json").read_text())
         self.preprocessing = meta["preprocessing"]
         self.labels = {int(k): v for k, v in meta["labels"].items()}
-        self.tokenizer = AutoTokenizer.from_pretrained(self.directory)
+        self.tokenizer = load_saved_tokenizer(self.directory)
         self.runner = load_runner(self.directory, threads, **runner_options)
         self.name = (read_variant(self.directory).name if (self.directory / VARIANT_FILE).is_file()
                      else "fp32-eager")

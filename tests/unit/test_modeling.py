@@ -76,3 +76,21 @@ def test_pad_id_is_the_tokenizers_own_or_zero(tmp_path, tokenizer):
     assert pad_id(SimpleNamespace(pad_token_id=1)) == 1  # RoBERTa pads with 1, not 0
     tokenizer.save_pretrained(tmp_path)
     assert saved_pad_id(tmp_path) == tokenizer.pad_token_id
+
+
+def test_a_fresh_process_reads_a_mean_head_models_tokenizer_without_a_model_type_warning(tmp_path, tokenizer):
+    """`saved_pad_id` (the stages) and the served predictor read the tokenizer beside a saved model; transformers
+    looks at its `config.json` first, so the mean-pooling type must be known there too (a fresh process: the type
+    registers process-wide, so in this one an earlier test may have registered it already)."""
+    import subprocess
+    import sys
+
+    model = load_model(ModelParams(source="tiny", head="mean"), seed=0).eval()
+    save_model(model, tokenizer, tmp_path, DataParams(max_length=64), ModelParams(source="tiny", head="mean"),
+               TrainParams())
+    proc = subprocess.run([sys.executable, "-c", "import sys; from pipeline.modeling import saved_pad_id; "
+                           "print(saved_pad_id(sys.argv[1]))", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-1] == str(tokenizer.pad_token_id)
+    assert MEAN_POOL_MODEL_TYPE not in proc.stderr, proc.stderr[-2000:]
