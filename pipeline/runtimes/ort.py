@@ -55,13 +55,12 @@ class OrtRunner:
 
     def __init__(self, path: Path, threads: int | None = None, optimization: str = "all",
                  batching: Batching = "auto") -> None:
-        from pipeline.core.machine import default_threads
-
-        threads = threads or default_threads()
         self.session = ort_session(path, threads, optimization)  # first: a file it cannot load is a VariantError
         self.rows_alone = scores_rows_alone(path, batching)
         self.inputs = {i.name for i in self.session.get_inputs()}
-        self.threads, self.optimization = threads, optimization
+        # what the session runs with (`session_options` applied the cap to a null setting); 0 = onnxruntime's default
+        self.threads = self.session.get_session_options().intra_op_num_threads or None
+        self.optimization = optimization
 
     @classmethod
     def load(cls, directory: Path, info: VariantInfo | None, threads: int | None = None,

@@ -28,9 +28,7 @@ def load_runner(directory: Path, threads: int | None = None, **options: Any) -> 
     """The runtime of any variant directory (or the finetuned HF directory as `fp32-eager`), with `threads`
     intra-op threads (None: the `OMP_NUM_THREADS` cap where set, else the runtime's default) and the runtime's own
     `options` (see each runtime's `load`)."""
-    from pipeline.core.machine import default_threads
-
-    directory, threads = Path(directory), threads or default_threads()
+    directory = Path(directory)
     if not (directory / VARIANT_FILE).is_file() and (directory / "model.safetensors").is_file():
         return RUNTIMES["eager"].load(directory, None, threads, **options)
     info = read_variant(directory)
