@@ -27,6 +27,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -115,8 +116,10 @@ def plain_loop(model: Any, ids: list[np.ndarray], labels: np.ndarray, steps: int
     clock.stop()
 
 
-def lightning_run(model: Any, tokenized: Path, params: TrainParams, clock: StepClock) -> None:
-    """The finetune stage's module, data module and Trainer, validation off."""
+def lightning_run(model: Any, tokenized: Path, params: TrainParams, clock: StepClock, pad_id: int = 0,
+                  shorten_train: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
+    """The finetune stage's module, data module and Trainer, validation off (`shorten_train`: the stage's training
+    window, `pipeline.data.tokens.window_shortener`; None trains on the reviews as tokenized)."""
     import lightning as L
 
     from pipeline.training.classifier import IMDBDataModule, SentimentClassifier, build_trainer
@@ -139,7 +142,7 @@ def lightning_run(model: Any, tokenized: Path, params: TrainParams, clock: StepC
     with tempfile.TemporaryDirectory(prefix="seed-recipe-") as tmp:
         trainer = build_trainer(params, Path(tmp), [Clock()], enable_progress_bar=False)
         trainer.limit_val_batches = 0
-        trainer.fit(module, datamodule=IMDBDataModule(tokenized, params))
+        trainer.fit(module, datamodule=IMDBDataModule(tokenized, params, pad_id, shorten_train))
 
 
 def runs(compile_ok: bool, device: str) -> list[tuple[str, dict[str, Any]]]:

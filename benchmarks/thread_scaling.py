@@ -1,9 +1,10 @@
 """Does the default run use the cores it is given? The work that dominates `make run`, timed at 1, 2, 4, ... threads
-up to the CPUs this process may use: training steps of the finetuned model as the finetune stage runs them (its
-batch size, training window and `train.precision` as resolved here), and scoring the test reviews with each built
-variant as the evaluate stage does (its batch size), plus batch-1 latency as the benchmark stage times it.
+up to the CPUs this process may use: an epoch of training reviews through the finetune stage's own module, data
+module and Trainer (its batch size, bucketing, training window and `train.precision` as resolved here, from the
+finetuned weights), scoring the test reviews with each built variant as the evaluate stage does (its batch size),
+and batch-1 latency timed by the benchmark stage's own `measure`.
 
-    python -m benchmarks.thread_scaling [--threads 1,2] [--reviews 160] [--train-steps 6] [--rounds 2]
+    python -m benchmarks.thread_scaling [--threads 1,2] [--reviews 160] [--train-reviews 96] [--rounds 2]
 
 Thread counts alternate inside each round (1, 2, ..., then back), so drift on a shared machine hits every count
 alike; the median round counts. Per unit: the rate at each count, the speed-up over 1 thread and the parallel
@@ -14,15 +15,21 @@ its ISA flags and the thread settings. Reads the outputs of a `make run` (`model
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from pipeline.core.params import BenchmarkParams, Params
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The variants the default profile builds, scored and timed where they are built here.
@@ -38,36 +45,26 @@ def thread_counts(cpus: int) -> list[int]:
     return [*counts, cpus]
 
 
-def train_rate(finetuned: Path, seqs: list[np.ndarray], labels: np.ndarray, batch_size: int, window: int,
-               precision: str, steps: int, pad: int, threads: int) -> float:
-    """Training samples/s of the finetuned model: AdamW steps on `batch_size` reviews cut to `window` tokens, under
-    bf16 autocast where `precision` is bf16-mixed (the finetune stage's setting), after one untimed step."""
+def train_rate(finetuned: Path, tokenized: Path, params: Params, threads: int) -> float:
+    """Training samples/s of the finetune stage's own path (`benchmarks.seed_recipe.lightning_run`: its module, data
+    module and Trainer under `params.train`'s precision, batch size, bucketing and training window) over one epoch
+    of the reviews in `tokenized`, starting from the finetuned weights; the first step is not timed."""
+    import dataclasses
+
     import torch
 
-    from pipeline.modeling import load_finetuned
-    from pipeline.runtimes.base import pad_batch
+    from benchmarks.seed_recipe import StepClock, lightning_run
+    from pipeline.data.tokens import window_shortener
+    from pipeline.modeling import load_finetuned, pad_id
 
     torch.set_num_threads(threads)
-    model, _, _ = load_finetuned(finetuned)
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
-
-    def step(i: int) -> None:
-        start = (i * batch_size) % max(1, len(seqs) - batch_size)
-        ids, mask = pad_batch([s[:window] for s in seqs[start : start + batch_size]], pad)
-        with autocast:
-            out = model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
-                        labels=torch.tensor(labels[start : start + batch_size], dtype=torch.long))
-        out.loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    step(0)
-    t0 = time.perf_counter()
-    for i in range(1, steps + 1):
-        step(i)
-    return steps * batch_size / (time.perf_counter() - t0)
+    model, tokenizer, _ = load_finetuned(finetuned)
+    data, train = params.data, dataclasses.replace(params.train, epochs=1, threads=threads)
+    shorten = window_shortener(train.max_length, data.max_length, data.truncation, data.head_fraction,
+                               tokenizer.cls_token_id, tokenizer.sep_token_id)
+    clock = StepClock(warmup=1, device="cpu")
+    lightning_run(model, tokenized, train, clock, pad_id(tokenizer), shorten)
+    return clock.samples / clock.seconds
 
 
 def score_rate(directory: Path, seqs: list[np.ndarray], batch_size: int, pad: int, threads: int) -> float:
@@ -82,20 +79,15 @@ def score_rate(directory: Path, seqs: list[np.ndarray], batch_size: int, pad: in
     return len(seqs) / (time.perf_counter() - t0)
 
 
-def latency_ms(directory: Path, seqs: list[np.ndarray], seq_len: int, pad: int, threads: int, calls: int) -> float:
-    """Median batch-1 latency (ms) at `seq_len` tokens, as the benchmark stage times it."""
-    from pipeline.evaluation.latency import latency_inputs
+def latency_ms(directory: Path, seqs: list[np.ndarray], params: BenchmarkParams, pad: int, threads: int) -> float:
+    """Batch-1 p50 (ms) of the variant in `directory`, timed by the benchmark stage's own `measure` under `params`."""
+    from pipeline.evaluation.latency import latency_inputs, measure, throughput_batches
     from pipeline.runtimes.registry import load_runner
 
-    runner = load_runner(directory, threads)
-    inputs = latency_inputs(seqs, seq_len, calls, pad)
-    runner(*inputs[0])
-    samples = []
-    for ids, mask in inputs:
-        t0 = time.perf_counter()
-        runner(ids, mask)
-        samples.append((time.perf_counter() - t0) * 1e3)
-    return float(np.median(samples))
+    runners = {"variant": load_runner(directory, threads)}
+    lat = latency_inputs(seqs, params.seq_len, params.latency_reviews, pad)
+    batches = throughput_batches(seqs, params.batch_size, params.throughput_batches, pad)
+    return measure(runners, lat, batches, params)["variant"]["p50_ms_b1"]
 
 
 def scaling_rows(rates: dict[str, dict[int, float]], higher_is_better: dict[str, bool]) -> list[dict[str, Any]]:
@@ -134,8 +126,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokenized", type=Path, default=ROOT / "data" / "tokenized")
     p.add_argument("--threads", default=None, help="comma-separated counts (default 1, 2, 4, ... up to the CPUs)")
     p.add_argument("--reviews", type=int, default=160, help="test reviews scored per variant and count")
-    p.add_argument("--train-steps", type=int, default=6, help="timed training steps per count")
-    p.add_argument("--latency-calls", type=int, default=20)
+    p.add_argument("--train-reviews", type=int, default=96, help="training reviews per count (one epoch)")
+    p.add_argument("--latency-calls", type=int, default=20, help="batch-1 calls per variant and count")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "thread_scaling.json")
     args = p.parse_args(argv)
@@ -147,16 +139,21 @@ def main(argv: list[str] | None = None) -> None:
     from pipeline.modeling import saved_pad_id
     from pipeline.runtimes.record import VARIANT_FILE, read_variant
 
-    params = load_params(args.params)
-    precision = resolve_auto(params).precision
+    asked = load_params(args.params)
+    auto = resolve_auto(asked)
+    params, precision = auto.apply(asked), auto.precision
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     counts = [int(t) for t in args.threads.split(",")] if args.threads else thread_counts(cpus)
     pad = saved_pad_id(args.finetuned)
     test = read_tokenized(args.tokenized, "test")
     seqs = test["input_ids"].tolist()[: args.reviews]
-    train = read_tokenized(args.tokenized, "train")
-    train_seqs, train_labels = train["input_ids"].tolist(), train["label"].to_numpy()
     window = params.train.max_length or params.data.max_length
+    bench = dataclasses.replace(params.benchmark, rounds=1, warmup=2, iterations=args.latency_calls,
+                                latency_reviews=args.latency_calls, throughput_batches=1,
+                                batch_size=min(params.benchmark.batch_size, len(seqs)))
+    work = Path(tempfile.mkdtemp(prefix="thread-scaling-"))  # the training reviews, in the prepare stage's layout
+    for split, rows in (("train", args.train_reviews), ("val", 8), ("test", 8)):
+        read_tokenized(args.tokenized, split).head(rows).to_parquet(work / f"{split}.parquet")
 
     built = {"fp32-eager": args.finetuned}
     for name in VARIANTS:
@@ -166,26 +163,28 @@ def main(argv: list[str] | None = None) -> None:
     # unit -> (measure at a thread count, whether a higher value is better)
     units: dict[str, tuple[Callable[[int], float], bool]] = {
         f"train samples/s ({precision.value}, batch {params.train.batch_size}, {window} tokens)": (
-            lambda t: train_rate(args.finetuned, train_seqs, train_labels, params.train.batch_size, window,
-                                 precision.value, args.train_steps, pad, t), True)}
+            lambda t: train_rate(args.finetuned, work, params, t), True)}
     for name, d in built.items():
         units[f"{name} scoring reviews/s (batch {params.evaluate.batch_size})"] = (
             lambda t, d=d: score_rate(d, seqs, params.evaluate.batch_size, pad, t), True)
         units[f"{name} p50 ms (batch 1, {params.benchmark.seq_len} tokens)"] = (
-            lambda t, d=d: latency_ms(d, seqs, params.benchmark.seq_len, pad, t, args.latency_calls), False)
+            lambda t, d=d: latency_ms(d, seqs, bench, pad, t), False)
 
     settings = thread_tags()  # as the run starts (each measurement then sets its own count)
     samples: dict[str, dict[int, list[float]]] = {u: {t: [] for t in counts} for u in units}
-    for r in range(args.rounds):
-        order = counts if r % 2 == 0 else counts[::-1]
-        for t in order:
-            for unit, (run, _) in units.items():
-                samples[unit][t].append(run(t))
-                print(f"round {r + 1}, {t} threads, {unit}: {samples[unit][t][-1]:.2f}", flush=True)
+    try:
+        for r in range(args.rounds):
+            order = counts if r % 2 == 0 else counts[::-1]
+            for t in order:
+                for unit, (run, _) in units.items():
+                    samples[unit][t].append(run(t))
+                    print(f"round {r + 1}, {t} threads, {unit}: {samples[unit][t][-1]:.2f}", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     rates = {u: {t: statistics.median(v) for t, v in by.items()} for u, by in samples.items()}
     rows = scaling_rows(rates, {unit: higher for unit, (_, higher) in units.items()})
     result = {"rows": rows, "threads": counts, "cpus_available": cpus, "precision": precision.to_dict(),
-              "reviews": len(seqs), "train_steps": args.train_steps, "rounds": args.rounds,
+              "reviews": len(seqs), "train_reviews": args.train_reviews, "rounds": args.rounds,
               "machine": {**machine_info(counts[-1]), "loadavg_start": list(os.getloadavg())},
               "thread_settings": settings, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     write_json(args.out, result)
