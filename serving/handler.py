@@ -49,20 +49,32 @@ class SentimentHandler:
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[Any]:
         """One JSON string per request, in order, with each request's status set on the context."""
         from pipeline.deployment.batch_answers import answer_batch
-        from pipeline.deployment.protocol import SERVER_ERROR
+        from pipeline.deployment.protocol import REQUEST_ID_HEADER, SERVER_ERROR, Answer
 
         log.info("batch of %d requests", len(data))  # what TorchServe's server-side batching handed over
         requests = [_body_and_type(request, context, idx) for idx, request in enumerate(data)]
+        ids = [_request_id(context, idx) for idx in range(len(data))]
         try:
-            answers = answer_batch(requests, self.predictor, self.limits, self.model_label)
+            answers = answer_batch(requests, self.predictor, self.limits, self.model_label, ids)
         except Exception:  # answer_batch isolates requests itself; this only keeps a bug from becoming a 503
-            log.exception("answering a batch of %d requests failed", len(data))
-            answers = [SERVER_ERROR] * len(data)
+            log.exception("answering a batch of %d requests (%s) failed", len(data), ", ".join(ids))
+            answers = [Answer(SERVER_ERROR.status, {**SERVER_ERROR.body, "request_id": rid}) for rid in ids]
         responses: list[Any] = []
         for idx, answer in enumerate(answers):
-            _set_status(context, idx, answer, self.headers)
+            _set_status(context, idx, answer, {**self.headers, REQUEST_ID_HEADER: ids[idx]})
             responses.append(json.dumps(answer.body))
         return responses
+
+
+def _request_id(context: Any, idx: int) -> str:
+    """TorchServe's id of request `idx` of the batch (what its access and model logs name), or a new one."""
+    import uuid
+
+    try:
+        rid = context.get_request_id(idx)
+    except Exception:  # a context without ids (a test's stand-in): the answer still gets one
+        rid = None
+    return str(rid) if rid else uuid.uuid4().hex
 
 
 def _body_and_type(request: Any, context: Any, idx: int) -> tuple[Any, str | None]:

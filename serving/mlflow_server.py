@@ -14,9 +14,21 @@ input); the middleware holds the contract of `pipeline.deployment.protocol` in f
   `dataframe_records`, `inputs`, `instances`, CSV); only a valid body reaches MLflow's app and the pyfunc, as
   the `dataframe_split` of the texts checked (so pandas never re-reads a CSV review "NA" as missing);
 - any non-200 answer of MLflow's app is replaced by the contract's bounded JSON error (never the input);
-- every answer carries `X-Model-Version` and `X-Model-Variant`; `/metrics` is Prometheus text (requests,
-  latency histogram, errors by kind); `/ready` scores one review through the whole stack (readiness);
+- failures are classified: the caller's mistake is a 4xx; a request that passed the contract and still failed
+  is the server's (a model failure is 500, never MLflow's own 400 "unexpected error while evaluating the model"),
+  more than `--max-in-flight` requests at once are answered 503 with `Retry-After`, MLflow's request timeout 504;
+- every answer carries `X-Model-Version`, `X-Model-Variant` and `X-Request-Id` (the client's, when it sent a
+  short safe one, else a new one); error bodies and the server's log lines name the request id;
+- `/metrics` is Prometheus text (requests, latency histogram, errors by kind and by side: client or server,
+  requests in flight); `/ready` scores one review through the whole stack (readiness);
 - logs go to `<log-dir>/mlflow_server.log`, appended across restarts and rotated by size.
+
+Concurrency: one process. uvicorn's event loop reads and checks requests; MLflow's app runs each `predict` in a
+worker thread (`asyncio.to_thread`); the pyfunc's predictor merges the reviews of concurrent calls into one batch
+(`pipeline.deployment.coalescing`) and its runtime lends each call what it cannot share (`pipeline.runtimes.pool`),
+so one forward pass at a time uses the runtime's threads (all cores, or `package.threads`) while the event loop
+and the other request threads only parse and wait. Several processes would each hold a copy of the model and
+split the cores between smaller forward passes.
 """
 
 from __future__ import annotations
@@ -26,8 +38,9 @@ import asyncio
 import json
 import logging
 import logging.config
-import os
+import re
 import time
+import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +48,7 @@ from typing import Any
 
 from pipeline.deployment.protocol import (
     MLFLOW_SHAPES,
+    REQUEST_ID_HEADER,
     TEXT_COLUMN,
     VARIANT_HEADER,
     VERSION_HEADER,
@@ -61,9 +75,16 @@ MAX_HEADER_BYTES = 8192
 #: uvicorn's h11 parser refuses a request line plus headers beyond this itself (a plain 400), before the app.
 H11_MAX_HEADER_BYTES = 65536
 READY_BODY = b'{"inputs": ["readiness probe: a fine film"]}'
+#: Error kinds by status, for `/metrics`: 4xx are the caller's, 5xx the server's (`side` label).
 ERROR_KINDS = {400: "invalid_input", 404: "not_found", 405: "method_not_allowed", 413: "too_large",
-               414: "uri_too_long", 415: "unsupported_media_type", 431: "headers_too_large", 503: "unavailable",
-               504: "timeout"}
+               414: "uri_too_long", 415: "unsupported_media_type", 431: "headers_too_large", 500: "server_error",
+               503: "overloaded", 504: "timeout"}
+#: The kind of a 500 when the model (MLflow's app and the pyfunc) failed on a request the contract had accepted.
+MODEL_ERROR = "model_error"
+#: A client's request id is echoed only when it is this short and plain (never a header or log injection).
+SAFE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+#: Seconds a client is asked to wait after a 503 (overloaded).
+RETRY_AFTER_S = 1
 
 
 class Metrics:
@@ -78,22 +99,26 @@ class Metrics:
         self.latency = Histogram("sentiment_request_latency_seconds", "Time to answer a request, by path",
                                  ["path"], registry=self.registry,
                                  buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0))
-        self.errors = Counter("sentiment_request_errors", "Requests answered with an error, by kind",
-                              ["kind"], registry=self.registry)
+        self.errors = Counter("sentiment_request_errors", "Requests answered with an error, by kind and by whose "
+                              "fault it is (client: 4xx, server: 5xx)", ["kind", "side"], registry=self.registry)
+        self.in_flight = Gauge("sentiment_requests_in_flight", "Scoring requests being answered now",
+                               registry=self.registry)
         self.texts = Counter("sentiment_texts_scored", "Texts scored (valid requests answered 200)",
                              registry=self.registry)
         Gauge("sentiment_model_info", "The served model (always 1)", ["version", "variant"],
               registry=self.registry).labels(version, variant).set(1)
 
-    def observe(self, path: str, method: str, status: int, seconds: float, texts: int) -> None:
+    def observe(self, path: str, method: str, outcome: Outcome, seconds: float) -> None:
         path = path if path in ROUTES else "other"  # unknown paths never become label values
         method = method if method in ("GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS") else "other"
+        status = outcome.status
         self.requests.labels(path, method, str(status)).inc()
         self.latency.labels(path).observe(seconds)
         if status >= 400:
-            self.errors.labels(ERROR_KINDS.get(status, "server_error" if status >= 500 else "other")).inc()
-        elif texts:
-            self.texts.inc(texts)
+            kind = outcome.kind or ERROR_KINDS.get(status, "server_error" if status >= 500 else "other")
+            self.errors.labels(kind, "server" if status >= 500 else "client").inc()
+        elif outcome.texts:
+            self.texts.inc(outcome.texts)
 
     def exposition(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -101,74 +126,115 @@ class Metrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """How one request was answered: the status, the error kind where the status alone does not say it, and how
+    many texts were scored."""
+
+    status: int
+    kind: str | None = None
+    texts: int = 0
+
+
+def request_id(scope: Scope) -> str:
+    """The client's `X-Request-Id` when it is short and plain (`SAFE_REQUEST_ID`), else a new random one."""
+    for key, value in scope.get("headers", []):
+        if key.lower() == REQUEST_ID_HEADER.lower().encode():
+            sent = value.decode("latin-1")
+            if SAFE_REQUEST_ID.fullmatch(sent):
+                return sent
+            break
+    return uuid.uuid4().hex
+
+
 @dataclass
 class ContractMiddleware:
-    """ASGI middleware holding the request contract in front of MLflow's scoring app (see the module doc)."""
+    """ASGI middleware holding the request contract in front of MLflow's scoring app (see the module doc).
+
+    At most `max_in_flight` scoring requests are answered at once (checked, read and scored); one more is
+    answered 503 with `Retry-After` at once, before its body is read."""
 
     app: App
     limits: Limits
     version: str
     variant: str
     metrics: Metrics
+    max_in_flight: int = 64
+    _in_flight: int = 0
 
-    @property
-    def model_headers(self) -> list[tuple[bytes, bytes]]:
-        return [(VERSION_HEADER.lower().encode(), self.version.encode()),
-                (VARIANT_HEADER.lower().encode(), self.variant.encode())]
+    def model_headers(self, rid: str | None = None) -> list[tuple[bytes, bytes]]:
+        headers = [(VERSION_HEADER.lower().encode(), self.version.encode()),
+                   (VARIANT_HEADER.lower().encode(), self.variant.encode())]
+        return [*headers, (REQUEST_ID_HEADER.lower().encode(), rid.encode())] if rid else headers
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":  # lifespan: MLflow's app has nothing to start
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
-        texts = 0
+        rid = request_id(scope)
         try:
-            status, texts = await self._answer(scope, receive, send)
+            outcome = await self._answer(scope, receive, send, rid)
         except Exception:
-            log.exception("answering %s %s failed", scope.get("method"), scope.get("path"))
-            status = 500
+            log.exception("request %s: answering %s %s failed", rid, scope.get("method"), scope.get("path"))
+            outcome = Outcome(500, "server_error")
             await self._json(send, 500, {"error": "internal error while answering this request (logged on "
-                                                  "the server)", "status": 500})
-        self.metrics.observe(scope.get("path", ""), scope.get("method", ""), status, time.perf_counter() - start,
-                             texts)
+                                                  "the server)", "status": 500, "request_id": rid}, rid)
+        self.metrics.observe(scope.get("path", ""), scope.get("method", ""), outcome, time.perf_counter() - start)
 
-    async def _answer(self, scope: Scope, receive: Receive, send: Send) -> tuple[int, int]:
-        """Answer one HTTP request; returns (status, texts scored)."""
+    async def _answer(self, scope: Scope, receive: Receive, send: Send, rid: str) -> Outcome:
+        """Answer one HTTP request."""
         path, method = scope.get("path", ""), scope.get("method", "")
         url_bytes = len(scope.get("raw_path") or path.encode()) + len(scope.get("query_string") or b"")
         if url_bytes > MAX_URL_BYTES:
             return await self._error(send, RequestError(414, f"URL of {url_bytes} bytes exceeds the limit of "
-                                                             f"{MAX_URL_BYTES}")), 0
+                                                             f"{MAX_URL_BYTES}"), rid)
         header_bytes = sum(len(k) + len(v) + 4 for k, v in scope.get("headers", []))
         if header_bytes > MAX_HEADER_BYTES:
             return await self._error(send, RequestError(431, f"request headers of {header_bytes} bytes exceed "
-                                                             f"the limit of {MAX_HEADER_BYTES}")), 0
+                                                             f"the limit of {MAX_HEADER_BYTES}"), rid)
         allowed = ROUTES.get(path)
         if allowed is None:
-            return await self._error(send, RequestError(404, "no such path; scoring is POST /invocations")), 0
+            return await self._error(send, RequestError(404, "no such path; scoring is POST /invocations"), rid)
         if method != allowed:
             return await self._error(send, RequestError(405, f"method not allowed on this path; use {allowed}"),
-                                     [(b"allow", allowed.encode())]), 0
+                                     rid, [(b"allow", allowed.encode())])
         if path == "/metrics":
             body, content_type = self.metrics.exposition()
-            await self._send(send, 200, body, content_type)
-            return 200, 0
+            await self._send(send, 200, body, content_type, rid)
+            return Outcome(200)
         if path == "/ready":
-            return await self._ready(send), 0
+            return Outcome(await self._ready(send, rid))
         if path != INVOCATIONS:
-            return await self._forward(scope, b"", send), 0
+            return await self._forward(scope, b"", send, rid)
+        if self._in_flight >= self.max_in_flight:
+            log.warning("request %s: %d scoring requests in flight, the limit: answered 503", rid, self._in_flight)
+            await self._json(send, 503, {"error": f"the server is answering {self._in_flight} requests, its "
+                                                  f"limit; retry after {RETRY_AFTER_S} s", "status": 503,
+                                         "request_id": rid}, rid, [(b"retry-after", str(RETRY_AFTER_S).encode())])
+            return Outcome(503, "overloaded")
+        self._in_flight += 1  # one event loop: no lock needed between the check and the increment
+        self.metrics.in_flight.inc()
+        try:
+            return await self._invoke(scope, receive, send, rid)
+        finally:
+            self._in_flight -= 1
+            self.metrics.in_flight.dec()
+
+    async def _invoke(self, scope: Scope, receive: Receive, send: Send, rid: str) -> Outcome:
+        """Read and check a scoring request, then hand the checked texts to MLflow's app."""
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         try:
             body = await self._body(headers, receive)
             parsed = parse_request(body, self.limits, headers.get("content-type"), MLFLOW_SHAPES)
         except RequestError as err:
-            return await self._error(send, err), 0
+            return await self._error(send, err, rid)
         # MLflow's app gets the texts the contract checked, in one canonical JSON form: pandas would otherwise read
         # a CSV review "NA" or "null" as a missing value, and the shapes would each be converted their own way.
         canonical = json.dumps({"dataframe_split": {"columns": [TEXT_COLUMN],
                                                     "data": [[t] for t in parsed.texts]}}).encode()
-        status = await self._forward(_as_json(scope, len(canonical)), canonical, send)
-        return status, len(parsed.texts) if status == 200 else 0
+        outcome = await self._forward(_as_json(scope, len(canonical)), canonical, send, rid)
+        return Outcome(outcome.status, outcome.kind, len(parsed.texts) if outcome.status == 200 else 0)
 
     async def _body(self, headers: dict[str, str], receive: Receive) -> bytes:
         """The request body, refused (413) as soon as it is known to exceed `max_body_bytes`."""
@@ -189,9 +255,12 @@ class ContractMiddleware:
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    async def _forward(self, scope: Scope, body: bytes, send: Send) -> int:
+    async def _forward(self, scope: Scope, body: bytes, send: Send, rid: str) -> Outcome:
         """Run MLflow's app on `body`; a 200 goes out with the model headers, anything else becomes the
-        contract's JSON error (MLflow's own error bodies quote the input and may be any size)."""
+        contract's JSON error (MLflow's own error bodies quote the input and may be any size). The request passed
+        the contract before it got here, so whatever MLflow's app refuses is the server's failure, not the
+        caller's: MLflow answers a model that raised with 400, which becomes a 500 (`model_error`); its own
+        request timeout stays a 504."""
         sent = False
 
         async def replay() -> Message:
@@ -209,7 +278,7 @@ class ContractMiddleware:
                 start.update(message)
                 if message["status"] == 200:
                     headers = [h for h in message.get("headers", []) if h[0].lower() != b"server"]
-                    await send({**message, "headers": [*headers, *self.model_headers]})
+                    await send({**message, "headers": [*headers, *self.model_headers(rid)]})
             elif message["type"] == "http.response.body":
                 if start.get("status") == 200:
                     await send(message)
@@ -218,37 +287,42 @@ class ContractMiddleware:
 
         await self.app(scope, replay, capture)
         status = int(start.get("status", 500))
-        if status != 200:
-            log.warning("MLflow's scoring app answered %d: %s", status,
-                        b"".join(parts)[:300].decode("utf-8", "replace"))
-            status = status if 400 <= status < 600 else 500
-            message = ("the scoring server refused this input" if status < 500 else
-                       "internal error while scoring this request (logged on the server)")
-            await self._json(send, status, {"error": message, "status": status})
-        return status
+        if status == 200:
+            return Outcome(200)
+        detail = b"".join(parts)[:300].decode("utf-8", "replace")
+        if status == 504:
+            log.error("request %s: MLflow's scoring app timed out: %s", rid, detail)
+            await self._json(send, 504, {"error": "scoring this request took longer than the server's timeout",
+                                         "status": 504, "request_id": rid}, rid)
+            return Outcome(504, "timeout")
+        log.error("request %s: the model failed on a request the contract accepted (MLflow answered %d): %s",
+                  rid, status, detail)
+        await self._json(send, 500, {"error": "internal error while scoring this request (logged on the server "
+                                              "with its request id)", "status": 500, "request_id": rid}, rid)
+        return Outcome(500, MODEL_ERROR)
 
-    async def _ready(self, send: Send) -> int:
+    async def _ready(self, send: Send, rid: str) -> int:
         """200 with the model when one review goes through MLflow's app and the pyfunc, else 503."""
         scope = {"type": "http", "method": "POST", "path": INVOCATIONS, "raw_path": INVOCATIONS.encode(),
                  "query_string": b"", "headers": [(b"content-type", b"application/json")], "http_version": "1.1"}
-        status = await self._forward(scope, READY_BODY, _discard)
-        ok = status == 200
+        ok = (await self._forward(scope, READY_BODY, _discard, rid)).status == 200
         await self._json(send, 200 if ok else 503, {"status": "ready" if ok else "not ready",
-                                                    "version": self.version, "variant": self.variant})
+                                                    "version": self.version, "variant": self.variant}, rid)
         return 200 if ok else 503
 
-    async def _error(self, send: Send, err: RequestError, extra: list[tuple[bytes, bytes]] | None = None) -> int:
-        await self._json(send, err.status, error_body(err), extra)
-        return err.status
+    async def _error(self, send: Send, err: RequestError, rid: str,
+                     extra: list[tuple[bytes, bytes]] | None = None) -> Outcome:
+        await self._json(send, err.status, {**error_body(err), "request_id": rid}, rid, extra)
+        return Outcome(err.status)
 
-    async def _json(self, send: Send, status: int, body: dict[str, Any],
+    async def _json(self, send: Send, status: int, body: dict[str, Any], rid: str,
                     extra: list[tuple[bytes, bytes]] | None = None) -> None:
-        await self._send(send, status, json.dumps(body).encode(), "application/json", extra)
+        await self._send(send, status, json.dumps(body).encode(), "application/json", rid, extra)
 
-    async def _send(self, send: Send, status: int, body: bytes, content_type: str,
+    async def _send(self, send: Send, status: int, body: bytes, content_type: str, rid: str,
                     extra: list[tuple[bytes, bytes]] | None = None) -> None:
         headers = [(b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode()),
-                   *self.model_headers, *(extra or [])]
+                   *self.model_headers(rid), *(extra or [])]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
@@ -279,9 +353,27 @@ def log_config(log_dir: Path, max_bytes: int, backups: int) -> dict[str, Any]:
             "root": {"handlers": ["file", "console"], "level": "WARNING"}}
 
 
-def build_app(model_uri: str | None, params_path: Path) -> ContractMiddleware:
-    """Load the champion (or `model_uri`) and wrap MLflow's scoring app for it in the contract."""
+def served_version(model_uri: str | None, name: str, alias: str) -> tuple[str, dict[str, str]]:
+    """The registry version a model URI names and that version's tags: the champion (`models:/<name>@<alias>`)
+    when no URI is given, the alias or version of a `models:/<name>@<alias>` or `models:/<name>/<version>` URI,
+    and "unregistered" for any other model (a LoggedModel id, a path)."""
+    import mlflow
+
     from pipeline.core.model_registry import registered_version
+
+    if model_uri is None:
+        return registered_version(name, alias)
+    if m := re.fullmatch(r"models:/([^/@]+)@([^/]+)", model_uri):
+        return registered_version(m[1], m[2])
+    if m := re.fullmatch(r"models:/([^/@]+)/(\d+)", model_uri):
+        return m[2], dict(mlflow.MlflowClient().get_model_version(m[1], m[2]).tags or {})
+    return "unregistered", {}
+
+
+def build_app(model_uri: str | None, params_path: Path, max_in_flight: int = 64) -> ContractMiddleware:
+    """Load the champion (or `model_uri`) and wrap MLflow's scoring app for it in the contract."""
+    import mlflow
+
     from pipeline.core.params import load_params
     from pipeline.core.parent_run import tracking_uri
     from pipeline.deployment.mlflow_model import scoring_app
@@ -291,15 +383,16 @@ def build_app(model_uri: str | None, params_path: Path) -> ContractMiddleware:
         from pipeline.core.params import Params
 
         params = Params()
-    os.environ["MLFLOW_TRACKING_URI"] = tracking_uri(params.mlflow)
+    store = tracking_uri(params.mlflow)
+    mlflow.set_tracking_uri(store)
     name, alias = params.mlflow.registered_model_name, params.mlflow.champion_alias
-    version, tags = registered_version(name, alias)
+    version, tags = served_version(model_uri, name, alias)
     uri = model_uri or f"models:/{name}@{alias}"
-    log.info("serving %s (version %s, variant %s) from %s", uri, version, tags.get("variant"),
-             os.environ["MLFLOW_TRACKING_URI"])
+    app, served = scoring_app(uri)
+    variant = served or tags.get("variant", "unknown")
+    log.info("serving %s (version %s, variant %s) from %s", uri, version, variant, store)
     limits = Limits.from_config(vars(params.package))
-    variant = tags.get("variant", "unknown")
-    return ContractMiddleware(scoring_app(uri), limits, version, variant, Metrics(version, variant))
+    return ContractMiddleware(app, limits, version, variant, Metrics(version, variant), max_in_flight)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -315,14 +408,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-dir", type=Path, default=Path("logs"))
     parser.add_argument("--log-max-bytes", type=int, default=10_000_000)
     parser.add_argument("--log-backups", type=int, default=5)
+    parser.add_argument("--max-in-flight", type=int, default=64,
+                        help="scoring requests answered at once; one more is answered 503 with Retry-After")
     parser.add_argument("--limit-concurrency", type=int, default=256,
-                        help="connections plus tasks at once; uvicorn answers 503 beyond")
+                        help="connections plus tasks at once (above --max-in-flight); uvicorn answers 503 beyond")
     args = parser.parse_args(argv)
     args.log_dir.mkdir(parents=True, exist_ok=True)
     config = log_config(args.log_dir, args.log_max_bytes, args.log_backups)
     logging.config.dictConfig(config)
     try:
-        app = build_app(args.model_uri, args.params)
+        app = build_app(args.model_uri, args.params, args.max_in_flight)
     except LookupError as exc:  # no champion yet: say what to do instead of a traceback
         raise SystemExit(f"{exc}: run `make run` first (its package stage registers and aliases the model)") from None
     print(f"serving {app.variant} (version {app.version}) at http://{args.host}:{args.port}/invocations; "

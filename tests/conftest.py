@@ -34,11 +34,13 @@ MODULE_GROUPS = {
     "tests/e2e/test_repro.py": "repro",
     "tests/model/test_behaviour.py": "repro",
     "tests/e2e/test_tracking_server.py": "servers",
+    "tests/serving/test_concurrency_matrix.py": "servers",
     "tests/serving/test_conformance.py": "servers",  # asks for the servers by name (`request.getfixturevalue`)
     "tests/serving/test_mlflow_serving.py": "servers",
     "tests/serving/test_torchserve.py": "servers",
 }
-SHARED_FIXTURES = {"repo": "repro", "server": "servers", "champion": "servers", "proxy": "servers"}
+SHARED_FIXTURES = {"repo": "repro", "server": "servers", "champion": "servers", "proxy": "servers",
+                   "matrix": "servers"}
 
 
 def pytest_configure(config):

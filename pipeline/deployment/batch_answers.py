@@ -24,12 +24,21 @@ log = logging.getLogger(__name__)
 
 
 def answer_batch(requests: Sequence[tuple[Any, str | None]], scorer: Scorer, limits: Limits,
-                 model: str) -> list[Answer]:
+                 model: str, request_ids: Sequence[str] | None = None) -> list[Answer]:
     """One answer per `(body, content_type)`, in order; never raises for a request's sake.
 
     Each request is parsed, checked and tokenized on its own; the survivors' token ids are scored in one
     batch; if that batch fails, each survivor is scored alone so one text that breaks the model fails only
-    its own request."""
+    its own request. Every error answer names its request id (`request_ids`, the server's; the position in the
+    batch where none is given), and so does the log line of every server-side failure."""
+    ids = [str(r) for r in request_ids] if request_ids is not None else [f"#{i}" for i in range(len(requests))]
+    answers = _answers(requests, scorer, limits, model, ids)
+    return [a if a.status < 400 else Answer(a.status, {**a.body, "request_id": rid})
+            for a, rid in zip(answers, ids, strict=True)]
+
+
+def _answers(requests: Sequence[tuple[Any, str | None]], scorer: Scorer, limits: Limits, model: str,
+             ids: Sequence[str]) -> list[Answer]:
     answers: list[Answer | None] = [None] * len(requests)
     survivors: list[tuple[int, ParsedRequest, list[Any]]] = []
     for idx, (body, content_type) in enumerate(requests):
@@ -42,22 +51,22 @@ def answer_batch(requests: Sequence[tuple[Any, str | None]], scorer: Scorer, lim
         except RequestError as err:
             answers[idx] = Answer(err.status, error_body(err))
         except Exception:  # a server fault on this request alone: logged, answered 500, neighbours go on
-            log.exception("request %d of the batch failed before scoring", idx)
+            log.exception("request %s failed before scoring", ids[idx])
             answers[idx] = SERVER_ERROR
-    for idx, parsed, predictions in _score_survivors(survivors, scorer):
+    for idx, parsed, predictions in _score_survivors(survivors, scorer, ids):
         try:
             if predictions is None:
                 answers[idx] = SERVER_ERROR
             else:
                 answers[idx] = Answer(200, format_predictions(predictions, parsed.is_list, model))
         except Exception:
-            log.exception("request %d of the batch could not be formatted", idx)
+            log.exception("request %s could not be formatted", ids[idx])
             answers[idx] = SERVER_ERROR
     return [a if a is not None else SERVER_ERROR for a in answers]
 
 
-def _score_survivors(survivors: list[tuple[int, ParsedRequest, list[Any]]],
-                     scorer: Scorer) -> list[tuple[int, ParsedRequest, list[Any] | None]]:
+def _score_survivors(survivors: list[tuple[int, ParsedRequest, list[Any]]], scorer: Scorer,
+                     ids: Sequence[str]) -> list[tuple[int, ParsedRequest, list[Any] | None]]:
     """Predictions per surviving request (None where scoring it failed): one batch, else one by one."""
     if not survivors:
         return []
@@ -78,7 +87,7 @@ def _score_survivors(survivors: list[tuple[int, ParsedRequest, list[Any]]],
         try:
             alone.append((idx, parsed, _scored(scorer, encoded)))
         except Exception:
-            log.exception("scoring request %d alone failed", idx)
+            log.exception("request %s: scoring it alone failed", ids[idx])
             alone.append((idx, parsed, None))
     return alone
 

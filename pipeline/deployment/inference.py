@@ -56,15 +56,15 @@ def model_labels(name: str) -> tuple[dict[str, str], str]:
 def log_predictor_model(run: Any, name: str, directory: Path, serving: PackageParams,
                         params: Mapping[str, Any]) -> Any:
     """Variant `name` (its `directory`) as an MLflow model of `run` (a `pipeline.core.tracking.StageRun`): a
-    pyfunc around `ContractPredictor` that checks texts and uses threads as the served `.mar` does (`serving`),
-    with the packages its format needs at serve time. Returns the `LoggedModelRef`."""
+    pyfunc around `ContractPredictor` that checks texts, cuts them and uses threads as the served `.mar` does
+    (`serving`), with the packages its format needs at serve time. The request limits stay with the servers: the
+    model scores any number of rows. Returns the `LoggedModelRef`."""
     from pipeline.deployment.mlflow_model import log_predictor_model as log_pyfunc
     from pipeline.runtimes.catalog import spec
 
     tags, model_type = model_labels(name)
     return log_pyfunc(run, name, directory, ContractPredictor, EXAMPLE_REVIEWS,
-                      {"max_chars": serving.max_chars_per_text, "threads": serving.threads,
-                       "max_texts": serving.max_texts},
+                      {"max_chars": serving.max_chars_per_text, "threads": serving.threads},
                       runtime_requirements(spec(name).format), params, tags, model_type)
 
 
@@ -84,13 +84,22 @@ def softmax(logits: np.ndarray) -> np.ndarray:
 
 
 class SentimentPredictor:
-    """Loads a variant (or the finetuned HF directory) once and predicts batches of raw texts.
+    """Loads a variant (or the finetuned HF directory) once and predicts any number of raw texts; safe to call
+    from many threads at once.
 
     `max_chars` (None = no cap) cuts each text to that many characters, head and tail kept as in training,
-    before the tokenizer sees it, so a huge text costs a bounded amount of tokenizer time and memory."""
+    before the tokenizer sees it, so a huge text costs a bounded amount of tokenizer time and memory.
+    `predict` takes any number of texts: they are tokenized `CHUNK_TEXTS` at a time (bounded memory) and scored
+    in batches of at most `max_batch`, each of reviews of similar length. Concurrent calls share the runner
+    through a `Coalescer`: reviews of callers that arrive while a batch runs are scored together in the next one
+    (`pipeline.deployment.coalescing`), which changes no answer."""
+
+    #: Texts tokenized at once by `predict`: bounds the token ids held in memory for a long input.
+    CHUNK_TEXTS = 2048
 
     def __init__(self, directory: str | Path, threads: int | None = None, max_chars: int | None = None,
-                 **runner_options: Any) -> None:
+                 max_batch: int = 64, **runner_options: Any) -> None:
+        from pipeline.deployment.coalescing import Coalescer
         from pipeline.modeling import load_saved_tokenizer
 
         self.directory = Path(directory)
@@ -102,6 +111,11 @@ class SentimentPredictor:
         self.runner = load_runner(self.directory, threads, **runner_options)
         self.name = (read_variant(self.directory).name if (self.directory / VARIANT_FILE).is_file()
                      else "fp32-eager")
+        self.max_batch = max_batch
+        self.coalescer: Coalescer[Prediction] = Coalescer(self._score_batch, max_batch)
+        # the tokenizer's settings are fixed by its first call (no truncation, no padding); making that call here
+        # means concurrent callers only ever read them
+        self.encode(["warm-up"])
 
     def encode(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Token ids with the training-time cleaning and truncation."""
@@ -112,13 +126,37 @@ class SentimentPredictor:
             texts = [clip_chars(t, self.max_chars, p["truncation"], p["head_fraction"]) for t in texts]
         return encode_texts(texts, self.tokenizer, p["max_length"], p["truncation"], p["head_fraction"])
 
-    def predict(self, texts: Sequence[str]) -> list[Prediction]:
-        """Predictions in input order; the whole list runs as one padded batch."""
-        return self.score(self.encode(texts))
+    def predict(self, texts: Sequence[str], progress: bool | None = False) -> list[Prediction]:
+        """Predictions in input order for any number of texts (one padded batch when they fit `max_batch`).
+        `progress`: a progress bar over the chunks (None: only on a terminal, and only for more than one)."""
+        if len(texts) <= self.max_batch:
+            return self.score(self.encode(texts))
+        starts = range(0, len(texts), self.CHUNK_TEXTS)
+        if progress is not False and len(starts) > 1:
+            from tqdm.auto import tqdm
+
+            # tqdm's disable=None: shown on a terminal only
+            starts = tqdm(starts, desc=f"scoring {len(texts)} texts", unit="chunk",
+                          disable=None if progress is None else False)
+        out: list[Prediction] = []
+        for start in starts:
+            encoded = self.encode(texts[start : start + self.CHUNK_TEXTS])
+            order = np.argsort([len(ids) for ids in encoded], kind="stable")  # similar lengths share a batch
+            answers: list[Prediction | None] = [None] * len(encoded)
+            for first in range(0, len(order), self.max_batch):
+                idx = order[first : first + self.max_batch]
+                for i, prediction in zip(idx, self.score([encoded[i] for i in idx]), strict=True):
+                    answers[i] = prediction
+            out.extend(a for a in answers if a is not None)
+        return out
 
     def score(self, encoded: Sequence[np.ndarray]) -> list[Prediction]:
-        """Predictions for token ids from `encode`, in order, as one padded batch (the serving handler
-        tokenizes each request on its own and scores the survivors together)."""
+        """Predictions for token ids from `encode`, in order, as one padded batch, merged with other threads'
+        concurrent calls (`Coalescer`); the serving handler tokenizes each request on its own and scores the
+        survivors together."""
+        return self.coalescer(encoded)
+
+    def _score_batch(self, encoded: Sequence[np.ndarray]) -> list[Prediction]:
         if not encoded:
             return []
         ids, mask = pad_batch(list(encoded), self.tokenizer.pad_token_id or 0)
@@ -128,21 +166,18 @@ class SentimentPredictor:
 
 
 class ContractPredictor(SentimentPredictor):
-    """`SentimentPredictor` that refuses what the request contract refuses (`pipeline.deployment.protocol`): the
-    MLflow pyfunc runs it, so a null, a number, a blank or invisible text, too long a text or too many rows is a
-    `RequestError`, never a label scored from `str(value)`, however the model is served or loaded."""
+    """`SentimentPredictor` that refuses what is not a review (`pipeline.deployment.protocol.check_text`): the
+    MLflow pyfunc runs it, so a null, a number, a blank or invisible text is a `RequestError` naming its row,
+    never a label scored from `str(value)`, however the model is served or loaded.
 
-    def __init__(self, directory: str | Path, threads: int | None = None, max_chars: int | None = None,
-                 max_texts: int | None = None, **runner_options: Any) -> None:
-        from pipeline.deployment.protocol import Limits
+    It takes any number of rows of any length (a long text is cut to `max_chars`, head and tail, as the served
+    model does): how many texts a request may hold and how long each may be are the servers' limits
+    (`pipeline.deployment.protocol.Limits`, checked before a request reaches the model), not the model's, so
+    `mlflow models predict`, a notebook or a Spark job scores a whole corpus."""
 
-        super().__init__(directory, threads, max_chars, **runner_options)
-        defaults = Limits()
-        self.limits = Limits(max_texts=max_texts or defaults.max_texts,
-                             max_chars_per_text=max_chars or defaults.max_chars_per_text)
+    def predict(self, texts: Sequence[Any], progress: bool | None = None) -> list[Prediction]:
+        """Predictions for `texts` once each passed the contract's checks of a text (`RequestError` otherwise)."""
+        from pipeline.deployment.protocol import TEXT_COLUMN, check_text
 
-    def predict(self, texts: Sequence[Any]) -> list[Prediction]:
-        """Predictions for `texts` once each passed the contract's checks (`RequestError` otherwise)."""
-        from pipeline.deployment.protocol import TEXT_COLUMN, check_texts
-
-        return super().predict(check_texts(list(texts), self.limits, TEXT_COLUMN))
+        checked = [check_text(value, f"{TEXT_COLUMN}[{i}]") for i, value in enumerate(texts)]
+        return super().predict(checked, progress)

@@ -111,10 +111,16 @@ def set_predictor_model(target: str) -> None:
     mlflow.models.set_model(predictor_model_class()(target))
 
 
-def scoring_app(model_uri: str) -> Any:
+def scoring_app(model_uri: str) -> tuple[Any, str | None]:
     """MLflow's own scoring server (the FastAPI app `mlflow models serve` runs under uvicorn: `/invocations`,
-    `/ping`, `/health`, `/version`) for the pyfunc at `model_uri`, loaded now."""
+    `/ping`, `/health`, `/version`) for the pyfunc at `model_uri`, loaded now, and the variant that model serves
+    (its predictor's name; None for a pyfunc this module did not log)."""
     import mlflow
     from mlflow.pyfunc import scoring_server
 
-    return scoring_server.init(mlflow.pyfunc.load_model(model_uri))
+    model = mlflow.pyfunc.load_model(model_uri)
+    try:
+        predictor = getattr(model.unwrap_python_model(), "predictor", None)
+    except Exception:  # a pyfunc of another flavour: nothing to read the variant from
+        predictor = None
+    return scoring_server.init(model), getattr(predictor, "name", None)

@@ -11,9 +11,12 @@ request shapes its clients know (`TORCHSERVE_SHAPES`, `MLFLOW_SHAPES`); everythi
 - JSON is parsed by orjson: NaN/Infinity, numbers beyond a double, lone surrogates and invalid UTF-8 are 400.
 - Every text must be a string with at least one visible character: null, numbers, objects, blank text and text
   made only of zero-width, bidi or control characters are 400, named by where they are (`texts[3]`).
-- Errors are `{"error": message, "status": code}`: messages name what was wrong (type, position, size, limit),
-  are at most `MAX_ERROR_CHARS` long and never quote the input.
-- Answers carry `label` and `score` per text; both servers add `X-Model-Version` and `X-Model-Variant` headers.
+- Errors are `{"error": message, "status": code, "request_id": id}`: messages name what was wrong (type,
+  position, size, limit), are at most `MAX_ERROR_CHARS` long and never quote the input. A 4xx is the caller's
+  mistake; a failure of the model or the server is a 5xx (500; 503 with `Retry-After` when overloaded), logged
+  with the request id, never blamed on the caller.
+- Answers carry `label` and `score` per text; both servers add `X-Model-Version`, `X-Model-Variant` and
+  `X-Request-Id` headers.
 
 This module holds the contract's terms (limits, shapes, errors, answers, the checks every text passes); reading a
 request body is `pipeline.deployment.request_parsing` (`parse_request`), answering a TorchServe batch with
@@ -45,6 +48,7 @@ MLFLOW_SHAPES = frozenset({*MLFLOW_JSON_SHAPES, "csv"})
 #: Response headers both servers add to every answer.
 VERSION_HEADER = "X-Model-Version"
 VARIANT_HEADER = "X-Model-Variant"
+REQUEST_ID_HEADER = "X-Request-Id"
 
 
 class RequestError(ValueError):
@@ -116,13 +120,14 @@ def check_texts(values: Sequence[Any], limits: Limits, where: str) -> list[str]:
     return [check_text(value, f"{where}[{i}]", limits) for i, value in enumerate(values)]
 
 
-def check_text(value: Any, where: str, limits: Limits) -> str:
-    """`value` if it is a string holding a visible character, within `max_chars_per_text`; else `RequestError`."""
+def check_text(value: Any, where: str, limits: Limits | None = None) -> str:
+    """`value` if it is a string holding a visible character, within `limits.max_chars_per_text` (no length limit
+    when `limits` is None: the model itself cuts long texts); else `RequestError`."""
     if not isinstance(value, str):
         if isinstance(value, float) and math.isnan(value):  # how pandas writes a missing cell (null, empty)
             raise RequestError(400, f"{where} must be a string, got null")
         raise RequestError(400, f"{where} must be a string, got {json_type(value)}")
-    if len(value) > limits.max_chars_per_text:
+    if limits is not None and len(value) > limits.max_chars_per_text:
         raise RequestError(413, f"{where} has {len(value)} characters, more than the limit of "
                                 f"{limits.max_chars_per_text}")
     if not value.strip():

@@ -1,6 +1,8 @@
 """The OpenVINO runtime: OpenVINO IR variants (`model.xml` + `model.bin`) on OpenVINO's CPU plugin, with explicit
 threads, the LATENCY hint and one stream; the plugin's inference precision (bf16 where the CPU has native bf16,
-else f32) is its own run-time choice, read back and described."""
+else f32) is its own run-time choice, read back and described. An `InferRequest` serves one call at a time, so
+the runner lends each call one of its own (`pipeline.runtimes.pool.Pool`): calls from many threads at once queue
+on the one stream instead of failing with "Infer Request is busy"."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from pipeline.runtimes.batch_invariance import BATCHING_MODES, Batching, score_batch
+from pipeline.runtimes.pool import Pool
 from pipeline.runtimes.record import VariantError, VariantInfo, model_file
 
 
@@ -49,7 +52,8 @@ class OpenVinoRunner:
 
         threads = threads or default_threads()
         self.compiled = compiled_model(path, threads)
-        self.request = self.compiled.create_infer_request()
+        # one infer request per concurrent call, made on demand and reused (thread-safe: see the module doc)
+        self.requests: Pool[Any] = Pool(self.compiled.create_infer_request)
         self.inputs = {p.get_any_name() for p in self.compiled.inputs}
         self.rows_alone = batching == "rows"
         self.threads = threads
@@ -67,13 +71,16 @@ class OpenVinoRunner:
 
         return {"runtime": "openvino", "version": ov.__version__, "threads": self.threads,
                 "inference_precision": str(self.compiled.get_property("INFERENCE_PRECISION_HINT")),
-                "batching": "rows" if self.rows_alone else "batched"}
+                "batching": "rows" if self.rows_alone else "batched",
+                "concurrent_calls": "one infer request per call, pooled"}
 
     def _run(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         feed = {"input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
                 "attention_mask": np.ascontiguousarray(attention_mask, dtype=np.int64)}
-        result = self.request.infer({k: v for k, v in feed.items() if k in self.inputs})
-        return np.asarray(result[self.compiled.outputs[0]], dtype=np.float32).copy()
+        with self.requests.borrow() as request:
+            result = request.infer({k: v for k, v in feed.items() if k in self.inputs})
+            # copied while the request is still ours: its output tensor is reused by the next call that borrows it
+            return np.array(result[self.compiled.outputs[0]], dtype=np.float32, copy=True)
 
     def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         return score_batch(self._run, input_ids, attention_mask, self.rows_alone)

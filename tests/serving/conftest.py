@@ -17,6 +17,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -51,9 +52,10 @@ class Server:
         return {p.pid for p in psutil.process_iter(["name", "cmdline"])
                 if p.info["name"] == "java" and str(self.workdir) in " ".join(p.info["cmdline"] or [])}
 
-    def post(self, body: bytes, content_type: str = "application/json", key: str | None = "default") -> tuple[int, str]:
+    def post(self, body: bytes, content_type: str = "application/json", key: str | None = "default",
+             model: str = "sentiment") -> tuple[int, str]:
         req = urllib.request.Request(
-            f"{self.url}/predictions/sentiment", data=body, method="POST", headers={"Content-Type": content_type}
+            f"{self.url}/predictions/{model}", data=body, method="POST", headers={"Content-Type": content_type}
         )
         token = self.key if key == "default" else key
         if token:
@@ -69,7 +71,8 @@ class Server:
         return status, json.loads(text) if text else None
 
 
-def _wait_healthy(url: str, key: str, log: Path, startup_log: Path, timeout: float = 180) -> None:
+def _wait_healthy(url: str, key: str, log: Path, startup_log: Path, timeout: float = 180,
+                  models: tuple[str, ...] = ("sentiment",)) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
         startup = startup_log.read_text(errors="replace") if startup_log.is_file() else ""
@@ -79,17 +82,19 @@ def _wait_healthy(url: str, key: str, log: Path, startup_log: Path, timeout: flo
             req = urllib.request.Request(f"{url}/ping", headers={"Authorization": f"Bearer {key}"})
             with urllib.request.urlopen(req, timeout=5) as resp:
                 if json.loads(resp.read()).get("status") == "Healthy":
-                    # /ping is healthy before the worker finishes loading: wait for a real answer too
+                    # /ping is healthy before the workers finish loading: wait for a real answer from each model
                     body = json.dumps({"text": "warm"}).encode()
-                    r = urllib.request.Request(
-                        f"{url}/predictions/sentiment",
-                        data=body,
-                        method="POST",
-                        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
-                    )
-                    with urllib.request.urlopen(r, timeout=30) as ok:
-                        if ok.status == 200:
-                            return
+                    for model in models:
+                        r = urllib.request.Request(
+                            f"{url}/predictions/{model}",
+                            data=body,
+                            method="POST",
+                            headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+                        )
+                        with urllib.request.urlopen(r, timeout=30) as ok:
+                            if ok.status != 200:
+                                raise OSError(f"{model} answered {ok.status}")
+                    return
         except (OSError, urllib.error.URLError, json.JSONDecodeError):
             pass
         time.sleep(1)
@@ -97,9 +102,10 @@ def _wait_healthy(url: str, key: str, log: Path, startup_log: Path, timeout: flo
 
 
 @contextlib.contextmanager
-def running_torchserve(work: Path, variant_dir: Path) -> Iterator[Server]:
+def running_torchserve(work: Path, variant_dir: Path, models: tuple[str, ...] = ("sentiment",)) -> Iterator[Server]:
     """TorchServe started as `make serve` starts it (serving/config.properties on free loopback ports, token
-    authorization) on `work/model_store/sentiment.mar`, stopped, with everything it started, on exit."""
+    authorization) on `work/model_store/<model>.mar` for each of `models` (each with the shipped model's worker and
+    batching settings, answering at `/predictions/<model>`), stopped, with everything it started, on exit."""
     store = work / "model_store"
     ports = {name: free_port() for name in ("inference", "management", "metrics", "grpc_inference",
                                             "grpc_management")}
@@ -110,6 +116,11 @@ def running_torchserve(work: Path, variant_dir: Path) -> Iterator[Server]:
     for api in ("grpc_inference", "grpc_management"):
         cfg = re.sub(rf"^{api}_port=\d+", f"{api}_port={ports[api]}", cfg, flags=re.M)
     cfg = re.sub(r"^model_store=.*$", f"model_store={store}", cfg, flags=re.M)
+    if models != ("sentiment",):
+        shipped = json.loads(re.search(r"^models=(.*)$", cfg, flags=re.M)[1])["sentiment"]
+        entries = {m: {v: {**e, "marName": f"{m}.mar"} for v, e in shipped.items()} for m in models}
+        cfg = re.sub(r"^models=.*$", lambda _: "models=" + json.dumps(entries), cfg, flags=re.M)
+        cfg = re.sub(r"^load_models=.*$", "load_models=" + ",".join(f"{m}.mar" for m in models), cfg, flags=re.M)
     (work / "config.properties").write_text(cfg)
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "TMPDIR": str(work),
            "LOG_LOCATION": str(work / "logs"), "METRICS_LOCATION": str(work / "logs")}
@@ -125,7 +136,8 @@ def running_torchserve(work: Path, variant_dir: Path) -> Iterator[Server]:
         key = inference_key(work / "key_file.json")  # waits out a key file TorchServe is still writing
         assert key, f"TorchServe wrote no key file within 60 s; see {log}"
         url = f"http://127.0.0.1:{ports['inference']}"
-        _wait_healthy(url, key, work / "logs" / "ts_log.log" if (work / "logs").exists() else log, log)
+        _wait_healthy(url, key, work / "logs" / "ts_log.log" if (work / "logs").exists() else log, log,
+                      models=models)
         yield Server(work, url, key, variant_dir, ports)
     finally:
         subprocess.run([str(BIN / "torchserve"), "--stop"], cwd=work, env=env, capture_output=True, timeout=120)
@@ -218,3 +230,85 @@ def proxy(tmp_path_factory, server):
         yield f"http://127.0.0.1:{port}"
     finally:
         stop_server(proc)
+
+
+def default_served_variant() -> str:
+    """The variant the default profile's last `make run` serves, from its committed package metrics: the matrix
+    always includes it, so a change of the served variant cannot leave it out."""
+    manifest = ROOT / "metrics" / "package.json"
+    if not manifest.is_file():
+        pytest.fail(f"{manifest} is missing: the concurrency matrix reads the default run's served variant there")
+    return json.loads(manifest.read_text())["variant"]
+
+
+#: One servable variant of each runtime and batching path: onnxruntime batched (fp32-onnx) and row by row
+#: (int8-dynamic), OpenVINO (int8-openvino), TorchScript; `default_served_variant()` is added to them.
+MATRIX_VARIANTS = ("fp32-onnx", "int8-dynamic", "int8-openvino", "fp32-torchscript")
+
+
+@pytest.fixture(scope="session")
+def matrix(tmp_path_factory, tiny_model_dir):
+    """The concurrency matrix's servers: the tiny model's `MATRIX_VARIANTS` plus the default's served variant, built
+    by the export and quantize stages' own code, logged as MLflow models by the evaluate stage's code, then one
+    TorchServe holding one `.mar` per variant (`/predictions/<variant>`, the shipped worker and batching settings)
+    and one `python -m serving.mlflow_server --model-uri <its model>` per variant, all with the default limits."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pipeline.core.params import EvaluateParams, QuantizeParams
+    from pipeline.deployment.archive import build_archive
+    from pipeline.evaluation.accuracy import log_variant_runs, score_variants
+    from pipeline.runtimes.catalog import spec
+    from pipeline.selection import ServedChoice
+    from pipeline.variants.export import run_export
+    from pipeline.variants.quantize import run_quantize
+    from tests.factories import weight_format_here
+
+    served = default_served_variant()
+    names = tuple(dict.fromkeys((*MATRIX_VARIANTS, served)))
+    if spec(served).stage not in ("export", "quantize"):
+        pytest.fail(f"the default serves {served} (built by the {spec(served).stage} stage): give the concurrency "
+                    "matrix a builder for it in tests/serving/conftest.py")
+    work = tmp_path_factory.mktemp("matrix")
+    store = f"sqlite:///{work / 'mlflow.db'}"
+    params = Params(mlflow=MlflowParams(tracking_uri=store))
+    tok = write_tokenized(work / "tok", {"train": 48, "val": 16, "test": 16})
+    root = work / "variants"
+    run_export(tiny_model_dir, tok, root, ExportParams(parity_samples=4, torchscript=True))
+    build = [n for n in names if spec(n).stage == "quantize"]
+    quantize = QuantizeParams(calibration_samples=16, selection_samples=16, qat_train_samples=16, qat_batch_size=8,
+                              calibration_methods=["minmax"], build=build)
+    run_quantize(tiny_model_dir, root / "fp32-onnx", tok, root, Params(quantize=quantize), weight_format_here())
+    dirs = {n: root / n for n in names}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(work)
+        mp.setenv("PIPELINE_RUN_ID", "concurrency-matrix")
+        results = score_variants(tiny_model_dir, dirs, tok, EvaluateParams())
+        log_variant_runs(results, dirs, tiny_model_dir, params.evaluate, params.mlflow, params.package)
+    for n in names:
+        build_archive(dirs[n], ServedChoice(n, "concurrency matrix"), {"name": "imdb-sentiment", "version": "1"},
+                      params.package, work / "model_store" / f"{n}.mar")
+    (work / "params.yaml").write_text(yaml.safe_dump({"mlflow": {"tracking_uri": store}}))
+    env = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}, "PYTHONPATH": str(ROOT),
+           "PATH": f"{BIN}:{os.environ['PATH']}"}
+
+    def start_mlflow(name: str) -> tuple[str, Any]:
+        port = free_port()
+        cmd = [sys.executable, "-m", "serving.mlflow_server", "--port", str(port), "--params", "params.yaml",
+               "--model-uri", results[name]["model_uri"], "--log-dir", f"logs-{name}"]
+        return f"http://127.0.0.1:{port}", start_server(cmd, env, work, f"http://127.0.0.1:{port}/ready",
+                                                         work / f"mlflow-{name}.log")
+
+    with ThreadPoolExecutor(len(names)) as pool:
+        started = [pool.submit(start_mlflow, n) for n in names]
+        mlflow_servers = {}
+        for n, future in zip(names, started, strict=True):
+            with contextlib.suppress(Exception):
+                mlflow_servers[n] = future.result()
+    try:
+        assert len(mlflow_servers) == len(names), [f.exception() for f in started if f.exception()]
+        with running_torchserve(work, root, models=names) as torchserve:
+            yield {"variants": names, "served": served, "dirs": dirs, "torchserve": torchserve,
+                   "mlflow": {n: url for n, (url, _) in mlflow_servers.items()}, "limits": params.package}
+    finally:
+        for _, proc in mlflow_servers.values():
+            stop_server(proc)

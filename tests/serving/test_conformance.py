@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from pipeline.deployment.inference import SentimentPredictor
 from pipeline.deployment.protocol import (
     MLFLOW_SHAPES,
+    REQUEST_ID_HEADER,
     TORCHSERVE_SHAPES,
     VARIANT_HEADER,
     VERSION_HEADER,
@@ -154,7 +155,8 @@ def _check_error(endpoint: Endpoint, status: int, headers: dict[str, str], body:
     assert len(body) <= MAX_ERROR_BYTES, (endpoint.name, len(body))
     assert MARKER.encode() not in body
     error = json.loads(body)
-    assert set(error) == {"error", "status"} and error["status"] == status, error
+    assert set(error) == {"error", "status", "request_id"} and error["status"] == status, error
+    assert error["request_id"] and headers.get(REQUEST_ID_HEADER.lower()) == error["request_id"], (error, headers)
     assert needle in error["error"], (endpoint.name, error)
     assert _names_the_model(endpoint, headers), headers
 

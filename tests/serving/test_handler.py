@@ -26,6 +26,9 @@ class Context:
     def get_all_request_header(self, idx: int) -> dict[str, object]:
         return {"Content-Type": self.content_types[idx]}
 
+    def get_request_id(self, idx: int = 0) -> str:
+        return f"ts-request-{idx}"
+
     def set_response_status(self, code: int, phrase: str = "", idx: int = 0) -> None:
         self.statuses[idx] = code
 
@@ -70,8 +73,10 @@ def test_a_batch_is_scored_in_one_call_mapped_back_and_its_size_logged(tiny_mode
     assert "batch of 4 requests" in caplog.text
     assert handler.predictor.calls == [4]  # the 4 texts of the 3 good requests, scored together
     assert context.statuses == {0: 200, 1: 400, 2: 200, 3: 200}
-    assert all(context.headers[i] == handler.headers for i in range(4))  # errors too name the model
+    # errors too name the model, and every answer its request id (TorchServe's)
+    assert all(context.headers[i] == {**handler.headers, "X-Request-Id": f"ts-request-{i}"} for i in range(4))
     assert answers[1]["status"] == 400 and "must be a string" in answers[1]["error"]
+    assert answers[1]["request_id"] == "ts-request-1"
     expected = predictor.predict(["a wonderful film", "awful", "boring plot", "plain text review"])
     got = [answers[0], *answers[2], answers[3]]
     assert [g["label"] for g in got] == [e.label for e in expected]

@@ -95,7 +95,7 @@ def test_readiness_metrics_and_logs_for_operators(champion):
     for name, labels, delta in (
         ("sentiment_requests_total", {"path": "/invocations", "method": "POST", "status": "200"}, 1),
         ("sentiment_requests_total", {"path": "/invocations", "method": "POST", "status": "400"}, 1),
-        ("sentiment_request_errors_total", {"kind": "invalid_input"}, 1),
+        ("sentiment_request_errors_total", {"kind": "invalid_input", "side": "client"}, 1),
         ("sentiment_texts_scored_total", {}, 2),
         ("sentiment_request_latency_seconds_count", {"path": "/invocations"}, 2),
     ):

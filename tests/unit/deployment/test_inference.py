@@ -31,9 +31,11 @@ def test_a_huge_text_is_cut_to_max_chars_before_tokenizing_and_scored_as_the_cut
     assert [(p.label, p.score) for p in capped.score(encoded)] == [(p.label, p.score) for p in expected]
 
 
-def test_the_pyfunc_predictor_refuses_what_the_contract_refuses(tiny_model_dir):
+def test_the_pyfunc_predictor_refuses_what_is_not_a_review_and_scores_any_number_of_rows(tiny_model_dir):
     """`ContractPredictor` (what the MLflow pyfunc runs) answers like `SentimentPredictor` on texts and refuses a
-    value MLflow's DataFrame may hold instead of scoring its `str()` (null once came back as a label)."""
+    value MLflow's DataFrame may hold instead of scoring its `str()` (null once came back as a label), naming the
+    row. How many rows and how long a text are the servers' limits, not the model's: 300 rows and a text longer
+    than `max_chars` are scored (the long one cut, head and tail, as the served model cuts it)."""
     import math
 
     import pytest
@@ -41,15 +43,36 @@ def test_the_pyfunc_predictor_refuses_what_the_contract_refuses(tiny_model_dir):
     from pipeline.deployment.inference import ContractPredictor
     from pipeline.deployment.protocol import RequestError
 
-    checked = ContractPredictor(tiny_model_dir, max_chars=100, max_texts=3)
+    checked = ContractPredictor(tiny_model_dir, max_chars=100)
+    plain = SentimentPredictor(tiny_model_dir, max_chars=100)
     texts = ["great wonderful film", "awful boring film"]
-    assert [(p.label, p.score) for p in checked.predict(texts)] == \
-        [(p.label, p.score) for p in SentimentPredictor(tiny_model_dir).predict(texts)]
-    for values, needle in (([None], "got null"), ([math.nan], "got null"), ([5], "got a number"),
-                           (["  "], "whitespace"), (["\u200b\u202e"], "no visible character"),
-                           (["x" * 101], "more than the limit of 100"), (["a"] * 4, "maximum of 3"), ([], "no texts")):
+    assert [(p.label, p.score) for p in checked.predict(texts)] == [(p.label, p.score) for p in plain.predict(texts)]
+    for values, needle in (([None], r"text\[0\] must be a string, got null"), (["ok", math.nan], r"text\[1\].*null"),
+                           ([5], "got a number"), (["  "], "whitespace"), (["\u200b\u202e"], "no visible character")):
         with pytest.raises(RequestError, match=needle):
             checked.predict(values)
+    assert checked.predict([]) == []
+    many = [f"review {i}: " + ("great " if i % 2 else "awful ") * (1 + i % 37) for i in range(300)] + ["x" * 101]
+    got = checked.predict(many)
+    assert len(got) == len(many)
+    alone = [plain.predict([t])[0] for t in many]
+    assert [p.label for p in got] == [p.label for p in alone]
+    assert np.allclose([p.score for p in got], [p.score for p in alone], atol=1e-4)
+
+
+def test_predict_scores_a_long_input_in_bounded_chunks_in_input_order(tiny_model_dir, monkeypatch):
+    """More texts than a chunk: tokenized chunk by chunk, batches of at most `max_batch`, answers in input order."""
+    predictor = SentimentPredictor(tiny_model_dir, max_batch=8)
+    monkeypatch.setattr(SentimentPredictor, "CHUNK_TEXTS", 20)
+    batches: list[int] = []
+    runner = predictor.runner
+    predictor.runner = lambda ids, mask: (batches.append(len(ids)), runner(ids, mask))[1]
+    texts = [("great " if i % 3 else "awful ") * (1 + (i * 7) % 30) + str(i) for i in range(50)]
+    got = predictor.predict(texts)
+    assert max(batches) <= 8 and sum(batches) == 50
+    expected = [predictor.predict([t])[0] for t in texts]
+    assert [p.label for p in got] == [p.label for p in expected]
+    assert np.allclose([p.score for p in got], [p.score for p in expected], atol=1e-5)
 
 
 def test_every_servable_format_names_the_packages_its_mlflow_model_needs():

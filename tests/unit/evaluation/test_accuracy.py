@@ -103,9 +103,12 @@ def test_every_built_variant_is_an_mlflow_model_with_its_scores(built, tiny_mode
     assert models["fp32-onnx"].tags["artifact_pointer"] == str(dirs["fp32-onnx"].resolve())
     assert models["int8-static"].model_type == "onnx-int8"
     loaded = mlflow.pyfunc.load_model(results["int8-static"]["model_uri"])
-    assert loaded.model_config == {"max_chars": 100, "threads": None, "max_texts": 64}
+    assert loaded.model_config == {"max_chars": 100, "threads": None}  # no request limit in the model
     from pipeline.deployment.inference import SentimentPredictor
 
     texts = ["great wonderful film", "awful boring film"]
     want = SentimentPredictor(dirs["int8-static"], max_chars=100).predict(texts)
     assert loaded.predict(pd.DataFrame({"text": texts}))["label"].tolist() == [p.label for p in want]
+    corpus = [f"{t} #{i}" for i in range(150) for t in texts]  # 300 rows: more than a request may hold
+    scored = loaded.predict(pd.DataFrame({"text": corpus}))
+    assert len(scored) == 300 and scored["label"].tolist() == [p.label for p in want] * 150
