@@ -1,19 +1,28 @@
-"""Model tier: behaviour of every exported artifact of the end-to-end model on hand-written reviews.
+"""Model tier: behaviour of every exported artifact of the end-to-end model on hand-written reviews, and its
+answers under concurrent calls on real ones.
 
 These run the variant directories through `SentimentPredictor` (the serving code path), so they check
-the artifact and its preprocessing together, not the PyTorch model alone.
+the artifact and its preprocessing together, not the PyTorch model alone. The variants are the FP32 reference
+and every servable variant of the catalog (the miniature profile builds them all), so whichever the package stage
+serves is among them.
 """
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pandas as pd
 import pytest
 
 from pipeline.deployment.inference import SentimentPredictor
+from pipeline.runtimes.catalog import REFERENCE
+from pipeline.runtimes.catalog import VARIANTS as CATALOG
+from pipeline.runtimes.record import read_variant
 
 pytestmark = pytest.mark.slow
 
-VARIANTS = ["fp32-eager", "fp32-torchscript", "fp32-onnx", "int8-dynamic", "int8-static", "int8-qat",
-            "fp32-distilled", "int8-distilled", "int8-distilled-openvino"]
+VARIANTS = [REFERENCE, *(v.name for v in CATALOG if v.servable)]
 
 NEGATIVE = [
     "This was the worst movie I have ever seen. Awful acting, a boring plot and terrible dialogue. "
@@ -35,7 +44,10 @@ NAMES = [("Tom Hanks", "Meryl Streep"), ("Nicolas Cage", "Megan Fox"), ("Adam Sa
 @pytest.fixture(scope="module", params=VARIANTS)
 def predictor(request, repo) -> SentimentPredictor:
     name = request.param
-    directory = repo / "models" / ("finetuned" if name == "fp32-eager" else f"variants/{name}")
+    directory = repo / "models" / ("finetuned" if name == REFERENCE else f"variants/{name}")
+    if name != REFERENCE:
+        info = read_variant(directory)
+        assert info.status == "ok", f"the miniature profile must build every servable variant: {name} {info.reason}"
     return SentimentPredictor(directory)
 
 
@@ -71,3 +83,23 @@ def test_batch_order_and_single_agree(predictor):
     assert [p.label for p in batch] == [p.label for p in singles]
     for a, b in zip(batch, singles, strict=True):
         assert a.score == pytest.approx(b.score, abs=5e-2)  # dynamic INT8 scales follow the batch
+
+
+def test_eight_threads_get_each_review_answered_as_alone(predictor, imdb_dir):
+    """`predict` from eight threads at once (a server's request threads, a notebook's pool) on real reviews of
+    mixed lengths: every answer is the review's answer alone (same label, score within 1e-4)."""
+    reviews = pd.read_parquet(imdb_dir / "test.parquet", columns=["text"])["text"].sample(n=24, random_state=8)
+    texts = [t[: 60 + (i * 173) % 2400] for i, t in enumerate(reviews)]
+    alone = [predictor.predict([t])[0] for t in texts]
+    barrier = threading.Barrier(8)
+
+    def call(i: int) -> object:
+        if i < 8:
+            barrier.wait()
+        return predictor.predict([texts[i % len(texts)]])[0]
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(call, range(3 * len(texts))))
+    for i, p in enumerate(got):
+        assert p.label == alone[i % len(texts)].label, i
+        assert abs(p.score - alone[i % len(texts)].score) <= 1e-4, (i, p.score, alone[i % len(texts)].score)

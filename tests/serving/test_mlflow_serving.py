@@ -122,3 +122,29 @@ def test_the_launchers_log_appends_across_restarts_and_rotates(tmp_path):
     assert files == ["mlflow_server.log", "mlflow_server.log.1", "mlflow_server.log.2"]
     text = "".join((tmp_path / name).read_text() for name in files)
     assert "start 1 line 14" in text and "start 0 line 9" in text  # the first run survived the second's start
+
+
+def test_mlflow_models_predict_scores_a_csv_larger_than_any_request(champion, imdb_dir, tmp_path):
+    """The README's batch command, as written there, on 300 real reviews (more than a request may hold): the
+    registered champion scores them all with its own copy of the code (run outside the checkout), each row as the
+    predictor scores it alone, in input order."""
+    import os
+    import subprocess
+
+    import pandas as pd
+
+    reviews = pd.read_parquet(imdb_dir / "test.parquet", columns=["text"]).sample(n=300, random_state=5)
+    csv = tmp_path / "reviews.csv"
+    reviews.to_csv(csv, index=False)
+    env = {**{k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MLFLOW_TRACKING_URI")},
+           "MLFLOW_TRACKING_URI": champion["store"], "PATH": f"{BIN}:{os.environ['PATH']}"}
+    cmd = [str(BIN / "mlflow"), "models", "predict", "-m", "models:/imdb-sentiment@champion", "-i", str(csv),
+           "-t", "csv", "-o", str(tmp_path / "scored.json"), "--env-manager", "local"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads((tmp_path / "scored.json").read_text())["predictions"]
+    assert len(got) == 300
+    predictor = SentimentPredictor(champion["variant_dir"], max_chars=champion["manifest"]["max_chars_per_text"])
+    alone = [predictor.predict([t])[0] for t in reviews["text"]]
+    assert [g["label"] for g in got] == [p.label for p in alone]
+    assert max(abs(g["score"] - p.score) for g, p in zip(got, alone, strict=True)) <= 1e-4
