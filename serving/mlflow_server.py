@@ -357,25 +357,21 @@ def served_version(model_uri: str | None, name: str, alias: str) -> tuple[str, d
     """The registry version a model URI names and that version's tags: the champion (`models:/<name>@<alias>`)
     when no URI is given, the alias or version of a `models:/<name>@<alias>` or `models:/<name>/<version>` URI,
     and "unregistered" for any other model (a LoggedModel id, a path)."""
-    import mlflow
-
-    from pipeline.core.model_registry import registered_version
+    from pipeline.core.model_registry import registered_version, version_tags
 
     if model_uri is None:
         return registered_version(name, alias)
     if m := re.fullmatch(r"models:/([^/@]+)@([^/]+)", model_uri):
         return registered_version(m[1], m[2])
     if m := re.fullmatch(r"models:/([^/@]+)/(\d+)", model_uri):
-        return m[2], dict(mlflow.MlflowClient().get_model_version(m[1], m[2]).tags or {})
+        return m[2], version_tags(m[1], m[2])
     return "unregistered", {}
 
 
 def build_app(model_uri: str | None, params_path: Path, max_in_flight: int = 64) -> ContractMiddleware:
     """Load the champion (or `model_uri`) and wrap MLflow's scoring app for it in the contract."""
-    import mlflow
-
     from pipeline.core.params import load_params
-    from pipeline.core.parent_run import tracking_uri
+    from pipeline.core.parent_run import use_store
     from pipeline.deployment.mlflow_model import scoring_app
 
     params = load_params(params_path) if params_path.is_file() else None
@@ -383,8 +379,7 @@ def build_app(model_uri: str | None, params_path: Path, max_in_flight: int = 64)
         from pipeline.core.params import Params
 
         params = Params()
-    store = tracking_uri(params.mlflow)
-    mlflow.set_tracking_uri(store)
+    store = use_store(params.mlflow)
     name, alias = params.mlflow.registered_model_name, params.mlflow.champion_alias
     version, tags = served_version(model_uri, name, alias)
     uri = model_uri or f"models:/{name}@{alias}"

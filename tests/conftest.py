@@ -35,7 +35,7 @@ MODULE_GROUPS = {
     "tests/model/test_behaviour.py": "repro",
     "tests/e2e/test_tracking_server.py": "servers",
     "tests/serving/test_concurrency_matrix.py": "servers",
-    "tests/serving/test_conformance.py": "servers",  # asks for the servers by name (`request.getfixturevalue`)
+    "tests/serving/test_conformance.py": "servers",
     "tests/serving/test_mlflow_serving.py": "servers",
     "tests/serving/test_torchserve.py": "servers",
 }

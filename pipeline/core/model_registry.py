@@ -37,6 +37,13 @@ def registered_version(name: str, alias: str) -> tuple[str, dict[str, str]]:
     return str(version.version), dict(version.tags or {})
 
 
+def version_tags(name: str, version: str) -> dict[str, str]:
+    """The tags of version `version` of registered model `name`."""
+    import mlflow
+
+    return dict(mlflow.MlflowClient().get_model_version(name, version).tags or {})
+
+
 def logged_model(model_id: str | None) -> Any:
     """The LoggedModel `model_id` in the current store, or None (no id, or one from another store)."""
     if not model_id:

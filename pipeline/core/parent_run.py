@@ -35,6 +35,15 @@ def tracking_uri(params: MlflowParams) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or params.tracking_uri
 
 
+def use_store(params: MlflowParams) -> str:
+    """Point MLflow at the tracking store (`tracking_uri`) and return it (a server's start: no experiment)."""
+    import mlflow
+
+    store = tracking_uri(params)
+    mlflow.set_tracking_uri(store)
+    return store
+
+
 def configure(params: MlflowParams) -> str:
     """Point MLflow at the store (`tracking_uri`) and the experiment, marked as a model-training experiment;
     returns the experiment id."""

@@ -40,3 +40,30 @@ def test_fp16_engine_matches_onnxruntime(tmp_path, fp32_onnx):
     assert np.abs(got - ref).max() < 5e-2
     assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.75
 
+
+
+def test_an_engine_answers_concurrent_calls_as_calls_alone(tmp_path, fp32_onnx):
+    """Eight threads call one `TensorRTRunner` at once, each batch of its own shape: each call borrows an execution
+    context and stream of its own, so every answer equals the same batch run alone."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    shapes = profile_shapes(1, 4, 8, 8, 32, 64)
+    build_engine(fp32_onnx / "model.onnx", tmp_path / "model.engine", shapes, "fp16")
+    runner = TensorRTRunner(tmp_path / "model.engine")
+    rng = np.random.default_rng(1)
+    batches = [pad_batch([rng.integers(1000, 2000, size=int(n)) for n in rng.integers(8, 65, size=1 + i % 4)])
+               for i in range(16)]
+    alone = [runner(ids, mask) for ids, mask in batches]
+    barrier = threading.Barrier(8)
+
+    def call(i: int) -> np.ndarray:
+        if i < 8:
+            barrier.wait()
+        return runner(*batches[i % len(batches)])
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(call, range(64)))
+    for i, logits in enumerate(got):
+        np.testing.assert_allclose(logits, alone[i % len(batches)], atol=1e-3, err_msg=f"call {i}")
+    assert 1 <= runner.contexts.created <= 8

@@ -177,6 +177,9 @@ def champion(tmp_path_factory, tiny_model_dir):
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(work)
         mp.setenv("PIPELINE_RUN_ID", "serving-test")
+        # mlflow.set_tracking_uri also exports the store as MLFLOW_TRACKING_URI, which wins over params: set here,
+        # it is removed again on leaving, so no later session fixture logs into this store
+        mp.setenv("MLFLOW_TRACKING_URI", store)
         dirs = evaluated_fp32_onnx(work, tiny_model_dir, params)
         manifest = run_package_stage(work / "variants", work / "variants.json", work / "benchmark.json",
                                      work / "sentiment.mar", work / "package.json", params)
@@ -282,6 +285,7 @@ def matrix(tmp_path_factory, tiny_model_dir):
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(work)
         mp.setenv("PIPELINE_RUN_ID", "concurrency-matrix")
+        mp.setenv("MLFLOW_TRACKING_URI", store)  # removed on leaving (see `champion`)
         results = score_variants(tiny_model_dir, dirs, tok, EvaluateParams())
         log_variant_runs(results, dirs, tiny_model_dir, params.evaluate, params.mlflow, params.package)
     for n in names:

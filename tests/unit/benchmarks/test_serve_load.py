@@ -55,7 +55,8 @@ def test_targets_read_the_sweep():
     bad = targets([_row(1, errors=1, ok_pct=99.0, ratio=0.6), _row(8, p99=31.0, ratio=0.7)], 0.1)
     assert not any(bad.values())
     assert bad["served_at_least_0.8_of_in_process_at_32"] is None  # not in this sweep
-    assert targets([_row(1, ratio=0.75)], 0.1)["served_at_least_0.7_of_in_process_at_1"] is True
+    assert targets([_row(1, ratio=0.75)], 0.1)["served_at_least_0.8_of_in_process_at_1"] is False
+    assert targets([_row(1, ratio=0.85)], 0.1)["served_at_least_0.8_of_in_process_at_1"] is True
     assert targets([_row(1)], 0.0)["p99_at_most_3x_p50_at_8"] is None
     assert targets([_row(8)], 0.0)["all_valid_answered_200_with_malformed_mixed_in"] is None
     assert "| 8 | 100 | 100.00 | 0 |" in table([_row(8)])
