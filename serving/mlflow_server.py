@@ -23,12 +23,14 @@ input); the middleware holds the contract of `pipeline.deployment.protocol` in f
   requests in flight); `/ready` scores one review through the whole stack (readiness);
 - logs go to `<log-dir>/mlflow_server.log`, appended across restarts and rotated by size.
 
-Concurrency: one process. uvicorn's event loop reads and checks requests; MLflow's app runs each `predict` in a
-worker thread (`asyncio.to_thread`); the pyfunc's predictor merges the reviews of concurrent calls into one batch
-(`pipeline.deployment.coalescing`) and its runtime lends each call what it cannot share (`pipeline.runtimes.pool`),
-so one forward pass at a time uses the runtime's threads (all cores, or `package.threads`) while the event loop
-and the other request threads only parse and wait. Several processes would each hold a copy of the model and
-split the cores between smaller forward passes.
+Concurrency: one process. uvicorn's event loop reads and checks requests; the checked texts of the requests that
+arrive while MLflow's app is scoring are sent to it together in its next call (server-side batching, as
+TorchServe's frontend does, with no delay: a lone request goes at once), and each request gets its slice of the
+predictions. MLflow's per-call work (pandas frames in and out) is paid once per batch, and one forward pass at a
+time uses the runtime's threads (all cores, or `package.threads`). Below that, the predictor also merges calls
+from several threads (`pipeline.deployment.coalescing`) and every runtime lends each call what it cannot share
+(`pipeline.runtimes.pool`), so the model is safe however it is called. Several processes would each hold a copy of
+the model and split the cores between smaller forward passes.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +87,8 @@ MODEL_ERROR = "model_error"
 SAFE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 #: Seconds a client is asked to wait after a 503 (overloaded).
 RETRY_AFTER_S = 1
+#: Texts of concurrent requests sent to MLflow's app in one call at most.
+MAX_BATCH_TEXTS = 64
 
 
 class Metrics:
@@ -126,6 +130,20 @@ class Metrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
+@dataclass(eq=False)
+class _Pending:
+    """A checked scoring request waiting for its batch: its texts, its id and where its answer goes."""
+
+    texts: list[str]
+    rid: str
+    answer: asyncio.Future[tuple[int, list[Any] | None]]
+
+
+def _resolve(pending: _Pending, status: int, predictions: list[Any] | None) -> None:
+    if not pending.answer.done():  # a client that went away cancelled its wait
+        pending.answer.set_result((status, predictions))
+
+
 @dataclass(frozen=True)
 class Outcome:
     """How one request was answered: the status, the error kind where the status alone does not say it, and how
@@ -161,6 +179,8 @@ class ContractMiddleware:
     metrics: Metrics
     max_in_flight: int = 64
     _in_flight: int = 0
+    _queue: list[_Pending] = field(default_factory=list)
+    _drainer: asyncio.Task[None] | None = None
 
     def model_headers(self, rid: str | None = None) -> list[tuple[bytes, bytes]]:
         headers = [(VERSION_HEADER.lower().encode(), self.version.encode()),
@@ -222,19 +242,107 @@ class ContractMiddleware:
             self.metrics.in_flight.dec()
 
     async def _invoke(self, scope: Scope, receive: Receive, send: Send, rid: str) -> Outcome:
-        """Read and check a scoring request, then hand the checked texts to MLflow's app."""
+        """Read and check a scoring request, then have its texts scored with those of concurrent requests."""
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         try:
             body = await self._body(headers, receive)
             parsed = parse_request(body, self.limits, headers.get("content-type"), MLFLOW_SHAPES)
         except RequestError as err:
             return await self._error(send, err, rid)
-        # MLflow's app gets the texts the contract checked, in one canonical JSON form: pandas would otherwise read
-        # a CSV review "NA" or "null" as a missing value, and the shapes would each be converted their own way.
-        canonical = json.dumps({"dataframe_split": {"columns": [TEXT_COLUMN],
-                                                    "data": [[t] for t in parsed.texts]}}).encode()
-        outcome = await self._forward(_as_json(scope, len(canonical)), canonical, send, rid)
-        return Outcome(outcome.status, outcome.kind, len(parsed.texts) if outcome.status == 200 else 0)
+        pending = _Pending(parsed.texts, rid, asyncio.get_running_loop().create_future())
+        self._queue.append(pending)
+        if self._drainer is None or self._drainer.done():
+            self._drainer = asyncio.create_task(self._drain())
+        status, predictions = await pending.answer
+        if status == 200:
+            await self._send(send, 200, json.dumps({"predictions": predictions}).encode(), "application/json", rid)
+            return Outcome(200, None, len(parsed.texts))
+        if status == 504:
+            await self._json(send, 504, {"error": "scoring this request took longer than the server's timeout",
+                                         "status": 504, "request_id": rid}, rid)
+            return Outcome(504, "timeout")
+        await self._json(send, 500, {"error": "internal error while scoring this request (logged on the server "
+                                              "with its request id)", "status": 500, "request_id": rid}, rid)
+        return Outcome(500, MODEL_ERROR)
+
+    async def _drain(self) -> None:
+        """Score the queued requests through MLflow's app, a batch at a time: each batch is the requests queued
+        while the previous one ran (up to `MAX_BATCH_TEXTS` texts), sent as one `dataframe_split`, and each
+        request gets its own slice of the predictions. A batch MLflow fails is scored again request by request,
+        so only the request at fault fails. Every request taken ends with an answer."""
+        while self._queue:
+            batch, total = [], 0
+            while self._queue and (not batch or total + len(self._queue[0].texts) <= MAX_BATCH_TEXTS):
+                batch.append(self._queue.pop(0))
+                total += len(batch[-1].texts)
+            try:
+                await self._score_batch(batch)
+            except Exception:
+                log.exception("requests %s: scoring failed", ", ".join(p.rid for p in batch))
+            for pending in batch:  # anything not answered above is the server's failure
+                if not pending.answer.done():
+                    pending.answer.set_result((500, None))
+
+    async def _score_batch(self, batch: list[_Pending]) -> None:
+        status, predictions, detail = await self._model([t for p in batch for t in p.texts])
+        if status == 200:
+            start = 0
+            for pending in batch:
+                _resolve(pending, 200, predictions[start : start + len(pending.texts)])
+                start += len(pending.texts)
+            return
+        if len(batch) > 1:  # find the request at fault: each on its own
+            log.warning("requests %s: a batch of %d requests failed (MLflow answered %d), scoring each alone",
+                        ", ".join(p.rid for p in batch), len(batch), status)
+            for pending in batch:
+                await self._score_batch([pending])
+            return
+        pending = batch[0]
+        if status == 504:
+            log.error("request %s: MLflow's scoring app timed out: %s", pending.rid, detail)
+        else:
+            log.error("request %s: the model failed on a request the contract accepted (MLflow answered %d): %s",
+                      pending.rid, status, detail)
+        _resolve(pending, status if status == 504 else 500, None)
+
+    async def _model(self, texts: list[str]) -> tuple[int, list[Any], str]:
+        """MLflow's app on `texts` (status, predictions, error detail). The texts the contract checked go in one
+        canonical JSON form: pandas would otherwise read a CSV review "NA" or "null" as a missing value, and the
+        shapes would each be converted their own way."""
+        body = json.dumps({"dataframe_split": {"columns": [TEXT_COLUMN], "data": [[t] for t in texts]}}).encode()
+        scope = {"type": "http", "method": "POST", "path": INVOCATIONS, "raw_path": INVOCATIONS.encode(),
+                 "query_string": b"", "http_version": "1.1",
+                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+        status, answer = await self._call_app(scope, body)
+        if status != 200:
+            return status, [], answer[:300].decode("utf-8", "replace")
+        predictions = json.loads(answer).get("predictions")
+        if not isinstance(predictions, list) or len(predictions) != len(texts):
+            return 500, [], f"MLflow answered {type(predictions).__name__} for {len(texts)} texts"
+        return 200, predictions, ""
+
+    async def _call_app(self, scope: Scope, body: bytes) -> tuple[int, bytes]:
+        """MLflow's app on one request: its status and body (error bodies kept to 2 KB: they quote the input)."""
+        start: Message = {}
+        parts: list[bytes] = []
+        sent = False
+
+        async def receive() -> Message:
+            nonlocal sent
+            if sent:
+                await asyncio.Event().wait()  # the body was consumed: as a client that keeps the connection open
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def capture(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                start.update(message)
+            elif message["type"] == "http.response.body":
+                if start.get("status") == 200 or sum(map(len, parts)) < 2048:
+                    parts.append(message.get("body", b""))
+
+        await self.app(scope, receive, capture)
+        return int(start.get("status", 500)), b"".join(parts)
 
     async def _body(self, headers: dict[str, str], receive: Receive) -> bytes:
         """The request body, refused (413) as soon as it is known to exceed `max_body_bytes`."""

@@ -129,3 +129,32 @@ def test_more_requests_than_the_limit_at_once_get_a_503_with_retry_after(mlflow_
     assert [a[0] for a in answered] == [200, 200]
     assert metric(app, "sentiment_request_errors_total", kind="overloaded", side="server") == 1
     assert metric(app, "sentiment_requests_in_flight") == 0
+
+
+def test_concurrent_requests_are_scored_together_and_a_failing_one_fails_alone(mlflow_app):
+    """Requests that arrive while the model is busy go to MLflow's app as one batch; when that batch fails, each
+    request is scored alone, so only the one the model fails on gets a 500."""
+    calls: list[int] = []  # texts per call of MLflow's app
+
+    async def counting_app(scope: Any, receive: Any, send: Any) -> None:
+        message = await receive()
+        calls.append(len(json.loads(message["body"])["dataframe_split"]["data"]))
+        await asyncio.sleep(0.02)  # a forward pass: the other requests queue meanwhile
+
+        async def again() -> Any:
+            return message
+
+        await mlflow_app(scope, again, send)
+
+    app = middleware(counting_app)
+
+    async def scenario() -> list[tuple[int, dict[str, str], bytes]]:
+        bodies = [json.dumps({"inputs": ["boom" if i == 4 else f"fine {i}", "good"]}).encode() for i in range(8)]
+        return await asyncio.gather(*(call(app, b) for b in bodies))
+
+    answers = asyncio.run(scenario())
+    assert [a[0] for a in answers] == [200, 200, 200, 200, 500, 200, 200, 200]
+    assert all(len(json.loads(a[2])["predictions"]) == 2 for i, a in enumerate(answers) if i != 4)
+    assert max(calls) > 2  # texts of several requests went to the model in one call
+    assert calls.count(2) >= 8  # and after that batch failed, each request alone
+    assert metric(app, "sentiment_request_errors_total", kind="model_error", side="server") == 1
