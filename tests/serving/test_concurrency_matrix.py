@@ -21,7 +21,7 @@ from pipeline.deployment.inference import Prediction, SentimentPredictor
 
 LEVELS = (8, 32)
 #: Requests each client sends per level: enough for every client to be in flight together many times.
-REQUESTS_PER_LEVEL = 192
+REQUESTS_PER_LEVEL = 96
 
 
 @pytest.fixture(scope="module")
