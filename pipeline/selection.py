@@ -5,6 +5,7 @@ writes prose but the served variant's reason."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -123,6 +124,37 @@ def _cpu_int8(name: str) -> bool:
         return False
 
 
+#: Two variants scored on the same test reviews are told apart when an exact McNemar test on the reviews only one of
+#: them gets right gives p below this; otherwise the test set cannot resolve their accuracy difference (a tie).
+TIE_P_VALUE = 0.05
+
+
+def mcnemar_p(only_first_right: int, only_second_right: int) -> float:
+    """Two-sided exact McNemar p-value: how likely a split of the discordant reviews at least this uneven is when
+    both variants are equally accurate (each discordant review a fair coin). 1.0 when no review differs."""
+    n = only_first_right + only_second_right
+    if n == 0:
+        return 1.0
+    k = min(only_first_right, only_second_right)
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def int8_candidates(variants: Results, targets: TargetsParams) -> dict[str, Mapping[str, Any]]:
+    """The servable INT8 variants, built and scored, within the accuracy budget: what `auto` chooses among."""
+    ref = variants[REFERENCE]["accuracy"]
+    int8 = {v.name for v in VARIANTS if v.cpu_int8}
+    return {n: e for n, e in variants.items()
+            if n in int8 and e.get("status") == "ok" and within_budget(ref, e["accuracy"], targets)}
+
+
+def most_accurate(candidates: Results) -> str | None:
+    """The most accurate candidate (the smaller file on equal accuracy), None when there is none."""
+    if not candidates:
+        return None
+    return max(candidates, key=lambda n: (candidates[n]["accuracy"], -candidates[n]["size_mb"]))
+
+
 @dataclass(frozen=True)
 class ServedChoice:
     """The variant package serves, and why."""
@@ -135,7 +167,10 @@ def choose_variant(variants: Results, params: PackageParams, targets: TargetsPar
                    benchmark: Results | None = None) -> ServedChoice:
     """`auto`: among the servable INT8 variants within the accuracy budget, the most accurate
     (`package.prefer: accuracy`) or the fastest at batch 1 in `benchmark` (`prefer: speed`); else the FP32 ONNX
-    export. A variant named in `package.variant` must be servable and built (`SelectionError` otherwise)."""
+    export. Under `accuracy`, variants the test set cannot tell apart from the most accurate (evaluate's paired
+    test on the same reviews, `paired_p_value` >= `TIE_P_VALUE`) are tied with it, and the tie goes to the fastest
+    at batch 1: a slower variant is never served for a difference the test set cannot resolve. A variant named in
+    `package.variant` must be servable and built (`SelectionError` otherwise)."""
     if params.variant != "auto":
         if params.variant not in {v.name for v in VARIANTS if v.servable}:
             raise SelectionError(f"package.variant={params.variant} is not a variant the handler can serve "
@@ -147,9 +182,7 @@ def choose_variant(variants: Results, params: PackageParams, targets: TargetsPar
         return ServedChoice(params.variant, "named in params (package.variant)")
     ref = variants[REFERENCE]["accuracy"]
     budget = targets.max_accuracy_loss_pt
-    int8 = {v.name for v in VARIANTS if v.cpu_int8}
-    ok = {n: e for n, e in variants.items()
-          if n in int8 and e.get("status") == "ok" and within_budget(ref, e["accuracy"], targets)}
+    ok = int8_candidates(variants, targets)
     if ok and params.prefer == "speed":
         timed = {n: (benchmark or {}).get(n, {}).get("p50_ms_b1") for n in ok}
         missing = sorted(n for n, p50 in timed.items() if p50 is None)
@@ -158,8 +191,24 @@ def choose_variant(variants: Results, params: PackageParams, targets: TargetsPar
         best = min(ok, key=lambda n: (timed[n], -ok[n]["accuracy"]))
         return ServedChoice(best, f"fastest INT8 variant within {budget} pt of FP32 (package.prefer: speed): "
                                   f"p50 {timed[best]:.2f} ms, {100 * ok[best]['accuracy']:.2f}% vs {100 * ref:.2f}%")
-    if ok:
-        best = max(ok, key=lambda n: (ok[n]["accuracy"], -ok[n]["size_mb"]))
-        return ServedChoice(best, f"most accurate INT8 variant within {budget} pt of FP32 "
-                                  f"({100 * ok[best]['accuracy']:.2f}% vs {100 * ref:.2f}%)")
-    return ServedChoice("fp32-onnx", f"no INT8 variant within {budget} pt of FP32; serving FP32 ONNX")
+    best = most_accurate(ok)
+    if best is None:
+        return ServedChoice("fp32-onnx", f"no INT8 variant within {budget} pt of FP32; serving FP32 ONNX")
+    reason = (f"most accurate INT8 variant within {budget} pt of FP32 "
+              f"({100 * ok[best]['accuracy']:.2f}% vs {100 * ref:.2f}%)")
+    timed = {n: (benchmark or {}).get(n, {}).get("p50_ms_b1") for n in ok}
+    tied = {n for n, e in ok.items() if n != best and e.get("paired_reference") == best
+            and e.get("paired_p_value", 0.0) >= TIE_P_VALUE and timed[n] is not None}
+    if timed[best] is None or not tied:
+        return ServedChoice(best, reason)
+    fastest = min(tied | {best}, key=lambda n: (timed[n], -ok[n]["accuracy"]))
+    if fastest == best:
+        return ServedChoice(best, f"{reason}, and the fastest at batch 1 ({timed[best]:.2f} ms) of those the test "
+                                  f"set cannot tell apart from it ({', '.join(sorted(tied))})")
+    e = ok[fastest]
+    return ServedChoice(fastest, (
+        f"fastest at batch 1 ({timed[fastest]:.2f} ms vs {timed[best]:.2f} ms) of the INT8 variants within {budget} pt "
+        f"of FP32 that the test set cannot tell apart from the most accurate, {best} "
+        f"({100 * e['accuracy']:.2f}% vs {100 * ok[best]['accuracy']:.2f}%: on the {e['paired_only_reference_right']} "
+        f"+ {e['paired_only_this_right']} reviews only one of them gets right, exact McNemar p = "
+        f"{e['paired_p_value']:.2f} >= {TIE_P_VALUE})"))

@@ -16,13 +16,14 @@ from pipeline.runtimes.base import predict_logits
 from pipeline.runtimes.catalog import REFERENCE, spec
 from pipeline.runtimes.record import VariantError, read_variant, size_mb
 from pipeline.runtimes.registry import load_runner
-from pipeline.selection import quantization_verdicts
+from pipeline.selection import int8_candidates, mcnemar_p, most_accurate, quantization_verdicts
 
 log = logging.getLogger(__name__)
 
 
 def score_variants(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Path, params: EvaluateParams,
-                   reference_predictions: Path | None = None) -> dict[str, dict[str, Any]]:
+                   reference_predictions: Path | None = None,
+                   targets: TargetsParams | None = None) -> dict[str, dict[str, Any]]:
     """One entry per variant (and the FP32 PyTorch reference): accuracy, size_mb, agreement, status.
 
     With `reference_predictions` (the finetune stage's test logits, checked to score exactly this test
@@ -58,6 +59,7 @@ def score_variants(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Pa
         "size_mb": round((finetuned / "model.safetensors").stat().st_size / 1e6, 3),
         "eval_seconds": round(seconds, 2), "test_samples": len(labels), "scored_by": scored_by,
     }
+    correct: dict[str, np.ndarray] = {}
     for name, directory in variant_dirs.items():
         info = read_variant(directory)
         entry: dict[str, Any] = {"status": info.status, "reason": info.reason, "format": info.format,
@@ -71,6 +73,7 @@ def score_variants(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Pa
                                   progress=name).argmax(-1)
         except Exception as exc:
             raise VariantError(f"variant {name} failed to run on the test split: {exc}") from exc
+        correct[name] = pred == labels
         entry.update(
             accuracy=float((pred == labels).mean()),
             agreement_with_fp32=float((pred == ref_pred).mean()),
@@ -85,7 +88,25 @@ def score_variants(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Pa
     for entry in results.values():
         if entry.get("accuracy") is not None:
             entry["accuracy_delta_pt"] = round(100 * (entry["accuracy"] - fp32), 3)
+    paired_with_most_accurate(results, correct, targets or TargetsParams())
     return results
+
+
+def paired_with_most_accurate(results: dict[str, dict[str, Any]], correct: dict[str, np.ndarray],
+                              targets: TargetsParams) -> None:
+    """Each INT8 candidate of the package stage's choice (`selection.int8_candidates`) compared with the most
+    accurate one on the same reviews: how many only the most accurate gets right, how many only this one, and the
+    exact McNemar p-value (`paired_*` fields), so the package stage can tell a real accuracy difference from one
+    the test set cannot resolve."""
+    candidates = int8_candidates(results, targets)
+    best = most_accurate(candidates)
+    if best is None:
+        return
+    for name in candidates:
+        only_best = int((correct[best] & ~correct[name]).sum())
+        only_this = int((correct[name] & ~correct[best]).sum())
+        results[name].update(paired_reference=best, paired_only_reference_right=only_best,
+                             paired_only_this_right=only_this, paired_p_value=round(mcnemar_p(only_best, only_this), 4))
 
 
 def check_targets(results: dict[str, dict[str, Any]], targets: TargetsParams,
@@ -180,7 +201,7 @@ def run_evaluate_stage(finetuned: Path, variants_root: Path, tokenized: Path, re
     from pipeline.runtimes.catalog import directories
 
     variants = directories(variants_root)
-    results = score_variants(finetuned, variants, tokenized, params.evaluate, reference_predictions)
+    results = score_variants(finetuned, variants, tokenized, params.evaluate, reference_predictions, params.targets)
     accuracy_bars(results, plot)
     for line in check_targets(results, params.targets):
         log.info(line)

@@ -32,6 +32,16 @@ def test_scores_and_sizes(built, tiny_model_dir):
         assert results[name]["agreement_with_fp32"] == float((int8 == fp32).mean()), name
         assert results[name]["agreement_with_fp32"] >= 0.9, (name, results[name])  # 1.0 measured
     assert results["tensorrt-fp16"]["status"] == "skipped"
+    # each INT8 candidate is paired with the most accurate one on the same reviews (the package stage's tie rule)
+    from pipeline.selection import int8_candidates, mcnemar_p, most_accurate
+
+    candidates = int8_candidates(results, TargetsParams())
+    best = most_accurate(candidates)
+    assert best is not None and results[best]["paired_only_this_right"] == 0 == results[best]["paired_only_reference_right"]
+    for name in candidates:
+        e = results[name]
+        assert e["paired_reference"] == best
+        assert e["paired_p_value"] == round(mcnemar_p(e["paired_only_reference_right"], e["paired_only_this_right"]), 4)
     lines = check_targets(results, TargetsParams())
     assert any("int8-static" in line for line in lines)
 
