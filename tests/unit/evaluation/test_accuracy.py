@@ -37,7 +37,8 @@ def test_scores_and_sizes(built, tiny_model_dir):
 
     candidates = int8_candidates(results, TargetsParams())
     best = most_accurate(candidates)
-    assert best is not None and results[best]["paired_only_this_right"] == 0 == results[best]["paired_only_reference_right"]
+    assert best is not None
+    assert results[best]["paired_only_this_right"] == 0 == results[best]["paired_only_reference_right"]
     for name in candidates:
         e = results[name]
         assert e["paired_reference"] == best
