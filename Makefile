@@ -45,9 +45,10 @@ run: venv
 ## test: unit, data, model and end-to-end tests (CI runs exactly this), in TEST_WORKERS pytest-xdist processes: the
 ## miniature pipeline run (the longest fixture) goes on while the other tests run beside it; tests/conftest.py
 ## schedules by module and keeps the modules that share a slow fixture in one worker (MODULE_GROUPS).
-## TEST_WORKERS=0 runs them all in this process.
+## TEST_WORKERS=0 runs them all in this process. Lint (ruff) runs first, so CI, which runs `make test`, lints too.
 TEST_WORKERS ?= 2
 test: venv
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 ## test-gpu: the tests marked `gpu` (tests/gpu: mixed-precision and compiled training on CUDA, exports from CUDA,
