@@ -183,8 +183,8 @@ def choose_variant(variants: Results, params: PackageParams, targets: TargetsPar
     ref = variants[REFERENCE]["accuracy"]
     budget = targets.max_accuracy_loss_pt
     ok = int8_candidates(variants, targets)
+    timed = {n: (benchmark or {}).get(n, {}).get("p50_ms_b1") for n in ok}
     if ok and params.prefer == "speed":
-        timed = {n: (benchmark or {}).get(n, {}).get("p50_ms_b1") for n in ok}
         missing = sorted(n for n, p50 in timed.items() if p50 is None)
         if missing:
             raise SelectionError(f"package.prefer=speed needs batch-1 latencies; none in the benchmark for {missing}")
@@ -196,7 +196,6 @@ def choose_variant(variants: Results, params: PackageParams, targets: TargetsPar
         return ServedChoice("fp32-onnx", f"no INT8 variant within {budget} pt of FP32; serving FP32 ONNX")
     reason = (f"most accurate INT8 variant within {budget} pt of FP32 "
               f"({100 * ok[best]['accuracy']:.2f}% vs {100 * ref:.2f}%)")
-    timed = {n: (benchmark or {}).get(n, {}).get("p50_ms_b1") for n in ok}
     tied = {n for n, e in ok.items() if n != best and e.get("paired_reference") == best
             and e.get("paired_p_value", 0.0) >= TIE_P_VALUE and timed[n] is not None}
     if timed[best] is None or not tied:

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.deployment.coalescing import take_oldest
 from pipeline.deployment.protocol import (
     MLFLOW_SHAPES,
     REQUEST_ID_HEADER,
@@ -137,6 +138,15 @@ class _Pending:
     texts: list[str]
     rid: str
     answer: asyncio.Future[tuple[int, list[Any] | None]]
+
+
+def _log_failure(rid: str, status: int, detail: str) -> None:
+    """The server log's line for a request MLflow's app failed (`status`), with its id and MLflow's message."""
+    if status == 504:
+        log.error("request %s: MLflow's scoring app timed out: %s", rid, detail)
+    else:
+        log.error("request %s: the model failed on a request the contract accepted (MLflow answered %d): %s",
+                  rid, status, detail)
 
 
 def _resolve(pending: _Pending, status: int, predictions: list[Any] | None) -> None:
@@ -254,9 +264,15 @@ class ContractMiddleware:
         if self._drainer is None or self._drainer.done():
             self._drainer = asyncio.create_task(self._drain())
         status, predictions = await pending.answer
-        if status == 200:
-            await self._send(send, 200, json.dumps({"predictions": predictions}).encode(), "application/json", rid)
-            return Outcome(200, None, len(parsed.texts))
+        if status != 200:
+            return await self._failed(send, status, rid)
+        await self._send(send, 200, json.dumps({"predictions": predictions}).encode(), "application/json", rid)
+        return Outcome(200, None, len(parsed.texts))
+
+    async def _failed(self, send: Send, status: int, rid: str) -> Outcome:
+        """The contract's answer to a request that passed it and that MLflow's app then failed (`status`, MLflow's
+        own): whatever MLflow refuses is the server's failure, not the caller's. MLflow answers a model that
+        raised with 400, which becomes a 500 (`model_error`); its own request timeout stays a 504."""
         if status == 504:
             await self._json(send, 504, {"error": "scoring this request took longer than the server's timeout",
                                          "status": 504, "request_id": rid}, rid)
@@ -271,10 +287,7 @@ class ContractMiddleware:
         request gets its own slice of the predictions. A batch MLflow fails is scored again request by request,
         so only the request at fault fails. Every request taken ends with an answer."""
         while self._queue:
-            batch, total = [], 0
-            while self._queue and (not batch or total + len(self._queue[0].texts) <= MAX_BATCH_TEXTS):
-                batch.append(self._queue.pop(0))
-                total += len(batch[-1].texts)
+            batch = take_oldest(self._queue, lambda p: len(p.texts), MAX_BATCH_TEXTS)
             try:
                 await self._score_batch(batch)
             except Exception:
@@ -297,13 +310,8 @@ class ContractMiddleware:
             for pending in batch:
                 await self._score_batch([pending])
             return
-        pending = batch[0]
-        if status == 504:
-            log.error("request %s: MLflow's scoring app timed out: %s", pending.rid, detail)
-        else:
-            log.error("request %s: the model failed on a request the contract accepted (MLflow answered %d): %s",
-                      pending.rid, status, detail)
-        _resolve(pending, status if status == 504 else 500, None)
+        _log_failure(batch[0].rid, status, detail)
+        _resolve(batch[0], status, None)
 
     async def _model(self, texts: list[str]) -> tuple[int, list[Any], str]:
         """MLflow's app on `texts` (status, predictions, error detail). The texts the contract checked go in one
@@ -313,7 +321,7 @@ class ContractMiddleware:
         scope = {"type": "http", "method": "POST", "path": INVOCATIONS, "raw_path": INVOCATIONS.encode(),
                  "query_string": b"", "http_version": "1.1",
                  "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
-        status, answer = await self._call_app(scope, body)
+        status, answer, _ = await self._call_app(scope, body)
         if status != 200:
             return status, [], answer[:300].decode("utf-8", "replace")
         predictions = json.loads(answer).get("predictions")
@@ -321,8 +329,9 @@ class ContractMiddleware:
             return 500, [], f"MLflow answered {type(predictions).__name__} for {len(texts)} texts"
         return 200, predictions, ""
 
-    async def _call_app(self, scope: Scope, body: bytes) -> tuple[int, bytes]:
-        """MLflow's app on one request: its status and body (error bodies kept to 2 KB: they quote the input)."""
+    async def _call_app(self, scope: Scope, body: bytes) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+        """MLflow's app on one request: its status, body (an error body kept to 2 KB: it quotes the input) and
+        headers."""
         start: Message = {}
         parts: list[bytes] = []
         sent = False
@@ -342,7 +351,7 @@ class ContractMiddleware:
                     parts.append(message.get("body", b""))
 
         await self.app(scope, receive, capture)
-        return int(start.get("status", 500)), b"".join(parts)
+        return int(start.get("status", 500)), b"".join(parts), list(start.get("headers", []))
 
     async def _body(self, headers: dict[str, str], receive: Receive) -> bytes:
         """The request body, refused (413) as soon as it is known to exceed `max_body_bytes`."""
@@ -364,50 +373,17 @@ class ContractMiddleware:
                 return b"".join(chunks)
 
     async def _forward(self, scope: Scope, body: bytes, send: Send, rid: str) -> Outcome:
-        """Run MLflow's app on `body`; a 200 goes out with the model headers, anything else becomes the
-        contract's JSON error (MLflow's own error bodies quote the input and may be any size). The request passed
-        the contract before it got here, so whatever MLflow's app refuses is the server's failure, not the
-        caller's: MLflow answers a model that raised with 400, which becomes a 500 (`model_error`); its own
-        request timeout stays a 504."""
-        sent = False
-
-        async def replay() -> Message:
-            nonlocal sent
-            if sent:
-                await asyncio.Event().wait()  # the body was consumed: as a client that keeps the connection open
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        start: Message = {}
-        parts: list[bytes] = []
-
-        async def capture(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                start.update(message)
-                if message["status"] == 200:
-                    headers = [h for h in message.get("headers", []) if h[0].lower() != b"server"]
-                    await send({**message, "headers": [*headers, *self.model_headers(rid)]})
-            elif message["type"] == "http.response.body":
-                if start.get("status") == 200:
-                    await send(message)
-                elif sum(map(len, parts)) < 2048:
-                    parts.append(message.get("body", b"")[:2048])
-
-        await self.app(scope, replay, capture)
-        status = int(start.get("status", 500))
-        if status == 200:
-            return Outcome(200)
-        detail = b"".join(parts)[:300].decode("utf-8", "replace")
-        if status == 504:
-            log.error("request %s: MLflow's scoring app timed out: %s", rid, detail)
-            await self._json(send, 504, {"error": "scoring this request took longer than the server's timeout",
-                                         "status": 504, "request_id": rid}, rid)
-            return Outcome(504, "timeout")
-        log.error("request %s: the model failed on a request the contract accepted (MLflow answered %d): %s",
-                  rid, status, detail)
-        await self._json(send, 500, {"error": "internal error while scoring this request (logged on the server "
-                                              "with its request id)", "status": 500, "request_id": rid}, rid)
-        return Outcome(500, MODEL_ERROR)
+        """Run MLflow's app on `body` (its GET paths, the readiness probe's review); a 200 goes out with the model
+        headers, anything else becomes the contract's JSON error (`_failed`: MLflow's own error bodies quote the
+        input and may be any size)."""
+        status, answer, headers = await self._call_app(scope, body)
+        if status != 200:
+            _log_failure(rid, status, answer[:300].decode("utf-8", "replace"))
+            return await self._failed(send, status, rid)
+        headers = [h for h in headers if h[0].lower() != b"server"]
+        await send({"type": "http.response.start", "status": 200, "headers": [*headers, *self.model_headers(rid)]})
+        await send({"type": "http.response.body", "body": answer, "more_body": False})
+        return Outcome(200)
 
     async def _ready(self, send: Send, rid: str) -> int:
         """200 with the model when one review goes through MLflow's app and the pyfunc, else 503."""

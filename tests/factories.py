@@ -199,3 +199,20 @@ def tiny_classifier(layers: int = 4) -> Any:
 
     torch.manual_seed(0)
     return AutoModelForSequenceClassification.from_config(tiny_bert_config(layers=layers)).eval()
+
+
+def concurrently(call: Any, count: int, threads: int) -> list[Any]:
+    """`call(i)` for i in range(count) from `threads` threads, the first `threads` calls released together (a
+    barrier), so that many really run at once; results in order of i."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    barrier = threading.Barrier(threads)
+
+    def first_wait(i: int) -> Any:
+        if i < threads:
+            barrier.wait()
+        return call(i)
+
+    with ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(first_wait, range(count)))

@@ -23,6 +23,18 @@ from typing import Generic, TypeVar
 import numpy as np
 
 R = TypeVar("R")
+T = TypeVar("T")
+
+
+def take_oldest(queue: list[T], size: Callable[[T], int], limit: int) -> list[T]:
+    """Remove and return the oldest items of `queue` whose sizes fit `limit` together: a batch, always at least
+    one item (one larger than `limit` goes alone). The MLflow server's request queue uses it too."""
+    batch: list[T] = []
+    total = 0
+    while queue and (not batch or total + size(queue[0]) <= limit):
+        batch.append(queue.pop(0))
+        total += size(batch[-1])
+    return batch
 
 
 @dataclass(eq=False)
@@ -61,7 +73,7 @@ class Coalescer(Generic[R]):
                 if job.done:
                     break
                 self._busy = True  # this caller scores the next batch (its own job or older ones first)
-                batch = self._take()
+                batch = take_oldest(self._pending, lambda job: len(job.encoded), self.max_texts)
                 self._changed.release()
                 try:
                     self._run(batch)
@@ -73,15 +85,6 @@ class Coalescer(Generic[R]):
             raise job.error
         assert job.result is not None
         return job.result
-
-    def _take(self) -> list[_Job[R]]:
-        """The oldest pending jobs whose texts fit `max_texts` together (always at least one job)."""
-        batch, total = [], 0
-        while self._pending and (not batch or total + len(self._pending[0].encoded) <= self.max_texts):
-            job = self._pending.pop(0)
-            batch.append(job)
-            total += len(job.encoded)
-        return batch
 
     def _run(self, batch: list[_Job[R]]) -> None:
         """Score `batch` in one call; if that fails, each job alone, so only the job at fault gets the error.

@@ -9,9 +9,6 @@ serves is among them.
 
 from __future__ import annotations
 
-import threading
-from concurrent.futures import ThreadPoolExecutor
-
 import pandas as pd
 import pytest
 
@@ -19,6 +16,7 @@ from pipeline.deployment.inference import SentimentPredictor
 from pipeline.runtimes.catalog import REFERENCE
 from pipeline.runtimes.catalog import VARIANTS as CATALOG
 from pipeline.runtimes.record import read_variant
+from tests.factories import concurrently
 
 pytestmark = pytest.mark.slow
 
@@ -91,15 +89,7 @@ def test_eight_threads_get_each_review_answered_as_alone(predictor, imdb_dir):
     reviews = pd.read_parquet(imdb_dir / "test.parquet", columns=["text"])["text"].sample(n=24, random_state=8)
     texts = [t[: 60 + (i * 173) % 2400] for i, t in enumerate(reviews)]
     alone = [predictor.predict([t])[0] for t in texts]
-    barrier = threading.Barrier(8)
-
-    def call(i: int) -> object:
-        if i < 8:
-            barrier.wait()
-        return predictor.predict([texts[i % len(texts)]])[0]
-
-    with ThreadPoolExecutor(8) as pool:
-        got = list(pool.map(call, range(3 * len(texts))))
+    got = concurrently(lambda i: predictor.predict([texts[i % len(texts)]])[0], 3 * len(texts), 8)
     for i, p in enumerate(got):
         assert p.label == alone[i % len(texts)].label, i
         assert abs(p.score - alone[i % len(texts)].score) <= 1e-4, (i, p.score, alone[i % len(texts)].score)

@@ -8,16 +8,15 @@ OpenVINO request, answered 400)."""
 from __future__ import annotations
 
 import json
-import threading
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pandas as pd
 import pytest
 
 from pipeline.deployment.inference import Prediction, SentimentPredictor
+from tests.factories import concurrently
 
 LEVELS = (8, 32)
 #: Requests each client sends per level: enough for every client to be in flight together many times.
@@ -57,19 +56,6 @@ def post(url: str, body: dict[str, Any], headers: dict[str, str]) -> tuple[int, 
         return err.code, err.read().decode("utf-8", "replace")[:300]
 
 
-def load(send: Any, level: int, count: int) -> list[Any]:
-    """`send(i)` for i < count from `level` client threads released together."""
-    barrier = threading.Barrier(level)
-
-    def client(i: int) -> Any:
-        if i < level:
-            barrier.wait()
-        return send(i)
-
-    with ThreadPoolExecutor(level) as pool:
-        return list(pool.map(client, range(count)))
-
-
 def check(answers: list[tuple[int, Any]], reviews: list[str], expected: list[Prediction], where: str) -> None:
     failed = [(i, a) for i, a in enumerate(answers) if a[0] != 200]
     assert not failed, f"{where}: {len(failed)} of {len(answers)} valid requests failed, e.g. {failed[:3]}"
@@ -92,7 +78,7 @@ def test_mlflow_server_answers_every_concurrent_caller_as_the_review_alone(matri
             status, body = post(url, {"inputs": [reviews[k] for k in request_texts(i, reviews)]}, {})
             return status, body["predictions"] if status == 200 else body
 
-        check(load(send, level, REQUESTS_PER_LEVEL), reviews, alone[name], f"mlflow {name} at {level}")
+        check(concurrently(send, REQUESTS_PER_LEVEL, level), reviews, alone[name], f"mlflow {name} at {level}")
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -105,4 +91,4 @@ def test_torchserve_answers_every_concurrent_caller_as_the_review_alone(matrix, 
             return post(url, {"texts": [reviews[k] for k in request_texts(i, reviews)]},
                         {"Authorization": f"Bearer {server.key}"})
 
-        check(load(send, level, REQUESTS_PER_LEVEL), reviews, alone[name], f"torchserve {name} at {level}")
+        check(concurrently(send, REQUESTS_PER_LEVEL, level), reviews, alone[name], f"torchserve {name} at {level}")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +20,7 @@ from pipeline.runtimes.catalog import spec
 from pipeline.runtimes.pool import Pool
 from pipeline.runtimes.record import read_variant
 from pipeline.runtimes.registry import load_runner
+from tests.factories import concurrently
 
 THREADS = 8
 
@@ -44,15 +44,7 @@ def servable(built, tiny_model_dir) -> dict[str, Path]:
 
 def hammer(call: Callable[[int], object], count: int) -> list[object]:
     """`call(i)` for i in range(count) from `THREADS` threads released together; results in order of i."""
-    start = threading.Barrier(THREADS)
-
-    def first_wait(i: int) -> object:
-        if i < THREADS:
-            start.wait()
-        return call(i)
-
-    with ThreadPoolExecutor(THREADS) as pool:
-        return list(pool.map(first_wait, range(count)))
+    return concurrently(call, count, THREADS)
 
 
 def test_every_servable_runtime_answers_concurrent_calls_as_calls_alone(built, tiny_model_dir, reviews):
