@@ -24,8 +24,8 @@ class ExportParams:
     """The one switch for the [CLS] readout of every exported graph (export, quantize, prune): the last layer
     computes only the position the classifier reads (exact; `pipeline.runtimes.readout`). Models whose head reads
     every position (model.head: mean) are exported whole, with the reason recorded."""
-    torchscript: bool = False
-    """fp32-torchscript (torch.jit.trace, a deprecated API; not served by the default profile): built when true, else
+    torchscript: bool = True
+    """fp32-torchscript (torch.jit.trace, a deprecated API): built when true, else
     written as a skipped variant with the reason. fp32-onnx is always built: the INT8 variants start from it."""
 
 
@@ -61,10 +61,10 @@ class QuantizeParams:
     zero point. On CPUs without VNNI/AMX onnxruntime's U8S8 kernels (AVX2 vpmaddubsw) saturate int16 pair sums, so s8
     gives wrong products there; s7 and u8 are exact. auto: s8 with VNNI/AMX, else u8
     (`pipeline.core.machine.resolve_weight_format`; the choice is recorded in each variant)."""
-    build: list[QuantizeBuild] = Field(default_factory=lambda: ["int8-dynamic", "int8-openvino"])
+    build: list[QuantizeBuild] = Field(
+        default_factory=lambda: ["int8-dynamic", "int8-openvino", "int8-static", "int8-qat"])
     """The quantize stage's variants to build; the others are written as skipped with the reason. The default profile
-    builds the two `package` chooses between (int8-dynamic on onnxruntime, int8-openvino on OpenVINO); the `full`
-    profile builds int8-static and int8-qat too."""
+    builds all four (PTQ dynamic, OpenVINO INT8, PTQ static, QAT); a profile may leave some out for speed."""
 
     def weights(self) -> str:
         """`weight_format` once the stage has resolved `auto` (`ResolvedAuto.weight_format`, put in place with

@@ -31,11 +31,13 @@ def test_parity_failure_stops_export(tmp_path, tiny_model_dir, monkeypatch):
         run_export(tiny_model_dir, tok_dir, tmp_path / "variants", ExportParams())
 
 
-def test_the_default_skips_torchscript_with_the_reason(tmp_path, tiny_model_dir):
-    """`export.torchscript: false` (the default profile serves an INT8 ONNX variant): fp32-onnx is built, and
-    fp32-torchscript is a skipped variant whose reason names the setting."""
+def test_a_profile_opting_out_of_torchscript_gets_a_skip_record_with_the_reason(tmp_path, tiny_model_dir):
+    """The default builds fp32-torchscript; `export.torchscript: false` (a profile opting out for speed) still builds
+    fp32-onnx, and fp32-torchscript is a skipped variant whose reason names the setting."""
+    assert ExportParams().torchscript
     tok_dir = write_tokenized(tmp_path / "tok", {"test": 8})
-    report = run_export(tiny_model_dir, tok_dir, tmp_path / "variants", ExportParams(parity_samples=4))
+    report = run_export(tiny_model_dir, tok_dir, tmp_path / "variants",
+                        ExportParams(parity_samples=4, torchscript=False))
     assert report["fp32-torchscript"]["status"] == "skipped"
     info = read_variant(tmp_path / "variants" / "fp32-torchscript")
     assert info.status == "skipped" and "export.torchscript" in info.reason

@@ -35,12 +35,13 @@ def test_single_calibration_method_skips_the_selection_pass(built, tiny_model_di
     assert report["int8-dynamic"]["status"] == "skipped"  # not in quantize.build
 
 
-def test_the_default_builds_the_two_served_candidates_and_records_the_others_as_skipped(built, tiny_model_dir,
-                                                                                          tmp_path):
-    """The default profile builds the two INT8 variants `package` chooses between (int8-dynamic, int8-openvino);
-    int8-static/int8-qat are written as skipped variants whose reason names the setting that builds them."""
-    assert QuantizeParams().build == ["int8-dynamic", "int8-openvino"]
-    report = run_quantize(tiny_model_dir, built["dirs"]["fp32-onnx"], built["tokenized"], tmp_path, Params(),
+def test_a_profile_opting_out_builds_the_rest_and_records_the_others_as_skipped(built, tiny_model_dir, tmp_path):
+    """The default profile builds all four INT8 variants (PTQ dynamic, OpenVINO, PTQ static, QAT). A profile that
+    opts out of some for speed still builds the rest, and each left out is a skipped variant whose reason names
+    the setting that builds it."""
+    assert sorted(QuantizeParams().build) == ["int8-dynamic", "int8-openvino", "int8-qat", "int8-static"]
+    opted_out = Params(quantize=QuantizeParams(build=["int8-dynamic", "int8-openvino"]))
+    report = run_quantize(tiny_model_dir, built["dirs"]["fp32-onnx"], built["tokenized"], tmp_path, opted_out,
                           weight_format_here())
     assert "status" not in report["int8-dynamic"] and report["int8-dynamic"]["int8_matmuls"] > 0
     assert "status" not in report["int8-openvino"] and (tmp_path / "int8-openvino" / "model.xml").is_file()
