@@ -1,36 +1,39 @@
 """MLflow's scoring server for the champion, behind the request contract: `python -m serving.mlflow_server`
 (`make serve-mlflow`).
 
-It serves MLflow's own scoring app (`mlflow.pyfunc.scoring_server`, what `mlflow models serve` runs) for
-`models:/<mlflow.registered_model_name>@<mlflow.champion_alias>` under uvicorn, as `mlflow models serve` does,
-in one process, wrapped in `ContractMiddleware` (ASGI). MLflow's app parses a body with Python's `json` before
-the model sees it (no size or depth limit, NaN and 10**5000 accepted, a deep body a 500, errors that echo the
-input); the middleware holds the contract of `pipeline.deployment.protocol` in front of it instead:
+It loads `models:/<mlflow.registered_model_name>@<mlflow.champion_alias>` (or `--model-uri`) as a pyfunc and
+serves it under uvicorn, in one process, through `ContractMiddleware` (ASGI): MLflow's own scoring app
+(`mlflow.pyfunc.scoring_server`, what `mlflow models serve` runs) answers `/ping`, `/health` and `/version`, and
+scoring goes to the same `PyFuncModel.predict` that app would call, with MLflow's input-schema enforcement, on a
+DataFrame of the checked texts. MLflow's app would parse a body with Python's `json` first (no size or depth limit,
+NaN and 10**5000 accepted, a deep body a 500, errors that echo the input) and encode the answer again; the
+middleware holds the contract of `pipeline.deployment.protocol` instead, and skips that round trip:
 
 - only `POST /invocations`, `GET /ping|/health|/version|/ready|/metrics` are answered (405/404 otherwise);
 - URL and header sizes are bounded (414/431; uvicorn's h11 parser refuses far larger ones itself);
 - the body is read up to `package.max_body_bytes` (413 beyond, from Content-Length or while reading), then
   parsed and checked exactly as TorchServe's handler does, with MLflow's shapes (`dataframe_split`,
-  `dataframe_records`, `inputs`, `instances`, CSV); only a valid body reaches MLflow's app and the pyfunc, as
-  the `dataframe_split` of the texts checked (so pandas never re-reads a CSV review "NA" as missing);
-- any non-200 answer of MLflow's app is replaced by the contract's bounded JSON error (never the input);
+  `dataframe_records`, `inputs`, `instances`, CSV); only the checked texts reach the pyfunc, as a DataFrame of
+  one `text` column (so pandas never re-reads a CSV review "NA" as missing), and the answer is MLflow's:
+  `{"predictions": [{"label", "score"}, ...]}`;
 - failures are classified: the caller's mistake is a 4xx; a request that passed the contract and still failed
   is the server's (a model failure is 500, never MLflow's own 400 "unexpected error while evaluating the model"),
-  more than `--max-in-flight` requests at once are answered 503 with `Retry-After`, MLflow's request timeout 504;
+  more than `--max-in-flight` requests at once are answered 503 with `Retry-After`, a scoring call past MLflow's
+  request timeout (`MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT`) 504; no error body ever quotes the input;
 - every answer carries `X-Model-Version`, `X-Model-Variant` and `X-Request-Id` (the client's, when it sent a
   short safe one, else a new one); error bodies and the server's log lines name the request id;
 - `/metrics` is Prometheus text (requests, latency histogram, errors by kind and by side: client or server,
-  requests in flight); `/ready` scores one review through the whole stack (readiness);
+  requests in flight); `/ready` scores one review through the pyfunc (readiness);
 - logs go to `<log-dir>/mlflow_server.log`, appended across restarts and rotated by size.
 
 Concurrency: one process. uvicorn's event loop reads and checks requests; the checked texts of the requests that
-arrive while MLflow's app is scoring are sent to it together in its next call (server-side batching, as
+arrive while the model is scoring go to it together in its next call, in a worker thread (server-side batching, as
 TorchServe's frontend does, with no delay: a lone request goes at once), and each request gets its slice of the
-predictions. MLflow's per-call work (pandas frames in and out) is paid once per batch, and one forward pass at a
-time uses the runtime's threads (all cores, or `package.threads`). Below that, the predictor also merges calls
-from several threads (`pipeline.deployment.coalescing`) and every runtime lends each call what it cannot share
-(`pipeline.runtimes.pool`), so the model is safe however it is called. Several processes would each hold a copy of
-the model and split the cores between smaller forward passes.
+predictions. MLflow's per-call work (schema enforcement, pandas frames in and out) is paid once per batch, and one
+forward pass at a time uses the runtime's threads (all cores, or `package.threads`). Below that, the predictor also
+merges calls from several threads (`pipeline.deployment.coalescing`) and every runtime lends each call what it
+cannot share (`pipeline.runtimes.pool`), so the model is safe however it is called. Several processes would each
+hold a copy of the model and split the cores between smaller forward passes.
 """
 
 from __future__ import annotations
@@ -52,7 +55,6 @@ from pipeline.deployment.coalescing import take_oldest
 from pipeline.deployment.protocol import (
     MLFLOW_SHAPES,
     REQUEST_ID_HEADER,
-    TEXT_COLUMN,
     VARIANT_HEADER,
     VERSION_HEADER,
     Limits,
@@ -77,19 +79,22 @@ MAX_URL_BYTES = 2048
 MAX_HEADER_BYTES = 8192
 #: uvicorn's h11 parser refuses a request line plus headers beyond this itself (a plain 400), before the app.
 H11_MAX_HEADER_BYTES = 65536
-READY_BODY = b'{"inputs": ["readiness probe: a fine film"]}'
+READY_TEXT = "readiness probe: a fine film"
 #: Error kinds by status, for `/metrics`: 4xx are the caller's, 5xx the server's (`side` label).
 ERROR_KINDS = {400: "invalid_input", 404: "not_found", 405: "method_not_allowed", 413: "too_large",
                414: "uri_too_long", 415: "unsupported_media_type", 431: "headers_too_large", 500: "server_error",
                503: "overloaded", 504: "timeout"}
-#: The kind of a 500 when the model (MLflow's app and the pyfunc) failed on a request the contract had accepted.
+#: The kind of a 500 when the model (the pyfunc) failed on a request the contract had accepted.
 MODEL_ERROR = "model_error"
 #: A client's request id is echoed only when it is this short and plain (never a header or log injection).
 SAFE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 #: Seconds a client is asked to wait after a 503 (overloaded).
 RETRY_AFTER_S = 1
-#: Texts of concurrent requests sent to MLflow's app in one call at most.
+#: Texts of concurrent requests scored in one call of the model at most.
 MAX_BATCH_TEXTS = 64
+#: Seconds one scoring call may take before its requests are answered 504: MLflow's own scoring-server timeout
+#: (`MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT`) when the server reads it, else this.
+DEFAULT_TIMEOUT_S = 60.0
 
 
 class Metrics:
@@ -141,12 +146,12 @@ class _Pending:
 
 
 def _log_failure(rid: str, status: int, detail: str) -> None:
-    """The server log's line for a request MLflow's app failed (`status`), with its id and MLflow's message."""
+    """The server log's line for a request the model failed (`status`: 504 timed out, else 500), with its id and
+    the error's first line."""
     if status == 504:
-        log.error("request %s: MLflow's scoring app timed out: %s", rid, detail)
+        log.error("request %s: scoring timed out: %s", rid, detail)
     else:
-        log.error("request %s: the model failed on a request the contract accepted (MLflow answered %d): %s",
-                  rid, status, detail)
+        log.error("request %s: the model failed on a request the contract accepted: %s", rid, detail)
 
 
 def _resolve(pending: _Pending, status: int, predictions: list[Any] | None) -> None:
@@ -183,11 +188,13 @@ class ContractMiddleware:
     answered 503 with `Retry-After` at once, before its body is read."""
 
     app: App
+    score: Callable[[list[str]], list[Any]]
     limits: Limits
     version: str
     variant: str
     metrics: Metrics
     max_in_flight: int = 64
+    timeout_s: float = DEFAULT_TIMEOUT_S
     _in_flight: int = 0
     _queue: list[_Pending] = field(default_factory=list)
     _drainer: asyncio.Task[None] | None = None
@@ -198,7 +205,7 @@ class ContractMiddleware:
         return [*headers, (REQUEST_ID_HEADER.lower().encode(), rid.encode())] if rid else headers
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":  # lifespan: MLflow's app has nothing to start
+        if scope["type"] != "http":  # lifespan: passed on to MLflow's app
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
@@ -270,9 +277,8 @@ class ContractMiddleware:
         return Outcome(200, None, len(parsed.texts))
 
     async def _failed(self, send: Send, status: int, rid: str) -> Outcome:
-        """The contract's answer to a request that passed it and that MLflow's app then failed (`status`, MLflow's
-        own): whatever MLflow refuses is the server's failure, not the caller's. MLflow answers a model that
-        raised with 400, which becomes a 500 (`model_error`); its own request timeout stays a 504."""
+        """The contract's answer to a request that passed it and then failed (`status`: 504 when scoring timed out,
+        else 500): the server's failure, never the caller's (MLflow's own app answers a model that raised with 400)."""
         if status == 504:
             await self._json(send, 504, {"error": "scoring this request took longer than the server's timeout",
                                          "status": 504, "request_id": rid}, rid)
@@ -282,10 +288,10 @@ class ContractMiddleware:
         return Outcome(500, MODEL_ERROR)
 
     async def _drain(self) -> None:
-        """Score the queued requests through MLflow's app, a batch at a time: each batch is the requests queued
-        while the previous one ran (up to `MAX_BATCH_TEXTS` texts), sent as one `dataframe_split`, and each
-        request gets its own slice of the predictions. A batch MLflow fails is scored again request by request,
-        so only the request at fault fails. Every request taken ends with an answer."""
+        """Score the queued requests, a batch at a time: each batch is the requests queued while the previous one
+        ran (up to `MAX_BATCH_TEXTS` texts), scored in one call of the model, and each request gets its own slice of
+        the predictions. A batch that fails is scored again request by request, so only the request at fault fails.
+        Every request taken ends with an answer."""
         while self._queue:
             batch = take_oldest(self._queue, lambda p: len(p.texts), MAX_BATCH_TEXTS)
             try:
@@ -304,29 +310,28 @@ class ContractMiddleware:
                 _resolve(pending, 200, predictions[start : start + len(pending.texts)])
                 start += len(pending.texts)
             return
-        if len(batch) > 1:  # find the request at fault: each on its own
-            log.warning("requests %s: a batch of %d requests failed (MLflow answered %d), scoring each alone",
-                        ", ".join(p.rid for p in batch), len(batch), status)
+        if len(batch) > 1 and status != 504:  # find the request at fault: each on its own (a timeout is not retried)
+            log.warning("requests %s: a batch of %d requests failed (%d: %s), scoring each alone",
+                        ", ".join(p.rid for p in batch), len(batch), status, detail)
             for pending in batch:
                 await self._score_batch([pending])
             return
-        _log_failure(batch[0].rid, status, detail)
-        _resolve(batch[0], status, None)
+        for pending in batch:
+            _log_failure(pending.rid, status, detail)
+            _resolve(pending, status, None)
 
     async def _model(self, texts: list[str]) -> tuple[int, list[Any], str]:
-        """MLflow's app on `texts` (status, predictions, error detail). The texts the contract checked go in one
-        canonical JSON form: pandas would otherwise read a CSV review "NA" or "null" as a missing value, and the
-        shapes would each be converted their own way."""
-        body = json.dumps({"dataframe_split": {"columns": [TEXT_COLUMN], "data": [[t] for t in texts]}}).encode()
-        scope = {"type": "http", "method": "POST", "path": INVOCATIONS, "raw_path": INVOCATIONS.encode(),
-                 "query_string": b"", "http_version": "1.1",
-                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
-        status, answer, _ = await self._call_app(scope, body)
-        if status != 200:
-            return status, [], answer[:300].decode("utf-8", "replace")
-        predictions = json.loads(answer).get("predictions")
+        """The pyfunc on `texts`, in a worker thread so the event loop goes on reading requests: (status,
+        predictions, error detail). 504 past `timeout_s` (the thread cannot be stopped; it finishes on its own),
+        500 when the model raised or answered the wrong number of rows."""
+        try:
+            predictions = await asyncio.wait_for(asyncio.to_thread(self.score, texts), self.timeout_s)
+        except TimeoutError:
+            return 504, [], f"scoring {len(texts)} texts took longer than {self.timeout_s:g} s"
+        except Exception as exc:
+            return 500, [], f"{type(exc).__name__}: {exc}"[:300]
         if not isinstance(predictions, list) or len(predictions) != len(texts):
-            return 500, [], f"MLflow answered {type(predictions).__name__} for {len(texts)} texts"
+            return 500, [], f"the model answered {type(predictions).__name__} for {len(texts)} texts"
         return 200, predictions, ""
 
     async def _call_app(self, scope: Scope, body: bytes) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
@@ -373,9 +378,8 @@ class ContractMiddleware:
                 return b"".join(chunks)
 
     async def _forward(self, scope: Scope, body: bytes, send: Send, rid: str) -> Outcome:
-        """Run MLflow's app on `body` (its GET paths, the readiness probe's review); a 200 goes out with the model
-        headers, anything else becomes the contract's JSON error (`_failed`: MLflow's own error bodies quote the
-        input and may be any size)."""
+        """Run MLflow's app on `body` (its GET paths); a 200 goes out with the model headers, anything else becomes
+        the contract's JSON error (`_failed`: MLflow's own error bodies may quote the input and be any size)."""
         status, answer, headers = await self._call_app(scope, body)
         if status != 200:
             _log_failure(rid, status, answer[:300].decode("utf-8", "replace"))
@@ -386,10 +390,11 @@ class ContractMiddleware:
         return Outcome(200)
 
     async def _ready(self, send: Send, rid: str) -> int:
-        """200 with the model when one review goes through MLflow's app and the pyfunc, else 503."""
-        scope = {"type": "http", "method": "POST", "path": INVOCATIONS, "raw_path": INVOCATIONS.encode(),
-                 "query_string": b"", "headers": [(b"content-type", b"application/json")], "http_version": "1.1"}
-        ok = (await self._forward(scope, READY_BODY, _discard, rid)).status == 200
+        """200 with the model when one review goes through the pyfunc, else 503."""
+        status, _, detail = await self._model([READY_TEXT])
+        if status != 200:
+            _log_failure(rid, status, detail)
+        ok = status == 200
         await self._json(send, 200 if ok else 503, {"status": "ready" if ok else "not ready",
                                                     "version": self.version, "variant": self.variant}, rid)
         return 200 if ok else 503
@@ -409,17 +414,6 @@ class ContractMiddleware:
                    *self.model_headers(rid), *(extra or [])]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-def _as_json(scope: Scope, length: int) -> Scope:
-    """`scope` with its Content-Type and Content-Length headers replaced for a JSON body of `length` bytes."""
-    headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() not in (b"content-type", b"content-length")]
-    return {**scope, "headers": [*headers, (b"content-type", b"application/json"),
-                                 (b"content-length", str(length).encode())]}
-
-
-async def _discard(message: Message) -> None:
-    """A `send` that drops what it is given (the readiness probe's own request)."""
 
 
 def log_config(log_dir: Path, max_bytes: int, backups: int) -> dict[str, Any]:
@@ -453,10 +447,10 @@ def served_version(model_uri: str | None, name: str, alias: str) -> tuple[str, d
 
 
 def build_app(model_uri: str | None, params_path: Path, max_in_flight: int = 64) -> ContractMiddleware:
-    """Load the champion (or `model_uri`) and wrap MLflow's scoring app for it in the contract."""
+    """Load the champion (or `model_uri`) and serve it through the contract."""
     from pipeline.core.params import load_params
     from pipeline.core.parent_run import use_store
-    from pipeline.deployment.mlflow_model import scoring_app
+    from pipeline.deployment.mlflow_model import served_model
 
     params = load_params(params_path) if params_path.is_file() else None
     if params is None:
@@ -467,11 +461,12 @@ def build_app(model_uri: str | None, params_path: Path, max_in_flight: int = 64)
     name, alias = params.mlflow.registered_model_name, params.mlflow.champion_alias
     version, tags = served_version(model_uri, name, alias)
     uri = model_uri or f"models:/{name}@{alias}"
-    app, served = scoring_app(uri)
-    variant = served or tags.get("variant", "unknown")
+    model = served_model(uri)
+    variant = model.variant or tags.get("variant", "unknown")
     log.info("serving %s (version %s, variant %s) from %s", uri, version, variant, store)
     limits = Limits.from_config(vars(params.package))
-    return ContractMiddleware(app, limits, version, variant, Metrics(version, variant), max_in_flight)
+    return ContractMiddleware(model.app, model.score, limits, version, variant, Metrics(version, variant),
+                              max_in_flight, model.timeout_s)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -13,7 +13,8 @@ import importlib
 import shutil
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -111,11 +112,23 @@ def set_predictor_model(target: str) -> None:
     mlflow.models.set_model(predictor_model_class()(target))
 
 
-def scoring_app(model_uri: str) -> tuple[Any, str | None]:
-    """MLflow's own scoring server (the FastAPI app `mlflow models serve` runs under uvicorn: `/invocations`,
-    `/ping`, `/health`, `/version`) for the pyfunc at `model_uri`, loaded now, and the variant that model serves
-    (its predictor's name; None for a pyfunc this module did not log)."""
+@dataclass(frozen=True)
+class ServedModel:
+    """A pyfunc loaded for serving: MLflow's own scoring app for it, a direct scorer, and the variant it serves."""
+
+    app: Any  # MLflow's FastAPI app (`/invocations`, `/ping`, `/health`, `/version`)
+    score: Callable[[list[str]], list[dict[str, Any]]]  # texts -> one `{label, score}` record each (blocking)
+    variant: str | None  # its predictor's name; None for a pyfunc this module did not log
+    timeout_s: float  # MLflow's scoring-server request timeout (MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT)
+
+
+def served_model(model_uri: str) -> ServedModel:
+    """The pyfunc at `model_uri`, loaded now, with MLflow's own scoring server for it (the FastAPI app
+    `mlflow models serve` runs under uvicorn) and `score`: the same `PyFuncModel.predict` MLflow's app calls (input
+    schema enforced by MLflow), on a DataFrame of texts, answered as the records MLflow's app would put under
+    `predictions`, without MLflow's JSON parsing and encoding around it."""
     import mlflow
+    from mlflow.environment_variables import MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT
     from mlflow.pyfunc import scoring_server
 
     model = mlflow.pyfunc.load_model(model_uri)
@@ -123,4 +136,12 @@ def scoring_app(model_uri: str) -> tuple[Any, str | None]:
         predictor = getattr(model.unwrap_python_model(), "predictor", None)
     except Exception:  # a pyfunc of another flavour: nothing to read the variant from
         predictor = None
-    return scoring_server.init(model), getattr(predictor, "name", None)
+
+    def score(texts: list[str]) -> list[dict[str, Any]]:
+        answer = model.predict(pd.DataFrame({TEXT_COLUMN: texts}))
+        if not isinstance(answer, pd.DataFrame):
+            answer = pd.DataFrame(answer)
+        return answer.to_dict(orient="records")
+
+    return ServedModel(scoring_server.init(model), score, getattr(predictor, "name", None),
+                       float(MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT.get()))

@@ -1,19 +1,24 @@
-"""Serving: whose fault a failure is. `serving.mlflow_server.ContractMiddleware` in front of MLflow's real scoring
-app (`mlflow.pyfunc.scoring_server`) for a pyfunc that fails: MLflow answers a model that raised with 400
-"unexpected error while evaluating the model"; the contract had accepted the request, so the caller gets a 500
-with a request id, the log names it, and `/metrics` counts a server-side `model_error`. Too many requests at
-once are a 503 with Retry-After; the caller's own mistakes stay 4xx."""
+"""Serving: whose fault a failure is. `serving.mlflow_server.ContractMiddleware` over a real saved pyfunc that
+fails (`pipeline.deployment.mlflow_model.served_model`: MLflow's scoring app and the pyfunc's `predict`): the
+contract had accepted the request, so a model that raised is a 500 (MLflow's own app says 400 "unexpected error
+while evaluating the model") with a request id, the log names it, and `/metrics` counts a server-side
+`model_error`; a scoring call past the timeout is a 504. Too many requests at once are a 503 with Retry-After; the
+caller's own mistakes stay 4xx."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import pandas as pd
 import pytest
 
+from pipeline.deployment.mlflow_model import ServedModel, served_model
 from pipeline.deployment.protocol import Limits
 from serving.mlflow_server import ContractMiddleware, Metrics
 
@@ -28,22 +33,23 @@ class Failing:
 
 
 @pytest.fixture(scope="module")
-def mlflow_app(tmp_path_factory):
-    """MLflow's own scoring app for a saved pyfunc around `Failing`."""
+def served(tmp_path_factory) -> ServedModel:
+    """A saved pyfunc around `Failing`, loaded for serving."""
     import mlflow
-    from mlflow.pyfunc import PythonModel, scoring_server
+    from mlflow.pyfunc import PythonModel
 
     class Model(Failing, PythonModel):
         pass
 
     path = tmp_path_factory.mktemp("pyfunc") / "model"
     mlflow.pyfunc.save_model(str(path), python_model=Model())
-    return scoring_server.init(mlflow.pyfunc.load_model(str(path)))
+    return served_model(str(path))
 
 
-def middleware(app: Any, max_in_flight: int = 64) -> ContractMiddleware:
-    return ContractMiddleware(app, Limits(max_texts=4), "3", "test-variant", Metrics("3", "test-variant"),
-                              max_in_flight)
+def middleware(served: ServedModel, score: Callable[[list[str]], list[Any]] | None = None, max_in_flight: int = 64,
+               timeout_s: float = 60.0) -> ContractMiddleware:
+    return ContractMiddleware(served.app, score or served.score, Limits(max_texts=4), "3", "test-variant",
+                              Metrics("3", "test-variant"), max_in_flight, timeout_s)
 
 
 async def call(app: Any, body: bytes, headers: dict[str, str] | None = None,
@@ -81,8 +87,8 @@ def metric(app: ContractMiddleware, name: str, **labels: str) -> float:
     return 0.0
 
 
-def test_a_model_failure_is_a_500_with_a_request_id_logged_and_counted_as_the_servers(mlflow_app, caplog):
-    app = middleware(mlflow_app)
+def test_a_model_failure_is_a_500_with_a_request_id_logged_and_counted_as_the_servers(served, caplog):
+    app = middleware(served)
     ok = asyncio.run(call(app, json.dumps({"inputs": ["fine"]}).encode()))
     assert ok[0] == 200 and len(ok[1]["x-request-id"]) == 32
     with caplog.at_level(logging.ERROR, logger="serving.mlflow_server"):
@@ -97,8 +103,8 @@ def test_a_model_failure_is_a_500_with_a_request_id_logged_and_counted_as_the_se
     assert metric(app, "sentiment_request_errors_total", side="client") == 0
 
 
-def test_the_callers_mistake_stays_a_4xx_and_an_unsafe_request_id_is_replaced(mlflow_app):
-    app = middleware(mlflow_app)
+def test_the_callers_mistake_stays_a_4xx_and_an_unsafe_request_id_is_replaced(served):
+    app = middleware(served)
     status, headers, body = asyncio.run(call(app, json.dumps({"inputs": [None]}).encode(),
                                              {"X-Request-Id": "bad id\r\nSet-Cookie: x"}))
     assert status == 400 and json.loads(body)["request_id"] == headers["x-request-id"]
@@ -107,14 +113,14 @@ def test_the_callers_mistake_stays_a_4xx_and_an_unsafe_request_id_is_replaced(ml
     assert metric(app, "sentiment_request_errors_total", side="server") == 0
 
 
-def test_more_requests_than_the_limit_at_once_get_a_503_with_retry_after(mlflow_app):
-    release = asyncio.Event()
+def test_more_requests_than_the_limit_at_once_get_a_503_with_retry_after(served):
+    release = threading.Event()
 
-    async def slow_app(scope: Any, receive: Any, send: Any) -> None:
-        await release.wait()
-        await mlflow_app(scope, receive, send)
+    def slow(texts: list[str]) -> list[Any]:
+        release.wait(10)
+        return served.score(texts)
 
-    app = middleware(slow_app, max_in_flight=2)
+    app = middleware(served, slow, max_in_flight=2)
 
     async def scenario() -> list[tuple[int, dict[str, str], bytes]]:
         body = json.dumps({"inputs": ["fine"]}).encode()
@@ -131,22 +137,17 @@ def test_more_requests_than_the_limit_at_once_get_a_503_with_retry_after(mlflow_
     assert metric(app, "sentiment_requests_in_flight") == 0
 
 
-def test_concurrent_requests_are_scored_together_and_a_failing_one_fails_alone(mlflow_app):
-    """Requests that arrive while the model is busy go to MLflow's app as one batch; when that batch fails, each
-    request is scored alone, so only the one the model fails on gets a 500."""
-    calls: list[int] = []  # texts per call of MLflow's app
+def test_concurrent_requests_are_scored_together_and_a_failing_one_fails_alone(served):
+    """Requests that arrive while the model is busy are scored in one call; when that batch fails, each request is
+    scored alone, so only the one the model fails on gets a 500."""
+    calls: list[int] = []  # texts per call of the model
 
-    async def counting_app(scope: Any, receive: Any, send: Any) -> None:
-        message = await receive()
-        calls.append(len(json.loads(message["body"])["dataframe_split"]["data"]))
-        await asyncio.sleep(0.02)  # a forward pass: the other requests queue meanwhile
+    def counting(texts: list[str]) -> list[Any]:
+        calls.append(len(texts))
+        time.sleep(0.02)  # a forward pass: the other requests queue meanwhile
+        return served.score(texts)
 
-        async def again() -> Any:
-            return message
-
-        await mlflow_app(scope, again, send)
-
-    app = middleware(counting_app)
+    app = middleware(served, counting)
 
     async def scenario() -> list[tuple[int, dict[str, str], bytes]]:
         bodies = [json.dumps({"inputs": ["boom" if i == 4 else f"fine {i}", "good"]}).encode() for i in range(8)]
@@ -158,3 +159,28 @@ def test_concurrent_requests_are_scored_together_and_a_failing_one_fails_alone(m
     assert max(calls) > 2  # texts of several requests went to the model in one call
     assert calls.count(2) >= 8  # and after that batch failed, each request alone
     assert metric(app, "sentiment_request_errors_total", kind="model_error", side="server") == 1
+
+
+def test_a_scoring_call_past_the_timeout_is_a_504_and_the_server_goes_on(served, caplog):
+    stuck = threading.Event()
+
+    def slow(texts: list[str]) -> list[Any]:
+        if "slow" in texts:
+            stuck.wait(5)
+        return served.score(texts)
+
+    app = middleware(served, slow, timeout_s=0.2)
+    with caplog.at_level(logging.ERROR, logger="serving.mlflow_server"):
+        status, headers, body = asyncio.run(call(app, json.dumps({"inputs": ["slow"]}).encode()))
+    stuck.set()
+    assert status == 504 and json.loads(body)["request_id"] == headers["x-request-id"], body
+    assert any(headers["x-request-id"] in r.getMessage() and "timed out" in r.getMessage() for r in caplog.records)
+    assert metric(app, "sentiment_request_errors_total", kind="timeout", side="server") == 1
+    assert asyncio.run(call(app, json.dumps({"inputs": ["fine"]}).encode()))[0] == 200
+
+
+def test_ping_version_and_ready_answer_with_the_model_headers(served):
+    app = middleware(served)
+    for path in ("/ping", "/health", "/version", "/ready"):
+        status, headers, _ = asyncio.run(call(app, b"", path=path, method="GET"))
+        assert status == 200 and headers["x-model-variant"] == "test-variant", path
