@@ -27,7 +27,7 @@ from pipeline.data.imdb import clean_text
 from pipeline.data.tokens import tokenize_frame
 from pipeline.modeling import load_model, load_tokenizer, pad_id
 from pipeline.runtimes.base import predict_logits
-from pipeline.runtimes.eager import EagerLogits, TorchRunner
+from pipeline.runtimes.eager import TorchRunner, logits_module
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,7 +96,7 @@ def val_accuracy(model: Any, val: pd.DataFrame, model_params: ModelParams, data:
     """Accuracy on the validation reviews, scored identically for every run (512 tokens, no padding waste)."""
     tok = load_tokenizer(model_params)
     seqs = tokenize_frame(val, tok, data)["input_ids"].tolist()
-    logits = predict_logits(TorchRunner(EagerLogits(model.eval())), seqs, batch_size=32)
+    logits = predict_logits(TorchRunner(logits_module(model.eval())), seqs, batch_size=32)
     return float((logits.argmax(-1) == val["label"].to_numpy()).mean())
 
 

@@ -38,7 +38,7 @@ from pipeline.data.imdb import TRANSFER, load_imdb, make_splits
 from pipeline.data.tokens import encode_texts
 from pipeline.modeling import load_finetuned, pad_id
 from pipeline.runtimes.base import predict_logits
-from pipeline.runtimes.eager import EagerLogits, TorchRunner
+from pipeline.runtimes.eager import TorchRunner, logits_module
 from pipeline.runtimes.registry import load_runner
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
             if p.is_file()]  # the student also learnt from the transfer reviews (through the teacher's labels)
     reviews = unseen_train_reviews(data, imdb_dir, pd.concat(seen, ignore_index=True), args.reviews, args.seed)
     lengths = [int(x) for x in args.lengths.split(",") if x] or [trained["max_length"]]
-    runner = TorchRunner(EagerLogits(model.eval()))
+    runner = TorchRunner(logits_module(model.eval()))
     labels = reviews["label"].to_numpy()
     pad = pad_id(tokenizer)
     variants = [v for v in args.variants.split(",") if v]

@@ -143,7 +143,7 @@ class TorchPeer(PeerRuntime):
 
         from pipeline.core.machine import BF16_FLAGS, decision_flags
         from pipeline.modeling import load_finetuned
-        from pipeline.runtimes.eager import EagerLogits, TorchRunner
+        from pipeline.runtimes.eager import TorchRunner, logits_module
 
         autocast = None
         if self.spec.precision == "bf16-autocast":
@@ -163,11 +163,11 @@ class TorchPeer(PeerRuntime):
             quantize_(model, Int8DynamicActivationInt8WeightConfig())
             self.details["versions"]["torchao"] = package_version("torchao")
             self.details["recipe"] = "torchao.quantization.quantize_(Int8DynamicActivationInt8WeightConfig())"
-        module: Any = EagerLogits(model)
+        module: Any = logits_module(model)
         if self.spec.runtime in ("torch.compile", "torchao+compile"):
             compiled = torch.compile(model, backend=inputs.compile_backend)
             self.details["compile"] = f"torch.compile(model, backend={inputs.compile_backend!r}), default mode"
-            module = EagerLogits(compiled)
+            module = logits_module(compiled)
         self.runner = TorchRunner(module, autocast=autocast)
 
     def predict_logits(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:

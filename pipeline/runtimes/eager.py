@@ -3,6 +3,7 @@ device its parameters live on; it loads the finetuned HF directory as `fp32-eage
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -48,7 +49,7 @@ class TorchRunner:
 
             model = cls_readout(model)
         set_torch_threads(threads)
-        return cls(EagerLogits(model), autocast=options.get("autocast"))
+        return cls(logits_module(model), autocast=options.get("autocast"))
 
     def describe(self) -> dict[str, Any]:
         import torch
@@ -68,18 +69,30 @@ class TorchRunner:
         return logits.float().cpu().numpy()
 
 
-class EagerLogits:
-    """Wraps a HF model so it is called positionally, like the traced/exported graphs."""
+@functools.cache
+def _logits_module_class() -> type:
+    """The `torch.nn.Module` class behind `logits_module` (built on first use: importing this module does not
+    import torch)."""
+    import torch
 
-    def __init__(self, model: Any) -> None:
-        self.model = model
+    class LogitsModule(torch.nn.Module):
+        """`(input_ids, attention_mask) -> logits`: the positional signature every exported variant shares."""
 
-    def __call__(self, input_ids: Any, attention_mask: Any) -> Any:
-        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+        def __init__(self, model: torch.nn.Module) -> None:
+            super().__init__()
+            self.model = model
 
-    def parameters(self) -> Any:
-        """The wrapped model's parameters (`TorchRunner` reads the device from them)."""
-        return self.model.parameters()
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+    return LogitsModule
+
+
+def logits_module(model: Any) -> Any:
+    """A Hugging Face classifier as a module called positionally, `(input_ids, attention_mask) -> logits`, like the
+    traced and exported graphs: what TorchScript traces, torch.export exports (ONNX, OpenVINO) and `TorchRunner`
+    runs eagerly. The one copy of that wrapper."""
+    return _logits_module_class()(model)
 
 
 def predict_logits_on(model: Any, device: str, seqs: Sequence[np.ndarray], batch_size: int, pad_id: int,
@@ -88,6 +101,6 @@ def predict_logits_on(model: Any, device: str, seqs: Sequence[np.ndarray], batch
     the CPU afterwards, also when scoring fails, where the stages save, copy and export it."""
     model.to(device)
     try:
-        return predict_logits(TorchRunner(EagerLogits(model), autocast=autocast), seqs, batch_size, pad_id, progress)
+        return predict_logits(TorchRunner(logits_module(model), autocast=autocast), seqs, batch_size, pad_id, progress)
     finally:
         model.to("cpu")

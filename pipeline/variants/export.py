@@ -21,7 +21,7 @@ from pipeline.data.tokens import read_tokenized
 from pipeline.modeling import load_finetuned, pad_id
 from pipeline.runtimes.base import Runner, pad_batch
 from pipeline.runtimes.catalog import built_by, directories
-from pipeline.runtimes.eager import EagerLogits, TorchRunner
+from pipeline.runtimes.eager import TorchRunner, logits_module
 from pipeline.runtimes.ort import OrtRunner
 from pipeline.runtimes.record import VariantInfo, write_variant
 from pipeline.runtimes.torchscript import TORCHSCRIPT_DEPRECATION, legacy_torchscript
@@ -31,17 +31,6 @@ log = logging.getLogger(__name__)
 
 class ExportError(UserError):
     """An export failed or its output disagrees with the PyTorch model."""
-
-
-class LogitsModule(torch.nn.Module):
-    """`(input_ids, attention_mask) -> logits`: the signature every exported variant shares."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
 
 
 def example_inputs(max_length: int, batch: int = 2,
@@ -64,7 +53,7 @@ def device_of(model: torch.nn.Module) -> torch.device:
 def export_torchscript(model: torch.nn.Module, path: Path, max_length: int) -> None:
     """Trace the model; shapes stay symbolic so any batch and length up to the max are accepted."""
     model.eval()
-    wrapper = LogitsModule(model).eval()
+    wrapper = logits_module(model).eval()
     with torch.inference_mode(False), torch.no_grad(), legacy_torchscript():
         example = example_inputs(max_length, device=device_of(model))
         traced = torch.jit.trace(wrapper, example, check_trace=False, strict=False)
@@ -77,7 +66,7 @@ def export_onnx(model: torch.nn.Module, path: Path, max_length: int, opset: int 
     import onnx
 
     model.eval()
-    wrapper = LogitsModule(model).eval()
+    wrapper = logits_module(model).eval()
     batch = torch.export.Dim("batch", min=1, max=1024)
     seq = torch.export.Dim("sequence", min=2, max=max_length)
     shapes = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}
@@ -113,7 +102,7 @@ def eager_runner(model: torch.nn.Module) -> Runner:
     """The PyTorch reference as a runner."""
     from pipeline.runtimes.eager import TorchRunner
 
-    return TorchRunner(EagerLogits(model.eval()))
+    return TorchRunner(logits_module(model.eval()))
 
 
 def check_dynamic_shapes(candidate: Runner, reference: Runner, max_length: int) -> None:

@@ -17,22 +17,8 @@ from typing import Any
 import numpy as np
 
 from pipeline.runtimes.base import pad_batch
+from pipeline.runtimes.eager import logits_module
 from pipeline.variants.onnx_int8 import QuantizeError
-
-
-def logits_module(model: Any) -> Any:
-    """`model` as a module of (input_ids, attention_mask) that returns the logits tensor alone."""
-    import torch
-
-    class Logits(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = model
-
-        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-            return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
-
-    return Logits()
 
 
 def openvino_model(model: Any, example: tuple[np.ndarray, np.ndarray]) -> Any:
