@@ -45,15 +45,15 @@ from benchmarks.peer_runtimes import (
 )
 from pipeline.core.io import read_json, write_json
 from pipeline.core.machine import isa_record, machine_info
-from pipeline.core.params import Params, load_params
+from pipeline.core.params import Params, TargetsParams, load_params
 from pipeline.evaluation.latency import (
-    SPEEDUP_LEVEL,
     latency_inputs,
     measure,
-    speedup_interval,
+    speedup,
     throughput_batches,
     vm_hwm_mb,
 )
+from pipeline.selection import within_budget
 
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[1]
@@ -235,13 +235,13 @@ def ceiling_fraction(row: dict[str, Any], config: dict[str, Any], tp_batches: li
             "source": str(ceiling_file.relative_to(ROOT) if ceiling_file.is_relative_to(ROOT) else ceiling_file)}
 
 
-def verdicts(rows: list[dict[str, Any]], max_loss_pt: float) -> list[dict[str, Any]]:
-    """At batch 1 (p50) and batch 32 (reviews/s): the fastest of our rows and the fastest peer, each within
-    `max_loss_pt` of the teacher's FP32 eager accuracy, and which wins by how much. Batch 1 carries the paired
-    bootstrap interval of p50(ours) / p50(peer) by rounds."""
+def verdicts(rows: list[dict[str, Any]], targets: TargetsParams) -> list[dict[str, Any]]:
+    """At batch 1 (p50) and batch 32 (reviews/s): the fastest of our rows and the fastest peer, each within the
+    accuracy budget against the teacher's FP32 eager accuracy (`pipeline.selection.within_budget`), and which wins by
+    how much. Batch 1 carries the paired bootstrap interval of p50(ours) / p50(peer) by rounds."""
     ref = next(r for r in rows if r["name"] == REFERENCE_ROW)
     ok = [r for r in rows if r["status"] == "ok" and r.get("accuracy") is not None
-          and 100 * (ref["accuracy"] - r["accuracy"]) <= max_loss_pt + 1e-9]
+          and within_budget(ref["accuracy"], r["accuracy"], targets)]
     out = []
     for metric, better in (("p50_ms_b1", min), ("reviews_per_s_b32", max)):
         ours = [r for r in ok if r["ours"]]
@@ -254,8 +254,9 @@ def verdicts(rows: list[dict[str, Any]], max_loss_pt: float) -> list[dict[str, A
                  "best_peer": b["name"], "best_peer_value": b[metric], "ours_speed_vs_peer": ratio,
                  "winner": "ours" if ratio >= 1 else "peer"}
         if metric == "p50_ms_b1":
-            low, high = speedup_interval(b["_rounds"], a["_rounds"], SPEEDUP_LEVEL)
-            entry["interval"] = [low, high]
+            gain = speedup({"p50_ms_b1": b[metric], "latency_rounds_ms": b["_rounds"]},
+                           {"p50_ms_b1": a[metric], "latency_rounds_ms": a["_rounds"]})
+            entry["interval"] = [gain.low, gain.high]
         out.append(entry)
     return out
 
@@ -366,16 +367,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             continue
         t = timings[row["name"]]
         row["_rounds"] = t["latency_rounds_ms"]
+        gain = speedup(ref, t)
         row.update({"p50_ms_b1": t["p50_ms_b1"], "p95_ms_b1": t["p95_ms_b1"], "p99_ms_b1": t["p99_ms_b1"],
                     "reviews_per_s_b32": t["throughput_b32"], "latency_samples": t["latency_samples"],
-                    "speedup_p50": ref["p50_ms_b1"] / t["p50_ms_b1"]})
+                    "speedup_p50": gain.p50})
         if row["name"] != REFERENCE_ROW:
-            row["speedup_p50_low"], row["speedup_p50_high"] = speedup_interval(
-                ref["latency_rounds_ms"], t["latency_rounds_ms"], SPEEDUP_LEVEL)
+            row["speedup_p50_low"], row["speedup_p50_high"] = gain.low, gain.high
     del runtimes  # free every model before the memory probes start their own processes
     if not args.no_memory:
         add_memory(rows, args)
-    result_verdicts = verdicts(rows, params.targets.max_accuracy_loss_pt)
+    result_verdicts = verdicts(rows, params.targets)
     scored_ours = [r for r in rows if r["ours"] and r["status"] == "ok"]
     fastest = max(scored_ours, key=lambda r: r["reviews_per_s_b32"]) if scored_ours else None
     ceiling = None

@@ -30,7 +30,7 @@ from typing import Any
 from pipeline.core.io import read_json, write_json
 from pipeline.core.machine import WEIGHT_FORMATS, Choice, machine_info, resolve_weight_format
 from pipeline.core.params import Params, load_params
-from pipeline.evaluation.latency import latency_inputs, measure, speedup_interval, throughput_batches
+from pipeline.evaluation.latency import latency_inputs, measure, speedup, throughput_batches
 from pipeline.runtimes.catalog import REFERENCE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,11 +124,10 @@ def main(argv: list[str] | None = None) -> None:
     ref = timings[REFERENCE]
     rows = []
     for row, t in timings.items():
-        low, high = (speedup_interval(ref["latency_rounds_ms"], t["latency_rounds_ms"], 0.9)
-                     if row != REFERENCE else (1.0, 1.0))
+        gain = speedup(ref, t)
         rows.append({"row": row, "p50_ms_b1": t["p50_ms_b1"], "p95_ms_b1": t["p95_ms_b1"],
-                     "throughput_b32": t["throughput_b32"], "speedup_p50": ref["p50_ms_b1"] / t["p50_ms_b1"],
-                     "speedup_low": low, "speedup_high": high})
+                     "throughput_b32": t["throughput_b32"], "speedup_p50": gain.p50,
+                     "speedup_low": gain.low, "speedup_high": gain.high})
     auto = resolve_weight_format("auto")  # what the pipeline picks on this CPU, and why
     saturates = "s8" in formats and auto.value != "s8"
     result = {"formats": formats, "models": {k: str(v) for k, v in models.items()}, "rows": rows,

@@ -16,13 +16,12 @@ from pipeline.core.machine import Choice, default_threads, machine_info
 from pipeline.core.params import BenchmarkParams, Params, to_dict
 from pipeline.evaluation.charts import latency_chart, pareto_chart, plot_rows
 from pipeline.evaluation.latency import (
-    SPEEDUP_LEVEL,
     _rss_probe,
     candidates,
     latency_inputs,
     measure,
     peak_rss_of_each,
-    speedup_interval,
+    speedup,
     throughput_batches,
 )
 from pipeline.evaluation.report import markdown_table, speedup_sources, target_lines, write_report
@@ -70,20 +69,18 @@ def run_benchmark(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Pat
     rss = peak_rss_of_each({c.name: (c.directory, c.options) for c in ok}, tp_batches[0], threads) \
         if params.memory else {}
     results: dict[str, Any] = {}
-    ref = timings[REFERENCE]["p50_ms_b1"]
-    ref_rounds = timings[REFERENCE]["latency_rounds_ms"]
+    ref = timings[REFERENCE]
     for c in cands:
         entry: dict[str, Any] = {"status": c.status, "reason": c.reason}
         if c.status == "ok":
             entry["cls_readout"] = c.cls_readout
             if c.weight_format is not None:
                 entry["weight_format"] = c.weight_format
-            rounds = timings[c.name].pop("latency_rounds_ms")
-            entry.update(timings[c.name])
-            entry["speedup_p50_vs_fp32_eager"] = ref / entry["p50_ms_b1"]
+            gain = speedup(ref, timings[c.name])
+            entry.update({k: v for k, v in timings[c.name].items() if k != "latency_rounds_ms"})
+            entry["speedup_p50_vs_fp32_eager"] = gain.p50
             if c.name != REFERENCE:
-                low, high = speedup_interval(ref_rounds, rounds, SPEEDUP_LEVEL)
-                entry["speedup_p50_low"], entry["speedup_p50_high"] = low, high
+                entry["speedup_p50_low"], entry["speedup_p50_high"] = gain.low, gain.high
             if c.name in rss:
                 entry["peak_rss_mb"] = rss[c.name]
         acc = (accuracy or {}).get(c.name, {})  # the timing rows of the reference's weights have none of their own

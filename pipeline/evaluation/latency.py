@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +55,26 @@ def speedup_interval(reference_rounds: Sequence[Sequence[float]], rounds: Sequen
         ratios[i] = ref_p50 / np.median(np.concatenate([var[j] for j in pick]))
     tail = 100 * (1 - level) / 2
     return float(np.percentile(ratios, tail)), float(np.percentile(ratios, 100 - tail))
+
+
+@dataclass(frozen=True)
+class Speedup:
+    """How many times faster a row is than the reference at batch 1: p50(reference) / p50(row), and the paired
+    bootstrap interval of that ratio over rounds (`speedup_interval`)."""
+
+    p50: float
+    low: float
+    high: float
+
+
+def speedup(reference: Mapping[str, Any], timed: Mapping[str, Any], level: float = SPEEDUP_LEVEL) -> Speedup:
+    """The speed-up of `timed` over `reference`, two rows of `measure`'s timings (`p50_ms_b1`, `latency_rounds_ms`):
+    the one place that ratio and its interval are computed."""
+    ratio = reference["p50_ms_b1"] / timed["p50_ms_b1"]
+    if timed is reference:
+        return Speedup(ratio, ratio, ratio)
+    low, high = speedup_interval(reference["latency_rounds_ms"], timed["latency_rounds_ms"], level)
+    return Speedup(ratio, low, high)
 
 
 def alternating_schedule(names: Sequence[str], rounds: int) -> list[str]:

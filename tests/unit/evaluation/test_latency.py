@@ -7,10 +7,12 @@ import pytest
 
 from pipeline.core.params import BenchmarkParams
 from pipeline.evaluation.latency import (
+    Speedup,
     alternating_schedule,
     latency_inputs,
     measure,
     percentiles,
+    speedup,
     speedup_interval,
     throughput_batches,
 )
@@ -84,3 +86,11 @@ def test_throughput_batches_use_dynamic_padding():
     seqs = [np.arange(1, n) for n in (5, 9, 20, 7)]
     batches = throughput_batches(seqs, 2, 5, 0)
     assert [b[0].shape for b in batches] == [(2, 8), (2, 19)]
+
+
+def test_speedup_is_the_reference_p50_over_the_rows_with_the_paired_interval():
+    ref = {"p50_ms_b1": 10.0, "latency_rounds_ms": [[10.0, 10.0], [9.0, 11.0], [10.0, 10.0]]}
+    row = {"p50_ms_b1": 5.0, "latency_rounds_ms": [[5.0, 5.0], [4.5, 5.5], [5.0, 5.0]]}
+    gain = speedup(ref, row)
+    assert gain.p50 == 2.0 and gain.low <= 2.0 <= gain.high
+    assert speedup(ref, ref) == Speedup(1.0, 1.0, 1.0)
