@@ -151,7 +151,9 @@ def error_column(frame: DataFrame, text_column: str, max_chars: int) -> Column:
     # Spark reads a pandas UDF's kind from its hints, which this module's `from __future__ import annotations` leaves
     # as strings: give it the classes
     check.__annotations__ = {"values": pd.Series, "return": pd.Series}
-    return F.pandas_udf(check, "string")(text)
+    # marked nondeterministic only to steer the optimizer: it then computes the column once per row where it is
+    # selected, instead of inlining the call again into each filter on `error` and into the projection above it
+    return F.pandas_udf(check, "string").asNondeterministic()(text)
 
 
 def ship_checks_by_value() -> None:
