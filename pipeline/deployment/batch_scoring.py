@@ -349,6 +349,14 @@ def main(argv: list[str] | None = None) -> None:
 
     champion, max_chars = default_model_uri(args.params)
     model_uri = args.model_uri or champion
+    if args.model_uri is None:  # say so before Spark starts, instead of MLflow's traceback from inside spark_udf
+        from pipeline.core.model_registry import registered_version
+
+        try:
+            registered_version(*champion.removeprefix("models:/").split("@"))
+        except LookupError as exc:
+            raise SystemExit(f"{exc}: run `make run` first (its package stage registers the champion) or pass "
+                             "--model-uri") from None
     owned = SparkSession.getActiveSession() is None  # a caller's session (a notebook's, a test's) is left running
     spark = spark_session(args.master, args.task_threads, args.batch_rows)
     try:

@@ -182,3 +182,8 @@ def test_the_command_scores_a_csv_with_the_champion_into_a_csv(spark, model, tmp
     assert_same_answers(out.iloc[[0, 1, 4]].reset_index(), alone(model["uri"], [texts[0], "42", texts[4]]))
     assert out["error"].iloc[2] == "text must be a string, got null" and "whitespace" in out["error"].iloc[3]
     assert out["label"].iloc[2:4].isna().all()
+
+    with pytest.raises(SystemExit) as refused:  # a column the input lacks: one line naming it, before any scoring
+        batch_scoring.main(["--input", str(csv), "--output", "again.csv", "--text-column", "body"])
+    assert refused.value.code == 1 and "has no column 'body'" in capsys.readouterr().err
+    assert not (tmp_path / "again.csv").exists()
