@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> None:
         frame.to_parquet(data)
         spark = spark_run(data, args.model_uri, args.cores, Path(tmp), args.params, args.chunk)
         spark_out = pd.read_parquet(spark.pop("output_dir"))
-        os.environ.setdefault("OMP_NUM_THREADS", str(args.cores))  # the runtimes' thread cap, read when loading
+        # the runtimes' thread cap, read when the model loads: the in-process path gets the cores Spark had
+        os.environ["OMP_NUM_THREADS"] = str(args.cores)
         answers, local = in_process_run(frame["text"].tolist(), args.model_uri, args.chunk)
     import pyspark
 
