@@ -4,6 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(abspath $(VENV))/bin
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | cksum | cut -d' ' -f1)
+SPARK_STAMP := $(VENV)/.spark-installed-$(shell cat requirements-spark.txt | cksum | cut -d' ' -f1)
 export PATH := $(BIN):$(PATH)
 export MPLBACKEND := Agg
 export TOKENIZERS_PARALLELISM := false
@@ -14,7 +15,7 @@ export DO_NOT_TRACK := 1
 # torch and would say so on every import of transformers.
 export TORCHAO_FORCE_SKIP_LOADING_SO_FILES := 1
 
-.PHONY: run test test-gpu venv lint docs mlflow-ui serve serve-mlflow stop plots
+.PHONY: run test test-gpu venv venv-spark lint docs mlflow-ui serve serve-mlflow stop plots score
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,6 +29,14 @@ $(STAMP): requirements.txt pyproject.toml
 	@touch $@
 
 venv: $(STAMP)
+
+# Apache Spark (requirements-spark.txt) for `make score` and `make test` only: `make run` does not pay for it.
+$(SPARK_STAMP): requirements-spark.txt $(STAMP)
+	$(BIN)/python -m pip install --quiet --no-compile -r requirements-spark.txt
+	@rm -f $(VENV)/.spark-installed-*
+	@touch $@
+
+venv-spark: $(SPARK_STAMP)
 
 ## run: the whole DVC pipeline on params.yaml (`dvc repro`). PROFILE=name checks profiles/name.yaml, then
 ## `dvc exp run -S +profiles=name` composes it over params.yaml (DVC's Hydra composition, `.dvc/config`): an
@@ -47,7 +56,7 @@ run: venv
 ## schedules by module and keeps the modules that share a slow fixture in one worker (MODULE_GROUPS).
 ## TEST_WORKERS=0 runs them all in this process. Lint (ruff) runs first, so CI, which runs `make test`, lints too.
 TEST_WORKERS ?= 2
-test: venv
+test: venv venv-spark
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
@@ -82,6 +91,16 @@ plots: venv
 MLFLOW_PORT ?= 5001
 serve-mlflow: venv
 	$(BIN)/python -m serving.mlflow_server --host 127.0.0.1 --port $(MLFLOW_PORT) --params params.yaml --log-dir logs
+
+## score: score INPUT (a Parquet or CSV file, or a folder of them; column `text`) with the champion (or
+## MODEL_URI=models:/...) on Apache Spark in local mode (MASTER=<a cluster's URL> otherwise) into OUTPUT (Parquet, or CSV
+## when it ends in .csv): the id column (ID_COLUMN=name, else an added row_id), label, score, and error for a row the
+## request contract refuses (pipeline/deployment/batch_scoring.py; docs/serving.md, "Scoring a file or a table").
+MASTER ?= local[*]
+score: venv venv-spark
+	@test -n "$(INPUT)" -a -n "$(OUTPUT)" || { echo "usage: make score INPUT=reviews.parquet OUTPUT=scored.parquet"; exit 2; }
+	$(BIN)/python -m pipeline.deployment.batch_scoring --input "$(INPUT)" --output "$(OUTPUT)" --master "$(MASTER)" \
+		$(if $(MODEL_URI),--model-uri "$(MODEL_URI)") $(if $(ID_COLUMN),--id-column "$(ID_COLUMN)") --params params.yaml
 
 ## serve: start TorchServe on 127.0.0.1:8080 with model_store/sentiment.mar (`make run` builds it); stop: `make stop`.
 ## Logs: logs/*.log (serving/log4j2.xml: appended across restarts, rotated at 10 MB); logs/torchserve.out gets warnings

@@ -1,6 +1,7 @@
 """The served MLflow model: every variant is logged as a models-from-code pyfunc (`log_predictor_model`) whose
 `PythonModel` (`predictor_model_class`) builds a predictor class of `pipeline.deployment` from the variant's
-files and answers a DataFrame of texts with `label` and `score`; and MLflow's own scoring app for one.
+files and answers a DataFrame of texts with `label` and `score`; MLflow's own scoring app for one; and MLflow's own
+Spark UDF for one (`pipeline.deployment.batch_scoring`).
 
 Beside `pipeline.core.tracking`, `pipeline.core.parent_run` (runs, metrics) and `pipeline.core.model_registry`,
 this is the one other module that imports MLflow (a test checks it): what the served model is belongs to
@@ -145,3 +146,15 @@ def served_model(model_uri: str) -> ServedModel:
 
     return ServedModel(scoring_server.init(model), score, getattr(predictor, "name", None),
                        float(MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT.get()))
+
+
+def spark_model_udf(spark: Any, model_uri: str, env_manager: str = "local") -> Any:
+    """MLflow's own Spark UDF (`mlflow.pyfunc.spark_udf`) for the pyfunc at `model_uri`: called on a struct of one
+    `text` column, it answers a struct of `label` (string) and `score` (double) per row. MLflow copies the model to
+    the executors and each Python worker loads it once, then scores every Arrow batch it is handed with the
+    pyfunc's `predict`. `env_manager` "local" runs it in the executors' own Python (the project's venv in local
+    mode); "virtualenv", "uv" or "conda" rebuild the model's recorded environment on each executor."""
+    import mlflow
+
+    return mlflow.pyfunc.spark_udf(spark, model_uri, result_type="label string, score double",
+                                   env_manager=env_manager)

@@ -1,0 +1,382 @@
+"""Score a Parquet or CSV file, or a folder of them, with a registered MLflow model on Apache Spark:
+`python -m pipeline.deployment.batch_scoring --input reviews.parquet --output scored.parquet`
+(`make score INPUT=... OUTPUT=...`).
+
+The model is `models:/<mlflow.registered_model_name>@<mlflow.champion_alias>` (the champion `make run` registers)
+or any `--model-uri` MLflow loads (`models:/<name>/<version>`, `models:/<model id>`, a path). It runs as MLflow's
+own Spark UDF (`mlflow.pyfunc.spark_udf`, in `pipeline.deployment.mlflow_model`): Spark reads the input in
+partitions, each Python worker loads the model once and scores Arrow batches of `--batch-rows` texts with the
+pyfunc's `predict`, and Spark writes the answers partition by partition, so no step holds the whole input in
+memory. `--master` is `local[*]` (every core of this machine) or a cluster's master URL, passed to Spark unchanged.
+
+Output: one row per input row, with the id column, `label`, `score` and `error`. A text the endpoint's contract
+refuses (`pipeline.deployment.protocol.check_text`: null, not a string, empty or whitespace only, no visible
+character, longer than `package.max_chars_per_text`) gets the contract's message in `error` and no label or score;
+it is checked before the model sees it, so one bad row never fails a batch and the job goes on. Without
+`--id-column` a `row_id` column is added (Spark's `monotonically_increasing_id`: unique and increasing through the
+input as read, not consecutive). At the end the output is read back and counted: a row count other than the
+input's fails the command (exit 1). Progress lines go to stderr while Spark works; the summary (rows, scored,
+errors, seconds, rows/s) to stdout, and to `--summary-json` when given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+# The contract's checks are plain Python (no third-party import): Spark ships them to the executors by value
+from pipeline.deployment.protocol import TEXT_COLUMN, Limits, RequestError, check_text
+
+if TYPE_CHECKING:
+    import pandas as pd
+    from pyspark.sql import Column, DataFrame, SparkSession
+    from pyspark.sql.types import DataType
+
+#: The id column added when the input names none.
+ADDED_ID_COLUMN = "row_id"
+#: Rows per Arrow batch handed to the model's `predict` (Spark's `arrow.maxRecordsPerBatch`): as many texts as
+#: `SentimentPredictor` tokenizes at once, so a batch of long reviews stays small in memory.
+BATCH_ROWS = 2048
+#: Seconds between two progress lines.
+PROGRESS_EVERY_S = 10.0
+
+
+@dataclass(frozen=True)
+class ScoringSummary:
+    """What one scoring job did: rows read and written (equal, or the command fails), scored and refused rows,
+    the job's wall time (reading, checking, scoring, writing, counting the output) and its rate."""
+
+    input: str
+    output: str
+    model_uri: str
+    master: str
+    id_column: str
+    id_added: bool
+    partitions: int
+    rows_in: int
+    rows_out: int
+    scored: int
+    errors: int
+    seconds: float
+    rows_per_s: float
+
+
+class RowCountMismatch(RuntimeError):
+    """The output holds another number of rows than the input: rows were lost or duplicated."""
+
+
+def spark_path(path: str) -> str:
+    """`path` as Spark should be given it: a URI (`s3a://`, `hdfs://`, `file:`) unchanged, a local path made absolute
+    (Spark's JVM resolves a relative one against its own working directory, not this process's)."""
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", path):
+        return path
+    return str(Path(path).absolute())
+
+
+def input_format(path: str, fmt: str = "auto") -> str:
+    """"parquet" or "csv": `fmt` when given, else by the name (`.csv`, `.parquet`/`.pq`), and for a local folder by
+    the files in it (CSV if any `*.csv`, else Parquet, Spark's own folder layout)."""
+    if fmt != "auto":
+        return fmt
+    lowered = path.lower().rstrip("/")
+    if lowered.endswith(".csv"):
+        return "csv"
+    if lowered.endswith((".parquet", ".pq")):
+        return "parquet"
+    folder = Path(path)
+    if folder.is_dir() and any(folder.rglob("*.csv")):
+        return "csv"
+    return "parquet"
+
+
+def output_format(path: str) -> str:
+    """CSV when the output's name ends in `.csv`, else Parquet."""
+    return "csv" if path.lower().rstrip("/").endswith(".csv") else "parquet"
+
+
+def text_errors(values: pd.Series, where: str, max_chars: int) -> pd.Series:
+    """The contract's refusal of each value (`check_text` with `max_chars` characters at most), or None where the
+    value is a review the model may score. Runs in Spark's Python workers, one Arrow batch at a time."""
+    import pandas as pd
+
+    limits = Limits(max_chars_per_text=max_chars)
+
+    def error(value: Any) -> str | None:
+        try:
+            check_text(value, where, limits)
+        except RequestError as exc:
+            return exc.message
+        return None
+
+    return pd.Series([error(v) for v in values], index=values.index, dtype=object)
+
+
+def type_error(where: str, dtype: DataType) -> str:
+    """The contract's message for a text column Spark typed as something else (every value of it is refused)."""
+    from pyspark.sql.types import BooleanType, NumericType
+
+    kind = ("a number" if isinstance(dtype, NumericType) else "a boolean" if isinstance(dtype, BooleanType)
+            else dtype.simpleString())
+    return f"{where} must be a string, got {kind}"
+
+
+def error_column(frame: DataFrame, text_column: str, max_chars: int) -> Column:
+    """The `error` column: the contract's message for a refused text, null for a text to score. A string column is
+    checked value by value in a pandas UDF (the contract's own `check_text`); a column of another type refuses every
+    row (null: "got null")."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import StringType
+
+    text = F.col(text_column)
+    dtype = frame.schema[text_column].dataType
+    if not isinstance(dtype, StringType):
+        return (F.when(text.isNull(), F.lit(f"{text_column} must be a string, got null"))
+                .otherwise(F.lit(type_error(text_column, dtype))))
+
+    import pandas as pd
+
+    def check(values: pd.Series) -> pd.Series:
+        return text_errors(values, text_column, max_chars)
+
+    # Spark reads a pandas UDF's kind from its hints, which this module's `from __future__ import annotations` leaves
+    # as strings: give it the classes
+    check.__annotations__ = {"values": pd.Series, "return": pd.Series}
+    # marked nondeterministic only to steer the optimizer: it then computes the column once per row where it is
+    # selected, instead of inlining the call again into each filter on `error` and into the projection above it
+    return F.pandas_udf(check, "string").asNondeterministic()(text)
+
+
+def ship_checks_by_value() -> None:
+    """Let Spark pickle the row checks (this module and the contract's) by value, so the executors need no copy of
+    the project to run them: on a cluster only the model carries the project's code."""
+    from pyspark import cloudpickle
+
+    from pipeline.deployment import protocol
+
+    cloudpickle.register_pickle_by_value(protocol)
+    if __name__ != "__main__":  # run as a script, this module is __main__, which cloudpickle ships by value anyway
+        cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def scored_frame(frame: DataFrame, model_udf: Any, id_column: str, text_column: str, max_chars: int) -> DataFrame:
+    """`id_column`, `label`, `score`, `error` for every row of `frame`: rows the contract refuses carry the error and
+    no label or score, and never reach the model (they are filtered out of the rows the UDF scores, not scored and
+    discarded), so one bad row cannot fail the batch it would have been in."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import StringType
+
+    checked = frame.select(id_column, text_column, error_column(frame, text_column, max_chars).alias("error"))
+    refused = checked.where(F.col("error").isNotNull()).select(
+        id_column, F.lit(None).cast("string").alias("label"), F.lit(None).cast("double").alias("score"), "error")
+    if not isinstance(frame.schema[text_column].dataType, StringType):
+        return refused  # nothing in a column of another type is a review
+    # the UDF's struct is a column first and split after, so Spark calls the model once per row, not once per field
+    answer = model_udf(F.struct(F.col(text_column).alias(TEXT_COLUMN))).alias("answer")
+    scored = (checked.where(F.col("error").isNull()).select(id_column, answer, "error")
+              .select(id_column, "answer.label", "answer.score", "error"))
+    return scored.unionByName(refused)
+
+
+def read_input(spark: SparkSession, path: str, fmt: str) -> DataFrame:
+    """The input as Spark reads it, in partitions. CSV: a header row, every column a string (a review "42" stays the
+    text "42"), quoted fields may span lines and hold doubled quotes (RFC 4180); an empty field is null."""
+    if fmt == "csv":
+        return spark.read.csv(path, header=True, multiLine=True, escape='"')
+    return spark.read.parquet(path)
+
+
+def write_output(frame: DataFrame, path: str, overwrite: bool) -> None:
+    """Spark's own writer, partition by partition: a Parquet folder, or a folder of CSV parts with a header each
+    when the name ends in .csv (quotes in a field doubled, as RFC 4180 and pandas read them)."""
+    writer = frame.write.mode("overwrite" if overwrite else "errorifexists")
+    if output_format(path) == "csv":
+        writer.csv(path, header=True, escape='"')
+    else:
+        writer.parquet(path)
+
+
+def count_output(spark: SparkSession, path: str) -> tuple[int, int]:
+    """(rows, rows with an error) of the written output, read back from storage."""
+    from pyspark.sql import functions as F
+
+    fmt = output_format(path)
+    written = spark.read.csv(path, header=True, escape='"') if fmt == "csv" else spark.read.parquet(path)
+    row = written.agg(F.count(F.lit(1)).alias("rows"), F.count("error").alias("errors")).first()
+    return int(row["rows"]), int(row["errors"])
+
+
+@contextmanager
+def progress_lines(spark: SparkSession, every_s: float = PROGRESS_EVERY_S) -> Iterator[None]:
+    """While the body runs, a line on stderr every `every_s` seconds with the partitions (tasks) done of each
+    running Spark stage."""
+    tracker = spark.sparkContext.statusTracker()
+    stop = threading.Event()
+    started = time.monotonic()
+
+    def report() -> None:
+        while not stop.wait(every_s):
+            stages = [tracker.getStageInfo(s) for s in tracker.getActiveStageIds()]
+            done = [f"stage {s.stageId}: {s.numCompletedTasks}/{s.numTasks} partitions done, {s.numActiveTasks} "
+                    f"running" for s in stages if s is not None]
+            if done:
+                print(f"[{time.monotonic() - started:.0f} s] " + "; ".join(done), file=sys.stderr, flush=True)
+
+    thread = threading.Thread(target=report, name="scoring-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def score(spark: SparkSession, input_path: str, output_path: str, model_uri: str, *, id_column: str | None = None,
+          text_column: str = "text", max_chars: int = 20_000, input_fmt: str = "auto", partitions: int | None = None,
+          env_manager: str = "local", overwrite: bool = False) -> ScoringSummary:
+    """Score `input_path` into `output_path` with the model at `model_uri` on `spark`; raises `RowCountMismatch`
+    when the output's row count is not the input's, `ValueError` for a missing column."""
+    from pyspark.sql import functions as F
+
+    from pipeline.deployment.mlflow_model import spark_model_udf
+
+    input_path, output_path = spark_path(input_path), spark_path(output_path)
+    frame = read_input(spark, input_path, input_format(input_path, input_fmt))
+    for name, what in ((text_column, "--text-column"), (id_column, "--id-column")):
+        if name is not None and name not in frame.columns:
+            raise ValueError(f"{input_path} has no column {name!r} ({what}); its columns: {', '.join(frame.columns)}")
+    id_added = id_column is None
+    if id_column is None:
+        if ADDED_ID_COLUMN in frame.columns:
+            raise ValueError(f"{input_path} already has a column {ADDED_ID_COLUMN!r}: name it with --id-column")
+        id_column = ADDED_ID_COLUMN
+        frame = frame.withColumn(id_column, F.monotonically_increasing_id())
+        print(f"no --id-column: added {id_column!r} (Spark's monotonically_increasing_id: unique and increasing "
+              "through the input as read, not consecutive)", file=sys.stderr)
+    frame = frame.select(id_column, text_column)
+    started = time.perf_counter()
+    rows_in = frame.count()  # before any repartitioning: Parquet answers it from the files' footers
+    # Spark reads a file of up to 128 MB as one partition: spread a small input over every core Spark has
+    partitions = partitions or max(frame.rdd.getNumPartitions(), spark.sparkContext.defaultParallelism)
+    if partitions != frame.rdd.getNumPartitions():
+        frame = frame.repartition(partitions)
+
+    ship_checks_by_value()
+    model_udf = spark_model_udf(spark, model_uri, env_manager)
+    with progress_lines(spark):
+        write_output(scored_frame(frame, model_udf, id_column, text_column, max_chars), output_path, overwrite)
+    rows_out, errors = count_output(spark, output_path)
+    seconds = time.perf_counter() - started
+    summary = ScoringSummary(input_path, output_path, model_uri, spark.sparkContext.master, id_column, id_added,
+                             partitions, rows_in, rows_out, rows_out - errors, errors, round(seconds, 3),
+                             round(rows_in / seconds, 2) if seconds > 0 else 0.0)
+    if rows_out != rows_in:
+        raise RowCountMismatch(f"{output_path} holds {rows_out} rows but {input_path} has {rows_in}: rows were lost "
+                               "or duplicated")
+    return summary
+
+
+def spark_session(master: str, task_threads: int = 1, batch_rows: int = BATCH_ROWS,
+                  shuffle_partitions: int | None = None) -> SparkSession:
+    """The running Spark session, or a new one on `master`. Each task (one partition being scored) gets
+    `task_threads` cores (`spark.task.cpus`) and its Python worker caps the model's intra-op threads to them
+    (`OMP_NUM_THREADS`, read by every runtime), so the tasks running at once share the cores without spinning
+    against each other. In local mode the workers run this Python (the project's venv)."""
+    from pyspark.sql import SparkSession
+
+    if master.startswith("local"):
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    builder = (SparkSession.builder.master(master).appName("imdb-sentiment batch scoring")
+               .config("spark.task.cpus", str(task_threads))
+               .config("spark.executorEnv.OMP_NUM_THREADS", str(task_threads))
+               .config("spark.executorEnv.TOKENIZERS_PARALLELISM", "false")
+               .config("spark.sql.execution.arrow.maxRecordsPerBatch", str(batch_rows))
+               .config("spark.ui.showConsoleProgress", "false"))  # progress_lines reports instead
+    if shuffle_partitions is not None:
+        builder = builder.config("spark.sql.shuffle.partitions", str(shuffle_partitions))
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("WARN")
+    return spark
+
+
+def default_model_uri(params_path: Path) -> tuple[str, int]:
+    """The champion's URI (`models:/<name>@<alias>`) and `package.max_chars_per_text`, from the params file (defaults
+    where it is absent); MLflow is pointed at the params' tracking store (`$MLFLOW_TRACKING_URI` wins)."""
+    from pipeline.core.params import Params, load_params
+    from pipeline.core.parent_run import use_store
+
+    params = load_params(params_path) if params_path.is_file() else Params()
+    use_store(params.mlflow)
+    return (f"models:/{params.mlflow.registered_model_name}@{params.mlflow.champion_alias}",
+            params.package.max_chars_per_text)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Score the input; print the summary; exit 1 when the output's row count is not the input's."""
+    from pyspark.sql import SparkSession
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input", required=True, help="a Parquet or CSV file, or a folder of them (any Spark path)")
+    parser.add_argument("--output", required=True, help="where the answers go: Parquet, or CSV if it ends in .csv")
+    parser.add_argument("--model-uri", help="default: models:/<mlflow.registered_model_name>@<mlflow.champion_alias>")
+    parser.add_argument("--id-column", help="the input's id column, copied to the output (default: add row_id)")
+    parser.add_argument("--text-column", default="text", help="the column holding the reviews")
+    parser.add_argument("--master", default="local[*]", help="Spark's master URL, passed unchanged")
+    parser.add_argument("--format", choices=("auto", "parquet", "csv"), default="auto",
+                        help="the input's format (auto: by the name, or the files in a folder)")
+    parser.add_argument("--partitions", type=int,
+                        help="split the input into this many partitions (default: at least one per core)")
+    parser.add_argument("--task-threads", type=int, default=1,
+                        help="cores (and model threads) per task; cores / this many partitions score at once")
+    parser.add_argument("--batch-rows", type=int, default=BATCH_ROWS, help="texts per predict call (Arrow batch)")
+    parser.add_argument("--env-manager", default="local", choices=("local", "virtualenv", "uv", "conda"),
+                        help="local: the executors' own Python; else MLflow rebuilds the model's environment")
+    parser.add_argument("--params", type=Path, default=Path("params.yaml"),
+                        help="the registry entry (mlflow.*) and the text limit (package.max_chars_per_text)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    parser.add_argument("--summary-json", type=Path, help="also write the summary here as JSON")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one bar per model file, on every copy
+
+    champion, max_chars = default_model_uri(args.params)
+    model_uri = args.model_uri or champion
+    if args.model_uri is None:  # say so before Spark starts, instead of MLflow's traceback from inside spark_udf
+        from pipeline.core.model_registry import registered_version
+
+        try:
+            registered_version(*champion.removeprefix("models:/").split("@"))
+        except LookupError as exc:
+            raise SystemExit(f"{exc}: run `make run` first (its package stage registers the champion) or pass "
+                             "--model-uri") from None
+    owned = SparkSession.getActiveSession() is None  # a caller's session (a notebook's, a test's) is left running
+    spark = spark_session(args.master, args.task_threads, args.batch_rows)
+    try:
+        summary = score(spark, args.input, args.output, model_uri, id_column=args.id_column,
+                        text_column=args.text_column, max_chars=max_chars, input_fmt=args.format,
+                        partitions=args.partitions, env_manager=args.env_manager, overwrite=args.overwrite)
+    except (RowCountMismatch, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
+    finally:
+        if owned:
+            spark.stop()
+    print(f"scored {summary.input} with {summary.model_uri} on {summary.master} into {summary.output}: "
+          f"{summary.rows_in} rows in, {summary.rows_out} out ({summary.scored} scored, {summary.errors} errors), "
+          f"{summary.seconds:.1f} s, {summary.rows_per_s:.1f} rows/s ({summary.partitions} partitions; id column "
+          f"{summary.id_column}{', added' if summary.id_added else ''})")
+    if args.summary_json is not None:
+        args.summary_json.parent.mkdir(parents=True, exist_ok=True)
+        args.summary_json.write_text(json.dumps(asdict(summary), indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

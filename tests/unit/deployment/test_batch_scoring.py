@@ -1,0 +1,189 @@
+"""Unit: batch scoring on Apache Spark (`pipeline.deployment.batch_scoring`), in local mode with one Spark session
+for the module, the tiny model logged as the project logs every variant (a `ContractPredictor` pyfunc), real IMDB
+reviews and every kind of bad row. Every answer must be the one the same pyfunc gives that review scored alone in
+this process, every bad row must come out with the contract's error and no label, and no row may be lost."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+
+from pipeline.core.params import MlflowParams, PackageParams
+from pipeline.deployment import batch_scoring
+from pipeline.deployment.protocol import Limits, RequestError, check_text
+
+pytestmark = pytest.mark.slow  # starts a JVM and Python workers (about half a minute on 2 cores)
+
+MAX_CHARS = PackageParams().max_chars_per_text
+#: Rows the contract refuses (text column of strings): what each one's error must say.
+BAD_TEXTS = {
+    "null": (None, "must be a string, got null"),
+    "empty": ("", "empty or whitespace only"),
+    "blank": ("   \t ", "empty or whitespace only"),
+    "invisible": ("\u200b\u202e\u2066", "no visible character"),
+    "over-long": ("x" * (MAX_CHARS + 1), f"more than the limit of {MAX_CHARS}"),
+}
+
+
+def test_the_row_check_is_the_contracts_check_text():
+    """No Spark: the per-batch check answers what `check_text` (with the text limit) raises, None for a review."""
+    values = pd.Series(["a fine film", None, math.nan, "  ", "\u200b", "y" * 13, "y" * 12, "42"])
+    got = batch_scoring.text_errors(values, "text", 12).tolist()
+    limits = Limits(max_chars_per_text=12)
+    for value, error in zip(values, got, strict=True):
+        try:
+            check_text(value, "text", limits)
+            assert error is None, value
+        except RequestError as exc:
+            assert error == exc.message
+    assert got[0] is None and got[-1] is None and got[5].endswith("more than the limit of 12")
+
+
+@pytest.mark.parametrize("path, fmt", [("a.csv", "csv"), ("a.CSV/", "csv"), ("a.parquet", "parquet"),
+                                       ("b.pq", "parquet"), ("s3a://bucket/reviews/", "parquet")])
+def test_the_format_follows_the_name(path, fmt):
+    assert batch_scoring.input_format(path) == fmt
+    assert batch_scoring.input_format(path, "csv") == "csv"
+
+
+def test_local_paths_reach_spark_absolute_and_uris_unchanged(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert batch_scoring.spark_path("out/scored.csv") == str(tmp_path / "out" / "scored.csv")
+    for uri in ("s3a://bucket/reviews/", "hdfs://nn:8020/x.parquet", "file:///tmp/x.csv"):
+        assert batch_scoring.spark_path(uri) == uri
+
+
+def test_a_folder_of_csv_files_is_read_as_csv(tmp_path):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "part-1.csv").write_text("text\nfine\n")
+    assert batch_scoring.input_format(str(tmp_path / "in")) == "csv"
+    assert batch_scoring.output_format(str(tmp_path / "scored.csv")) == "csv"
+    assert batch_scoring.output_format(str(tmp_path / "scored")) == "parquet"
+
+
+@pytest.fixture(scope="module")
+def spark():
+    session = batch_scoring.spark_session("local[2]", task_threads=1, shuffle_partitions=2)
+    yield session
+    session.stop()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory, tiny_model_dir):
+    """The tiny model logged as the evaluate stage logs a variant (`log_predictor_model`: a `ContractPredictor`
+    pyfunc, one thread) and registered as imdb-sentiment@champion in a store of its own."""
+    import mlflow
+
+    from pipeline.core.tracking import stage_run
+    from pipeline.deployment.inference import log_predictor_model
+
+    work = tmp_path_factory.mktemp("batch-scoring-model")
+    store = MlflowParams(tracking_uri=f"sqlite:///{work / 'mlflow.db'}", experiment="unit")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(work)
+        mp.setenv("PIPELINE_RUN_ID", "unit-batch-scoring")
+        # mlflow.set_tracking_uri also exports the store as MLFLOW_TRACKING_URI: set here, it is removed on leaving
+        mp.setenv("MLFLOW_TRACKING_URI", store.tracking_uri)
+        with stage_run(store, "evaluate", run_name="fp32-eager") as run:
+            ref = log_predictor_model(run, "fp32-eager", tiny_model_dir, PackageParams(threads=1), {})
+        version = mlflow.register_model(ref.uri, "imdb-sentiment")
+        mlflow.MlflowClient().set_registered_model_alias("imdb-sentiment", "champion", version.version)
+    return {"uri": ref.uri, "store": store, "work": work}
+
+
+@pytest.fixture
+def in_store(model, monkeypatch):
+    """MLflow pointed at the model's store for one test, as the command does (`default_model_uri`)."""
+    from pipeline.core.parent_run import use_store
+
+    monkeypatch.chdir(model["work"])
+    use_store(model["store"])
+    return model
+
+
+def alone(model_uri: str, texts: list[str]) -> pd.DataFrame:
+    """Each text scored alone by the same pyfunc, loaded in this process."""
+    import mlflow
+
+    pyfunc = mlflow.pyfunc.load_model(model_uri)
+    return pd.concat([pyfunc.predict(pd.DataFrame({"text": [t]})) for t in texts], ignore_index=True)
+
+
+def assert_same_answers(got: pd.DataFrame, want: pd.DataFrame) -> None:
+    assert got["label"].tolist() == want["label"].tolist()
+    assert np.allclose(got["score"].astype(float), want["score"].astype(float), rtol=0, atol=1e-4)
+
+
+def test_a_parquet_of_reviews_and_bad_rows_comes_out_whole_with_errors_beside_the_answers(spark, in_store, imdb_dir,
+                                                                                           tmp_path):
+    reviews = pd.read_parquet(imdb_dir / "test.parquet", columns=["text"])["text"].iloc[::997].tolist()[:24]
+    good = [*reviews, "42", "y " * (MAX_CHARS // 2)]  # a number written as text is a review; so is one at the limit
+    texts = good + [text for text, _ in BAD_TEXTS.values()]
+    ids = [f"r{i:03d}" for i in range(len(texts))]
+    pd.DataFrame({"review_id": ids, "text": pd.Series(texts, dtype=object)}).to_parquet(tmp_path / "in.parquet")
+
+    summary = batch_scoring.score(spark, str(tmp_path / "in.parquet"), str(tmp_path / "out"), in_store["uri"],
+                                  id_column="review_id", max_chars=MAX_CHARS)
+
+    out = pd.read_parquet(tmp_path / "out").set_index("review_id").loc[ids]  # KeyError if one went missing
+    assert summary.rows_in == summary.rows_out == len(out) == len(texts) and out.index.is_unique
+    assert (summary.scored, summary.errors) == (len(good), len(BAD_TEXTS)) and not summary.id_added
+    assert summary.partitions == 2  # one small file, spread over both cores
+    scored = out.iloc[: len(good)]
+    assert scored["error"].isna().all()
+    assert_same_answers(scored.reset_index(), alone(in_store["uri"], good))
+    refused = out.iloc[len(good):]
+    assert refused["label"].isna().all() and refused["score"].isna().all()
+    for (name, (_, needle)), error in zip(BAD_TEXTS.items(), refused["error"], strict=True):
+        assert error.startswith("text ") and needle in error, name
+
+
+def test_a_text_column_of_numbers_is_refused_row_by_row_and_no_row_is_lost(spark, in_store, tmp_path):
+    pd.DataFrame({"text": pd.array([42, None, 7], dtype="Int64")}).to_parquet(tmp_path / "numbers.parquet")
+    summary = batch_scoring.score(spark, str(tmp_path / "numbers.parquet"), str(tmp_path / "out"), in_store["uri"])
+    out = pd.read_parquet(tmp_path / "out").sort_values("row_id")
+    assert summary.id_added and summary.id_column == "row_id" and out["row_id"].is_unique
+    assert (summary.rows_in, summary.rows_out, summary.errors, summary.scored) == (3, 3, 3, 0)
+    assert out["label"].isna().all() and out["score"].isna().all()
+    assert sorted(out["error"]) == ["text must be a string, got a number"] * 2 + ["text must be a string, got null"]
+
+
+def test_an_output_with_another_row_count_than_the_input_fails_the_job(spark, in_store, tmp_path, monkeypatch):
+    # a column the model never sees (no Python worker has to load it), so the job is quick
+    pd.DataFrame({"text": pd.array([1, None], dtype="Int64")}).to_parquet(tmp_path / "in.parquet")
+    monkeypatch.setattr(batch_scoring, "count_output", lambda spark, path: (1, 1))  # as if a row were lost
+    with pytest.raises(batch_scoring.RowCountMismatch, match=r"holds 1 rows but .* has 2"):
+        batch_scoring.score(spark, str(tmp_path / "in.parquet"), str(tmp_path / "out"), in_store["uri"])
+
+
+def test_the_command_scores_a_csv_with_the_champion_into_a_csv(spark, model, tmp_path, monkeypatch, capsys):
+    """`python -m pipeline.deployment.batch_scoring` end to end (in this process, on the module's session): the
+    champion from params' store, a CSV with quoted commas, line breaks and doubled quotes, an empty field (null)."""
+    texts = ['Great, "moving" film.\nWould watch again.', "42", None, "   ", "dull and far too long"]
+    csv = tmp_path / "reviews.csv"
+    pd.DataFrame({"id": [10, 11, 12, 13, 14], "text": texts}).to_csv(csv, index=False)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"mlflow": {"tracking_uri": model["store"].tracking_uri}}))
+    monkeypatch.chdir(tmp_path)
+
+    batch_scoring.main(["--input", str(csv), "--output", "scored.csv", "--id-column", "id", "--params", "params.yaml",
+                        "--summary-json", "summary.json"])
+
+    assert "5 rows in, 5 out (3 scored, 2 errors)" in capsys.readouterr().out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["model_uri"] == "models:/imdb-sentiment@champion" and summary["rows_out"] == 5
+    parts = sorted((tmp_path / "scored.csv").glob("part-*.csv"))
+    out = pd.concat([pd.read_csv(p) for p in parts]).set_index("id").loc[[10, 11, 12, 13, 14]]
+    assert out["error"].iloc[:2].isna().all() and out["error"].iloc[4:].isna().all()
+    assert_same_answers(out.iloc[[0, 1, 4]].reset_index(), alone(model["uri"], [texts[0], "42", texts[4]]))
+    assert out["error"].iloc[2] == "text must be a string, got null" and "whitespace" in out["error"].iloc[3]
+    assert out["label"].iloc[2:4].isna().all()
+
+    with pytest.raises(SystemExit) as refused:  # a column the input lacks: one line naming it, before any scoring
+        batch_scoring.main(["--input", str(csv), "--output", "again.csv", "--text-column", "body"])
+    assert refused.value.code == 1 and "has no column 'body'" in capsys.readouterr().err
+    assert not (tmp_path / "again.csv").exists()
