@@ -31,6 +31,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 #: longer reads.) `pytest_collection_modifyitems` refuses a module that uses one of these fixtures but is not listed.
 MODULE_GROUPS = {
     "tests/e2e/test_avx2_choices.py": "repro",
+    "tests/e2e/test_dvc_remote.py": "repro",
     "tests/e2e/test_repro.py": "repro",
     "tests/model/test_behaviour.py": "repro",
     "tests/e2e/test_tracking_server.py": "servers",

@@ -32,10 +32,11 @@ LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 SHELL_LANGUAGES = {"bash", "sh", "shell", "console"}
 # Programs a documented command may start with, besides make, python and the venv's own tools.
-PLAIN_PROGRAMS = {"curl", "git"}
+PLAIN_PROGRAMS = {"curl", "git", "psql"}
 VENV_TOOLS = {"dvc", "mlflow", "mkdocs", "ruff", "pytest", "torchserve"}
 THIRD_PARTY_MODULES = {"pytest", "pip", "mkdocs"}
-DVC_SUBCOMMANDS = {("metrics", "show"), ("plots", "show"), ("exp", "show"), ("repro",), ("exp", "run")}
+DVC_SUBCOMMANDS = {("metrics", "show"), ("plots", "show"), ("exp", "show"), ("repro",), ("exp", "run"),
+                   ("remote", "add"), ("push",), ("pull",), ("status",)}
 # First path components that are the repository's own files (outputs such as models/ or data/ are not checked).
 SOURCE_DIRS = {"tests", "profiles", "serving", "benchmarks", "pipeline", "stages", "docs", ".ci"}
 
@@ -204,6 +205,9 @@ def check_command(tokens: list[str], tmp_dir: Path) -> list[str]:
     if not tokens:
         return []
     program, args = tokens[0], tokens[1:]
+    if program == "sudo":  # `sudo -u USER command ...`: the command it runs is what is checked
+        command = args[2:] if args[:1] == ["-u"] else args
+        return check_command(command, tmp_dir) if command else [f"{shown}: sudo runs nothing"]
     problems: list[str] = []
     for arg in args:
         first = arg.split("/")[0]
@@ -374,6 +378,8 @@ def test_every_documented_command_names_real_things(tmp_path: Path) -> None:
     (".venv/bin/dvc repro nosuchstage", "no DVC stage nosuchstage"),
     (".venv/bin/python -m pytest tests/unit/no_such_test.py", "no file tests/unit/no_such_test.py"),
     ("wget http://example.org", "unknown program wget"),
+    ("sudo -u postgres wget http://example.org", "unknown program wget"),
+    (".venv/bin/dvc remote list", "not a documented dvc subcommand"),
 ])
 def test_command_check_finds_a_stale_command(command: str, finding: str, tmp_path: Path) -> None:
     """The command check can fail: each stale command is reported with what is wrong."""
