@@ -144,10 +144,10 @@ MINI = {
               "max_length": 48},  # train on a shorter window than inference reads
     "quantize": {"calibration_samples": 32, "selection_samples": 100, "qat_train_samples": 64,
                  "calibration_methods": ["minmax", "percentile"],
-                 "build": ["int8-dynamic", "int8-openvino", "int8-static", "int8-qat"]},  # the default: the first two
+                 "build": ["int8-dynamic", "int8-openvino", "int8-static", "int8-qat"]},  # as the default
     "tensorrt": {"qdq_input": True},  # the engine's input is built and scored here although no engine can be
     "prune": {"enabled": True, "calibration_samples": 32},  # off in the default profile; built here
-    "export": {"parity_samples": 8, "torchscript": True},
+    "export": {"parity_samples": 8, "torchscript": True},  # as the default
     "benchmark": {"warmup": 2, "iterations": 10, "rounds": 2, "latency_reviews": 10, "throughput_batches": 1,
                   "bf16_row": True},
 }
