@@ -88,6 +88,10 @@ ERROR_KINDS = {400: "invalid_input", 404: "not_found", 405: "method_not_allowed"
 MODEL_ERROR = "model_error"
 #: A client's request id is echoed only when it is this short and plain (never a header or log injection).
 SAFE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+#: A refused (413) body up to this size is read to its end before the answer, so the client can read the 413.
+DISCARD_BODY_BYTES = 8 * 1024 * 1024
+#: Seconds to wait for more of a refused body before answering anyway.
+DISCARD_WAIT_S = 2.0
 #: Seconds a client is asked to wait after a 503 (overloaded).
 RETRY_AFTER_S = 1
 #: Texts of concurrent requests scored in one call of the model at most.
@@ -265,6 +269,8 @@ class ContractMiddleware:
             body = await self._body(headers, receive)
             parsed = parse_request(body, self.limits, headers.get("content-type"), MLFLOW_SHAPES)
         except RequestError as err:
+            if err.status == 413:
+                await _discard_body(headers, receive)
             return await self._error(send, err, rid)
         pending = _Pending(parsed.texts, rid, asyncio.get_running_loop().create_future())
         self._queue.append(pending)
@@ -414,6 +420,25 @@ class ContractMiddleware:
                    *self.model_headers(rid), *(extra or [])]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _discard_body(headers: dict[str, str], receive: Receive) -> None:
+    """Read and drop the rest of a refused body before the 413 goes out, when it is at most `DISCARD_BODY_BYTES`:
+    uvicorn closes a connection whose body was left unread, and a client still writing then gets a connection
+    reset instead of the 413 (after the answer, the body can no longer be read). A longer body, or a client that
+    stops sending for `DISCARD_WAIT_S`, is not waited for."""
+    declared = headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > DISCARD_BODY_BYTES:
+        return
+    left = DISCARD_BODY_BYTES
+    while left > 0:
+        try:
+            message = await asyncio.wait_for(receive(), DISCARD_WAIT_S)
+        except TimeoutError:
+            return
+        if message["type"] == "http.disconnect" or not message.get("more_body", False):
+            return
+        left -= len(message.get("body", b""))
 
 
 def log_config(log_dir: Path, max_bytes: int, backups: int) -> dict[str, Any]:

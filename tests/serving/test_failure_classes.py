@@ -184,3 +184,35 @@ def test_ping_version_and_ready_answer_with_the_model_headers(served):
     for path in ("/ping", "/health", "/version", "/ready"):
         status, headers, _ = asyncio.run(call(app, b"", path=path, method="GET"))
         assert status == 200 and headers["x-model-variant"] == "test-variant", path
+
+
+def test_a_refused_body_is_read_to_its_end_before_the_413_so_the_client_can_read_it(served):
+    """uvicorn closes a connection whose body was left unread: a client still writing would get a reset, not
+    the 413. So the rest of a refused body (up to a bound) is read before the answer starts."""
+    app = middleware(served)
+    chunk = b"x" * 65536
+    chunks = 40  # 2.6 MB, over the 1 MB default limit
+    events: list[str] = []
+
+    async def scenario() -> int:
+        sent = 0
+
+        async def receive() -> dict[str, Any]:
+            nonlocal sent
+            sent += 1
+            events.append("read")
+            return {"type": "http.request", "body": chunk, "more_body": sent < chunks}
+
+        async def send(message: dict[str, Any]) -> None:
+            events.append(message["type"])
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+
+        status: list[int] = []
+        scope = {"type": "http", "method": "POST", "path": "/invocations", "raw_path": b"/invocations",
+                 "query_string": b"", "http_version": "1.1", "headers": [(b"content-type", b"application/json")]}
+        await app(scope, receive, send)
+        return status[0]
+
+    assert asyncio.run(scenario()) == 413
+    assert events.count("read") == chunks and events.index("http.response.start") > events.index("read") + chunks - 1
