@@ -269,8 +269,6 @@ class ContractMiddleware:
             body = await self._body(headers, receive)
             parsed = parse_request(body, self.limits, headers.get("content-type"), MLFLOW_SHAPES)
         except RequestError as err:
-            if err.status == 413:
-                await _discard_body(headers, receive)
             return await self._error(send, err, rid)
         pending = _Pending(parsed.texts, rid, asyncio.get_running_loop().create_future())
         self._queue.append(pending)
@@ -365,10 +363,12 @@ class ContractMiddleware:
         return int(start.get("status", 500)), b"".join(parts), list(start.get("headers", []))
 
     async def _body(self, headers: dict[str, str], receive: Receive) -> bytes:
-        """The request body, refused (413) as soon as it is known to exceed `max_body_bytes`."""
+        """The request body, refused (413) as soon as it is known to exceed `max_body_bytes` (what is left of it is
+        read and dropped first, `_discard_body`)."""
         limit = self.limits.max_body_bytes
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
+            await _discard_body(headers, receive)
             raise RequestError(413, f"request body of {int(declared)} bytes exceeds the limit of {limit}")
         chunks, size = [], 0
         while True:
@@ -378,6 +378,8 @@ class ContractMiddleware:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
+                if message.get("more_body", False):
+                    await _discard_body(headers, receive)
                 raise RequestError(413, f"request body of more than {limit} bytes exceeds the limit of {limit}")
             chunks.append(chunk)
             if not message.get("more_body", False):

@@ -216,3 +216,31 @@ def test_a_refused_body_is_read_to_its_end_before_the_413_so_the_client_can_read
 
     assert asyncio.run(scenario()) == 413
     assert events.count("read") == chunks and events.index("http.response.start") > events.index("read") + chunks - 1
+
+
+def test_a_complete_body_refused_after_reading_is_answered_without_reading_again(served):
+    """Too many texts is a 413 found after the whole body was read: nothing is left to drain, so the body is not
+    waited for again (a second `receive` would block until the client hangs up)."""
+    app = middleware(served)
+    reads: list[int] = []
+    body = json.dumps({"inputs": ["fine"] * 5}).encode()
+
+    async def scenario() -> int:
+        async def receive() -> dict[str, Any]:
+            reads.append(1)
+            if len(reads) > 1:
+                await asyncio.Event().wait()
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        status: list[int] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+
+        scope = {"type": "http", "method": "POST", "path": "/invocations", "raw_path": b"/invocations",
+                 "query_string": b"", "http_version": "1.1", "headers": [(b"content-type", b"application/json")]}
+        await asyncio.wait_for(app(scope, receive, send), 30)
+        return status[0]
+
+    assert asyncio.run(scenario()) == 413 and len(reads) == 1
