@@ -24,8 +24,9 @@ def benchmark(
     """Time every variant against FP32 eager."""
     from pipeline.evaluation.benchmark import run_benchmark_stage
 
-    run_benchmark_stage(finetuned, variants_dir, tokenized, accuracy, metrics, plot_data, report, stage.params,
-                        stage.auto.bf16_row)
+    run_benchmark_stage(finetuned=finetuned, variants_root=variants_dir, tokenized=tokenized, accuracy_file=accuracy,
+                        metrics_path=metrics, plot_data=plot_data, report=report, all_params=stage.params,
+                        bf16=stage.auto.bf16_row)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,9 @@ def evaluate(
     """Score every variant and log each as an MLflow model."""
     from pipeline.evaluation.accuracy import run_evaluate_stage
 
-    run_evaluate_stage(finetuned, variants_dir, tokenized, reference_predictions, metrics, plot, stage.params)
+    run_evaluate_stage(finetuned=finetuned, variants_root=variants_dir, tokenized=tokenized,
+                       reference_predictions=reference_predictions, metrics_path=metrics, plot=plot,
+                       params=stage.params)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ def export(stage: StageContext, finetuned: Finetuned, tokenized: Tokenized, vari
     from pipeline.variants.export import run_export
 
     tracked_stage(stage.params, "export", ("export",),
-                  lambda: run_export(finetuned, tokenized, variants_dir, stage.params.export))
+                  lambda: run_export(finetuned=finetuned, tokenized=tokenized, variants_root=variants_dir,
+                                     params=stage.params.export))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ def package(
     """Choose, register and archive the served variant."""
     from pipeline.deployment.archive import run_package_stage
 
-    run_package_stage(variants_dir, variants_metrics, benchmark, mar, manifest, stage.params)
+    run_package_stage(variants_root=variants_dir, variants_metrics=variants_metrics, benchmark_metrics=benchmark,
+                      mar=mar, manifest_path=manifest, params=stage.params)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,9 @@ def quantize(stage: StageContext, finetuned: Finetuned, tokenized: Tokenized, va
     from pipeline.variants.quantize import run_quantize
 
     tracked_stage(stage.params, "quantize", ("quantize", "export"),
-                  lambda: run_quantize(finetuned, variants_dir / "fp32-onnx", tokenized, variants_dir,
-                                       stage.params, stage.auto.weight_format))
+                  lambda: run_quantize(finetuned=finetuned, fp32_onnx=variants_dir / "fp32-onnx",
+                                       tokenized=tokenized, variants_root=variants_dir, params=stage.params,
+                                       choice=stage.auto.weight_format))
 
 
 if __name__ == "__main__":

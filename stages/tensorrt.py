@@ -12,8 +12,9 @@ def tensorrt(stage: StageContext, finetuned: Finetuned, tokenized: Tokenized, va
     from pipeline.variants.tensorrt import run_tensorrt
 
     tracked_stage(stage.params, "tensorrt", ("tensorrt", "quantize"),
-                  lambda: run_tensorrt(finetuned, variants_dir / "fp32-onnx", variants_dir / "int8-static",
-                                       tokenized, variants_dir, stage.params))
+                  lambda: run_tensorrt(finetuned=finetuned, fp32_onnx=variants_dir / "fp32-onnx",
+                                       int8_static=variants_dir / "int8-static", tokenized=tokenized,
+                                       variants_root=variants_dir, params=stage.params))
 
 
 if __name__ == "__main__":

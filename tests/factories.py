@@ -233,7 +233,8 @@ def evaluated_fp32_onnx(work: Path, tiny_model_dir: Path, params: Params) -> dic
     from pipeline.variants.export import run_export
 
     tok = write_tokenized(work / "tok", {"test": 16})
-    run_export(tiny_model_dir, tok, work / "variants", ExportParams(parity_samples=4))
+    run_export(finetuned=tiny_model_dir, tokenized=tok, variants_root=work / "variants",
+               params=ExportParams(parity_samples=4))
     dirs = {"fp32-onnx": work / "variants" / "fp32-onnx"}
     results = score_variants(tiny_model_dir, dirs, tok, EvaluateParams())
     log_variant_runs(results, dirs, tiny_model_dir, params.evaluate, params.mlflow, params.package)

@@ -81,7 +81,7 @@ def build_archive(variant_dir: Path, choice: ServedChoice, registry: dict[str, A
     return config
 
 
-def run_package_stage(variants_root: Path, variants_metrics: Path, benchmark_metrics: Path, mar: Path,
+def run_package_stage(*, variants_root: Path, variants_metrics: Path, benchmark_metrics: Path, mar: Path,
                       manifest_path: Path, params: Params) -> dict[str, Any]:
     """Choose the variant to serve, register its MLflow model as a new version of
     `mlflow.registered_model_name`, build the `.mar` that names that version, then move the alias

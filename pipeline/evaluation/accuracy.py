@@ -192,7 +192,7 @@ def accuracy_bars(results: dict[str, dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def run_evaluate_stage(finetuned: Path, variants_root: Path, tokenized: Path, reference_predictions: Path | None,
+def run_evaluate_stage(*, finetuned: Path, variants_root: Path, tokenized: Path, reference_predictions: Path | None,
                        metrics_path: Path, plot: Path, params: Params) -> dict[str, dict[str, Any]]:
     """Score every registered variant, write `metrics/variants.json` and the chart, state the targets, and log
     one MLflow run and one MLflow model per variant."""

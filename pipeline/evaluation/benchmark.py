@@ -160,7 +160,7 @@ def table_rows(variants: dict[str, Any], accuracy: dict[str, dict[str, Any]], me
     return rows
 
 
-def run_benchmark_stage(finetuned: Path, variants_root: Path, tokenized: Path, accuracy_file: Path,
+def run_benchmark_stage(*, finetuned: Path, variants_root: Path, tokenized: Path, accuracy_file: Path,
                         metrics_path: Path, plot_data: Path, report: Path, all_params: Params,
                         bf16: Choice) -> dict[str, Any]:
     """Benchmark every registered variant; `metrics/benchmark.json` holds one object per variant. Each variant's

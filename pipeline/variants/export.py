@@ -142,7 +142,7 @@ def inference_model(model: Any, cls_readout: bool) -> tuple[Any, dict[str, Any]]
     return readout(model), {"cls_readout": True}
 
 
-def run_export(finetuned: Path, tokenized: Path, variants_root: Path, params: ExportParams) -> dict[str, Any]:
+def run_export(*, finetuned: Path, tokenized: Path, variants_root: Path, params: ExportParams) -> dict[str, Any]:
     """`fp32-onnx` and, when `export.torchscript`, `fp32-torchscript` (with the [CLS] readout when
     `export.cls_readout`), each checked for parity against the unchanged PyTorch model on real test reviews."""
     import torch

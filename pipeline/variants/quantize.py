@@ -53,7 +53,7 @@ class QuantizeInputs:
     tmp: Path
 
 
-def run_quantize(finetuned: Path, fp32_onnx: Path, tokenized: Path, variants_root: Path,
+def run_quantize(*, finetuned: Path, fp32_onnx: Path, tokenized: Path, variants_root: Path,
                  params: Params, choice: Choice) -> dict[str, Any]:
     """`int8-dynamic`, `int8-openvino`, `int8-static` (calibration method chosen on validation reviews) and
     `int8-qat`, each when `quantize.build` lists it (the rest are written as skipped with the reason), with INT8

@@ -129,7 +129,7 @@ def tensorrt_int8_source(fp32_onnx: Path, int8_static: Path, tokenized: Path, ds
                                                     - scores["source_onnx_val_accuracy"]), 3)}
 
 
-def run_tensorrt(finetuned: Path, fp32_onnx: Path, int8_static: Path, tokenized: Path, variants_root: Path,
+def run_tensorrt(*, finetuned: Path, fp32_onnx: Path, int8_static: Path, tokenized: Path, variants_root: Path,
                  params: Params) -> dict[str, Any]:
     """Build `tensorrt-fp16`/`tensorrt-int8` where possible; otherwise write the skip record and say why.
     The INT8 engine's QDQ input (`tensorrt_int8_source`) is built where engines can be, or on any machine with

@@ -25,7 +25,8 @@ def fp32_onnx(tmp_path_factory, tiny_model_dir):
         pytest.skip(reason)
     root = tmp_path_factory.mktemp("trt")
     tok = write_tokenized(root / "tokenized", {"train": 16, "val": 16, "test": 16})
-    run_export(tiny_model_dir, tok, root / "variants", ExportParams(parity_samples=8))
+    run_export(finetuned=tiny_model_dir, tokenized=tok, variants_root=root / "variants",
+               params=ExportParams(parity_samples=8))
     return directories(root / "variants")["fp32-onnx"]
 
 

@@ -156,7 +156,7 @@ def server(tmp_path_factory, tiny_model_dir):
 
     work = tmp_path_factory.mktemp("torchserve")
     tok = write_tokenized(work / "tok", {"test": 8})
-    run_export(tiny_model_dir, tok, work / "v", ExportParams())
+    run_export(finetuned=tiny_model_dir, tokenized=tok, variants_root=work / "v", params=ExportParams())
     variant = work / "v" / "fp32-onnx"
     build_archive(variant, ServedChoice("fp32-onnx", "test"), {"name": "imdb-sentiment", "version": "7"},
                   PackageParams(**SERVING_LIMITS), work / "model_store" / "sentiment.mar")
@@ -181,8 +181,9 @@ def champion(tmp_path_factory, tiny_model_dir):
         # it is removed again on leaving, so no later session fixture logs into this store
         mp.setenv("MLFLOW_TRACKING_URI", store)
         dirs = evaluated_fp32_onnx(work, tiny_model_dir, params)
-        manifest = run_package_stage(work / "variants", work / "variants.json", work / "benchmark.json",
-                                     work / "sentiment.mar", work / "package.json", params)
+        manifest = run_package_stage(variants_root=work / "variants", variants_metrics=work / "variants.json",
+                                     benchmark_metrics=work / "benchmark.json", mar=work / "sentiment.mar",
+                                     manifest_path=work / "package.json", params=params)
     port = free_port()
     serve_dir = work / "elsewhere"
     serve_dir.mkdir()
@@ -276,11 +277,13 @@ def matrix(tmp_path_factory, tiny_model_dir):
     params = Params(mlflow=MlflowParams(tracking_uri=store))
     tok = write_tokenized(work / "tok", {"train": 48, "val": 16, "test": 16})
     root = work / "variants"
-    run_export(tiny_model_dir, tok, root, ExportParams(parity_samples=4, torchscript=True))
+    run_export(finetuned=tiny_model_dir, tokenized=tok, variants_root=root,
+               params=ExportParams(parity_samples=4, torchscript=True))
     build = [n for n in names if spec(n).stage == "quantize"]
     quantize = QuantizeParams(calibration_samples=16, selection_samples=16, qat_train_samples=16, qat_batch_size=8,
                               calibration_methods=["minmax"], build=build)
-    run_quantize(tiny_model_dir, root / "fp32-onnx", tok, root, Params(quantize=quantize), weight_format_here())
+    run_quantize(finetuned=tiny_model_dir, fp32_onnx=root / "fp32-onnx", tokenized=tok, variants_root=root,
+                 params=Params(quantize=quantize), choice=weight_format_here())
     dirs = {n: root / n for n in names}
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(work)

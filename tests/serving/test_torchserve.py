@@ -256,8 +256,8 @@ def test_an_openvino_archive_is_served_and_answers_like_its_predictor(server, ti
 
     tok = write_tokenized(tmp_path / "tok", {"train": 32, "val": 8, "test": 8})
     params = Params(quantize=QuantizeParams(build=["int8-openvino"], calibration_samples=16))
-    run_quantize(tiny_model_dir, server.variant_dir, tok, tmp_path / "variants", params,  # from the fp32-onnx
-                 weight_format_here())
+    run_quantize(finetuned=tiny_model_dir, fp32_onnx=server.variant_dir, tokenized=tok,
+                 variants_root=tmp_path / "variants", params=params, choice=weight_format_here())  # from the fp32-onnx
     variant = tmp_path / "variants" / "int8-openvino"
     build_archive(variant, ServedChoice("int8-openvino", "test"), {"name": "imdb-sentiment", "version": "8"},
                   PackageParams(**SERVING_LIMITS), tmp_path / "ts" / "model_store" / "sentiment.mar")

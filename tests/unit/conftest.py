@@ -23,13 +23,15 @@ def built(tmp_path_factory, tiny_model_dir):
     tok_dir = write_tokenized(root / "tokenized", {"train": 64, "val": 32, "test": 48})
     variants_root = root / "variants"
     dirs = {n: d for n, d in directories(variants_root).items() if n in NAMES}
-    export_report = run_export(tiny_model_dir, tok_dir, variants_root, ExportParams(parity_samples=8, torchscript=True))
+    export_report = run_export(finetuned=tiny_model_dir, tokenized=tok_dir, variants_root=variants_root,
+                               params=ExportParams(parity_samples=8, torchscript=True))
     q = QuantizeParams(calibration_samples=32, selection_samples=32, qat_train_samples=32, qat_batch_size=8,
                        calibration_methods=["minmax", "entropy"],
                        build=["int8-dynamic", "int8-static", "int8-qat", "int8-openvino"])
-    quant_report = run_quantize(tiny_model_dir, dirs["fp32-onnx"], tok_dir, variants_root, Params(quantize=q),
-                                weight_format_here())
-    trt_report = run_tensorrt(tiny_model_dir, dirs["fp32-onnx"], dirs["int8-static"], tok_dir, variants_root,
-                              Params(quantize=q, tensorrt=TensorRTParams(qdq_input=True)))
+    quant_report = run_quantize(finetuned=tiny_model_dir, fp32_onnx=dirs["fp32-onnx"], tokenized=tok_dir,
+                                variants_root=variants_root, params=Params(quantize=q), choice=weight_format_here())
+    trt_report = run_tensorrt(finetuned=tiny_model_dir, fp32_onnx=dirs["fp32-onnx"], int8_static=dirs["int8-static"],
+                              tokenized=tok_dir, variants_root=variants_root,
+                              params=Params(quantize=q, tensorrt=TensorRTParams(qdq_input=True)))
     return {"dirs": dirs, "root": variants_root, "tokenized": tok_dir, "export": export_report,
             "quantize": quant_report, "trt": trt_report}

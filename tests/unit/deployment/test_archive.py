@@ -40,8 +40,9 @@ def test_package_registers_versions_and_moves_the_champion_alias(built, tiny_mod
     choice = choose_variant(results, PackageParams(), TargetsParams())
 
     def package(params: Params, tag: str) -> dict:
-        return run_package_stage(built["root"], tmp_path / "variants.json", tmp_path / "benchmark.json",
-                                 tmp_path / f"{tag}.mar", tmp_path / f"{tag}.json", params)
+        return run_package_stage(variants_root=built["root"], variants_metrics=tmp_path / "variants.json",
+                                 benchmark_metrics=tmp_path / "benchmark.json", mar=tmp_path / f"{tag}.mar",
+                                 manifest_path=tmp_path / f"{tag}.json", params=params)
 
     first = package(Params(mlflow=tracking), "first")
     served = _serving_json(tmp_path / "first.mar")

@@ -28,7 +28,8 @@ def test_parity_failure_stops_export(tmp_path, tiny_model_dir, monkeypatch):
     monkeypatch.setattr(build, "parity", lambda *a, **k: Parity(max_abs_diff=1.0, label_agreement=0.5, batch=1))
     tok_dir = write_tokenized(tmp_path / "tok", {"test": 8})
     with pytest.raises(ExportError, match="parity failed"):
-        run_export(tiny_model_dir, tok_dir, tmp_path / "variants", ExportParams())
+        run_export(finetuned=tiny_model_dir, tokenized=tok_dir, variants_root=tmp_path / "variants",
+                   params=ExportParams())
 
 
 def test_a_profile_opting_out_of_torchscript_gets_a_skip_record_with_the_reason(tmp_path, tiny_model_dir):
@@ -36,8 +37,8 @@ def test_a_profile_opting_out_of_torchscript_gets_a_skip_record_with_the_reason(
     fp32-onnx, and fp32-torchscript is a skipped variant whose reason names the setting."""
     assert ExportParams().torchscript
     tok_dir = write_tokenized(tmp_path / "tok", {"test": 8})
-    report = run_export(tiny_model_dir, tok_dir, tmp_path / "variants",
-                        ExportParams(parity_samples=4, torchscript=False))
+    report = run_export(finetuned=tiny_model_dir, tokenized=tok_dir, variants_root=tmp_path / "variants",
+                        params=ExportParams(parity_samples=4, torchscript=False))
     assert report["fp32-torchscript"]["status"] == "skipped"
     info = read_variant(tmp_path / "variants" / "fp32-torchscript")
     assert info.status == "skipped" and "export.torchscript" in info.reason

@@ -26,8 +26,8 @@ def test_single_calibration_method_skips_the_selection_pass(built, tiny_model_di
     dirs = {name: tmp_path / name for name in ("int8-dynamic", "int8-static", "int8-qat")}
     params = QuantizeParams(calibration_samples=16, calibration_methods=["percentile"], qat_train_samples=8,
                             qat_batch_size=8, build=["int8-static", "int8-qat"])
-    report = run_quantize(tiny_model_dir, built["dirs"]["fp32-onnx"], built["tokenized"], tmp_path,
-                          Params(quantize=params), weight_format_here())
+    report = run_quantize(finetuned=tiny_model_dir, fp32_onnx=built["dirs"]["fp32-onnx"], tokenized=built["tokenized"],
+                          variants_root=tmp_path, params=Params(quantize=params), choice=weight_format_here())
     assert report["int8-static"]["calibration"] == "percentile"
     assert report["int8-static"]["selection_val_accuracy"] == {}
     assert report["int8-qat"]["calibration"] == "percentile"
@@ -41,8 +41,8 @@ def test_a_profile_opting_out_builds_the_rest_and_records_the_others_as_skipped(
     the setting that builds it."""
     assert sorted(QuantizeParams().build) == ["int8-dynamic", "int8-openvino", "int8-qat", "int8-static"]
     opted_out = Params(quantize=QuantizeParams(build=["int8-dynamic", "int8-openvino"]))
-    report = run_quantize(tiny_model_dir, built["dirs"]["fp32-onnx"], built["tokenized"], tmp_path, opted_out,
-                          weight_format_here())
+    report = run_quantize(finetuned=tiny_model_dir, fp32_onnx=built["dirs"]["fp32-onnx"], tokenized=built["tokenized"],
+                          variants_root=tmp_path, params=opted_out, choice=weight_format_here())
     assert "status" not in report["int8-dynamic"] and report["int8-dynamic"]["int8_matmuls"] > 0
     assert "status" not in report["int8-openvino"] and (tmp_path / "int8-openvino" / "model.xml").is_file()
     for name in ("int8-dynamic", "int8-openvino"):
@@ -52,8 +52,9 @@ def test_a_profile_opting_out_builds_the_rest_and_records_the_others_as_skipped(
         assert info.status == "skipped" and "quantize.build" in info.reason, name
         assert report[name] == {"status": "skipped", "reason": info.reason}
         assert not (tmp_path / name / "model.onnx").exists()
-    report = run_quantize(tiny_model_dir, built["dirs"]["fp32-onnx"], built["tokenized"], tmp_path / "one",
-                          Params(quantize=QuantizeParams(build=["int8-dynamic"])), weight_format_here())
+    report = run_quantize(finetuned=tiny_model_dir, fp32_onnx=built["dirs"]["fp32-onnx"], tokenized=built["tokenized"],
+                          variants_root=tmp_path / "one",
+                          params=Params(quantize=QuantizeParams(build=["int8-dynamic"])), choice=weight_format_here())
     info = read_variant(tmp_path / "one" / "int8-openvino")
     assert info.status == "skipped" and "quantize.build" in info.reason
     assert not (tmp_path / "one" / "int8-openvino" / "model.xml").exists()
@@ -149,8 +150,9 @@ def test_fp32_onnx_exported_with_another_readout_is_refused(built, tiny_model_di
     from pipeline.variants.onnx_int8 import QuantizeError
 
     with pytest.raises(QuantizeError, match="re-run the export stage"):
-        run_quantize(tiny_model_dir, built["dirs"]["fp32-onnx"], built["tokenized"], tmp_path,
-                     Params(export=ExportParams(cls_readout=False)), weight_format_here())
+        run_quantize(finetuned=tiny_model_dir, fp32_onnx=built["dirs"]["fp32-onnx"], tokenized=built["tokenized"],
+                     variants_root=tmp_path, params=Params(export=ExportParams(cls_readout=False)),
+                     choice=weight_format_here())
     assert not (tmp_path / "int8-dynamic").exists()
 
 

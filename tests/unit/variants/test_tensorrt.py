@@ -98,8 +98,9 @@ def test_without_engines_auto_does_not_build_the_qdq_input(built, tiny_model_dir
     ok, reason = availability()
     if ok:
         pytest.skip("a CUDA device with TensorRT is present: auto builds the input here")
-    report = run_tensorrt(tiny_model_dir, built["dirs"]["fp32-onnx"], built["dirs"]["int8-static"],
-                          built["tokenized"], tmp_path, Params())
+    report = run_tensorrt(finetuned=tiny_model_dir, fp32_onnx=built["dirs"]["fp32-onnx"],
+                          int8_static=built["dirs"]["int8-static"], tokenized=built["tokenized"],
+                          variants_root=tmp_path, params=Params())
     info = read_variant(tmp_path / "tensorrt-int8")
     assert info.status == "skipped" and info.reason == reason
     assert info.params["source_onnx"] is None and "tensorrt.qdq_input" in info.params["source_onnx_skipped"]
