@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,19 +39,80 @@ from pipeline.variants.openvino_int8 import quantize_openvino
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass
 class QuantizeInputs:
     """What every INT8 build of one run shares: the finetuned model's record, its reviews and the choices
-    derived once from params and the fp32-onnx record."""
+    derived once from params and the fp32-onnx record (the static calibration method is chosen on first use, by
+    whichever of int8-static and int8-qat is built first)."""
 
     finetuned: Path
+    fp32_onnx: Path
+    model: Any  # the finetuned classifier (eval mode)
+    tokenizer: Any
     meta: dict[str, Any]  # the finetuned model's pipeline.json
+    arch: dict[str, Any]  # the fp32-onnx record's params (layers, widths, readout)
     pad_id: int
     train: pd.DataFrame
+    val: pd.DataFrame
     calibration: list[np.ndarray]
     ffn_width: int | None  # FFN down-projections quantized per batch when set (quantize.ffn_output_dynamic)
     cls_readout: bool
+    params: Params
+    q: QuantizeParams  # params.quantize with the weight format resolved
+    choice: Choice  # how the stage resolved quantize.weight_format
     tmp: Path
+    _static: dict[str, Any] | None = None
+
+    def static_calibration(self) -> dict[str, Any]:
+        """The static QDQ model of each calibration method (in `tmp`) and the one chosen, built once."""
+        if self._static is None:
+            # Static QDQ starts from the unfused export: onnxruntime's fused contrib ops carry no type
+            # information, and quantize_static silently leaves every MatMul fed by them in float.
+            # onnxruntime applies its fusions around the QDQ nodes when the session loads.
+            self._static = _static_with_selection(self.fp32_onnx / "model.onnx", self, self.val, self.q)
+        return self._static
+
+
+def _build_dynamic(inputs: QuantizeInputs, out: Path) -> dict[str, Any]:
+    q = inputs.q
+    base, fusion = _graph_for_quantization(inputs.model, inputs.fp32_onnx / "model.onnx", inputs, q, inputs.arch,
+                                           inputs.val["input_ids"].tolist()[:16])
+    quantize_dynamic_onnx(base, out / "model.onnx", q.per_channel, q.weights())
+    return {"method": "onnxruntime.quantize_dynamic", "per_channel": q.per_channel, **weight_record(inputs.choice),
+            "fused_graph": q.optimize_graph, **fusion, **int8_census(out, "int8-dynamic")}
+
+
+def _build_openvino(inputs: QuantizeInputs, out: Path) -> dict[str, Any]:
+    graph, readout = inference_model(inputs.model, inputs.params.export.cls_readout)  # the graph fp32-onnx holds
+    return {**quantize_openvino(graph, inputs.calibration, inputs.pad_id, inputs.q.calibration_batch_size, out),
+            **readout}
+
+
+def _build_static(inputs: QuantizeInputs, out: Path) -> dict[str, Any]:
+    q, best = inputs.q, inputs.static_calibration()
+    (inputs.tmp / f"static-{best['method']}.onnx").replace(out / "model.onnx")
+    return {"method": "onnxruntime.quantize_static (QDQ)", "calibration": best["method"],
+            "calibration_samples": len(inputs.calibration), "per_channel": q.per_channel,
+            **weight_record(inputs.choice), "dynamic_ffn_output": inputs.ffn_width is not None,
+            "cls_readout": inputs.cls_readout, "selection_val_accuracy": best["scores"],
+            **int8_census(out, "int8-static")}
+
+
+def _build_qat(inputs: QuantizeInputs, out: Path) -> dict[str, Any]:
+    record = _qat(inputs, inputs.static_calibration()["method"], out, inputs.q, inputs.params.train,
+                  training_window(inputs.meta, inputs.tokenizer))
+    return {**record, **int8_census(out, "int8-qat"), **weight_record(inputs.choice)}
+
+
+#: The quantize stage's builders, one per variant of `quantize.build`, in the order they run (int8-qat reuses the
+#: calibration method int8-static chose). Each writes its files into the directory it is given and returns its
+#: record; `run_quantize` times it and writes the built or skipped record the same way for all.
+BUILDERS: dict[str, Callable[[QuantizeInputs, Path], dict[str, Any]]] = {
+    "int8-dynamic": _build_dynamic,
+    "int8-openvino": _build_openvino,
+    "int8-static": _build_static,
+    "int8-qat": _build_qat,
+}
 
 
 def run_quantize(*, finetuned: Path, fp32_onnx: Path, tokenized: Path, variants_root: Path,
@@ -71,83 +133,26 @@ def run_quantize(*, finetuned: Path, fp32_onnx: Path, tokenized: Path, variants_
         raise QuantizeError(f"{fp32_onnx} was exported with cls_readout={arch.get('cls_readout')}; "
                             f"export.cls_readout is {params.export.cls_readout}: re-run the export stage")
     train = read_tokenized(tokenized, "train")
-    val = read_tokenized(tokenized, "val").iloc[: q.selection_samples]
     report: dict[str, Any] = {}
-
+    skipped = (f"not in quantize.build ({', '.join(q.build)}); "
+               "add it there or run a profile that builds it (make run PROFILE=full)")
     with tempfile.TemporaryDirectory(prefix="quantize-") as tmp:
         inputs = QuantizeInputs(
-            finetuned, meta, pad_id(tokenizer), train,
-            calibration_reviews(train, params),
+            finetuned, fp32_onnx, model, tokenizer, meta, arch, pad_id(tokenizer), train,
+            read_tokenized(tokenized, "val").iloc[: q.selection_samples], calibration_reviews(train, params),
             int(arch["intermediate_size"]) if q.ffn_output_dynamic else None,
-            bool(arch.get("cls_readout", False)), Path(tmp))
-
-        if "int8-dynamic" in q.build:
+            bool(arch.get("cls_readout", False)), params, q, choice, Path(tmp))
+        for name, build in BUILDERS.items():
+            if name not in q.build:
+                log.warning("%s skipped: %s", name, skipped)
+                write_variant(out[name], VariantInfo.skipped(name, skipped, to_dict(q)), finetuned)
+                report[name] = {"status": "skipped", "reason": skipped}
+                continue
             t0 = time.perf_counter()
-            base, fusion = _graph_for_quantization(model, fp32_onnx / "model.onnx", inputs, q, arch,
-                                                   val["input_ids"].tolist()[:16])
-            out["int8-dynamic"].mkdir(parents=True, exist_ok=True)
-            quantize_dynamic_onnx(base, out["int8-dynamic"] / "model.onnx", q.per_channel, q.weights())
-            report["int8-dynamic"] = {"method": "onnxruntime.quantize_dynamic", "per_channel": q.per_channel,
-                                      **weight_record(choice),
-                                      "fused_graph": q.optimize_graph, **fusion,
-                                      **int8_census(out["int8-dynamic"], "int8-dynamic"),
-                                      "build_seconds": round(time.perf_counter() - t0, 2)}
-            write_variant(out["int8-dynamic"], VariantInfo.built("int8-dynamic", report["int8-dynamic"]), finetuned)
-        else:
-            _skip_unbuilt(("int8-dynamic",), q, out, finetuned, report)
-        if "int8-openvino" in q.build:
-            graph, readout = inference_model(model, params.export.cls_readout)  # the graph fp32-onnx holds
-            report["int8-openvino"] = {**quantize_openvino(graph, inputs.calibration, inputs.pad_id,
-                                                          q.calibration_batch_size, out["int8-openvino"]),
-                                       **readout}
-            write_variant(out["int8-openvino"], VariantInfo.built("int8-openvino", report["int8-openvino"]),
-                          finetuned)
-        else:
-            _skip_unbuilt(("int8-openvino",), q, out, finetuned, report)
-        if not {"int8-static", "int8-qat"} & set(q.build):
-            _skip_unbuilt(("int8-static", "int8-qat"), q, out, finetuned, report)
-            return report
-        t0 = time.perf_counter()
-        # Static QDQ starts from the unfused export: onnxruntime's fused contrib ops carry no type
-        # information, and quantize_static silently leaves every MatMul fed by them in float.
-        # onnxruntime applies its fusions around the QDQ nodes when the session loads. int8-qat reuses the
-        # calibration method chosen here, so the selection runs when either is built.
-        best = _static_with_selection(fp32_onnx / "model.onnx", inputs, val, q)
-        if "int8-static" in q.build:
-            out["int8-static"].mkdir(parents=True, exist_ok=True)
-            (inputs.tmp / f"static-{best['method']}.onnx").replace(out["int8-static"] / "model.onnx")
-            report["int8-static"] = {"method": "onnxruntime.quantize_static (QDQ)", "calibration": best["method"],
-                                     "calibration_samples": len(inputs.calibration), "per_channel": q.per_channel,
-                                     **weight_record(choice),
-                                     "dynamic_ffn_output": inputs.ffn_width is not None,
-                                     "cls_readout": inputs.cls_readout, "selection_val_accuracy": best["scores"],
-                                     **int8_census(out["int8-static"], "int8-static"),
-                                     "build_seconds": round(time.perf_counter() - t0, 2)}
-            write_variant(out["int8-static"], VariantInfo.built("int8-static", report["int8-static"]), finetuned)
-        else:
-            _skip_unbuilt(("int8-static",), q, out, finetuned, report)
-
-        if "int8-qat" in q.build:
-            t0 = time.perf_counter()
-            report["int8-qat"] = _qat(inputs, best["method"], out["int8-qat"], q, params.train,
-                                      training_window(meta, tokenizer))
-            report["int8-qat"].update(int8_census(out["int8-qat"], "int8-qat"), **weight_record(choice),
-                                      build_seconds=round(time.perf_counter() - t0, 2))
-            write_variant(out["int8-qat"], VariantInfo.built("int8-qat", report["int8-qat"]), finetuned)
-        else:
-            _skip_unbuilt(("int8-qat",), q, out, finetuned, report)
+            out[name].mkdir(parents=True, exist_ok=True)
+            report[name] = {**build(inputs, out[name]), "build_seconds": round(time.perf_counter() - t0, 2)}
+            write_variant(out[name], VariantInfo.built(name, report[name]), finetuned)
     return report
-
-
-def _skip_unbuilt(names: tuple[str, ...], q: QuantizeParams, out: dict[str, Path], finetuned: Path,
-                  report: dict[str, Any]) -> None:
-    """Write each of `names` (not in `quantize.build`) as a skipped variant with the reason."""
-    reason = (f"not in quantize.build ({', '.join(q.build)}); "
-              "add it there or run a profile that builds it (make run PROFILE=full)")
-    for name in names:
-        log.warning("%s skipped: %s", name, reason)
-        write_variant(out[name], VariantInfo.skipped(name, reason, to_dict(q)), finetuned)
-        report[name] = {"status": "skipped", "reason": reason}
 
 
 def _graph_for_quantization(model: Any, fp32_onnx: Path, inputs: QuantizeInputs, params: QuantizeParams,
