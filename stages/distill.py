@@ -26,8 +26,11 @@ def distill(
     from pipeline.variants.distilled import run_distilled_variants
 
     params, auto = stage.params, stage.auto
-    run_distill(finetuned, tokenized, student_dir, metrics, plots, params, auto,
-                lambda: run_distilled_variants(student_dir, tokenized, variants_dir, params, auto.weight_format))
+    run_distill(teacher_dir=finetuned, tokenized_dir=tokenized, student_dir=student_dir, metrics_path=metrics,
+                plots_dir=plots, params=params, auto=auto,
+                build_variants=lambda: run_distilled_variants(student_dir=student_dir, tokenized=tokenized,
+                                                              variants_root=variants_dir, params=params,
+                                                              weight_format=auto.weight_format))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ def prepare(
     from pipeline.data.prepare import run_prepare_stage
     from pipeline.modeling import load_tokenizer
 
-    run_prepare_stage(stage.params, load_tokenizer(stage.params.model), prepared, tokenized, metrics)
+    run_prepare_stage(params=stage.params, tokenizer=load_tokenizer(stage.params.model), prepared_dir=prepared,
+                      tokenized_dir=tokenized, metrics_path=metrics)
 
 
 if __name__ == "__main__":

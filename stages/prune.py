@@ -12,8 +12,9 @@ def prune(stage: StageContext, finetuned: Finetuned, tokenized: Tokenized, varia
     from pipeline.variants.prune import run_prune
 
     tracked_stage(stage.params, "prune", ("prune", "quantize", "export"),
-                  lambda: {"int8-pruned": run_prune(finetuned, tokenized, variants_dir, stage.params,
-                                                    stage.auto.weight_format)})
+                  lambda: {"int8-pruned": run_prune(finetuned=finetuned, tokenized=tokenized,
+                                                    variants_root=variants_dir, all_params=stage.params,
+                                                    weight_format=stage.auto.weight_format)})
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ def prepare(data: DataParams, tokenizer: Any, prepared_dir: Path, tokenized_dir:
 SPLIT_CONTEXTS = {"train": "training", "val": "validation", "test": "test", TRANSFER: "distillation"}
 
 
-def run_prepare_stage(params: Params, tokenizer: Any, prepared_dir: Path, tokenized_dir: Path,
+def run_prepare_stage(*, params: Params, tokenizer: Any, prepared_dir: Path, tokenized_dir: Path,
                       metrics_path: Path) -> dict[str, Any]:
     """`prepare` inside an MLflow child run: its params sections, metrics and statuses, and each prepared split
     recorded as a dataset input (`mlflow.log_input`: source, schema, rows and a digest of the content).

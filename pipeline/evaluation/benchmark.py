@@ -33,7 +33,7 @@ from pipeline.runtimes.registry import load_runner
 log = logging.getLogger(__name__)
 
 
-def run_benchmark(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Path, params: BenchmarkParams,
+def run_benchmark(*, finetuned: Path, variant_dirs: dict[str, Path], tokenized: Path, params: BenchmarkParams,
                   bf16: Choice, accuracy: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """Measure every candidate; skipped variants stay in the table with their reason. `bf16`: how the caller
     resolved `benchmark.bf16_row` (whether the FP32 model is also timed under bf16 autocast)."""
@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"unknown or unbuilt variant(s) {unknown}; built: {sorted(dirs)}")
     if wanted:
         dirs = {k: v for k, v in dirs.items() if k in wanted}
-    result = run_benchmark(args.finetuned, dirs, args.tokenized, params, resolve_auto(all_params).bf16_row)
+    result = run_benchmark(finetuned=args.finetuned, variant_dirs=dirs, tokenized=args.tokenized, params=params,
+                           bf16=resolve_auto(all_params).bf16_row)
     write_json(args.out, result)
     print(markdown_table(result["variants"]))
 
@@ -173,7 +174,8 @@ def run_benchmark_stage(*, finetuned: Path, variants_root: Path, tokenized: Path
 
     params, tracking = all_params.benchmark, all_params.mlflow
     accuracy = read_json(accuracy_file)
-    result = run_benchmark(finetuned, directories(variants_root), tokenized, params, bf16, accuracy)
+    result = run_benchmark(finetuned=finetuned, variant_dirs=directories(variants_root), tokenized=tokenized,
+                           params=params, bf16=bf16, accuracy=accuracy)
     variants = result["variants"]
     write_json(metrics_path, variants)
     write_json(metrics_path.with_name("benchmark_machine.json"), {**result["machine"], **result["settings"]})

@@ -190,7 +190,7 @@ def write_skipped(student_dir: Path, metrics_path: Path, plots_dir: Path, reason
     return DistillResult({}, student_dir, "skipped", reason)
 
 
-def run_distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metrics_path: Path, plots_dir: Path,
+def run_distill(*, teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metrics_path: Path, plots_dir: Path,
                 params: Params, auto: ResolvedAuto,
                 build_variants: Callable[[], Mapping[str, Any]]) -> DistillResult:
     """`distill` inside an MLflow child run like finetune's (machine load sampled, curves, metrics, the student's

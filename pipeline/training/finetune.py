@@ -218,7 +218,7 @@ def save_confusion(labels: np.ndarray, preds: np.ndarray, path: Path) -> None:
     plt.close(fig)
 
 
-def run_finetune(tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots_dir: Path, report_dir: Path,
+def run_finetune(*, tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots_dir: Path, report_dir: Path,
                  data: DataParams, model: ModelParams, train: TrainParams, tracking: MlflowParams,
                  precision: Choice, predictions_path: Path | None = None) -> FinetuneResult:
     """Finetune inside an MLflow child run that samples the machine's load (`mlflow.system_metrics`); log curves,

@@ -32,7 +32,7 @@ def skipped_reason(student_dir: Path) -> str | None:
     return record["reason"] if record.get("status") == "skipped" else None
 
 
-def run_distilled_variants(student_dir: Path, tokenized: Path, variants_root: Path, params: Params,
+def run_distilled_variants(*, student_dir: Path, tokenized: Path, variants_root: Path, params: Params,
                            weight_format: Choice) -> dict[str, Any]:
     """`fp32-distilled`, `int8-distilled` and `int8-distilled-openvino` from the student in `student_dir` (the first
     two parity-checked on real reviews against the student in PyTorch); int8-distilled's weights in `weight_format`

@@ -22,7 +22,7 @@ from pipeline.variants.fusion import FusionCheck, fused_dynamic_int8
 log = logging.getLogger(__name__)
 
 
-def run_prune(finetuned: Path, tokenized: Path, variants_root: Path, all_params: Params,
+def run_prune(*, finetuned: Path, tokenized: Path, variants_root: Path, all_params: Params,
               weight_format: Choice) -> dict[str, Any]:
     """`int8-pruned`: the finetuned model with whole heads and FFN neurons removed (`prune_encoder`), exported
     with the [CLS] readout (`export.cls_readout`), fused by onnxruntime and quantized like `int8-dynamic`

@@ -25,8 +25,8 @@ def test_prepare_logs_every_split_as_a_dataset_input(tmp_path, monkeypatch):
                                     val_subsample=None, test_subsample=None, max_length=32),
                     model=ModelParams(source="tiny"),
                     mlflow=MlflowParams(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="unit-prep"))
-    run_prepare_stage(params, load_tokenizer(params.model), tmp_path / "prepared", tmp_path / "tokenized",
-                      tmp_path / "prepare.json")
+    run_prepare_stage(params=params, tokenizer=load_tokenizer(params.model), prepared_dir=tmp_path / "prepared",
+                      tokenized_dir=tmp_path / "tokenized", metrics_path=tmp_path / "prepare.json")
     runs = mlflow.search_runs(experiment_names=["unit-prep"], output_format="list",
                               filter_string="tags.`pipeline.stage` = 'prepare'")
     assert len(runs) == 1 and runs[0].data.metrics["wall_time_s"] > 0

@@ -25,11 +25,11 @@ def servable_dirs(built, tiny_model_dir, tmp_path_factory):
     from pipeline.variants.prune import run_prune
 
     root = tmp_path_factory.mktemp("more-variants")
-    run_prune(tiny_model_dir, built["tokenized"], root,
-              Params(prune=PruneParams(enabled=True, heads=1, ffn_width=64, calibration_samples=32)),
-              weight_format_here())
-    run_distilled_variants(tiny_model_dir, built["tokenized"], root, Params(export=ExportParams(parity_samples=8)),
-                           weight_format_here())
+    run_prune(finetuned=tiny_model_dir, tokenized=built["tokenized"], variants_root=root,
+              all_params=Params(prune=PruneParams(enabled=True, heads=1, ffn_width=64, calibration_samples=32)),
+              weight_format=weight_format_here())
+    run_distilled_variants(student_dir=tiny_model_dir, tokenized=built["tokenized"], variants_root=root,
+                           params=Params(export=ExportParams(parity_samples=8)), weight_format=weight_format_here())
     dirs = {**{n: d for n, d in built["dirs"].items() if n in SERVABLE},
             **{n: root / n for n in ("int8-pruned", "fp32-distilled", "int8-distilled",
                                               "int8-distilled-openvino")}}

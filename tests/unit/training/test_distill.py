@@ -50,7 +50,8 @@ def distilled(tmp_path_factory):
     auto = resolve_auto(params)
     result = distill(teacher_dir, tok, root / "student", root / "distill.json", root / "distill-plots", params,
                      auto.precision)
-    report = run_distilled_variants(root / "student", tok, root / "variants", params, auto.weight_format)
+    report = run_distilled_variants(student_dir=root / "student", tokenized=tok, variants_root=root / "variants",
+                                    params=params, weight_format=auto.weight_format)
     return {"root": root, "result": result, "report": report, "teacher": teacher_dir}
 
 
@@ -110,8 +111,9 @@ def test_a_disabled_student_leaves_skipped_records(tmp_path):
     reason = "distill.enabled is false"
     result = write_skipped(tmp_path / "student", tmp_path / "distill.json", tmp_path / "plots", reason)
     assert result.status == "skipped"
-    report = run_distilled_variants(tmp_path / "student", tmp_path, tmp_path / "variants", Params(),
-                                    resolve_auto(Params()).weight_format)
+    report = run_distilled_variants(student_dir=tmp_path / "student", tokenized=tmp_path,
+                                    variants_root=tmp_path / "variants", params=Params(),
+                                    weight_format=resolve_auto(Params()).weight_format)
     assert set(report) == {"fp32-distilled", "int8-distilled", "int8-distilled-openvino"}
     for name in report:
         info = read_variant(tmp_path / "variants" / name)
@@ -153,10 +155,12 @@ def test_auto_skips_a_student_that_would_train_in_fp32_on_the_cpu_and_says_why(t
     monkeypatch.setenv("PIPELINE_CPU_FLAGS", AVX2_ONLY_FLAGS)  # the rehearsal of an AVX2-only CPU's choice
     variants = tmp_path / "variants"
     auto = resolve_auto(params)
-    built = ((lambda: run_distilled_variants(tmp_path / "student", tmp_path, variants, params, auto.weight_format))
+    built = ((lambda: run_distilled_variants(student_dir=tmp_path / "student", tokenized=tmp_path,
+                                             variants_root=variants, params=params, weight_format=auto.weight_format))
              if skipped else dict)
-    result = run_distill(tmp_path / "no-teacher", tmp_path, tmp_path / "student", tmp_path / "distill.json",
-                         tmp_path / "plots", params, auto, built)
+    result = run_distill(teacher_dir=tmp_path / "no-teacher", tokenized_dir=tmp_path, student_dir=tmp_path / "student",
+                         metrics_path=tmp_path / "distill.json", plots_dir=tmp_path / "plots", params=params, auto=auto,
+                         build_variants=built)
     assert (result.status == "skipped") is skipped and trained == ([] if skipped else [True])
     mlflow.set_tracking_uri(tracking.tracking_uri)
     run = mlflow.search_runs(experiment_names=["unit-distill"], output_format="list")[0]

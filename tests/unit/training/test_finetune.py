@@ -100,9 +100,10 @@ def test_finetune_run_samples_the_machine_load_and_registers_nothing(tmp_path, t
     tracking = MlflowParams(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="unit-finetune")
     out = tmp_path / "out"
     train = TrainParams(**{**TINY_TRAIN, "epochs": 1})
-    run_finetune(tokenized_dir, out / "model", out / "metrics.json", out / "plots", out / "reports",
-                 DataParams(max_length=64), ModelParams(source="tiny"), train, tracking,
-                 resolve_auto(Params(train=train)).precision)
+    run_finetune(tokenized_dir=tokenized_dir, model_dir=out / "model", metrics_path=out / "metrics.json",
+                 plots_dir=out / "plots", report_dir=out / "reports", data=DataParams(max_length=64),
+                 model=ModelParams(source="tiny"), train=train, tracking=tracking,
+                 precision=resolve_auto(Params(train=train)).precision)
     runs = mlflow.search_runs(experiment_names=["unit-finetune"], output_format="list",
                               filter_string="tags.`pipeline.stage` = 'finetune'")
     assert len(runs) == 1

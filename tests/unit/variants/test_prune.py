@@ -28,7 +28,8 @@ def test_pruned_variant_built_and_described(tmp_path, tiny_model_dir, tokenized_
 
     out = tmp_path / "int8-pruned"
     params = Params(prune=PruneParams(enabled=True, heads=1, ffn_width=64, calibration_samples=32))
-    report = run_prune(tiny_model_dir, tokenized_dir, tmp_path, params, weight_format_here())
+    report = run_prune(finetuned=tiny_model_dir, tokenized=tokenized_dir, variants_root=tmp_path, all_params=params,
+                       weight_format=weight_format_here())
     info = json.loads((out / "variant.json").read_text())
     assert info["status"] == "ok" and info["name"] == "int8-pruned"
     assert info["params"]["heads"] == 1 and info["params"]["ffn_width"] == 64
@@ -45,8 +46,8 @@ def test_disabled_pruning_is_recorded_as_skipped(tmp_path, tiny_model_dir, token
     from pipeline.variants.prune import run_prune
 
     out = tmp_path / "int8-pruned"
-    report = run_prune(tiny_model_dir, tokenized_dir, tmp_path, Params(prune=PruneParams(enabled=False)),
-                       weight_format_here())
+    report = run_prune(finetuned=tiny_model_dir, tokenized=tokenized_dir, variants_root=tmp_path,
+                       all_params=Params(prune=PruneParams(enabled=False)), weight_format=weight_format_here())
     info = json.loads((out / "variant.json").read_text())
     assert report["status"] == info["status"] == "skipped"
     assert info["reason"] == "prune.enabled is false"
