@@ -113,30 +113,31 @@ def test_health_probe_refreshes_an_expired_key(fake):
     assert state.refreshes == 1
 
 
-def test_a_key_file_being_written_is_waited_for_not_mistaken_for_keys(tmp_path):
+def test_a_key_file_being_written_is_waited_for_not_mistaken_for_keys(tmp_path, monkeypatch):
     """TorchServe creates `key_file.json` before it writes it: a reader that finds it empty or cut off waits for
-    the writer instead of failing; one that stays unreadable is a clear error, and no file means no token auth."""
+    the writer instead of failing; one that stays unreadable is a clear error, and no file means no token auth.
+    The writer's steps happen while the reader waits (its `sleep`), so the test runs the same way on any machine."""
     import time
+    import types
 
+    import serving.client
     from serving.client import KeyFileError
 
     key_file = tmp_path / "key_file.json"
     assert inference_key(key_file) is None
     key_file.write_text("")
     complete = json.dumps({"management": {"key": "m"}, "inference": {"key": "fresh"}, "API": {"key": "a"}})
+    steps = [complete[:20], complete]  # a half-written file on the way, then the whole one
+    waits: list[str] = []
 
-    def writer() -> None:
-        time.sleep(0.3)
-        key_file.write_text(complete[:20])  # a half-written file on the way
-        time.sleep(0.3)
-        key_file.write_text(complete)
+    def writer_step(_seconds: float) -> None:
+        waits.append(key_file.read_text())  # what the reader had just found incomplete
+        key_file.write_text(steps.pop(0))
 
-    thread = threading.Thread(target=writer)
-    thread.start()
-    try:
-        assert inference_key(key_file) == "fresh"
-    finally:
-        thread.join()
+    monkeypatch.setattr(serving.client, "time", types.SimpleNamespace(monotonic=time.monotonic, sleep=writer_step))
+    assert inference_key(key_file) == "fresh"
+    assert waits == ["", complete[:20]]  # it waited out the empty and the cut-off file
+    monkeypatch.setattr(serving.client, "time", time)  # the real clock for the settle timeouts below
     from serving.client import read_key_file
 
     for broken in ("{\"inference\": ", "[1, 2]", "{\"API\": {\"key\": \"a\"}}"):
