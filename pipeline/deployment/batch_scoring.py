@@ -24,18 +24,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 # The contract's checks are plain Python (no third-party import): Spark ships them to the executors by value
 from pipeline.deployment.protocol import TEXT_COLUMN, Limits, RequestError, check_text
+from pipeline.deployment.spark_io import (
+    BATCH_ROWS,
+    count_output,
+    input_format,
+    progress_lines,
+    read_input,
+    spark_path,
+    spark_session,
+    write_output,
+)
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -44,13 +50,6 @@ if TYPE_CHECKING:
 
 #: The id column added when the input names none.
 ADDED_ID_COLUMN = "row_id"
-#: Rows per Arrow batch handed to the model's `predict` (Spark's `arrow.maxRecordsPerBatch`): as many texts as
-#: `SentimentPredictor` tokenizes at once, so a batch of long reviews stays small in memory.
-BATCH_ROWS = 2048
-#: Seconds between two progress lines.
-PROGRESS_EVERY_S = 10.0
-
-
 @dataclass(frozen=True)
 class ScoringSummary:
     """What one scoring job did: rows read and written (equal, or the command fails), scored and refused rows,
@@ -73,35 +72,6 @@ class ScoringSummary:
 
 class RowCountMismatch(RuntimeError):
     """The output holds another number of rows than the input: rows were lost or duplicated."""
-
-
-def spark_path(path: str) -> str:
-    """`path` as Spark should be given it: a URI (`s3a://`, `hdfs://`, `file:`) unchanged, a local path made absolute
-    (Spark's JVM resolves a relative one against its own working directory, not this process's)."""
-    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", path):
-        return path
-    return str(Path(path).absolute())
-
-
-def input_format(path: str, fmt: str = "auto") -> str:
-    """"parquet" or "csv": `fmt` when given, else by the name (`.csv`, `.parquet`/`.pq`), and for a local folder by
-    the files in it (CSV if any `*.csv`, else Parquet, Spark's own folder layout)."""
-    if fmt != "auto":
-        return fmt
-    lowered = path.lower().rstrip("/")
-    if lowered.endswith(".csv"):
-        return "csv"
-    if lowered.endswith((".parquet", ".pq")):
-        return "parquet"
-    folder = Path(path)
-    if folder.is_dir() and any(folder.rglob("*.csv")):
-        return "csv"
-    return "parquet"
-
-
-def output_format(path: str) -> str:
-    """CSV when the output's name ends in `.csv`, else Parquet."""
-    return "csv" if path.lower().rstrip("/").endswith(".csv") else "parquet"
 
 
 def text_errors(values: pd.Series, where: str, max_chars: int) -> pd.Series:
@@ -187,59 +157,6 @@ def scored_frame(frame: DataFrame, model_udf: Any, id_column: str, text_column: 
     return scored.unionByName(refused)
 
 
-def read_input(spark: SparkSession, path: str, fmt: str) -> DataFrame:
-    """The input as Spark reads it, in partitions. CSV: a header row, every column a string (a review "42" stays the
-    text "42"), quoted fields may span lines and hold doubled quotes (RFC 4180); an empty field is null."""
-    if fmt == "csv":
-        return spark.read.csv(path, header=True, multiLine=True, escape='"')
-    return spark.read.parquet(path)
-
-
-def write_output(frame: DataFrame, path: str, overwrite: bool) -> None:
-    """Spark's own writer, partition by partition: a Parquet folder, or a folder of CSV parts with a header each
-    when the name ends in .csv (quotes in a field doubled, as RFC 4180 and pandas read them)."""
-    writer = frame.write.mode("overwrite" if overwrite else "errorifexists")
-    if output_format(path) == "csv":
-        writer.csv(path, header=True, escape='"')
-    else:
-        writer.parquet(path)
-
-
-def count_output(spark: SparkSession, path: str) -> tuple[int, int]:
-    """(rows, rows with an error) of the written output, read back from storage."""
-    from pyspark.sql import functions as F
-
-    fmt = output_format(path)
-    written = spark.read.csv(path, header=True, escape='"') if fmt == "csv" else spark.read.parquet(path)
-    row = written.agg(F.count(F.lit(1)).alias("rows"), F.count("error").alias("errors")).first()
-    return int(row["rows"]), int(row["errors"])
-
-
-@contextmanager
-def progress_lines(spark: SparkSession, every_s: float = PROGRESS_EVERY_S) -> Iterator[None]:
-    """While the body runs, a line on stderr every `every_s` seconds with the partitions (tasks) done of each
-    running Spark stage."""
-    tracker = spark.sparkContext.statusTracker()
-    stop = threading.Event()
-    started = time.monotonic()
-
-    def report() -> None:
-        while not stop.wait(every_s):
-            stages = [tracker.getStageInfo(s) for s in tracker.getActiveStageIds()]
-            done = [f"stage {s.stageId}: {s.numCompletedTasks}/{s.numTasks} partitions done, {s.numActiveTasks} "
-                    f"running" for s in stages if s is not None]
-            if done:
-                print(f"[{time.monotonic() - started:.0f} s] " + "; ".join(done), file=sys.stderr, flush=True)
-
-    thread = threading.Thread(target=report, name="scoring-progress", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
-
-
 def score(spark: SparkSession, input_path: str, output_path: str, model_uri: str, *, id_column: str | None = None,
           text_column: str = "text", max_chars: int = 20_000, input_fmt: str = "auto", partitions: int | None = None,
           env_manager: str = "local", overwrite: bool = False) -> ScoringSummary:
@@ -283,29 +200,6 @@ def score(spark: SparkSession, input_path: str, output_path: str, model_uri: str
         raise RowCountMismatch(f"{output_path} holds {rows_out} rows but {input_path} has {rows_in}: rows were lost "
                                "or duplicated")
     return summary
-
-
-def spark_session(master: str, task_threads: int = 1, batch_rows: int = BATCH_ROWS,
-                  shuffle_partitions: int | None = None) -> SparkSession:
-    """The running Spark session, or a new one on `master`. Each task (one partition being scored) gets
-    `task_threads` cores (`spark.task.cpus`) and its Python worker caps the model's intra-op threads to them
-    (`OMP_NUM_THREADS`, read by every runtime), so the tasks running at once share the cores without spinning
-    against each other. In local mode the workers run this Python (the project's venv)."""
-    from pyspark.sql import SparkSession
-
-    if master.startswith("local"):
-        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    builder = (SparkSession.builder.master(master).appName("imdb-sentiment batch scoring")
-               .config("spark.task.cpus", str(task_threads))
-               .config("spark.executorEnv.OMP_NUM_THREADS", str(task_threads))
-               .config("spark.executorEnv.TOKENIZERS_PARALLELISM", "false")
-               .config("spark.sql.execution.arrow.maxRecordsPerBatch", str(batch_rows))
-               .config("spark.ui.showConsoleProgress", "false"))  # progress_lines reports instead
-    if shuffle_partitions is not None:
-        builder = builder.config("spark.sql.shuffle.partitions", str(shuffle_partitions))
-    spark = builder.getOrCreate()
-    spark.sparkContext.setLogLevel("WARN")
-    return spark
 
 
 def default_model_uri(params_path: Path) -> tuple[str, int]:

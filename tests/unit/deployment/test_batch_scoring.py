@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from pipeline.core.params import MlflowParams, PackageParams
-from pipeline.deployment import batch_scoring
+from pipeline.deployment import batch_scoring, spark_io
 from pipeline.deployment.protocol import Limits, RequestError, check_text
 
 pytestmark = pytest.mark.slow  # starts a JVM and Python workers (about half a minute on 2 cores)
@@ -47,28 +47,28 @@ def test_the_row_check_is_the_contracts_check_text():
 @pytest.mark.parametrize("path, fmt", [("a.csv", "csv"), ("a.CSV/", "csv"), ("a.parquet", "parquet"),
                                        ("b.pq", "parquet"), ("s3a://bucket/reviews/", "parquet")])
 def test_the_format_follows_the_name(path, fmt):
-    assert batch_scoring.input_format(path) == fmt
-    assert batch_scoring.input_format(path, "csv") == "csv"
+    assert spark_io.input_format(path) == fmt
+    assert spark_io.input_format(path, "csv") == "csv"
 
 
 def test_local_paths_reach_spark_absolute_and_uris_unchanged(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert batch_scoring.spark_path("out/scored.csv") == str(tmp_path / "out" / "scored.csv")
+    assert spark_io.spark_path("out/scored.csv") == str(tmp_path / "out" / "scored.csv")
     for uri in ("s3a://bucket/reviews/", "hdfs://nn:8020/x.parquet", "file:///tmp/x.csv"):
-        assert batch_scoring.spark_path(uri) == uri
+        assert spark_io.spark_path(uri) == uri
 
 
 def test_a_folder_of_csv_files_is_read_as_csv(tmp_path):
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "part-1.csv").write_text("text\nfine\n")
-    assert batch_scoring.input_format(str(tmp_path / "in")) == "csv"
-    assert batch_scoring.output_format(str(tmp_path / "scored.csv")) == "csv"
-    assert batch_scoring.output_format(str(tmp_path / "scored")) == "parquet"
+    assert spark_io.input_format(str(tmp_path / "in")) == "csv"
+    assert spark_io.output_format(str(tmp_path / "scored.csv")) == "csv"
+    assert spark_io.output_format(str(tmp_path / "scored")) == "parquet"
 
 
 @pytest.fixture(scope="module")
 def spark():
-    session = batch_scoring.spark_session("local[2]", task_threads=1, shuffle_partitions=2)
+    session = spark_io.spark_session("local[2]", task_threads=1, shuffle_partitions=2)
     yield session
     session.stop()
 
