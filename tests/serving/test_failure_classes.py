@@ -53,15 +53,17 @@ def middleware(served: ServedModel, score: Callable[[list[str]], list[Any]] | No
 
 
 async def call(app: Any, body: bytes, headers: dict[str, str] | None = None,
-               path: str = "/invocations", method: str = "POST") -> tuple[int, dict[str, str], bytes]:
-    """One request through an ASGI app; (status, headers, body)."""
+               path: str = "/invocations", method: str = "POST",
+               receive: Any = None) -> tuple[int, dict[str, str], bytes]:
+    """One request through an ASGI app; (status, headers, body). `receive` replaces the client's side of the body
+    (by default `body` in one message, then a client that keeps the connection open)."""
     raw = [(k.lower().encode(), v.encode()) for k, v in {"content-type": "application/json", **(headers or {})}.items()]
     scope = {"type": "http", "method": method, "path": path, "raw_path": path.encode(), "query_string": b"",
              "headers": raw, "http_version": "1.1"}
     sent = False
     out: dict[str, Any] = {"body": b""}
 
-    async def receive() -> dict[str, Any]:
+    async def whole_body() -> dict[str, Any]:
         nonlocal sent
         if sent:
             await asyncio.Event().wait()
@@ -75,7 +77,7 @@ async def call(app: Any, body: bytes, headers: dict[str, str] | None = None,
         else:
             out["body"] += message.get("body", b"")
 
-    await app(scope, receive, send)
+    await app(scope, receive or whole_body, send)
     return out["status"], out["headers"], out["body"]
 
 
@@ -225,22 +227,11 @@ def test_a_complete_body_refused_after_reading_is_answered_without_reading_again
     reads: list[int] = []
     body = json.dumps({"inputs": ["fine"] * 5}).encode()
 
-    async def scenario() -> int:
-        async def receive() -> dict[str, Any]:
-            reads.append(1)
-            if len(reads) > 1:
-                await asyncio.Event().wait()
-            return {"type": "http.request", "body": body, "more_body": False}
+    async def receive() -> dict[str, Any]:
+        reads.append(1)
+        if len(reads) > 1:
+            await asyncio.Event().wait()
+        return {"type": "http.request", "body": body, "more_body": False}
 
-        status: list[int] = []
-
-        async def send(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.start":
-                status.append(message["status"])
-
-        scope = {"type": "http", "method": "POST", "path": "/invocations", "raw_path": b"/invocations",
-                 "query_string": b"", "http_version": "1.1", "headers": [(b"content-type", b"application/json")]}
-        await asyncio.wait_for(app(scope, receive, send), 30)
-        return status[0]
-
-    assert asyncio.run(scenario()) == 413 and len(reads) == 1
+    status, _, _ = asyncio.run(asyncio.wait_for(call(app, body, receive=receive), 30))
+    assert status == 413 and len(reads) == 1
