@@ -5,7 +5,6 @@ writes prose but the served variant's reason."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -131,13 +130,14 @@ TIE_P_VALUE = 0.05
 
 def mcnemar_p(only_first_right: int, only_second_right: int) -> float:
     """Two-sided exact McNemar p-value: how likely a split of the discordant reviews at least this uneven is when
-    both variants are equally accurate (each discordant review a fair coin). 1.0 when no review differs."""
+    both variants are equally accurate (each discordant review a fair coin, SciPy's exact binomial test). 1.0 when
+    no review differs."""
+    from scipy.stats import binomtest
+
     n = only_first_right + only_second_right
     if n == 0:
         return 1.0
-    k = min(only_first_right, only_second_right)
-    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
-    return min(1.0, 2 * tail)
+    return float(binomtest(only_first_right, n, 0.5).pvalue)
 
 
 def int8_candidates(variants: Results, targets: TargetsParams) -> dict[str, Mapping[str, Any]]:
