@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from pipeline.core.machine import Choice
-from pipeline.core.params import Params, QuantizeParams, TrainParams, to_dict
+from pipeline.core.params import Params, QuantizeParams, to_dict
 from pipeline.data.tokens import draw_rows, read_tokenized, training_window
 from pipeline.modeling import load_finetuned, pad_id
 from pipeline.runtimes.base import predict_logits
@@ -69,14 +69,13 @@ class QuantizeInputs:
             # Static QDQ starts from the unfused export: onnxruntime's fused contrib ops carry no type
             # information, and quantize_static silently leaves every MatMul fed by them in float.
             # onnxruntime applies its fusions around the QDQ nodes when the session loads.
-            self._static = _static_with_selection(self.fp32_onnx / "model.onnx", self, self.val, self.q)
+            self._static = _static_with_selection(self)
         return self._static
 
 
 def _build_dynamic(inputs: QuantizeInputs, out: Path) -> dict[str, Any]:
     q = inputs.q
-    base, fusion = _graph_for_quantization(inputs.model, inputs.fp32_onnx / "model.onnx", inputs, q, inputs.arch,
-                                           inputs.val["input_ids"].tolist()[:16])
+    base, fusion = _graph_for_quantization(inputs)
     quantize_dynamic_onnx(base, out / "model.onnx", q.per_channel, q.weights())
     return {"method": "onnxruntime.quantize_dynamic", "per_channel": q.per_channel, **weight_record(inputs.choice),
             "fused_graph": q.optimize_graph, **fusion, **int8_census(out, "int8-dynamic")}
@@ -99,8 +98,7 @@ def _build_static(inputs: QuantizeInputs, out: Path) -> dict[str, Any]:
 
 
 def _build_qat(inputs: QuantizeInputs, out: Path) -> dict[str, Any]:
-    record = _qat(inputs, inputs.static_calibration()["method"], out, inputs.q, inputs.params.train,
-                  training_window(inputs.meta, inputs.tokenizer))
+    record = _qat(inputs, inputs.static_calibration()["method"], out)
     return {**record, **int8_census(out, "int8-qat"), **weight_record(inputs.choice)}
 
 
@@ -155,32 +153,34 @@ def run_quantize(*, finetuned: Path, fp32_onnx: Path, tokenized: Path, variants_
     return report
 
 
-def _graph_for_quantization(model: Any, fp32_onnx: Path, inputs: QuantizeInputs, params: QuantizeParams,
-                            arch: dict[str, Any], seqs: list[np.ndarray]) -> tuple[Path, dict[str, Any]]:
+def _graph_for_quantization(inputs: QuantizeInputs) -> tuple[Path, dict[str, Any]]:
     """The graph `int8-dynamic` quantizes (fused for onnxruntime, attention included, when `optimize_graph`)
     and what the fusion did.
 
-    The fused graph is checked against `fp32-onnx` on real reviews, and a fusion that finds fewer attention
-    blocks than the model has layers is logged and recorded rather than silently accepted.
+    The fused graph is checked against `fp32-onnx` on 16 validation reviews, and a fusion that finds fewer
+    attention blocks than the model has layers is logged and recorded rather than silently accepted.
     """
-    if not params.optimize_graph:
+    fp32_onnx = inputs.fp32_onnx / "model.onnx"
+    if not inputs.q.optimize_graph:
         return fp32_onnx, {}
-    check = FusionCheck(OrtRunner(fp32_onnx, optimization="disable"), "fp32-onnx", int(arch["num_layers"]),
-                        max_length_of(inputs.meta), seqs, inputs.pad_id)
-    return fused_graph(model, inputs.cls_readout, check, inputs.tmp)
+    check = FusionCheck(OrtRunner(fp32_onnx, optimization="disable"), "fp32-onnx", int(inputs.arch["num_layers"]),
+                        max_length_of(inputs.meta), inputs.val["input_ids"].tolist()[:16], inputs.pad_id)
+    return fused_graph(inputs.model, inputs.cls_readout, check, inputs.tmp)
 
 
-def _static_with_selection(base: Path, inputs: QuantizeInputs, val: pd.DataFrame,
-                           params: QuantizeParams) -> dict[str, Any]:
-    """Build one static model per calibration method; keep the most accurate on validation reviews.
+def _static_with_selection(inputs: QuantizeInputs) -> dict[str, Any]:
+    """Build one static model per calibration method from the unfused fp32-onnx file; keep the most accurate on
+    validation reviews.
 
     With a single method there is nothing to choose, so no validation pass is spent on it (`scores` is empty).
     """
     from pipeline.variants.onnx_int8 import quantize_static_onnx_methods
 
+    params, val = inputs.q, inputs.val
     seqs, labels = val["input_ids"].tolist(), val["label"].to_numpy()
     paths = {method: inputs.tmp / f"static-{method}.onnx" for method in params.calibration_methods}
-    quantize_static_onnx_methods(base, paths, inputs.calibration, params, inputs.pad_id, inputs.ffn_width)
+    quantize_static_onnx_methods(inputs.fp32_onnx / "model.onnx", paths, inputs.calibration, params, inputs.pad_id,
+                                 inputs.ffn_width)
     if len(paths) == 1:
         method = next(iter(paths))
         log.info("int8-static calibration %s: the only method configured, no selection pass", method)
@@ -195,8 +195,7 @@ def _static_with_selection(base: Path, inputs: QuantizeInputs, val: pd.DataFrame
     return {"method": best, "scores": scores}
 
 
-def _qat(inputs: QuantizeInputs, method: str, out: Path, params: QuantizeParams, train: TrainParams,
-         window: Any = None) -> dict[str, Any]:
+def _qat(inputs: QuantizeInputs, method: str, out: Path) -> dict[str, Any]:
     """`int8-qat`: QAT on `params.qat_train_samples` training reviews (in the finetune stage's training window),
     then the static QDQ conversion with the calibration `method` int8-static chose. The QAT finetune checkpoints and
     resumes under `train.checkpoint_dir/qat` like the other training jobs."""
@@ -206,9 +205,11 @@ def _qat(inputs: QuantizeInputs, method: str, out: Path, params: QuantizeParams,
     from pipeline.training.fingerprint import fingerprint
     from pipeline.training.qat import qat_finetune
 
+    params, train = inputs.q, inputs.params.train
     seed = train.seed
+    window = training_window(inputs.meta, inputs.tokenizer)
 
-    model, _, _ = load_finetuned(inputs.finetuned)
+    model, _, _ = load_finetuned(inputs.finetuned)  # a fresh copy: QAT changes the weights it trains
     model.train()
     idx = draw_rows(len(inputs.train), params.qat_train_samples, seed + 1)
     reviews = [inputs.train["input_ids"].iloc[i] for i in idx]
