@@ -96,9 +96,6 @@ DISCARD_WAIT_S = 2.0
 RETRY_AFTER_S = 1
 #: Texts of concurrent requests scored in one call of the model at most.
 MAX_BATCH_TEXTS = 64
-#: Seconds one scoring call may take before its requests are answered 504: MLflow's own scoring-server timeout
-#: (`MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT`) when the server reads it, else this.
-DEFAULT_TIMEOUT_S = 60.0
 
 
 class Metrics:
@@ -197,8 +194,8 @@ class ContractMiddleware:
     version: str
     variant: str
     metrics: Metrics
+    timeout_s: float  # seconds one scoring call may take before its requests are answered 504 (MLflow's timeout)
     max_in_flight: int = 64
-    timeout_s: float = DEFAULT_TIMEOUT_S
     _in_flight: int = 0
     _queue: list[_Pending] = field(default_factory=list)
     _drainer: asyncio.Task[None] | None = None
@@ -493,7 +490,7 @@ def build_app(model_uri: str | None, params_path: Path, max_in_flight: int = 64)
     log.info("serving %s (version %s, variant %s) from %s", uri, version, variant, store)
     limits = Limits.from_config(vars(params.package))
     return ContractMiddleware(model.app, model.score, limits, version, variant, Metrics(version, variant),
-                              max_in_flight, model.timeout_s)
+                              timeout_s=model.timeout_s, max_in_flight=max_in_flight)
 
 
 def main(argv: list[str] | None = None) -> None:

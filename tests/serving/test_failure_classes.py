@@ -47,9 +47,10 @@ def served(tmp_path_factory) -> ServedModel:
 
 
 def middleware(served: ServedModel, score: Callable[[list[str]], list[Any]] | None = None, max_in_flight: int = 64,
-               timeout_s: float = 60.0) -> ContractMiddleware:
+               timeout_s: float | None = None) -> ContractMiddleware:
     return ContractMiddleware(served.app, score or served.score, Limits(max_texts=4), "3", "test-variant",
-                              Metrics("3", "test-variant"), max_in_flight, timeout_s)
+                              Metrics("3", "test-variant"), timeout_s=timeout_s or served.timeout_s,
+                              max_in_flight=max_in_flight)
 
 
 async def call(app: Any, body: bytes, headers: dict[str, str] | None = None,
