@@ -10,7 +10,9 @@ timed, and the clock is read after a CUDA synchronisation at both ends.
 - `lightning-<precision>[+compile]`: this pipeline's LightningModule and Trainer (`pipeline.training`),
   every batch padded to 512 (`pad_to_multiple_of: 512`, no buckets), so only precision and compilation differ.
 - `pipeline-recipe`: the same plus length-bucketed batches with dynamic padding and attention dropout off
-  (PyTorch's fused attention kernel also runs in training), i.e. what the finetune stage does.
+  (PyTorch's fused attention kernel also runs in training), i.e. what the finetune stage does;
+  `pipeline-recipe-eager` is the same without torch.compile. Varying batch shapes can make torch.compile
+  compile again inside the timed steps: `graphs_compiled_while_timed` in the JSON counts those.
 
 `--weights random` (the default where the hub is unreachable) builds the architecture from its config with
 random weights: throughput does not depend on the values of the weights, accuracy does, so no accuracy is
@@ -70,9 +72,13 @@ class StepClock:
 
     def __init__(self, warmup: int, device: str) -> None:
         self.warmup, self.device = warmup, device
-        self.samples = self.tokens = self.steps = 0
+        self.samples = self.steps = 0
+        self.tokens = 0.0
+        self._tokens: torch.Tensor | None = None  # summed on the device: reading it each step would sync
         self.start: float | None = None
         self.seconds = 0.0
+        self.graphs_at_start = 0
+        self.graphs_compiled_while_timed = 0  # compilations inside the timed window (recompiles for new shapes)
 
     def sync(self) -> None:
         if self.device == "cuda":
@@ -81,18 +87,30 @@ class StepClock:
     def before(self, step: int) -> None:
         if step == self.warmup:
             self.sync()
+            self.graphs_at_start = compiled_graphs()
             self.start = time.perf_counter()
 
     def after(self, step: int, batch: dict[str, torch.Tensor]) -> None:
         if step >= self.warmup:
             self.steps += 1
             self.samples += len(batch["labels"])
-            self.tokens += int(batch["attention_mask"].sum())
+            count = batch["attention_mask"].sum()
+            self._tokens = count if self._tokens is None else self._tokens + count
 
     def stop(self) -> None:
         self.sync()
         if self.start is not None:
             self.seconds = time.perf_counter() - self.start
+            self.graphs_compiled_while_timed = compiled_graphs() - self.graphs_at_start
+        if self._tokens is not None:
+            self.tokens = float(self._tokens)
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far (one more per recompilation)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def plain_loop(model: Any, ids: list[np.ndarray], labels: np.ndarray, steps: int, clock: StepClock) -> None:
@@ -156,8 +174,10 @@ def runs(compile_ok: bool, device: str) -> list[tuple[str, dict[str, Any]]]:
         rows.append((f"lightning-{half}+compile", {"precision": half, "compile": True}))
         if cuda and torch.cuda.is_bf16_supported():
             rows.append(("lightning-bf16-mixed+compile", {"precision": "bf16-mixed", "compile": True}))
-    rows.append(("pipeline-recipe", {"precision": half, "compile": compile_ok, "bucketing": True,
-                                     "pad_to_multiple_of": 8, "attention_dropout": 0.0}))
+    recipe = {"precision": half, "bucketing": True, "pad_to_multiple_of": 8, "attention_dropout": 0.0}
+    if compile_ok:
+        rows.append(("pipeline-recipe-eager", {**recipe, "compile": False}))
+    rows.append(("pipeline-recipe", {**recipe, "compile": compile_ok}))
     return rows
 
 
@@ -215,6 +235,7 @@ def main(argv: list[str] | None = None) -> None:
                 "samples_per_s": rate, "tokens_per_s": clock.tokens / clock.seconds, "timed_steps": clock.steps,
                 "timed_seconds": clock.seconds, "wall_seconds_with_warmup": time.perf_counter() - started,
                 "blog_3_epochs_min_at_this_rate": BLOG_SAMPLES / rate / 60, "settings": overrides or {},
+                "graphs_compiled_while_timed": clock.graphs_compiled_while_timed,
             }
             print(f"{name}: {rate:.1f} samples/s", flush=True)
             del model
