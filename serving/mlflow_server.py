@@ -455,25 +455,27 @@ def log_config(log_dir: Path, max_bytes: int, backups: int) -> dict[str, Any]:
             "root": {"handlers": ["file", "console"], "level": "WARNING"}}
 
 
-def served_version(model_uri: str | None, name: str, alias: str) -> tuple[str, dict[str, str]]:
-    """The registry version a model URI names and that version's tags: the champion (`models:/<name>@<alias>`)
-    when no URI is given, the alias or version of a `models:/<name>@<alias>` or `models:/<name>/<version>` URI,
-    and "unregistered" for any other model (a LoggedModel id, a path)."""
+def served_version(model_uri: str | None, *, name: str, alias: str, tracking_uri: str) -> tuple[str, dict[str, str]]:
+    """The registry version a model URI names in store `tracking_uri` and that version's tags: the champion
+    (`models:/<name>@<alias>`) when no URI is given, the alias or version of a `models:/<name>@<alias>` or
+    `models:/<name>/<version>` URI, and "unregistered" for any other model (a LoggedModel id, a path)."""
     from pipeline.core.model_registry import registered_version, version_tags
 
     if model_uri is None:
-        return registered_version(name, alias)
+        return registered_version(name, alias, tracking_uri=tracking_uri)
     if m := re.fullmatch(r"models:/([^/@]+)@([^/]+)", model_uri):
-        return registered_version(m[1], m[2])
+        return registered_version(m[1], m[2], tracking_uri=tracking_uri)
     if m := re.fullmatch(r"models:/([^/@]+)/(\d+)", model_uri):
-        return m[2], version_tags(m[1], m[2])
+        return m[2], version_tags(m[1], m[2], tracking_uri=tracking_uri)
     return "unregistered", {}
 
 
 def build_app(model_uri: str | None, params_path: Path, max_in_flight: int = 64) -> ContractMiddleware:
-    """Load the champion (or `model_uri`) and serve it through the contract."""
+    """Load the champion (or `model_uri`) and serve it through the contract. The store (`$MLFLOW_TRACKING_URI`,
+    else the params') is read once and handed to every registry lookup and to the model's download: MLflow's
+    process-wide tracking URI and the environment are left as they are."""
     from pipeline.core.params import load_params
-    from pipeline.core.parent_run import use_store
+    from pipeline.core.parent_run import tracking_uri
     from pipeline.deployment.mlflow_model import served_model
 
     params = load_params(params_path) if params_path.is_file() else None
@@ -481,11 +483,11 @@ def build_app(model_uri: str | None, params_path: Path, max_in_flight: int = 64)
         from pipeline.core.params import Params
 
         params = Params()
-    store = use_store(params.mlflow)
+    store = tracking_uri(params.mlflow)
     name, alias = params.mlflow.registered_model_name, params.mlflow.champion_alias
-    version, tags = served_version(model_uri, name, alias)
+    version, tags = served_version(model_uri, name=name, alias=alias, tracking_uri=store)
     uri = model_uri or f"models:/{name}@{alias}"
-    model = served_model(uri)
+    model = served_model(uri, tracking_uri=store)
     variant = model.variant or tags.get("variant", "unknown")
     log.info("serving %s (version %s, variant %s) from %s", uri, version, variant, store)
     limits = Limits.from_config(vars(params.package))

@@ -26,7 +26,7 @@ def benchmark(
 
     run_benchmark_stage(finetuned=finetuned, variants_root=variants_dir, tokenized=tokenized, accuracy_file=accuracy,
                         metrics_path=metrics, plot_data=plot_data, report=report, all_params=stage.params,
-                        bf16=stage.auto.bf16_row)
+                        bf16=stage.auto.bf16_row, run_context=stage.run_context)
 
 
 if __name__ == "__main__":

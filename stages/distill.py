@@ -27,7 +27,7 @@ def distill(
 
     params, auto = stage.params, stage.auto
     run_distill(teacher_dir=finetuned, tokenized_dir=tokenized, student_dir=student_dir, metrics_path=metrics,
-                plots_dir=plots, params=params, auto=auto,
+                plots_dir=plots, params=params, auto=auto, run_context=stage.run_context,
                 build_variants=lambda: run_distilled_variants(student_dir=student_dir, tokenized=tokenized,
                                                               variants_root=variants_dir, params=params,
                                                               weight_format=auto.weight_format))

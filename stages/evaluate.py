@@ -26,7 +26,7 @@ def evaluate(
 
     run_evaluate_stage(finetuned=finetuned, variants_root=variants_dir, tokenized=tokenized,
                        reference_predictions=reference_predictions, metrics_path=metrics, plot=plot,
-                       params=stage.params)
+                       params=stage.params, run_context=stage.run_context)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,9 @@ def export(stage: StageContext, finetuned: Finetuned, tokenized: Tokenized, vari
     from pipeline.core.tracking import tracked_stage
     from pipeline.variants.export import run_export
 
-    tracked_stage(stage.params, "export", ("export",),
-                  lambda: run_export(finetuned=finetuned, tokenized=tokenized, variants_root=variants_dir,
-                                     params=stage.params.export))
+    tracked_stage(stage.run_context, params=stage.params, stage="export", sections=("export",),
+                  body=lambda: run_export(finetuned=finetuned, tokenized=tokenized, variants_root=variants_dir,
+                                          params=stage.params.export))
 
 
 if __name__ == "__main__":

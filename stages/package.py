@@ -25,7 +25,7 @@ def package(
     from pipeline.deployment.archive import run_package_stage
 
     run_package_stage(variants_root=variants_dir, variants_metrics=variants_metrics, benchmark_metrics=benchmark,
-                      mar=mar, manifest_path=manifest, params=stage.params)
+                      mar=mar, manifest_path=manifest, params=stage.params, run_context=stage.run_context)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ def prepare(
     from pipeline.modeling import load_tokenizer
 
     run_prepare_stage(params=stage.params, tokenizer=load_tokenizer(stage.params.model), prepared_dir=prepared,
-                      tokenized_dir=tokenized, metrics_path=metrics)
+                      tokenized_dir=tokenized, metrics_path=metrics, run_context=stage.run_context)
 
 
 if __name__ == "__main__":

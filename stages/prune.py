@@ -11,10 +11,10 @@ def prune(stage: StageContext, finetuned: Finetuned, tokenized: Tokenized, varia
     from pipeline.core.tracking import tracked_stage
     from pipeline.variants.prune import run_prune
 
-    tracked_stage(stage.params, "prune", ("prune", "quantize", "export"),
-                  lambda: {"int8-pruned": run_prune(finetuned=finetuned, tokenized=tokenized,
-                                                    variants_root=variants_dir, all_params=stage.params,
-                                                    weight_format=stage.auto.weight_format)})
+    tracked_stage(stage.run_context, params=stage.params, stage="prune", sections=("prune", "quantize", "export"),
+                  body=lambda: {"int8-pruned": run_prune(finetuned=finetuned, tokenized=tokenized,
+                                                         variants_root=variants_dir, all_params=stage.params,
+                                                         weight_format=stage.auto.weight_format)})
 
 
 if __name__ == "__main__":

@@ -11,10 +11,10 @@ def quantize(stage: StageContext, finetuned: Finetuned, tokenized: Tokenized, va
     from pipeline.core.tracking import tracked_stage
     from pipeline.variants.quantize import run_quantize
 
-    tracked_stage(stage.params, "quantize", ("quantize", "export"),
-                  lambda: run_quantize(finetuned=finetuned, fp32_onnx=variants_dir / "fp32-onnx",
-                                       tokenized=tokenized, variants_root=variants_dir, params=stage.params,
-                                       choice=stage.auto.weight_format))
+    tracked_stage(stage.run_context, params=stage.params, stage="quantize", sections=("quantize", "export"),
+                  body=lambda: run_quantize(finetuned=finetuned, fp32_onnx=variants_dir / "fp32-onnx",
+                                            tokenized=tokenized, variants_root=variants_dir, params=stage.params,
+                                            choice=stage.auto.weight_format))
 
 
 if __name__ == "__main__":

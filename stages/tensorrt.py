@@ -11,10 +11,10 @@ def tensorrt(stage: StageContext, finetuned: Finetuned, tokenized: Tokenized, va
     from pipeline.core.tracking import tracked_stage
     from pipeline.variants.tensorrt import run_tensorrt
 
-    tracked_stage(stage.params, "tensorrt", ("tensorrt", "quantize"),
-                  lambda: run_tensorrt(finetuned=finetuned, fp32_onnx=variants_dir / "fp32-onnx",
-                                       int8_static=variants_dir / "int8-static", tokenized=tokenized,
-                                       variants_root=variants_dir, params=stage.params))
+    tracked_stage(stage.run_context, params=stage.params, stage="tensorrt", sections=("tensorrt", "quantize"),
+                  body=lambda: run_tensorrt(finetuned=finetuned, fp32_onnx=variants_dir / "fp32-onnx",
+                                            int8_static=variants_dir / "int8-static", tokenized=tokenized,
+                                            variants_root=variants_dir, params=stage.params))
 
 
 if __name__ == "__main__":

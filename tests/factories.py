@@ -226,9 +226,15 @@ def weight_format_here(params: Params | None = None) -> Choice:
 def evaluated_fp32_onnx(work: Path, tiny_model_dir: Path, params: Params) -> dict[str, Path]:
     """The tiny model's fp32-onnx variant exported, scored and logged by the evaluate stage's MLflow code (to
     the store `params.mlflow` or `$MLFLOW_TRACKING_URI` names), with `variants.json` and a stand-in
-    `benchmark.json` written under `work`, as the package stage reads them. Returns the variant directories."""
+    `benchmark.json` written under `work`, as the package stage reads them, under the parent run of the execution
+    `$PIPELINE_RUN_ID` names, set up as the evaluate stage sets it up (`start_tracking`). Returns the variant
+    directories."""
+    import os
+
     from pipeline.core.io import write_json
     from pipeline.core.params import EvaluateParams, ExportParams
+    from pipeline.core.parent_run import start_tracking
+    from pipeline.core.run_id import pipeline_run_id
     from pipeline.evaluation.accuracy import log_variant_runs, score_variants
     from pipeline.variants.export import run_export
 
@@ -237,7 +243,9 @@ def evaluated_fp32_onnx(work: Path, tiny_model_dir: Path, params: Params) -> dic
                params=ExportParams(parity_samples=4))
     dirs = {"fp32-onnx": work / "variants" / "fp32-onnx"}
     results = score_variants(tiny_model_dir, dirs, tok, EvaluateParams())
-    log_variant_runs(results, dirs, tiny_model_dir, params.evaluate, params.mlflow, params.package)
+    log_variant_runs(results, variant_dirs=dirs, finetuned=tiny_model_dir, params=params.evaluate,
+                     run_context=start_tracking(params.mlflow, run_id=pipeline_run_id(os.environ)),
+                     serving=params.package)
     write_json(work / "variants.json", results)
     write_json(work / "benchmark.json", {"fp32-eager": {"status": "ok", "p50_ms_b1": 5.0},
                                          "fp32-onnx": {"status": "ok", "p50_ms_b1": 4.0}})

@@ -2,22 +2,31 @@
 of a pipeline execution (found by its `pipeline.run_id` tag, or created), and what goes on it or on any run by id
 (headline numbers, tables, files), outside an active run.
 
-Stages run as separate processes under `dvc repro`, so they find their shared parent by a tag:
-`pipeline.run_id` (`pipeline.core.run_id.pipeline_run_id`: one per `make run` or `dvc repro`). A stage's own run
-is `pipeline.core.tracking`'s."""
+Stages run as separate processes under `dvc repro`, so they find their shared parent by a tag: `pipeline.run_id`
+(`pipeline.core.run_id.pipeline_run_id`: one per `make run`, `dvc exp run` or `PIPELINE_RUN_ID`). A stage process
+looks its parent up once, where it starts (`start_tracking`), and passes the answer down as a `RunContext` to
+everything that opens a stage run (`pipeline.core.tracking.stage_run`) or writes to the parent (the `log_parent_*`
+functions below): nothing below that point searches the store or re-points MLflow again. Those functions talk to
+the store through a client made for the context's store, never through MLflow's process-wide settings. A stage's
+own run is `pipeline.core.tracking`'s."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
+from pipeline.core.errors import UserError
 from pipeline.core.machine import decision_tags
 from pipeline.core.params import MlflowParams, flatten
-from pipeline.core.run_id import git_commit, pipeline_run_id
+from pipeline.core.run_id import git_commit
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
 
 RUN_ID_TAG = "pipeline.run_id"
 ROLE_TAG = "pipeline.role"
@@ -30,50 +39,100 @@ EXPERIMENT_KIND = "custom_model_development"
 TAG_LIMIT = 5000  # MLflow's limit on a tag value's length
 
 
+@dataclass(frozen=True)
+class RunContext:
+    """One pipeline execution as one stage process sees it, resolved once (`resolve_run_context`) and passed down
+    to whatever opens a stage run or logs to the parent run."""
+
+    run_id: str
+    """the execution's id (`pipeline.core.run_id`), the parent run's `pipeline.run_id` tag"""
+    parent_run_id: str
+    """MLflow's id of the execution's parent run"""
+    tracking_uri: str
+    """the store (`tracking_uri`), as resolved when the stage started"""
+    experiment_id: str
+    """the experiment holding the parent run and the stage runs"""
+
+    def client(self) -> MlflowClient:
+        """An MLflow client on this context's store (MLflow's process-wide tracking URI is neither read nor set)."""
+        return client_for(self.tracking_uri)
+
+
 def tracking_uri(params: MlflowParams) -> str:
     """The tracking store: `$MLFLOW_TRACKING_URI` when set (a remote server, `http://host:port`), else params'."""
     return os.environ.get("MLFLOW_TRACKING_URI") or params.tracking_uri
 
 
+def client_for(store: str) -> MlflowClient:
+    """An MLflow client on tracking store `store`; its model registry is the same store unless
+    `$MLFLOW_REGISTRY_URI` names another (MLflow's own rule)."""
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=store)
+
+
+def experiment_id(client: MlflowClient, name: str) -> str:
+    """The id of the active experiment `name` in the client's store, created when absent, and marked as a
+    model-training experiment (`EXPERIMENT_KIND_TAG`)."""
+    from mlflow.exceptions import MlflowException
+
+    experiment = client.get_experiment_by_name(name)
+    if experiment is None:
+        try:
+            return client.create_experiment(name, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+        except MlflowException as exc:  # another stage process created it meanwhile
+            if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+            experiment = client.get_experiment_by_name(name)
+    if experiment.lifecycle_stage != "active":
+        raise UserError(f"MLflow experiment {name!r} is deleted in {client.tracking_uri}: restore it "
+                        "(`mlflow experiments restore`) or name another in mlflow.experiment")
+    if experiment.tags.get(EXPERIMENT_KIND_TAG) != EXPERIMENT_KIND:
+        client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+    return experiment.experiment_id
+
+
+def resolve_run_context(params: MlflowParams, *, run_id: str) -> RunContext:
+    """The store (`tracking_uri`), the experiment `params.experiment` and the parent run tagged
+    `pipeline.run_id = run_id` (found, or created and marked finished), looked up through a client on that store:
+    one search for the parent, whatever the caller logs afterwards."""
+    store = tracking_uri(params)
+    client = client_for(store)
+    experiment = experiment_id(client, params.experiment)
+    found = client.search_runs(
+        [experiment], filter_string=f"tags.`{RUN_ID_TAG}` = '{run_id}' and tags.`{ROLE_TAG}` = 'parent'",
+        max_results=1)
+    if found:
+        parent = found[0].info.run_id
+    else:
+        run = client.create_run(experiment, run_name=f"pipeline-{run_id}",
+                                tags={RUN_ID_TAG: run_id, ROLE_TAG: "parent", "git.commit": git_commit(),
+                                      **decision_tags()})
+        client.set_terminated(run.info.run_id)
+        parent = run.info.run_id
+    return RunContext(run_id=run_id, parent_run_id=parent, tracking_uri=store, experiment_id=experiment)
+
+
+def start_tracking(params: MlflowParams, *, run_id: str) -> RunContext:
+    """A stage process's MLflow, set up once where the stage starts: its `RunContext` (`resolve_run_context`), and
+    MLflow's fluent API, which opens the stage's own runs and logs its models and datasets, pointed at the same
+    store. MLflow's `set_tracking_uri` also copies the store into this process's `MLFLOW_TRACKING_URI` (MLflow's
+    doing, so that the processes a stage starts log to the same store); the scoring server never calls this."""
+    import mlflow
+
+    context = resolve_run_context(params, run_id=run_id)
+    mlflow.set_tracking_uri(context.tracking_uri)
+    return context
+
+
 def use_store(params: MlflowParams) -> str:
-    """Point MLflow at the tracking store (`tracking_uri`) and return it (a server's start: no experiment)."""
+    """Point MLflow's fluent API at the tracking store (`tracking_uri`) and return it: for a command that hands a
+    `models:/` URI to MLflow code that takes no store of its own (batch scoring's Spark UDF)."""
     import mlflow
 
     store = tracking_uri(params)
     mlflow.set_tracking_uri(store)
     return store
-
-
-def configure(params: MlflowParams) -> str:
-    """Point MLflow at the store (`tracking_uri`) and the experiment, marked as a model-training experiment;
-    returns the experiment id."""
-    import mlflow
-
-    mlflow.set_tracking_uri(tracking_uri(params))
-    experiment = mlflow.set_experiment(params.experiment)
-    if experiment.tags.get(EXPERIMENT_KIND_TAG) != EXPERIMENT_KIND:
-        mlflow.MlflowClient().set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
-    return experiment.experiment_id
-
-
-def parent_run_id(params: MlflowParams) -> str:
-    """Find or create the parent run of this pipeline execution."""
-    import mlflow
-
-    experiment_id = configure(params)
-    rid = pipeline_run_id()
-    found = mlflow.search_runs(
-        experiment_ids=[experiment_id],
-        filter_string=f"tags.`{RUN_ID_TAG}` = '{rid}' and tags.`{ROLE_TAG}` = 'parent'",
-        output_format="list", max_results=1,
-    )
-    if found:
-        return found[0].info.run_id
-    client = mlflow.MlflowClient()
-    run = client.create_run(experiment_id, run_name=f"pipeline-{rid}",
-                            tags={RUN_ID_TAG: rid, ROLE_TAG: "parent", "git.commit": git_commit(), **decision_tags()})
-    client.set_terminated(run.info.run_id)
-    return run.info.run_id
 
 
 def text_values(values: Mapping[str, Any], limit: int) -> dict[str, str]:
@@ -87,37 +146,31 @@ def flatten_numbers(d: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
             if isinstance(value, int | float) and not isinstance(value, bool)}
 
 
-def log_batch(run_id: str, metrics: Mapping[str, Any], tags: Mapping[str, Any] | None = None) -> None:
+def log_batch(client: MlflowClient, run_id: str, *, metrics: Mapping[str, Any],
+              tags: Mapping[str, Any] | None = None) -> None:
     """Numeric leaves of `metrics` and `tags` (as cut text) on run `run_id`, whether or not it is active, in
     one call; metrics logged this way are the run's alone, never linked to a model."""
-    import mlflow
     from mlflow.entities import Metric, RunTag
     from mlflow.utils.time import get_current_time_millis
 
     now = get_current_time_millis()
-    mlflow.MlflowClient().log_batch(
-        run_id, metrics=[Metric(k, v, now, 0) for k, v in flatten_numbers(metrics).items()],
-        tags=[RunTag(k, v) for k, v in text_values(tags or {}, TAG_LIMIT).items()])
+    client.log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in flatten_numbers(metrics).items()],
+                     tags=[RunTag(k, v) for k, v in text_values(tags or {}, TAG_LIMIT).items()])
 
 
-def log_parent_artifact(params: MlflowParams, local_path: Path, artifact_path: str | None = None) -> None:
+def log_parent_artifact(context: RunContext, local_path: Path, *, artifact_path: str | None = None) -> None:
     """Attach a file to the parent run (e.g. the variant comparison)."""
-    import mlflow
-
-    mlflow.MlflowClient().log_artifact(parent_run_id(params), str(local_path), artifact_path)
+    context.client().log_artifact(context.parent_run_id, str(local_path), artifact_path)
 
 
-def log_parent_summary(params: MlflowParams, metrics: Mapping[str, Any], tags: Mapping[str, Any]) -> str:
+def log_parent_summary(context: RunContext, *, metrics: Mapping[str, Any], tags: Mapping[str, Any]) -> str:
     """The pipeline's headline numbers and names on the parent run, so the runs page charts them on first
     open; returns the parent run's id."""
-    parent = parent_run_id(params)
-    log_batch(parent, metrics, tags)
-    return parent
+    log_batch(context.client(), context.parent_run_id, metrics=metrics, tags=tags)
+    return context.parent_run_id
 
 
-def log_parent_table(params: MlflowParams, rows: Sequence[Mapping[str, Any]], artifact_file: str) -> None:
-    """A table on the parent run (`mlflow.log_table`: shown as a table in the artifacts view). MLflow appends
+def log_parent_table(context: RunContext, *, rows: Sequence[Mapping[str, Any]], artifact_file: str) -> None:
+    """A table on the parent run (MLflow's `log_table`: shown as a table in the artifacts view). MLflow appends
     to a table file that already exists, so rows should say which run wrote them."""
-    import mlflow
-
-    mlflow.log_table(pd.DataFrame([dict(r) for r in rows]), artifact_file, run_id=parent_run_id(params))
+    context.client().log_table(context.parent_run_id, pd.DataFrame([dict(r) for r in rows]), artifact_file)

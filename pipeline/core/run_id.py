@@ -1,42 +1,61 @@
 """Which pipeline execution a stage process belongs to (`pipeline_run_id`), so that the stages of one execution
-share one MLflow parent run and two executions never do.
+share one MLflow parent run and two executions do not. A stage reads it once, where it starts
+(`pipeline.core.stage`), from the environment it was started with, and passes it down from there.
 
-`make run` sets `PIPELINE_RUN_ID` once for the whole run. Under a bare `dvc repro` (or `dvc exp run`) the id is the
-git commit (plus `-dirty` for uncommitted changes) and the identity of the `dvc` process that runs the stages, its
-start time and process id: every stage of that repro finds the same ancestor, the next repro is another process.
-Nothing of it reaches a stage's command or params, so DVC's cache is untouched. A stage run by hand, outside DVC,
-gets the commit alone."""
+The rule, first match wins:
+
+1. `PIPELINE_RUN_ID`: `make run` sets it once for the whole run (its start time and commit). Whoever runs DVC by
+   hand can do the same: `PIPELINE_RUN_ID=$(date -u +%Y%m%dT%H%M%SZ) dvc repro`.
+2. `dvc exp run`: DVC gives every stage command of one experiment `DVC_EXP_NAME` (a fresh random name for each
+   experiment, unless `-n` names it) and `DVC_EXP_BASELINE_REV` (the commit it starts from); the id is
+   `exp-<name>-<baseline>`. Reusing a name (`dvc exp run -n NAME --force`) reuses its parent run.
+3. Otherwise, a bare `dvc repro` or a stage run by hand: the git commit alone, with a warning. DVC gives a stage
+   command nothing else that tells one `dvc repro` from the next (`DVC_ROOT` names the repository, `DVC_STAGE`
+   the stage; nothing names the execution), and finding the `dvc` process among the stage's ancestors (a walk
+   of the process tree, what this module did before) is not done. The price: two bare `dvc repro` on one
+   commit put their stage runs (each its own child run, with its own start time) under one parent run. The
+   commit carries no `-dirty` mark, because a repro rewrites git-tracked files (`dvc.lock`, `metrics/`) between
+   its stages and would otherwise split itself over two parents.
+
+Nothing of it reaches a stage's command, params or deps in `dvc.yaml`, so DVC's cache is untouched."""
 
 from __future__ import annotations
 
-import os
+import logging
 import subprocess
-import time
-from pathlib import Path
-from typing import Any
+from collections.abc import Mapping
+
+log = logging.getLogger(__name__)
+
+#: Set by `make run` (or by hand): the execution's id, used as given.
+RUN_ID_ENV = "PIPELINE_RUN_ID"
+#: Set by DVC for every stage command of one `dvc exp run`: the experiment's name and its baseline commit.
+EXP_NAME_ENV = "DVC_EXP_NAME"
+EXP_BASELINE_ENV = "DVC_EXP_BASELINE_REV"
 
 
-def pipeline_run_id() -> str:
-    """Identifier shared by all stages of one pipeline execution (see the module docstring)."""
-    explicit = os.environ.get("PIPELINE_RUN_ID")
+def pipeline_run_id(environ: Mapping[str, str]) -> str:
+    """The id shared by all stages of one pipeline execution, from the environment `environ` a stage was started
+    with (the rule is the module docstring's); reads the git commit only when neither variable is set."""
+    explicit = environ.get(RUN_ID_ENV)
     if explicit:
         return explicit
+    experiment = environ.get(EXP_NAME_ENV)
+    if experiment:
+        baseline = environ.get(EXP_BASELINE_ENV, "")[:12]
+        return f"exp-{experiment}-{baseline}" if baseline else f"exp-{experiment}"
     commit = git_commit_id()
-    repro = repro_process()
-    if repro is None:
-        return commit
-    started = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(repro.create_time()))
-    return f"{commit}-{started}-{repro.pid}"
+    log.warning("%s is not set (make run sets it; so can you: %s=<id> dvc repro): this stage's MLflow parent run is "
+                "the one of commit %s, shared with every other execution on that commit", RUN_ID_ENV, RUN_ID_ENV,
+                commit)
+    return commit
 
 
 def git_commit_id() -> str:
-    """The short commit, `-dirty` when tracked files have uncommitted changes, `no-git` outside git."""
+    """The short commit (12 hex digits), `no-git` outside git."""
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, check=True).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
+        return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "no-git"
 
@@ -47,27 +66,3 @@ def git_commit() -> str:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
-
-
-def is_dvc_command(cmdline: list[str]) -> bool:
-    """A `dvc` command line: the `dvc` executable or script (`dvc repro`, `python .../bin/dvc exp run`) or
-    `python -m dvc`."""
-    head = cmdline[:3]
-    return any(Path(part).name == "dvc" for part in head[:2]) or head[1:3] == ["-m", "dvc"]
-
-
-def repro_process() -> Any:
-    """The nearest ancestor `dvc` process of this one (a `psutil.Process`), or None when there is none."""
-    import psutil
-
-    try:
-        parents = psutil.Process().parents()
-    except psutil.Error:
-        return None
-    for parent in parents:
-        try:
-            if is_dvc_command(parent.cmdline()):
-                return parent
-        except psutil.Error:  # a parent that exited or that we may not read
-            continue
-    return None

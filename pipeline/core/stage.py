@@ -1,5 +1,6 @@
-"""The one way a stage runs: its typed command line (`stage_main`), its params loaded and every `auto` resolved
-once (`StageContext`), progress lines and its wall time, and known failures turned into clean exits."""
+"""The one way a stage runs: its typed command line (`stage_main`), its params loaded, every `auto` resolved and
+its pipeline execution identified once (`StageContext`: the run id, and the MLflow run context on first use),
+progress lines and its wall time, and known failures turned into clean exits."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -19,6 +21,7 @@ if TYPE_CHECKING:
     import click
 
     from pipeline.core.params import Params, ResolvedAuto
+    from pipeline.core.parent_run import RunContext
 
 #: Failures whose message already tells the user what to do, shown without a traceback: every `UserError`
 #: (`ParamsError` included) and a missing file.
@@ -81,9 +84,10 @@ def what_it_does() -> str:
     return first.split(": ", 1)[-1] if first.startswith("DVC stage") else first
 
 
-def run_stage(name: str, body: Callable[[], None]) -> None:
-    """Run a stage body between two progress lines (what it does; how long it took, or how it failed); a user
-    error (`USER_FAILURES`) ends the process with exit 2 and one clear line."""
+def run_stage(*, name: str, body: Callable[[], None], run_id: str) -> None:
+    """Run a stage body between two progress lines (what it does; how long it took, or how it failed), its time
+    logged under pipeline execution `run_id`; a user error (`USER_FAILURES`) ends the process with exit 2 and one
+    clear line."""
     setup_logging()
     log = logging.getLogger("pipeline.stage")
     started = time.perf_counter()
@@ -101,7 +105,7 @@ def run_stage(name: str, body: Callable[[], None]) -> None:
     finally:
         seconds = time.perf_counter() - started
         log.info("<== %s %s in %.1f s", name, outcome, seconds)
-        record_stage_time(name, outcome, seconds)
+        record_stage_time(name, outcome=outcome, seconds=seconds, run_id=run_id)
 
 
 #: Where each stage process appends its wall time (`make run`'s summary reads it); a log, not a DVC output.
@@ -109,18 +113,16 @@ STAGE_LOG_ENV = "PIPELINE_STAGE_LOG"
 STAGE_LOG = "logs/stages.jsonl"
 
 
-def record_stage_time(name: str, outcome: str, seconds: float) -> None:
+def record_stage_time(name: str, *, outcome: str, seconds: float, run_id: str) -> None:
     """Append one line (pipeline run id, stage, outcome, seconds) to `$PIPELINE_STAGE_LOG` or `logs/stages.jsonl`;
     a log that cannot be written costs the summary a row, never the stage."""
     import json
-
-    from pipeline.core.run_id import pipeline_run_id
 
     path = os.environ.get(STAGE_LOG_ENV, STAGE_LOG)
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"run_id": pipeline_run_id(), "stage": name, "outcome": outcome,
+            f.write(json.dumps({"run_id": run_id, "stage": name, "outcome": outcome,
                                 "seconds": round(seconds, 1), "at": time.time()}) + "\n")
     except OSError as exc:
         logging.getLogger("pipeline.stage").warning("stage time not logged to %s: %s", path, exc)
@@ -128,16 +130,27 @@ def record_stage_time(name: str, outcome: str, seconds: float) -> None:
 
 @dataclass(frozen=True)
 class StageContext:
-    """What every stage body receives: the validated params (as the file says them, `auto` kept) and what each
-    `auto` setting resolved to on this machine, decided once when the stage starts and passed down from here."""
+    """What every stage body receives: the validated params (as the file says them, `auto` kept), what each
+    `auto` setting resolved to on this machine, and the pipeline execution the stage belongs to (`run_id`,
+    `pipeline.core.run_id`), all decided once when the stage starts and passed down from here."""
 
     params: Params
     auto: ResolvedAuto
+    run_id: str
+
+    @cached_property
+    def run_context(self) -> RunContext:
+        """The execution's MLflow context (store, experiment, parent run; `pipeline.core.parent_run.start_tracking`),
+        looked up on first use and kept: one lookup per stage process, and none in one that logs nothing (a
+        torchrun launcher, a training worker of rank > 0), so those never touch the store."""
+        from pipeline.core.parent_run import start_tracking
+
+        return start_tracking(self.params.mlflow, run_id=self.run_id)
 
     @classmethod
-    def load(cls, name: str, params_file: Path) -> StageContext:
+    def load(cls, name: str, params_file: Path, *, run_id: str) -> StageContext:
         """Load and validate `params_file`, resolve every `auto` once, and log the choices on one line (as stage
-        `name`'s)."""
+        `name`'s, of execution `run_id`)."""
         from pipeline.core.params import load_params, resolve_auto
 
         params = load_params(params_file)
@@ -145,7 +158,7 @@ class StageContext:
         logging.getLogger("pipeline.stage").info(
             "%s: auto settings on this machine: %s", name,
             "; ".join(f"{setting}={choice['value']}" for setting, choice in auto.choices().items()))
-        return cls(params, auto)
+        return cls(params, auto, run_id)
 
 
 StageBody = Callable[..., None]
@@ -154,7 +167,8 @@ StageBody = Callable[..., None]
 def stage_command(name: str, body: StageBody, doc: str | None = None) -> click.Command:
     """The typed command line of stage `name`: `--params FILE` plus one option per keyword parameter of `body`
     after its first (a `StageContext`), typed and documented by its annotation (`Annotated[Path,
-    typer.Option(help=...)]`); running it loads the context and runs `body` under `run_stage`."""
+    typer.Option(help=...)]`); running it reads the pipeline run id from the environment the stage was started
+    with (`pipeline.core.run_id.pipeline_run_id`), loads the context and runs `body` under `run_stage`."""
     import typer
 
     signature = inspect.signature(body, eval_str=True)
@@ -167,7 +181,12 @@ def stage_command(name: str, body: StageBody, doc: str | None = None) -> click.C
         annotation=Annotated[Path, typer.Option("--params", help="the params file (profiles compose over it)")])
 
     def command(params_file: Path, **values: Any) -> None:
-        run_stage(name, lambda: body(StageContext.load(name, params_file), **values))
+        from pipeline.core.run_id import pipeline_run_id
+
+        setup_logging()  # before the run id, whose fallback warns
+        run_id = pipeline_run_id(os.environ)
+        run_stage(name=name, body=lambda: body(StageContext.load(name, params_file, run_id=run_id), **values),
+                  run_id=run_id)
 
     command.__signature__ = signature.replace(  # type: ignore[attr-defined]
         parameters=[params_option, *(o.replace(kind=inspect.Parameter.KEYWORD_ONLY) for o in options)])

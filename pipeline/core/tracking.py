@@ -17,17 +17,17 @@ from typing import Any
 import pandas as pd
 
 from pipeline.core.machine import decision_tags, thread_tags
-from pipeline.core.params import MlflowParams, Params, flatten
+from pipeline.core.params import Params, flatten
 from pipeline.core.parent_run import (
     ROLE_TAG,
     RUN_ID_TAG,
     TAG_LIMIT,
+    RunContext,
     flatten_numbers,
     log_batch,
-    parent_run_id,
     text_values,
 )
-from pipeline.core.run_id import git_commit, pipeline_run_id
+from pipeline.core.run_id import git_commit
 
 PARAM_LIMIT = 500  # params longer than this (nested dicts and lists) are cut, their files hold the whole value
 
@@ -48,11 +48,13 @@ class LoggedModelRef:
 class StageRun:
     """The active MLflow run of one stage (or one variant of a stage): every MLflow call of the pipeline goes
     through this class or the functions of this module and `pipeline.core.parent_run`, so the stages' modules
-    never import MLflow."""
+    never import MLflow. `context` is the execution's (`pipeline.core.parent_run.RunContext`): calls by run id go
+    through a client on its store."""
 
-    def __init__(self, run: Any) -> None:
+    def __init__(self, run: Any, context: RunContext) -> None:
         self.run = run
         self.run_id: str = run.info.run_id
+        self.context = context
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         """Params as given; nested values are written as (cut) text."""
@@ -73,7 +75,7 @@ class StageRun:
         import mlflow
 
         if run_only:
-            log_batch(self.run_id, metrics)
+            log_batch(self.context.client(), self.run_id, metrics=metrics)
         else:
             mlflow.log_metrics(flatten_numbers(metrics), model_id=model_id)
 
@@ -109,24 +111,23 @@ class StageRun:
     def log_steps(self, points: Sequence[tuple[int, Mapping[str, float]]]) -> None:
         """Curves: each (step, {name: value}) as metric points at that step, in as few calls as MLflow allows (a
         `CurveRecorder` sink)."""
-        import mlflow
         from mlflow.entities import Metric
         from mlflow.utils.time import get_current_time_millis
 
         now = get_current_time_millis()
         metrics = [Metric(k, float(v), now, step) for step, values in points for k, v in values.items()]
+        client = self.context.client()
         for start in range(0, len(metrics), 1000):  # log_batch takes at most 1000 metrics a call
-            mlflow.MlflowClient().log_batch(self.run_id, metrics=metrics[start:start + 1000])
+            client.log_batch(self.run_id, metrics=metrics[start:start + 1000])
 
     def close_interrupted(self, previous_run_id: str) -> None:
         """This run continues an interrupted attempt of the same stage: the earlier run, left RUNNING by a killed
         process, is marked KILLED, and each run names the other. (The curves up to the resumed step come from the
         checkpoint, `CurveRecorder`, not from the earlier run, which may hold points past it.)"""
-        import mlflow
         from mlflow.entities import RunStatus
         from mlflow.exceptions import MlflowException
 
-        client = mlflow.MlflowClient()
+        client = self.context.client()
         try:
             previous = client.get_run(previous_run_id)
         except MlflowException:
@@ -180,7 +181,7 @@ class StageRun:
         import mlflow
         from mlflow.exceptions import MlflowException
 
-        client = mlflow.MlflowClient()
+        client = self.context.client()
         try:
             client.create_registered_model(name, description=description)
         except MlflowException as exc:
@@ -192,19 +193,19 @@ class StageRun:
 
 
 @contextlib.contextmanager
-def stage_run(params: MlflowParams, stage: str, run_name: str | None = None,
+def stage_run(context: RunContext, stage: str, *, run_name: str | None = None,
               tags: Mapping[str, str] | None = None, system_metrics: bool = False) -> Iterator[StageRun]:
-    """A child run of the pipeline's parent run, active for the `with` body; `system_metrics` samples the
-    machine's CPU, memory, disk and network (and GPU) load into it as `system/*` metrics."""
+    """A child run of the execution's parent run (`context`, resolved once where the stage started), in its
+    experiment, active for the `with` body; `system_metrics` samples the machine's CPU, memory, disk and network
+    (and GPU) load into it as `system/*` metrics."""
     import mlflow
 
-    parent = parent_run_id(params)
-    all_tags = {RUN_ID_TAG: pipeline_run_id(), ROLE_TAG: "stage", "pipeline.stage": stage,
-                "git.commit": git_commit(), "mlflow.parentRunId": parent, **decision_tags(), **thread_tags(),
-                **(tags or {})}
-    with mlflow.start_run(run_name=run_name or stage, tags=all_tags,
+    all_tags = {RUN_ID_TAG: context.run_id, ROLE_TAG: "stage", "pipeline.stage": stage,
+                "git.commit": git_commit(), "mlflow.parentRunId": context.parent_run_id, **decision_tags(),
+                **thread_tags(), **(tags or {})}
+    with mlflow.start_run(experiment_id=context.experiment_id, run_name=run_name or stage, tags=all_tags,
                           log_system_metrics=True if system_metrics else None) as run:
-        yield StageRun(run)
+        yield StageRun(run, context)
 
 
 def log_params_flat(sections: Mapping[str, Any]) -> None:
@@ -223,14 +224,14 @@ def text_leaves(d: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     return {key: value for key, value in flatten(d, prefix).items() if isinstance(value, str)}
 
 
-def tracked_stage(params: Params, stage: str, sections: Sequence[str], body: Callable[[], Mapping[str, Any]],
-                  artifacts: Sequence[Path] = ()) -> Mapping[str, Any]:
-    """The MLflow bookkeeping every simple stage shares: one child run under the pipeline's parent, the params
-    sections the stage reads, the numbers its work returns as metrics and its text (statuses, reasons) as
-    tags, and the files it wrote as artifacts."""
+def tracked_stage(context: RunContext, *, params: Params, stage: str, sections: Sequence[str],
+                  body: Callable[[], Mapping[str, Any]], artifacts: Sequence[Path] = ()) -> Mapping[str, Any]:
+    """The MLflow bookkeeping every simple stage shares: one child run under the execution's parent (`context`),
+    the params sections the stage reads, the numbers its work returns as metrics and its text (statuses,
+    reasons) as tags, and the files it wrote as artifacts."""
     from pipeline.core.params import to_dict
 
-    with stage_run(params.mlflow, stage) as run:
+    with stage_run(context, stage) as run:
         run.log_sections({name: to_dict(getattr(params, name)) for name in sections})
         report = body()
         run.log_report(report, artifacts)

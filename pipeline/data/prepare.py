@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -14,6 +14,9 @@ from pipeline.core.io import write_json
 from pipeline.core.params import DataParams, Params, to_dict
 from pipeline.data.imdb import SPLITS, TRANSFER, load_imdb, make_splits
 from pipeline.data.tokens import tokenize_frame
+
+if TYPE_CHECKING:
+    from pipeline.core.parent_run import RunContext
 
 log = logging.getLogger(__name__)
 
@@ -53,16 +56,17 @@ SPLIT_CONTEXTS = {"train": "training", "val": "validation", "test": "test", TRAN
 
 
 def run_prepare_stage(*, params: Params, tokenizer: Any, prepared_dir: Path, tokenized_dir: Path,
-                      metrics_path: Path) -> dict[str, Any]:
-    """`prepare` inside an MLflow child run: its params sections, metrics and statuses, and each prepared split
-    recorded as a dataset input (`mlflow.log_input`: source, schema, rows and a digest of the content).
-    `tokenizer` is the model's (`pipeline.modeling.load_tokenizer(params.model)`), loaded by the caller so that a
-    bad model source fails before 45k reviews are read."""
+                      metrics_path: Path, run_context: RunContext) -> dict[str, Any]:
+    """`prepare` inside an MLflow child run of the execution's parent (`run_context`): its params sections,
+    metrics and statuses, and each prepared split recorded as a dataset input (`mlflow.log_input`: source,
+    schema, rows and a digest of the content). `tokenizer` is the model's
+    (`pipeline.modeling.load_tokenizer(params.model)`), loaded by the caller so that a bad model source fails
+    before 45k reviews are read."""
     import pandas as pd
 
     from pipeline.core.tracking import stage_run
 
-    with stage_run(params.mlflow, "prepare") as run:
+    with stage_run(run_context, "prepare") as run:
         run.log_sections({"data": to_dict(params.data), "model": to_dict(params.model)})
         metrics = prepare(params.data, tokenizer, prepared_dir, tokenized_dir, metrics_path)
         run.log_report(metrics, [metrics_path])

@@ -15,13 +15,16 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.core.errors import UserError
 from pipeline.core.io import write_json
 from pipeline.core.params import PackageParams, Params
 from pipeline.runtimes.catalog import REFERENCE
 from pipeline.selection import ServedChoice, choose_variant
+
+if TYPE_CHECKING:
+    from pipeline.core.parent_run import RunContext
 
 log = logging.getLogger(__name__)
 
@@ -82,10 +85,10 @@ def build_archive(variant_dir: Path, choice: ServedChoice, registry: dict[str, A
 
 
 def run_package_stage(*, variants_root: Path, variants_metrics: Path, benchmark_metrics: Path, mar: Path,
-                      manifest_path: Path, params: Params) -> dict[str, Any]:
+                      manifest_path: Path, params: Params, run_context: RunContext) -> dict[str, Any]:
     """Choose the variant to serve, register its MLflow model as a new version of
     `mlflow.registered_model_name`, build the `.mar` that names that version, then move the alias
-    `mlflow.champion_alias` to it and put the pipeline's summary on the parent run.
+    `mlflow.champion_alias` to it and put the pipeline's summary on the execution's parent run (`run_context`).
 
     The evaluate stage logged every variant as an MLflow model (its id is in `metrics/variants.json`); when that
     model is not in this tracking store or holds no files (logged as external above `evaluate.artifact_max_mb`)
@@ -95,7 +98,7 @@ def run_package_stage(*, variants_root: Path, variants_metrics: Path, benchmark_
     from pipeline.core.model_registry import alias_version, model_with_files, set_alias
     from pipeline.core.params import to_dict
     from pipeline.core.parent_run import log_parent_summary
-    from pipeline.core.run_id import git_commit, pipeline_run_id
+    from pipeline.core.run_id import git_commit
     from pipeline.core.tracking import stage_run
     from pipeline.deployment.inference import log_predictor_model
     from pipeline.runtimes.catalog import directories
@@ -105,24 +108,25 @@ def run_package_stage(*, variants_root: Path, variants_metrics: Path, benchmark_
     variant_dir = directories(variants_root)[choice.name]
     entry = variants[choice.name]
     name, alias = params.mlflow.registered_model_name, params.mlflow.champion_alias
-    with stage_run(params.mlflow, "package") as run:
+    store = run_context.tracking_uri
+    with stage_run(run_context, "package") as run:
         run.log_sections({"package": to_dict(params.package), "targets": to_dict(params.targets)})
         model_id = entry.get("model_id")
-        if not model_with_files(model_id):
+        if not model_with_files(model_id, tracking_uri=store):
             log.info("%s: logging its MLflow model in the package run (evaluate's model %s is not usable here)",
                      choice.name, model_id)
             model_id = log_predictor_model(run, choice.name, variant_dir, params.package,
                                            {"variant": choice.name}).model_id
-        previous = alias_version(name, alias)
+        previous = alias_version(name, alias, tracking_uri=store)
         version = run.register(name, f"models:/{model_id}", "IMDB sentiment classifier: the variant the pipeline "
                                f"packages and serves (alias @{alias})",
                                {"variant": choice.name, "choice_reason": choice.reason,
-                                "pipeline.run_id": pipeline_run_id(), "git.commit": git_commit()})
+                                "pipeline.run_id": run_context.run_id, "git.commit": git_commit()})
         registry = {"name": name, "version": version, "alias": alias, "uri": f"models:/{name}@{alias}",
                     "version_uri": f"models:/{name}/{version}", "model_id": model_id,
                     "previous_champion_version": previous}
         config = build_archive(variant_dir, choice, registry, params.package, mar)
-        set_alias(name, alias, version)
+        set_alias(name, alias, version, tracking_uri=store)
         log.info("%s@%s -> version %s (was %s)", name, alias, version, previous or "unset")
         manifest = {**config, "mar": str(mar), "mar_size_mb": round(mar.stat().st_size / 1e6, 3)}
         write_json(manifest_path, manifest)
@@ -134,5 +138,5 @@ def run_package_stage(*, variants_root: Path, variants_metrics: Path, benchmark_
         run.log_metrics({"mar_size_mb": manifest["mar_size_mb"]})
         run.log_artifact(manifest_path)
     metrics, tags = serving_summary(choice, variants, benchmark, registry)
-    log_parent_summary(params.mlflow, metrics, {**tags, "served_batching": config["served_batching"]})
+    log_parent_summary(run_context, metrics=metrics, tags={**tags, "served_batching": config["served_batching"]})
     return manifest

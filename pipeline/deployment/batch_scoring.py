@@ -202,16 +202,17 @@ def score(spark: SparkSession, input_path: str, output_path: str, model_uri: str
     return summary
 
 
-def default_model_uri(params_path: Path) -> tuple[str, int]:
-    """The champion's URI (`models:/<name>@<alias>`) and `package.max_chars_per_text`, from the params file (defaults
-    where it is absent); MLflow is pointed at the params' tracking store (`$MLFLOW_TRACKING_URI` wins)."""
+def default_model_uri(params_path: Path) -> tuple[str, int, str]:
+    """The champion's URI (`models:/<name>@<alias>`), `package.max_chars_per_text` and the tracking store, from the
+    params file (defaults where it is absent); MLflow is pointed at the params' tracking store
+    (`$MLFLOW_TRACKING_URI` wins), once, for MLflow's Spark UDF, which takes no store of its own."""
     from pipeline.core.params import Params, load_params
     from pipeline.core.parent_run import use_store
 
     params = load_params(params_path) if params_path.is_file() else Params()
-    use_store(params.mlflow)
+    store = use_store(params.mlflow)
     return (f"models:/{params.mlflow.registered_model_name}@{params.mlflow.champion_alias}",
-            params.package.max_chars_per_text)
+            params.package.max_chars_per_text, store)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -241,13 +242,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one bar per model file, on every copy
 
-    champion, max_chars = default_model_uri(args.params)
+    champion, max_chars, store = default_model_uri(args.params)
     model_uri = args.model_uri or champion
     if args.model_uri is None:  # say so before Spark starts, instead of MLflow's traceback from inside spark_udf
         from pipeline.core.model_registry import registered_version
 
         try:
-            registered_version(*champion.removeprefix("models:/").split("@"))
+            registered_version(*champion.removeprefix("models:/").split("@"), tracking_uri=store)
         except LookupError as exc:
             raise SystemExit(f"{exc}: run `make run` first (its package stage registers the champion) or pass "
                              "--model-uri") from None

@@ -21,7 +21,7 @@ from typing import Any
 
 import pandas as pd  # at module level: MLflow resolves the predictor model's `pd.DataFrame` hints against it
 
-from pipeline.core.parent_run import TAG_LIMIT, text_values
+from pipeline.core.parent_run import TAG_LIMIT, client_for, text_values
 from pipeline.core.tracking import PARAM_LIMIT, LoggedModelRef, StageRun
 from pipeline.deployment.protocol import TEXT_COLUMN
 
@@ -123,16 +123,37 @@ class ServedModel:
     timeout_s: float  # MLflow's scoring-server request timeout (MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT)
 
 
-def served_model(model_uri: str) -> ServedModel:
-    """The pyfunc at `model_uri`, loaded now, with MLflow's own scoring server for it (the FastAPI app
-    `mlflow models serve` runs under uvicorn) and `score`: the same `PyFuncModel.predict` MLflow's app calls (input
-    schema enforced by MLflow), on a DataFrame of texts, answered as the records MLflow's app would put under
-    `predictions`, without MLflow's JSON parsing and encoding around it."""
+def local_model(model_uri: str, *, tracking_uri: str | None) -> str:
+    """The files of the model at `model_uri` as a local folder, every lookup made through a client on store
+    `tracking_uri`: a `models:/<name>@<alias>`, `models:/<name>/<version>` or `models:/<model id>` URI is resolved
+    to where that store keeps the model, then downloaded (a local folder is returned as it is). MLflow's own
+    `models:/` resolution would ask the process-wide tracking URI instead, which the server leaves unset. None:
+    a URI that needs no store (a path)."""
+    from mlflow.artifacts import download_artifacts
+    from mlflow.store.artifact.utils.models import get_model_name_and_version, is_models_uri
+
+    location = model_uri
+    if is_models_uri(model_uri):
+        if tracking_uri is None:
+            raise ValueError(f"{model_uri} names a model in a tracking store: give the store (tracking_uri)")
+        client = client_for(tracking_uri)
+        found = get_model_name_and_version(client, model_uri)
+        location = (client.get_logged_model(found[0]).artifact_location if len(found) == 1
+                    else client.get_model_version_download_uri(*found))
+    return download_artifacts(artifact_uri=location, tracking_uri=tracking_uri)
+
+
+def served_model(model_uri: str, *, tracking_uri: str | None) -> ServedModel:
+    """The pyfunc at `model_uri` (in store `tracking_uri`: `local_model`), loaded now, with MLflow's own scoring
+    server for it (the FastAPI app `mlflow models serve` runs under uvicorn) and `score`: the same
+    `PyFuncModel.predict` MLflow's app calls (input schema enforced by MLflow), on a DataFrame of texts, answered
+    as the records MLflow's app would put under `predictions`, without MLflow's JSON parsing and encoding around
+    it. (MLflow's app marks its process as a serving one, `MLFLOW_IS_IN_SERVING_ENVIRONMENT`, MLflow's doing.)"""
     import mlflow
     from mlflow.environment_variables import MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT
     from mlflow.pyfunc import scoring_server
 
-    model = mlflow.pyfunc.load_model(model_uri)
+    model = mlflow.pyfunc.load_model(local_model(model_uri, tracking_uri=tracking_uri))
     try:
         predictor = getattr(model.unwrap_python_model(), "predictor", None)
     except Exception:  # a pyfunc of another flavour: nothing to read the variant from

@@ -5,18 +5,21 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pipeline.core.io import read_predictions
-from pipeline.core.params import EvaluateParams, MlflowParams, PackageParams, Params, TargetsParams, flatten
+from pipeline.core.params import EvaluateParams, PackageParams, Params, TargetsParams, flatten
 from pipeline.data.tokens import read_tokenized
 from pipeline.runtimes.base import predict_logits
 from pipeline.runtimes.catalog import REFERENCE, spec
 from pipeline.runtimes.record import VariantError, read_variant, size_mb
 from pipeline.runtimes.registry import load_runner
 from pipeline.selection import int8_candidates, mcnemar_p, most_accurate, quantization_verdicts
+
+if TYPE_CHECKING:
+    from pipeline.core.parent_run import RunContext
 
 log = logging.getLogger(__name__)
 
@@ -129,10 +132,11 @@ def check_targets(results: dict[str, dict[str, Any]], targets: TargetsParams,
 MODEL_METRICS = ("accuracy", "accuracy_delta_pt", "agreement_with_fp32", "size_mb")
 
 
-def log_variant_runs(results: dict[str, dict[str, Any]], variant_dirs: dict[str, Path], finetuned: Path,
-                     params: EvaluateParams, tracking: MlflowParams, serving: PackageParams) -> None:
-    """One MLflow child run per variant under the pipeline's parent run, and one MLflow LoggedModel per built
-    variant with its scores linked to it, so the experiment's models view lines the variants up.
+def log_variant_runs(results: dict[str, dict[str, Any]], *, variant_dirs: dict[str, Path], finetuned: Path,
+                     params: EvaluateParams, run_context: RunContext, serving: PackageParams) -> None:
+    """One MLflow child run per variant under the execution's parent run (`run_context`), and one MLflow
+    LoggedModel per built variant with its scores linked to it, so the experiment's models view lines the
+    variants up.
 
     Every deployable variant (the ONNX and TorchScript ones) is logged as a pyfunc model around
     `SentimentPredictor` with its directory (model file, tokenizer, label map, record), cutting texts and
@@ -145,7 +149,7 @@ def log_variant_runs(results: dict[str, dict[str, Any]], variant_dirs: dict[str,
 
     dirs = {REFERENCE: finetuned, **variant_dirs}
     for name, entry in results.items():
-        with stage_run(tracking, "evaluate", run_name=name,
+        with stage_run(run_context, "evaluate", run_name=name,
                        tags={"variant": name, "pipeline.kind": "variant"}) as run:
             directory = dirs[name]
             info_params = read_variant(directory).params if name != REFERENCE else {}
@@ -193,9 +197,11 @@ def accuracy_bars(results: dict[str, dict[str, Any]], path: Path) -> None:
 
 
 def run_evaluate_stage(*, finetuned: Path, variants_root: Path, tokenized: Path, reference_predictions: Path | None,
-                       metrics_path: Path, plot: Path, params: Params) -> dict[str, dict[str, Any]]:
+                       metrics_path: Path, plot: Path, params: Params,
+                       run_context: RunContext) -> dict[str, dict[str, Any]]:
     """Score every registered variant, write `metrics/variants.json` and the chart, state the targets, and log
-    one MLflow run and one MLflow model per variant."""
+    one MLflow run and one MLflow model per variant under the execution's parent run (`run_context`), which
+    also gets the file and the chart."""
     from pipeline.core.io import write_json
     from pipeline.core.parent_run import log_parent_artifact
     from pipeline.runtimes.catalog import directories
@@ -205,8 +211,9 @@ def run_evaluate_stage(*, finetuned: Path, variants_root: Path, tokenized: Path,
     accuracy_bars(results, plot)
     for line in check_targets(results, params.targets):
         log.info(line)
-    log_variant_runs(results, variants, finetuned, params.evaluate, params.mlflow, params.package)
+    log_variant_runs(results, variant_dirs=variants, finetuned=finetuned, params=params.evaluate,
+                     run_context=run_context, serving=params.package)
     write_json(metrics_path, results)  # with each variant's MLflow model id, which benchmark and package link to
-    log_parent_artifact(params.mlflow, metrics_path)
-    log_parent_artifact(params.mlflow, plot)
+    log_parent_artifact(run_context, metrics_path)
+    log_parent_artifact(run_context, plot)
     return results

@@ -9,7 +9,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.core.io import read_json, write_json
 from pipeline.core.machine import Choice, default_threads, machine_info
@@ -25,6 +25,9 @@ from pipeline.evaluation.latency import (
     throughput_batches,
 )
 from pipeline.evaluation.report import markdown_table, speedup_sources, target_lines, write_report
+
+if TYPE_CHECKING:
+    from pipeline.core.parent_run import RunContext
 from pipeline.runtimes.base import Runner
 from pipeline.runtimes.catalog import REFERENCE, TIMING_ROWS, directories
 from pipeline.runtimes.record import VARIANT_FILE
@@ -163,16 +166,15 @@ def table_rows(variants: dict[str, Any], accuracy: dict[str, dict[str, Any]], me
 
 def run_benchmark_stage(*, finetuned: Path, variants_root: Path, tokenized: Path, accuracy_file: Path,
                         metrics_path: Path, plot_data: Path, report: Path, all_params: Params,
-                        bf16: Choice) -> dict[str, Any]:
+                        bf16: Choice, run_context: RunContext) -> dict[str, Any]:
     """Benchmark every registered variant; `metrics/benchmark.json` holds one object per variant. Each variant's
     timings are linked to its MLflow model (the evaluate stage logged it and wrote its id into
-    `metrics/variants.json`), and the whole table goes on the parent run."""
+    `metrics/variants.json`), and the whole table goes on the execution's parent run (`run_context`)."""
     from pipeline.core.model_registry import model_exists
     from pipeline.core.parent_run import log_parent_artifact, log_parent_summary, log_parent_table
-    from pipeline.core.run_id import pipeline_run_id
     from pipeline.core.tracking import stage_run
 
-    params, tracking = all_params.benchmark, all_params.mlflow
+    params = all_params.benchmark
     accuracy = read_json(accuracy_file)
     result = run_benchmark(finetuned=finetuned, variant_dirs=directories(variants_root), tokenized=tokenized,
                            params=params, bf16=bf16, accuracy=accuracy)
@@ -187,22 +189,22 @@ def run_benchmark_stage(*, finetuned: Path, variants_root: Path, tokenized: Path
     for line in target_lines(variants, all_params.targets):
         log.info(line.replace("**", ""))
     for name, entry in variants.items():
-        with stage_run(tracking, "benchmark", run_name=f"bench-{name}", tags={"variant": name}) as run:
+        with stage_run(run_context, "benchmark", run_name=f"bench-{name}", tags={"variant": name}) as run:
             run.log_params({"variant": name, **to_dict(params), "cpu": result["machine"]["cpu"]})
             run.set_tags({"status": entry["status"], "reason": entry["reason"]})
             run.log_metrics({k: entry[k] for k in METRIC_KEYS if entry.get(k) is not None})
             model_id = model_id_of(accuracy, name)
-            if entry["status"] == "ok" and model_exists(model_id):
+            if entry["status"] == "ok" and model_exists(model_id, tracking_uri=run_context.tracking_uri):
                 run.log_metrics({k: entry[k] for k in MODEL_METRIC_KEYS if entry.get(k) is not None},
                                 model_id=model_id)
             elif model_id:
                 log.warning("%s: MLflow model %s is not in this tracking store; timings not linked to it",
                             name, model_id)
-    log_parent_table(tracking, table_rows(variants, accuracy, pipeline_run_id()), TABLE_FILE)
-    log_parent_summary(tracking, {f"speedup_source/{s['to']}_vs_{s['from']}": s["factor"]
-                                  for s in speedup_sources(variants)}, {})
+    log_parent_table(run_context, rows=table_rows(variants, accuracy, run_context.run_id), artifact_file=TABLE_FILE)
+    log_parent_summary(run_context, metrics={f"speedup_source/{s['to']}_vs_{s['from']}": s["factor"]
+                                             for s in speedup_sources(variants)}, tags={})
     for f in (report, chart, pareto, metrics_path):
-        log_parent_artifact(tracking, f, "comparison")
+        log_parent_artifact(run_context, f, artifact_path="comparison")
     return result
 
 

@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     from pipeline.core.run_id import pipeline_run_id
     from pipeline.core.stage import STAGE_LOG, STAGE_LOG_ENV
 
-    times = stage_times(Path(os.environ.get(STAGE_LOG_ENV, STAGE_LOG)), pipeline_run_id())
+    times = stage_times(Path(os.environ.get(STAGE_LOG_ENV, STAGE_LOG)), pipeline_run_id(os.environ))
     total = time.time() - args.started if args.started else None
     print(render(times, headline(args.metrics), total))
 

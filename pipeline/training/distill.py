@@ -46,6 +46,7 @@ from pipeline.training.student_classifier import StudentClassifier
 if TYPE_CHECKING:
     from pipeline.core.machine import Choice
     from pipeline.core.params import ResolvedAuto
+    from pipeline.core.parent_run import RunContext
 
 log = logging.getLogger(__name__)
 
@@ -191,19 +192,20 @@ def write_skipped(student_dir: Path, metrics_path: Path, plots_dir: Path, reason
 
 
 def run_distill(*, teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metrics_path: Path, plots_dir: Path,
-                params: Params, auto: ResolvedAuto,
+                params: Params, auto: ResolvedAuto, run_context: RunContext,
                 build_variants: Callable[[], Mapping[str, Any]]) -> DistillResult:
-    """`distill` inside an MLflow child run like finetune's (machine load sampled, curves, metrics, the student's
-    files), then `build_variants` (the student's exports) in the same run, its report logged like other build
-    stages'. A disabled student is recorded as skipped with the reason, and so are its variants. `auto`: the
-    stage's resolved `auto` settings (`train.precision`, `distill.enabled`)."""
+    """`distill` inside an MLflow child run of the execution's parent (`run_context`) like finetune's (machine
+    load sampled, curves, metrics, the student's files), then `build_variants` (the student's exports) in the
+    same run, its report logged like other build stages'. A disabled student is recorded as skipped with the
+    reason, and so are its variants. `auto`: the stage's resolved `auto` settings (`train.precision`,
+    `distill.enabled`)."""
     from pipeline.core.tracking import stage_run
 
     tracking: MlflowParams = params.mlflow
     train = params.train
     precision, enabled = auto.precision, auto.distill
     log.info("distill: distill.enabled %s", enabled.tag())
-    with stage_run(tracking, "distill", system_metrics=tracking.system_metrics) as run:
+    with stage_run(run_context, "distill", system_metrics=tracking.system_metrics) as run:
         run.log_sections({"distill": to_dict(params.distill), "train": to_dict(train),
                           "export": to_dict(params.export), "quantize": to_dict(params.quantize)})
         run.set_tags({"distill.enabled.resolved": enabled.tag()})

@@ -35,6 +35,7 @@ from pipeline.training.fingerprint import fingerprint, trajectory_settings
 
 if TYPE_CHECKING:
     from pipeline.core.machine import Choice
+    from pipeline.core.parent_run import RunContext
 
 log = logging.getLogger(__name__)
 
@@ -220,19 +221,21 @@ def save_confusion(labels: np.ndarray, preds: np.ndarray, path: Path) -> None:
 
 def run_finetune(*, tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots_dir: Path, report_dir: Path,
                  data: DataParams, model: ModelParams, train: TrainParams, tracking: MlflowParams,
-                 precision: Choice, predictions_path: Path | None = None) -> FinetuneResult:
-    """Finetune inside an MLflow child run that samples the machine's load (`mlflow.system_metrics`); log curves,
-    metrics and the model's files.
+                 precision: Choice, run_context: RunContext | None,
+                 predictions_path: Path | None = None) -> FinetuneResult:
+    """Finetune inside an MLflow child run of the execution's parent (`run_context`) that samples the machine's
+    load (`mlflow.system_metrics`); log curves, metrics and the model's files. A training worker of rank > 0
+    logs nothing (rank zero logs for the group), and its stage passes no context (None).
 
     Nothing is registered here: the registry holds the variant the package stage serves (`@champion`)."""
     from pipeline.core.tracking import stage_run
 
-    if not is_rank_zero():
+    if run_context is None or not is_rank_zero():
         return finetune(tokenized_dir, model_dir, metrics_path, plots_dir, report_dir, data, model, train,
                         precision, predictions_path=predictions_path)
 
     plan = finetune_plan(tokenized_dir, data, model, train, precision)
-    with stage_run(tracking, "finetune", system_metrics=tracking.system_metrics) as run:
+    with stage_run(run_context, "finetune", system_metrics=tracking.system_metrics) as run:
         run.log_sections({"data": to_dict(data), "model": to_dict(model), "train": to_dict(train)})
         start_attempt(run, plan, CheckpointStore.for_job(train, "finetune"))
         result = finetune(tokenized_dir, model_dir, metrics_path, plots_dir, report_dir, data, model, train,

@@ -169,6 +169,7 @@ def champion(tmp_path_factory, tiny_model_dir):
     """The tiny model's fp32-onnx variant evaluated, packaged as `imdb-sentiment@champion`, and
     `python -m serving.mlflow_server` serving `models:/imdb-sentiment@champion` with the test limits. It runs
     from a directory outside the checkout: the model carries its own code, only the launcher comes from it."""
+    from pipeline.core.parent_run import start_tracking
     from pipeline.deployment.archive import run_package_stage
 
     work = tmp_path_factory.mktemp("mlflow-serve")
@@ -177,13 +178,15 @@ def champion(tmp_path_factory, tiny_model_dir):
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(work)
         mp.setenv("PIPELINE_RUN_ID", "serving-test")
-        # mlflow.set_tracking_uri also exports the store as MLFLOW_TRACKING_URI, which wins over params: set here,
-        # it is removed again on leaving, so no later session fixture logs into this store
+        # the stages' mlflow.set_tracking_uri (`start_tracking`) also exports the store as MLFLOW_TRACKING_URI,
+        # which wins over params: set here, it is removed again on leaving, so no later session fixture logs into
+        # this store
         mp.setenv("MLFLOW_TRACKING_URI", store)
         dirs = evaluated_fp32_onnx(work, tiny_model_dir, params)
         manifest = run_package_stage(variants_root=work / "variants", variants_metrics=work / "variants.json",
                                      benchmark_metrics=work / "benchmark.json", mar=work / "sentiment.mar",
-                                     manifest_path=work / "package.json", params=params)
+                                     manifest_path=work / "package.json", params=params,
+                                     run_context=start_tracking(params.mlflow, run_id="serving-test"))
     port = free_port()
     serve_dir = work / "elsewhere"
     serve_dir.mkdir()
@@ -196,7 +199,8 @@ def champion(tmp_path_factory, tiny_model_dir):
     proc = start_server(cmd, env, serve_dir, f"http://127.0.0.1:{port}/ready", work / "serve.log")
     try:
         yield {"url": f"http://127.0.0.1:{port}", "variant_dir": dirs["fp32-onnx"], "manifest": manifest,
-               "mar": work / "sentiment.mar", "store": store, "log_dir": serve_dir / "logs"}
+               "mar": work / "sentiment.mar", "store": store, "log_dir": serve_dir / "logs",
+               "params": serve_dir / "params.yaml"}
     finally:
         stop_server(proc)
 
@@ -259,6 +263,7 @@ def matrix(tmp_path_factory, tiny_model_dir):
     from concurrent.futures import ThreadPoolExecutor
 
     from pipeline.core.params import EvaluateParams, QuantizeParams
+    from pipeline.core.parent_run import start_tracking
     from pipeline.deployment.archive import build_archive
     from pipeline.evaluation.accuracy import log_variant_runs, score_variants
     from pipeline.runtimes.catalog import spec
@@ -287,10 +292,11 @@ def matrix(tmp_path_factory, tiny_model_dir):
     dirs = {n: root / n for n in names}
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(work)
-        mp.setenv("PIPELINE_RUN_ID", "concurrency-matrix")
         mp.setenv("MLFLOW_TRACKING_URI", store)  # removed on leaving (see `champion`)
         results = score_variants(tiny_model_dir, dirs, tok, EvaluateParams())
-        log_variant_runs(results, dirs, tiny_model_dir, params.evaluate, params.mlflow, params.package)
+        log_variant_runs(results, variant_dirs=dirs, finetuned=tiny_model_dir, params=params.evaluate,
+                         run_context=start_tracking(params.mlflow, run_id="concurrency-matrix"),
+                         serving=params.package)
     for n in names:
         build_archive(dirs[n], ServedChoice(n, "concurrency matrix"), {"name": "imdb-sentiment", "version": "1"},
                       params.package, work / "model_store" / f"{n}.mar")

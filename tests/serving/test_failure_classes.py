@@ -43,7 +43,7 @@ def served(tmp_path_factory) -> ServedModel:
 
     path = tmp_path_factory.mktemp("pyfunc") / "model"
     mlflow.pyfunc.save_model(str(path), python_model=Model())
-    return served_model(str(path))
+    return served_model(str(path), tracking_uri=None)
 
 
 def middleware(served: ServedModel, score: Callable[[list[str]], list[Any]] | None = None, max_in_flight: int = 64,

@@ -62,6 +62,31 @@ def test_the_archive_names_the_version_the_alias_serves(champion):
     assert champion["manifest"]["model"] == f"imdb-sentiment:v{version.version}/fp32-onnx"
 
 
+def test_building_the_app_reads_the_store_from_params_and_writes_no_environment(champion, tmp_path, monkeypatch):
+    """`build_app` hands the params' store to the registry lookups and the model's download itself: MLflow's
+    process-wide tracking URI (pointed at another, empty store here) is neither read nor changed, and the
+    environment is left as it was but for the one flag MLflow's own scoring app sets for its process
+    (`_MLFLOW_IS_IN_SERVING_ENVIRONMENT`, `mlflow.pyfunc.scoring_server.init`)."""
+    import os
+
+    import mlflow
+    from mlflow.tracking._tracking_service import utils as tracking_utils
+
+    from serving.mlflow_server import build_app
+
+    elsewhere = f"sqlite:///{tmp_path / 'elsewhere.db'}"
+    monkeypatch.setattr(tracking_utils, "_tracking_uri", elsewhere)  # restored after the test, env untouched
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("_MLFLOW_IS_IN_SERVING_ENVIRONMENT", "false")  # so that the flag is removed again after
+    before = dict(os.environ)
+    app = build_app(None, champion["params"])
+    after = dict(os.environ)
+    changed = {k: after.get(k) for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
+    assert changed == {"_MLFLOW_IS_IN_SERVING_ENVIRONMENT": "true"}
+    assert mlflow.get_tracking_uri() == elsewhere and not (tmp_path / "elsewhere.db").exists()
+    assert (app.version, app.variant) == (champion["manifest"]["registered_model"]["version"], "fp32-onnx")
+
+
 def _get(url: str) -> tuple[int, dict[str, str], bytes]:
     try:
         with urllib.request.urlopen(url, timeout=60) as resp:

@@ -17,7 +17,7 @@ SEEN: dict[str, Any] = {}
 
 def demo_stage(stage: StageContext, out: Annotated[Path, typer.Option(help="an output")]) -> None:
     """A stage body as `stages/*.py` write them: the context, then typed options."""
-    SEEN.update(lr=stage.params.train.lr, out=out, auto=stage.auto.choices())
+    SEEN.update(lr=stage.params.train.lr, out=out, auto=stage.auto.choices(), run_id=stage.run_id)
 
 
 def _record(name: str, level: int, path: str) -> logging.LogRecord:
@@ -69,13 +69,12 @@ def test_a_stage_says_what_it_does_and_how_long_it_took(caplog, tmp_path, monkey
     import pytest
 
     monkeypatch.setenv("PIPELINE_STAGE_LOG", str(tmp_path / "stages.jsonl"))
-    monkeypatch.setenv("PIPELINE_RUN_ID", "unit-stage")
 
     from pipeline.core.params import ParamsError
     from pipeline.core.stage import run_stage
 
     with caplog.at_level(logging.INFO, logger="pipeline.stage"):
-        run_stage("demo", lambda: None)
+        run_stage(name="demo", body=lambda: None, run_id="unit-stage")
     lines = [r.getMessage() for r in caplog.records if r.name == "pipeline.stage"]
     assert lines[0].startswith("==> demo: ") and lines[1].startswith("<== demo done in ")
 
@@ -84,7 +83,7 @@ def test_a_stage_says_what_it_does_and_how_long_it_took(caplog, tmp_path, monkey
 
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="pipeline.stage"), pytest.raises(SystemExit) as stop:
-        run_stage("demo", bad)
+        run_stage(name="demo", body=bad, run_id="unit-stage")
     assert stop.value.code == 2
     assert [r.getMessage() for r in caplog.records if r.name == "pipeline.stage"][-1].startswith("<== demo failed in ")
     logged = [json.loads(line) for line in (tmp_path / "stages.jsonl").read_text().splitlines()]
@@ -102,7 +101,7 @@ def test_a_user_error_ends_the_stage_with_status_2_and_one_line(capsys):
         raise VariantError("variant x was skipped: no GPU")
 
     with pytest.raises(SystemExit) as stopped:
-        run_stage("evaluate", body)
+        run_stage(name="evaluate", body=body, run_id="unit-stage")
     assert stopped.value.code == 2
     assert capsys.readouterr().err.strip() == "error: stage 'evaluate' failed: variant x was skipped: no GPU"
 
@@ -116,7 +115,7 @@ def test_a_programming_error_keeps_its_traceback():
         raise KeyError("bug")
 
     with pytest.raises(KeyError):
-        run_stage("evaluate", body)
+        run_stage(name="evaluate", body=body, run_id="unit-stage")
 
 
 def test_every_domain_error_of_a_stage_is_a_user_error():
@@ -183,14 +182,18 @@ def test_a_missing_option_is_a_usage_error_with_status_2(capsys):
 
 
 def test_the_body_gets_the_params_and_every_auto_resolved_once(tmp_path, monkeypatch):
-    """`stage_main` loads the params file, resolves each `auto` setting once (here as an AVX2-only CPU would) and
-    hands both to the body with its typed options."""
+    """`stage_main` loads the params file, resolves each `auto` setting once (here as an AVX2-only CPU would), reads
+    the pipeline run id from the environment it was started with, and hands them to the body with its typed
+    options; the body that logs nothing to MLflow never looks a parent run up (`StageContext.run_context` is
+    resolved on first use)."""
     from pipeline.core import stage as stage_module
     from pipeline.core.settings import auto as auto_module
     from tests.factories import AVX2_ONLY_FLAGS
 
     monkeypatch.setenv("PIPELINE_CPU_FLAGS", AVX2_ONLY_FLAGS)
     monkeypatch.setenv("PIPELINE_STAGE_LOG", str(tmp_path / "stages.jsonl"))
+    monkeypatch.setenv("PIPELINE_RUN_ID", "unit-body")
+    monkeypatch.chdir(tmp_path)
     (tmp_path / "params.yaml").write_text("train:\n  lr: 0.001\n")
     calls = []
     resolve = auto_module.resolve_auto
@@ -204,7 +207,12 @@ def test_the_body_gets_the_params_and_every_auto_resolved_once(tmp_path, monkeyp
     SEEN.clear()
     stage_module.stage_main("demo", demo_stage, ["--params", str(tmp_path / "params.yaml"), "--out", "x/y"])
     assert len(calls) == 1
-    assert SEEN["lr"] == 0.001 and SEEN["out"] == Path("x/y")
+    assert SEEN["lr"] == 0.001 and SEEN["out"] == Path("x/y") and SEEN["run_id"] == "unit-body"
+    assert not (tmp_path / "mlflow.db").exists()  # the params' store: never opened by a body that logs nothing
+    import json
+
+    assert [json.loads(line)["run_id"] for line in (tmp_path / "stages.jsonl").read_text().splitlines()] == [
+        "unit-body"]
     assert {k: v["value"] for k, v in SEEN["auto"].items()} == {
         "train.precision": "32-true", "distill.enabled": False, "quantize.weight_format": "u8",
         "benchmark.bf16_row": False}

@@ -1,28 +1,36 @@
 """Unit: MLflow bookkeeping lives in `pipeline.core.tracking` and `pipeline.core.parent_run` (and the registry's
-and served model's modules) alone, and in a real SQLite store: a tracked stage records what its work returns
-(numbers as metrics, statuses and reasons as tags, files as artifacts); the environment's tracking URI wins over
-params; the experiment opens as model training; a predictor model loads as pyfunc and answers like
-`SentimentPredictor`, with metrics from several runs linked to it; registering adds versions while the alias moves;
-the parent run carries the summary and a table; datasets carry digests."""
+and served model's modules) alone, and in a real SQLite store: a stage process looks its parent run up once and
+passes it down (one search, however much it logs), one run id is one parent and another id another; a tracked
+stage records what its work returns (numbers as metrics, statuses and reasons as tags, files as artifacts); the
+environment's tracking URI wins over params; the experiment opens as model training; a predictor model loads as
+pyfunc and answers like `SentimentPredictor`, with metrics from several runs linked to it; registering adds
+versions while the alias moves; the parent run carries the summary and a table; datasets carry digests."""
 
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
+from typing import Annotated
 
 import mlflow
 import pandas as pd
 import pytest
+import typer
 
 from pipeline.core.model_registry import alias_version, set_alias
 from pipeline.core.params import MlflowParams, Params
 from pipeline.core.parent_run import (
     EXPERIMENT_KIND,
     EXPERIMENT_KIND_TAG,
+    log_parent_artifact,
     log_parent_summary,
     log_parent_table,
+    resolve_run_context,
+    start_tracking,
     tracking_uri,
 )
+from pipeline.core.stage import StageContext
 from pipeline.core.tracking import stage_run, tracked_stage
 from tests.factories import ROOT
 
@@ -55,12 +63,12 @@ def test_only_the_tracking_registry_and_served_model_modules_talk_to_mlflow():
 
 def test_tracked_stage_logs_params_metrics_tags_and_artifacts(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("PIPELINE_RUN_ID", "unit-tracking")
     params = Params(mlflow=MlflowParams(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="unit"))
     report_file = tmp_path / "report.json"
     report_file.write_text("{}")
     report = {"tensorrt-fp16": {"status": "skipped", "reason": "no CUDA"}, "size": {"mb": 2.5}, "flag": True}
-    tracked_stage(params, "probe", ("tensorrt",), lambda: report, artifacts=(report_file,))
+    tracked_stage(start_tracking(params.mlflow, run_id="unit-tracking"), params=params, stage="probe",
+                  sections=("tensorrt",), body=lambda: report, artifacts=(report_file,))
     runs = mlflow.search_runs(experiment_names=["unit"], filter_string="tags.`pipeline.stage` = 'probe'",
                               output_format="list")
     assert len(runs) == 1
@@ -79,13 +87,84 @@ def _store(tmp_path: Path, name: str = "mlflow.db") -> MlflowParams:
     return MlflowParams(tracking_uri=f"sqlite:///{tmp_path / name}", experiment="unit")
 
 
+def busy_stage(stage: StageContext, report: Annotated[Path, typer.Option(help="a file for the parent run")]) -> None:
+    """A stage body that logs as much as the benchmark stage does: a child run per variant, then the parent run's
+    table, summary and files, all through the context its stage resolved."""
+    for name in ("a", "b", "c"):
+        with stage_run(stage.run_context, "benchmark", run_name=f"bench-{name}", tags={"variant": name}) as run:
+            run.log_metrics({"p50_ms_b1": 1.0}, run_only=True)
+    log_parent_table(stage.run_context, rows=[{"variant": "a", "p50": 1.0}], artifact_file="comparison/t.json")
+    log_parent_summary(stage.run_context, metrics={"served_p50_ms": 1.0}, tags={"served_variant": "a"})
+    for _ in range(4):
+        log_parent_artifact(stage.run_context, report, artifact_path="comparison")
+
+
+def test_a_stage_process_looks_its_parent_run_up_once_and_points_mlflow_once(tmp_path, monkeypatch):
+    """However many runs and parent-run writes a stage makes, its process searches the store for the parent once
+    and sets MLflow's tracking URI once (where the stage starts), and never sets an experiment globally."""
+    from pipeline.core.stage import stage_main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PIPELINE_RUN_ID", "unit-once")
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    (tmp_path / "params.yaml").write_text(f"mlflow:\n  tracking_uri: {store}\n  experiment: unit-once\n")
+    (tmp_path / "report.md").write_text("# report\n")
+    calls = {"search_runs": 0, "set_tracking_uri": 0, "set_experiment": 0}
+    search_runs, set_tracking_uri = mlflow.MlflowClient.search_runs, mlflow.set_tracking_uri
+
+    def counted_search(self, *args, **kwargs):
+        calls["search_runs"] += 1
+        return search_runs(self, *args, **kwargs)
+
+    def counted_set_uri(uri):
+        calls["set_tracking_uri"] += 1
+        return set_tracking_uri(uri)
+
+    def no_set_experiment(*args, **kwargs):
+        calls["set_experiment"] += 1
+
+    monkeypatch.setattr(mlflow.MlflowClient, "search_runs", counted_search)
+    monkeypatch.setattr(mlflow, "set_tracking_uri", counted_set_uri)
+    monkeypatch.setattr(mlflow, "set_experiment", no_set_experiment)
+    stage_main("busy", busy_stage, ["--params", "params.yaml", "--report", "report.md"])
+    assert calls == {"search_runs": 1, "set_tracking_uri": 1, "set_experiment": 0}
+
+    client = mlflow.MlflowClient(tracking_uri=store)
+    experiment = client.get_experiment_by_name("unit-once")
+    runs = search_runs(client, [experiment.experiment_id], "tags.`pipeline.run_id` = 'unit-once'")
+    parents = [r for r in runs if r.data.tags["pipeline.role"] == "parent"]
+    children = [r for r in runs if r.data.tags["pipeline.role"] == "stage"]
+    assert len(parents) == 1 and len(children) == 3
+    assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parents[0].info.run_id}
+    assert parents[0].data.tags["served_variant"] == "a"
+    assert len(client.list_artifacts(parents[0].info.run_id, "comparison")) == 2  # report.md and the table
+
+
+def test_one_run_id_is_one_parent_run_and_another_run_id_another(tmp_path, monkeypatch):
+    """Resolving a context finds the parent of its run id or creates it, through a client on the params' store:
+    MLflow's process-wide tracking URI and the environment are left as they were."""
+    monkeypatch.chdir(tmp_path)
+    params = _store(tmp_path)
+    environment, global_uri = dict(os.environ), mlflow.get_tracking_uri()
+    first = resolve_run_context(params, run_id="exec-1")
+    again = resolve_run_context(params, run_id="exec-1")
+    other = resolve_run_context(params, run_id="exec-2")
+    assert dict(os.environ) == environment and mlflow.get_tracking_uri() == global_uri
+    assert again == first and first.tracking_uri == params.tracking_uri and first.run_id == "exec-1"
+    assert other.parent_run_id != first.parent_run_id and other.experiment_id == first.experiment_id
+    client = mlflow.MlflowClient(tracking_uri=params.tracking_uri)
+    parents = client.search_runs([first.experiment_id], "tags.`pipeline.role` = 'parent'")
+    assert sorted((r.data.tags["pipeline.run_id"], r.info.run_name) for r in parents) == [
+        ("exec-1", "pipeline-exec-1"), ("exec-2", "pipeline-exec-2")]
+    assert {r.info.status for r in parents} == {"FINISHED"}
+
+
 def test_the_environment_names_the_tracking_store_and_the_experiment_opens_as_model_training(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("PIPELINE_RUN_ID", "unit-env")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'from-env.db'}")
     params = _store(tmp_path, "from-params.db")
     assert tracking_uri(params) == f"sqlite:///{tmp_path / 'from-env.db'}"
-    with stage_run(params, "probe") as run:
+    with stage_run(start_tracking(params, run_id="unit-env"), "probe") as run:
         run.log_metrics({"x": 1.0})
     assert not (tmp_path / "from-params.db").exists()
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'from-env.db'}")
@@ -98,17 +177,16 @@ def test_the_environment_names_the_tracking_store_and_the_experiment_opens_as_mo
 
 def test_a_predictor_model_loads_as_pyfunc_and_answers_like_the_predictor(tmp_path, monkeypatch, tiny_model_dir):
     from pipeline.deployment.inference import EXAMPLE_REVIEWS, SentimentPredictor, runtime_requirements
-    from pipeline.deployment.mlflow_model import log_predictor_model
+    from pipeline.deployment.mlflow_model import local_model, log_predictor_model
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("PIPELINE_RUN_ID", "unit-model")
-    params = _store(tmp_path)
-    with stage_run(params, "evaluate", run_name="fp32-eager") as run:
+    context = start_tracking(_store(tmp_path), run_id="unit-model")
+    with stage_run(context, "evaluate", run_name="fp32-eager") as run:
         ref = log_predictor_model(run, "fp32-eager", tiny_model_dir, SentimentPredictor, EXAMPLE_REVIEWS,
                                   {"max_chars": 64, "threads": 1}, runtime_requirements("eager"),
                                   params={"heads": 12}, tags={"variant": "fp32-eager"}, model_type="eager")
         run.log_metrics({"accuracy": 0.75, "note": "text is skipped"}, model_id=ref.model_id)
-    with stage_run(params, "benchmark") as other:
+    with stage_run(context, "benchmark") as other:
         other.log_metrics({"p50_ms_b1": 4.5}, model_id=ref.model_id)
     assert ref.uri == f"models:/{ref.model_id}" and ref.files
     client = mlflow.MlflowClient()
@@ -129,20 +207,27 @@ def test_a_predictor_model_loads_as_pyfunc_and_answers_like_the_predictor(tmp_pa
     assert got["score"].tolist() == pytest.approx([p.score for p in want], abs=1e-6)
     requirements = Path(mlflow.pyfunc.get_model_dependencies(ref.uri)).read_text()
     assert "torch==" in requirements and "mlflow==" in requirements
+    # the server's way in: the model by id, found through the store it is given, not MLflow's global one
+    from mlflow.tracking._tracking_service import utils as tracking_utils
+
+    monkeypatch.setattr(tracking_utils, "_tracking_uri", f"sqlite:///{tmp_path / 'elsewhere.db'}")
+    assert (Path(local_model(ref.uri, tracking_uri=context.tracking_uri)) / "MLmodel").is_file()
+    assert not (tmp_path / "elsewhere.db").exists()
 
 
 def test_registering_adds_versions_and_the_alias_moves(tmp_path, monkeypatch, tiny_model_dir):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("PIPELINE_RUN_ID", "unit-registry")
     params = _store(tmp_path)
+    store = params.tracking_uri
+    context = start_tracking(params, run_id="unit-registry")
     versions = []
     for round_ in range(2):
-        with stage_run(params, "package") as run:
+        with stage_run(context, "package") as run:
             ref = run.log_external_model(f"m{round_}", tiny_model_dir)
-            assert alias_version("reg", "champion") == (versions[-1] if versions else None)
+            assert alias_version("reg", "champion", tracking_uri=store) == (versions[-1] if versions else None)
             versions.append(run.register("reg", ref.uri, "unit", {"round": round_}))
-            set_alias("reg", "champion", versions[-1])
-    assert versions == ["1", "2"] and alias_version("reg", "champion") == "2"
+            set_alias("reg", "champion", versions[-1], tracking_uri=store)
+    assert versions == ["1", "2"] and alias_version("reg", "champion", tracking_uri=store) == "2"
     client = mlflow.MlflowClient()
     assert sorted(str(v.version) for v in client.search_model_versions("name = 'reg'")) == ["1", "2"]
     assert client.get_model_version("reg", "1").tags == {"round": "0"}
@@ -152,24 +237,23 @@ def test_registering_adds_versions_and_the_alias_moves(tmp_path, monkeypatch, ti
 
 def test_parent_run_carries_the_summary_and_the_table(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("PIPELINE_RUN_ID", "unit-parent")
-    params = _store(tmp_path)
-    parent = log_parent_summary(params, {"served_p50_ms": 3.5, "test_accuracy": 0.9, "skipped": "text"},
-                                {"served_variant": "int8-static"})
-    log_parent_table(params, [{"variant": "a", "p50": 1.0}, {"variant": "b", "p50": 2.0}], "comparison/t.json")
+    context = start_tracking(_store(tmp_path), run_id="unit-parent")
+    parent = log_parent_summary(context, metrics={"served_p50_ms": 3.5, "test_accuracy": 0.9, "skipped": "text"},
+                                tags={"served_variant": "int8-static"})
+    log_parent_table(context, rows=[{"variant": "a", "p50": 1.0}, {"variant": "b", "p50": 2.0}],
+                     artifact_file="comparison/t.json")
+    assert parent == context.parent_run_id
     run = mlflow.get_run(parent)
     assert run.data.tags["pipeline.role"] == "parent" and run.data.tags["served_variant"] == "int8-static"
     assert run.data.metrics == {"served_p50_ms": 3.5, "test_accuracy": 0.9}
-    table = mlflow.load_table("comparison/t.json", run_ids=[parent])
+    table = mlflow.MlflowClient().load_table(context.experiment_id, "comparison/t.json", run_ids=[parent])
     assert table["variant"].tolist() == ["a", "b"] and table["p50"].tolist() == [1.0, 2.0]
 
 
 def test_a_logged_dataset_has_a_digest_of_its_content(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("PIPELINE_RUN_ID", "unit-data")
-    params = _store(tmp_path)
     frame = pd.DataFrame({"text": ["good", "bad"], "label": [1, 0]})
-    with stage_run(params, "prepare") as run:
+    with stage_run(start_tracking(_store(tmp_path), run_id="unit-data"), "prepare") as run:
         first = run.log_dataset(frame, "imdb-train", "training", str(tmp_path), targets="label")
         second = run.log_dataset(frame.assign(label=[0, 1]), "imdb-test", "test", str(tmp_path), targets="label")
     assert first != second

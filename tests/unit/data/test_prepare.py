@@ -9,6 +9,7 @@ import mlflow
 import pandas as pd
 
 from pipeline.core.params import DataParams, MlflowParams, ModelParams, Params
+from pipeline.core.parent_run import start_tracking
 from pipeline.data.prepare import run_prepare_stage
 from pipeline.modeling import load_tokenizer
 from tests.factories import synthetic_reviews
@@ -16,7 +17,6 @@ from tests.factories import synthetic_reviews
 
 def test_prepare_logs_every_split_as_a_dataset_input(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("PIPELINE_RUN_ID", "unit-prepare")
     source = tmp_path / "imdb"
     source.mkdir()
     synthetic_reviews(60, seed=1).to_parquet(source / "train.parquet")
@@ -26,7 +26,8 @@ def test_prepare_logs_every_split_as_a_dataset_input(tmp_path, monkeypatch):
                     model=ModelParams(source="tiny"),
                     mlflow=MlflowParams(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="unit-prep"))
     run_prepare_stage(params=params, tokenizer=load_tokenizer(params.model), prepared_dir=tmp_path / "prepared",
-                      tokenized_dir=tmp_path / "tokenized", metrics_path=tmp_path / "prepare.json")
+                      tokenized_dir=tmp_path / "tokenized", metrics_path=tmp_path / "prepare.json",
+                      run_context=start_tracking(params.mlflow, run_id="unit-prepare"))
     runs = mlflow.search_runs(experiment_names=["unit-prep"], output_format="list",
                               filter_string="tags.`pipeline.stage` = 'prepare'")
     assert len(runs) == 1 and runs[0].data.metrics["wall_time_s"] > 0

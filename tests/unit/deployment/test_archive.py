@@ -13,6 +13,7 @@ import pytest
 from pipeline.core.io import write_json
 from pipeline.core.model_registry import alias_version
 from pipeline.core.params import EvaluateParams, MlflowParams, PackageParams, Params, TargetsParams
+from pipeline.core.parent_run import start_tracking
 from pipeline.deployment.archive import run_package_stage, serving_summary
 from pipeline.deployment.inference import SentimentPredictor
 from pipeline.evaluation.accuracy import log_variant_runs, score_variants
@@ -28,11 +29,13 @@ def _serving_json(mar) -> dict:
 
 def test_package_registers_versions_and_moves_the_champion_alias(built, tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("PIPELINE_RUN_ID", "unit-package")
     tracking = MlflowParams(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="unit-package")
+    store = tracking.tracking_uri
+    context = start_tracking(tracking, run_id="unit-package")  # as each stage process does, once
     dirs = {n: built["dirs"][n] for n in NAMES}
     results = score_variants(tiny_model_dir, dirs, built["tokenized"], EvaluateParams(batch_size=16))
-    log_variant_runs(results, dirs, tiny_model_dir, EvaluateParams(), tracking, PackageParams())
+    log_variant_runs(results, variant_dirs=dirs, finetuned=tiny_model_dir, params=EvaluateParams(),
+                     run_context=context, serving=PackageParams())
     write_json(tmp_path / "variants.json", results)
     bench = {name: {"status": "ok", "p50_ms_b1": 10.0 / (i + 1), "speedup_p50_vs_fp32_eager": float(i + 1)}
              for i, name in enumerate(["fp32-eager", *NAMES])}
@@ -42,7 +45,7 @@ def test_package_registers_versions_and_moves_the_champion_alias(built, tiny_mod
     def package(params: Params, tag: str) -> dict:
         return run_package_stage(variants_root=built["root"], variants_metrics=tmp_path / "variants.json",
                                  benchmark_metrics=tmp_path / "benchmark.json", mar=tmp_path / f"{tag}.mar",
-                                 manifest_path=tmp_path / f"{tag}.json", params=params)
+                                 manifest_path=tmp_path / f"{tag}.json", params=params, run_context=context)
 
     first = package(Params(mlflow=tracking), "first")
     served = _serving_json(tmp_path / "first.mar")
@@ -50,10 +53,11 @@ def test_package_registers_versions_and_moves_the_champion_alias(built, tiny_mod
     assert served["registered_model"]["uri"] == "models:/imdb-sentiment@champion"
     assert served["registered_model"]["version"] == "1" and served["model"] == f"imdb-sentiment:v1/{choice.name}"
     assert served["registered_model"]["model_id"] == results[choice.name]["model_id"]  # evaluate's model, reused
-    assert alias_version("imdb-sentiment", "champion") == "1"
+    assert alias_version("imdb-sentiment", "champion", tracking_uri=store) == "1"
     client = mlflow.MlflowClient()
     assert client.get_model_version("imdb-sentiment", "1").source == f"models:/{results[choice.name]['model_id']}"
     parent = mlflow.get_run(package_runs(client)[0].data.tags["mlflow.parentRunId"])
+    assert parent.info.run_id == context.parent_run_id  # evaluate's and package's runs share the parent
     assert parent.data.tags["served_variant"] == choice.name
     assert parent.data.tags["served_model_uri"] == "models:/imdb-sentiment@champion"
     assert parent.data.tags["served_model_version"] == "1"
@@ -69,7 +73,7 @@ def test_package_registers_versions_and_moves_the_champion_alias(built, tiny_mod
     assert second["model"] == "imdb-sentiment:v2/fp32-onnx"
     assert second["registered_model"]["previous_champion_version"] == "1"
     assert _serving_json(tmp_path / "second.mar")["registered_model"]["version"] == "2"
-    assert alias_version("imdb-sentiment", "champion") == "2"
+    assert alias_version("imdb-sentiment", "champion", tracking_uri=store) == "2"
     assert sorted(str(v.version) for v in client.search_model_versions("name = 'imdb-sentiment'")) == ["1", "2"]
     relogged = client.get_logged_model(second["registered_model"]["model_id"])
     assert relogged.name == "fp32-onnx" and relogged.model_id != "m-gone"

@@ -79,6 +79,7 @@ def model(tmp_path_factory, tiny_model_dir):
     pyfunc, one thread) and registered as imdb-sentiment@champion in a store of its own."""
     import mlflow
 
+    from pipeline.core.parent_run import start_tracking
     from pipeline.core.tracking import stage_run
     from pipeline.deployment.inference import log_predictor_model
 
@@ -86,10 +87,9 @@ def model(tmp_path_factory, tiny_model_dir):
     store = MlflowParams(tracking_uri=f"sqlite:///{work / 'mlflow.db'}", experiment="unit")
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(work)
-        mp.setenv("PIPELINE_RUN_ID", "unit-batch-scoring")
         # mlflow.set_tracking_uri also exports the store as MLFLOW_TRACKING_URI: set here, it is removed on leaving
         mp.setenv("MLFLOW_TRACKING_URI", store.tracking_uri)
-        with stage_run(store, "evaluate", run_name="fp32-eager") as run:
+        with stage_run(start_tracking(store, run_id="unit-batch-scoring"), "evaluate", run_name="fp32-eager") as run:
             ref = log_predictor_model(run, "fp32-eager", tiny_model_dir, PackageParams(threads=1), {})
         version = mlflow.register_model(ref.uri, "imdb-sentiment")
         mlflow.MlflowClient().set_registered_model_alias("imdb-sentiment", "champion", version.version)

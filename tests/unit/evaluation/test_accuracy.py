@@ -86,16 +86,17 @@ def test_every_built_variant_is_an_mlflow_model_with_its_scores(built, tiny_mode
     import mlflow
 
     from pipeline.core.params import MlflowParams, PackageParams
+    from pipeline.core.parent_run import start_tracking
     from pipeline.evaluation.accuracy import log_variant_runs
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("PIPELINE_RUN_ID", "unit-evaluate")
     tracking = MlflowParams(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="unit-evaluate")
     dirs = {n: built["dirs"][n] for n in ("fp32-onnx", "int8-static", "tensorrt-fp16")}
     results = score_variants(tiny_model_dir, dirs, built["tokenized"], EvaluateParams(batch_size=16))
     limit = (results["fp32-onnx"]["size_mb"] + results["int8-static"]["size_mb"]) / 2  # fp32-onnx is above it
-    log_variant_runs(results, dirs, tiny_model_dir, EvaluateParams(artifact_max_mb=limit), tracking,
-                     PackageParams(max_chars_per_text=100))
+    log_variant_runs(results, variant_dirs=dirs, finetuned=tiny_model_dir, params=EvaluateParams(artifact_max_mb=limit),
+                     run_context=start_tracking(tracking, run_id="unit-evaluate"),
+                     serving=PackageParams(max_chars_per_text=100))
     experiment = mlflow.get_experiment_by_name("unit-evaluate")
     models = {m.name: m for m in mlflow.search_logged_models(experiment_ids=[experiment.experiment_id],
                                                                output_format="list")}

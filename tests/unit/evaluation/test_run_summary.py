@@ -23,11 +23,9 @@ def test_stage_times_are_this_runs_lines_of_the_stage_log(tmp_path, monkeypatch)
 
     log = tmp_path / "stages.jsonl"
     monkeypatch.setenv(STAGE_LOG_ENV, str(log))
-    monkeypatch.setenv("PIPELINE_RUN_ID", "other")
-    run_stage("export", lambda: None)
-    monkeypatch.setenv("PIPELINE_RUN_ID", "this")
-    run_stage("finetune", lambda: None)
-    run_stage("prepare", lambda: None)
+    run_stage(name="export", body=lambda: None, run_id="other")
+    run_stage(name="finetune", body=lambda: None, run_id="this")
+    run_stage(name="prepare", body=lambda: None, run_id="this")
     with log.open("a") as f:
         f.write('{"run_id": "this", "stage": "distill", "outcome": "do')  # cut off by a killed process
     times = {t.stage: t for t in stage_times(log, "this")}

@@ -129,6 +129,7 @@ def test_auto_skips_a_student_that_would_train_in_fp32_on_the_cpu_and_says_why(t
 
     import pipeline.training.distill as distill_module
     from pipeline.core.params import MlflowParams
+    from pipeline.core.parent_run import start_tracking
     from pipeline.training.distill import STUDENT_RECORD, DistillResult, run_distill
 
     trained: list[bool] = []
@@ -160,7 +161,7 @@ def test_auto_skips_a_student_that_would_train_in_fp32_on_the_cpu_and_says_why(t
              if skipped else dict)
     result = run_distill(teacher_dir=tmp_path / "no-teacher", tokenized_dir=tmp_path, student_dir=tmp_path / "student",
                          metrics_path=tmp_path / "distill.json", plots_dir=tmp_path / "plots", params=params, auto=auto,
-                         build_variants=built)
+                         run_context=start_tracking(tracking, run_id="unit-distill"), build_variants=built)
     assert (result.status == "skipped") is skipped and trained == ([] if skipped else [True])
     mlflow.set_tracking_uri(tracking.tracking_uri)
     run = mlflow.search_runs(experiment_names=["unit-distill"], output_format="list")[0]

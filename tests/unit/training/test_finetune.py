@@ -92,10 +92,10 @@ def test_finetune_run_samples_the_machine_load_and_registers_nothing(tmp_path, t
     import mlflow
 
     from pipeline.core.params import MlflowParams
+    from pipeline.core.parent_run import start_tracking
     from pipeline.training.finetune import run_finetune
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("PIPELINE_RUN_ID", "unit-finetune")
     monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.2")  # MLflow's default is 10 s
     tracking = MlflowParams(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="unit-finetune")
     out = tmp_path / "out"
@@ -103,7 +103,8 @@ def test_finetune_run_samples_the_machine_load_and_registers_nothing(tmp_path, t
     run_finetune(tokenized_dir=tokenized_dir, model_dir=out / "model", metrics_path=out / "metrics.json",
                  plots_dir=out / "plots", report_dir=out / "reports", data=DataParams(max_length=64),
                  model=ModelParams(source="tiny"), train=train, tracking=tracking,
-                 precision=resolve_auto(Params(train=train)).precision)
+                 precision=resolve_auto(Params(train=train)).precision,
+                 run_context=start_tracking(tracking, run_id="unit-finetune"))
     runs = mlflow.search_runs(experiment_names=["unit-finetune"], output_format="list",
                               filter_string="tags.`pipeline.stage` = 'finetune'")
     assert len(runs) == 1
