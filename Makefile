@@ -15,7 +15,7 @@ export DO_NOT_TRACK := 1
 # torch and would say so on every import of transformers.
 export TORCHAO_FORCE_SKIP_LOADING_SO_FILES := 1
 
-.PHONY: run test test-gpu venv venv-spark lint docs mlflow-ui serve serve-mlflow stop plots score
+.PHONY: run test test-all test-gpu venv venv-spark lint docs mlflow-ui serve serve-mlflow stop plots score
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -55,8 +55,16 @@ run: venv
 ## miniature pipeline run (the longest fixture) goes on while the other tests run beside it; tests/conftest.py
 ## schedules by module and keeps the modules that share a slow fixture in one worker (MODULE_GROUPS).
 ## TEST_WORKERS=0 runs them all in this process. Lint (ruff) runs first, so CI, which runs `make test`, lints too.
+## The tests marked `slow` are left out: more whole-process runs beside the ones kept (SIGKILL resume and elastic
+## torchrun stay; SIGTERM and changed-param resumes, 2-process DDP, the benchmark scripts end to end and the
+## torch.compile'd peers go); `make test-all` runs them too.
 TEST_WORKERS ?= 2
 test: venv venv-spark
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not slow" $(PYTEST_ARGS)
+
+## test-all: `make test` plus the tests marked `slow`.
+test-all: venv venv-spark
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 

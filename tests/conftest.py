@@ -40,8 +40,35 @@ MODULE_GROUPS = {
     "tests/serving/test_mlflow_serving.py": "servers",
     "tests/serving/test_torchserve.py": "servers",
 }
+CHECKOUT_BEFORE = pytest.StashKey[set[str]]()
+CHECKOUT_LEFT = pytest.StashKey[list[str]]()
 SHARED_FIXTURES = {"repo": "repro", "server": "servers", "champion": "servers", "proxy": "servers",
                    "matrix": "servers"}
+
+
+def pytest_sessionstart(session):
+    """What the checkout holds before the tests (top level), so that `pytest_sessionfinish` can tell what they left."""
+    if not hasattr(session.config, "workerinput"):  # the controlling process, not an xdist worker
+        session.config.stash[CHECKOUT_BEFORE] = set(os.listdir(ROOT))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Tests write under their temporary directories, never into the checkout: a new top-level entry (an MLflow
+    `mlruns/`, a `checkpoints/` of a default `train.checkpoint_dir`, a `lightning_logs/`) fails the session."""
+    before = session.config.stash.get(CHECKOUT_BEFORE, None)
+    if before is None:
+        return
+    left = sorted(set(os.listdir(ROOT)) - before)
+    if left:
+        session.config.stash[CHECKOUT_LEFT] = left
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    left = config.stash.get(CHECKOUT_LEFT, None)
+    if left:
+        terminalreporter.section("tests wrote into the checkout", red=True)
+        terminalreporter.line(f"new in {ROOT}: {', '.join(left)} (a test used a default relative path)")
 
 
 def pytest_configure(config):
@@ -135,21 +162,29 @@ def tokenized_dir(tmp_path) -> Path:
     return write_tokenized(tmp_path / "tokenized", {"train": 96, "val": 32, "test": 32})
 
 
+#: The default profile in miniature: the one `dvc repro` of `make test` (fixture `repo`). It builds what `make run`
+#: builds (every FP32 export and INT8 variant; no student, no pruning, the TensorRT input only where a GPU would use
+#: it), on a few hundred reviews. `MINI_OPT_IN` adds the opt-in parts (fixture `repo_opt_in`, `make test-all`).
 MINI = {
     "data": {"local_dir": str(IMDB_DIR), "train_subsample": 800, "val_subsample": 100, "test_subsample": 300,
              "max_length": 64, "transfer_reviews": 200},
-    "distill": {"enabled": True, "depth": 3, "epochs": 1},  # on whatever precision this CPU trains in (auto may not)
     "model": {"head": "mean"},  # the default profile trains the [CLS] head; the e2e run covers the other one
     "train": {"epochs": 1, "batch_size": 16, "lr": 1e-4, "val_checks_per_epoch": 1,
               "max_length": 48},  # train on a shorter window than inference reads
     "quantize": {"calibration_samples": 32, "selection_samples": 100, "qat_train_samples": 64,
                  "calibration_methods": ["minmax", "percentile"],
                  "build": ["int8-dynamic", "int8-openvino", "int8-static", "int8-qat"]},  # as the default
-    "tensorrt": {"qdq_input": True},  # the engine's input is built and scored here although no engine can be
-    "prune": {"enabled": True, "calibration_samples": 32},  # off in the default profile; built here
     "export": {"parity_samples": 8, "torchscript": True},  # as the default
     "benchmark": {"warmup": 2, "iterations": 10, "rounds": 2, "latency_reviews": 10, "throughput_batches": 1,
                   "bf16_row": True},
+}
+#: The opt-in parts on top: the student (explicitly, on whatever precision this CPU trains in), the pruned variant
+#: and the TensorRT engine's QDQ input (built and scored here although no engine can be).
+MINI_OPT_IN = {
+    **MINI,
+    "distill": {"enabled": True, "depth": 3, "epochs": 1},
+    "prune": {"enabled": True, "calibration_samples": 32},
+    "tensorrt": {"qdq_input": True},
 }
 
 
@@ -195,7 +230,14 @@ def repo(tmp_path_factory) -> Path:
     behaviour tests run against artifacts of a model that has actually learned sentiment. Its `auto` settings are
     decided with an AVX2-only CPU's flags (`PIPELINE_CPU_FLAGS`) on every machine, so the run rehearses what
     `make run` chooses on the least capable CPU the project supports (fp32 training, unsigned 8-bit weights);
-    the kernels still run on this CPU's ISA. Settings the e2e tests need built whatever the CPU (the student,
-    the bf16 timing row) are set explicitly in `MINI`.
+    the kernels still run on this CPU's ISA. The bf16 timing row, which the e2e tests need whatever the CPU, is
+    set explicitly in `MINI`; the opt-in parts (student, pruning, TensorRT input) stay off, as in the default.
     """
     return repro_copy(tmp_path_factory.mktemp("repo"), MINI, {"PIPELINE_CPU_FLAGS": AVX2_ONLY_FLAGS})
+
+
+@pytest.fixture(scope="session")
+def repo_opt_in(tmp_path_factory) -> Path:
+    """Like `repo`, with the opt-in parts built too (`MINI_OPT_IN`): a second whole run, for the `slow` tests of
+    tests/e2e/test_opt_in.py (`make test-all`)."""
+    return repro_copy(tmp_path_factory.mktemp("repo-opt-in"), MINI_OPT_IN, {"PIPELINE_CPU_FLAGS": AVX2_ONLY_FLAGS})

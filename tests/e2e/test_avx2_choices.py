@@ -1,8 +1,9 @@
 """End to end: what `make run` chooses and builds on an AVX2-only CPU (no VNNI, no native bf16), rehearsed with
 `PIPELINE_CPU_FLAGS` by the session's one miniature run (fixture `repo`): every `auto` setting resolves to the AVX2
 choice, every record says what it chose, why, and that the flags were not this CPU's, and settings made explicit
-(the student, the bf16 row) are honoured and recorded as explicit. What `auto` does with the student on such a CPU
-(skipped, with the reason in every record) is tested on the tiny model in tests/unit/training/test_distill.py."""
+(the bf16 row) are honoured and recorded as explicit. The explicit student on such a CPU is checked by
+tests/e2e/test_opt_in.py's run (`make test-all`); what `auto` does with it (skipped, with the reason in every
+record) on the tiny model in tests/unit/training/test_distill.py."""
 
 from __future__ import annotations
 
@@ -10,14 +11,10 @@ import json
 import zipfile
 from pathlib import Path
 
-import mlflow
 import numpy as np
-import pytest
 
 from pipeline.core.machine import ISA_FLAGS
 from tests.factories import AVX2_ONLY_FLAGS, product_weights
-
-pytestmark = pytest.mark.slow
 
 OVERRIDE = "PIPELINE_CPU_FLAGS"
 
@@ -41,7 +38,7 @@ def test_training_runs_in_fp32_and_the_model_record_says_why(repo: Path):
 
 def test_int8_weights_are_unsigned_8_bit_in_every_quantized_variant(repo: Path):
     variants = json.loads((repo / "metrics" / "variants.json").read_text())
-    for name in ("int8-dynamic", "int8-static", "int8-qat", "int8-pruned"):
+    for name in ("int8-dynamic", "int8-static", "int8-qat"):
         assert variants[name]["status"] == "ok", (name, variants[name])
         record = json.loads((repo / "models" / "variants" / name / "variant.json").read_text())
         assert record["params"]["weight_format"] == "u8", name
@@ -52,22 +49,6 @@ def test_int8_weights_are_unsigned_8_bit_in_every_quantized_variant(repo: Path):
     # unsigned weights keep FP32's decisions (the kernels here are VNNI ones: accuracy, not AVX2 speed)
     for name in ("int8-dynamic", "int8-static"):
         assert variants[name]["agreement_with_fp32"] > 0.9, (name, variants[name])
-
-
-def test_an_explicit_student_trains_in_fp32_and_every_record_says_so(repo: Path):
-    distill = json.loads((repo / "metrics" / "distill.json").read_text())
-    assert distill["precision"] == "32-true"
-    assert distill["enabled"] == {"setting": "distill.enabled", "asked": True, "value": True,
-                                  "reason": "set explicitly"}
-    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
-    exp = client.get_experiment_by_name("sentiment-pipeline")
-    run = client.search_runs([exp.experiment_id], "tags.`pipeline.stage` = 'distill'")[0]
-    assert run.data.tags["status"] == "ok"
-    assert run.data.tags["distill.enabled.resolved"] == "True (asked True: set explicitly)"
-    # every run of the rehearsal, the parent included, says its flags were not this CPU's
-    runs = client.search_runs([exp.experiment_id], "tags.`pipeline.run_id` = 'e2e-test'")
-    assert len(runs) > 10 and all(r.data.tags["cpu.decided_with"].startswith(f"{OVERRIDE}=avx avx2 bmi2 f16c fma")
-                                  for r in runs)
 
 
 def test_the_bf16_row_is_explicit_and_the_report_says_the_flags_were_rehearsed(repo: Path):

@@ -25,7 +25,6 @@ import yaml
 
 from tests.factories import ROOT
 
-pytestmark = pytest.mark.slow
 PAGE = ROOT / "docs" / "past-one-machine.md"
 #: The remote's URL in the page; the test runs the same commands with a local folder in its place.
 S3_URL = "s3://my-bucket/sentiment-pipeline"

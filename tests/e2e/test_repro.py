@@ -11,7 +11,10 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+#: The INT8 variants the default profile builds; the opt-in ones (pruned, the student's) it records as skipped.
+DEFAULT_INT8 = ("int8-dynamic", "int8-openvino", "int8-static", "int8-qat")
+OPT_IN = ("int8-pruned", "fp32-distilled", "int8-distilled", "int8-distilled-openvino")
+
 
 def test_repro_outputs_and_metrics(repo):
     m = json.loads((repo / "metrics" / "finetune.json").read_text())
@@ -32,24 +35,11 @@ def test_variants_metrics(repo):
     for name in ("fp32-torchscript", "fp32-onnx"):
         assert v[name]["agreement_with_fp32"] == 1.0
         assert v[name]["accuracy"] == v["fp32-eager"]["accuracy"]
-    for name in ("int8-dynamic", "int8-openvino", "int8-static", "int8-qat", "int8-pruned", "int8-distilled",
-                 "int8-distilled-openvino"):
+    for name in DEFAULT_INT8:
         assert v[name]["status"] == "ok"
         assert v[name]["size_mb"] < 0.35 * v["fp32-onnx"]["size_mb"]
-    # the miniature profile prunes to 8 of 12 heads and 768 of 1536 neurons: fewer weights than int8-dynamic's
-    assert v["int8-pruned"]["size_mb"] < 0.85 * v["int8-dynamic"]["size_mb"]
-    pruned = json.loads((repo / "models" / "variants" / "int8-pruned" / "variant.json").read_text())["params"]
-    assert pruned["heads"] == 8 and pruned["ffn_width"] == 768 and pruned["fusions"]["Attention"] == 6
-    # the student: 3 of 6 layers, trained on the teacher's predictions for 800 + 200 reviews
-    distill = json.loads((repo / "metrics" / "distill.json").read_text())
-    assert distill["student_layers"] == 3 and distill["transfer_reviews"] == 200
-    assert v["fp32-distilled"]["size_mb"] < v["fp32-onnx"]["size_mb"]
-    assert v["int8-distilled"]["size_mb"] < v["int8-dynamic"]["size_mb"]
-    assert v["int8-distilled-openvino"]["size_mb"] < v["int8-openvino"]["size_mb"]
-    for name in ("fp32-distilled", "int8-distilled", "int8-distilled-openvino"):
-        assert v[name]["accuracy"] > 0.6, (name, v[name])
-    student = json.loads((repo / "models" / "distilled" / "pipeline.json").read_text())
-    assert student["distillation"]["kept_layers"] == [1, 3, 5]
+    for name in OPT_IN:  # recorded as skipped, each with its reason (built by tests/e2e/test_opt_in.py's run)
+        assert v[name]["status"] == "skipped" and v[name]["reason"], (name, v[name])
     for name in ("int8-dynamic", "int8-static", "int8-openvino"):  # PTQ keeps the FP32 weights' decisions
         assert v[name]["agreement_with_fp32"] > 0.9, (name, v[name])
     # QAT trains further, so it may disagree with FP32 more; it must not lose accuracy badly.
@@ -65,23 +55,6 @@ def test_variants_metrics(repo):
     if not torch.cuda.is_available():
         for name in ("tensorrt-fp16", "tensorrt-int8"):
             assert v[name]["status"] == "skipped" and "CUDA" in v[name]["reason"]
-
-
-def test_tensorrt_int8_input_keeps_fp32_decisions_on_the_test_split(repo):
-    """The INT8 engine's QDQ input, run by onnxruntime on the test split: a PTQ model, so it keeps FP32's
-    decisions like int8-static does (whether or not a GPU built the engine)."""
-    from pipeline.data.tokens import read_tokenized
-    from pipeline.runtimes.base import predict_logits
-    from pipeline.runtimes.ort import OrtRunner
-
-    variants = repo / "models" / "variants"
-    record = json.loads((variants / "tensorrt-int8" / "variant.json").read_text())["params"]
-    test = read_tokenized(repo / "data" / "tokenized", "test")
-    seqs, labels = test["input_ids"].tolist(), test["label"].to_numpy()
-    fp32 = predict_logits(OrtRunner(variants / "fp32-onnx" / "model.onnx"), seqs, 32).argmax(-1)
-    int8 = predict_logits(OrtRunner(variants / "tensorrt-int8" / record["source_onnx"]), seqs, 32).argmax(-1)
-    assert (int8 == fp32).mean() > 0.9
-    assert (int8 == labels).mean() > (fp32 == labels).mean() - 0.05
 
 
 def test_benchmark_report_and_package(repo):
@@ -137,7 +110,7 @@ def test_mlflow_parent_with_stage_children_and_registered_model(repo):
     logged = {a.path for a in client.list_artifacts(finetune.info.run_id, "predictions")}
     assert logged == {"predictions/finetune-test.npz"}
     variant_runs = {r.data.tags.get("variant") for r in children if r.data.tags.get("variant")}
-    assert "int8-static" in variant_runs and "tensorrt-int8" in variant_runs
+    assert set(DEFAULT_INT8) <= variant_runs
     served = json.loads((repo / "metrics" / "package.json").read_text())["variant"]
     versions = client.search_model_versions("name = 'imdb-sentiment'")
     assert [str(v.version) for v in versions] == ["1"]  # registered by the package stage, not by finetune
@@ -169,7 +142,7 @@ def test_mlflow_models_alias_summary_and_inputs(repo, tmp_path):
         assert metrics["p50_ms_b1"] == bench[name]["p50_ms_b1"]
         assert metrics["speedup_p50_vs_fp32_eager"] == bench[name]["speedup_p50_vs_fp32_eager"]
         assert {"p95_ms_b1", "p99_ms_b1", "throughput_b32", "agreement_with_fp32"} <= set(metrics)
-    for name in ("fp32-torchscript", "fp32-onnx", "int8-dynamic", "int8-static", "int8-qat", "int8-pruned"):
+    for name in ("fp32-torchscript", "fp32-onnx", *DEFAULT_INT8):
         assert variants[name]["model_files"] and "artifact_pointer" not in models[name].tags, name
     assert not variants["fp32-eager"]["model_files"]  # the reference's weights are the finetune run's artifacts
 
@@ -218,11 +191,9 @@ def test_training_checkpoints_stay_out_of_dvc_outputs_and_the_archive(repo):
         (repo / "dvc.yaml").read_text())["stages"].values() for o in stage.get("outs", [])]
     assert not [o for o in outs if Path(o).parts[0] == Path(ckpt_dir).parts[0]]
     assert not (repo / ckpt_dir).exists() or not list((repo / ckpt_dir).rglob("*.ckpt"))
-    for stage in ("finetune", "distill"):
-        m = json.loads((repo / "metrics" / f"{stage}.json").read_text())
-        assert m["resumed"] is False and m["resumed_from_step"] == 0 and "fresh start" in m["resume_reason"]
-        assert m["train_steps"] > 0
+    m = json.loads((repo / "metrics" / "finetune.json").read_text())
+    assert m["resumed"] is False and m["resumed_from_step"] == 0 and "fresh start" in m["resume_reason"]
+    assert m["train_steps"] > 0
     with zipfile.ZipFile(repo / "model_store" / "sentiment.mar") as mar:
         assert not [n for n in mar.namelist() if n.endswith((".ckpt", ".ckpt.tmp"))]
-    log = (repo / "repro.log").read_text()
-    assert "finetune: fresh start: no checkpoint in" in log and "distill: fresh start" in log
+    assert "finetune: fresh start: no checkpoint in" in (repo / "repro.log").read_text()

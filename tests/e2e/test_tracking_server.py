@@ -34,7 +34,6 @@ from tests.factories import (
     stop_server,
 )
 
-pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
 DOCS = ROOT / "docs" / "mlflow.md"
 #: The database as docs/mlflow.md creates it (run there as PostgreSQL's superuser: `sudo -u postgres psql ...`);

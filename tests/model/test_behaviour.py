@@ -3,8 +3,9 @@ answers under concurrent calls on real ones.
 
 These run the variant directories through `SentimentPredictor` (the serving code path), so they check
 the artifact and its preprocessing together, not the PyTorch model alone. The variants are the FP32 reference
-and every servable variant of the catalog (the miniature profile builds them all), so whichever the package stage
-serves is among them.
+and every servable variant the default profile builds (the miniature `repo` builds them all), so whichever the
+package stage serves is among them; the opt-in ones (pruned, the student's) run the same tests in
+tests/e2e/test_opt_in.py (`make test-all`).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from pipeline.runtimes.catalog import VARIANTS as CATALOG
 from pipeline.runtimes.record import read_variant
 from tests.factories import concurrently
 
-pytestmark = pytest.mark.slow
-
-VARIANTS = [REFERENCE, *(v.name for v in CATALOG if v.servable)]
+#: Stages whose variants only an opt-in setting builds (`prune.enabled`, `distill.enabled`).
+OPT_IN_STAGES = ("prune", "distill")
+VARIANTS = [REFERENCE, *(v.name for v in CATALOG if v.servable and v.stage not in OPT_IN_STAGES)]
+OPT_IN_VARIANTS = [v.name for v in CATALOG if v.servable and v.stage in OPT_IN_STAGES]
 
 NEGATIVE = [
     "This was the worst movie I have ever seen. Awful acting, a boring plot and terrible dialogue. "

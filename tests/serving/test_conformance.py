@@ -35,7 +35,6 @@ from pipeline.deployment.protocol import (
 from pipeline.deployment.request_parsing import parse_request
 from tests.factories import SERVING_LIMITS
 
-pytestmark = pytest.mark.slow
 LIMITS = Limits(**SERVING_LIMITS)
 MAX_ERROR_BYTES = 512
 MARKER = "ECHO-MARKER-7f3a"  # in every hostile body that has room for it: an error must never quote it

@@ -17,7 +17,6 @@ import pytest
 
 from pipeline.deployment.inference import SentimentPredictor
 
-pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
 REVIEWS = ["A wonderful, moving film; the cast is superb.", "Awful. Boring, predictable and far too long.",
            "It was fine.", "great " * 200]

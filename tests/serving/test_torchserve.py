@@ -22,7 +22,6 @@ from pipeline.deployment.inference import SentimentPredictor
 from serving.client import inference_key, predict, read_key_file
 from tests.factories import ROOT
 
-pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
 CONFIG = dict(line.split("=", 1) for line in (ROOT / "serving" / "config.properties").read_text().splitlines()
               if line and not line.startswith("#"))

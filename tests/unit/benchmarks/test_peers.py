@@ -77,6 +77,7 @@ def test_a_missing_variant_is_unavailable_with_the_reason(tiny_model_dir, inputs
         build_row(spec, {}, tiny_model_dir, tmp_path, 1, inputs, "aot_eager")
 
 
+@pytest.mark.slow  # builds and times every row: `make test-all`
 def test_run_writes_the_schema_with_skipped_rows_and_the_ceiling(built, tiny_model_dir, tmp_path):
     """A whole run on a subset of rows: every row of the schema, ours marked, the absent student skipped with
     its reason, peak RSS from a fresh process, the verdicts and the INT8-ceiling share."""

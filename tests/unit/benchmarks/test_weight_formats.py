@@ -21,6 +21,7 @@ def small_params(tmp_path):
     return path
 
 
+@pytest.mark.slow  # builds and times every format: `make test-all`
 def test_each_format_is_built_in_its_grid_and_timed(built, tiny_model_dir, small_params, tmp_path):
     out = tmp_path / "formats.json"
     work = tmp_path / "work"

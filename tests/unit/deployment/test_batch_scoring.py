@@ -17,8 +17,6 @@ from pipeline.core.params import MlflowParams, PackageParams
 from pipeline.deployment import batch_scoring, spark_io
 from pipeline.deployment.protocol import Limits, RequestError, check_text
 
-pytestmark = pytest.mark.slow  # starts a JVM and Python workers (about half a minute on 2 cores)
-
 MAX_CHARS = PackageParams().max_chars_per_text
 #: Rows the contract refuses (text column of strings): what each one's error must say.
 BAD_TEXTS = {

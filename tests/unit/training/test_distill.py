@@ -41,7 +41,8 @@ def distilled(tmp_path_factory):
     tokenize_frame(transfer, load_tokenizer(ModelParams(source="tiny")), DataParams(max_length=64)).to_parquet(
         tok / "transfer.parquet")
     teacher_dir = root / "teacher"
-    train = TrainParams(epochs=1, batch_size=16, precision="32-true", max_length=None)
+    train = TrainParams(epochs=1, batch_size=16, precision="32-true", max_length=None,
+                        checkpoint_dir=str(root / "checkpoints"))  # not the checkout's ./checkpoints
     finetune(tok, teacher_dir, root / "finetune.json", root / "plots", root / "reports", DataParams(max_length=64),
              ModelParams(source="tiny"), train, resolve_auto(Params(train=train)).precision)
     params = Params(data=DataParams(max_length=64), model=ModelParams(source="tiny"), train=train,

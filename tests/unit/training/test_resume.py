@@ -143,6 +143,7 @@ def test_resume_after_sigkill_mid_epoch_reaches_the_same_step_count(tmp_path, to
     assert resumed.data.metrics["resumed_from_step"] == saved_step
 
 
+@pytest.mark.slow  # a real finetune process (or two) per test: `make test-all`
 def test_preempt_sigterm_writes_a_checkpoint_and_exits_143(tmp_path, tokenized):
     _params(tmp_path, checkpoint_every_n_steps=5)
     rc, log = _interrupt(tmp_path, tokenized, signal.SIGTERM, min_step=5)
@@ -159,6 +160,7 @@ def test_preempt_sigterm_writes_a_checkpoint_and_exits_143(tmp_path, tokenized):
     assert not (tmp_path / "model").exists()
 
 
+@pytest.mark.slow  # a real finetune process (or two) per test: `make test-all`
 def test_resume_starts_fresh_when_a_param_changed(tmp_path, tokenized):
     _params(tmp_path)
     rc, log = _interrupt(tmp_path, tokenized, signal.SIGKILL, min_step=10)
