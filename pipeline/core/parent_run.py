@@ -71,6 +71,16 @@ def client_for(store: str) -> MlflowClient:
     return MlflowClient(tracking_uri=store)
 
 
+def local_artifact_root(store: str) -> str | None:
+    """Where a new experiment of a SQLite store keeps its artifacts: `mlruns/` beside the database file, as an
+    absolute path, whatever the working directory (MLflow's own default is `./mlruns` of the process that creates
+    the experiment). None for a tracking server, which decides itself."""
+    prefix = "sqlite:///"
+    if not store.startswith(prefix):
+        return None
+    return str((Path(store[len(prefix):]).parent / "mlruns").resolve())
+
+
 def experiment_id(client: MlflowClient, name: str) -> str:
     """The id of the active experiment `name` in the client's store, created when absent, and marked as a
     model-training experiment (`EXPERIMENT_KIND_TAG`)."""
@@ -79,7 +89,8 @@ def experiment_id(client: MlflowClient, name: str) -> str:
     experiment = client.get_experiment_by_name(name)
     if experiment is None:
         try:
-            return client.create_experiment(name, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+            return client.create_experiment(name, artifact_location=local_artifact_root(client.tracking_uri),
+                                            tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
         except MlflowException as exc:  # another stage process created it meanwhile
             if exc.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise

@@ -83,6 +83,20 @@ def test_tracked_stage_logs_params_metrics_tags_and_artifacts(tmp_path, monkeypa
     assert artifacts == ["report.json"]
 
 
+def test_a_new_experiments_artifacts_sit_beside_its_sqlite_store_whatever_the_working_directory(tmp_path,
+                                                                                                   monkeypatch):
+    elsewhere, store = tmp_path / "elsewhere", tmp_path / "store"
+    elsewhere.mkdir()
+    store.mkdir()
+    monkeypatch.chdir(elsewhere)
+    params = Params(mlflow=MlflowParams(tracking_uri=f"sqlite:///{store / 'mlflow.db'}", experiment="unit"))
+    report_file = tmp_path / "report.json"
+    report_file.write_text("{}")
+    tracked_stage(start_tracking(params.mlflow, run_id="unit-artifacts"), params=params, stage="probe",
+                  sections=(), body=lambda: {}, artifacts=(report_file,))
+    assert list((store / "mlruns").rglob("report.json")) and not list(elsewhere.iterdir())
+
+
 def _store(tmp_path: Path, name: str = "mlflow.db") -> MlflowParams:
     return MlflowParams(tracking_uri=f"sqlite:///{tmp_path / name}", experiment="unit")
 
