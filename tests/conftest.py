@@ -41,6 +41,8 @@ MODULE_GROUPS = {
     "tests/serving/test_torchserve.py": "servers",
 }
 CHECKOUT_BEFORE = pytest.StashKey[set[str]]()
+#: What the test tools themselves keep in the working directory (pytest's and hypothesis's caches, git-ignored).
+TOOL_CACHES = {".pytest_cache", ".hypothesis"}
 CHECKOUT_LEFT = pytest.StashKey[list[str]]()
 SHARED_FIXTURES = {"repo": "repro", "server": "servers", "champion": "servers", "proxy": "servers",
                    "matrix": "servers"}
@@ -58,7 +60,7 @@ def pytest_sessionfinish(session, exitstatus):
     before = session.config.stash.get(CHECKOUT_BEFORE, None)
     if before is None:
         return
-    left = sorted(set(os.listdir(ROOT)) - before)
+    left = sorted(set(os.listdir(ROOT)) - before - TOOL_CACHES)
     if left:
         session.config.stash[CHECKOUT_LEFT] = left
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

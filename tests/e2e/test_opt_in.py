@@ -65,6 +65,8 @@ def test_the_pruned_and_distilled_variants_are_built_smaller(repo_opt_in: Path):
     assert student["distillation"]["kept_layers"] == [1, 3, 5]
     assert distill["resumed"] is False and "fresh start" in distill["resume_reason"] and distill["train_steps"] > 0
     assert "distill: fresh start" in (repo / "repro.log").read_text()
+    report = (repo / "reports" / "benchmark" / "variants.md").read_text()
+    assert "## Where the speed-up comes from" in report and "| smaller model" in report
 
 
 def test_tensorrt_int8_input_keeps_fp32_decisions_on_the_test_split(repo_opt_in):

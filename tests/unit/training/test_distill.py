@@ -148,7 +148,8 @@ def test_auto_skips_a_student_that_would_train_in_fp32_on_the_cpu_and_says_why(t
     monkeypatch.setattr(distill_module, "distill", fake_distill)
     tracking = MlflowParams(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="unit-distill",
                             system_metrics=False)
-    params = Params(train=TrainParams(precision="32-true", accelerator="cpu"),
+    params = Params(train=TrainParams(precision="32-true", accelerator="cpu",
+                                      checkpoint_dir=str(tmp_path / "checkpoints")),  # not the checkout's
                     distill=DistillParams(enabled=enabled), mlflow=tracking)
     from pipeline.runtimes.record import read_variant
     from pipeline.variants.distilled import run_distilled_variants
