@@ -23,7 +23,7 @@ import psutil
 import pytest
 import yaml
 
-from pipeline.core.params import ExportParams, MlflowParams, PackageParams, Params
+from pipeline.core.params import ExportParams, MlflowParams, PackageParams, Params, TrainParams
 from serving.client import inference_key
 from tests.factories import (
     ROOT,
@@ -288,7 +288,8 @@ def matrix(tmp_path_factory, tiny_model_dir):
     quantize = QuantizeParams(calibration_samples=16, selection_samples=16, qat_train_samples=16, qat_batch_size=8,
                               calibration_methods=["minmax"], build=build)
     run_quantize(finetuned=tiny_model_dir, fp32_onnx=root / "fp32-onnx", tokenized=tok, variants_root=root,
-                 params=Params(quantize=quantize), choice=weight_format_here())
+                 params=Params(quantize=quantize, train=TrainParams(checkpoint_dir=str(root / "ckpt"))),
+                 choice=weight_format_here())
     dirs = {n: root / n for n in names}
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(work)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.core.params import ExportParams, Params, QuantizeParams, TensorRTParams
+from pipeline.core.params import ExportParams, Params, QuantizeParams, TensorRTParams, TrainParams
 from pipeline.runtimes.catalog import directories
 from pipeline.variants.export import run_export
 from pipeline.variants.quantize import run_quantize
@@ -29,7 +29,9 @@ def built(tmp_path_factory, tiny_model_dir):
                        calibration_methods=["minmax", "entropy"],
                        build=["int8-dynamic", "int8-static", "int8-qat", "int8-openvino"])
     quant_report = run_quantize(finetuned=tiny_model_dir, fp32_onnx=dirs["fp32-onnx"], tokenized=tok_dir,
-                                variants_root=variants_root, params=Params(quantize=q), choice=weight_format_here())
+                                variants_root=variants_root, choice=weight_format_here(),
+                                params=Params(quantize=q,
+                                              train=TrainParams(checkpoint_dir=str(variants_root / "ckpt"))))
     trt_report = run_tensorrt(finetuned=tiny_model_dir, fp32_onnx=dirs["fp32-onnx"], int8_static=dirs["int8-static"],
                               tokenized=tok_dir, variants_root=variants_root,
                               params=Params(quantize=q, tensorrt=TensorRTParams(qdq_input=True)))

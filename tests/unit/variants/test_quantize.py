@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from pipeline.core.params import Params, QuantizeParams
+from pipeline.core.params import Params, QuantizeParams, TrainParams
 from pipeline.runtimes.record import read_variant
 from pipeline.variants.quantize import run_quantize
 from tests.factories import product_weights, weight_format_here
@@ -27,7 +27,8 @@ def test_single_calibration_method_skips_the_selection_pass(built, tiny_model_di
     params = QuantizeParams(calibration_samples=16, calibration_methods=["percentile"], qat_train_samples=8,
                             qat_batch_size=8, build=["int8-static", "int8-qat"])
     report = run_quantize(finetuned=tiny_model_dir, fp32_onnx=built["dirs"]["fp32-onnx"], tokenized=built["tokenized"],
-                          variants_root=tmp_path, params=Params(quantize=params), choice=weight_format_here())
+                          variants_root=tmp_path, choice=weight_format_here(),
+                          params=Params(quantize=params, train=TrainParams(checkpoint_dir=str(tmp_path / "ckpt"))))
     assert report["int8-static"]["calibration"] == "percentile"
     assert report["int8-static"]["selection_val_accuracy"] == {}
     assert report["int8-qat"]["calibration"] == "percentile"
