@@ -23,7 +23,7 @@ TINY_TRAIN = {"epochs": 4, "batch_size": 8, "eval_batch_size": 16, "lr": 3e-3, "
 
 def _run(tmp_path: Path, tokenized_dir: Path, **overrides):
     out = tmp_path / "out"
-    params = TrainParams(**{**TINY_TRAIN, **overrides})
+    params = TrainParams(**{**TINY_TRAIN, "checkpoint_dir": str(tmp_path / "ckpt"), **overrides})
     result = finetune(tokenized_dir, out / "model", out / "metrics.json", out / "plots", out / "reports",
                       DataParams(max_length=64), ModelParams(source="tiny"), params,
                       resolve_auto(Params(train=params)).precision, predictions_path=out / "test-logits.npz")
@@ -99,7 +99,7 @@ def test_finetune_run_samples_the_machine_load_and_registers_nothing(tmp_path, t
     monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.2")  # MLflow's default is 10 s
     tracking = MlflowParams(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="unit-finetune")
     out = tmp_path / "out"
-    train = TrainParams(**{**TINY_TRAIN, "epochs": 1})
+    train = TrainParams(**{**TINY_TRAIN, "epochs": 1, "checkpoint_dir": str(tmp_path / "ckpt")})
     run_finetune(tokenized_dir=tokenized_dir, model_dir=out / "model", metrics_path=out / "metrics.json",
                  plots_dir=out / "plots", report_dir=out / "reports", data=DataParams(max_length=64),
                  model=ModelParams(source="tiny"), train=train, tracking=tracking,
@@ -120,7 +120,7 @@ def _write_params(path: Path, **train) -> None:
     raw["model"] = {"source": "tiny", "name": "tiny"}
     raw["data"]["max_length"] = 64
     raw["train"]["max_length"] = None  # the default profile's 128-token window does not fit 64-token splits
-    raw["train"].update({**TINY_TRAIN, **train})
+    raw["train"].update({**TINY_TRAIN, "checkpoint_dir": str(path.parent / "ckpt"), **train})
     path.write_text(yaml.safe_dump(raw))
 
 
