@@ -14,6 +14,9 @@ timed, and the clock is read after a CUDA synchronisation at both ends.
   `pipeline-recipe-eager` is the same without torch.compile. Varying batch shapes can make torch.compile
   compile again inside the timed steps: `graphs_compiled_while_timed` in the JSON counts those.
 
+`--profile-steps N` records N steps of each row after its warm-up with torch.profiler and writes the op tables
+(by device and host time, plus the CUDA allocator's counters) beside `--out`; a profiled row's rate is slower.
+
 `--weights random` (the default where the hub is unreachable) builds the architecture from its config with
 random weights: throughput does not depend on the values of the weights, accuracy does, so no accuracy is
 reported. The minutes column is the measured throughput applied to the blog's 3 epochs × 35,000 reviews and
@@ -70,8 +73,12 @@ def build_model(name: str, weights: str) -> Any:
 class StepClock:
     """Wall time of the steps after the first `warmup`, bracketed by device synchronisations."""
 
-    def __init__(self, warmup: int, device: str) -> None:
+    def __init__(self, warmup: int, device: str, profile_steps: int = 0, profile_out: Path | None = None) -> None:
         self.warmup, self.device = warmup, device
+        # `profile_steps` > 0: torch.profiler records that many steps after the warm-up and writes its op tables to
+        # `profile_out` (slower while it records, so a profiled row's rate is not comparable with the others)
+        self.profile_steps, self.profile_out = profile_steps, profile_out
+        self._profiler: Any = None
         self.samples = self.steps = 0
         self.tokens = 0.0
         self._tokens: torch.Tensor | None = None  # summed on the device: reading it each step would sync
@@ -88,6 +95,12 @@ class StepClock:
         if step == self.warmup:
             self.sync()
             self.graphs_at_start = compiled_graphs()
+            if self.profile_steps:
+                activities = [torch.profiler.ProfilerActivity.CPU]
+                if self.device == "cuda":
+                    activities.append(torch.profiler.ProfilerActivity.CUDA)
+                self._profiler = torch.profiler.profile(activities=activities)
+                self._profiler.__enter__()
             self.start = time.perf_counter()
 
     def after(self, step: int, batch: dict[str, torch.Tensor]) -> None:
@@ -96,6 +109,27 @@ class StepClock:
             self.samples += len(batch["labels"])
             count = batch["attention_mask"].sum()
             self._tokens = count if self._tokens is None else self._tokens + count
+            if self._profiler is not None and self.steps == self.profile_steps:
+                self._write_profile()
+
+    def _write_profile(self) -> None:
+        """Stop the profiler and write its op tables (by device time and by host time) and allocator counters."""
+        self.sync()
+        self._profiler.__exit__(None, None, None)
+        averages = self._profiler.key_averages()
+        tables = [f"{self.profile_steps} steps after {self.warmup} warm-up steps"]
+        for key in (("self_cuda_time_total",) if self.device == "cuda" else ()) + ("self_cpu_time_total",):
+            tables.append(f"## by {key}\n" + averages.table(sort_by=key, row_limit=30, max_name_column_width=60))
+        if self.device == "cuda":
+            stats = torch.cuda.memory_stats()
+            tables.append("## allocator\n" + json.dumps({k: stats.get(k) for k in (
+                "num_alloc_retries", "num_device_alloc", "num_device_free", "segment.all.allocated",
+                "reserved_bytes.all.peak")}, indent=1))
+        assert self.profile_out is not None
+        self.profile_out.parent.mkdir(parents=True, exist_ok=True)
+        self.profile_out.write_text("\n\n".join(tables) + "\n")
+        print(f"profile written to {self.profile_out}", flush=True)
+        self._profiler = None
 
     def stop(self) -> None:
         self.sync()
@@ -194,6 +228,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--rows", default="", help="comma-separated subset of row names")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/seed_recipe.json")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="record this many timed steps of each row with torch.profiler (op tables beside --out)")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     total = args.warmup + args.steps
@@ -224,7 +260,8 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             torch.manual_seed(0)
             model = build_model(args.model, args.weights)
-            clock = StepClock(args.warmup, device)
+            clock = StepClock(args.warmup, device, args.profile_steps,
+                              args.out.with_name(f"{args.out.stem}-{name}-profile.txt"))
             started = time.perf_counter()
             if overrides is None:
                 plain_loop(model, ids, labels, total, clock)
