@@ -15,7 +15,7 @@ export DO_NOT_TRACK := 1
 # torch and would say so on every import of transformers.
 export TORCHAO_FORCE_SKIP_LOADING_SO_FILES := 1
 
-.PHONY: run test test-all test-gpu venv venv-spark lint docs mlflow-ui serve serve-mlflow stop plots score
+.PHONY: run test test-all test-gpu venv venv-spark lint dvc-deps docs mlflow-ui serve serve-mlflow stop plots score
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -76,6 +76,11 @@ test-gpu: $(if $(SYSTEM_PYTHON),,venv)
 
 lint: venv
 	$(BIN)/ruff check .
+
+## dvc-deps: rewrite each stage's code deps in dvc.yaml from the import graph (pipeline/core/stage_deps.py), after a
+## module's imports change; tests/unit/core/test_dvc_graph.py fails until they match (`--check` shows the diff).
+dvc-deps: venv
+	$(BIN)/python -m pipeline.core.stage_deps --write
 
 ## docs: the documentation site (mkdocs.yml: README, RESULTS and docs/) into site/, strictly: a broken link, a missing
 ## page or a page left out of the nav fails. Open site/index.html, or `.venv/bin/mkdocs serve` for a live preview.

@@ -13,10 +13,12 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
+from pipeline.core.machine import FLAGS_OVERRIDE_ENV
 from tests.factories import AVX2_ONLY_FLAGS, IMDB_DIR, ROOT, write_tokenized
 
 os.environ.setdefault("MPLBACKEND", "Agg")
@@ -164,30 +166,15 @@ def tokenized_dir(tmp_path) -> Path:
     return write_tokenized(tmp_path / "tokenized", {"train": 96, "val": 32, "test": 32})
 
 
-#: The default profile in miniature: the one `dvc repro` of `make test` (fixture `repo`). It builds what `make run`
-#: builds (every FP32 export and INT8 variant; no student, no pruning, the TensorRT input only where a GPU would use
-#: it), on a few hundred reviews. `MINI_OPT_IN` adds the opt-in parts (fixture `repo_opt_in`, `make test-all`).
-MINI = {
-    "data": {"local_dir": str(IMDB_DIR), "train_subsample": 800, "val_subsample": 100, "test_subsample": 300,
-             "max_length": 64, "transfer_reviews": 200},
-    "model": {"head": "mean"},  # the default profile trains the [CLS] head; the e2e run covers the other one
-    "train": {"epochs": 1, "batch_size": 16, "lr": 1e-4, "val_checks_per_epoch": 1,
-              "max_length": 48},  # train on a shorter window than inference reads
-    "quantize": {"calibration_samples": 32, "selection_samples": 100, "qat_train_samples": 64,
-                 "calibration_methods": ["minmax", "percentile"],
-                 "build": ["int8-dynamic", "int8-openvino", "int8-static", "int8-qat"]},  # as the default
-    "export": {"parity_samples": 8, "torchscript": True},  # as the default
-    "benchmark": {"warmup": 2, "iterations": 10, "rounds": 2, "latency_reviews": 10, "throughput_batches": 1,
-                  "bf16_row": True},
-}
-#: The opt-in parts on top: the student (explicitly, on whatever precision this CPU trains in), the pruned variant
-#: and the TensorRT engine's QDQ input (built and scored here although no engine can be).
-MINI_OPT_IN = {
-    **MINI,
-    "distill": {"enabled": True, "depth": 3, "epochs": 1},
-    "prune": {"enabled": True, "calibration_samples": 32},
-    "tensorrt": {"qdq_input": True},
-}
+#: The default profile in miniature, the one `dvc repro` of `make test` (fixture `repo`): `profiles/mini.yaml`, which
+#: users run as `make run PROFILE=mini`. It builds what `make run` builds (every FP32 export and INT8 variant; no
+#: student, no pruning, the TensorRT input only where a GPU would use it), on a few hundred reviews.
+MINI_PROFILE = ROOT / "profiles" / "mini.yaml"
+#: The opt-in parts on top of it (fixture `repo_opt_in`, `make test-all`): the student (explicitly, on whatever
+#: precision this CPU trains in), the pruned variant and the TensorRT engine's QDQ input (built and scored here
+#: although no engine can be).
+OPT_IN = {"distill.enabled": True, "distill.depth": 3, "distill.epochs": 1, "prune.enabled": True,
+          "prune.calibration_samples": 32, "tensorrt.qdq_input": True}
 
 
 def _copy_repo(dst: Path) -> None:
@@ -200,13 +187,18 @@ def _copy_repo(dst: Path) -> None:
             shutil.copy2(src, dst / rel)
 
 
-def repro_copy(d: Path, overrides: dict[str, dict], extra_env: dict[str, str] | None = None) -> Path:
-    """A fresh copy of the project in `d` with `overrides` merged into params.yaml, after a real `dvc repro` (its
-    output in `d/repro.log`); `extra_env` is added to the environment the stages run in."""
+def repro_copy(d: Path, profile: Path, extra: dict[str, Any] | None = None,
+               extra_env: dict[str, str] | None = None) -> Path:
+    """A fresh copy of the project in `d` with `profile` (checked as `make run PROFILE=...` checks it) and the dotted
+    keys of `extra` merged over params.yaml as DVC's Hydra composition merges a profile, `data.local_dir` set to the
+    shared IMDB copy (`make run IMDB_DIR=...`), after a real `dvc repro` (its output in `d/repro.log`); `extra_env`
+    is added to the environment the stages run in. (`make run PROFILE=mini` runs `dvc exp run`, which costs about
+    13 s more CPU than `dvc repro` for the same stages: the session's whole run stays on `dvc repro`.)"""
+    from pipeline.core.params import read_profile, with_overrides
+
     _copy_repo(d)
-    raw = yaml.safe_load((d / "params.yaml").read_text())
-    for name, values in overrides.items():
-        raw[name].update(values)
+    overrides = {**read_profile(profile), "data.local_dir": str(IMDB_DIR), **(extra or {})}
+    raw = with_overrides(yaml.safe_load((d / "params.yaml").read_text()), overrides)
     (d / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     env = {**{k: v for k, v in os.environ.items()  # the copy's own sqlite store, this CPU's flags unless told
               if k not in ("MLFLOW_TRACKING_URI", "PIPELINE_CPU_FLAGS")},
@@ -233,13 +225,15 @@ def repo(tmp_path_factory) -> Path:
     decided with an AVX2-only CPU's flags (`PIPELINE_CPU_FLAGS`) on every machine, so the run rehearses what
     `make run` chooses on the least capable CPU the project supports (fp32 training, unsigned 8-bit weights);
     the kernels still run on this CPU's ISA. The bf16 timing row, which the e2e tests need whatever the CPU, is
-    set explicitly in `MINI`; the opt-in parts (student, pruning, TensorRT input) stay off, as in the default.
+    set explicitly in `profiles/mini.yaml`; the opt-in parts (student, pruning, TensorRT input) stay off, as in the
+    default.
     """
-    return repro_copy(tmp_path_factory.mktemp("repo"), MINI, {"PIPELINE_CPU_FLAGS": AVX2_ONLY_FLAGS})
+    return repro_copy(tmp_path_factory.mktemp("repo"), MINI_PROFILE, extra_env={FLAGS_OVERRIDE_ENV: AVX2_ONLY_FLAGS})
 
 
 @pytest.fixture(scope="session")
 def repo_opt_in(tmp_path_factory) -> Path:
-    """Like `repo`, with the opt-in parts built too (`MINI_OPT_IN`): a second whole run, for the `slow` tests of
+    """Like `repo`, with the opt-in parts built too (`OPT_IN`): a second whole run, for the `slow` tests of
     tests/e2e/test_opt_in.py (`make test-all`)."""
-    return repro_copy(tmp_path_factory.mktemp("repo-opt-in"), MINI_OPT_IN, {"PIPELINE_CPU_FLAGS": AVX2_ONLY_FLAGS})
+    return repro_copy(tmp_path_factory.mktemp("repo-opt-in"), MINI_PROFILE, OPT_IN,
+                      extra_env={FLAGS_OVERRIDE_ENV: AVX2_ONLY_FLAGS})

@@ -13,15 +13,13 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.core.machine import ISA_FLAGS
+from pipeline.core.machine import FLAGS_OVERRIDE_ENV, ISA_FLAGS
 from tests.factories import AVX2_ONLY_FLAGS, product_weights
-
-OVERRIDE = "PIPELINE_CPU_FLAGS"
 
 
 def _decided_with_avx2(built_on: dict) -> None:
     """A record made under the override: this CPU's own flags as they are, the AVX2-only ones it decided with."""
-    assert built_on["decided_with"] == {"source": OVERRIDE,
+    assert built_on["decided_with"] == {"source": FLAGS_OVERRIDE_ENV,
                                         "isa": {f: f in AVX2_ONLY_FLAGS.split() for f in ISA_FLAGS}}
     assert set(built_on["isa"]) == set(ISA_FLAGS)
 
@@ -30,7 +28,7 @@ def test_training_runs_in_fp32_and_the_model_record_says_why(repo: Path):
     meta = json.loads((repo / "models" / "finetuned" / "pipeline.json").read_text())
     choice = meta["choices"]["train.precision"]
     assert choice["asked"] == "auto" and choice["value"] == "32-true"
-    assert "no native bf16" in choice["reason"] and OVERRIDE in choice["reason"]
+    assert "no native bf16" in choice["reason"] and FLAGS_OVERRIDE_ENV in choice["reason"]
     _decided_with_avx2(meta["built_on"])
     finetune = json.loads((repo / "metrics" / "finetune.json").read_text())
     assert finetune["precision"] == "32-true" and finetune["test_accuracy"] > 0.65
@@ -58,7 +56,7 @@ def test_the_bf16_row_is_explicit_and_the_report_says_the_flags_were_rehearsed(r
     assert machine["bf16_row"] is True and machine["bf16_row_choice"] == "True (asked True: set explicitly)"
     _decided_with_avx2(machine)
     report = (repo / "reports" / "benchmark" / "variants.md").read_text()
-    assert f"decided with {OVERRIDE}'s flags, not this CPU's" in report
+    assert f"decided with {FLAGS_OVERRIDE_ENV}'s flags, not this CPU's" in report
 
 
 def test_the_served_archive_is_built_from_a_variant_that_was_built(repo: Path):

@@ -1,7 +1,8 @@
 """End to end, `make test-all`: the opt-in parts of the pipeline in a second miniature `dvc repro` (fixture
-`repo_opt_in`: `MINI_OPT_IN`, the default miniature plus the student, the pruned variant and the TensorRT engine's
-QDQ input), with the same AVX2-only rehearsal as `repo`. The default miniature records these parts as skipped
-(tests/e2e/test_repro.py); here they are built, scored, and their servable variants pass the behaviour tier."""
+`repo_opt_in`: `profiles/mini.yaml` plus `OPT_IN` of tests/conftest.py: the student, the pruned variant and the
+TensorRT engine's QDQ input), with the same AVX2-only rehearsal as `repo`. The default miniature records these
+parts as skipped (tests/e2e/test_repro.py); here they are built, scored, and their servable variants pass the
+behaviour tier."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import mlflow
 import numpy as np
 import pytest
 
+from pipeline.core.machine import FLAGS_OVERRIDE_ENV
 from pipeline.deployment.inference import SentimentPredictor
 from pipeline.runtimes.record import read_variant
 from tests.factories import product_weights
@@ -27,7 +29,6 @@ from tests.model.test_behaviour import (  # noqa: F401
 )
 
 pytestmark = pytest.mark.slow  # a second whole miniature run
-OVERRIDE = "PIPELINE_CPU_FLAGS"
 
 
 @pytest.fixture(scope="module", params=OPT_IN_VARIANTS)
@@ -98,5 +99,5 @@ def test_an_explicit_student_trains_in_fp32_and_every_record_says_so(repo_opt_in
     assert run.data.tags["distill.enabled.resolved"] == "True (asked True: set explicitly)"
     # every run of the rehearsal, the parent included, says its flags were not this CPU's
     runs = client.search_runs([exp.experiment_id], "tags.`pipeline.run_id` = 'e2e-test'")
-    assert len(runs) > 10 and all(r.data.tags["cpu.decided_with"].startswith(f"{OVERRIDE}=avx avx2 bmi2 f16c fma")
-                                  for r in runs)
+    flags = f"{FLAGS_OVERRIDE_ENV}=avx avx2 bmi2 f16c fma"
+    assert len(runs) > 10 and all(r.data.tags["cpu.decided_with"].startswith(flags) for r in runs)
