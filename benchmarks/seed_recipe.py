@@ -209,9 +209,10 @@ def runs(compile_ok: bool, device: str) -> list[tuple[str, dict[str, Any]]]:
         if cuda and torch.cuda.is_bf16_supported():
             rows.append(("lightning-bf16-mixed+compile", {"precision": "bf16-mixed", "compile": True}))
     recipe = {"precision": half, "bucketing": True, "pad_to_multiple_of": 8, "attention_dropout": 0.0}
+    # one name per configuration, whatever `--no-compile` says: `--rows pipeline-recipe-eager` always finds it
+    rows.append(("pipeline-recipe-eager", {**recipe, "compile": False}))
     if compile_ok:
-        rows.append(("pipeline-recipe-eager", {**recipe, "compile": False}))
-    rows.append(("pipeline-recipe", {**recipe, "compile": compile_ok}))
+        rows.append(("pipeline-recipe", {**recipe, "compile": True}))
     return rows
 
 
@@ -226,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=300, help="timed optimizer steps per row")
     parser.add_argument("--warmup", type=int, default=30, help="untimed steps first (compilation happens here)")
     parser.add_argument("--no-compile", action="store_true")
-    parser.add_argument("--rows", default="", help="comma-separated subset of row names")
+    parser.add_argument("--rows", default="", help="comma-separated subset of row names (an unknown one is an error)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/seed_recipe.json")
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="record this many timed steps of each row with torch.profiler (op tables beside --out)")
@@ -255,6 +256,9 @@ def main(argv: list[str] | None = None) -> None:
                            val_checks_per_epoch=1)
         plan: list[tuple[str, dict[str, Any] | None]] = [("plain-fp32", None)]
         plan += runs(not args.no_compile, device)
+        unknown = wanted - {name for name, _ in plan}
+        if unknown:
+            raise SystemExit(f"--rows names no row here: {sorted(unknown)}; rows: {[name for name, _ in plan]}")
         for name, overrides in plan:
             if wanted and name not in wanted:
                 continue

@@ -1,0 +1,21 @@
+"""The seed-recipe benchmark's rows: one name per configuration, whether or not torch.compile is available."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.seed_recipe import runs
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_eager_recipe_keeps_its_name_without_compile(device):
+    names = [name for name, _ in runs(False, device)]
+    assert "pipeline-recipe-eager" in names and "pipeline-recipe" not in names
+    assert all(not settings.get("compile") for _, settings in runs(False, device))
+
+
+def test_compiled_rows_are_added_when_compile_works():
+    rows = dict(runs(True, "cuda"))
+    assert rows["pipeline-recipe"]["compile"] is True and rows["pipeline-recipe-eager"]["compile"] is False
+    assert rows["pipeline-recipe"]["bucketing"] and rows["pipeline-recipe"]["pad_to_multiple_of"] == 8
+    assert len(rows) == len(runs(True, "cuda"))  # no name used twice
