@@ -68,7 +68,9 @@ def pipeline_path(
     """The finetune stage's own module, data module, sampler and Trainer (validation off while timing)."""
     import lightning as L
 
-    from pipeline.training.classifier import CurveRecorder, IMDBDataModule, SentimentClassifier, build_trainer
+    from pipeline.training.classifier import IMDBDataModule, SentimentClassifier
+    from pipeline.training.curves import CurveRecorder
+    from pipeline.training.loop import build_trainer
 
     tok = load_tokenizer(model_params)
     with tempfile.TemporaryDirectory(prefix="ftspeed-") as tmp:

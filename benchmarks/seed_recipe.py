@@ -174,7 +174,8 @@ def lightning_run(model: Any, tokenized: Path, params: TrainParams, clock: StepC
     window, `pipeline.data.tokens.window_shortener`; None trains on the reviews as tokenized)."""
     import lightning as L
 
-    from pipeline.training.classifier import IMDBDataModule, SentimentClassifier, build_trainer
+    from pipeline.training.classifier import IMDBDataModule, SentimentClassifier
+    from pipeline.training.loop import build_trainer
 
     class Clock(L.Callback):
         def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,

@@ -152,7 +152,7 @@ def tiny_model_dir(tmp_path_factory, tokenizer) -> Path:
     """A randomly initialised 2-layer BERT with our label map and the finetune stage's metadata."""
     from pipeline.core.params import DataParams, ModelParams, TrainParams
     from pipeline.modeling import load_model
-    from pipeline.training.finetune import save_model
+    from pipeline.training.loop import save_model
 
     d = tmp_path_factory.mktemp("tiny_model")
     model = load_model(ModelParams(source="tiny"), seed=0)

@@ -110,7 +110,7 @@ class StageRun:
 
     def log_steps(self, points: Sequence[tuple[int, Mapping[str, float]]]) -> None:
         """Curves: each (step, {name: value}) as metric points at that step, in as few calls as MLflow allows (a
-        `CurveRecorder` sink)."""
+        `pipeline.training.curves.CurveRecorder` sink)."""
         from mlflow.entities import Metric
         from mlflow.utils.time import get_current_time_millis
 

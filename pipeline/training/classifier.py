@@ -1,4 +1,5 @@
-"""Accelerated finetuning with Lightning: the module, the data module, the trainer and the optimizer.
+"""Accelerated finetuning with Lightning: the module, the data module and the optimizer (the Trainer they run in
+is `pipeline.training.loop`'s).
 
 Accelerations are params (`TrainParams`): mixed precision, `torch.compile`, length-bucketed batches with
 dynamic padding, gradient accumulation, DataLoader workers, the torch profiler, and DDP/FSDP/DeepSpeed."""
@@ -6,9 +7,7 @@ dynamic padding, gradient accumulation, DataLoader workers, the torch profiler, 
 from __future__ import annotations
 
 import logging
-import os
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,6 @@ from torchmetrics.classification import BinaryAccuracy
 
 from pipeline.core.errors import UserError
 from pipeline.core.params import TrainParams
-from pipeline.core.stage import lightning_lines_once
 from pipeline.data.batching import Collator, LengthBucketBatchSampler, LoaderPosition, TokenizedDataset
 from pipeline.data.tokens import read_tokenized
 
@@ -171,134 +169,3 @@ class IMDBDataModule(L.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return self._loader("test", self.params.eval_batch_size, shuffle=False)
-
-
-#: Where a recorder sends its points: (step, {name: value}) pairs, e.g. an MLflow run (`StageRun.log_steps`).
-MetricSink = Callable[[Sequence[tuple[int, Mapping[str, float]]]], None]
-
-
-class CurveRecorder(L.Callback):
-    """Training curves for DVC plots and MLflow, plus the honest training throughput (validation time excluded).
-
-    The curves are part of every checkpoint (`state_dict`), and the MLflow points come from them (`sink`, rank 0,
-    sent every `flush_every` points): a resumed run first sends the checkpoint's curves again, so its MLflow run
-    holds every step once, neither the points the interrupted run logged after its last checkpoint nor a gap."""
-
-    def __init__(self, sink: MetricSink | None = None, flush_every: int = 10) -> None:
-        self.train_rows: list[dict[str, float]] = []
-        self.val_rows: list[dict[str, float]] = []
-        self.samples = 0
-        self.tokens = 0
-        self.train_seconds = 0.0
-        self.sink = sink
-        self.flush_every = flush_every
-        self._pending: list[tuple[int, dict[str, float]]] = []
-        self._t: float | None = None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"train_rows": self.train_rows, "val_rows": self.val_rows, "samples": self.samples,
-                "tokens": self.tokens, "train_seconds": self.train_seconds}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.train_rows = list(state_dict["train_rows"])
-        self.val_rows = list(state_dict["val_rows"])
-        self.samples, self.tokens = int(state_dict["samples"]), int(state_dict["tokens"])
-        self.train_seconds = float(state_dict["train_seconds"])
-        self._pending = [_point(r) for r in sorted(self.train_rows + self.val_rows, key=lambda r: r["step"])]
-
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
-        self._t = time.perf_counter()
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        if self._t is not None:
-            self.train_seconds += time.perf_counter() - self._t
-        self.samples += len(batch["labels"]) * trainer.world_size
-        self.tokens += int(batch["attention_mask"].sum()) * trainer.world_size
-        loss = trainer.callback_metrics.get("train_loss")
-        if trainer.is_global_zero and loss is not None:
-            lr = trainer.optimizers[0].param_groups[0]["lr"]
-            self._add(self.train_rows, {"step": trainer.global_step, "train_loss": float(loss), "lr": lr})
-
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.sanity_checking or not trainer.is_global_zero:
-            return
-        m = trainer.callback_metrics
-        if "val_acc" in m:
-            self._add(self.val_rows, {"step": trainer.global_step, "epoch": trainer.current_epoch,
-                                      "val_acc": float(m["val_acc"]), "val_loss": float(m["val_loss"])})
-            self.flush()
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.flush()
-
-    def _add(self, rows: list[dict[str, float]], row: dict[str, float]) -> None:
-        rows.append(row)
-        self._pending.append(_point(row))
-        if len(self._pending) >= self.flush_every:
-            self.flush()
-
-    def flush(self) -> None:
-        """Send the points not sent yet to the sink (if any)."""
-        if self.sink is not None and self._pending:
-            self.sink(self._pending)
-        self._pending = []
-
-
-def _point(row: Mapping[str, float]) -> tuple[int, dict[str, float]]:
-    return int(row["step"]), {k: float(v) for k, v in row.items() if k != "step"}
-
-
-def build_trainer(params: TrainParams, work_dir: Path, callbacks: list[L.Callback], logger: Any = False,
-                  profiler_dir: Path | None = None, enable_progress_bar: bool = True) -> L.Trainer:
-    """A Trainer configured from params; profiler traces go to `profiler_dir` when enabled."""
-    profiler: Any = None
-    if params.profiler:
-        from lightning.pytorch.profilers import PyTorchProfiler
-
-        if profiler_dir is None:
-            raise ValueError("train.profiler needs a profiler output directory")
-        profiler_dir.mkdir(parents=True, exist_ok=True)
-        profiler = PyTorchProfiler(
-            dirpath=str(profiler_dir), filename="trace", export_to_chrome=True,
-            schedule=torch.profiler.schedule(wait=2, warmup=2, active=5, repeat=1),
-        )
-    from pipeline.training.checkpoints import AtomicCheckpointIO
-
-    accelerator = "gpu" if params.accelerator == "cuda" else params.accelerator
-    strategy: Any = params.strategy
-    devices, num_nodes = params.devices, params.num_nodes
-    elastic = elastic_world()
-    if elastic is not None:  # under torchrun the group's shape is the rendezvous's, which may vary between restarts
-        devices, num_nodes = elastic
-        strategy = "ddp" if strategy == "auto" else strategy
-    if strategy in ("ddp", "ddp_spawn") and not torch.cuda.is_available():
-        from lightning.pytorch.strategies import DDPStrategy
-
-        # gloo is the CPU backend; NCCL is picked automatically on CUDA.
-        strategy = DDPStrategy(process_group_backend="gloo",
-                               start_method="spawn" if params.strategy == "ddp_spawn" else "popen")
-    from lightning.pytorch.callbacks import TQDMProgressBar
-
-    if enable_progress_bar:  # tqdm also reports when stderr is a log file, unlike the rich bar
-        callbacks = [*callbacks, TQDMProgressBar(refresh_rate=10)]
-    lightning_lines_once()
-    return L.Trainer(
-        max_epochs=params.epochs, accelerator=accelerator, devices=devices, num_nodes=num_nodes,
-        strategy=strategy, precision=params.precision, accumulate_grad_batches=params.grad_accum,
-        val_check_interval=1.0 / params.val_checks_per_epoch, num_sanity_val_steps=0,
-        default_root_dir=str(work_dir), callbacks=callbacks, logger=logger, profiler=profiler,
-        enable_progress_bar=enable_progress_bar, use_distributed_sampler=False, log_every_n_steps=10,
-        deterministic=False, plugins=[AtomicCheckpointIO()],
-    )
-
-
-def elastic_world() -> tuple[int, int] | None:
-    """(processes per machine, machines) when this process is a torchelastic worker (`torchrun`), else None."""
-    from lightning.fabric.plugins.environments import TorchElasticEnvironment
-
-    if not TorchElasticEnvironment.detect():
-        return None
-    local = int(os.environ["LOCAL_WORLD_SIZE"])
-    return local, max(int(os.environ["WORLD_SIZE"]) // local, 1)

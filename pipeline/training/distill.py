@@ -18,29 +18,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import lightning as L
-import torch
-
 from pipeline.core.io import write_json
 from pipeline.core.params import MlflowParams, Params, TrainParams, to_dict
 from pipeline.surgery.student import build_student, count_parameters, layer_list, narrow_ffn
 from pipeline.training.checkpoints import CheckpointStore, ResumePlan, start_attempt
-from pipeline.training.classifier import (
-    CurveRecorder,
-    IMDBDataModule,
-    MetricSink,
-    build_trainer,
-)
-from pipeline.training.finetune import predict_split, save_model, write_curves
+from pipeline.training.classifier import IMDBDataModule
+from pipeline.training.curves import CurveRecorder, MetricSink
 from pipeline.training.fingerprint import fingerprint, trajectory_settings
 from pipeline.training.labelling import labelling_setup, read_transfer_ids, transfer_set
+from pipeline.training.loop import fit, predict_split, save_model, seed_run
 from pipeline.training.student_classifier import StudentClassifier
 
 if TYPE_CHECKING:
@@ -78,8 +70,6 @@ def distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metrics_p
     machine choices: `precision`, `train.precision` as the stage resolved it, and, from `run_distill`, how
     `distill.enabled` resolved). Training checkpoints and resumes as
     finetune's does (`train.checkpoint_dir/distill`, `plan` else `distill_plan`)."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
     from pipeline.data.tokens import training_window
     from pipeline.modeling import load_finetuned, pad_id
 
@@ -88,9 +78,7 @@ def distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metrics_p
     choice = precision
     train = dataclasses.replace(student_train_params(params), precision=choice.value)
     log.info("distill: train.precision %s", choice.tag())
-    if train.threads:
-        torch.set_num_threads(train.threads)
-    L.seed_everything(train.seed, workers=True, verbose=False)
+    seed_run(train)
     teacher, tokenizer, meta = load_finetuned(teacher_dir)
     pad = pad_id(tokenizer)
     window = training_window(meta, tokenizer)
@@ -114,28 +102,21 @@ def distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metrics_p
     module = StudentClassifier(student, d, train.weight_decay, train.warmup_ratio,
                                teacher=teacher if d.hidden_weight > 0 else None, kept=keep, compile_model=train.compile,
                                compile_mode=train.compile_mode, fused_optimizer=train.fused_optimizer)
-    recorder = CurveRecorder(sink=metric_sink)
     plan = plan or distill_plan(teacher_dir, tokenized_dir, params, precision)
     store = CheckpointStore.for_job(params.train, "distill")
-    with tempfile.TemporaryDirectory(prefix="distill-") as tmp:
-        ckpt = ModelCheckpoint(dirpath=str(store.best_dir), monitor="val_acc", mode="max", save_top_k=1,
-                               filename="best-{step}-{val_acc:.4f}", enable_version_counter=False)
-        trainer = build_trainer(train, Path(tmp), [ckpt, recorder, *store.callbacks(dm.position)])
-        trainer.fit(module, datamodule=dm, ckpt_path=plan.ckpt_path)
-        if ckpt.best_model_path:  # the best epoch by validation accuracy, not the last
-            state = torch.load(ckpt.best_model_path, map_location="cpu", weights_only=True)["state_dict"]
-            module.load_state_dict(state)
-        logits, labels = predict_split(module, dm, "test")
+    fitted = fit(module, train, store=store, plan=plan, position=dm.position, datamodule=dm, sink=metric_sink)
+    logits, labels = predict_split(module, dm, "test")
+    curves = fitted.curves
     # Agreement with the teacher on the test split is the evaluate stage's `agreement_with_fp32`.
     metrics: dict[str, Any] = {
         "test_accuracy": float((logits.argmax(-1) == labels).mean()),
-        "best_val_accuracy": float(ckpt.best_model_score) if ckpt.best_model_score is not None else float("nan"),
+        "best_val_accuracy": fitted.best_score,
         "labelled_reviews": transfer.labelled, "transfer_reviews": transfer.unlabelled,
         "teacher_train_accuracy": teacher_train_accuracy,  # how often the soft targets agree with gold labels
         "teacher_labelling_seconds": round(labelling_seconds, 2),
         "teacher_labelling_device": labelling.device, "teacher_labelling_autocast": labelling.autocast or "none",
-        "train_seconds": recorder.train_seconds,
-        "train_samples_per_s": recorder.samples / recorder.train_seconds if recorder.train_seconds else 0.0,
+        "train_seconds": curves.train_seconds,
+        "train_samples_per_s": curves.samples_per_s,
         "student_layers": len(keep), "teacher_layers": len(layer_list(teacher)[0]),
         "student_parameters": count_parameters(module.model),
         "teacher_parameters": count_parameters(teacher),
@@ -143,7 +124,7 @@ def distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metrics_p
         "teacher_encoder_parameters": count_parameters(teacher, encoder_only=True),
         "wall_time_s": time.perf_counter() - started,
         "precision": choice.value,
-        "train_steps": trainer.global_step,
+        "train_steps": fitted.steps,
         **plan.record(),  # resumed, resumed_from_step, resume_reason
         **({"enabled": enabled.to_dict()} if enabled else {}),  # as in the skip record: how the setting resolved
     }
@@ -152,7 +133,7 @@ def distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metrics_p
     save_model(module.model, tokenizer, student_dir, _teacher_data(meta, params), params.model, train,
                choices=[choice] + ([enabled] if enabled else []), extra=record)
     write_json(metrics_path, metrics)
-    write_curves(plots_dir, recorder)
+    curves.write(plots_dir)
     store.clear()  # the student is saved: nothing left to resume
     log.info("student: %d of %d layers, test accuracy %.4f (best validation accuracy %.4f)",
              len(keep), metrics["teacher_layers"], metrics["test_accuracy"], metrics["best_val_accuracy"])
@@ -184,7 +165,7 @@ def write_skipped(student_dir: Path, metrics_path: Path, plots_dir: Path, reason
     """The stage's outputs when the student is off: a record that says why (and how `distill.enabled` resolved),
     metrics that say skipped, and empty curves."""
     student_dir.mkdir(parents=True, exist_ok=True)
-    write_curves(plots_dir, CurveRecorder())
+    CurveRecorder().write(plots_dir)
     record = {"status": "skipped", "reason": reason} | ({"enabled": enabled.to_dict()} if enabled else {})
     write_json(student_dir / STUDENT_RECORD, record)
     write_json(metrics_path, record)

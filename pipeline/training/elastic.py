@@ -2,7 +2,7 @@
 `torch.distributed.run` (torchelastic) with a c10d rendezvous, so a group of `min_nodes`..`num_nodes` machines with
 `devices` processes each trains together, and a failed worker restarts the whole group (up to `max_restarts`
 times), which resumes from the newest checkpoint (`pipeline.training.resume`). Lightning reads the group's shape from
-torchelastic's environment (`classifier.elastic_world`); the backend is gloo on CPU and NCCL on CUDA."""
+torchelastic's environment (`loop.elastic_world`); the backend is gloo on CPU and NCCL on CUDA."""
 
 from __future__ import annotations
 

@@ -4,18 +4,14 @@ DDP)."""
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import logging
 import os
-import tempfile
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import lightning as L
 import numpy as np
 import torch
 
@@ -23,15 +19,10 @@ from pipeline.core.io import write_json, write_predictions
 from pipeline.core.params import DataParams, MlflowParams, ModelParams, TrainParams, to_dict
 from pipeline.data.tokens import window_shortener
 from pipeline.training.checkpoints import CheckpointStore, ResumePlan, is_rank_zero, start_attempt
-from pipeline.training.classifier import (
-    CurveRecorder,
-    IMDBDataModule,
-    MetricSink,
-    SentimentClassifier,
-    build_trainer,
-    check_accelerations,
-)
+from pipeline.training.classifier import IMDBDataModule, SentimentClassifier, check_accelerations
+from pipeline.training.curves import MetricSink
 from pipeline.training.fingerprint import fingerprint, trajectory_settings
+from pipeline.training.loop import fit, predict_split, save_model, seed_run
 
 if TYPE_CHECKING:
     from pipeline.core.machine import Choice
@@ -70,8 +61,6 @@ def finetune(tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots_dir
     `predictions_path` keeps the test logits, so the evaluate stage's FP32 reference row need not score
     the same model on the same reviews again.
     """
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
     from pipeline.modeling import load_model, load_tokenizer, pad_id
 
     choice = precision  # `train.precision` as the stage resolved it
@@ -82,11 +71,9 @@ def finetune(tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots_dir
         raise ValueError(f"train.max_length ({params.max_length}) exceeds data.max_length ({data.max_length}), "
                          "the length the splits were tokenized to")
     started = time.perf_counter()
-    if params.threads:
-        torch.set_num_threads(params.threads)
     plan = plan or finetune_plan(tokenized_dir, data, model_params, params, precision)
     store = CheckpointStore.for_job(params, "finetune")
-    L.seed_everything(params.seed, workers=True, verbose=False)
+    seed_run(params)  # before the classifier head is initialised
     tokenizer = load_tokenizer(model_params)
     model = load_model(model_params, seed=params.seed, attention_dropout=params.attention_dropout)
     module = SentimentClassifier(model, params.lr, params.weight_decay, params.warmup_ratio,
@@ -96,38 +83,29 @@ def finetune(tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots_dir
     shorten = window_shortener(params.max_length, data.max_length, data.truncation, data.head_fraction,
                                tokenizer.cls_token_id, tokenizer.sep_token_id)
     dm = IMDBDataModule(tokenized_dir, params, pad_id=pad_id(tokenizer), shorten_train=shorten)
-    recorder = CurveRecorder(sink=metric_sink)
-    with tempfile.TemporaryDirectory(prefix="finetune-") as tmp:
-        work = Path(tmp)
-        ckpt = ModelCheckpoint(dirpath=str(store.best_dir), monitor="val_acc", mode="max", save_top_k=1,
-                               filename="best-{step}-{val_acc:.4f}", enable_version_counter=False)
-        trainer = build_trainer(params, work, [ckpt, recorder, *store.callbacks(dm.position)],
-                                profiler_dir=report_dir / "profiler")
-        trainer.fit(module, datamodule=dm, ckpt_path=plan.ckpt_path)
-        best = ckpt.best_model_path
-        if not trainer.is_global_zero:
-            return FinetuneResult({}, model_dir, best)
-        if best:  # the test score is the best checkpoint's, not the last step's
-            state = torch.load(best, map_location="cpu", weights_only=True)["state_dict"]
-            module.load_state_dict(state)
-        # Scored in one process over the whole test split (a DDP-sharded test loop would drop the tail).
-        scored = time.perf_counter()
-        logits, labels = predict_split(module, dm, "test")
-        score_seconds = time.perf_counter() - scored
-        preds = logits.argmax(-1)
+    fitted = fit(module, params, store=store, plan=plan, position=dm.position, datamodule=dm, sink=metric_sink,
+                 profiler_dir=report_dir / "profiler")
+    if not fitted.trainer.is_global_zero:
+        return FinetuneResult({}, model_dir, fitted.best_checkpoint)
+    # Scored in one process over the whole test split (a DDP-sharded test loop would drop the tail).
+    scored = time.perf_counter()
+    logits, labels = predict_split(module, dm, "test")
+    score_seconds = time.perf_counter() - scored
+    preds = logits.argmax(-1)
 
     from sklearn.metrics import accuracy_score, f1_score
 
+    curves = fitted.curves
     metrics = {
         "test_accuracy": float(accuracy_score(labels, preds)),
         "test_f1": float(f1_score(labels, preds)),
-        "best_val_accuracy": float(ckpt.best_model_score) if ckpt.best_model_score is not None else float("nan"),
-        "train_samples_per_s": recorder.samples / recorder.train_seconds if recorder.train_seconds else 0.0,
-        "train_tokens_per_s": recorder.tokens / recorder.train_seconds if recorder.train_seconds else 0.0,
-        "train_seconds": recorder.train_seconds,
-        "train_samples_seen": recorder.samples,
+        "best_val_accuracy": fitted.best_score,
+        "train_samples_per_s": curves.samples_per_s,
+        "train_tokens_per_s": curves.tokens_per_s,
+        "train_seconds": curves.train_seconds,
+        "train_samples_seen": curves.samples,
         "wall_time_s": time.perf_counter() - started,  # this attempt's (a resumed run's excludes the first)
-        "train_steps": trainer.global_step,
+        "train_steps": fitted.steps,
         "precision": choice.value,  # what `train.precision` resolved to (text: not an MLflow metric)
         **plan.record(),  # resumed, resumed_from_step, resume_reason
     }
@@ -137,60 +115,11 @@ def finetune(tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots_dir
                           batch_size=params.eval_batch_size, seconds=round(score_seconds, 2),
                           threads=torch.get_num_threads())
     write_json(metrics_path, metrics)
-    write_curves(plots_dir, recorder)
+    curves.write(plots_dir)
     report_dir.mkdir(parents=True, exist_ok=True)
     save_confusion(labels, preds, report_dir / "confusion_matrix.png")
     store.clear()  # the model is saved: nothing left to resume
-    return FinetuneResult(metrics, model_dir, best)
-
-
-def predict_split(module: SentimentClassifier, dm: IMDBDataModule,
-                  split: str = "test") -> tuple[np.ndarray, np.ndarray]:
-    """Logits and true labels for a split (rank 0, single process), scored as the evaluate stage scores.
-
-    Scored in full precision on the device training used (Lightning hands the module back on the CPU), and
-    left on the CPU afterwards for saving."""
-    from pipeline.core.machine import trains_on_cuda
-    from pipeline.runtimes.eager import predict_logits_on
-
-    module.eval()
-    ds = dm.datasets[split]
-    device = "cuda" if trains_on_cuda(dm.params.accelerator) else "cpu"
-    logits = predict_logits_on(module.model, device, ds.input_ids, dm.params.eval_batch_size, dm.collate.pad_id,
-                               progress=f"score {split}")
-    return logits, ds.labels
-
-
-def save_model(model: torch.nn.Module, tokenizer: Any, model_dir: Path, data: DataParams,
-               model_params: ModelParams, params: TrainParams, choices: Sequence[Choice] = (),
-               extra: dict[str, Any] | None = None) -> None:
-    """HF weights + config (with id2label) + tokenizer + the preprocessing that inference must repeat, and the
-    machine-dependent choices training made (`auto` settings, with the CPU they were resolved on); `extra`
-    sections join the record (the distill stage's `distillation`)."""
-    from pipeline.core.machine import isa_record
-
-    model_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    meta = {
-        "format": "huggingface", "dtype": "float32", "task": "sentiment", "labels": model.config.id2label,
-        "preprocessing": {"max_length": data.max_length, "truncation": data.truncation,
-                          "head_fraction": data.head_fraction, "clean": "strip <br /> and collapse spaces"},
-        "params": {"data": to_dict(data), "model": to_dict(model_params), "train": to_dict(params)},
-        "choices": {c.setting: c.to_dict() for c in choices}, "built_on": isa_record(), **(extra or {}),
-    }
-    write_json(model_dir / "pipeline.json", meta)
-
-
-def write_curves(plots_dir: Path, recorder: CurveRecorder) -> None:
-    """`train.csv` (step, loss, lr) and `val.csv` (step, accuracy, loss) for `dvc plots`."""
-    plots_dir.mkdir(parents=True, exist_ok=True)
-    for name, rows, cols in (("train.csv", recorder.train_rows, ["step", "train_loss", "lr"]),
-                             ("val.csv", recorder.val_rows, ["step", "epoch", "val_acc", "val_loss"])):
-        with (plots_dir / name).open("w", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=cols)
-            writer.writeheader()
-            writer.writerows(rows)
+    return FinetuneResult(metrics, model_dir, fitted.best_checkpoint)
 
 
 def save_confusion(labels: np.ndarray, preds: np.ndarray, path: Path) -> None:

@@ -5,18 +5,17 @@ other training jobs; `pipeline.variants.quantize` exports and converts the resul
 from __future__ import annotations
 
 import logging
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
-from pipeline.core.params import QuantizeParams
+from pipeline.core.params import QuantizeParams, TrainParams
 from pipeline.surgery.distill_loss import distillation_loss
 from pipeline.surgery.fake_quant import add_fake_quant, remove_fake_quant
 from pipeline.training.checkpoints import CheckpointStore, ResumePlan
+from pipeline.training.loop import fit, seed_run
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +28,13 @@ class QatResult:
     steps: int
     samples: int
     final_loss: float
+
+
+def qat_train_params(params: QuantizeParams, seed: int) -> TrainParams:
+    """The Trainer's settings for QAT: `quantize.qat_epochs` in full precision on one CPU process (the learning
+    rate, batch size and loss are QAT's own, given to the module and loader)."""
+    return TrainParams(epochs=params.qat_epochs, precision="32-true", accelerator="cpu", strategy="auto", devices=1,
+                       num_nodes=1, grad_accum=1, val_checks_per_epoch=1, seed=seed, profiler=False, threads=None)
 
 
 def qat_finetune(model: torch.nn.Module, seqs: Sequence[np.ndarray], labels: Sequence[int],
@@ -46,21 +52,21 @@ def qat_finetune(model: torch.nn.Module, seqs: Sequence[np.ndarray], labels: Seq
     """
     import copy
 
-    import lightning as L
     from torch.utils.data import DataLoader
 
     from pipeline.data.batching import Collator, LengthBucketBatchSampler, LoaderPosition, TokenizedDataset
-    from pipeline.training.checkpoints import AtomicCheckpointIO
     from pipeline.training.classifier import SentimentClassifier
 
     teacher = copy.deepcopy(model).eval().requires_grad_(False) if params.qat_distillation > 0 else None
     wrapped = add_fake_quant(model, skip_in_features, params.weights())
-    L.seed_everything(seed, verbose=False)
+    train = qat_train_params(params, seed)
+    seed_run(train)
     ds = TokenizedDataset(seqs, labels)
     position = LoaderPosition()
     loader = DataLoader(ds, batch_sampler=LengthBucketBatchSampler(ds.lengths, params.qat_batch_size, seed=seed,
                                                                    position=position),
                         collate_fn=Collator(pad_id=pad_id))
+
     class _Distilled(SentimentClassifier):
         def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
             if teacher is None:  # labels only: the plain finetuning step
@@ -73,34 +79,12 @@ def qat_finetune(model: torch.nn.Module, seqs: Sequence[np.ndarray], labels: Seq
             return loss
 
     module = _Distilled(model, lr=params.qat_lr, weight_decay=0.0, warmup_ratio=0.0)
-    losses: list[float] = []
-
-    class _Loss(L.Callback):
-        def on_train_batch_end(self, trainer: L.Trainer, pl: L.LightningModule, out: Any, b: Any, i: int) -> None:
-            losses.append(float(out["loss"]))
-
-        def state_dict(self) -> dict[str, Any]:  # a resumed QAT reports the loss of the whole run
-            return {"losses": list(losses)}
-
-        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-            losses[:] = state_dict["losses"]
-
-    resume = store.callbacks(position) if store is not None else []
-    with tempfile.TemporaryDirectory(prefix="qat-") as tmp:
-        from lightning.pytorch.callbacks import TQDMProgressBar
-
-        from pipeline.core.stage import lightning_lines_once
-
-        lightning_lines_once()
-        trainer = L.Trainer(max_epochs=params.qat_epochs, accelerator="cpu", devices=1, logger=False,
-                            enable_checkpointing=store is not None and store.every_n_steps > 0,
-                            default_root_dir=tmp, callbacks=[_Loss(), TQDMProgressBar(refresh_rate=10), *resume],
-                            enable_model_summary=False, plugins=[AtomicCheckpointIO()],
-                            num_sanity_val_steps=0, limit_val_batches=0)
-        trainer.fit(module, train_dataloaders=loader, ckpt_path=plan.ckpt_path if plan is not None else None)
+    # No validation split: the last weights are QAT's. The curves (in every checkpoint) give the final loss of the
+    # whole run, a resumed one's included.
+    fitted = fit(module, train, store=store, plan=plan, position=position, loader=loader, keep_best=False,
+                 model_summary=False)
     if store is not None:
         store.clear()
     remove_fake_quant(model)
     model.eval()
-    final = float(np.mean(losses[-10:])) if losses else 0.0
-    return QatResult(wrapped, trainer.global_step, len(ds) * params.qat_epochs, final)
+    return QatResult(wrapped, fitted.steps, len(ds) * params.qat_epochs, fitted.curves.final_loss(10))

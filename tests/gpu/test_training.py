@@ -13,8 +13,9 @@ import torch
 
 from pipeline.core.params import DataParams, ModelParams, Params, TrainParams, resolve_auto
 from pipeline.modeling import load_finetuned, load_model
-from pipeline.training.classifier import IMDBDataModule, SentimentClassifier, build_trainer
+from pipeline.training.classifier import IMDBDataModule, SentimentClassifier
 from pipeline.training.finetune import finetune
+from pipeline.training.loop import build_trainer
 
 pytestmark = pytest.mark.gpu
 

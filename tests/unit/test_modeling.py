@@ -7,7 +7,7 @@ import torch
 
 from pipeline.core.params import DataParams, ModelParams, TrainParams
 from pipeline.modeling import MEAN_POOL_MODEL_TYPE, ModelSourceError, load_finetuned, load_model
-from pipeline.training.finetune import save_model
+from pipeline.training.loop import save_model
 
 
 def test_mean_head_ignores_padding():

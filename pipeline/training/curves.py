@@ -1,0 +1,125 @@
+"""A training job's curves, its one logging callback: every step's loss and learning rate, every validation's
+accuracy and loss, and the honest training throughput, written as DVC plots and sent to MLflow.
+
+Why not Lightning's loggers: a resumed run must hold every step once. Lightning's `CSVLogger` and `MLFlowLogger`
+write from the step a run starts at, so a resumed attempt would either lose the points before its checkpoint or
+(continuing the interrupted run) keep the points that attempt logged after it. Here the curves are part of every
+checkpoint (`state_dict`), and both the CSV files and the MLflow points come from them."""
+
+from __future__ import annotations
+
+import csv
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+
+#: Where the curves' points go: (step, {name: value}) pairs, e.g. an MLflow run (`StageRun.log_steps`).
+MetricSink = Callable[[Sequence[tuple[int, Mapping[str, float]]]], None]
+
+#: The DVC plots files and their columns.
+TRAIN_COLUMNS = ("step", "train_loss", "lr")
+VAL_COLUMNS = ("step", "epoch", "val_acc", "val_loss")
+
+
+class CurveRecorder(L.Callback):
+    """Training curves for DVC plots (`write`) and MLflow (`sink`), plus the training throughput with validation
+    time excluded.
+
+    The curves are part of every checkpoint (`state_dict`), and the MLflow points come from them (`sink`, rank 0,
+    sent every `flush_every` points): a resumed run first sends the checkpoint's curves again, so its MLflow run
+    holds every step once, neither the points the interrupted run logged after its last checkpoint nor a gap."""
+
+    def __init__(self, sink: MetricSink | None = None, flush_every: int = 10) -> None:
+        self.train_rows: list[dict[str, float]] = []
+        self.val_rows: list[dict[str, float]] = []
+        self.samples = 0
+        self.tokens = 0
+        self.train_seconds = 0.0
+        self.sink = sink
+        self.flush_every = flush_every
+        self._pending: list[tuple[int, dict[str, float]]] = []
+        self._t: float | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"train_rows": self.train_rows, "val_rows": self.val_rows, "samples": self.samples,
+                "tokens": self.tokens, "train_seconds": self.train_seconds}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.train_rows = list(state_dict["train_rows"])
+        self.val_rows = list(state_dict["val_rows"])
+        self.samples, self.tokens = int(state_dict["samples"]), int(state_dict["tokens"])
+        self.train_seconds = float(state_dict["train_seconds"])
+        self._pending = [_point(r) for r in sorted(self.train_rows + self.val_rows, key=lambda r: r["step"])]
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._t = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self._t is not None:
+            self.train_seconds += time.perf_counter() - self._t
+        self.samples += len(batch["labels"]) * trainer.world_size
+        self.tokens += int(batch["attention_mask"].sum()) * trainer.world_size
+        loss = trainer.callback_metrics.get("train_loss")
+        if trainer.is_global_zero and loss is not None:
+            lr = trainer.optimizers[0].param_groups[0]["lr"]
+            self._add(self.train_rows, {"step": trainer.global_step, "train_loss": float(loss), "lr": lr})
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking or not trainer.is_global_zero:
+            return
+        m = trainer.callback_metrics
+        if "val_acc" in m:
+            self._add(self.val_rows, {"step": trainer.global_step, "epoch": trainer.current_epoch,
+                                      "val_acc": float(m["val_acc"]), "val_loss": float(m["val_loss"])})
+            self.flush()
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.flush()
+
+    def _add(self, rows: list[dict[str, float]], row: dict[str, float]) -> None:
+        rows.append(row)
+        self._pending.append(_point(row))
+        if len(self._pending) >= self.flush_every:
+            self.flush()
+
+    def flush(self) -> None:
+        """Send the points not sent yet to the sink (if any)."""
+        if self.sink is not None and self._pending:
+            self.sink(self._pending)
+        self._pending = []
+
+    @property
+    def samples_per_s(self) -> float:
+        """Training samples a second, validation excluded (0 before any step)."""
+        return self.samples / self.train_seconds if self.train_seconds else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Non-padding training tokens a second, validation excluded (0 before any step)."""
+        return self.tokens / self.train_seconds if self.train_seconds else 0.0
+
+    def final_loss(self, last: int = 10) -> float:
+        """The mean training loss of the `last` steps (0 before any step): where a run ended, less noisy than
+        one batch."""
+        losses = [row["train_loss"] for row in self.train_rows[-last:]]
+        return float(np.mean(losses)) if losses else 0.0
+
+    def write(self, plots_dir: Path) -> None:
+        """`train.csv` (step, loss, lr) and `val.csv` (step, epoch, accuracy, loss) for `dvc plots`."""
+        plots_dir.mkdir(parents=True, exist_ok=True)
+        files = (("train.csv", self.train_rows, TRAIN_COLUMNS), ("val.csv", self.val_rows, VAL_COLUMNS))
+        for name, rows, cols in files:
+            with (plots_dir / name).open("w", newline="") as fh:
+                writer = csv.DictWriter(fh, fieldnames=cols)
+                writer.writeheader()
+                writer.writerows(rows)
+
+
+def _point(row: Mapping[str, float]) -> tuple[int, dict[str, float]]:
+    return int(row["step"]), {k: float(v) for k, v in row.items() if k != "step"}

@@ -1,0 +1,185 @@
+"""The one training loop of finetune, distill and QAT: the Trainer factory (`build_trainer`), the run's threads and
+seed (`seed_run`), the fit that resumes, checkpoints and restores the best weights (`fit`), and what follows a fit
+(`predict_split`, `save_model`).
+
+Every job fits the same way: the curves (`CurveRecorder`), the job's resumable checkpoints and signal handling
+(`CheckpointStore.callbacks`), and, where it validates, the best checkpoint by validation accuracy, which is
+loaded back into the module once training ends (the best epoch, not the last)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import lightning as L
+import numpy as np
+import torch
+
+from pipeline.core.io import write_json
+from pipeline.core.params import DataParams, ModelParams, TrainParams, to_dict
+from pipeline.core.stage import lightning_lines_once
+from pipeline.data.batching import LoaderPosition
+from pipeline.training.checkpoints import AtomicCheckpointIO, CheckpointStore, ResumePlan
+from pipeline.training.curves import CurveRecorder, MetricSink
+
+if TYPE_CHECKING:
+    from torch.utils.data import DataLoader
+
+    from pipeline.core.machine import Choice
+    from pipeline.training.classifier import IMDBDataModule
+
+
+def build_trainer(params: TrainParams, work_dir: Path, callbacks: list[L.Callback], logger: Any = False,
+                  profiler_dir: Path | None = None, enable_progress_bar: bool = True, validate: bool = True,
+                  model_summary: bool = True) -> L.Trainer:
+    """A Trainer configured from params; profiler traces go to `profiler_dir` when enabled. `validate` False runs no
+    validation loop (a job without a validation split, QAT). Lightning's own checkpointing is on only where the
+    callbacks hold a `ModelCheckpoint`: its default one would write a checkpoint nobody reads into `work_dir`."""
+    from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+
+    profiler: Any = None
+    if params.profiler:
+        from lightning.pytorch.profilers import PyTorchProfiler
+
+        if profiler_dir is None:
+            raise ValueError("train.profiler needs a profiler output directory")
+        profiler_dir.mkdir(parents=True, exist_ok=True)
+        profiler = PyTorchProfiler(
+            dirpath=str(profiler_dir), filename="trace", export_to_chrome=True,
+            schedule=torch.profiler.schedule(wait=2, warmup=2, active=5, repeat=1),
+        )
+    accelerator = "gpu" if params.accelerator == "cuda" else params.accelerator
+    strategy: Any = params.strategy
+    devices, num_nodes = params.devices, params.num_nodes
+    elastic = elastic_world()
+    if elastic is not None:  # under torchrun the group's shape is the rendezvous's, which may vary between restarts
+        devices, num_nodes = elastic
+        strategy = "ddp" if strategy == "auto" else strategy
+    if strategy in ("ddp", "ddp_spawn") and not torch.cuda.is_available():
+        from lightning.pytorch.strategies import DDPStrategy
+
+        # gloo is the CPU backend; NCCL is picked automatically on CUDA.
+        strategy = DDPStrategy(process_group_backend="gloo",
+                               start_method="spawn" if params.strategy == "ddp_spawn" else "popen")
+    checkpointing = any(isinstance(c, ModelCheckpoint) for c in callbacks)
+    if enable_progress_bar:  # tqdm also reports when stderr is a log file, unlike the rich bar
+        callbacks = [*callbacks, TQDMProgressBar(refresh_rate=10)]
+    lightning_lines_once()
+    return L.Trainer(
+        max_epochs=params.epochs, accelerator=accelerator, devices=devices, num_nodes=num_nodes,
+        strategy=strategy, precision=params.precision, accumulate_grad_batches=params.grad_accum,
+        val_check_interval=1.0 / params.val_checks_per_epoch, num_sanity_val_steps=0,
+        limit_val_batches=None if validate else 0, enable_checkpointing=checkpointing,
+        enable_model_summary=model_summary,
+        default_root_dir=str(work_dir), callbacks=callbacks, logger=logger, profiler=profiler,
+        enable_progress_bar=enable_progress_bar, use_distributed_sampler=False, log_every_n_steps=10,
+        deterministic=False, plugins=[AtomicCheckpointIO()],
+    )
+
+
+def elastic_world() -> tuple[int, int] | None:
+    """(processes per machine, machines) when this process is a torchelastic worker (`torchrun`), else None."""
+    from lightning.fabric.plugins.environments import TorchElasticEnvironment
+
+    if not TorchElasticEnvironment.detect():
+        return None
+    local = int(os.environ["LOCAL_WORLD_SIZE"])
+    return local, max(int(os.environ["WORLD_SIZE"]) // local, 1)
+
+
+def seed_run(params: TrainParams) -> None:
+    """The job's intra-op threads (`train.threads`, if set) and every RNG seeded from `train.seed`; called before
+    anything draws random numbers (the classifier head's initialisation, dropout)."""
+    if params.threads:
+        torch.set_num_threads(params.threads)
+    L.seed_everything(params.seed, workers=True, verbose=False)
+
+
+@dataclass(frozen=True)
+class Fitted:
+    """What a fit left: its Trainer, its curves, and the best checkpoint by validation accuracy (its path, "" when
+    the job does not validate, and its score, NaN then)."""
+
+    trainer: L.Trainer
+    curves: CurveRecorder
+    best_checkpoint: str
+    best_score: float
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps over the whole run (a resumed run's include the interrupted attempts')."""
+        return int(self.trainer.global_step)
+
+
+def fit(module: L.LightningModule, params: TrainParams, *, store: CheckpointStore | None, plan: ResumePlan | None,
+        position: LoaderPosition, datamodule: IMDBDataModule | None = None, loader: DataLoader | None = None,
+        sink: MetricSink | None = None, keep_best: bool = True, profiler_dir: Path | None = None,
+        model_summary: bool = True) -> Fitted:
+    """Train `module` on `datamodule` (or on the training `loader` alone), resuming from `plan`'s checkpoint.
+
+    With `store`, checkpoints go to the job's directory periodically and when a stop signal arrives (and the
+    training `position` in the epoch with them). `keep_best` validates and keeps the best checkpoint by validation
+    accuracy in the store's `best/`, and loads it back into `module` on rank 0 once training ends; without it the
+    job runs no validation and keeps its last weights (QAT). `sink` receives the curves' points (MLflow)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    curves = CurveRecorder(sink=sink)
+    callbacks: list[L.Callback] = [curves, *(store.callbacks(position) if store is not None else [])]
+    best: ModelCheckpoint | None = None
+    if keep_best:
+        if store is None:
+            raise ValueError("keeping the best checkpoint needs the job's CheckpointStore")
+        best = ModelCheckpoint(dirpath=str(store.best_dir), monitor="val_acc", mode="max", save_top_k=1,
+                               filename="best-{step}-{val_acc:.4f}", enable_version_counter=False)
+        callbacks.insert(0, best)
+    with tempfile.TemporaryDirectory(prefix="fit-") as tmp:
+        trainer = build_trainer(params, Path(tmp), callbacks, profiler_dir=profiler_dir, validate=keep_best,
+                                model_summary=model_summary)
+        trainer.fit(module, datamodule=datamodule, train_dataloaders=loader,
+                    ckpt_path=plan.ckpt_path if plan is not None else None)
+    path = best.best_model_path if best is not None else ""
+    if path and trainer.is_global_zero:  # the best epoch by validation accuracy, not the last
+        module.load_state_dict(torch.load(path, map_location="cpu", weights_only=True)["state_dict"])
+    score = best.best_model_score if best is not None else None
+    return Fitted(trainer, curves, path, float(score) if score is not None else float("nan"))
+
+
+def predict_split(module: L.LightningModule, dm: IMDBDataModule, split: str = "test") -> tuple[np.ndarray, np.ndarray]:
+    """Logits and true labels for a split (rank 0, single process), scored as the evaluate stage scores.
+
+    Scored in full precision on the device training used (Lightning hands the module back on the CPU), and
+    left on the CPU afterwards for saving."""
+    from pipeline.core.machine import trains_on_cuda
+    from pipeline.runtimes.eager import predict_logits_on
+
+    module.eval()
+    ds = dm.datasets[split]
+    device = "cuda" if trains_on_cuda(dm.params.accelerator) else "cpu"
+    logits = predict_logits_on(module.model, device, ds.input_ids, dm.params.eval_batch_size, dm.collate.pad_id,
+                               progress=f"score {split}")
+    return logits, ds.labels
+
+
+def save_model(model: torch.nn.Module, tokenizer: Any, model_dir: Path, data: DataParams,
+               model_params: ModelParams, params: TrainParams, choices: Sequence[Choice] = (),
+               extra: dict[str, Any] | None = None) -> None:
+    """HF weights + config (with id2label) + tokenizer + the preprocessing that inference must repeat, and the
+    machine-dependent choices training made (`auto` settings, with the CPU they were resolved on); `extra`
+    sections join the record (the distill stage's `distillation`)."""
+    from pipeline.core.machine import isa_record
+
+    model_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    meta = {
+        "format": "huggingface", "dtype": "float32", "task": "sentiment", "labels": model.config.id2label,
+        "preprocessing": {"max_length": data.max_length, "truncation": data.truncation,
+                          "head_fraction": data.head_fraction, "clean": "strip <br /> and collapse spaces"},
+        "params": {"data": to_dict(data), "model": to_dict(model_params), "train": to_dict(params)},
+        "choices": {c.setting: c.to_dict() for c in choices}, "built_on": isa_record(), **(extra or {}),
+    }
+    write_json(model_dir / "pipeline.json", meta)
