@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -10,9 +11,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pipeline.core.io import read_predictions
+from pipeline.core.machine import default_threads
 from pipeline.core.params import EvaluateParams, PackageParams, Params, TargetsParams, flatten
 from pipeline.data.tokens import read_tokenized
-from pipeline.runtimes.base import predict_logits
+from pipeline.runtimes.base import Runtime, predict_logits
 from pipeline.runtimes.catalog import REFERENCE, spec
 from pipeline.runtimes.record import VariantError, read_variant, size_mb
 from pipeline.runtimes.registry import load_runner
@@ -72,10 +74,11 @@ def score_variants(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Pa
             continue
         t0 = time.perf_counter()
         try:
-            pred = predict_logits(load_runner(directory, params.threads), seqs, params.batch_size,
-                                  progress=name).argmax(-1)
+            runner, callers = runner_for_test_split(directory, params.threads)
+            pred = predict_logits(runner, seqs, params.batch_size, progress=name, callers=callers).argmax(-1)
         except Exception as exc:
             raise VariantError(f"variant {name} failed to run on the test split: {exc}") from exc
+        entry["scored_with"] = {**runner.describe(), "concurrent_calls": callers}
         correct[name] = pred == labels
         entry.update(
             accuracy=float((pred == labels).mean()),
@@ -93,6 +96,20 @@ def score_variants(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Pa
             entry["accuracy_delta_pt"] = round(100 * (entry["accuracy"] - fp32), 3)
     paired_with_most_accurate(results, correct, targets or TargetsParams())
     return results
+
+
+def runner_for_test_split(directory: Path, threads: int | None) -> tuple[Runtime, int]:
+    """The runner that scores a variant's test split, and how many threads call it at once.
+
+    A variant scored one review per call (`batching: rows`: its activation scales span the batch) runs small
+    matrix products that a second intra-op thread barely speeds up; the same cores score more reviews as that
+    many one-thread calls at once (each review is still scored alone, so the logits do not change). Batched
+    variants keep one call with every thread."""
+    runner = load_runner(directory, threads)
+    cores = threads or default_threads() or len(os.sched_getaffinity(0))
+    if runner.describe().get("batching") != "rows" or cores < 2:
+        return runner, 1
+    return load_runner(directory, 1), cores
 
 
 def paired_with_most_accurate(results: dict[str, dict[str, Any]], correct: dict[str, np.ndarray],

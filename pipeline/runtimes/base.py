@@ -49,19 +49,39 @@ def pad_batch(seqs: Sequence[np.ndarray], pad_id: int = 0, width: int | None = N
 
 
 def predict_logits(runner: Runner, seqs: Sequence[np.ndarray], batch_size: int = 64, pad_id: int = 0,
-                   progress: str | None = None) -> np.ndarray:
-    """Logits for token-id arrays in their original order, batched by length to save padding."""
+                   progress: str | None = None, callers: int = 1) -> np.ndarray:
+    """Logits for token-id arrays in their original order, batched by length to save padding.
+
+    `callers` > 1: that many threads call `runner` at once, each on its own batches (a runner must be safe to call
+    concurrently, as every runtime here is). Each batch is scored by exactly one call, so the logits are those of
+    one caller; only the wall time changes."""
     order = np.argsort([len(s) for s in seqs], kind="stable")
     out = np.zeros((len(seqs), 2), dtype=np.float32)
-    starts = range(0, len(order), batch_size)
+    starts = list(range(0, len(order), batch_size))
+    bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        starts = tqdm(starts, desc=progress, unit="batch")
-    for start in starts:
+        bar = tqdm(total=len(starts), desc=progress, unit="batch")
+
+    def score(start: int) -> None:
         idx = order[start : start + batch_size]
         ids, mask = pad_batch([seqs[i] for i in idx], pad_id)
-        out[idx] = runner(ids, mask)
+        out[idx] = runner(ids, mask)  # disjoint rows per batch: no two calls write the same row
+        if bar is not None:
+            bar.update(1)
+
+    if callers > 1 and len(starts) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=callers, thread_name_prefix="score") as pool:
+            for done in [pool.submit(score, start) for start in starts]:
+                done.result()  # re-raises a failed call's exception here
+    else:
+        for start in starts:
+            score(start)
+    if bar is not None:
+        bar.close()
     return out
 
 

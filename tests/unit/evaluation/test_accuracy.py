@@ -124,3 +124,48 @@ def test_every_built_variant_is_an_mlflow_model_with_its_scores(built, tiny_mode
     corpus = [f"{t} #{i}" for i in range(150) for t in texts]  # 300 rows: more than a request may hold
     scored = loaded.predict(pd.DataFrame({"text": corpus}))
     assert len(scored) == 300 and scored["label"].tolist() == [p.label for p in want] * 150
+
+
+def test_concurrent_callers_score_every_batch_once_with_the_same_logits():
+    """`predict_logits(callers=2)`: two threads call the runner at the same time (a barrier both must reach proves
+    the overlap), every review is scored exactly once, and the logits come back in input order."""
+    import threading
+
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(1, 500, size=int(n)) for n in rng.integers(3, 40, size=37)]
+    meet = threading.Barrier(2, timeout=30)
+    waited: set[str] = set()
+    seen: list[int] = []
+    lock = threading.Lock()
+
+    def runner(ids, mask):
+        name = threading.current_thread().name
+        if name.startswith("score") and name not in waited:  # each calling thread's first call meets the other's
+            waited.add(name)
+            meet.wait()
+        with lock:
+            seen.extend(int(r) for r in ids[:, 0])
+        lengths = mask.sum(1)
+        return np.stack([ids[:, 0] * 1.0, lengths * 1.0], axis=1).astype(np.float32)
+
+    alone = predict_logits(runner, seqs, 4)
+    seen.clear()
+    together = predict_logits(runner, seqs, 4, callers=2)  # a barrier neither thread could pass alone
+    assert len(waited) == 2 and not meet.broken  # both callers were inside the runner at once
+    np.testing.assert_array_equal(together, alone)
+    np.testing.assert_array_equal(together[:, 1], [len(s) for s in seqs])
+    assert sorted(seen) == sorted(int(s[0]) for s in seqs)  # every review once
+
+
+def test_a_rows_variant_is_scored_by_one_thread_calls_on_every_core(built, tiny_model_dir, monkeypatch):
+    """A variant scored one review per call gets `threads` one-thread calls at once, recorded with its result;
+    its labels are those of the default runner."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    results = score_variants(tiny_model_dir, {"int8-dynamic": built["dirs"]["int8-dynamic"]}, built["tokenized"],
+                             EvaluateParams(batch_size=16, threads=2))
+    used = results["int8-dynamic"]["scored_with"]
+    assert used["batching"] == "rows" and used["threads"] == 1 and used["concurrent_calls"] == 2
+    seqs = read_tokenized(built["tokenized"], "test")["input_ids"].tolist()
+    labels = read_tokenized(built["tokenized"], "test")["label"].to_numpy()
+    pred = predict_logits(load_runner(built["dirs"]["int8-dynamic"], 2), seqs, 16).argmax(-1)
+    assert results["int8-dynamic"]["accuracy"] == float((pred == labels).mean())
