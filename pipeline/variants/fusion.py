@@ -15,7 +15,7 @@ import numpy as np
 from pipeline.runtimes.base import Runner
 from pipeline.runtimes.ort import OrtRunner
 from pipeline.variants.export import export_onnx, inference_model, parity
-from pipeline.variants.onnx_int8 import QuantizeError, int8_census, quantize_dynamic_onnx, weight_record
+from pipeline.variants.onnx_int8 import MS_DOMAIN, QuantizeError, int8_census, quantize_dynamic_onnx, weight_record
 
 if TYPE_CHECKING:
     import onnx_ir as ir
@@ -26,7 +26,6 @@ log = logging.getLogger(__name__)
 
 # The fused graph must compute what fp32-onnx computes: fusion reorders float sums, nothing more.
 FUSION_TOLERANCE = 1e-4
-MS_DOMAIN = "com.microsoft"
 
 
 def optimize_for_quantization(src: Path, dst: Path) -> dict[str, int]:

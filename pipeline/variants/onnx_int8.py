@@ -20,9 +20,14 @@ from pipeline.variants.calibration import CALIBRATION_METHODS, TokenCalibrationR
 from pipeline.variants.onnx_census import activation_matmuls, ffn_output_matmuls, matmul_census
 
 if TYPE_CHECKING:
+    import onnx
+
     from pipeline.core.machine import Choice
 
 log = logging.getLogger(__name__)
+
+# onnxruntime's contrib-op domain (the fused graph's Attention, SkipLayerNormalization, BiasGelu).
+MS_DOMAIN = "com.microsoft"
 
 
 class QuantizeError(UserError):
@@ -76,14 +81,21 @@ def quantize_static_onnx_methods(src: Path, dsts: dict[str, Path], calibration: 
     """QDQ static INT8, one model per calibration method in `dsts`: uint8 activations with calibrated ranges,
     per-channel weights in the format `params.weights()` resolves to (see `QuantizeParams.weight_format`).
 
-    Matrix products with a weight operand are quantized; the two activation-only products of each attention
-    layer stay float (see `activation_matmuls`).
+    `src` is either the plain export or, faster, the graph `int8-dynamic` quantizes (onnxruntime's fused
+    `Attention`, `SkipLayerNormalization`, `BiasGelu`; see `pipeline.variants.fusion`): each fused `Attention`
+    is first split into its packed Q/K/V product and a float `MultiHeadAttention` (`attention_as_projection`),
+    since the QDQ quantizer has no `Attention` op. Matrix products with a weight operand are quantized; the two
+    activation-only products of each attention layer stay float (inside `MultiHeadAttention`, or
+    `activation_matmuls` in the plain graph).
 
-    Only MatMul/Gemm (compute) and Gather (the embedding table, most of the file) are quantized:
-    quantizing Add/LayerNorm/Softmax costs BERT accuracy for little speed. With `dynamic_ffn_output_of` set to
-    the FFN width, the FFN down-projections are left out of calibration (see `ffn_output_matmuls`) and
-    quantized dynamically instead (`dynamic_int8_matmuls`). Pre-processing and that dynamic pass do not depend
-    on the calibration method, so they run once for all methods.
+    Only the inputs of MatMul/Gemm (compute) and Gather (the embedding table, most of the file) are quantized:
+    the products' outputs stay float (onnxruntime then runs each as one `MatMulIntegerToFloat`; a quantized
+    output made it `QLinearMatMul` + `DequantizeLinear` + float bias `Add`, one more rounding per product), and
+    consumers of a quantized activation other than the products (the residual `Add`/`SkipLayerNormalization`)
+    read the float tensor (`float_for_other_consumers`), as `int8-dynamic` and QAT's fake quantizers do.
+    With `dynamic_ffn_output_of` set to the FFN width, the FFN down-projections are left out of calibration
+    (see `ffn_output_matmuls`) and quantized dynamically instead (`dynamic_int8_matmuls`). Pre-processing and
+    that dynamic pass do not depend on the calibration method, so they run once for all methods.
     """
     import onnx
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
@@ -94,7 +106,19 @@ def quantize_static_onnx_methods(src: Path, dsts: dict[str, Path], calibration: 
         raise QuantizeError(f"unknown calibration method {unknown[0]!r}; use one of {CALIBRATION_METHODS}")
     with tempfile.TemporaryDirectory(prefix="quant-") as tmp:
         pre = Path(tmp) / "pre.onnx"
-        quant_pre_process(str(src), str(pre), skip_symbolic_shape=True)
+        model = onnx.load(str(src))
+        fused = any(n.domain == MS_DOMAIN for n in model.graph.node)
+        if fused:
+            # onnxruntime's pre-processing cannot type the contrib ops; ONNX's inference inside quantize_static
+            # types the rest from the float types given here.
+            attention_as_projection(model)
+            typed_contrib_outputs(model)
+            onnx.save(model, str(pre))
+        else:
+            # No symbolic shape inference (it fails on the exporter's graph); ONNX's own inference types every
+            # tensor of the unfused graph, which is what the quantizer needs.
+            quant_pre_process(str(src), str(pre), skip_symbolic_shape=True)
+        del model
         graph = onnx.load(str(pre), load_external_data=False).graph
         names = {i.name for i in graph.input}
         excluded = activation_matmuls(graph)
@@ -105,17 +129,105 @@ def quantize_static_onnx_methods(src: Path, dsts: dict[str, Path], calibration: 
             converted = dynamic_int8_matmuls(pre, base, ffn, params.per_channel, params.weights())
             if converted != len(ffn):
                 raise QuantizeError(f"only {converted} of {len(ffn)} FFN down-projections were quantized dynamically")
+            if fused:  # the dynamic pass drops intermediate types
+                with_types = onnx.load(str(base))
+                typed_contrib_outputs(with_types)
+                onnx.save(with_types, str(base))
         for method, dst in dsts.items():
-            # No symbolic shape inference (it fails on the exporter's graph); ONNX's own inference types every
-            # tensor of the unfused graph, which is what the quantizer needs.
+            options = calibration_options(method, params, activation_symmetric=False)
+            options["extra_options"]["OpTypesToExcludeOutputQuantization"] = ["MatMul", "Gemm"]
             quantize_static(
                 str(base), str(dst), TokenCalibrationReader(calibration, params.calibration_batch_size, names,
                                                             pad_id),
                 quant_format=QuantFormat.QDQ, per_channel=params.per_channel, activation_type=QuantType.QUInt8,
                 **weight_options(params.weights()),
-                op_types_to_quantize=["MatMul", "Gemm", "Gather"], nodes_to_exclude=excluded,
-                **calibration_options(method, params, activation_symmetric=False),
+                op_types_to_quantize=["MatMul", "Gemm", "Gather"], nodes_to_exclude=excluded, **options,
             )
+            quantized = onnx.load(str(dst))
+            float_for_other_consumers(quantized)
+            onnx.save(quantized, str(dst))
+
+
+#: Attributes a fused `Attention` may carry that `MultiHeadAttention` takes unchanged.
+_MHA_ATTRIBUTES = ("num_heads", "scale", "mask_filter_value")
+
+
+def attention_as_projection(model: onnx.ModelProto) -> int:
+    """Replace each fused `Attention` (packed Q/K/V weight, bias, raw padding mask) by the same computation in
+    ops the QDQ quantizer handles: one `MatMul` with the packed weight, a `Split` into Q, K and V, and a float
+    `MultiHeadAttention` that adds the bias and applies the mask as its key padding mask. Returns how many were
+    replaced; an `Attention` with inputs or attributes beyond those is left as it is (and stays float)."""
+    from onnx import helper, numpy_helper
+
+    graph = model.graph
+    nodes: list[onnx.NodeProto] = []
+    replaced = 0
+    for node in graph.node:
+        inputs = list(node.input) + [""] * (4 - len(node.input))
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        weight = next((i for i in graph.initializer if i.name == inputs[1]), None)
+        if (node.op_type != "Attention" or node.domain != MS_DOMAIN or weight is None or not inputs[2]
+                or any(inputs[4:]) or set(attrs) - set(_MHA_ATTRIBUTES) or len(node.output) > 1):
+            nodes.append(node)
+            continue
+        prefix = node.name or node.output[0]
+        width = int(weight.dims[1]) // 3
+        sizes = f"{prefix}_split_sizes"
+        graph.initializer.append(numpy_helper.from_array(np.array([width] * 3, dtype=np.int64), sizes))
+        qkv = [f"{prefix}_{part}" for part in ("q", "k", "v")]
+        nodes += [
+            helper.make_node("MatMul", inputs[:2], [f"{prefix}_qkv"], name=f"{prefix}_qkv_matmul"),
+            helper.make_node("Split", [f"{prefix}_qkv", sizes], qkv, name=f"{prefix}_qkv_split", axis=-1),
+            helper.make_node("MultiHeadAttention", [*qkv, inputs[2], inputs[3]], [node.output[0]],
+                             name=f"{prefix}_mha", domain=MS_DOMAIN, **attrs),
+        ]
+        replaced += 1
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return replaced
+
+
+def typed_contrib_outputs(model: onnx.ModelProto) -> None:
+    """Declare every output of an onnxruntime contrib op (which ONNX's shape inference cannot type) as float:
+    the QDQ quantizer leaves a product whose input has no known type in float, silently."""
+    from onnx import TensorProto, helper
+
+    graph = model.graph
+    typed = {v.name for v in graph.value_info} | {o.name for o in graph.output}
+    for node in graph.node:
+        if node.domain == MS_DOMAIN:
+            for name in node.output:
+                if name and name not in typed:
+                    graph.value_info.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, None))
+                    typed.add(name)
+
+
+def float_for_other_consumers(model: onnx.ModelProto) -> int:
+    """Point every consumer of a calibrated activation's `DequantizeLinear` that is not a quantized product
+    (MatMul/Gemm) back at the float tensor; returns how many inputs were rewired.
+
+    onnxruntime's QDQ quantizer feeds all consumers of a quantized tensor from one Q/DQ pair, so the residual
+    `Add` (or `SkipLayerNormalization`) after each LayerNorm read the uint8-rounded copy of the hidden states,
+    a rounding the float model, `int8-dynamic` and QAT's fake quantizers do not have. The embedding `Gather`'s
+    output pair is kept: onnxruntime folds it into a Gather on the INT8 table."""
+    graph = model.graph
+    producer = {out: node for node in graph.node for out in node.output}
+    weights = {init.name for init in graph.initializer}
+    rewired = 0
+    for node in graph.node:
+        if node.op_type in ("MatMul", "Gemm", "Gather"):
+            continue
+        for k, name in enumerate(node.input):
+            dq = producer.get(name)
+            q = producer.get(dq.input[0]) if dq is not None and dq.op_type == "DequantizeLinear" else None
+            if q is None or q.op_type != "QuantizeLinear" or q.input[0] in weights:
+                continue
+            source = producer.get(q.input[0])
+            if source is not None and source.op_type == "Gather":
+                continue
+            node.input[k] = q.input[0]
+            rewired += 1
+    return rewired
 
 
 def dynamic_int8_matmuls(src: Path, dst: Path, node_names: Sequence[str], per_channel: bool = True,

@@ -62,20 +62,25 @@ class QuantizeInputs:
     choice: Choice  # how the stage resolved quantize.weight_format
     tmp: Path
     _static: dict[str, Any] | None = None
+    _fused: tuple[Path, dict[str, Any]] | None = None
 
     def static_calibration(self) -> dict[str, Any]:
         """The static QDQ model of each calibration method (in `tmp`) and the one chosen, built once."""
         if self._static is None:
-            # Static QDQ starts from the unfused export: onnxruntime's fused contrib ops carry no type
-            # information, and quantize_static silently leaves every MatMul fed by them in float.
-            # onnxruntime applies its fusions around the QDQ nodes when the session loads.
             self._static = _static_with_selection(self)
         return self._static
+
+    def graph_for_quantization(self) -> tuple[Path, dict[str, Any]]:
+        """The finetuned model's graph as onnxruntime INT8 starts from, and what fusion did (built once; see
+        `_graph_for_quantization`): int8-dynamic quantizes it dynamically, int8-static statically."""
+        if self._fused is None:
+            self._fused = _graph_for_quantization(self)
+        return self._fused
 
 
 def _build_dynamic(inputs: QuantizeInputs, out: Path) -> dict[str, Any]:
     q = inputs.q
-    base, fusion = _graph_for_quantization(inputs)
+    base, fusion = inputs.graph_for_quantization()
     quantize_dynamic_onnx(base, out / "model.onnx", q.per_channel, q.weights())
     return {"method": "onnxruntime.quantize_dynamic", "per_channel": q.per_channel, **weight_record(inputs.choice),
             "fused_graph": q.optimize_graph, **fusion, **int8_census(out, "int8-dynamic")}
@@ -91,6 +96,7 @@ def _build_static(inputs: QuantizeInputs, out: Path) -> dict[str, Any]:
     q, best = inputs.q, inputs.static_calibration()
     (inputs.tmp / f"static-{best['method']}.onnx").replace(out / "model.onnx")
     return {"method": "onnxruntime.quantize_static (QDQ)", "calibration": best["method"],
+            "fused_graph": inputs.q.optimize_graph, **best["fusion"],
             "calibration_samples": len(inputs.calibration), "per_channel": q.per_channel,
             **weight_record(inputs.choice), "dynamic_ffn_output": inputs.ffn_width is not None,
             "cls_readout": inputs.cls_readout, "selection_val_accuracy": best["scores"],
@@ -169,8 +175,9 @@ def _graph_for_quantization(inputs: QuantizeInputs) -> tuple[Path, dict[str, Any
 
 
 def _static_with_selection(inputs: QuantizeInputs) -> dict[str, Any]:
-    """Build one static model per calibration method from the unfused fp32-onnx file; keep the most accurate on
-    validation reviews.
+    """Build one static model per calibration method from the graph int8-dynamic quantizes (fused for
+    onnxruntime when `quantize.optimize_graph`, else the fp32-onnx file); keep the most accurate on validation
+    reviews.
 
     With a single method there is nothing to choose, so no validation pass is spent on it (`scores` is empty).
     """
@@ -179,12 +186,12 @@ def _static_with_selection(inputs: QuantizeInputs) -> dict[str, Any]:
     params, val = inputs.q, inputs.val
     seqs, labels = val["input_ids"].tolist(), val["label"].to_numpy()
     paths = {method: inputs.tmp / f"static-{method}.onnx" for method in params.calibration_methods}
-    quantize_static_onnx_methods(inputs.fp32_onnx / "model.onnx", paths, inputs.calibration, params, inputs.pad_id,
-                                 inputs.ffn_width)
+    src, fusion = inputs.graph_for_quantization()
+    quantize_static_onnx_methods(src, paths, inputs.calibration, params, inputs.pad_id, inputs.ffn_width)
     if len(paths) == 1:
         method = next(iter(paths))
         log.info("int8-static calibration %s: the only method configured, no selection pass", method)
-        return {"method": method, "scores": {}}
+        return {"method": method, "scores": {}, "fusion": fusion}
     scores: dict[str, float] = {}
     for method, path in paths.items():
         logits = predict_logits(OrtRunner(path), seqs, params.calibration_batch_size, pad_id=inputs.pad_id,
@@ -192,7 +199,7 @@ def _static_with_selection(inputs: QuantizeInputs) -> dict[str, Any]:
         scores[method] = float((logits.argmax(-1) == labels).mean())
         log.info("int8-static calibration %s: validation accuracy %.4f", method, scores[method])
     best = max(scores, key=lambda m: (scores[m], -params.calibration_methods.index(m)))
-    return {"method": best, "scores": scores}
+    return {"method": best, "scores": scores, "fusion": fusion}
 
 
 def _qat(inputs: QuantizeInputs, method: str, out: Path) -> dict[str, Any]:
@@ -225,8 +232,15 @@ def _qat(inputs: QuantizeInputs, method: str, out: Path) -> dict[str, Any]:
     fp32 = inputs.tmp / "qat-fp32.onnx"
     graph, readout = inference_model(model, inputs.cls_readout)  # qat_finetune leaves the model in eval mode
     export_onnx(graph, fp32, max_length_of(inputs.meta))
+    src, fusion = fp32, {}
+    if params.optimize_graph:  # the same fused graph as int8-static's, checked against the QAT model's export
+        check = FusionCheck(OrtRunner(fp32, optimization="disable"), "the QAT model's fp32 export",
+                            int(inputs.arch["num_layers"]), max_length_of(inputs.meta),
+                            inputs.val["input_ids"].tolist()[:16], inputs.pad_id)
+        (inputs.tmp / "qat").mkdir(exist_ok=True)
+        src, fusion = fused_graph(model, inputs.cls_readout, check, inputs.tmp / "qat")
     out.mkdir(parents=True, exist_ok=True)
-    quantize_static_onnx(fp32, out / "model.onnx", inputs.calibration, method, params, inputs.pad_id,
+    quantize_static_onnx(src, out / "model.onnx", inputs.calibration, method, params, inputs.pad_id,
                          inputs.ffn_width)
     linears = "every Linear but the FFN down-projections (quantized per batch)" if inputs.ffn_width else "every Linear"
     return {"method": f"QAT ({FAKE_QUANT_API} on {linears}) + onnxruntime QDQ", "calibration": method,
@@ -235,4 +249,4 @@ def _qat(inputs: QuantizeInputs, method: str, out: Path) -> dict[str, Any]:
             "qat_lr": params.qat_lr, "qat_distillation": params.qat_distillation,
             "qat_final_loss": round(result.final_loss, 4), **{f"qat_{k}": v for k, v in plan.record().items()},
             "fake_quant_layers": result.wrapped_layers, "dynamic_ffn_output": inputs.ffn_width is not None,
-            **readout}
+            "fused_graph": params.optimize_graph, **fusion, **readout}

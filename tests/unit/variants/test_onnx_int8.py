@@ -80,3 +80,69 @@ def test_the_formats_auto_picks_without_vnni_give_exact_int8_products(weight_for
     onnx.checker.check_model(model)
     y = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"A": a})[0]
     assert np.array_equal(y, a.astype(np.int64) @ b.astype(np.int64))
+
+
+def test_attention_as_projection_computes_what_the_fused_attention_does():
+    """The static build's split of a fused `Attention` (packed Q/K/V product + `MultiHeadAttention` with the bias
+    and the key padding mask) gives the fused op's output, padding included."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from pipeline.variants.onnx_int8 import attention_as_projection
+
+    rng = np.random.default_rng(0)
+    weight = numpy_helper.from_array(rng.normal(size=(8, 24)).astype(np.float32), "weight")
+    bias = numpy_helper.from_array(rng.normal(size=24).astype(np.float32), "bias")
+    node = helper.make_node("Attention", ["x", "weight", "bias", "mask"], ["y"], domain="com.microsoft",
+                            name="attention", num_heads=2)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "s", 8]),
+                                            helper.make_tensor_value_info("mask", TensorProto.INT32, ["b", "s"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", "s", 8])], [weight, bias])
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets, ir_version=10)
+    x = rng.normal(size=(2, 5, 8)).astype(np.float32)
+    mask = np.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], dtype=np.int32)
+
+    def run(m: onnx.ModelProto) -> np.ndarray:
+        session = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        return session.run(None, {"x": x, "mask": mask})[0]
+
+    fused = run(model)
+    assert attention_as_projection(model) == 1
+    assert [n.op_type for n in model.graph.node] == ["MatMul", "Split", "MultiHeadAttention"]
+    np.testing.assert_allclose(run(model), fused, atol=1e-5)
+
+
+def test_static_products_read_calibrated_inputs_and_write_float(built, tmp_path):
+    """int8-static and int8-qat (built from the fused graph): every weight product runs as one
+    `MatMulIntegerToFloat` or `DynamicQuantizeMatMul` (no output requantization, no `QLinearMatMul`), attention
+    as `MultiHeadAttention`, and only the products read the uint8-rounded activations: the residual path and
+    the other float ops read the float tensor."""
+    import onnx
+    import onnxruntime as ort
+
+    from pipeline.variants.onnx_census import INTEGER_OPS
+
+    for name in ("int8-static", "int8-qat"):
+        path = built["dirs"][name] / "model.onnx"
+        graph = onnx.load(str(path)).graph
+        producer = {o: n for n in graph.node for o in n.output}
+        for node in graph.node:
+            if node.op_type in ("MatMul", "Gemm", "Gather", "QuantizeLinear", "DequantizeLinear"):
+                continue
+            for i in node.input:
+                dq = producer.get(i)
+                if dq is not None and dq.op_type == "DequantizeLinear":  # only the embedding Gather's pair is kept
+                    assert producer[producer[dq.input[0]].input[0]].op_type == "Gather", (name, node.name)
+        opts = ort.SessionOptions()
+        opts.optimized_model_filepath = str(tmp_path / f"{name}.onnx")
+        ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
+        ops = [n.op_type for n in onnx.load(str(tmp_path / f"{name}.onnx")).graph.node]
+        floats = {"QLinearMatMul", "MatMul", "FusedMatMul", "Attention"} & set(ops)
+        assert not floats, (name, sorted(ops))
+        assert ops.count("MultiHeadAttention") == 2 and ops.count("SkipLayerNormalization") == 4, (name, ops)
+        # The [CLS] head (pooler, classifier: one row each) may stay a Gemm on dequantized INT8 weights: the
+        # QAT export keeps them as Gemm, which onnxruntime does not fuse with float biases.
+        gemms = ops.count("Gemm") + ops.count("FusedGemm")
+        assert gemms <= 2 and sum(ops.count(op) for op in INTEGER_OPS) + gemms == 12, (name, sorted(ops))
