@@ -5,9 +5,10 @@ A stage runs `python -m stages.<name>`; its import closure is every project modu
 `stages/<name>.py` through `import` statements (function-level imports included, `if TYPE_CHECKING:` blocks
 left out: they never run), plus the packages' `__init__.py` that hold code (a docstring and constants are no code).
 Its code deps are those files, the files a module reads beside itself (`READS`) and what a stage copies rather
-than imports (`COPIES`). Only the entries under the project's packages are rewritten; data deps (`data/...`,
-`models/...`, `${data.local_dir}`), their order and every comment stay as they are, and a code dep that stays keeps
-its comment. The tests (`tests/unit/core/test_dvc_graph.py`) use the same walk."""
+than imports (`COPIES`: modules whose own import closure it copies). Only the entries under the project's
+packages are rewritten; data deps (`data/...`, `models/...`, `${data.local_dir}`), their order and every comment
+stay as they are, and a code dep that stays keeps its comment. The tests (`tests/unit/core/test_dvc_graph.py`)
+use the same walk."""
 
 from __future__ import annotations
 
@@ -28,11 +29,12 @@ PROJECT_PACKAGES = ("pipeline", "serving", "stages")
 READS: Mapping[str, tuple[str, ...]] = {
     "pipeline/evaluation/report.py": ("pipeline/evaluation/templates",),  # the report's jinja templates
 }
-#: What a stage copies as files besides what it imports. `package` puts the whole `pipeline` package into the
-#: TorchServe archive (`pipeline.deployment.archive`), so any edit there changes `model_store/sentiment.mar`
-#: whatever the stage imports, and the archive's entry point is `serving/handler.py`, which the stage never imports.
+#: What a stage copies as files besides what it imports, as the modules whose import closure it copies: `package`
+#: puts the TorchServe handler (`serving/handler.py`, which the stage never imports) and every project module the
+#: handler imports into the archive (`pipeline.deployment.archive`), so an edit of one of those changes
+#: `model_store/sentiment.mar` and nothing else does.
 COPIES: Mapping[str, tuple[str, ...]] = {
-    "package": ("pipeline", "serving/handler.py"),
+    "package": ("serving.handler",),
 }
 _DEP_LINE = re.compile(r"^(?P<indent>\s+)- (?P<value>\S+)(?P<rest>.*)$")
 
@@ -87,8 +89,21 @@ def _imported_modules(path: Path, root: Path, mtime_ns: int, size: int) -> froze
 def import_closure(stage: str, root: Path = ROOT) -> set[Path]:
     """Every project file `python -m stages.<stage>` imports (relative to `root`), each package's `__init__.py`
     included."""
+    return module_closure(f"stages.{stage}", root)
+
+
+def copied_files(stage: str, root: Path = ROOT) -> set[Path]:
+    """What `stage` copies besides what it imports (`COPIES`): each copied module's import closure, packages'
+    `__init__.py` included (the copy must import), and the files those modules read (`READS`)."""
+    files = {f for module in COPIES.get(stage, ()) for f in module_closure(module, root)}
+    return files | {Path(r) for f in files for r in READS.get(f.as_posix(), ())}
+
+
+def module_closure(entry: str, root: Path = ROOT) -> set[Path]:
+    """Every project file importing module `entry` runs (relative to `root`), each package's `__init__.py`
+    included."""
     seen: set[str] = set()
-    todo = [f"stages.{stage}"]
+    todo = [entry]
     files: set[Path] = set()
     while todo:
         module = todo.pop()
@@ -124,8 +139,8 @@ def code_deps(stage: str, root: Path = ROOT) -> list[str]:
     """The code deps `dvc.yaml` should list for `stage`, sorted: its import closure without marker `__init__.py`
     files, the files its modules read (`READS`) and what it copies (`COPIES`); an entry inside a directory the list
     already holds is left out."""
-    modules = {p.as_posix() for p in import_closure(stage, root) if not is_marker(p, root)}
-    deps = modules | {f for m in modules for f in READS.get(m, ())} | set(COPIES.get(stage, ()))
+    modules = {p.as_posix() for p in import_closure(stage, root) | copied_files(stage, root) if not is_marker(p, root)}
+    deps = modules | {f for m in modules for f in READS.get(m, ())}
     dirs = {d for d in deps if (root / d).is_dir()}
     return sorted(d for d in deps if not any(d.startswith(f"{parent}/") for parent in dirs))
 

@@ -1,11 +1,11 @@
 """The `package` stage: pick the variant to serve and build `model_store/sentiment.mar` with it.
 
-The archive holds the variant directory (`model/`), the TorchServe-independent code it needs (`pipeline/`,
-the request contract `pipeline/deployment/protocol.py` included), `serving.json` (limits, threads, the model
-label answered in every response, how the variant is batched and why (`pipeline.runtimes.batch_invariance`),
-and the MLflow registry entry it serves: `models:/<name>@<alias>` and the version) and the handler. Nothing is
-installed per model at serve time. The same registered version is what `python -m serving.mlflow_server`
-(MLflow's scoring server) serves for `models:/<name>@<alias>`."""
+The archive holds the variant directory (`model/`), the TorchServe-independent code the handler imports (those
+modules of `pipeline/`, the request contract `pipeline/deployment/protocol.py` included: `archive_code`),
+`serving.json` (limits, threads, the model label answered in every response, how the variant is batched and why
+(`pipeline.runtimes.batch_invariance`), and the MLflow registry entry it serves: `models:/<name>@<alias>` and the
+version) and the handler. Nothing is installed per model at serve time. The same registered version is what
+`python -m serving.mlflow_server` (MLflow's scoring server) serves for `models:/<name>@<alias>`."""
 
 from __future__ import annotations
 
@@ -55,6 +55,15 @@ def serving_summary(choice: ServedChoice, variants: dict[str, dict[str, Any]], b
     return {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}, tags
 
 
+def archive_code() -> list[Path]:
+    """The project files the archive carries beside the handler: every module `serving/handler.py` imports (and
+    what those modules read), not the whole `pipeline` package, so the package stage's DVC deps
+    (`pipeline.core.stage_deps.COPIES`) are exactly what the archive holds."""
+    from pipeline.core.stage_deps import copied_files
+
+    return sorted(f for f in copied_files("package", ROOT) if f.parts[0] == "pipeline")
+
+
 def build_archive(variant_dir: Path, choice: ServedChoice, registry: dict[str, Any], params: PackageParams,
                   mar_path: Path) -> dict[str, Any]:
     """Stage the archive contents and run `torch-model-archiver`; returns the serving config written."""
@@ -70,7 +79,10 @@ def build_archive(variant_dir: Path, choice: ServedChoice, registry: dict[str, A
     with tempfile.TemporaryDirectory(prefix="mar-") as tmp:
         staging = Path(tmp) / "extra"
         shutil.copytree(variant_dir, staging / "model")
-        shutil.copytree(ROOT / "pipeline", staging / "pipeline", ignore=shutil.ignore_patterns("__pycache__"))
+        for rel in archive_code():
+            (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+            copy = shutil.copytree if (ROOT / rel).is_dir() else shutil.copy2
+            copy(ROOT / rel, staging / rel)
         write_json(staging / "serving.json", config)
         cmd = [str(Path(sys.executable).with_name("torch-model-archiver")), "--model-name", mar_path.stem,
                "--version", ARCHIVE_VERSION, "--handler", str(ROOT / "serving" / "handler.py"),

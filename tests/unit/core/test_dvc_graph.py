@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.core.stage_deps import COPIES, READS, ROOT, code_deps, import_closure, is_code_dep, main, rewrite
+from pipeline.core.stage_deps import READS, ROOT, code_deps, copied_files, import_closure, is_code_dep, main, rewrite
 from pipeline.runtimes.catalog import built_by, with_directories
 
 DVC_TEXT = (ROOT / "dvc.yaml").read_text()
@@ -68,15 +68,16 @@ def test_editing_a_builder_reruns_no_training():
         assert BUILDER not in import_closure(stage)
     rerun = _rerun_by(BUILDER)
     assert not {"prepare", "finetune", "export", "evaluate", "benchmark"} & rerun
-    assert rerun == {s for s in DVC if BUILDER in import_closure(s)} | set(COPIES), rerun
+    assert rerun == {s for s in DVC if BUILDER in import_closure(s) | copied_files(s)}, rerun
+    assert "package" not in rerun  # the archive carries what the handler imports, and no builder
 
 
 def test_editing_the_report_reruns_only_its_importers():
-    """An edit of `pipeline/evaluation/report.py` re-runs exactly the stages whose import closure holds it, plus
-    package, which copies the whole `pipeline` package into the archive; no training and no build."""
+    """An edit of `pipeline/evaluation/report.py` re-runs exactly the stages whose import closure holds it (the
+    archive copies only what the handler imports, so package is not one of them); no training and no build."""
     importers = {s for s in DVC if REPORT in import_closure(s)}
     assert importers == {"benchmark"}
-    assert _rerun_by(REPORT) == importers | {s for s, copied in COPIES.items() if "pipeline" in copied}
+    assert _rerun_by(REPORT) == importers
 
 
 def _write_module(root: Path, rel: str, text: str) -> None:
@@ -130,7 +131,7 @@ def _changed_stages(repo: Path) -> set[str]:
 def test_dvc_status_after_edits(tmp_path, monkeypatch):
     """The issue's check with DVC itself (its Python API: no process start per command), in a copy with
     placeholder data that `dvc commit` records: an edit of the OpenVINO builder leaves prepare and finetune
-    unchanged; an edit of the report changes only its importer (and package)."""
+    unchanged; an edit of the report changes only its importer."""
     from dvc.repo import Repo
 
     repo = tmp_path / "repo"
@@ -156,7 +157,7 @@ def test_dvc_status_after_edits(tmp_path, monkeypatch):
     assert changed == _rerun_by(BUILDER)
     (repo / BUILDER).write_text(original)
     (repo / REPORT).write_text((repo / REPORT).read_text() + "\n# an edit\n")
-    assert _changed_stages(repo) == {"benchmark", "package"}
+    assert _changed_stages(repo) == {"benchmark"}
 
 
 def test_prepare_depends_on_the_imdb_source():

@@ -14,7 +14,7 @@ from pipeline.core.io import write_json
 from pipeline.core.model_registry import alias_version
 from pipeline.core.params import EvaluateParams, MlflowParams, PackageParams, Params, TargetsParams
 from pipeline.core.parent_run import start_tracking
-from pipeline.deployment.archive import run_package_stage, serving_summary
+from pipeline.deployment.archive import archive_code, run_package_stage, serving_summary
 from pipeline.deployment.inference import SentimentPredictor
 from pipeline.evaluation.accuracy import log_variant_runs, score_variants
 from pipeline.selection import ServedChoice, choose_variant
@@ -40,7 +40,7 @@ def test_package_registers_versions_and_moves_the_champion_alias(built, tiny_mod
     bench = {name: {"status": "ok", "p50_ms_b1": 10.0 / (i + 1), "speedup_p50_vs_fp32_eager": float(i + 1)}
              for i, name in enumerate(["fp32-eager", *NAMES])}
     write_json(tmp_path / "benchmark.json", bench)
-    choice = choose_variant(results, PackageParams(), TargetsParams())
+    choice = choose_variant(results, PackageParams(), TargetsParams(), bench)  # as the stage chooses: with timings
 
     def package(params: Params, tag: str) -> dict:
         return run_package_stage(variants_root=built["root"], variants_metrics=tmp_path / "variants.json",
@@ -48,6 +48,7 @@ def test_package_registers_versions_and_moves_the_champion_alias(built, tiny_mod
                                  manifest_path=tmp_path / f"{tag}.json", params=params, run_context=context)
 
     first = package(Params(mlflow=tracking), "first")
+    _carries_what_the_handler_imports_and_scores_alone(tmp_path / "first.mar", tmp_path / "unpacked")
     served = _serving_json(tmp_path / "first.mar")
     assert served["registered_model"] == first["registered_model"]
     assert served["registered_model"]["uri"] == "models:/imdb-sentiment@champion"
@@ -83,6 +84,28 @@ def test_package_registers_versions_and_moves_the_champion_alias(built, tiny_mod
     want = SentimentPredictor(dirs["fp32-onnx"]).predict(texts)
     assert got["label"].tolist() == [p.label for p in want]
     assert got["score"].tolist() == pytest.approx([p.score for p in want], abs=1e-6)
+
+
+def _carries_what_the_handler_imports_and_scores_alone(mar, into) -> None:
+    """The archive's project code is exactly what the handler imports (`archive_code`, the package stage's DVC
+    deps), and that is enough: unpacked outside the checkout, in an isolated interpreter (`-I`: no checkout on
+    the path), the handler's module imports and its predictor scores a review from the archive's own copy."""
+    import subprocess
+    import sys
+
+    with zipfile.ZipFile(mar) as archive:
+        code = sorted(n for n in archive.namelist() if n.startswith("pipeline/") and not n.endswith("/"))
+        archive.extractall(into)
+    assert code == [f.as_posix() for f in archive_code()]
+    assert "pipeline/evaluation/report.py" not in code and "pipeline/variants/quantize.py" not in code
+    probe = (f"import sys; sys.path.insert(0, {str(into)!r}); import handler, pipeline; "
+             f"assert pipeline.__file__.startswith({str(into)!r}), pipeline.__file__; "
+             "from pathlib import Path; from pipeline.deployment.inference import SentimentPredictor; "
+             f"print(SentimentPredictor(Path({str(into)!r}) / 'model').predict(['a great film'])[0].label)")
+    proc = subprocess.run([sys.executable, "-I", "-c", probe], cwd=into, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] in ("positive", "negative")
 
 
 def package_runs(client: mlflow.MlflowClient) -> list:

@@ -59,9 +59,11 @@ def test_int8_engine_input_is_symmetric_signed_qdq_only(built):
     weight_dq = [n for n in qdq if n.op_type == "DequantizeLinear" and n.input[0] in inits]
     assert weight_dq and all(len(inits[n.input[1]].dims) == 1 for n in weight_dq)  # per-channel scales
     # every weight product runs in INT8 but the FFN down-projections, which int8-static quantizes per batch
-    # (TensorRT cannot) and which stay float here, and the activation-only attention products
+    # (TensorRT cannot) and which stay float here: the float products are those and the activation-only ones
     assert info.params["float_ffn_output"] == 2  # one per layer of the tiny model
-    assert info.params["int8_matmuls"] + 2 == built["quantize"]["int8-static"]["int8_matmuls"]
+    activation_only = 2 * 2  # scores and context, in each of the tiny model's 2 layers
+    assert info.params["float_matmuls"] == info.params["float_ffn_output"] + activation_only
+    assert info.params["int8_matmuls"] > 0
 
 
 def test_int8_engine_input_runs_in_onnxruntime_close_to_fp32(built):
