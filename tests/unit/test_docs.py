@@ -29,8 +29,6 @@ PAGES = [ROOT / "README.md", ROOT / "RESULTS.md", *sorted(DOCS.glob("*.md"))]
 
 FENCE = re.compile(r"^(```+|~~~+)\s*([\w-]*)")
 INLINE_CODE = re.compile(r"`+[^`]*`+")
-LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
-HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 SHELL_LANGUAGES = {"bash", "sh", "shell", "console"}
 # Programs a documented command may start with, besides make, python and the venv's own tools.
 PLAIN_PROGRAMS = {"curl", "git", "psql"}
