@@ -16,7 +16,7 @@ from pipeline.core.params import EvaluateParams, PackageParams, Params, TargetsP
 from pipeline.data.tokens import read_tokenized
 from pipeline.runtimes.base import Runtime, predict_logits
 from pipeline.runtimes.catalog import REFERENCE, spec
-from pipeline.runtimes.record import VariantError, read_variant, size_mb
+from pipeline.runtimes.record import VariantError, read_variant, size_mb, variant_batching
 from pipeline.runtimes.registry import load_runner
 from pipeline.selection import int8_candidates, mcnemar_p, most_accurate, quantization_verdicts
 
@@ -105,10 +105,9 @@ def runner_for_test_split(directory: Path, threads: int | None) -> tuple[Runtime
     matrix products that a second intra-op thread barely speeds up; the same cores score more reviews as that
     many one-thread calls at once (each review is still scored alone, so the logits do not change). Batched
     variants keep one call with every thread."""
-    runner = load_runner(directory, threads)
     cores = threads or default_threads() or len(os.sched_getaffinity(0))
-    if runner.describe().get("batching") != "rows" or cores < 2:
-        return runner, 1
+    if cores < 2 or variant_batching(directory)["served_batching"] != "rows":
+        return load_runner(directory, threads), 1
     return load_runner(directory, 1), cores
 
 
