@@ -166,12 +166,20 @@ def _graph_for_quantization(inputs: QuantizeInputs) -> tuple[Path, dict[str, Any
     The fused graph is checked against `fp32-onnx` on 16 validation reviews, and a fusion that finds fewer
     attention blocks than the model has layers is logged and recorded rather than silently accepted.
     """
-    fp32_onnx = inputs.fp32_onnx / "model.onnx"
+    return _fused_or_plain(inputs, inputs.model, inputs.fp32_onnx / "model.onnx", "fp32-onnx", inputs.tmp)
+
+
+def _fused_or_plain(inputs: QuantizeInputs, model: Any, fp32: Path, reference: str,
+                    work: Path) -> tuple[Path, dict[str, Any]]:
+    """`model`'s graph fused for onnxruntime in `work` when `quantize.optimize_graph` (checked against its plain
+    export `fp32`, named `reference` in errors, on 16 validation reviews), else `fp32` itself; and what fusion
+    did."""
     if not inputs.q.optimize_graph:
-        return fp32_onnx, {}
-    check = FusionCheck(OrtRunner(fp32_onnx, optimization="disable"), "fp32-onnx", int(inputs.arch["num_layers"]),
+        return fp32, {}
+    check = FusionCheck(OrtRunner(fp32, optimization="disable"), reference, int(inputs.arch["num_layers"]),
                         max_length_of(inputs.meta), inputs.val["input_ids"].tolist()[:16], inputs.pad_id)
-    return fused_graph(inputs.model, inputs.cls_readout, check, inputs.tmp)
+    work.mkdir(parents=True, exist_ok=True)
+    return fused_graph(model, inputs.cls_readout, check, work)
 
 
 def _static_with_selection(inputs: QuantizeInputs) -> dict[str, Any]:
@@ -232,13 +240,8 @@ def _qat(inputs: QuantizeInputs, method: str, out: Path) -> dict[str, Any]:
     fp32 = inputs.tmp / "qat-fp32.onnx"
     graph, readout = inference_model(model, inputs.cls_readout)  # qat_finetune leaves the model in eval mode
     export_onnx(graph, fp32, max_length_of(inputs.meta))
-    src, fusion = fp32, {}
-    if params.optimize_graph:  # the same fused graph as int8-static's, checked against the QAT model's export
-        check = FusionCheck(OrtRunner(fp32, optimization="disable"), "the QAT model's fp32 export",
-                            int(inputs.arch["num_layers"]), max_length_of(inputs.meta),
-                            inputs.val["input_ids"].tolist()[:16], inputs.pad_id)
-        (inputs.tmp / "qat").mkdir(exist_ok=True)
-        src, fusion = fused_graph(model, inputs.cls_readout, check, inputs.tmp / "qat")
+    # the same fused graph as int8-static's, checked against the QAT model's own export
+    src, fusion = _fused_or_plain(inputs, model, fp32, "the QAT model's fp32 export", inputs.tmp / "qat")
     out.mkdir(parents=True, exist_ok=True)
     quantize_static_onnx(src, out / "model.onnx", inputs.calibration, method, params, inputs.pad_id,
                          inputs.ffn_width)
