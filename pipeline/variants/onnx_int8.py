@@ -160,12 +160,13 @@ def attention_as_projection(model: onnx.ModelProto) -> int:
     from onnx import helper, numpy_helper
 
     graph = model.graph
+    initializers = {i.name: i for i in graph.initializer}
     nodes: list[onnx.NodeProto] = []
     replaced = 0
     for node in graph.node:
         inputs = list(node.input) + [""] * (4 - len(node.input))
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        weight = next((i for i in graph.initializer if i.name == inputs[1]), None)
+        weight = initializers.get(inputs[1])
         if (node.op_type != "Attention" or node.domain != MS_DOMAIN or weight is None or not inputs[2]
                 or any(inputs[4:]) or set(attrs) - set(_MHA_ATTRIBUTES) or len(node.output) > 1):
             nodes.append(node)
