@@ -170,9 +170,18 @@ def run_export(*, finetuned: Path, tokenized: Path, variants_root: Path, params:
         write_variant(d, VariantInfo.skipped("fp32-torchscript", reason, to_dict(params)), finetuned)
         report["fp32-torchscript"] = {"status": "skipped", "reason": reason}
 
+    # fp32-onnx is exported in eager attention, the form onnxscript's attention fusion matches at any head count
+    # (`pipeline.variants.fusion`): the quantize stage fuses this file as it is instead of exporting the model again.
+    model.set_attn_implementation("eager")
+    graph, readout = inference_model(model, params.cls_readout)  # the readout built again, on eager attention
     report["fp32-onnx"] = onnx_variant("fp32-onnx", model, graph, readout, out_dirs["fp32-onnx"], finetuned, seqs,
                                        params, max_len, pad_id(tokenizer))
     return report
+
+
+def attention_of(model: Any) -> str:
+    """The attention implementation a Hugging Face model runs (`eager`, `sdpa`, ...), as its variant records it."""
+    return str(getattr(model.config, "_attn_implementation", None) or "unknown")
 
 
 def onnx_variant(name: str, model: Any, graph: Any, readout: dict[str, Any], directory: Path, model_dir: Path,
@@ -185,7 +194,8 @@ def onnx_variant(name: str, model: Any, graph: Any, readout: dict[str, Any], dir
     runner = OrtRunner(directory / "model.onnx", optimization="disable")
     checked = _checked(eager_runner(model), runner, seqs, params, max_len, t0, pad_id)
     write_variant(directory, VariantInfo.built(name, {"method": "torch.onnx.export(dynamo=True)", "opset": params.opset,
-                                                      **describe(model), **readout, **checked}), model_dir)
+                                                      "attention": attention_of(model), **describe(model), **readout,
+                                                      **checked}), model_dir)
     return checked
 
 

@@ -132,20 +132,29 @@ class FusionCheck:
 
 def fused_graph(model: Any, cls_readout: bool, check: FusionCheck, tmp: Path) -> tuple[Path, dict[str, Any]]:
     """Export `model` (with the [CLS] readout when asked and possible, see `inference_model`) with the
-    torch.export-based exporter, fuse it (`optimize_for_quantization`), and check it against
+    torch.export-based exporter in eager attention, then `fuse_export` it.
+
+    The model is exported with eager attention (and left switched to it: pass one you own): the exporter's
+    decomposition of `scaled_dot_product_attention` keeps a no-op Reshape for single-head layers (a pruned model)
+    that onnxscript's attention pattern does not match, and a [CLS] readout layer's attention only fuses into
+    `MultiHeadAttention` from the eager graph, while the eager graph fuses at any head count."""
+    model.set_attn_implementation("eager")
+    graph, readout = inference_model(model, cls_readout)
+    raw = tmp / "for-fusion.onnx"
+    export_onnx(graph, raw, check.max_length)
+    return fuse_export(raw, readout, check, tmp)
+
+
+def fuse_export(raw: Path, readout: dict[str, Any], check: FusionCheck, tmp: Path) -> tuple[Path, dict[str, Any]]:
+    """Fuse `raw`, a torch.export-based ONNX file of a model in eager attention whose [CLS] readout is as `readout`
+    records (`inference_model`), into `tmp/fused.onnx` (`optimize_for_quantization`), and check it against
     `check.reference` on real reviews.
 
     A readout last layer has no packed Q/K/V projection (its query reads the [CLS] position only), so one fewer
     of the `num_layers` attention blocks becomes `Attention` then; its attention proper still fuses into a float
-    `MultiHeadAttention`. The model is exported with eager attention (and left
-    switched to it: pass one you own): the exporter's decomposition of `scaled_dot_product_attention` keeps a
-    no-op Reshape for single-head layers (a pruned model) that onnxscript's attention pattern does not match,
-    while the eager graph fuses at any head count."""
-    model.set_attn_implementation("eager")
-    graph, readout = inference_model(model, cls_readout)
+    `MultiHeadAttention`. A fusion that finds fewer attention blocks than that is logged and recorded."""
     num_layers = check.num_layers - int(readout["cls_readout"])
-    raw, fused = tmp / "for-fusion.onnx", tmp / "fused.onnx"
-    export_onnx(graph, raw, check.max_length)
+    fused = tmp / "fused.onnx"
     counts = optimize_for_quantization(raw, fused)
     p = parity(check.reference, OrtRunner(fused, optimization="disable"), check.reviews, check.pad_id)
     if p.max_abs_diff > FUSION_TOLERANCE:

@@ -20,13 +20,13 @@ from pipeline.core.machine import Choice
 from pipeline.core.params import Params, QuantizeParams, to_dict
 from pipeline.data.tokens import draw_rows, read_tokenized, training_window
 from pipeline.modeling import load_finetuned, pad_id
-from pipeline.runtimes.base import predict_logits
+from pipeline.runtimes.base import Runner, predict_logits
 from pipeline.runtimes.catalog import directories
 from pipeline.runtimes.ort import OrtRunner
 from pipeline.runtimes.record import VariantInfo, read_variant, write_variant
 from pipeline.variants.calibration import calibration_reviews
-from pipeline.variants.export import export_onnx, inference_model, max_length_of
-from pipeline.variants.fusion import FusionCheck, fused_graph
+from pipeline.variants.export import eager_runner, export_onnx, inference_model, max_length_of
+from pipeline.variants.fusion import FusionCheck, fuse_export, fused_graph
 from pipeline.variants.onnx_int8 import (
     QuantizeError,
     int8_census,
@@ -164,22 +164,34 @@ def _graph_for_quantization(inputs: QuantizeInputs) -> tuple[Path, dict[str, Any
     and what the fusion did.
 
     The fused graph is checked against `fp32-onnx` on 16 validation reviews, and a fusion that finds fewer
-    attention blocks than the model has layers is logged and recorded rather than silently accepted.
+    attention blocks than the model has layers is logged and recorded rather than silently accepted. The export
+    stage writes fp32-onnx in eager attention, the form the fusion needs, so that file is fused as it is; one
+    exported otherwise (its record says how) is exported again from the model.
     """
-    return _fused_or_plain(inputs, inputs.model, inputs.fp32_onnx / "model.onnx", "fp32-onnx", inputs.tmp)
+    fp32 = inputs.fp32_onnx / "model.onnx"
+    if inputs.q.optimize_graph and inputs.arch.get("attention") == "eager":
+        readout = {k: inputs.arch[k] for k in ("cls_readout", "cls_readout_reason") if k in inputs.arch}
+        return fuse_export(fp32, readout, _fusion_check(inputs, OrtRunner(fp32, optimization="disable"),
+                                                        "fp32-onnx"), inputs.tmp)
+    return _fused_or_plain(inputs, inputs.model, lambda: OrtRunner(fp32, optimization="disable"), "fp32-onnx",
+                           lambda: fp32, inputs.tmp)
 
 
-def _fused_or_plain(inputs: QuantizeInputs, model: Any, fp32: Path, reference: str,
-                    work: Path) -> tuple[Path, dict[str, Any]]:
-    """`model`'s graph fused for onnxruntime in `work` when `quantize.optimize_graph` (checked against its plain
-    export `fp32`, named `reference` in errors, on 16 validation reviews), else `fp32` itself; and what fusion
-    did."""
+def _fusion_check(inputs: QuantizeInputs, reference: Runner, reference_name: str) -> FusionCheck:
+    """What a fused graph of this run must reproduce (`reference`), on the first 16 validation reviews."""
+    return FusionCheck(reference, reference_name, int(inputs.arch["num_layers"]), max_length_of(inputs.meta),
+                       inputs.val["input_ids"].tolist()[:16], inputs.pad_id)
+
+
+def _fused_or_plain(inputs: QuantizeInputs, model: Any, reference: Callable[[], Runner], reference_name: str,
+                    plain: Callable[[], Path], work: Path) -> tuple[Path, dict[str, Any]]:
+    """`model`'s graph fused for onnxruntime in `work` when `quantize.optimize_graph` (checked against `reference`,
+    named `reference_name` in errors, on 16 validation reviews), else its plain export (`plain` returns it); and
+    what fusion did. Each is called only when needed: an export is the costliest step of a build."""
     if not inputs.q.optimize_graph:
-        return fp32, {}
-    check = FusionCheck(OrtRunner(fp32, optimization="disable"), reference, int(inputs.arch["num_layers"]),
-                        max_length_of(inputs.meta), inputs.val["input_ids"].tolist()[:16], inputs.pad_id)
+        return plain(), {}
     work.mkdir(parents=True, exist_ok=True)
-    return fused_graph(model, inputs.cls_readout, check, work)
+    return fused_graph(model, inputs.cls_readout, _fusion_check(inputs, reference(), reference_name), work)
 
 
 def _static_with_selection(inputs: QuantizeInputs) -> dict[str, Any]:
@@ -237,11 +249,16 @@ def _qat(inputs: QuantizeInputs, method: str, out: Path) -> dict[str, Any]:
     plan = store.plan(fingerprint(settings, [inputs.finetuned]), train.resume)
     result = qat_finetune(model, reviews, labels, params, seed, inputs.pad_id, inputs.ffn_width, store=store,
                           plan=plan)
-    fp32 = inputs.tmp / "qat-fp32.onnx"
     graph, readout = inference_model(model, inputs.cls_readout)  # qat_finetune leaves the model in eval mode
-    export_onnx(graph, fp32, max_length_of(inputs.meta))
-    # the same fused graph as int8-static's, checked against the QAT model's own export
-    src, fusion = _fused_or_plain(inputs, model, fp32, "the QAT model's fp32 export", inputs.tmp / "qat")
+
+    def plain() -> Path:
+        export_onnx(graph, inputs.tmp / "qat-fp32.onnx", max_length_of(inputs.meta))
+        return inputs.tmp / "qat-fp32.onnx"
+
+    # The same fused graph as int8-static's, checked against the QAT model itself in PyTorch (as the export stage
+    # checks fp32-onnx), so the QAT model is exported once, not once plain for a reference and once for fusion.
+    src, fusion = _fused_or_plain(inputs, model, lambda: eager_runner(model), "the QAT model (PyTorch)", plain,
+                                  inputs.tmp / "qat")
     out.mkdir(parents=True, exist_ok=True)
     quantize_static_onnx(src, out / "model.onnx", inputs.calibration, method, params, inputs.pad_id,
                          inputs.ffn_width)

@@ -20,45 +20,37 @@ def test_static_calibration_selected_by_validation(built):
     assert report["selection_val_accuracy"][report["calibration"]] == best
 
 
-def test_single_calibration_method_skips_the_selection_pass(built, tiny_model_dir, tmp_path):
-    """With one calibration method there is nothing to choose: no validation pass is spent (no selection
-    scores), and int8-static and int8-qat are both calibrated with that method."""
-    dirs = {name: tmp_path / name for name in ("int8-dynamic", "int8-static", "int8-qat")}
+def test_a_profile_opting_out_builds_the_rest_with_one_export_and_records_the_others_as_skipped(
+        built, tiny_model_dir, tmp_path, monkeypatch):
+    """The default profile builds all four INT8 variants (PTQ dynamic, OpenVINO, PTQ static, QAT; the `built`
+    fixture). A profile that opts out of some for speed still builds the rest, and each left out is a skipped
+    variant whose reason names the setting that builds it.
+
+    Static and QAT start from fp32-onnx fused as the export stage wrote it (in eager attention): the only model
+    exported here is QAT's, once. With one calibration method there is nothing to choose: no validation pass is
+    spent (no selection scores), and int8-static and int8-qat are both calibrated with that method."""
+    import pipeline.variants.fusion as fusion
+
+    assert sorted(QuantizeParams().build) == ["int8-dynamic", "int8-openvino", "int8-qat", "int8-static"]
+    assert read_variant(built["dirs"]["fp32-onnx"]).params["attention"] == "eager"
+    exports = []
+    real_export = fusion.export_onnx
+    monkeypatch.setattr(fusion, "export_onnx", lambda *a, **k: (exports.append(a[1]), real_export(*a, **k)))
     params = QuantizeParams(calibration_samples=16, calibration_methods=["percentile"], qat_train_samples=8,
                             qat_batch_size=8, build=["int8-static", "int8-qat"])
     report = run_quantize(finetuned=tiny_model_dir, fp32_onnx=built["dirs"]["fp32-onnx"], tokenized=built["tokenized"],
                           variants_root=tmp_path, choice=weight_format_here(),
                           params=Params(quantize=params, train=TrainParams(checkpoint_dir=str(tmp_path / "ckpt"))))
-    assert report["int8-static"]["calibration"] == "percentile"
-    assert report["int8-static"]["selection_val_accuracy"] == {}
-    assert report["int8-qat"]["calibration"] == "percentile"
-    assert read_variant(dirs["int8-static"]).status == "ok" and (dirs["int8-static"] / "model.onnx").is_file()
-    assert report["int8-dynamic"]["status"] == "skipped"  # not in quantize.build
-
-
-def test_a_profile_opting_out_builds_the_rest_and_records_the_others_as_skipped(built, tiny_model_dir, tmp_path):
-    """The default profile builds all four INT8 variants (PTQ dynamic, OpenVINO, PTQ static, QAT). A profile that
-    opts out of some for speed still builds the rest, and each left out is a skipped variant whose reason names
-    the setting that builds it."""
-    assert sorted(QuantizeParams().build) == ["int8-dynamic", "int8-openvino", "int8-qat", "int8-static"]
-    opted_out = Params(quantize=QuantizeParams(build=["int8-dynamic", "int8-openvino"]))
-    report = run_quantize(finetuned=tiny_model_dir, fp32_onnx=built["dirs"]["fp32-onnx"], tokenized=built["tokenized"],
-                          variants_root=tmp_path, params=opted_out, choice=weight_format_here())
-    assert "status" not in report["int8-dynamic"] and report["int8-dynamic"]["int8_matmuls"] > 0
-    assert "status" not in report["int8-openvino"] and (tmp_path / "int8-openvino" / "model.xml").is_file()
-    for name in ("int8-dynamic", "int8-openvino"):
-        assert read_variant(tmp_path / name).status == "ok"
+    assert len(exports) == 1, exports
     for name in ("int8-static", "int8-qat"):
+        assert report[name]["calibration"] == "percentile" and report[name]["fused_attention"] >= 1
+        assert read_variant(tmp_path / name).status == "ok" and (tmp_path / name / "model.onnx").is_file()
+    assert report["int8-static"]["selection_val_accuracy"] == {}
+    for name in ("int8-dynamic", "int8-openvino"):
         info = read_variant(tmp_path / name)
         assert info.status == "skipped" and "quantize.build" in info.reason, name
         assert report[name] == {"status": "skipped", "reason": info.reason}
-        assert not (tmp_path / name / "model.onnx").exists()
-    report = run_quantize(finetuned=tiny_model_dir, fp32_onnx=built["dirs"]["fp32-onnx"], tokenized=built["tokenized"],
-                          variants_root=tmp_path / "one",
-                          params=Params(quantize=QuantizeParams(build=["int8-dynamic"])), choice=weight_format_here())
-    info = read_variant(tmp_path / "one" / "int8-openvino")
-    assert info.status == "skipped" and "quantize.build" in info.reason
-    assert not (tmp_path / "one" / "int8-openvino" / "model.xml").exists()
+        assert not any((tmp_path / name).glob("model.*"))
 
 
 def test_an_unknown_build_name_is_a_params_error():
