@@ -1,5 +1,6 @@
-"""Fixtures shared by every tier: the shared IMDB copy, a tiny 2-layer BERT saved in HF format, tokenized
-synthetic splits, and `repo` (a real `dvc repro` of the miniature profile, used by the e2e and model tiers).
+"""Fixtures shared by every tier: the shared IMDB copy, a tiny 2-layer BERT saved in HF format, every variant of it
+(`built`; both built once per session, whichever pytest-xdist worker asks first), tokenized synthetic splits, and
+`repo` (a real `dvc repro` of the miniature profile, used by the e2e and model tiers).
 
 Tiers: `unit/<area>` mirrors `pipeline/<area>` (plus `benchmarks`), `data` checks the shared IMDB copy,
 `model` the exported artifacts of the end-to-end model, `serving` TorchServe and the image, `e2e` the
@@ -19,7 +20,14 @@ import pytest
 import yaml
 
 from pipeline.core.machine import FLAGS_OVERRIDE_ENV
-from tests.factories import AVX2_ONLY_FLAGS, IMDB_DIR, ROOT, write_tokenized
+from tests.factories import (
+    AVX2_ONLY_FLAGS,
+    IMDB_DIR,
+    ROOT,
+    shared_across_workers,
+    weight_format_here,
+    write_tokenized,
+)
 
 os.environ.setdefault("MPLBACKEND", "Agg")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -147,17 +155,65 @@ def tokenizer():
     return load_tokenizer(ModelParams(source="tiny"))
 
 
+def session_root(tmp_path_factory) -> Path:
+    """The session's temporary root, shared by every pytest-xdist worker (each worker's own sits in it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tokenizer) -> Path:
-    """A randomly initialised 2-layer BERT with our label map and the finetune stage's metadata."""
+    """A randomly initialised 2-layer BERT with our label map and the finetune stage's metadata (one for the whole
+    session, however many workers run it: `shared_across_workers`; never write into it)."""
     from pipeline.core.params import DataParams, ModelParams, TrainParams
     from pipeline.modeling import load_model
     from pipeline.training.loop import save_model
 
-    d = tmp_path_factory.mktemp("tiny_model")
-    model = load_model(ModelParams(source="tiny"), seed=0)
-    save_model(model, tokenizer, d, DataParams(max_length=64), ModelParams(source="tiny"), TrainParams())
-    return d
+    def build(d: Path) -> None:
+        model = load_model(ModelParams(source="tiny"), seed=0)
+        save_model(model, tokenizer, d, DataParams(max_length=64), ModelParams(source="tiny"), TrainParams())
+
+    return shared_across_workers(session_root(tmp_path_factory), "tiny_model", build)
+
+
+#: The variants `built` holds: every one the export, quantize and tensorrt stages build.
+BUILT_VARIANTS = ["fp32-torchscript", "fp32-onnx", "int8-dynamic", "int8-static", "int8-qat", "int8-openvino",
+                  "tensorrt-fp16", "tensorrt-int8"]
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory, tiny_model_dir) -> dict[str, Any]:
+    """All variants of the tiny model built by the stages' own code, plus tokenized synthetic data to score them on,
+    and the stages' reports: built once for the whole session, however many workers run it
+    (`shared_across_workers`). The unit tests of variants, evaluation and deployment read it, and the serving
+    fixtures copy the variants they serve from it; none writes into it."""
+    from pipeline.core.io import read_json, write_json
+    from pipeline.core.params import ExportParams, Params, QuantizeParams, TensorRTParams, TrainParams
+    from pipeline.runtimes.catalog import directories
+    from pipeline.variants.export import run_export
+    from pipeline.variants.quantize import run_quantize
+    from pipeline.variants.tensorrt import run_tensorrt
+
+    def build(root: Path) -> None:
+        tok_dir = write_tokenized(root / "tokenized", {"train": 64, "val": 32, "test": 48})
+        dirs = directories(root / "variants")
+        export = run_export(finetuned=tiny_model_dir, tokenized=tok_dir, variants_root=root / "variants",
+                            params=ExportParams(parity_samples=8, torchscript=True))
+        q = QuantizeParams(calibration_samples=32, selection_samples=32, qat_train_samples=32, qat_batch_size=8,
+                           calibration_methods=["minmax", "entropy"],
+                           build=["int8-dynamic", "int8-static", "int8-qat", "int8-openvino"])
+        quantize = run_quantize(finetuned=tiny_model_dir, fp32_onnx=dirs["fp32-onnx"], tokenized=tok_dir,
+                                variants_root=root / "variants", choice=weight_format_here(),
+                                params=Params(quantize=q, train=TrainParams(checkpoint_dir=str(root / "ckpt"))))
+        trt = run_tensorrt(finetuned=tiny_model_dir, fp32_onnx=dirs["fp32-onnx"], int8_static=dirs["int8-static"],
+                           tokenized=tok_dir, variants_root=root / "variants",
+                           params=Params(quantize=q, tensorrt=TensorRTParams(qdq_input=True)))
+        write_json(root / "reports.json", {"export": export, "quantize": quantize, "trt": trt})
+
+    root = shared_across_workers(session_root(tmp_path_factory), "variants", build)
+    dirs = {n: d for n, d in directories(root / "variants").items() if n in BUILT_VARIANTS}
+    return {"dirs": dirs, "root": root / "variants", "tokenized": root / "tokenized",
+            **read_json(root / "reports.json")}
 
 
 @pytest.fixture

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+import shutil
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,24 @@ IMDB_DIR = Path(os.environ.get("IMDB_DIR", ROOT.parent / "shared" / "data" / "im
 #: An AVX2-only CPU's flags, as `PIPELINE_CPU_FLAGS` takes them (a Zen 3 lists these and no AVX-512, VNNI, bf16 or
 #: AMX).
 AVX2_ONLY_FLAGS = "sse4_2 avx avx2 fma f16c bmi2"
+
+
+def shared_across_workers(base: Path, name: str, build: Callable[[Path], None]) -> Path:
+    """`base/name`, built by `build` once for the whole test session, whichever pytest-xdist worker asks first: the
+    others wait on a file lock, then read it. `base` is the session's temporary root, which every worker's own
+    temporary directory sits in (pytest's `tmp_path_factory.getbasetemp()`, its parent under xdist). A build that
+    failed or was killed part-way leaves no completion mark, so the next asker starts it again from nothing; readers
+    must not write into it."""
+    from filelock import FileLock
+
+    directory = base / name
+    with FileLock(str(directory) + ".lock"):
+        if not (directory / ".complete").is_file():
+            shutil.rmtree(directory, ignore_errors=True)
+            directory.mkdir(parents=True)
+            build(directory)
+            (directory / ".complete").touch()
+    return directory
 
 
 def synthetic_reviews(n: int, seed: int = 0) -> pd.DataFrame:
@@ -223,25 +242,23 @@ def weight_format_here(params: Params | None = None) -> Choice:
     return resolve_auto(params or Params()).weight_format
 
 
-def evaluated_fp32_onnx(work: Path, tiny_model_dir: Path, params: Params) -> dict[str, Path]:
-    """The tiny model's fp32-onnx variant exported, scored and logged by the evaluate stage's MLflow code (to
-    the store `params.mlflow` or `$MLFLOW_TRACKING_URI` names), with `variants.json` and a stand-in
-    `benchmark.json` written under `work`, as the package stage reads them, under the parent run of the execution
-    `$PIPELINE_RUN_ID` names, set up as the evaluate stage sets it up (`start_tracking`). Returns the variant
-    directories."""
+def evaluated_fp32_onnx(work: Path, tiny_model_dir: Path, params: Params, fp32_onnx: Path) -> dict[str, Path]:
+    """The tiny model's fp32-onnx variant (a copy of `fp32_onnx`, as the export stage wrote it), scored and logged by
+    the evaluate stage's MLflow code (to the store `params.mlflow` or `$MLFLOW_TRACKING_URI` names), with
+    `variants.json` and a stand-in `benchmark.json` written under `work`, as the package stage reads them, under
+    the parent run of the execution `$PIPELINE_RUN_ID` names, set up as the evaluate stage sets it up
+    (`start_tracking`). Returns the variant directories."""
     import os
 
     from pipeline.core.io import write_json
-    from pipeline.core.params import EvaluateParams, ExportParams
+    from pipeline.core.params import EvaluateParams
     from pipeline.core.parent_run import start_tracking
     from pipeline.core.run_id import pipeline_run_id
     from pipeline.evaluation.accuracy import log_variant_runs, score_variants
-    from pipeline.variants.export import run_export
 
     tok = write_tokenized(work / "tok", {"test": 16})
-    run_export(finetuned=tiny_model_dir, tokenized=tok, variants_root=work / "variants",
-               params=ExportParams(parity_samples=4))
     dirs = {"fp32-onnx": work / "variants" / "fp32-onnx"}
+    shutil.copytree(fp32_onnx, dirs["fp32-onnx"])
     results = score_variants(tiny_model_dir, dirs, tok, EvaluateParams())
     log_variant_runs(results, variant_dirs=dirs, finetuned=tiny_model_dir, params=params.evaluate,
                      run_context=start_tracking(params.mlflow, run_id=pipeline_run_id(os.environ)),

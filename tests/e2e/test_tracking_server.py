@@ -94,7 +94,7 @@ def table(database: dict, query: str) -> list[tuple]:
         return connection.execute(query).fetchall()
 
 
-def test_stages_run_unchanged_against_a_tracking_server(server, tiny_model_dir, tmp_path, monkeypatch):
+def test_stages_run_unchanged_against_a_tracking_server(server, tiny_model_dir, built, tmp_path, monkeypatch):
     import mlflow
 
     monkeypatch.chdir(tmp_path)
@@ -103,7 +103,8 @@ def test_stages_run_unchanged_against_a_tracking_server(server, tiny_model_dir, 
     shutil.copy2(ROOT / "params.yaml", tmp_path / "params.yaml")  # the default profile, untouched
     params = Params()
     assert params.mlflow.tracking_uri == "sqlite:///mlflow.db"
-    dirs = evaluated_fp32_onnx(tmp_path, tiny_model_dir, params)  # the evaluate stage's MLflow work, in this process
+    # the evaluate stage's MLflow work, in this process
+    dirs = evaluated_fp32_onnx(tmp_path, tiny_model_dir, params, built["dirs"]["fp32-onnx"])
     # the package stage as `dvc repro` runs it: its own process, the environment naming the server
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PATH": f"{BIN}:{os.environ['PATH']}"}
     proc = subprocess.run(

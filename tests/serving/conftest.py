@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -23,7 +24,7 @@ import psutil
 import pytest
 import yaml
 
-from pipeline.core.params import ExportParams, MlflowParams, PackageParams, Params, TrainParams
+from pipeline.core.params import MlflowParams, PackageParams, Params
 from serving.client import inference_key
 from tests.factories import (
     ROOT,
@@ -148,16 +149,14 @@ def running_torchserve(work: Path, variant_dir: Path, models: tuple[str, ...] = 
 
 
 @pytest.fixture(scope="session")
-def server(tmp_path_factory, tiny_model_dir):
+def server(tmp_path_factory, built):
     """TorchServe serving the tiny model's fp32-onnx `.mar` (registry version 7), as `make serve` starts it."""
     from pipeline.deployment.archive import build_archive
     from pipeline.selection import ServedChoice
-    from pipeline.variants.export import run_export
 
     work = tmp_path_factory.mktemp("torchserve")
-    tok = write_tokenized(work / "tok", {"test": 8})
-    run_export(finetuned=tiny_model_dir, tokenized=tok, variants_root=work / "v", params=ExportParams())
     variant = work / "v" / "fp32-onnx"
+    shutil.copytree(built["dirs"]["fp32-onnx"], variant)
     build_archive(variant, ServedChoice("fp32-onnx", "test"), {"name": "imdb-sentiment", "version": "7"},
                   PackageParams(**SERVING_LIMITS), work / "model_store" / "sentiment.mar")
     with running_torchserve(work, variant) as handle:
@@ -165,7 +164,7 @@ def server(tmp_path_factory, tiny_model_dir):
 
 
 @pytest.fixture(scope="session")
-def champion(tmp_path_factory, tiny_model_dir):
+def champion(tmp_path_factory, tiny_model_dir, built):
     """The tiny model's fp32-onnx variant evaluated, packaged as `imdb-sentiment@champion`, and
     `python -m serving.mlflow_server` serving `models:/imdb-sentiment@champion` with the test limits. It runs
     from a directory outside the checkout: the model carries its own code, only the launcher comes from it."""
@@ -182,7 +181,7 @@ def champion(tmp_path_factory, tiny_model_dir):
         # which wins over params: set here, it is removed again on leaving, so no later session fixture logs into
         # this store
         mp.setenv("MLFLOW_TRACKING_URI", store)
-        dirs = evaluated_fp32_onnx(work, tiny_model_dir, params)
+        dirs = evaluated_fp32_onnx(work, tiny_model_dir, params, built["dirs"]["fp32-onnx"])
         manifest = run_package_stage(variants_root=work / "variants", variants_metrics=work / "variants.json",
                                      benchmark_metrics=work / "benchmark.json", mar=work / "sentiment.mar",
                                      manifest_path=work / "package.json", params=params,
@@ -255,22 +254,20 @@ MATRIX_VARIANTS = ("fp32-onnx", "int8-dynamic", "int8-openvino", "fp32-torchscri
 
 
 @pytest.fixture(scope="session")
-def matrix(tmp_path_factory, tiny_model_dir):
+def matrix(tmp_path_factory, tiny_model_dir, built):
     """The concurrency matrix's servers: the tiny model's `MATRIX_VARIANTS` plus the default's served variant, built
-    by the export and quantize stages' own code, logged as MLflow models by the evaluate stage's code, then one
+    by the export and quantize stages' own code (copied from `built`), logged as MLflow models by the evaluate
+    stage's code, then one
     TorchServe holding one `.mar` per variant (`/predictions/<variant>`, the shipped worker and batching settings)
     and one `python -m serving.mlflow_server --model-uri <its model>` per variant, all with the default limits."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from pipeline.core.params import EvaluateParams, QuantizeParams
+    from pipeline.core.params import EvaluateParams
     from pipeline.core.parent_run import start_tracking
     from pipeline.deployment.archive import build_archive
     from pipeline.evaluation.accuracy import log_variant_runs, score_variants
     from pipeline.runtimes.catalog import spec
     from pipeline.selection import ServedChoice
-    from pipeline.variants.export import run_export
-    from pipeline.variants.quantize import run_quantize
-    from tests.factories import weight_format_here
 
     served = default_served_variant()
     names = tuple(dict.fromkeys((*MATRIX_VARIANTS, served)))
@@ -280,17 +277,10 @@ def matrix(tmp_path_factory, tiny_model_dir):
     work = tmp_path_factory.mktemp("matrix")
     store = f"sqlite:///{work / 'mlflow.db'}"
     params = Params(mlflow=MlflowParams(tracking_uri=store))
-    tok = write_tokenized(work / "tok", {"train": 48, "val": 16, "test": 16})
-    root = work / "variants"
-    run_export(finetuned=tiny_model_dir, tokenized=tok, variants_root=root,
-               params=ExportParams(parity_samples=4, torchscript=True))
-    build = [n for n in names if spec(n).stage == "quantize"]
-    quantize = QuantizeParams(calibration_samples=16, selection_samples=16, qat_train_samples=16, qat_batch_size=8,
-                              calibration_methods=["minmax"], build=build)
-    run_quantize(finetuned=tiny_model_dir, fp32_onnx=root / "fp32-onnx", tokenized=tok, variants_root=root,
-                 params=Params(quantize=quantize, train=TrainParams(checkpoint_dir=str(root / "ckpt"))),
-                 choice=weight_format_here())
-    dirs = {n: root / n for n in names}
+    tok = write_tokenized(work / "tok", {"test": 16})
+    dirs = {n: work / "variants" / n for n in names}
+    for n in names:
+        shutil.copytree(built["dirs"][n], dirs[n])
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(work)
         mp.setenv("MLFLOW_TRACKING_URI", store)  # removed on leaving (see `champion`)
@@ -320,7 +310,7 @@ def matrix(tmp_path_factory, tiny_model_dir):
                 mlflow_servers[n] = future.result()
     try:
         assert len(mlflow_servers) == len(names), [f.exception() for f in started if f.exception()]
-        with running_torchserve(work, root, models=names) as torchserve:
+        with running_torchserve(work, work / "variants", models=names) as torchserve:
             yield {"variants": names, "served": served, "dirs": dirs, "torchserve": torchserve,
                    "mlflow": {n: url for n, (url, _) in mlflow_servers.items()}, "limits": params.package}
     finally:
