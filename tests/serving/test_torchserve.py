@@ -243,21 +243,20 @@ def test_worker_killed_and_replaced(server):
     assert now - old, "no new worker process"
 
 
-def test_an_openvino_archive_is_served_and_answers_like_its_predictor(server, tiny_model_dir, tmp_path):
-    """int8-openvino (OpenVINO IR, NNCF INT8) is servable: its `.mar`, served by a TorchServe of its own started as
-    `make serve` starts it, answers with the same labels and scores as `SentimentPredictor` on its directory."""
-    from pipeline.core.params import PackageParams, Params, QuantizeParams
+def test_an_openvino_archive_is_served_and_answers_like_its_predictor(built, tmp_path):
+    """int8-openvino (OpenVINO IR, NNCF INT8; the quantize stage's build of the tiny model) is servable: its `.mar`,
+    served by a TorchServe of its own started as `make serve` starts it, answers with the same labels and scores as
+    `SentimentPredictor` on its directory."""
+    import shutil
+
+    from pipeline.core.params import PackageParams
     from pipeline.deployment.archive import build_archive
     from pipeline.selection import ServedChoice
-    from pipeline.variants.quantize import run_quantize
-    from tests.factories import SERVING_LIMITS, weight_format_here, write_tokenized
+    from tests.factories import SERVING_LIMITS
     from tests.serving.conftest import running_torchserve
 
-    tok = write_tokenized(tmp_path / "tok", {"train": 32, "val": 8, "test": 8})
-    params = Params(quantize=QuantizeParams(build=["int8-openvino"], calibration_samples=16))
-    run_quantize(finetuned=tiny_model_dir, fp32_onnx=server.variant_dir, tokenized=tok,
-                 variants_root=tmp_path / "variants", params=params, choice=weight_format_here())  # from the fp32-onnx
     variant = tmp_path / "variants" / "int8-openvino"
+    shutil.copytree(built["dirs"]["int8-openvino"], variant)
     build_archive(variant, ServedChoice("int8-openvino", "test"), {"name": "imdb-sentiment", "version": "8"},
                   PackageParams(**SERVING_LIMITS), tmp_path / "ts" / "model_store" / "sentiment.mar")
     texts = ["a wonderful, moving film", "dull and far too long", "fine"]
