@@ -169,29 +169,20 @@ def _graph_for_quantization(inputs: QuantizeInputs) -> tuple[Path, dict[str, Any
     exported otherwise (its record says how) is exported again from the model.
     """
     fp32 = inputs.fp32_onnx / "model.onnx"
-    if inputs.q.optimize_graph and inputs.arch.get("attention") == "eager":
+    if not inputs.q.optimize_graph:
+        return fp32, {}
+    check = _fusion_check(inputs, OrtRunner(fp32, optimization="disable"), "fp32-onnx")
+    if inputs.arch.get("attention") == "eager":
         readout = {k: inputs.arch[k] for k in ("cls_readout", "cls_readout_reason") if k in inputs.arch}
-        return fuse_export(fp32, readout, _fusion_check(inputs, OrtRunner(fp32, optimization="disable"),
-                                                        "fp32-onnx"), inputs.tmp)
-    return _fused_or_plain(inputs, inputs.model, lambda: OrtRunner(fp32, optimization="disable"), "fp32-onnx",
-                           lambda: fp32, inputs.tmp)
+        return fuse_export(fp32, readout, check, inputs.tmp)
+    return fused_graph(inputs.model, inputs.cls_readout, check, inputs.tmp)
 
 
 def _fusion_check(inputs: QuantizeInputs, reference: Runner, reference_name: str) -> FusionCheck:
-    """What a fused graph of this run must reproduce (`reference`), on the first 16 validation reviews."""
+    """What a fused graph of this run must reproduce (`reference`, named `reference_name` in errors), on the first
+    16 validation reviews."""
     return FusionCheck(reference, reference_name, int(inputs.arch["num_layers"]), max_length_of(inputs.meta),
                        inputs.val["input_ids"].tolist()[:16], inputs.pad_id)
-
-
-def _fused_or_plain(inputs: QuantizeInputs, model: Any, reference: Callable[[], Runner], reference_name: str,
-                    plain: Callable[[], Path], work: Path) -> tuple[Path, dict[str, Any]]:
-    """`model`'s graph fused for onnxruntime in `work` when `quantize.optimize_graph` (checked against `reference`,
-    named `reference_name` in errors, on 16 validation reviews), else its plain export (`plain` returns it); and
-    what fusion did. Each is called only when needed: an export is the costliest step of a build."""
-    if not inputs.q.optimize_graph:
-        return plain(), {}
-    work.mkdir(parents=True, exist_ok=True)
-    return fused_graph(model, inputs.cls_readout, _fusion_check(inputs, reference(), reference_name), work)
 
 
 def _static_with_selection(inputs: QuantizeInputs) -> dict[str, Any]:
@@ -250,15 +241,16 @@ def _qat(inputs: QuantizeInputs, method: str, out: Path) -> dict[str, Any]:
     result = qat_finetune(model, reviews, labels, params, seed, inputs.pad_id, inputs.ffn_width, store=store,
                           plan=plan)
     graph, readout = inference_model(model, inputs.cls_readout)  # qat_finetune leaves the model in eval mode
-
-    def plain() -> Path:
-        export_onnx(graph, inputs.tmp / "qat-fp32.onnx", max_length_of(inputs.meta))
-        return inputs.tmp / "qat-fp32.onnx"
-
-    # The same fused graph as int8-static's, checked against the QAT model itself in PyTorch (as the export stage
-    # checks fp32-onnx), so the QAT model is exported once, not once plain for a reference and once for fusion.
-    src, fusion = _fused_or_plain(inputs, model, lambda: eager_runner(model), "the QAT model (PyTorch)", plain,
+    if params.optimize_graph:
+        # The same fused graph as int8-static's, checked against the QAT model itself in PyTorch (as the export
+        # stage checks fp32-onnx): the QAT model is exported once, for fusion, not also plain as a reference.
+        (inputs.tmp / "qat").mkdir(exist_ok=True)
+        src, fusion = fused_graph(model, inputs.cls_readout,
+                                  _fusion_check(inputs, eager_runner(model), "the QAT model (PyTorch)"),
                                   inputs.tmp / "qat")
+    else:
+        src, fusion = inputs.tmp / "qat-fp32.onnx", {}
+        export_onnx(graph, src, max_length_of(inputs.meta))
     out.mkdir(parents=True, exist_ok=True)
     quantize_static_onnx(src, out / "model.onnx", inputs.calibration, method, params, inputs.pad_id,
                          inputs.ffn_width)
