@@ -83,9 +83,9 @@ def quantize_static_onnx_methods(src: Path, dsts: dict[str, Path], calibration: 
 
     `src` is either the plain export or, faster, the graph `int8-dynamic` quantizes (onnxruntime's fused
     `Attention`, `SkipLayerNormalization`, `BiasGelu`; see `pipeline.variants.fusion`): each fused `Attention`
-    is first split into its packed Q/K/V product and a float `MultiHeadAttention` (`attention_as_projection`),
-    since the QDQ quantizer has no `Attention` op. Matrix products with a weight operand are quantized; the two
-    activation-only products of each attention layer stay float (inside `MultiHeadAttention`, or
+    becomes a `QAttention` with a calibrated input scale first (`static_int8_attention`), since the QDQ quantizer
+    has no `Attention` op. Matrix products with a weight operand are quantized; the two activation-only products
+    of each attention layer stay float (inside `QAttention` or a readout layer's `MultiHeadAttention`, or
     `activation_matmuls` in the plain graph).
 
     Only the inputs of MatMul/Gemm (compute) and Gather (the embedding table, most of the file) are quantized:
@@ -111,7 +111,6 @@ def quantize_static_onnx_methods(src: Path, dsts: dict[str, Path], calibration: 
         if fused:
             # onnxruntime's pre-processing cannot type the contrib ops; ONNX's inference inside quantize_static
             # types the rest from the float types given here.
-            attention_as_projection(model)
             typed_contrib_outputs(model)
             onnx.save(model, str(pre))
         else:
@@ -134,10 +133,12 @@ def quantize_static_onnx_methods(src: Path, dsts: dict[str, Path], calibration: 
                 typed_contrib_outputs(with_types)
                 onnx.save(with_types, str(base))
         for method, dst in dsts.items():
+            attention = Path(tmp) / f"attention-{method}.onnx"
+            static_int8_attention(base, attention, calibration, method, params, pad_id)
             options = calibration_options(method, params, activation_symmetric=False)
             options["extra_options"]["OpTypesToExcludeOutputQuantization"] = ["MatMul", "Gemm"]
             quantize_static(
-                str(base), str(dst), TokenCalibrationReader(calibration, params.calibration_batch_size, names,
+                str(attention), str(dst), TokenCalibrationReader(calibration, params.calibration_batch_size, names,
                                                             pad_id),
                 quant_format=QuantFormat.QDQ, per_channel=params.per_channel, activation_type=QuantType.QUInt8,
                 **weight_options(params.weights()),
@@ -148,44 +149,45 @@ def quantize_static_onnx_methods(src: Path, dsts: dict[str, Path], calibration: 
             onnx.save(quantized, str(dst))
 
 
-#: Attributes a fused `Attention` may carry that `MultiHeadAttention` takes unchanged.
-_MHA_ATTRIBUTES = ("num_heads", "scale", "mask_filter_value")
+def static_int8_attention(src: Path, dst: Path, calibration: Sequence[np.ndarray], method: str,
+                          params: QuantizeParams, pad_id: int = 0) -> int:
+    """Quantize each fused `Attention` of `src` into onnxruntime's `QAttention` with a calibrated (static) input
+    scale; returns how many. Everything else is left as it is.
 
+    onnxruntime's QDQ quantizer has no `Attention` op, and splitting it into a QDQ product + `Split` + float
+    `MultiHeadAttention` ran slower than int8-dynamic's `QAttention` (docs/weight-formats.md). Its operator-format
+    quantizer has one (`AttentionQuant`): run here in static mode, on the ranges onnxruntime's calibrator
+    (`method`, as the QDQ pass uses) measures at each `Attention`'s input, the packed Q/K/V product and the
+    attention run in the same kernel as int8-dynamic's, with the input quantized by a fixed `QuantizeLinear`
+    instead of a per-batch range (the Q/K/V weights are 7-bit, as `AttentionQuant` always makes them)."""
+    import onnx
+    from onnxruntime.quantization import QuantType
+    from onnxruntime.quantization.calibrate import create_calibrator
+    from onnxruntime.quantization.onnx_quantizer import ONNXQuantizer
+    from onnxruntime.quantization.quant_utils import QuantizationMode
 
-def attention_as_projection(model: onnx.ModelProto) -> int:
-    """Replace each fused `Attention` (packed Q/K/V weight, bias, raw padding mask) by the same computation in
-    ops the QDQ quantizer handles: one `MatMul` with the packed weight, a `Split` into Q, K and V, and a float
-    `MultiHeadAttention` that adds the bias and applies the mask as its key padding mask. Returns how many were
-    replaced; an `Attention` with inputs or attributes beyond those is left as it is (and stays float)."""
-    from onnx import helper, numpy_helper
-
-    graph = model.graph
-    initializers = {i.name: i for i in graph.initializer}
-    nodes: list[onnx.NodeProto] = []
-    replaced = 0
-    for node in graph.node:
-        inputs = list(node.input) + [""] * (4 - len(node.input))
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        weight = initializers.get(inputs[1])
-        if (node.op_type != "Attention" or node.domain != MS_DOMAIN or weight is None or not inputs[2]
-                or any(inputs[4:]) or set(attrs) - set(_MHA_ATTRIBUTES) or len(node.output) > 1):
-            nodes.append(node)
-            continue
-        prefix = node.name or node.output[0]
-        width = int(weight.dims[1]) // 3
-        sizes = f"{prefix}_split_sizes"
-        graph.initializer.append(numpy_helper.from_array(np.array([width] * 3, dtype=np.int64), sizes))
-        qkv = [f"{prefix}_{part}" for part in ("q", "k", "v")]
-        nodes += [
-            helper.make_node("MatMul", inputs[:2], [f"{prefix}_qkv"], name=f"{prefix}_qkv_matmul"),
-            helper.make_node("Split", [f"{prefix}_qkv", sizes], qkv, name=f"{prefix}_qkv_split", axis=-1),
-            helper.make_node("MultiHeadAttention", [*qkv, inputs[2], inputs[3]], [node.output[0]],
-                             name=f"{prefix}_mha", domain=MS_DOMAIN, **attrs),
-        ]
-        replaced += 1
-    del graph.node[:]
-    graph.node.extend(nodes)
-    return replaced
+    model = onnx.load(str(src))
+    if not any(n.op_type == "Attention" and n.domain == MS_DOMAIN for n in model.graph.node):
+        onnx.save(model, str(dst))
+        return 0
+    options = calibration_options(method, params, activation_symmetric=False)
+    extra = options["extra_options"]
+    with tempfile.TemporaryDirectory(prefix="qattention-") as tmp:
+        calibrator = create_calibrator(
+            src, ["Attention"], augmented_model_path=str(Path(tmp) / "augmented.onnx"),
+            calibrate_method=options["calibrate_method"],
+            extra_options={"percentile": extra["CalibPercentile"]} if "CalibPercentile" in extra else {})
+        calibrator.collect_data(TokenCalibrationReader(calibration, params.calibration_batch_size,
+                                                       {i.name for i in model.graph.input}, pad_id))
+        ranges = calibrator.compute_data()
+        del calibrator
+    weights = weight_options(params.weights())
+    quantizer = ONNXQuantizer(model, params.per_channel, weights["reduce_range"], QuantizationMode.IntegerOps, True,
+                              weights["weight_type"], QuantType.QUInt8, ranges, None, None, ["Attention"], extra)
+    quantized = quantizer.quantize_model()
+    typed_contrib_outputs(quantized)
+    onnx.save(quantized, str(dst))
+    return sum(1 for n in quantized.graph.node if n.op_type == "QAttention")
 
 
 def typed_contrib_outputs(model: onnx.ModelProto) -> None:

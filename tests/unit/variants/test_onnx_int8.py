@@ -82,42 +82,58 @@ def test_the_formats_auto_picks_without_vnni_give_exact_int8_products(weight_for
     assert np.array_equal(y, a.astype(np.int64) @ b.astype(np.int64))
 
 
-def test_attention_as_projection_computes_what_the_fused_attention_does():
-    """The static build's split of a fused `Attention` (packed Q/K/V product + `MultiHeadAttention` with the bias
-    and the key padding mask) gives the fused op's output, padding included."""
+def test_static_attention_is_a_qattention_on_a_calibrated_scale_and_computes_the_fused_attention(tmp_path):
+    """The static build turns a fused `Attention` into a `QAttention` whose input is quantized with the scale the
+    calibration measured (a `QuantizeLinear` on constants, no per-batch `DynamicQuantizeLinear`), and it answers
+    what the float op does within INT8 rounding, padding included."""
     import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from pipeline.variants.onnx_int8 import attention_as_projection
+    from pipeline.variants.onnx_int8 import static_int8_attention
 
     rng = np.random.default_rng(0)
-    weight = numpy_helper.from_array(rng.normal(size=(8, 24)).astype(np.float32), "weight")
-    bias = numpy_helper.from_array(rng.normal(size=24).astype(np.float32), "bias")
-    node = helper.make_node("Attention", ["x", "weight", "bias", "mask"], ["y"], domain="com.microsoft",
-                            name="attention", num_heads=2)
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "s", 8]),
-                                            helper.make_tensor_value_info("mask", TensorProto.INT32, ["b", "s"])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", "s", 8])], [weight, bias])
+    inits = [numpy_helper.from_array(rng.normal(size=(50, 8)).astype(np.float32), "table"),
+             numpy_helper.from_array(rng.normal(size=(8, 24)).astype(np.float32) / 3, "weight"),
+             numpy_helper.from_array(rng.normal(size=24).astype(np.float32) / 3, "bias")]
+    nodes = [helper.make_node("Gather", ["table", "input_ids"], ["x"], name="embed"),
+             helper.make_node("Cast", ["attention_mask"], ["mask"], to=TensorProto.INT32, name="mask"),
+             helper.make_node("Attention", ["x", "weight", "bias", "mask"], ["y"], domain="com.microsoft",
+                              name="attention", num_heads=2)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["b", "s"]),
+                                           helper.make_tensor_value_info("attention_mask", TensorProto.INT64,
+                                                                         ["b", "s"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", "s", 8])], inits)
     opsets = [helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)]
-    model = helper.make_model(graph, opset_imports=opsets, ir_version=10)
-    x = rng.normal(size=(2, 5, 8)).astype(np.float32)
-    mask = np.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], dtype=np.int32)
+    onnx.save(helper.make_model(graph, opset_imports=opsets, ir_version=10), tmp_path / "float.onnx")
+    calibration = [rng.integers(1, 50, n) for n in (4, 5, 7, 9)]
+    params = QuantizeParams(weight_format=weight_format_here().value)
+    assert static_int8_attention(tmp_path / "float.onnx", tmp_path / "int8.onnx", calibration, "minmax", params) == 1
 
-    def run(m: onnx.ModelProto) -> np.ndarray:
-        session = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
-        return session.run(None, {"x": x, "mask": mask})[0]
+    model = onnx.load(str(tmp_path / "int8.onnx"))
+    ops = [n.op_type for n in model.graph.node]
+    assert "Attention" not in ops and "DynamicQuantizeLinear" not in ops and ops.count("QAttention") == 1
+    quantize = next(n for n in model.graph.node if n.op_type == "QuantizeLinear")
+    assert set(quantize.input[1:]) <= {i.name for i in model.graph.initializer}
+    qattention = next(n for n in model.graph.node if n.op_type == "QAttention")
+    assert qattention.input[0] == quantize.output[0] and qattention.input[3] == quantize.input[1]
 
-    fused = run(model)
-    assert attention_as_projection(model) == 1
-    assert [n.op_type for n in model.graph.node] == ["MatMul", "Split", "MultiHeadAttention"]
-    np.testing.assert_allclose(run(model), fused, atol=1e-5)
+    ids = np.array([[3, 14, 15, 9, 2], [6, 5, 35, 0, 0]], dtype=np.int64)
+    mask = np.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], dtype=np.int64)
+
+    def run(path):
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        return session.run(None, {"input_ids": ids, "attention_mask": mask})[0]
+
+    reference, quantized = run(tmp_path / "float.onnx"), run(tmp_path / "int8.onnx")
+    assert np.abs(quantized - reference).max() <= 0.05 * np.abs(reference).max()
 
 
 def test_static_products_read_calibrated_inputs_and_write_float(built, tmp_path):
     """int8-static and int8-qat (built from the fused graph): every weight product runs as one
     `MatMulIntegerToFloat` or `DynamicQuantizeMatMul` (no output requantization, no `QLinearMatMul`), attention
-    as `MultiHeadAttention`, and only the products read the uint8-rounded activations: the residual path and
+    as `QAttention` on a calibrated scale (the readout layer's as float `MultiHeadAttention`), and only the
+    products read the uint8-rounded activations: the residual path and
     the other float ops read the float tensor."""
     import onnx
     import onnxruntime as ort
@@ -141,7 +157,8 @@ def test_static_products_read_calibrated_inputs_and_write_float(built, tmp_path)
         ops = [n.op_type for n in onnx.load(str(tmp_path / f"{name}.onnx")).graph.node]
         floats = {"QLinearMatMul", "MatMul", "FusedMatMul", "Attention"} & set(ops)
         assert not floats, (name, sorted(ops))
-        assert ops.count("MultiHeadAttention") == 2 and ops.count("SkipLayerNormalization") == 4, (name, ops)
+        assert ops.count("QAttention") == 1 and ops.count("MultiHeadAttention") == 1, (name, ops)
+        assert "DynamicQuantizeLinear" not in ops and ops.count("SkipLayerNormalization") == 4, (name, ops)
         # The [CLS] head (pooler, classifier: one row each) may stay a Gemm on dequantized INT8 weights: the
         # QAT export keeps them as Gemm, which onnxruntime does not fuse with float biases.
         gemms = ops.count("Gemm") + ops.count("FusedGemm")
