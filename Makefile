@@ -14,17 +14,20 @@ export DO_NOT_TRACK := 1
 # torchao's fake quantizers (QAT) are plain PyTorch; its prebuilt CUDA/mxfp8 kernels fail to load on a CPU-only
 # torch and would say so on every import of transformers.
 export TORCHAO_FORCE_SKIP_LOADING_SO_FILES := 1
+# The venv's bytecode is written by the first import of each module (see the venv rule). Where the caller's
+# environment forbids writing bytecode, every process of a run (a stage, a test worker, a server) would compile torch,
+# transformers and MLflow again: the commands here write it, into this checkout's .venv and git-ignored __pycache__.
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: run test test-all test-gpu venv venv-spark lint dvc-deps docs mlflow-ui serve serve-mlflow stop plots score
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	@# Not compiled at install: of the ~24,000 modules installed, the pipeline and its tests import ~6,000, which the
+	@# first import of each compiles into the venv (PYTHONDONTWRITEBYTECODE is lifted below); compiling them all ahead
+	@# (pip's default, or compileall on every core) cost a fresh machine a minute more than that.
 	$(BIN)/python -m pip install --quiet --no-compile -r requirements.txt
-	@# pip would compile every installed module to bytecode one after another; compileall does it on every core. The
-	@# bytecode must be there before the first run: where PYTHONDONTWRITEBYTECODE is set, imports never write it, and
-	@# every process would compile torch again. Like pip, it goes past the few files of a newer Python's syntax.
-	@$(BIN)/python -m compileall -q -j 0 $(VENV)/lib >/dev/null || true
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
