@@ -57,6 +57,8 @@ def test_targets_read_the_sweep():
     assert bad["served_at_least_0.8_of_in_process_at_32"] is None  # not in this sweep
     assert targets([_row(1, ratio=0.75)], 0.1)["served_at_least_0.8_of_in_process_at_1"] is False
     assert targets([_row(1, ratio=0.85)], 0.1)["served_at_least_0.8_of_in_process_at_1"] is True
+    failed_warmup = {**_row(1), "warmup": {"seconds": 15.0, "requests": 300, "errors": 2}}
+    assert targets([failed_warmup], 0.1)["zero_errors_on_valid"] is False  # an error while warming up counts too
     assert targets([_row(1)], 0.0)["p99_at_most_3x_p50_at_8"] is None
     assert targets([_row(8)], 0.0)["all_valid_answered_200_with_malformed_mixed_in"] is None
     assert "| 8 | 100 | 100.00 | 0 |" in table([_row(8)])
