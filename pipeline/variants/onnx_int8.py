@@ -121,6 +121,7 @@ def quantize_static_onnx_methods(src: Path, dsts: dict[str, Path], calibration: 
         graph = onnx.load(str(pre), load_external_data=False).graph
         names = {i.name for i in graph.input}
         excluded = activation_matmuls(graph)
+        fused_attention = sum(1 for n in graph.node if n.op_type == "Attention" and n.domain == MS_DOMAIN)
         ffn = ffn_output_matmuls(graph, dynamic_ffn_output_of) if dynamic_ffn_output_of else []
         base = pre
         if ffn:  # first, on the float graph: the dynamic quantizer rewrites Gemm as MatMul, QDQ or not
@@ -134,7 +135,10 @@ def quantize_static_onnx_methods(src: Path, dsts: dict[str, Path], calibration: 
                 onnx.save(with_types, str(base))
         for method, dst in dsts.items():
             attention = Path(tmp) / f"attention-{method}.onnx"
-            static_int8_attention(base, attention, calibration, method, params, pad_id)
+            converted = static_int8_attention(base, attention, calibration, method, params, pad_id)
+            if converted != fused_attention:  # a fused attention left float would run its Q/K/V product in FP32
+                raise QuantizeError(f"only {converted} of {fused_attention} fused attentions became a static "
+                                    f"QAttention ({method})")
             options = calibration_options(method, params, activation_symmetric=False)
             options["extra_options"]["OpTypesToExcludeOutputQuantization"] = ["MatMul", "Gemm"]
             quantize_static(

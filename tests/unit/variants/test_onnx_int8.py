@@ -82,17 +82,11 @@ def test_the_formats_auto_picks_without_vnni_give_exact_int8_products(weight_for
     assert np.array_equal(y, a.astype(np.int64) @ b.astype(np.int64))
 
 
-def test_static_attention_is_a_qattention_on_a_calibrated_scale_and_computes_the_fused_attention(tmp_path):
-    """The static build turns a fused `Attention` into a `QAttention` whose input is quantized with the scale the
-    calibration measured (a `QuantizeLinear` on constants, no per-batch `DynamicQuantizeLinear`), and it answers
-    what the float op does within INT8 rounding, padding included."""
+def one_attention_graph(path, rng):
+    """A float graph of one embedding lookup and one fused onnxruntime `Attention` (2 heads, width 8)."""
     import onnx
-    import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from pipeline.variants.onnx_int8 import static_int8_attention
-
-    rng = np.random.default_rng(0)
     inits = [numpy_helper.from_array(rng.normal(size=(50, 8)).astype(np.float32), "table"),
              numpy_helper.from_array(rng.normal(size=(8, 24)).astype(np.float32) / 3, "weight"),
              numpy_helper.from_array(rng.normal(size=24).astype(np.float32) / 3, "bias")]
@@ -105,7 +99,20 @@ def test_static_attention_is_a_qattention_on_a_calibrated_scale_and_computes_the
                                                                          ["b", "s"])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", "s", 8])], inits)
     opsets = [helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)]
-    onnx.save(helper.make_model(graph, opset_imports=opsets, ir_version=10), tmp_path / "float.onnx")
+    onnx.save(helper.make_model(graph, opset_imports=opsets, ir_version=10), path)
+
+
+def test_static_attention_is_a_qattention_on_a_calibrated_scale_and_computes_the_fused_attention(tmp_path):
+    """The static build turns a fused `Attention` into a `QAttention` whose input is quantized with the scale the
+    calibration measured (a `QuantizeLinear` on constants, no per-batch `DynamicQuantizeLinear`), and it answers
+    what the float op does within INT8 rounding, padding included."""
+    import onnx
+    import onnxruntime as ort
+
+    from pipeline.variants.onnx_int8 import static_int8_attention
+
+    rng = np.random.default_rng(0)
+    one_attention_graph(tmp_path / "float.onnx", rng)
     calibration = [rng.integers(1, 50, n) for n in (4, 5, 7, 9)]
     params = QuantizeParams(weight_format=weight_format_here().value)
     assert static_int8_attention(tmp_path / "float.onnx", tmp_path / "int8.onnx", calibration, "minmax", params) == 1
@@ -127,6 +134,23 @@ def test_static_attention_is_a_qattention_on_a_calibrated_scale_and_computes_the
 
     reference, quantized = run(tmp_path / "float.onnx"), run(tmp_path / "int8.onnx")
     assert np.abs(quantized - reference).max() <= 0.05 * np.abs(reference).max()
+
+
+def test_static_build_refuses_a_fused_attention_left_float(tmp_path, monkeypatch):
+    """Every fused `Attention` must become a static `QAttention`: one left float is an error, not a slow model."""
+    from pipeline.variants import onnx_int8
+
+    one_attention_graph(tmp_path / "float.onnx", np.random.default_rng(1))
+
+    def none_converted(src, dst, *args, **kwargs):
+        dst.write_bytes(src.read_bytes())
+        return 0
+
+    monkeypatch.setattr(onnx_int8, "static_int8_attention", none_converted)
+    calibration = [np.arange(1, n) for n in (5, 8)]
+    with pytest.raises(onnx_int8.QuantizeError, match="only 0 of 1 fused attentions"):
+        onnx_int8.quantize_static_onnx_methods(tmp_path / "float.onnx", {"minmax": tmp_path / "int8.onnx"},
+                                               calibration, QuantizeParams(weight_format=weight_format_here().value))
 
 
 def test_static_products_read_calibrated_inputs_and_write_float(built, tmp_path):
