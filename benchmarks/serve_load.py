@@ -14,7 +14,8 @@ texts) in the server's own request format. Reported per concurrency: the share o
 valid requests per second, and the in-process figure: the archive's own model (the variant both servers
 serve) fed by the same number of concurrent callers, each `SentimentPredictor.predict` taking what is queued,
 up to `batch_size` texts, without waiting for more, so the ratio isolates what the server adds. Traffic goes
-to loopback only, bounded in time and count. Each level starts with `--warmup` seconds of valid requests at its
+to loopback only, bounded in time and count, each client on one kept-open HTTP/1.1 connection as pooled
+clients use them (`--new-connection-per-request` for one TCP connection per request). Each level starts with `--warmup` seconds of valid requests at its
 concurrency that are not counted (recorded per row): a freshly started TorchServe served its first concurrency-1
 level at 0.64 of in-process and the same level run again after the others at 0.79-0.80 (2026-11-26, Zen 3).
 Prints a table and writes
@@ -24,6 +25,7 @@ Prints a table and writes
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import queue
@@ -31,8 +33,7 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -102,32 +103,76 @@ def _texts(imdb_dir: Path, n: int) -> list[str]:
     return df["text"].sample(n=n, random_state=0).str.slice(0, 2000).tolist()
 
 
-def _post(endpoint: Endpoint, body: bytes, content_type: str) -> tuple[int | None, Any]:
-    req = urllib.request.Request(f"{endpoint.url}{endpoint.path}", data=body, method="POST",
-                                 headers={"Content-Type": content_type})
-    if endpoint.key:
-        req.add_header("Authorization", f"Bearer {endpoint.key}")
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as err:
-        return err.code, None
-    except (urllib.error.URLError, OSError, ValueError):
+class Connection:
+    """One client's HTTP/1.1 connection to the endpoint. With `reuse` (the default) it stays open across
+    requests, as pooled clients (`requests.Session`, httpx, a load balancer's upstream pool) keep it, and is
+    reopened after the server closes it or after an error; a request whose reused connection turns out to have
+    been closed by the server before it answered is sent once more on a new one, as urllib3 does (counted in
+    `reconnects`). Without `reuse`, each request opens and closes its own connection."""
+
+    def __init__(self, endpoint: Endpoint, reuse: bool = True, timeout: float = 60.0) -> None:
+        parts = urllib.parse.urlsplit(endpoint.url)
+        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
+        self.endpoint, self.reuse, self.timeout = endpoint, reuse, timeout
+        self.conn: http.client.HTTPConnection | None = None
+        self.opened = 0
+        self.reconnects = 0
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+    def post(self, body: bytes, content_type: str) -> tuple[int | None, Any]:
+        """(status, parsed JSON of a 200 answer or None); (None, None) when no answer came."""
+        headers = {"Content-Type": content_type}
+        if self.endpoint.key:
+            headers["Authorization"] = f"Bearer {self.endpoint.key}"
+        if not self.reuse:
+            headers["Connection"] = "close"
+        for attempt in range(2):
+            fresh = self.conn is None
+            if fresh:
+                self.conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+                self.opened += 1
+            try:
+                self.conn.request("POST", self.endpoint.path, body=body, headers=headers)
+                resp = self.conn.getresponse()
+                data = resp.read()
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+                self.close()
+                if fresh or attempt:
+                    return None, None
+                self.reconnects += 1  # the server had closed the kept connection: once more on a new one
+                continue
+            except (OSError, http.client.HTTPException):
+                self.close()
+                return None, None
+            if resp.will_close or not self.reuse:
+                self.close()
+            if resp.status != 200:
+                return resp.status, None
+            try:
+                return resp.status, json.loads(data)
+            except ValueError:
+                return None, None
         return None, None
 
 
 def served(endpoint: Endpoint, texts: list[str], concurrency: int, duration: float, max_requests: int,
-           malformed_share: float, poison: Sequence[tuple[str, bytes, str]]) -> dict[str, Any]:
-    """Closed-loop clients: each sends one request, waits for the answer, sends the next. Request number `n`
-    is malformed when `floor(n * share)` steps up, so the share holds exactly over any run length."""
+           malformed_share: float, poison: Sequence[tuple[str, bytes, str]], reuse: bool = True) -> dict[str, Any]:
+    """Closed-loop clients, each on its own `Connection`: each sends one request, waits for the answer, sends the
+    next. Request number `n` is malformed when `floor(n * share)` steps up, so the share holds exactly over any
+    run length."""
     latencies: list[float] = []
     valid_errors: dict[str, int] = {}
     malformed = {"sent": 0, "answered_4xx": 0}
     lock = threading.Lock()
     stop_at = time.perf_counter() + duration
     counter = iter(range(max_requests))
+    connections = [Connection(endpoint, reuse) for _ in range(concurrency)]
 
-    def worker() -> None:
+    def worker(connection: Connection) -> None:
         while time.perf_counter() < stop_at:
             with lock:
                 n = next(counter, None)
@@ -139,7 +184,7 @@ def served(endpoint: Endpoint, texts: list[str], concurrency: int, duration: flo
             else:
                 body, content_type = endpoint.body(texts[n % len(texts)]), "application/json"
             t = time.perf_counter()
-            status, answer = _post(endpoint, body, content_type)
+            status, answer = connection.post(body, content_type)
             elapsed = (time.perf_counter() - t) * 1e3
             with lock:
                 if is_bad:
@@ -152,12 +197,14 @@ def served(endpoint: Endpoint, texts: list[str], concurrency: int, duration: flo
                     valid_errors[reason] = valid_errors.get(reason, 0) + 1
 
     start = time.perf_counter()
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    threads = [threading.Thread(target=worker, args=(c,)) for c in connections]
     for th in threads:
         th.start()
     for th in threads:
         th.join()
     elapsed = time.perf_counter() - start
+    for c in connections:
+        c.close()
     lat = np.asarray(latencies)
     valid_sent = len(latencies) + sum(valid_errors.values())
     return {
@@ -173,6 +220,8 @@ def served(endpoint: Endpoint, texts: list[str], concurrency: int, duration: flo
         "p95_ms": float(np.percentile(lat, 95)) if len(lat) else None,
         "p99_ms": float(np.percentile(lat, 99)) if len(lat) else None,
         "seconds": elapsed,
+        "connections_opened": sum(c.opened for c in connections),
+        "reconnects": sum(c.reconnects for c in connections),
     }
 
 
@@ -286,6 +335,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=None,
                         help="in-process batches take up to this many queued texts (default: TorchServe's batchSize "
                              "in --ts-config)")
+    parser.add_argument("--new-connection-per-request", action="store_true",
+                        help="open and close a connection for every request instead of keeping one per client")
     parser.add_argument("--no-in-process", action="store_true", help="skip the in-process comparison")
     parser.add_argument("--out", type=Path, help="default: benchmarks/results/serve_load-<server>.json")
     args = parser.parse_args(argv)
@@ -305,14 +356,15 @@ def main(argv: list[str] | None = None) -> None:
     poison = malformed_bodies(int(config["max_body_bytes"]), int(config["max_texts"]), args.server)
     texts = _texts(args.imdb_dir, 512)
     endpoint = Endpoint(args.server, url, inference_key(args.key_file) if args.server == "torchserve" else None)
+    reuse = not args.new_connection_per_request
     rows = []
     for concurrency in args.concurrency:
         row: dict[str, Any] = {"concurrency": concurrency}
         if args.warmup > 0:
-            warm = served(endpoint, texts, concurrency, args.warmup, args.max_requests, 0.0, poison)
+            warm = served(endpoint, texts, concurrency, args.warmup, args.max_requests, 0.0, poison, reuse)
             row["warmup"] = {"seconds": args.warmup, "requests": warm["valid_sent"], "errors": warm["valid_errors"]}
         row.update(served(endpoint, texts, concurrency, args.duration, args.max_requests, args.malformed_share,
-                          poison))
+                          poison, reuse))
         if not args.no_in_process:
             row["in_process_per_s"] = in_process(args.mar, texts, concurrency, batch_size, args.duration)
             row["served_vs_in_process"] = row["requests_per_s"] / row["in_process_per_s"]
@@ -324,6 +376,7 @@ def main(argv: list[str] | None = None) -> None:
               "coalesced in-process: predict calls that arrive while a forward pass runs are scored together in "
               "the next one (pipeline.deployment.coalescing, up to 64 texts, no delay)",
               "served_batching": config.get("served_batching"),
+              "client_connections": "one kept open per client" if reuse else "a new one per request",
               "duration_s": args.duration, "warmup_s": args.warmup, "malformed_share": args.malformed_share,
               "in_process_batch_size": batch_size,
               "malformed_kinds": [kind for kind, _, _ in poison], "model": config.get("model"), "rows": rows,

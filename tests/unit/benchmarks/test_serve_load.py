@@ -1,12 +1,15 @@
-"""Unit: the serving soak's malformed mix and target check (the load itself needs a running server)."""
+"""Unit: the serving soak's malformed mix, target check and client connections (against a stand-in HTTP server on
+loopback; the load itself needs a running model server)."""
 
 from __future__ import annotations
 
 import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from benchmarks.serve_load import Endpoint, malformed_bodies, table, targets, torchserve_batching
+from benchmarks.serve_load import Connection, Endpoint, malformed_bodies, table, targets, torchserve_batching
 from pipeline.deployment.protocol import Limits, RequestError
 from pipeline.deployment.request_parsing import parse_request
 
@@ -62,3 +65,83 @@ def test_targets_read_the_sweep():
     assert targets([_row(1)], 0.0)["p99_at_most_3x_p50_at_8"] is None
     assert targets([_row(8)], 0.0)["all_valid_answered_200_with_malformed_mixed_in"] is None
     assert "| 8 | 100 | 100.00 | 0 |" in table([_row(8)])
+
+
+@pytest.fixture
+def stand_in():
+    """A loopback HTTP/1.1 server answering `{"label"}`, 400 for a body of `bad`, that counts the connections it
+    accepted; `mode` says how it treats a kept connection after answering: keep it, announce `Connection: close`,
+    or drop it without saying so (as a server's idle timeout does)."""
+    state = {"connections": 0, "mode": "keep", "seen": []}
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def setup(self) -> None:
+            super().setup()
+            state["connections"] += 1
+            self.answered = 0
+
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            if self.answered and state["mode"] == "drop":  # a kept connection the server had already closed
+                self.close_connection = True
+                return
+            state["seen"].append((self.headers.get("Authorization"), self.headers.get("Connection")))
+            reply, status = (b'{"error": "bad"}', 400) if body == b"bad" else (b'{"label": "positive"}', 200)
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(reply)))
+            if state["mode"] == "close":
+                self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(reply)
+            self.answered += 1
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    yield Endpoint("torchserve", f"http://127.0.0.1:{server.server_address[1]}", key="k"), state
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_client_keeps_one_connection_and_reads_every_answer(stand_in):
+    endpoint, state = stand_in
+    client = Connection(endpoint)
+    answers = [client.post(b'{"text": "x"}', "application/json") for _ in range(5)]
+    assert answers == [(200, {"label": "positive"})] * 5
+    assert client.post(b"bad", "application/json") == (400, None)
+    assert client.post(b'{"text": "x"}', "application/json") == (200, {"label": "positive"})
+    assert state["connections"] == client.opened == 1 and client.reconnects == 0
+    assert {auth for auth, _ in state["seen"]} == {"Bearer k"}
+
+
+@pytest.mark.parametrize("mode", ["close", "drop"])
+def test_a_connection_the_server_closes_is_reopened_without_losing_the_request(stand_in, mode):
+    """Announced (`Connection: close`) or not (the kept connection is gone when the next request arrives): every
+    request is still answered, on a new connection; only the silent close costs a second send."""
+    endpoint, state = stand_in
+    state["mode"] = mode
+    client = Connection(endpoint)
+    assert [client.post(b'{"text": "x"}', "application/json") for _ in range(4)] == [(200, {"label": "positive"})] * 4
+    assert len(state["seen"]) == 4
+    assert client.reconnects == (3 if mode == "drop" else 0)
+    assert client.opened == state["connections"] == 4
+
+
+def test_a_connection_per_request_when_asked(stand_in):
+    endpoint, state = stand_in
+    client = Connection(endpoint, reuse=False)
+    for _ in range(3):
+        assert client.post(b'{"text": "x"}', "application/json") == (200, {"label": "positive"})
+    assert client.opened == state["connections"] == 3
+    assert {conn for _, conn in state["seen"]} == {"close"}
+
+
+def test_no_server_is_no_answer_not_a_crash():
+    client = Connection(Endpoint("mlflow", "http://127.0.0.1:9"), timeout=2.0)
+    assert client.post(b"{}", "application/json") == (None, None)
