@@ -21,7 +21,7 @@ def test_repro_outputs_and_metrics(repo):
     assert m["test_accuracy"] > 0.65, m  # 800 reviews of 64 tokens: well above chance, far from the full run
     assert m["train_samples_per_s"] > 0
     prep = json.loads((repo / "metrics" / "prepare.json").read_text())
-    assert prep["sizes"] == {"train": 800, "val": 100, "test": 300, "transfer": 200}
+    assert prep["sizes"] == {"train": 800, "val": 100, "test": 150, "transfer": 200}
     for f in ("config.json", "model.safetensors", "tokenizer.json", "pipeline.json"):
         assert (repo / "models" / "finetuned" / f).is_file()
     assert (repo / "plots" / "finetune" / "train.csv").read_text().count("\n") > 10
@@ -60,7 +60,7 @@ def test_variants_metrics(repo):
 def test_benchmark_report_and_package(repo):
     bench = json.loads((repo / "metrics" / "benchmark.json").read_text())
     variants = json.loads((repo / "metrics" / "variants.json").read_text())
-    assert set(bench) == set(variants) | {"fp32-eager-bf16", "fp32-eager-readout"}
+    assert set(bench) == set(variants) | {"fp32-eager-readout"}  # no bf16 row: auto, and the run rehearses AVX2
     for name, entry in bench.items():
         if entry["status"] == "ok":
             assert entry["p50_ms_b1"] <= entry["p95_ms_b1"] <= entry["p99_ms_b1"]

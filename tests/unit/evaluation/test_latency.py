@@ -94,3 +94,26 @@ def test_speedup_is_the_reference_p50_over_the_rows_with_the_paired_interval():
     gain = speedup(ref, row)
     assert gain.p50 == 2.0 and gain.low <= 2.0 <= gain.high
     assert speedup(ref, ref) == Speedup(1.0, 1.0, 1.0)
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_the_bf16_row_is_timed_exactly_when_the_choice_asks(tiny_model_dir, tokenized_dir, bf16):
+    """`benchmark.bf16_row` resolved True times the FP32 model under bf16 autocast beside the reference (whatever the
+    CPU: an explicit request is honoured, emulated or not); False leaves the row out. The miniature `dvc repro` runs
+    with the default (auto), which an AVX2-only CPU resolves to False, so this is where the row itself is run."""
+    from pipeline.core.machine import Choice
+    from pipeline.evaluation.benchmark import run_benchmark
+    from pipeline.runtimes.catalog import BF16_ROW, READOUT_ROW, REFERENCE
+
+    params = BenchmarkParams(seq_len=16, batch_size=4, warmup=1, iterations=2, rounds=2, latency_reviews=2,
+                             threads=1, memory=False)
+    choice = Choice("benchmark.bf16_row", True if bf16 else "auto", bf16, "set explicitly" if bf16 else "no bf16")
+    result = run_benchmark(finetuned=tiny_model_dir, variant_dirs={}, tokenized=tokenized_dir, params=params,
+                           bf16=choice)
+    rows = result["variants"]
+    assert set(rows) == {REFERENCE, READOUT_ROW} | ({BF16_ROW} if bf16 else set())
+    assert result["settings"]["bf16_row"] is bf16 and result["settings"]["bf16_row_choice"] == choice.tag()
+    if bf16:
+        row = rows[BF16_ROW]
+        assert row["status"] == "ok" and row["latency_samples"] == 2, row
+        assert row["p50_ms_b1"] > 0 and row["throughput_b32"] > 0 and row["speedup_p50_low"] > 0, row
