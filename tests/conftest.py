@@ -52,8 +52,8 @@ MODULE_GROUPS = {
 }
 #: Scheduling groups and modules handed out first, longest first. xdist queues the rest by test count, and these
 #: have few tests each (whole-process runs, real servers, Spark): queued last, one of them kept a worker busy alone
-#: at the end while the other stood idle. Order from the summed test seconds per module of a `make test` on the 2-core
-#: Zen 3 (2026-11-26: 566, 282, 123, 70, 48, 35, 34 s); a stale entry only costs scheduling, never a test.
+#: at the end while the other stood idle. Ordered by each scope's summed test seconds in a `make test` (the figures
+#: are in docs/testing.md); a stale entry only costs scheduling, never a test.
 LONG_FIRST = ("repro", "servers", "tests/unit/training/test_resume.py", "tests/unit/deployment/test_batch_scoring.py",
               "tests/unit/deployment/test_batch_invariance.py", "tests/unit/training/test_distill.py",
               "tests/unit/runtimes/test_readout.py")
