@@ -13,6 +13,10 @@ timed, and the clock is read after a CUDA synchronisation at both ends.
   (PyTorch's fused attention kernel also runs in training), i.e. what the finetune stage does;
   `pipeline-recipe-eager` is the same without torch.compile. Varying batch shapes can make torch.compile
   compile again inside the timed steps: `graphs_compiled_while_timed` in the JSON counts those.
+- On CUDA, two eager variants test ways around cuDNN's fused attention planning a new graph for every sequence
+  length it has not seen (docs/training.md): `pipeline-recipe-eager-pad64` pads buckets to multiples of 64
+  (8 lengths instead of 64), `pipeline-recipe-eager-no-cudnn-sdpa` turns PyTorch's cuDNN attention backend off
+  for its row, so SDPA picks another fused kernel; `pipeline-recipe-pad64` is the compiled recipe padded to 64.
 
 `--profile-steps N` records N steps of each row after its warm-up with torch.profiler and writes the op tables
 (by device and host time, plus the CUDA allocator's counters) beside `--out`; a profiled row's rate is slower.
@@ -51,6 +55,7 @@ BLOG_SAMPLES = 3 * 35_000  # the reference: 3 epochs over the 35k training split
 BLOG_BATCH = 12
 BLOG_LR = 5e-5
 SEQ = 512
+NO_CUDNN_SDPA = "pipeline-recipe-eager-no-cudnn-sdpa"  # the row run with PyTorch's cuDNN attention backend off
 
 
 def build_model(name: str, weights: str) -> Any:
@@ -212,8 +217,13 @@ def runs(compile_ok: bool, device: str) -> list[tuple[str, dict[str, Any]]]:
     recipe = {"precision": half, "bucketing": True, "pad_to_multiple_of": 8, "attention_dropout": 0.0}
     # one name per configuration, whatever `--no-compile` says: `--rows pipeline-recipe-eager` always finds it
     rows.append(("pipeline-recipe-eager", {**recipe, "compile": False}))
+    if cuda:
+        rows.append(("pipeline-recipe-eager-pad64", {**recipe, "compile": False, "pad_to_multiple_of": 64}))
+        rows.append((NO_CUDNN_SDPA, {**recipe, "compile": False}))
     if compile_ok:
         rows.append(("pipeline-recipe", {**recipe, "compile": True}))
+        if cuda:
+            rows.append(("pipeline-recipe-pad64", {**recipe, "compile": True, "pad_to_multiple_of": 64}))
     return rows
 
 
@@ -267,17 +277,25 @@ def main(argv: list[str] | None = None) -> None:
             model = build_model(args.model, args.weights)
             clock = StepClock(args.warmup, device, args.profile_steps,
                               args.out.with_name(f"{args.out.stem}-{name}-profile.txt"))
+            cudnn_sdpa = name != NO_CUDNN_SDPA
+            if device == "cuda":
+                torch.backends.cuda.enable_cudnn_sdp(cudnn_sdpa)
             started = time.perf_counter()
-            if overrides is None:
-                plain_loop(model, ids, labels, total, clock)
-            else:
-                lightning_run(model, tokenized, TrainParams(**{**base.__dict__, **overrides}), clock)
+            try:
+                if overrides is None:
+                    plain_loop(model, ids, labels, total, clock)
+                else:
+                    lightning_run(model, tokenized, TrainParams(**{**base.__dict__, **overrides}), clock)
+            finally:
+                if device == "cuda":
+                    torch.backends.cuda.enable_cudnn_sdp(True)
             rate = clock.samples / clock.seconds
             results[name] = {
                 "samples_per_s": rate, "tokens_per_s": clock.tokens / clock.seconds, "timed_steps": clock.steps,
                 "timed_seconds": clock.seconds, "wall_seconds_with_warmup": time.perf_counter() - started,
                 "blog_3_epochs_min_at_this_rate": BLOG_SAMPLES / rate / 60, "settings": overrides or {},
                 "graphs_compiled_while_timed": clock.graphs_compiled_while_timed,
+                "cudnn_sdpa_enabled": cudnn_sdpa if device == "cuda" else None,
             }
             print(f"{name}: {rate:.1f} samples/s", flush=True)
             del model

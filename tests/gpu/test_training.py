@@ -59,7 +59,7 @@ def test_mixed_precision_runs_matmuls_in_half_precision_on_cuda(tmp_path, tokeni
 
 def test_amp_finetune_learns_and_saves_fp32_on_cuda(tmp_path, tokenized_dir):
     out = tmp_path / "out"
-    params = TrainParams(**{**CUDA_TRAIN, "precision": "16-mixed"})
+    params = TrainParams(**{**CUDA_TRAIN, "precision": "16-mixed", "checkpoint_dir": str(tmp_path / "ckpt")})
     result = finetune(tokenized_dir, out / "model", out / "metrics.json", out / "plots", out / "reports",
                       DataParams(max_length=64), ModelParams(source="tiny"), params,
                       resolve_auto(Params(train=params)).precision, predictions_path=out / "test-logits.npz")
@@ -73,7 +73,8 @@ def test_amp_finetune_learns_and_saves_fp32_on_cuda(tmp_path, tokenized_dir):
 def test_compiled_training_on_cuda_learns(tmp_path, tokenized_dir):
     torch._dynamo.reset()
     out = tmp_path / "out"
-    params = TrainParams(**{**CUDA_TRAIN, "precision": "16-mixed", "compile": True})
+    params = TrainParams(**{**CUDA_TRAIN, "precision": "16-mixed", "compile": True,
+                            "checkpoint_dir": str(tmp_path / "ckpt")})  # not the checkout's ./checkpoints
     result = finetune(tokenized_dir, out / "model", out / "metrics.json", out / "plots", out / "reports",
                       DataParams(max_length=64), ModelParams(source="tiny"), params,
                       resolve_auto(Params(train=params)).precision)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.seed_recipe import runs
+from benchmarks.seed_recipe import NO_CUDNN_SDPA, runs
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -19,3 +19,10 @@ def test_compiled_rows_are_added_when_compile_works():
     assert rows["pipeline-recipe"]["compile"] is True and rows["pipeline-recipe-eager"]["compile"] is False
     assert rows["pipeline-recipe"]["bucketing"] and rows["pipeline-recipe"]["pad_to_multiple_of"] == 8
     assert len(rows) == len(runs(True, "cuda"))  # no name used twice
+
+
+def test_the_eager_attention_probes_exist_on_cuda_only():
+    cuda = dict(runs(True, "cuda"))
+    assert cuda["pipeline-recipe-eager-pad64"]["pad_to_multiple_of"] == 64
+    assert cuda[NO_CUDNN_SDPA] == cuda["pipeline-recipe-eager"]  # same settings; only the attention backend differs
+    assert not {"pipeline-recipe-eager-pad64", NO_CUDNN_SDPA} & {name for name, _ in runs(True, "cpu")}
