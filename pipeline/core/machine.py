@@ -148,12 +148,15 @@ def _decide_with(flags: frozenset[str] | None) -> tuple[frozenset[str], str]:
 
 def trains_on_cuda(accelerator: str, cuda: bool | None = None) -> bool:
     """Whether work that follows `train.accelerator` runs on a CUDA device: `auto`, `gpu` or `cuda` where one is
-    visible (`cuda`, default: ask torch)."""
+    visible (`cuda`, default: ask torch, which is imported only when the accelerator could be CUDA: a stage that
+    never touches torch does not pay its import to learn that `cpu` means the CPU)."""
+    if accelerator not in ("auto", "gpu", "cuda"):
+        return False
     if cuda is None:
         import torch
 
         cuda = torch.cuda.is_available()
-    return cuda and accelerator in ("auto", "gpu", "cuda")
+    return cuda
 
 
 def resolve_precision(asked: str, accelerator: str, flags: frozenset[str] | None = None,

@@ -121,7 +121,7 @@ def quantize_static_onnx_methods(src: Path, dsts: dict[str, Path], calibration: 
         graph = onnx.load(str(pre), load_external_data=False).graph
         names = {i.name for i in graph.input}
         excluded = activation_matmuls(graph)
-        fused_attention = sum(1 for n in graph.node if n.op_type == "Attention" and n.domain == MS_DOMAIN)
+        fused_attention = fused_attentions(graph)
         ffn = ffn_output_matmuls(graph, dynamic_ffn_output_of) if dynamic_ffn_output_of else []
         base = pre
         if ffn:  # first, on the float graph: the dynamic quantizer rewrites Gemm as MatMul, QDQ or not
@@ -153,6 +153,11 @@ def quantize_static_onnx_methods(src: Path, dsts: dict[str, Path], calibration: 
             onnx.save(quantized, str(dst))
 
 
+def fused_attentions(graph: onnx.GraphProto) -> int:
+    """How many of `graph`'s nodes are onnxruntime's fused `Attention` (the contrib op the fusion makes)."""
+    return sum(1 for n in graph.node if n.op_type == "Attention" and n.domain == MS_DOMAIN)
+
+
 def static_int8_attention(src: Path, dst: Path, calibration: Sequence[np.ndarray], method: str,
                           params: QuantizeParams, pad_id: int = 0) -> int:
     """Quantize each fused `Attention` of `src` into onnxruntime's `QAttention` with a calibrated (static) input
@@ -171,7 +176,7 @@ def static_int8_attention(src: Path, dst: Path, calibration: Sequence[np.ndarray
     from onnxruntime.quantization.quant_utils import QuantizationMode
 
     model = onnx.load(str(src))
-    if not any(n.op_type == "Attention" and n.domain == MS_DOMAIN for n in model.graph.node):
+    if not fused_attentions(model.graph):
         onnx.save(model, str(dst))
         return 0
     options = calibration_options(method, params, activation_symmetric=False)

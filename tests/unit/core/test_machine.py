@@ -142,3 +142,27 @@ def test_the_omp_cap_is_read_only_where_it_is_a_positive_count(monkeypatch, valu
         monkeypatch.setenv("OMP_NUM_THREADS", value)
     assert default_threads() == expected
     assert thread_tags()["threads.cap"] == (value or "unset")
+
+
+def test_resolving_auto_on_a_cpu_accelerator_does_not_import_torch():
+    """Every stage resolves `auto` before its work; with `train.accelerator: cpu` (the default) the CUDA question
+    has its answer without torch, so stages that never use torch (prepare, package, the skipped ones) do not pay
+    its import. Run in a fresh interpreter: this test session has torch loaded already."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom pipeline.core.params import Params, TrainParams, resolve_auto\n"
+            "resolve_auto(Params(train=TrainParams(accelerator='cpu', precision='auto')))\n"
+            "print('torch' in sys.modules)")
+    root = Path(__file__).resolve().parents[3]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(("accelerator", "cuda", "expected"), [
+    ("cpu", True, False), ("auto", True, True), ("gpu", True, True), ("cuda", True, True), ("auto", False, False)])
+def test_trains_on_cuda_only_where_the_accelerator_allows_a_visible_gpu(accelerator, cuda, expected):
+    from pipeline.core.machine import trains_on_cuda
+
+    assert trains_on_cuda(accelerator, cuda) is expected
