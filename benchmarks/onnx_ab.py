@@ -4,22 +4,83 @@ The pipeline benchmark's ratios hang on a PyTorch FP32 reference that moves 38-4
 2-vCPU machine; two graphs that differ by ~10 % (e.g. with and without `export.cls_readout`) are compared
 more cleanly here. Prints p10/p50/mean per file and writes `benchmarks/results/onnx_ab.json`.
 
+`--op-profile N` then runs each file N more times in a session of its own with onnxruntime's profiler on (after
+the timing, so it does not disturb it) and prints where a run's time goes by operator type, after onnxruntime's
+graph fusions: kernel microseconds and kernels per run, per file side by side.
+
     python -m benchmarks.onnx_ab OLD/model.onnx models/variants/int8-dynamic/model.onnx [--rounds 30]
+    python -m benchmarks.onnx_ab models/variants/int8-{dynamic,static}/model.onnx --rounds 5 --op-profile 50
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from pipeline.core.io import write_json
-from pipeline.runtimes.ort import ort_session
+from pipeline.runtimes.ort import ort_session, session_options
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+#: Untimed runs before the profiled ones (their events are left out of the per-run figures).
+PROFILE_WARMUP = 10
+
+
+def op_profile(path: Path, feed: dict[str, np.ndarray], threads: int, runs: int) -> dict[str, Any]:
+    """Kernel time and kernel count per run by operator type, from onnxruntime's profiler over `runs` runs of `feed`
+    (after `PROFILE_WARMUP` runs), in the optimised graph the session really executes."""
+    import onnxruntime as ort
+
+    opts = session_options(threads, "all")
+    opts.enable_profiling = True
+    with tempfile.TemporaryDirectory(prefix="ort-profile-") as tmp:
+        opts.profile_file_prefix = str(Path(tmp) / "ort")
+        session = ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
+        for _ in range(PROFILE_WARMUP + runs):
+            session.run(None, feed)
+        events = json.loads(Path(session.end_profiling()).read_text())
+    run_starts = sorted(e["ts"] for e in events if e.get("cat") == "Session" and e.get("name") == "model_run")
+    if len(run_starts) < PROFILE_WARMUP + runs:
+        raise RuntimeError(f"onnxruntime's profile of {path} holds {len(run_starts)} runs, expected "
+                           f"{PROFILE_WARMUP + runs}")
+    first = run_starts[PROFILE_WARMUP]
+    runs_us = [e["dur"] for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"
+               and e["ts"] >= first]
+    micros: dict[str, float] = defaultdict(float)
+    kernels: dict[str, int] = defaultdict(int)
+    for e in events:
+        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and e["ts"] >= first:
+            op = e.get("args", {}).get("op_name", "?")
+            micros[op] += e["dur"]
+            kernels[op] += 1
+    return {"runs": runs, "run_us_median": float(np.median(runs_us)),
+            "ops": {op: {"us_per_run": micros[op] / runs, "kernels_per_run": kernels[op] / runs}
+                    for op in sorted(micros, key=micros.get, reverse=True)}}
+
+
+def print_op_profiles(profiles: dict[str, dict[str, Any]]) -> None:
+    """One row per operator type (the union over files), microseconds and kernels per run for each file."""
+    names = list(profiles)
+    ops = sorted({op for p in profiles.values() for op in p["ops"]},
+                 key=lambda op: -max(p["ops"].get(op, {}).get("us_per_run", 0.0) for p in profiles.values()))
+    print("\n| op type | " + " | ".join(f"{Path(n).parent.name or n} µs/run (kernels)" for n in names) + " |")
+    print("|---|" + "---:|" * len(names))
+    for op in ops:
+        cells = []
+        for n in names:
+            row = profiles[n]["ops"].get(op)
+            cells.append(f"{row['us_per_run']:.0f} ({row['kernels_per_run']:.0f})" if row else "-")
+        print(f"| {op} | " + " | ".join(cells) + " |")
+    print("| **whole run (median)** | " + " | ".join(f"{profiles[n]['run_us_median']:.0f}" for n in names) + " |")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -31,6 +92,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block", type=int, default=20, help="runs of one file before switching")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/onnx_ab.json")
+    parser.add_argument("--op-profile", type=int, default=0, metavar="N",
+                        help="then profile N runs of each file by operator type (onnxruntime's profiler)")
     args = parser.parse_args(argv)
 
     sessions = [ort_session(m, args.threads) for m in args.models]
@@ -48,10 +111,15 @@ def main(argv: list[str] | None = None) -> None:
                 times[i].append(1000 * (time.perf_counter() - t0))
     rows = {str(m): {"p10_ms": float(np.percentile(t, 10)), "p50_ms": float(np.median(t)),
                      "mean_ms": float(np.mean(t)), "runs": len(t)} for m, t in zip(args.models, times, strict=True)}
-    write_json(args.out, {"seq_len": args.seq_len, "threads": args.threads, "models": rows})
+    profiles = ({str(m): op_profile(m, feed, args.threads, args.op_profile) for m in args.models}
+                if args.op_profile else {})
+    write_json(args.out, {"seq_len": args.seq_len, "threads": args.threads, "models": rows,
+                          **({"op_profiles": profiles} if profiles else {})})
     print("| model | p10 ms | p50 ms | mean ms |\n|---|---:|---:|---:|")
     for m, r in rows.items():
         print(f"| {m} | {r['p10_ms']:.2f} | {r['p50_ms']:.2f} | {r['mean_ms']:.2f} |")
+    if profiles:
+        print_op_profiles(profiles)
 
 
 if __name__ == "__main__":
