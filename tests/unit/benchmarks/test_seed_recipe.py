@@ -26,3 +26,12 @@ def test_the_eager_attention_probes_exist_on_cuda_only():
     assert cuda["pipeline-recipe-eager-pad64"]["pad_to_multiple_of"] == 64
     assert cuda[NO_CUDNN_SDPA] == cuda["pipeline-recipe-eager"]  # same settings; only the attention backend differs
     assert not {"pipeline-recipe-eager-pad64", NO_CUDNN_SDPA} & {name for name, _ in runs(True, "cpu")}
+
+
+@pytest.mark.parametrize(("cpu_precision", "half_rows"), [("32-true", []), ("bf16-mixed", ["lightning-bf16-mixed"])])
+def test_a_cpu_times_half_precision_only_where_it_is_native(cpu_precision, half_rows):
+    """On a CPU without native bf16 (`auto` resolves to 32-true) no row times emulated bf16, and the recipe trains
+    in 32-true, as the finetune stage would there."""
+    rows = dict(runs(False, "cpu", cpu_precision))
+    assert [name for name in rows if name.startswith("lightning-") and name != "lightning-32-true"] == half_rows
+    assert rows["pipeline-recipe-eager"]["precision"] == cpu_precision
