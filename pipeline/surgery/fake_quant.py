@@ -67,10 +67,13 @@ class FakeQuantLinear(torch.nn.Module):
         return torch.nn.functional.linear(self.input_fq(x), self.weight_fq(self.linear.weight), self.linear.bias)
 
 
-def add_fake_quant(model: torch.nn.Module, skip_in_features: int | None = None, weight_format: str = "s8") -> int:
-    """Wrap every Linear in place (except those with `skip_in_features` inputs, kept float); returns the count."""
+def add_fake_quant(model: torch.nn.Module, skip_in_features: int | None = None, weight_format: str = "s8",
+                   within: torch.nn.Module | None = None) -> int:
+    """Wrap every Linear in place (except those with `skip_in_features` inputs, kept float), only those inside
+    `within` when given (the encoder's layers: the classification head stays float, as the ONNX INT8 graphs keep
+    it, `pipeline.variants.onnx_census.head_matmuls`); returns the count."""
     count = 0
-    for parent in list(model.modules()):
+    for parent in list((within or model).modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, torch.nn.Linear) and child.in_features != skip_in_features:
                 setattr(parent, name, FakeQuantLinear(child, weight_format))

@@ -1,5 +1,6 @@
 """Census of an ONNX graph's matrix products: which run in INT8 and which in float, which have no weight operand
-(attention's activation products) and which are the FFN down-projections; reads the graph structure only."""
+(attention's activation products), which are the FFN down-projections and which the classification head; reads
+the graph structure only."""
 
 from __future__ import annotations
 
@@ -36,6 +37,28 @@ def ffn_output_matmuls(model: Path | Any, intermediate_size: int) -> list[str]:
     rows = {init.name: (init.dims[0] if init.dims else 0) for init in graph.initializer}
     return [n.name for n in graph.node
             if n.op_type == "MatMul" and len(n.input) > 1 and rows.get(n.input[1]) == intermediate_size]
+
+
+#: The layer normalizations an encoder ends with: ONNX's own and onnxruntime's fused ones (`pipeline.variants.fusion`).
+NORMALIZATIONS = ("LayerNormalization", "SkipLayerNormalization", "SkipSimplifiedLayerNormalization")
+
+
+def head_matmuls(model: Path | Any) -> list[str]:
+    """The weight products after the encoder's last layer normalization: the classification head (BERT's pooler
+    and classifier, DistilBERT's pre-classifier and classifier, a mean-pooling head's classifier). Kept float.
+
+    They multiply one pooled vector per review, so INT8 saves them almost nothing, while onnxruntime runs them at
+    a cost out of proportion: int8-dynamic's two as `MatMulIntegerToFloat` took 0.47 ms a review at batch 1, and
+    in a static QDQ graph it dequantized their weights on every run instead of fusing the pairs (4 more
+    `DequantizeLinear`, about 0.5 ms), where float `Gemm`s take under 0.1 ms (docs/weight-formats.md). The graph
+    is in topological order, so every node after the last normalization is downstream of the whole encoder."""
+    graph = _graph(model)
+    norms = [i for i, n in enumerate(graph.node) if n.op_type in NORMALIZATIONS]
+    if not norms:
+        return []
+    weights = {init.name for init in graph.initializer}
+    return [n.name for n in list(graph.node)[norms[-1] + 1:]
+            if n.op_type in ("MatMul", "Gemm") and any(i in weights for i in n.input[:2])]
 
 
 INTEGER_OPS = ("MatMulInteger", "DynamicQuantizeMatMul", "QLinearMatMul", "MatMulIntegerToFloat", "QAttention",

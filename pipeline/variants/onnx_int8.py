@@ -17,7 +17,7 @@ from pipeline.core.errors import UserError
 from pipeline.core.machine import WEIGHT_FORMATS
 from pipeline.core.params import QuantizeParams
 from pipeline.variants.calibration import CALIBRATION_METHODS, TokenCalibrationReader, calibration_options
-from pipeline.variants.onnx_census import activation_matmuls, ffn_output_matmuls, matmul_census
+from pipeline.variants.onnx_census import activation_matmuls, ffn_output_matmuls, head_matmuls, matmul_census
 
 if TYPE_CHECKING:
     import onnx
@@ -56,8 +56,18 @@ def weight_options(weight_format: str) -> dict[str, Any]:
             "reduce_range": weight_format == "s7"}
 
 
+def float_head(model: Path | onnx.ModelProto | onnx.GraphProto) -> list[str]:
+    """`nodes_to_exclude` that keeps the classification head float (`head_matmuls`). onnxruntime's operator-format
+    quantizer (dynamic INT8, and the passes before a static one: the FFN's dynamic products, the static
+    `QAttention`) rewrites each Gemm as `<name>_MatMul` + `<name>_Add` before it reads the exclusions, so a head
+    Gemm is excluded under both names."""
+    head = head_matmuls(model.graph if hasattr(model, "graph") else model)
+    return head + [f"{name}_MatMul" for name in head]
+
+
 def quantize_dynamic_onnx(src: Path, dst: Path, per_channel: bool = True, weight_format: str = "s8") -> None:
-    """Weights to INT8 (`weight_format`) ahead of time, activations quantized on the fly per batch."""
+    """Weights to INT8 (`weight_format`) ahead of time, activations quantized on the fly per batch; the
+    classification head's products stay float (`head_matmuls`)."""
     import onnx
     from onnxruntime.quantization import quantize_dynamic
 
@@ -66,6 +76,7 @@ def quantize_dynamic_onnx(src: Path, dst: Path, per_channel: bool = True, weight
         # Fused contrib ops (SkipLayerNormalization, BiasGelu) have no ONNX shape inference: default to float.
         quantize_dynamic(str(clean), str(dst), per_channel=per_channel, **weight_options(weight_format),
                          op_types_to_quantize=["MatMul", "Gemm", "Attention", "Gather"],
+                         nodes_to_exclude=float_head(clean),
                          extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
 
 
@@ -84,9 +95,9 @@ def quantize_static_onnx_methods(src: Path, dsts: dict[str, Path], calibration: 
     `src` is either the plain export or, faster, the graph `int8-dynamic` quantizes (onnxruntime's fused
     `Attention`, `SkipLayerNormalization`, `BiasGelu`; see `pipeline.variants.fusion`): each fused `Attention`
     becomes a `QAttention` with a calibrated input scale first (`static_int8_attention`), since the QDQ quantizer
-    has no `Attention` op. Matrix products with a weight operand are quantized; the two activation-only products
-    of each attention layer stay float (inside `QAttention` or a readout layer's `MultiHeadAttention`, or
-    `activation_matmuls` in the plain graph).
+    has no `Attention` op. Matrix products with a weight operand are quantized but the classification head's
+    (`head_matmuls`); the two activation-only products of each attention layer stay float (inside `QAttention`
+    or a readout layer's `MultiHeadAttention`, or `activation_matmuls` in the plain graph).
 
     Only the inputs of MatMul/Gemm (compute) and Gather (the embedding table, most of the file) are quantized:
     the products' outputs stay float (onnxruntime then runs each as one `MatMulIntegerToFloat`; a quantized
@@ -120,7 +131,7 @@ def quantize_static_onnx_methods(src: Path, dsts: dict[str, Path], calibration: 
         del model
         graph = onnx.load(str(pre), load_external_data=False).graph
         names = {i.name for i in graph.input}
-        excluded = activation_matmuls(graph)
+        excluded = activation_matmuls(graph) + float_head(graph)
         fused_attention = fused_attentions(graph)
         ffn = ffn_output_matmuls(graph, dynamic_ffn_output_of) if dynamic_ffn_output_of else []
         base = pre

@@ -18,7 +18,24 @@ def test_static_with_calibrated_ffn_quantizes_every_weight_product_in_qdq(built,
     seqs = [np.arange(5, 5 + n) for n in (6, 9, 12, 20)]
     quantize_static_onnx(src, tmp_path / "all.onnx", seqs, "minmax",
                          QuantizeParams(weight_format=weight_format_here().value))
-    assert matmul_census(tmp_path / "all.onnx") == {"int8_matmuls": 2 * 6 + 2, "float_matmuls": 2 * 2}
+    # 6 weight products a layer in INT8; float: 2 activation products a layer and the head (pooler, classifier)
+    assert matmul_census(tmp_path / "all.onnx") == {"int8_matmuls": 2 * 6, "float_matmuls": 2 * 2 + 2}
+
+
+def test_the_head_is_the_weight_products_after_the_encoders_last_norm(built):
+    """`head_matmuls` finds the pooler and the classifier (one row each), in the plain export and in the fused
+    graph int8-dynamic quantizes; no encoder product."""
+    import onnx
+
+    from pipeline.variants.onnx_census import head_matmuls
+
+    for name in ("fp32-onnx", "int8-dynamic"):
+        graph = onnx.load(str(built["dirs"][name] / "model.onnx"), load_external_data=False).graph
+        head = head_matmuls(graph)
+        weights = {i.name: list(i.dims) for i in graph.initializer}
+        shapes = [next(weights[i] for i in n.input[:2] if i in weights) for n in graph.node if n.name in head]
+        # the pooler's 64 x 64, then the classifier's 64 -> 2 (a Gemm stores it transposed)
+        assert len(head) == 2 and shapes[0] == [64, 64] and sorted(shapes[1]) == [2, 64], (name, head, shapes)
 
 
 def test_ffn_products_quantized_per_batch_with_int8_weights(built, tmp_path):
@@ -179,11 +196,12 @@ def test_static_products_read_calibrated_inputs_and_write_float(built, tmp_path)
         opts.optimized_model_filepath = str(tmp_path / f"{name}.onnx")
         ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
         ops = [n.op_type for n in onnx.load(str(tmp_path / f"{name}.onnx")).graph.node]
-        floats = {"QLinearMatMul", "MatMul", "FusedMatMul", "Attention"} & set(ops)
+        floats = {"QLinearMatMul", "FusedMatMul", "Attention"} & set(ops)
         assert not floats, (name, sorted(ops))
         assert ops.count("QAttention") == 1 and ops.count("MultiHeadAttention") == 1, (name, ops)
         assert "DynamicQuantizeLinear" not in ops and ops.count("SkipLayerNormalization") == 4, (name, ops)
-        # The [CLS] head (pooler, classifier: one row each) may stay a Gemm on dequantized INT8 weights: the
-        # QAT export keeps them as Gemm, which onnxruntime does not fuse with float biases.
-        gemms = ops.count("Gemm") + ops.count("FusedGemm")
-        assert gemms <= 2 and sum(ops.count(op) for op in INTEGER_OPS) + gemms == 12, (name, sorted(ops))
+        # The head (pooler, classifier: one row each) is float on float weights (`head_matmuls`): two float
+        # products, every other weight product an INT8 kernel, and no weight dequantized at run time.
+        head = ops.count("MatMul") + ops.count("Gemm") + ops.count("FusedGemm")
+        assert head == 2 and sum(ops.count(op) for op in INTEGER_OPS) == 10, (name, sorted(ops))
+        assert ops.count("DequantizeLinear") == 3, (name, sorted(ops))  # the embedding gathers' only
