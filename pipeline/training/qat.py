@@ -14,7 +14,6 @@ import torch
 from pipeline.core.params import QuantizeParams, TrainParams
 from pipeline.surgery.distill_loss import distillation_loss
 from pipeline.surgery.fake_quant import add_fake_quant, remove_fake_quant
-from pipeline.surgery.student import layer_list
 from pipeline.training.checkpoints import CheckpointStore, ResumePlan
 from pipeline.training.loop import fit, seed_run
 
@@ -59,7 +58,7 @@ def qat_finetune(model: torch.nn.Module, seqs: Sequence[np.ndarray], labels: Seq
     from pipeline.training.classifier import SentimentClassifier
 
     teacher = copy.deepcopy(model).eval().requires_grad_(False) if params.qat_distillation > 0 else None
-    wrapped = add_fake_quant(model, skip_in_features, params.weights(), within=layer_list(model)[0])
+    wrapped = add_fake_quant(model, skip_in_features, params.weights())
     train = qat_train_params(params, seed)
     seed_run(train)
     ds = TokenizedDataset(seqs, labels)

@@ -77,25 +77,11 @@ def test_fake_quant_wraps_every_linear_but_the_skipped_and_removal_restores_them
     assert restored.keys() == linears.keys() and all(restored[n] is linears[n] for n in linears)
 
 
-def test_fake_quant_within_the_encoder_leaves_the_head_float(tiny_model_dir):
-    """QAT wraps the encoder layers' Linears only: the pooler and the classifier stay float, as the ONNX INT8
-    graphs keep the head (`head_matmuls`)."""
-    import torch
-
-    from pipeline.surgery.fake_quant import FakeQuantLinear, add_fake_quant
-    from pipeline.surgery.student import layer_list
-
-    model, _, _ = load_finetuned(tiny_model_dir)
-    assert add_fake_quant(model, skip_in_features=128, within=layer_list(model)[0]) == 2 * 5
-    assert type(model.bert.pooler.dense) is torch.nn.Linear and type(model.classifier) is torch.nn.Linear
-    assert all(isinstance(layer.attention.self.query, FakeQuantLinear) for layer in layer_list(model)[0])
-
-
 def test_qat_really_trained_with_fake_quant(built):
     from pipeline.surgery.fake_quant import FAKE_QUANT_API
 
     report = built["quantize"]["int8-qat"]
-    assert report["fake_quant_layers"] == 2 * 5  # 5 quantized Linear per layer x 2 layers; the head stays float
+    assert report["fake_quant_layers"] == 2 * 5 + 2  # 5 quantized Linear per layer x 2 layers + pooler + classifier
     assert report["qat_steps"] == 4
     assert FAKE_QUANT_API in report["method"] and FAKE_QUANT_API.startswith("torchao.")
 
