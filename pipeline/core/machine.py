@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -85,16 +86,22 @@ def default_threads() -> int | None:
 
 def thread_tags() -> dict[str, str]:
     """The threading a stage starts with, as MLflow tags: the CPUs this process may use, the `OMP_NUM_THREADS` cap,
-    torch's intra-op threads (its default is one per physical core, or the cap; `*.threads` settings replace it),
-    and the tokenizers' parallelism. onnxruntime and OpenVINO use `*.threads` where set, else the cap where set
-    (`default_threads`), else their own default (one per physical core)."""
-    import torch
-
+    torch's intra-op threads (`torch_thread_tag`), and the tokenizers' parallelism. onnxruntime and OpenVINO use
+    `*.threads` where set, else the cap where set (`default_threads`), else their own default (one per physical
+    core)."""
     return {"threads.cpus_available": str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                                           else os.cpu_count()),
             "threads.cap": os.environ.get(THREAD_CAP_ENV) or "unset",
-            "threads.torch_intra_op": str(torch.get_num_threads()),
+            **torch_thread_tag(),
             "threads.tokenizers_parallelism": os.environ.get("TOKENIZERS_PARALLELISM", "unset")}
+
+
+def torch_thread_tag() -> dict[str, str]:
+    """torch's intra-op threads (its default is one per physical core, or the cap; `*.threads` settings replace
+    it) where this process has loaded torch, else "torch not loaded": asking would import it, which costs a stage
+    that never uses torch (prepare, package, a skipped builder) seconds."""
+    torch = sys.modules.get("torch")
+    return {"threads.torch_intra_op": str(torch.get_num_threads()) if torch is not None else "torch not loaded"}
 
 
 def isa_record(flags: frozenset[str] | None = None) -> dict[str, Any]:
@@ -144,6 +151,17 @@ def _present(flags: frozenset[str], wanted: tuple[str, ...]) -> list[str]:
 def _decide_with(flags: frozenset[str] | None) -> tuple[frozenset[str], str]:
     """`flags` where a caller passes them, else the decision flags (this CPU's or the override's) and their note."""
     return (flags, "") if flags is not None else decision_flags()
+
+
+#: Where a Linux host with an NVIDIA driver shows it: the driver's control device, its /proc entry, or WSL2's GPU
+#: paravirtualisation device. None of them present means no CUDA device, without importing torch to ask.
+NVIDIA_DRIVER_PATHS = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/dxg")
+
+
+def nvidia_driver_absent(paths: tuple[str, ...] = NVIDIA_DRIVER_PATHS) -> bool:
+    """True where no NVIDIA driver is visible on Linux (none of `paths` exists): there can be no CUDA device.
+    False elsewhere, and on other systems, where only CUDA itself can tell."""
+    return platform.system() == "Linux" and not any(os.path.exists(p) for p in paths)
 
 
 def trains_on_cuda(accelerator: str, cuda: bool | None = None) -> bool:

@@ -16,7 +16,7 @@ from typing import Any
 
 import pandas as pd
 
-from pipeline.core.machine import decision_tags, thread_tags
+from pipeline.core.machine import decision_tags, thread_tags, torch_thread_tag
 from pipeline.core.params import Params, flatten
 from pipeline.core.parent_run import (
     ROLE_TAG,
@@ -206,6 +206,7 @@ def stage_run(context: RunContext, stage: str, *, run_name: str | None = None,
     with mlflow.start_run(experiment_id=context.experiment_id, run_name=run_name or stage, tags=all_tags,
                           log_system_metrics=True if system_metrics else None) as run:
         yield StageRun(run, context)
+        mlflow.set_tags(torch_thread_tag())  # as the stage left them, where its work loaded torch
 
 
 def log_params_flat(sections: Mapping[str, Any]) -> None:

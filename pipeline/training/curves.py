@@ -8,21 +8,15 @@ checkpoint (`state_dict`), and both the CSV files and the MLflow points come fro
 
 from __future__ import annotations
 
-import csv
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import numpy as np
 
-#: Where the curves' points go: (step, {name: value}) pairs, e.g. an MLflow run (`StageRun.log_steps`).
-MetricSink = Callable[[Sequence[tuple[int, Mapping[str, float]]]], None]
-
-#: The DVC plots files and their columns.
-TRAIN_COLUMNS = ("step", "train_loss", "lr")
-VAL_COLUMNS = ("step", "epoch", "val_acc", "val_loss")
+from pipeline.training.curve_files import MetricSink, write_curves
 
 
 class CurveRecorder(L.Callback):
@@ -112,13 +106,7 @@ class CurveRecorder(L.Callback):
 
     def write(self, plots_dir: Path) -> None:
         """`train.csv` (step, loss, lr) and `val.csv` (step, epoch, accuracy, loss) for `dvc plots`."""
-        plots_dir.mkdir(parents=True, exist_ok=True)
-        files = (("train.csv", self.train_rows, TRAIN_COLUMNS), ("val.csv", self.val_rows, VAL_COLUMNS))
-        for name, rows, cols in files:
-            with (plots_dir / name).open("w", newline="") as fh:
-                writer = csv.DictWriter(fh, fieldnames=cols)
-                writer.writeheader()
-                writer.writerows(rows)
+        write_curves(plots_dir, self.train_rows, self.val_rows)
 
 
 def _point(row: Mapping[str, float]) -> tuple[int, dict[str, float]]:

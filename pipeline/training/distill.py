@@ -26,19 +26,16 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.core.io import write_json
 from pipeline.core.params import MlflowParams, Params, TrainParams, to_dict
-from pipeline.surgery.student import build_student, count_parameters, layer_list, narrow_ffn
-from pipeline.training.checkpoints import CheckpointStore, ResumePlan, start_attempt
-from pipeline.training.classifier import IMDBDataModule
-from pipeline.training.curves import CurveRecorder, MetricSink
+from pipeline.training.curve_files import MetricSink, write_curves
 from pipeline.training.fingerprint import fingerprint, trajectory_settings
-from pipeline.training.labelling import labelling_setup, read_transfer_ids, transfer_set
-from pipeline.training.loop import fit, predict_split, save_model, seed_run
-from pipeline.training.student_classifier import StudentClassifier
 
+# Lightning, torch and the student's code are imported where a student is trained: a skipped student (the default)
+# writes its records without them.
 if TYPE_CHECKING:
     from pipeline.core.machine import Choice
     from pipeline.core.params import ResolvedAuto
     from pipeline.core.parent_run import RunContext
+    from pipeline.training.checkpoints import ResumePlan
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +69,12 @@ def distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metrics_p
     finetune's does (`train.checkpoint_dir/distill`, `plan` else `distill_plan`)."""
     from pipeline.data.tokens import training_window
     from pipeline.modeling import load_finetuned, pad_id
+    from pipeline.surgery.student import build_student, count_parameters, layer_list, narrow_ffn
+    from pipeline.training.checkpoints import CheckpointStore
+    from pipeline.training.classifier import IMDBDataModule
+    from pipeline.training.labelling import labelling_setup, read_transfer_ids, transfer_set
+    from pipeline.training.loop import fit, predict_split, save_model, seed_run
+    from pipeline.training.student_classifier import StudentClassifier
 
     started = time.perf_counter()
     d = params.distill
@@ -144,6 +147,8 @@ def distill_plan(teacher_dir: Path, tokenized_dir: Path, params: Params, precisi
     """Whether distill resumes from `train.checkpoint_dir/distill`: its fingerprint is the student's and the
     trainer's settings (`precision`: `train.precision` as the stage resolved it), the teacher's files, the tokenized
     splits and the training code."""
+    from pipeline.training.checkpoints import CheckpointStore
+
     train = dataclasses.replace(student_train_params(params), precision=precision.value)
     settings = {"distill": to_dict(params.distill), "train": trajectory_settings(to_dict(train)),
                 "export": to_dict(params.export), "data": to_dict(params.data)}
@@ -165,7 +170,7 @@ def write_skipped(student_dir: Path, metrics_path: Path, plots_dir: Path, reason
     """The stage's outputs when the student is off: a record that says why (and how `distill.enabled` resolved),
     metrics that say skipped, and empty curves."""
     student_dir.mkdir(parents=True, exist_ok=True)
-    CurveRecorder().write(plots_dir)
+    write_curves(plots_dir)
     record = {"status": "skipped", "reason": reason} | ({"enabled": enabled.to_dict()} if enabled else {})
     write_json(student_dir / STUDENT_RECORD, record)
     write_json(metrics_path, record)
@@ -191,6 +196,8 @@ def run_distill(*, teacher_dir: Path, tokenized_dir: Path, student_dir: Path, me
                           "export": to_dict(params.export), "quantize": to_dict(params.quantize)})
         run.set_tags({"distill.enabled.resolved": enabled.tag()})
         if enabled.value:
+            from pipeline.training.checkpoints import CheckpointStore, start_attempt
+
             plan = distill_plan(teacher_dir, tokenized_dir, params, precision)
             start_attempt(run, plan, CheckpointStore.for_job(train, "distill"))
             result = distill(teacher_dir, tokenized_dir, student_dir, metrics_path, plots_dir, params, precision,

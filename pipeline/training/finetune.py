@@ -20,7 +20,7 @@ from pipeline.core.params import DataParams, MlflowParams, ModelParams, TrainPar
 from pipeline.data.tokens import window_shortener
 from pipeline.training.checkpoints import CheckpointStore, ResumePlan, is_rank_zero, start_attempt
 from pipeline.training.classifier import IMDBDataModule, SentimentClassifier, check_accelerations
-from pipeline.training.curves import MetricSink
+from pipeline.training.curve_files import MetricSink
 from pipeline.training.fingerprint import fingerprint, trajectory_settings
 from pipeline.training.loop import fit, predict_split, save_model, seed_run
 

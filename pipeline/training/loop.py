@@ -24,7 +24,8 @@ from pipeline.core.params import DataParams, ModelParams, TrainParams, to_dict
 from pipeline.core.stage import lightning_lines_once
 from pipeline.data.batching import LoaderPosition
 from pipeline.training.checkpoints import AtomicCheckpointIO, CheckpointStore, ResumePlan
-from pipeline.training.curves import CurveRecorder, MetricSink
+from pipeline.training.curve_files import MetricSink
+from pipeline.training.curves import CurveRecorder
 
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader

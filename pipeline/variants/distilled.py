@@ -18,10 +18,6 @@ from pipeline.data.tokens import read_tokenized
 from pipeline.modeling import load_finetuned, pad_id, read_model_record
 from pipeline.runtimes.catalog import built_by, directories
 from pipeline.runtimes.record import VariantInfo, write_variant
-from pipeline.variants.calibration import calibration_reviews
-from pipeline.variants.export import eager_runner, inference_model, max_length_of, onnx_variant
-from pipeline.variants.fusion import FusionCheck, fused_dynamic_int8
-from pipeline.variants.openvino_int8 import quantize_openvino
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +39,11 @@ def run_distilled_variants(*, student_dir: Path, tokenized: Path, variants_root:
         for name, d in out.items():
             write_variant(d, VariantInfo.skipped(name, reason, to_dict(params.distill)), student_dir)
         return {name: {"status": "skipped", "reason": reason} for name in out}
+    # the builders (torch, onnxruntime, OpenVINO) only where there is a student to build from
+    from pipeline.variants.calibration import calibration_reviews
+    from pipeline.variants.export import eager_runner, inference_model, max_length_of, onnx_variant
+    from pipeline.variants.fusion import FusionCheck, fused_dynamic_int8
+    from pipeline.variants.openvino_int8 import quantize_openvino
 
     model, tokenizer, meta = load_finetuned(student_dir)
     pad = pad_id(tokenizer)

@@ -47,11 +47,11 @@ def head_matmuls(model: Path | Any) -> list[str]:
     """The weight products after the encoder's last layer normalization: the classification head (BERT's pooler
     and classifier, DistilBERT's pre-classifier and classifier, a mean-pooling head's classifier). Kept float.
 
-    They multiply one pooled vector per review, so INT8 saves them almost nothing, while onnxruntime runs them at
-    a cost out of proportion: int8-dynamic's two as `MatMulIntegerToFloat` took 0.47 ms a review at batch 1, and
-    in a static QDQ graph it dequantized their weights on every run instead of fusing the pairs (4 more
-    `DequantizeLinear`, about 0.5 ms), where float `Gemm`s take under 0.1 ms (docs/weight-formats.md). The graph
-    is in topological order, so every node after the last normalization is downstream of the whole encoder."""
+    They multiply one pooled vector per review, so INT8 saves them almost nothing, while onnxruntime runs them
+    quantized at a cost out of proportion: dynamic INT8 quantizes the vector on every run, and a static QDQ graph
+    dequantized their weights on every run instead of fusing the pairs (docs/weight-formats.md has the
+    measurements). The graph is in topological order, so every node after the last normalization is downstream of
+    the whole encoder."""
     graph = _graph(model)
     norms = [i for i, n in enumerate(graph.node) if n.op_type in NORMALIZATIONS]
     if not norms:

@@ -56,12 +56,12 @@ def weight_options(weight_format: str) -> dict[str, Any]:
             "reduce_range": weight_format == "s7"}
 
 
-def float_head(model: Path | onnx.ModelProto | onnx.GraphProto) -> list[str]:
+def float_head(model: Path | onnx.GraphProto) -> list[str]:
     """`nodes_to_exclude` that keeps the classification head float (`head_matmuls`). onnxruntime's operator-format
     quantizer (dynamic INT8, and the passes before a static one: the FFN's dynamic products, the static
     `QAttention`) rewrites each Gemm as `<name>_MatMul` + `<name>_Add` before it reads the exclusions, so a head
     Gemm is excluded under both names."""
-    head = head_matmuls(model.graph if hasattr(model, "graph") else model)
+    head = head_matmuls(model)
     return head + [f"{name}_MatMul" for name in head]
 
 

@@ -15,9 +15,6 @@ from pipeline.data.tokens import draw_rows, read_tokenized, training_window
 from pipeline.modeling import load_finetuned, pad_id
 from pipeline.runtimes.catalog import built_by, directories
 from pipeline.runtimes.record import VariantInfo, write_variant
-from pipeline.surgery.prune import calibration_batches, prune_encoder
-from pipeline.variants.export import eager_runner, max_length_of
-from pipeline.variants.fusion import FusionCheck, fused_dynamic_int8
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +33,11 @@ def run_prune(*, finetuned: Path, tokenized: Path, variants_root: Path, all_para
         log.warning("%s skipped: %s", name, reason)
         write_variant(out, VariantInfo.skipped(name, reason, to_dict(params)), finetuned)
         return {"status": "skipped", "reason": reason}
+    # torch and the builders only when there is something to prune (the default skips it)
+    from pipeline.surgery.prune import calibration_batches, prune_encoder
+    from pipeline.variants.export import eager_runner, max_length_of
+    from pipeline.variants.fusion import FusionCheck, fused_dynamic_int8
+
     started = time.perf_counter()
     model, tokenizer, meta = load_finetuned(finetuned)
     pad = pad_id(tokenizer)

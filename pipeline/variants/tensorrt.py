@@ -48,7 +48,13 @@ def profile_shapes(min_batch: int, opt_batch: int, max_batch: int, min_seq: int,
 
 
 def availability() -> tuple[bool, str]:
-    """Whether engines can be built here, and if not, the reason recorded for the skipped variants."""
+    """Whether engines can be built here, and if not, the reason recorded for the skipped variants. Where no
+    NVIDIA driver is visible the answer needs no torch import (which costs a skipping stage seconds)."""
+    from pipeline.core.machine import NVIDIA_DRIVER_PATHS, nvidia_driver_absent
+
+    if nvidia_driver_absent():
+        return False, (f"no CUDA device visible (no NVIDIA driver: none of {', '.join(NVIDIA_DRIVER_PATHS)} "
+                       "exists); TensorRT needs an NVIDIA GPU")
     try:
         import torch
 

@@ -50,6 +50,8 @@ def test_variants_metrics(repo):
     assert v["fp32-eager"]["accuracy"] == finetune["test_accuracy"]
     qat = json.loads((repo / "models" / "variants" / "int8-qat" / "variant.json").read_text())["params"]
     assert qat["qat_max_length"] <= 48  # QAT trains on the finetune window (train.max_length), not 64 tokens
+    # a finetuned model's tensors are distinct, so QAT's graph is fp32-onnx's refilled, not a second export
+    assert qat["qat_graph"] == "fp32-onnx's graph with the QAT weights" and qat["fused_parity_max_abs_diff"] < 1e-4
     import torch
 
     if not torch.cuda.is_available():

@@ -166,3 +166,35 @@ def test_trains_on_cuda_only_where_the_accelerator_allows_a_visible_gpu(accelera
     from pipeline.core.machine import trains_on_cuda
 
     assert trains_on_cuda(accelerator, cuda) is expected
+
+
+def test_no_nvidia_driver_path_means_no_cuda_without_asking_torch(tmp_path):
+    import platform
+
+    from pipeline.core.machine import nvidia_driver_absent
+
+    missing = (str(tmp_path / "nvidiactl"), str(tmp_path / "dxg"))
+    assert nvidia_driver_absent(missing) is (platform.system() == "Linux")
+    (tmp_path / "dxg").touch()  # any one of them present: only CUDA itself can tell
+    assert nvidia_driver_absent(missing) is False
+
+
+def test_stages_that_skip_by_default_import_neither_torch_nor_lightning():
+    """prune, distill and tensorrt are skipped by the default profile on a machine without a GPU: their modules
+    import the builders (torch, Lightning) only where there is something to build, and TensorRT's availability
+    is answered without torch where no NVIDIA driver is visible; the threading tags every stage run gets ask torch
+    only where it is loaded. A fresh interpreter: this session has them."""
+    import subprocess
+    import sys
+
+    from pipeline.core.machine import nvidia_driver_absent
+
+    code = ("import sys\nimport pipeline.variants.prune, pipeline.variants.distilled, pipeline.training.distill\n"
+            "from pipeline.core.machine import thread_tags\nfrom pipeline.variants.tensorrt import availability\n"
+            "assert thread_tags()['threads.torch_intra_op'] == 'torch not loaded'\n"
+            f"{'availability()' if nvidia_driver_absent() else ''}\n"
+            "print(sorted(m for m in ('torch', 'lightning', 'transformers') if m in sys.modules))")
+    root = Path(__file__).resolve().parents[3]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
