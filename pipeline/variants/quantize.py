@@ -178,21 +178,22 @@ def _graph_for_quantization(inputs: QuantizeInputs) -> tuple[Path, dict[str, Any
     return fused_graph(inputs.model, inputs.cls_readout, check, inputs.tmp)
 
 
-def _qat_fused_graph(inputs: QuantizeInputs, model: Any, check: FusionCheck) -> tuple[Path, dict[str, Any]]:
-    """The QAT model's fused graph. QAT changes the weights, not the architecture, so where fp32-onnx holds the
-    eager-attention graph the fusion needs, that graph with the QAT weights put in (`refill_weights`) is fused
-    instead of exporting the QAT model again; otherwise, or where the graph cannot be refilled or its fusion
-    fails the check, the QAT model is exported (`fused_graph`). The record says which (`qat_graph`)."""
+def _qat_fused_graph(inputs: QuantizeInputs, model: Any, graph: Any, readout: dict[str, Any],
+                     check: FusionCheck) -> tuple[Path, dict[str, Any]]:
+    """The QAT model's fused graph (`graph`, `readout`: `inference_model` of the QAT `model`). QAT changes the
+    weights, not the architecture, so where fp32-onnx holds the eager-attention graph the fusion needs, that graph
+    with the QAT weights put in (`refill_weights`) is fused instead of exporting the QAT model again; otherwise, or
+    where the graph cannot be refilled or its fusion fails the check, the QAT model is exported (`fused_graph`).
+    The record says which (`qat_graph`)."""
     from pipeline.variants.onnx_weights import refill_weights
 
     tmp = inputs.tmp / "qat"
     tmp.mkdir(exist_ok=True)
     model.set_attn_implementation("eager")  # the reference `check` runs it: the form both graphs are in
     if inputs.arch.get("attention") == "eager":
-        before, _ = inference_model(inputs.model, inputs.cls_readout)
-        after, readout = inference_model(model, inputs.cls_readout)
+        before, _ = inference_model(inputs.model, inputs.cls_readout)  # fp32-onnx's tensors, under graph's names
         raw = tmp / "refilled.onnx"
-        if refill_weights(inputs.fp32_onnx / "model.onnx", raw, _tensors(before), _tensors(after)) is not None:
+        if refill_weights(inputs.fp32_onnx / "model.onnx", raw, _tensors(before), _tensors(graph)) is not None:
             try:
                 src, fusion = fuse_export(raw, readout, check, tmp)
                 return src, {**fusion, "qat_graph": "fp32-onnx's graph with the QAT weights"}
@@ -273,8 +274,8 @@ def _qat(inputs: QuantizeInputs, method: str, out: Path) -> dict[str, Any]:
     if params.optimize_graph:
         # The same fused graph as int8-static's, checked against the QAT model itself in PyTorch (as the export
         # stage checks fp32-onnx).
-        src, fusion = _qat_fused_graph(inputs, model, _fusion_check(inputs, eager_runner(model),
-                                                                    "the QAT model (PyTorch)"))
+        src, fusion = _qat_fused_graph(inputs, model, graph, readout,
+                                       _fusion_check(inputs, eager_runner(model), "the QAT model (PyTorch)"))
     else:
         src, fusion = inputs.tmp / "qat-fp32.onnx", {}
         export_onnx(graph, src, max_length_of(inputs.meta))
