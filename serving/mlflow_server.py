@@ -20,6 +20,12 @@ middleware holds the contract of `pipeline.deployment.protocol` instead, and ski
   is the server's (a model failure is 500, never MLflow's own 400 "unexpected error while evaluating the model"),
   more than `--max-in-flight` requests at once are answered 503 with `Retry-After`, a scoring call past MLflow's
   request timeout (`MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT`) 504; no error body ever quotes the input;
+- slow clients hold nothing for long (a slow-HTTP "slowloris" client cannot take the server): a connection whose
+  request line and headers have not all arrived within `--header-timeout` seconds of its opening (or of its last
+  answer) is answered 408 and closed (`request_deadline_protocol`: uvicorn has no such timeout, and ASGI code only
+  runs once the headers are in), and a body not complete within `--body-timeout` seconds is answered 408 and the
+  connection closed. A body being uploaded takes no scoring slot: `--max-in-flight` counts requests whose body is
+  in, so uploads that stall cannot make every other client's request a 503;
 - every answer carries `X-Model-Version`, `X-Model-Variant` and `X-Request-Id` (the client's, when it sent a
   short safe one, else a new one); error bodies and the server's log lines name the request id;
 - `/metrics` is Prometheus text (requests, latency histogram, errors by kind and by side: client or server,
@@ -62,6 +68,7 @@ from pipeline.deployment.protocol import (
     error_body,
 )
 from pipeline.deployment.request_parsing import parse_request
+from serving.request_deadline import request_deadline_protocol
 
 log = logging.getLogger("serving.mlflow_server")
 
@@ -81,7 +88,8 @@ MAX_HEADER_BYTES = 8192
 H11_MAX_HEADER_BYTES = 65536
 READY_TEXT = "readiness probe: a fine film"
 #: Error kinds by status, for `/metrics`: 4xx are the caller's, 5xx the server's (`side` label).
-ERROR_KINDS = {400: "invalid_input", 404: "not_found", 405: "method_not_allowed", 413: "too_large",
+ERROR_KINDS = {400: "invalid_input", 404: "not_found", 405: "method_not_allowed", 408: "request_timeout",
+               413: "too_large",
                414: "uri_too_long", 415: "unsupported_media_type", 431: "headers_too_large", 500: "server_error",
                503: "overloaded", 504: "timeout"}
 #: The kind of a 500 when the model (the pyfunc) failed on a request the contract had accepted.
@@ -90,8 +98,13 @@ MODEL_ERROR = "model_error"
 SAFE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 #: A refused (413) body up to this size is read to its end before the answer, so the client can read the 413.
 DISCARD_BODY_BYTES = 8 * 1024 * 1024
-#: Seconds to wait for more of a refused body before answering anyway.
+#: Seconds, in all, spent reading and dropping a refused body before answering anyway.
 DISCARD_WAIT_S = 2.0
+#: Seconds a connection may take to send a request's line and headers (from its opening or its last answer), and a
+#: request its body, before the server answers 408 and closes it; `--header-timeout`/`--body-timeout` (nginx's
+#: `client_header_timeout` and `client_body_timeout` in serving/nginx.conf are 10 and 30 s).
+HEADER_TIMEOUT_S = 10.0
+BODY_TIMEOUT_S = 30.0
 #: Seconds a client is asked to wait after a 503 (overloaded).
 RETRY_AFTER_S = 1
 #: Texts of concurrent requests scored in one call of the model at most.
@@ -185,8 +198,10 @@ def request_id(scope: Scope) -> str:
 class ContractMiddleware:
     """ASGI middleware holding the request contract in front of MLflow's scoring app (see the module doc).
 
-    At most `max_in_flight` scoring requests are answered at once (checked, read and scored); one more is
-    answered 503 with `Retry-After` at once, before its body is read."""
+    At most `max_in_flight` scoring requests whose body is in are answered at once (checked and scored); one more
+    is answered 503 with `Retry-After`, before its body is read when the limit is already reached as it arrives.
+    Reading a body takes no slot and must end within `body_timeout_s` (else 408), so stalled uploads cannot hold
+    the slots valid requests need."""
 
     app: App
     score: Callable[[list[str]], list[Any]]
@@ -196,6 +211,7 @@ class ContractMiddleware:
     metrics: Metrics
     timeout_s: float  # seconds one scoring call may take before its requests are answered 504 (MLflow's timeout)
     max_in_flight: int = 64
+    body_timeout_s: float = BODY_TIMEOUT_S
     _in_flight: int = 0
     _queue: list[_Pending] = field(default_factory=list)
     _drainer: asyncio.Task[None] | None = None
@@ -245,29 +261,35 @@ class ContractMiddleware:
             return Outcome(await self._ready(send, rid))
         if path != INVOCATIONS:
             return await self._forward(scope, b"", send, rid)
-        if self._in_flight >= self.max_in_flight:
-            log.warning("request %s: %d scoring requests in flight, the limit: answered 503", rid, self._in_flight)
-            await self._json(send, 503, {"error": f"the server is answering {self._in_flight} requests, its "
-                                                  f"limit; retry after {RETRY_AFTER_S} s", "status": 503,
-                                         "request_id": rid}, rid, [(b"retry-after", str(RETRY_AFTER_S).encode())])
-            return Outcome(503, "overloaded")
-        self._in_flight += 1  # one event loop: no lock needed between the check and the increment
-        self.metrics.in_flight.inc()
-        try:
-            return await self._invoke(scope, receive, send, rid)
-        finally:
-            self._in_flight -= 1
-            self.metrics.in_flight.dec()
-
-    async def _invoke(self, scope: Scope, receive: Receive, send: Send, rid: str) -> Outcome:
-        """Read and check a scoring request, then have its texts scored with those of concurrent requests."""
+        if self._in_flight >= self.max_in_flight:  # refused before its body is read
+            return await self._overloaded(send, rid)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         try:
             body = await self._body(headers, receive)
             parsed = parse_request(body, self.limits, headers.get("content-type"), MLFLOW_SHAPES)
         except RequestError as err:
-            return await self._error(send, err, rid)
-        pending = _Pending(parsed.texts, rid, asyncio.get_running_loop().create_future())
+            extra = [(b"connection", b"close")] if err.status == 408 else None  # the rest of the body is not read
+            return await self._error(send, err, rid, extra)
+        if self._in_flight >= self.max_in_flight:  # the slots filled while this body was read
+            return await self._overloaded(send, rid)
+        self._in_flight += 1  # one event loop: no lock needed between the check and the increment
+        self.metrics.in_flight.inc()
+        try:
+            return await self._invoke(parsed.texts, send, rid)
+        finally:
+            self._in_flight -= 1
+            self.metrics.in_flight.dec()
+
+    async def _overloaded(self, send: Send, rid: str) -> Outcome:
+        log.warning("request %s: %d scoring requests in flight, the limit: answered 503", rid, self._in_flight)
+        await self._json(send, 503, {"error": f"the server is answering {self._in_flight} requests, its "
+                                              f"limit; retry after {RETRY_AFTER_S} s", "status": 503,
+                                     "request_id": rid}, rid, [(b"retry-after", str(RETRY_AFTER_S).encode())])
+        return Outcome(503, "overloaded")
+
+    async def _invoke(self, texts: list[str], send: Send, rid: str) -> Outcome:
+        """Have a checked request's texts scored with those of concurrent requests, and answer it."""
+        pending = _Pending(texts, rid, asyncio.get_running_loop().create_future())
         self._queue.append(pending)
         if self._drainer is None or self._drainer.done():
             self._drainer = asyncio.create_task(self._drain())
@@ -275,7 +297,7 @@ class ContractMiddleware:
         if status != 200:
             return await self._failed(send, status, rid)
         await self._send(send, 200, json.dumps({"predictions": predictions}).encode(), "application/json", rid)
-        return Outcome(200, None, len(parsed.texts))
+        return Outcome(200, None, len(texts))
 
     async def _failed(self, send: Send, status: int, rid: str) -> Outcome:
         """The contract's answer to a request that passed it and then failed (`status`: 504 when scoring timed out,
@@ -361,15 +383,21 @@ class ContractMiddleware:
 
     async def _body(self, headers: dict[str, str], receive: Receive) -> bytes:
         """The request body, refused (413) as soon as it is known to exceed `max_body_bytes` (what is left of it is
-        read and dropped first, `_discard_body`)."""
+        read and dropped first, `_discard_body`), and 408 when it is not all in within `body_timeout_s`."""
         limit = self.limits.max_body_bytes
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             await _discard_body(headers, receive)
             raise RequestError(413, f"request body of {int(declared)} bytes exceeds the limit of {limit}")
+        deadline = asyncio.get_running_loop().time() + self.body_timeout_s
         chunks, size = [], 0
         while True:
-            message = await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                raise RequestError(408, f"the request body did not arrive within {self.body_timeout_s:g} s "
+                                        f"({size} bytes received)") from None
             if message["type"] == "http.disconnect":
                 raise RequestError(400, "the client closed the connection before the body was complete")
             chunk = message.get("body", b"")
@@ -424,15 +452,17 @@ class ContractMiddleware:
 async def _discard_body(headers: dict[str, str], receive: Receive) -> None:
     """Read and drop the rest of a refused body before the 413 goes out, when it is at most `DISCARD_BODY_BYTES`:
     uvicorn closes a connection whose body was left unread, and a client still writing then gets a connection
-    reset instead of the 413 (after the answer, the body can no longer be read). A longer body, or a client that
-    stops sending for `DISCARD_WAIT_S`, is not waited for."""
+    reset instead of the 413 (after the answer, the body can no longer be read). A longer body, or one still not
+    in after `DISCARD_WAIT_S` in all (a client that stops, or trickles), is not waited for."""
     declared = headers.get("content-length", "")
     if declared.isdigit() and int(declared) > DISCARD_BODY_BYTES:
         return
     left = DISCARD_BODY_BYTES
+    deadline = asyncio.get_running_loop().time() + DISCARD_WAIT_S
     while left > 0:
         try:
-            message = await asyncio.wait_for(receive(), DISCARD_WAIT_S)
+            async with asyncio.timeout_at(deadline):
+                message = await receive()
         except TimeoutError:
             return
         if message["type"] == "http.disconnect" or not message.get("more_body", False):
@@ -470,7 +500,8 @@ def served_version(model_uri: str | None, *, name: str, alias: str, tracking_uri
     return "unregistered", {}
 
 
-def build_app(model_uri: str | None, params_path: Path, max_in_flight: int = 64) -> ContractMiddleware:
+def build_app(model_uri: str | None, params_path: Path, max_in_flight: int = 64,
+              body_timeout_s: float = BODY_TIMEOUT_S) -> ContractMiddleware:
     """Load the champion (or `model_uri`) and serve it through the contract. The store (`$MLFLOW_TRACKING_URI`,
     else the params') is read once and handed to every registry lookup and to the model's download: MLflow's
     process-wide tracking URI and the environment are left as they are."""
@@ -492,7 +523,7 @@ def build_app(model_uri: str | None, params_path: Path, max_in_flight: int = 64)
     log.info("serving %s (version %s, variant %s) from %s", uri, version, variant, store)
     limits = Limits.from_config(vars(params.package))
     return ContractMiddleware(model.app, model.score, limits, version, variant, Metrics(version, variant),
-                              timeout_s=model.timeout_s, max_in_flight=max_in_flight)
+                              timeout_s=model.timeout_s, max_in_flight=max_in_flight, body_timeout_s=body_timeout_s)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -512,17 +543,22 @@ def main(argv: list[str] | None = None) -> None:
                         help="scoring requests answered at once; one more is answered 503 with Retry-After")
     parser.add_argument("--limit-concurrency", type=int, default=256,
                         help="connections plus tasks at once (above --max-in-flight); uvicorn answers 503 beyond")
+    parser.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT_S,
+                        help="seconds a connection may take to send a request's line and headers (408 and closed)")
+    parser.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S,
+                        help="seconds a request may take to send its body (408 and closed)")
     args = parser.parse_args(argv)
     args.log_dir.mkdir(parents=True, exist_ok=True)
     config = log_config(args.log_dir, args.log_max_bytes, args.log_backups)
     logging.config.dictConfig(config)
     try:
-        app = build_app(args.model_uri, args.params, args.max_in_flight)
+        app = build_app(args.model_uri, args.params, args.max_in_flight, args.body_timeout)
     except LookupError as exc:  # no champion yet: say what to do instead of a traceback
         raise SystemExit(f"{exc}: run `make run` first (its package stage registers and aliases the model)") from None
     print(f"serving {app.variant} (version {app.version}) at http://{args.host}:{args.port}/invocations; "
           f"logs in {args.log_dir / 'mlflow_server.log'}", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, http="h11", h11_max_incomplete_event_size=H11_MAX_HEADER_BYTES,
+    uvicorn.run(app, host=args.host, port=args.port, http=request_deadline_protocol(args.header_timeout),
+                h11_max_incomplete_event_size=H11_MAX_HEADER_BYTES,
                 limit_concurrency=args.limit_concurrency, timeout_keep_alive=5, server_header=False,
                 log_config=config)
 

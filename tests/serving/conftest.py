@@ -163,6 +163,10 @@ def server(tmp_path_factory, built):
         yield handle
 
 
+#: The champion server's `--header-timeout` and `--body-timeout`: short, so its slow-client tests wait seconds.
+CHAMPION_TIMEOUTS_S = 3.0
+
+
 @pytest.fixture(scope="session")
 def champion(tmp_path_factory, tiny_model_dir, built):
     """The tiny model's fp32-onnx variant evaluated, packaged as `imdb-sentiment@champion`, and
@@ -194,12 +198,13 @@ def champion(tmp_path_factory, tiny_model_dir, built):
     env = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}, "PYTHONPATH": str(ROOT),
            "PATH": f"{BIN}:{os.environ['PATH']}"}
     cmd = [sys.executable, "-m", "serving.mlflow_server", "--port", str(port), "--params", "params.yaml",
-           "--log-dir", "logs"]
+           "--log-dir", "logs", "--header-timeout", str(CHAMPION_TIMEOUTS_S), "--body-timeout",
+           str(CHAMPION_TIMEOUTS_S)]
     proc = start_server(cmd, env, serve_dir, f"http://127.0.0.1:{port}/ready", work / "serve.log")
     try:
         yield {"url": f"http://127.0.0.1:{port}", "variant_dir": dirs["fp32-onnx"], "manifest": manifest,
                "mar": work / "sentiment.mar", "store": store, "log_dir": serve_dir / "logs",
-               "params": serve_dir / "params.yaml"}
+               "params": serve_dir / "params.yaml", "timeouts_s": CHAMPION_TIMEOUTS_S}
     finally:
         stop_server(proc)
 

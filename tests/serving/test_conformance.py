@@ -3,14 +3,15 @@ server `champion`, tests/serving/conftest.py): the contract of `pipeline.deploym
 both. Every hostile body gets the same 4xx on both, with a bounded JSON error that names the problem and never
 quotes the input, and a valid request right after it still gets its labels; every valid shape gets a label per
 text equal to the in-process predictor's; generated bodies get exactly the verdict of the in-process contract;
-poison sent concurrently with valid requests leaves their answers untouched; every answer carries the model's
-version and variant."""
+poison sent concurrently with valid requests leaves their answers untouched; uploads stalled half-way leave a valid
+request answered; every answer carries the model's version and variant."""
 
 from __future__ import annotations
 
 import http.client
 import json
 import random
+import socket
 import urllib.parse
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -243,6 +244,29 @@ def test_concurrent_poison_leaves_valid_neighbours_untouched(endpoint, predictor
         assert status == 200, body[:300]
         [(label, score)] = endpoint.labels(body)
         assert label == expected[text].label and score == pytest.approx(expected[text].score, abs=1e-4)
+
+
+def test_stalled_uploads_do_not_keep_a_valid_request_waiting(endpoint, predictor):
+    """70 clients (more than the MLflow server's 64 scoring slots) send the start of a body and stall, holding their
+    connections: a complete request beside them is answered at once, with its labels."""
+    url = urllib.parse.urlsplit(endpoint.url)
+    auth = f"Authorization: Bearer {endpoint.key}\r\n" if endpoint.key else ""
+    head = (f"POST {url.path} HTTP/1.1\r\nHost: {url.hostname}\r\nContent-Type: {JSON}\r\n{auth}"
+            "Content-Length: 100\r\n\r\n").encode()
+    stalled: list[socket.socket] = []
+    try:
+        for _ in range(70):
+            stalled.append(socket.create_connection((url.hostname, url.port), timeout=10))
+            stalled[-1].sendall(head + b'{"inp')
+        text = "a wonderful, moving film"
+        status, _, body = endpoint.post(_body(endpoint, [text]))
+        assert status == 200, body[:300]
+        [(label, score)] = endpoint.labels(body)
+        [want] = predictor.predict([text])
+        assert label == want.label and score == pytest.approx(want.score, abs=1e-4)
+    finally:
+        for sock in stalled:
+            sock.close()
 
 
 json_leaves = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=30)

@@ -3,7 +3,8 @@ fails (`pipeline.deployment.mlflow_model.served_model`: MLflow's scoring app and
 contract had accepted the request, so a model that raised is a 500 (MLflow's own app says 400 "unexpected error
 while evaluating the model") with a request id, the log names it, and `/metrics` counts a server-side
 `model_error`; a scoring call past the timeout is a 504. Too many requests at once are a 503 with Retry-After; the
-caller's own mistakes stay 4xx."""
+caller's own mistakes stay 4xx. A client that does not finish sending its body in time gets a 408, and while
+it is still sending it takes no slot from the requests that have arrived."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import pytest
 
 from pipeline.deployment.mlflow_model import ServedModel, served_model
 from pipeline.deployment.protocol import Limits
+from serving import mlflow_server
 from serving.mlflow_server import ContractMiddleware, Metrics
 
 
@@ -47,10 +49,10 @@ def served(tmp_path_factory) -> ServedModel:
 
 
 def middleware(served: ServedModel, score: Callable[[list[str]], list[Any]] | None = None, max_in_flight: int = 64,
-               timeout_s: float | None = None) -> ContractMiddleware:
+               timeout_s: float | None = None, body_timeout_s: float = 30.0) -> ContractMiddleware:
     return ContractMiddleware(served.app, score or served.score, Limits(max_texts=4), "3", "test-variant",
                               Metrics("3", "test-variant"), timeout_s=timeout_s or served.timeout_s,
-                              max_in_flight=max_in_flight)
+                              max_in_flight=max_in_flight, body_timeout_s=body_timeout_s)
 
 
 async def call(app: Any, body: bytes, headers: dict[str, str] | None = None,
@@ -236,3 +238,60 @@ def test_a_complete_body_refused_after_reading_is_answered_without_reading_again
 
     status, _, _ = asyncio.run(asyncio.wait_for(call(app, body, receive=receive), 30))
     assert status == 413 and len(reads) == 1
+
+
+def stalling() -> Callable[[], Any]:
+    """`receive` of a client that sends the start of its body once and then nothing, keeping the connection."""
+    sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if sent:
+            await asyncio.Event().wait()
+        sent = True
+        return {"type": "http.request", "body": b'{"inputs": ["fi', "more_body": True}
+
+    return receive
+
+
+def test_a_body_not_in_within_the_timeout_is_a_408_that_closes_the_connection(served):
+    app = middleware(served, body_timeout_s=0.3)
+    start = time.perf_counter()
+    status, headers, body = asyncio.run(call(app, b"", {"X-Request-Id": "slow-1"}, receive=stalling()))
+    assert status == 408 and time.perf_counter() - start < 5
+    assert headers["connection"] == "close"  # the rest of the body is never read: the connection cannot be reused
+    answer = json.loads(body)
+    assert answer == {"error": "the request body did not arrive within 0.3 s (15 bytes received)", "status": 408,
+                      "request_id": "slow-1"}
+    assert metric(app, "sentiment_request_errors_total", kind="request_timeout", side="client") == 1
+
+
+def test_uploads_still_arriving_take_no_scoring_slot(served):
+    """With one scoring slot, three clients stalled in their uploads do not make a complete request a 503 (before,
+    every upload held a slot from its first byte: as many stalled clients as `--max-in-flight` refused everyone)."""
+    app = middleware(served, max_in_flight=1, body_timeout_s=1.0)
+
+    async def scenario() -> tuple[tuple[int, dict[str, str], bytes], list[tuple[int, dict[str, str], bytes]]]:
+        stalled = [asyncio.create_task(call(app, b"", receive=stalling())) for _ in range(3)]
+        await asyncio.sleep(0.05)  # all three are reading their bodies
+        valid = await call(app, json.dumps({"inputs": ["fine"]}).encode())
+        return valid, list(await asyncio.gather(*stalled))
+
+    valid, stalled = asyncio.run(scenario())
+    assert valid[0] == 200 and json.loads(valid[2])["predictions"][0]["label"] == "positive"
+    assert [s[0] for s in stalled] == [408, 408, 408]
+    assert metric(app, "sentiment_requests_in_flight") == 0
+
+
+def test_a_refused_body_trickled_without_end_is_not_waited_for(served, monkeypatch):
+    """A 413's body is read and dropped for at most `DISCARD_WAIT_S` in all, however the client paces it."""
+    monkeypatch.setattr(mlflow_server, "DISCARD_WAIT_S", 0.3)
+    app = middleware(served)
+
+    async def trickle() -> dict[str, Any]:
+        await asyncio.sleep(0.02)  # a byte at a time, each well inside any per-read timeout
+        return {"type": "http.request", "body": b"x", "more_body": True}
+
+    start = time.perf_counter()
+    status, _, body = asyncio.run(call(app, b"", {"Content-Length": "1000001"}, receive=trickle))
+    assert status == 413 and json.loads(body)["status"] == 413 and time.perf_counter() - start < 5

@@ -2,12 +2,15 @@
 (the session's `champion`, tests/serving/conftest.py, `python -m serving.mlflow_server` on a free loopback port) on
 a tiny-model variant that the evaluate and package stages logged, registered and aliased in a SQLite store. It
 must answer like `SentimentPredictor` (what TorchServe's handler runs) on the same variant directory, and serve
-the version the `.mar`'s `serving.json` names. What both servers must answer alike is in test_conformance.py."""
+the version the `.mar`'s `serving.json` names, and cut slow clients at the timeouts it was started with. What both
+servers must answer alike is in test_conformance.py."""
 
 from __future__ import annotations
 
 import json
+import socket
 import sys
+import time
 import urllib.error
 import urllib.request
 import zipfile
@@ -127,6 +130,35 @@ def test_readiness_metrics_and_logs_for_operators(champion):
     assert _metric(after, "sentiment_model_info", version=version, variant="fp32-onnx") == 1
     log = (champion["log_dir"] / "mlflow_server.log").read_text()
     assert '"POST /invocations HTTP/1.1" 400' in log and "serving models:/imdb-sentiment@champion" in log
+
+
+def _until_closed(sock: socket.socket) -> tuple[bytes, float]:
+    """All the server sends until it closes the connection, and the seconds that took."""
+    start, data = time.monotonic(), b""
+    while chunk := sock.recv(4096):
+        data += chunk
+    return data, time.monotonic() - start
+
+
+def test_slow_clients_are_cut_at_the_servers_timeouts(champion):
+    """`--header-timeout` and `--body-timeout` reach the running server: headers begun and never finished get a 408
+    and a closed connection (`serving.request_deadline`), and so does a body that stalls (the middleware's JSON 408,
+    with the request id), each within the timeout it was started with."""
+    host, port = champion["url"].removeprefix("http://").split(":")
+    limit = champion["timeouts_s"]
+    with socket.create_connection((host, int(port)), timeout=limit + 10) as sock:
+        sock.sendall(b"POST /invocations HTTP/1.1\r\nHost: test\r\n")
+        data, waited = _until_closed(sock)
+    assert data.startswith(b"HTTP/1.1 408 ") and limit * 0.8 <= waited < limit + 5, (data[:200], waited)
+    with socket.create_connection((host, int(port)), timeout=limit + 10) as sock:
+        sock.sendall(b"POST /invocations HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\nX-Request-Id: slow-body-1\r\n\r\n{\"inputs\": [\"fi")
+        data, waited = _until_closed(sock)
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 ") and b"connection: close" in head.lower(), data[:300]
+    assert json.loads(body) == {"error": f"the request body did not arrive within {limit:g} s (15 bytes received)",
+                                "status": 408, "request_id": "slow-body-1"}
+    assert limit * 0.8 <= waited < limit + 5
 
 
 def test_the_launchers_log_appends_across_restarts_and_rotates(tmp_path):

@@ -1,0 +1,88 @@
+"""A deadline on a request's line and headers for uvicorn's h11 server (`python -m serving.mlflow_server`).
+
+uvicorn times out only the idle time between two requests of a keep-alive connection (`timeout_keep_alive`), and
+any byte received cancels that timer: a client that opens connections and sends a request's headers a byte at a
+time, or nothing at all, holds each connection as long as it likes (slow HTTP, "slowloris"), up to the server's
+connection limit, after which every new client is refused (uvicorn's issue 157 lists the missing timeouts). ASGI
+middleware cannot help: it is called only once the headers are in. The protocol class here arms a deadline when a
+connection opens and again when an answer has gone out (the next request may follow on the same connection), and
+disarms it once a request's headers are parsed; the body's own deadline is the middleware's (`body_timeout_s`). A
+connection whose request has begun to arrive but whose headers are still incomplete at the deadline gets a 408
+and is closed; one that sent nothing (a new connection, or a kept-alive one between requests) is closed without an
+answer, as uvicorn's keep-alive timeout closes it: a pooled client then opens a new connection for its next request
+instead of reading an answer to a request it has not sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+log = logging.getLogger("serving.mlflow_server")
+
+#: The 408 sent when the headers did not arrive in time. No request was parsed, so h11 cannot frame an answer (and
+#: there is no request id to name): the bytes are written as they are, and the connection closed after them.
+_TIMEOUT_BODY = json.dumps({"error": "the request line and headers did not arrive in time", "status": 408}).encode()
+HEADERS_TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                            b"content-length: " + str(len(_TIMEOUT_BODY)).encode() + b"\r\nconnection: close\r\n\r\n"
+                            + _TIMEOUT_BODY)
+
+
+def request_deadline_protocol(headers_timeout_s: float) -> type[asyncio.Protocol]:
+    """uvicorn's h11 protocol class with a `headers_timeout_s` deadline on each request's line and headers, for
+    `uvicorn.run(app, http=...)` (uvicorn's own options, such as `h11_max_incomplete_event_size`, still apply)."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class RequestDeadlineProtocol(H11Protocol):
+        """`H11Protocol` whose connections must deliver each request's headers within `headers_timeout_s`."""
+
+        headers_deadline: asyncio.TimerHandle | None = None
+        request_begun = False  # bytes of a request arrived since the deadline was armed
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            self.request_begun = self.request_begun or bool(data)
+            super().data_received(data)
+            if self.conn.their_state is not h11.IDLE:  # a request's headers are in: its body is the app's to time
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            # the connection stays open for the next request: its headers get the same deadline (a pipelined
+            # request already parsed by the line above has its headers in)
+            if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+                self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._disarm()
+            self.request_begun = False
+            self.headers_deadline = self.loop.call_later(headers_timeout_s, self._headers_timed_out)
+
+        def _disarm(self) -> None:
+            if self.headers_deadline is not None:
+                self.headers_deadline.cancel()
+                self.headers_deadline = None
+
+        def _headers_timed_out(self) -> None:
+            self.headers_deadline = None
+            if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+                return
+            if self.request_begun:
+                client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+                log.warning("closing the connection of %s: no complete request line and headers within %g s",
+                            client, headers_timeout_s)
+                if self.cycle is None or self.cycle.response_complete:  # nothing of an answer is on its way
+                    self.transport.write(HEADERS_TIMEOUT_RESPONSE)
+            self.transport.close()
+
+    return RequestDeadlineProtocol

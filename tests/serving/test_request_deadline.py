@@ -1,0 +1,100 @@
+"""Serving: `serving.request_deadline`, uvicorn's h11 protocol with a deadline on each request's line and headers,
+on a real uvicorn server (in a thread, on a free loopback port, a trivial ASGI app): slow-HTTP clients that send
+nothing, or headers a byte at a time, lose their connection at the deadline (a 408 to the one that began a
+request); a request sent in time is answered, and so is the next one on the same connection, whose deadline
+starts again after the answer."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from serving.request_deadline import HEADERS_TIMEOUT_RESPONSE, request_deadline_protocol
+from tests.factories import free_port
+
+DEADLINE_S = 0.6
+
+
+async def hello(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    if scope["type"] != "http":
+        return
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+@pytest.fixture(scope="module")
+def port() -> Iterator[int]:
+    import uvicorn
+
+    port = free_port()
+    config = uvicorn.Config(hello, host="127.0.0.1", port=port, http=request_deadline_protocol(DEADLINE_S),
+                            lifespan="off", log_level="warning", timeout_keep_alive=30)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.started
+    yield port
+    server.should_exit = True
+    thread.join(10)
+
+
+def connect(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.settimeout(10)
+    return sock
+
+
+def read_until_closed(sock: socket.socket) -> tuple[bytes, float]:
+    """Everything the server sends until it closes the connection, and the seconds that took."""
+    start, data = time.monotonic(), b""
+    while chunk := sock.recv(4096):
+        data += chunk
+    return data, time.monotonic() - start
+
+
+REQUEST = b"GET / HTTP/1.1\r\nHost: test\r\n\r\n"
+
+
+def test_a_connection_that_sends_nothing_is_closed_at_the_deadline_without_an_answer(port):
+    with connect(port) as sock:
+        data, waited = read_until_closed(sock)
+    assert data == b"" and DEADLINE_S * 0.8 <= waited < DEADLINE_S + 5
+
+
+def test_headers_sent_a_byte_at_a_time_get_a_408_and_the_connection_closed(port):
+    with connect(port) as sock:
+        start = time.monotonic()
+        sent = 0
+        with pytest.raises(OSError):  # the server closed the connection while the client was still sending
+            for byte in REQUEST[:-2]:
+                sock.sendall(bytes([byte]))
+                sent += 1
+                time.sleep(DEADLINE_S / 8)
+            raise AssertionError("the whole request line and headers went out: no deadline")
+        assert sent < len(REQUEST) - 2 and time.monotonic() - start < DEADLINE_S + 5
+    with connect(port) as sock:
+        sock.sendall(REQUEST[:10])
+        data, _ = read_until_closed(sock)
+    assert data == HEADERS_TIMEOUT_RESPONSE and data.startswith(b"HTTP/1.1 408 ")
+
+
+def test_requests_in_time_are_answered_and_a_kept_connection_gets_a_new_deadline(port):
+    with connect(port) as sock:
+        for _ in range(3):  # each request well after the previous connection's opening, each inside its deadline
+            time.sleep(DEADLINE_S / 2)
+            sock.sendall(REQUEST)
+            answer = b""
+            while not answer.endswith(b"\r\n\r\nok"):  # the head and the body may come in two reads
+                answer += sock.recv(4096) or b"(closed)"
+                assert not answer.endswith(b"(closed)"), answer
+            assert answer.startswith(b"HTTP/1.1 200 ")
+        data, waited = read_until_closed(sock)  # then idle: closed at the deadline, silently
+    assert data == b"" and waited < DEADLINE_S + 5
