@@ -11,6 +11,11 @@ connection whose request has begun to arrive but whose headers are still incompl
 and is closed; one that sent nothing (a new connection, or a kept-alive one between requests) is closed without an
 answer, as uvicorn's keep-alive timeout closes it: a pooled client then opens a new connection for its next request
 instead of reading an answer to a request it has not sent.
+
+An answer can go out before its request's body is all in (a 413 from the declared length, a 404 or a 503): the
+rest of that body is read and dropped (uvicorn's h11 protocol does so) until the same deadline, then the
+connection is closed. Without it, a client that kept sending a declared body a byte at a time after its answer
+held the connection for as long as it liked (uvicorn cancels its keep-alive timer on every byte received).
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ def request_deadline_protocol(headers_timeout_s: float) -> type[asyncio.Protocol
 
         headers_deadline: asyncio.TimerHandle | None = None
         request_begun = False  # bytes of a request arrived since the deadline was armed
+        lingering = False  # the deadline ends the unread rest of an answered request's body
+        lingering_cycle: Any = None  # the answered request whose body that is (uvicorn's cycle)
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -49,33 +56,49 @@ def request_deadline_protocol(headers_timeout_s: float) -> type[asyncio.Protocol
         def data_received(self, data: bytes) -> None:
             self.request_begun = self.request_begun or bool(data)
             super().data_received(data)
-            if self.conn.their_state is not h11.IDLE:  # a request's headers are in: its body is the app's to time
-                self._disarm()
+            if self.lingering:
+                if self.cycle is self.lingering_cycle and self.conn.their_state is not h11.IDLE:
+                    return  # still the rest of the answered request's body: its deadline stands
+                self._arm()  # that body ended (uvicorn then starts the next request): the next headers' deadline
+            if self.conn.their_state is not h11.IDLE:
+                self._disarm()  # a request's headers are in: its body is the app's to time
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            # the connection stays open for the next request: its headers get the same deadline (a pipelined
-            # request already parsed by the line above has its headers in)
-            if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+            if self.transport.is_closing():
+                return
+            if self.conn.their_state is h11.IDLE:
+                # the connection stays open for the next request: its headers get the same deadline (a pipelined
+                # request already parsed by the line above has its headers in)
                 self._arm()
+            elif self.conn.their_state is h11.SEND_BODY:  # answered before its body was all in: dropped until then
+                self._arm(lingering=True)
+                self.lingering_cycle = self.cycle
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
             super().connection_lost(exc)
 
-        def _arm(self) -> None:
+        def _arm(self, lingering: bool = False) -> None:
             self._disarm()
             self.request_begun = False
+            self.lingering = lingering
             self.headers_deadline = self.loop.call_later(headers_timeout_s, self._headers_timed_out)
 
         def _disarm(self) -> None:
+            self.lingering, self.lingering_cycle = False, None
             if self.headers_deadline is not None:
                 self.headers_deadline.cancel()
                 self.headers_deadline = None
 
         def _headers_timed_out(self) -> None:
             self.headers_deadline = None
-            if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+            if self.transport.is_closing():
+                return
+            if self.lingering:  # the answer went out long ago; what the client still sends is not read
+                self.transport.close()
+                return
+            if self.conn.their_state is not h11.IDLE:
                 return
             if self.request_begun:
                 client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"

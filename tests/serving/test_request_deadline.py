@@ -6,6 +6,7 @@ starts again after the answer."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -21,8 +22,11 @@ DEADLINE_S = 0.6
 
 
 async def hello(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """Answers "ok" at once without reading any body; on `/slow` after `DEADLINE_S`."""
     if scope["type"] != "http":
         return
+    if scope["path"] == "/slow":
+        await asyncio.sleep(DEADLINE_S)
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
     await send({"type": "http.response.body", "body": b"ok"})
 
@@ -98,3 +102,48 @@ def test_requests_in_time_are_answered_and_a_kept_connection_gets_a_new_deadline
             assert answer.startswith(b"HTTP/1.1 200 ")
         data, waited = read_until_closed(sock)  # then idle: closed at the deadline, silently
     assert data == b"" and waited < DEADLINE_S + 5
+
+
+def read_answer(sock: socket.socket) -> bytes:
+    answer = b""
+    while not answer.endswith(b"\r\n\r\nok"):  # the head and the body may come in two reads
+        answer += sock.recv(4096) or b"(closed)"
+        assert not answer.endswith(b"(closed)"), answer
+    return answer
+
+
+POST_HEAD = b"POST / HTTP/1.1\r\nHost: test\r\nContent-Length: 1000\r\n\r\n"
+
+
+def test_the_unread_rest_of_an_answered_body_is_dropped_until_the_deadline(port):
+    """The app answers without reading the body (as a 413 from the declared length does): a client that goes on
+    sending it a byte at a time loses the connection at the deadline instead of holding it."""
+    with connect(port) as sock:
+        sock.sendall(POST_HEAD + b"x" * 10)
+        assert read_answer(sock).startswith(b"HTTP/1.1 200 ")
+        sock.settimeout(DEADLINE_S / 8)
+        start, sent = time.monotonic(), 0
+        with pytest.raises(OSError):
+            while time.monotonic() - start < DEADLINE_S + 5:
+                sock.sendall(b"x")
+                sent += 1
+                try:
+                    if sock.recv(4096) == b"":  # closed by the server: the next send fails
+                        sock.sendall(b"x")
+                except TimeoutError:  # nothing from the server yet: keep trickling
+                    continue
+            raise AssertionError("the connection was still open")
+        assert time.monotonic() - start < DEADLINE_S + 5 and sent >= 4
+
+
+def test_a_body_finished_after_its_answer_leaves_the_connection_usable(port):
+    """The same early answer, then the client sends the rest of the body at once and its next request on the same
+    connection: that request is answered, although its answer takes longer than the deadline (the lingering
+    deadline ends with the body it was for)."""
+    with connect(port) as sock:
+        sock.sendall(POST_HEAD + b"x" * 10)
+        assert read_answer(sock).startswith(b"HTTP/1.1 200 ")
+        sock.sendall(b"x" * 990)
+        time.sleep(DEADLINE_S / 4)
+        sock.sendall(REQUEST.replace(b"GET / ", b"GET /slow "))  # its answer comes after that deadline
+        assert read_answer(sock).startswith(b"HTTP/1.1 200 ")
