@@ -29,7 +29,8 @@ middleware holds the contract of `pipeline.deployment.protocol` instead, and ski
 - every answer carries `X-Model-Version`, `X-Model-Variant` and `X-Request-Id` (the client's, when it sent a
   short safe one, else a new one); error bodies and the server's log lines name the request id;
 - `/metrics` is Prometheus text (requests, latency histogram, errors by kind and by side: client or server,
-  requests in flight); `/ready` scores one review through the pyfunc (readiness);
+  requests in flight); `/ready` scores one review through the pyfunc (readiness; probes that arrive
+  together share one call);
 - logs go to `<log-dir>/mlflow_server.log`, appended across restarts and rotated by size.
 
 Concurrency: one process. uvicorn's event loop reads and checks requests; the checked texts of the requests that
@@ -215,6 +216,7 @@ class ContractMiddleware:
     _in_flight: int = 0
     _queue: list[_Pending] = field(default_factory=list)
     _drainer: asyncio.Task[None] | None = None
+    _readiness: asyncio.Task[tuple[int, list[Any], str]] | None = None
 
     def model_headers(self, rid: str | None = None) -> list[tuple[bytes, bytes]]:
         headers = [(VERSION_HEADER.lower().encode(), self.version.encode()),
@@ -423,8 +425,11 @@ class ContractMiddleware:
         return Outcome(200)
 
     async def _ready(self, send: Send, rid: str) -> int:
-        """200 with the model when one review goes through the pyfunc, else 503."""
-        status, _, detail = await self._model([READY_TEXT])
+        """200 with the model when one review goes through the pyfunc, else 503. Probes that arrive while a probe's
+        review is being scored share that call: a flood of `/ready` costs one scoring at a time, not one each."""
+        if self._readiness is None or self._readiness.done():
+            self._readiness = asyncio.create_task(self._model([READY_TEXT]))
+        status, _, detail = await asyncio.shield(self._readiness)  # a probe that goes away leaves it to the others
         if status != 200:
             _log_failure(rid, status, detail)
         ok = status == 200

@@ -295,3 +295,28 @@ def test_a_refused_body_trickled_without_end_is_not_waited_for(served, monkeypat
     start = time.perf_counter()
     status, _, body = asyncio.run(call(app, b"", {"Content-Length": "1000001"}, receive=trickle))
     assert status == 413 and json.loads(body)["status"] == 413 and time.perf_counter() - start < 5
+
+
+def test_concurrent_readiness_probes_share_one_scoring_call(served):
+    """`/ready` scores a review through the model; probes that arrive while one is scoring wait for that call
+    instead of adding their own, so a flood of probes cannot multiply the model's work."""
+    calls: list[list[str]] = []
+    release = threading.Event()
+
+    def counting(texts: list[str]) -> list[Any]:
+        calls.append(texts)
+        release.wait(10)
+        return served.score(texts)
+
+    app = middleware(served, counting)
+
+    async def scenario() -> list[tuple[int, dict[str, str], bytes]]:
+        probes = [asyncio.create_task(call(app, b"", path="/ready", method="GET")) for _ in range(20)]
+        await asyncio.sleep(0.1)  # all twenty are waiting on the first probe's call
+        release.set()
+        return list(await asyncio.gather(*probes))
+
+    answers = asyncio.run(scenario())
+    assert [a[0] for a in answers] == [200] * 20 and len(calls) == 1
+    assert {json.loads(a[2])["status"] for a in answers} == {"ready"}
+    assert asyncio.run(call(app, b"", path="/ready", method="GET"))[0] == 200 and len(calls) == 2  # the next one scores
