@@ -22,10 +22,10 @@ middleware holds the contract of `pipeline.deployment.protocol` instead, and ski
   request timeout (`MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT`) 504; no error body ever quotes the input;
 - slow clients hold nothing for long (a slow-HTTP "slowloris" client cannot take the server): a connection whose
   request line and headers have not all arrived within `--header-timeout` seconds of its opening (or of its last
-  answer) is answered 408 and closed (`request_deadline_protocol`: uvicorn has no such timeout, and ASGI code only
-  runs once the headers are in), and a body not complete within `--body-timeout` seconds is answered 408 and the
-  connection closed. A body being uploaded takes no scoring slot: `--max-in-flight` counts requests whose body is
-  in, so uploads that stall cannot make every other client's request a 503;
+  answer) is closed, with a 408 if a request had begun (`request_deadline_protocol`: uvicorn has no such timeout,
+  and ASGI code only runs once the headers are in), and a body not complete within `--body-timeout` seconds is
+  answered 408 and the connection closed. A body being uploaded takes no scoring slot: `--max-in-flight` counts
+  requests whose body is in, so uploads that stall cannot make every other client's request a 503;
 - every answer carries `X-Model-Version`, `X-Model-Variant` and `X-Request-Id` (the client's, when it sent a
   short safe one, else a new one); error bodies and the server's log lines name the request id;
 - `/metrics` is Prometheus text (requests, latency histogram, errors by kind and by side: client or server,
@@ -90,9 +90,8 @@ H11_MAX_HEADER_BYTES = 65536
 READY_TEXT = "readiness probe: a fine film"
 #: Error kinds by status, for `/metrics`: 4xx are the caller's, 5xx the server's (`side` label).
 ERROR_KINDS = {400: "invalid_input", 404: "not_found", 405: "method_not_allowed", 408: "request_timeout",
-               413: "too_large",
-               414: "uri_too_long", 415: "unsupported_media_type", 431: "headers_too_large", 500: "server_error",
-               503: "overloaded", 504: "timeout"}
+               413: "too_large", 414: "uri_too_long", 415: "unsupported_media_type", 431: "headers_too_large",
+               500: "server_error", 503: "overloaded", 504: "timeout"}
 #: The kind of a 500 when the model (the pyfunc) failed on a request the contract had accepted.
 MODEL_ERROR = "model_error"
 #: A client's request id is echoed only when it is this short and plain (never a header or log injection).
