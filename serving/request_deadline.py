@@ -25,7 +25,7 @@ import json
 import logging
 from typing import Any
 
-log = logging.getLogger("serving.mlflow_server")
+log = logging.getLogger(__name__)  # a child of "serving", which the server logs to its file
 
 #: The 408 sent when the headers did not arrive in time. No request was parsed, so h11 cannot frame an answer (and
 #: there is no request id to name): the bytes are written as they are, and the connection closed after them.
