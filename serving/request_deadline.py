@@ -44,10 +44,11 @@ def request_deadline_protocol(headers_timeout_s: float) -> type[asyncio.Protocol
     class RequestDeadlineProtocol(H11Protocol):
         """`H11Protocol` whose connections must deliver each request's headers within `headers_timeout_s`."""
 
-        headers_deadline: asyncio.TimerHandle | None = None
+        deadline: asyncio.TimerHandle | None = None
         request_begun = False  # bytes of a request arrived since the deadline was armed
-        lingering = False  # the deadline ends the unread rest of an answered request's body
-        lingering_cycle: Any = None  # the answered request whose body that is (uvicorn's cycle)
+        # the answered request (uvicorn's cycle) whose unread rest of a body the deadline ends; None: the deadline
+        # is on the next request's headers
+        lingering_for: Any = None
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -56,8 +57,8 @@ def request_deadline_protocol(headers_timeout_s: float) -> type[asyncio.Protocol
         def data_received(self, data: bytes) -> None:
             self.request_begun = self.request_begun or bool(data)
             super().data_received(data)
-            if self.lingering:
-                if self.cycle is self.lingering_cycle and self.conn.their_state is not h11.IDLE:
+            if self.lingering_for is not None:
+                if self.cycle is self.lingering_for and self.conn.their_state is not h11.IDLE:
                     return  # still the rest of the answered request's body: its deadline stands
                 self._arm()  # that body ended (uvicorn then starts the next request): the next headers' deadline
             if self.conn.their_state is not h11.IDLE:
@@ -72,30 +73,29 @@ def request_deadline_protocol(headers_timeout_s: float) -> type[asyncio.Protocol
                 # request already parsed by the line above has its headers in)
                 self._arm()
             elif self.conn.their_state is h11.SEND_BODY:  # answered before its body was all in: dropped until then
-                self._arm(lingering=True)
-                self.lingering_cycle = self.cycle
+                self._arm(lingering_for=self.cycle)
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
             super().connection_lost(exc)
 
-        def _arm(self, lingering: bool = False) -> None:
+        def _arm(self, lingering_for: Any = None) -> None:
             self._disarm()
             self.request_begun = False
-            self.lingering = lingering
-            self.headers_deadline = self.loop.call_later(headers_timeout_s, self._headers_timed_out)
+            self.lingering_for = lingering_for
+            self.deadline = self.loop.call_later(headers_timeout_s, self._deadline_passed)
 
         def _disarm(self) -> None:
-            self.lingering, self.lingering_cycle = False, None
-            if self.headers_deadline is not None:
-                self.headers_deadline.cancel()
-                self.headers_deadline = None
+            self.lingering_for = None
+            if self.deadline is not None:
+                self.deadline.cancel()
+                self.deadline = None
 
-        def _headers_timed_out(self) -> None:
-            self.headers_deadline = None
+        def _deadline_passed(self) -> None:
+            self.deadline = None
             if self.transport.is_closing():
                 return
-            if self.lingering:  # the answer went out long ago; what the client still sends is not read
+            if self.lingering_for is not None:  # the answer went out long ago; what the client still sends is not read
                 self.transport.close()
                 return
             if self.conn.their_state is not h11.IDLE:

@@ -18,6 +18,8 @@ import numpy as np
 import pandas as pd
 
 if TYPE_CHECKING:
+    import socket
+
     from pipeline.core.machine import Choice
     from pipeline.core.params import Params
 
@@ -83,6 +85,16 @@ SERVING_LIMITS = {"max_texts": 4, "max_body_bytes": 4096, "max_chars_per_text": 
 
 #: Ports `free_port` handed out in this process: a server's several ports are never drawn twice.
 _HANDED_OUT: set[int] = set()
+
+
+def read_until_closed(sock: socket.socket) -> tuple[bytes, float]:
+    """Everything a server sends on the socket `sock` until it closes the connection, and the seconds that took."""
+    import time
+
+    start, data = time.monotonic(), b""
+    while chunk := sock.recv(4096):
+        data += chunk
+    return data, time.monotonic() - start
 
 
 def free_port() -> int:

@@ -49,7 +49,8 @@ def served(tmp_path_factory) -> ServedModel:
 
 
 def middleware(served: ServedModel, score: Callable[[list[str]], list[Any]] | None = None, max_in_flight: int = 64,
-               timeout_s: float | None = None, body_timeout_s: float = 30.0) -> ContractMiddleware:
+               timeout_s: float | None = None,
+               body_timeout_s: float = mlflow_server.BODY_TIMEOUT_S) -> ContractMiddleware:
     return ContractMiddleware(served.app, score or served.score, Limits(max_texts=4), "3", "test-variant",
                               Metrics("3", "test-variant"), timeout_s=timeout_s or served.timeout_s,
                               max_in_flight=max_in_flight, body_timeout_s=body_timeout_s)

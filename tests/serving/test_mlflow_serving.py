@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import socket
 import sys
-import time
 import urllib.error
 import urllib.request
 import zipfile
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.deployment.inference import SentimentPredictor
+from tests.factories import read_until_closed
 
 BIN = Path(sys.executable).parent
 REVIEWS = ["A wonderful, moving film; the cast is superb.", "Awful. Boring, predictable and far too long.",
@@ -132,14 +132,6 @@ def test_readiness_metrics_and_logs_for_operators(champion):
     assert '"POST /invocations HTTP/1.1" 400' in log and "serving models:/imdb-sentiment@champion" in log
 
 
-def _until_closed(sock: socket.socket) -> tuple[bytes, float]:
-    """All the server sends until it closes the connection, and the seconds that took."""
-    start, data = time.monotonic(), b""
-    while chunk := sock.recv(4096):
-        data += chunk
-    return data, time.monotonic() - start
-
-
 def test_slow_clients_are_cut_at_the_servers_timeouts(champion):
     """`--header-timeout` and `--body-timeout` reach the running server: headers begun and never finished get a 408
     and a closed connection (`serving.request_deadline`), and so does a body that stalls (the middleware's JSON 408,
@@ -148,12 +140,12 @@ def test_slow_clients_are_cut_at_the_servers_timeouts(champion):
     limit = champion["timeouts_s"]
     with socket.create_connection((host, int(port)), timeout=limit + 10) as sock:
         sock.sendall(b"POST /invocations HTTP/1.1\r\nHost: test\r\n")
-        data, waited = _until_closed(sock)
+        data, waited = read_until_closed(sock)
     assert data.startswith(b"HTTP/1.1 408 ") and limit * 0.8 <= waited < limit + 5, (data[:200], waited)
     with socket.create_connection((host, int(port)), timeout=limit + 10) as sock:
         sock.sendall(b"POST /invocations HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 100\r\nX-Request-Id: slow-body-1\r\n\r\n{\"inputs\": [\"fi")
-        data, waited = _until_closed(sock)
+        data, waited = read_until_closed(sock)
     head, _, body = data.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 408 ") and b"connection: close" in head.lower(), data[:300]
     assert json.loads(body) == {"error": f"the request body did not arrive within {limit:g} s (15 bytes received)",

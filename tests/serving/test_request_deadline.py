@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from serving.request_deadline import HEADERS_TIMEOUT_RESPONSE, request_deadline_protocol
-from tests.factories import free_port
+from tests.factories import free_port, read_until_closed
 
 DEADLINE_S = 0.6
 
@@ -54,14 +54,6 @@ def connect(port: int) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", port))
     sock.settimeout(10)
     return sock
-
-
-def read_until_closed(sock: socket.socket) -> tuple[bytes, float]:
-    """Everything the server sends until it closes the connection, and the seconds that took."""
-    start, data = time.monotonic(), b""
-    while chunk := sock.recv(4096):
-        data += chunk
-    return data, time.monotonic() - start
 
 
 REQUEST = b"GET / HTTP/1.1\r\nHost: test\r\n\r\n"
