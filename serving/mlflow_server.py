@@ -25,7 +25,11 @@ middleware holds the contract of `pipeline.deployment.protocol` instead, and ski
   answer) is closed, with a 408 if a request had begun (`request_deadline_protocol`: uvicorn has no such timeout,
   and ASGI code only runs once the headers are in), and a body not complete within `--body-timeout` seconds is
   answered 408 and the connection closed. A body being uploaded takes no scoring slot: `--max-in-flight` counts
-  requests whose body is in, so uploads that stall cannot make every other client's request a 503;
+  requests whose body is in and not yet scored, so uploads that stall, and clients that read none of their answers,
+  cannot make every other client's request a 503; a connection whose answers go unread for `--send-timeout`
+  seconds is dropped. Bodies over `PARSE_INLINE_BYTES` are parsed in a worker thread, not on the event loop;
+- `Expect: 100-continue` with a declared length over the limit is answered 413 at once, the body never asked for;
+  a request framed by both `Content-Length` and `Transfer-Encoding` is a 400; both close the connection;
 - every answer carries `X-Model-Version`, `X-Model-Variant` and `X-Request-Id` (the client's, when it sent a
   short safe one, else a new one); error bodies and the server's log lines name the request id;
 - `/metrics` is Prometheus text (requests, latency histogram, errors by kind and by side: client or server,
@@ -105,6 +109,12 @@ DISCARD_WAIT_S = 2.0
 #: `client_header_timeout` and `client_body_timeout` in serving/nginx.conf are 10 and 30 s).
 HEADER_TIMEOUT_S = 10.0
 BODY_TIMEOUT_S = 30.0
+#: Seconds an answer may wait for a client that reads none of it (the connection's send buffer full) before the
+#: connection is dropped; `--send-timeout` (nginx's `send_timeout` is 60 s).
+SEND_TIMEOUT_S = 30.0
+#: Bodies larger than this are parsed and checked in a worker thread instead of on the event loop.
+PARSE_INLINE_BYTES = 64 * 1024
+CLOSE = (b"connection", b"close")
 #: Seconds a client is asked to wait after a 503 (overloaded).
 RETRY_AFTER_S = 1
 #: Texts of concurrent requests scored in one call of the model at most.
@@ -265,21 +275,37 @@ class ContractMiddleware:
         if self._in_flight >= self.max_in_flight:  # refused before its body is read
             return await self._overloaded(send, rid)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        if "content-length" in headers and "transfer-encoding" in headers:
+            # two framings (h11 reads the chunks, the length would size the body): a request-smuggling shape that no
+            # honest client sends; answered and closed, its body unread
+            return await self._error(send, RequestError(400, "both Content-Length and Transfer-Encoding: send "
+                                                             "one of them"), rid, [CLOSE])
         try:
             body = await self._body(headers, receive)
-            parsed = parse_request(body, self.limits, headers.get("content-type"), MLFLOW_SHAPES)
+            if len(body) <= PARSE_INLINE_BYTES:
+                parsed = parse_request(body, self.limits, headers.get("content-type"), MLFLOW_SHAPES)
+            else:  # a large body's checks take a while: in a thread, so the event loop goes on serving the others
+                parsed = await asyncio.to_thread(parse_request, body, self.limits, headers.get("content-type"),
+                                                 MLFLOW_SHAPES)
         except RequestError as err:
-            extra = [(b"connection", b"close")] if err.status == 408 else None  # the rest of the body is not read
-            return await self._error(send, err, rid, extra)
+            # a 408's body, and a 413's that the client waits to be invited to send, are not read
+            close = err.status == 408 or (err.status == 413 and expects_continue(headers))
+            return await self._error(send, err, rid, [CLOSE] if close else None)
         if self._in_flight >= self.max_in_flight:  # the slots filled while this body was read
             return await self._overloaded(send, rid)
         self._in_flight += 1  # one event loop: no lock needed between the check and the increment
         self.metrics.in_flight.inc()
         try:
-            return await self._invoke(parsed.texts, send, rid)
+            status, predictions = await self._scored(parsed.texts, rid)
         finally:
+            # the slot is free before the answer goes out: a client that does not read its answers holds its
+            # connection (until the server's send timeout), never a scoring slot
             self._in_flight -= 1
             self.metrics.in_flight.dec()
+        if status != 200:
+            return await self._failed(send, status, rid)
+        await self._send(send, 200, json.dumps({"predictions": predictions}).encode(), "application/json", rid)
+        return Outcome(200, None, len(parsed.texts))
 
     async def _overloaded(self, send: Send, rid: str) -> Outcome:
         log.warning("request %s: %d scoring requests in flight, the limit: answered 503", rid, self._in_flight)
@@ -288,17 +314,13 @@ class ContractMiddleware:
                                      "request_id": rid}, rid, [(b"retry-after", str(RETRY_AFTER_S).encode())])
         return Outcome(503, "overloaded")
 
-    async def _invoke(self, texts: list[str], send: Send, rid: str) -> Outcome:
-        """Have a checked request's texts scored with those of concurrent requests, and answer it."""
+    async def _scored(self, texts: list[str], rid: str) -> tuple[int, list[Any] | None]:
+        """A checked request's texts scored with those of concurrent requests: (status, its predictions)."""
         pending = _Pending(texts, rid, asyncio.get_running_loop().create_future())
         self._queue.append(pending)
         if self._drainer is None or self._drainer.done():
             self._drainer = asyncio.create_task(self._drain())
-        status, predictions = await pending.answer
-        if status != 200:
-            return await self._failed(send, status, rid)
-        await self._send(send, 200, json.dumps({"predictions": predictions}).encode(), "application/json", rid)
-        return Outcome(200, None, len(texts))
+        return await pending.answer
 
     async def _failed(self, send: Send, status: int, rid: str) -> Outcome:
         """The contract's answer to a request that passed it and then failed (`status`: 504 when scoring timed out,
@@ -388,7 +410,8 @@ class ContractMiddleware:
         limit = self.limits.max_body_bytes
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
-            await _discard_body(headers, receive)
+            if not expects_continue(headers):  # a client waiting for "100 Continue" has sent nothing to drop
+                await _discard_body(headers, receive)  # (and reading would invite it to upload)
             raise RequestError(413, f"request body of {int(declared)} bytes exceeds the limit of {limit}")
         deadline = asyncio.get_running_loop().time() + self.body_timeout_s
         chunks, size = [], 0
@@ -451,6 +474,12 @@ class ContractMiddleware:
                    *self.model_headers(rid), *(extra or [])]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def expects_continue(headers: dict[str, str]) -> bool:
+    """The client sent `Expect: 100-continue`: it uploads its body only when the server asks for it (uvicorn does so
+    on the first read of the body), so a body refused unread is never sent."""
+    return headers.get("expect", "").strip().lower() == "100-continue"
 
 
 async def _discard_body(headers: dict[str, str], receive: Receive) -> None:
@@ -551,6 +580,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="seconds a connection may take to send a request's line and headers (408 and closed)")
     parser.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S,
                         help="seconds a request may take to send its body (408 and closed)")
+    parser.add_argument("--send-timeout", type=float, default=SEND_TIMEOUT_S,
+                        help="seconds an answer may wait for a client that reads none of it (then dropped)")
     args = parser.parse_args(argv)
     args.log_dir.mkdir(parents=True, exist_ok=True)
     config = log_config(args.log_dir, args.log_max_bytes, args.log_backups)
@@ -561,7 +592,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"{exc}: run `make run` first (its package stage registers and aliases the model)") from None
     print(f"serving {app.variant} (version {app.version}) at http://{args.host}:{args.port}/invocations; "
           f"logs in {args.log_dir / 'mlflow_server.log'}", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, http=request_deadline_protocol(args.header_timeout),
+    uvicorn.run(app, host=args.host, port=args.port,
+                http=request_deadline_protocol(args.header_timeout, args.send_timeout),
                 h11_max_incomplete_event_size=H11_MAX_HEADER_BYTES,
                 limit_concurrency=args.limit_concurrency, timeout_keep_alive=5, server_header=False,
                 log_config=config)

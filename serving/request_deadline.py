@@ -16,6 +16,13 @@ An answer can go out before its request's body is all in (a 413 from the declare
 rest of that body is read and dropped (uvicorn's h11 protocol does so) until the same deadline, then the
 connection is closed. Without it, a client that kept sending a declared body a byte at a time after its answer
 held the connection for as long as it liked (uvicorn cancels its keep-alive timer on every byte received).
+
+Writing has a deadline too: uvicorn waits for a full send buffer to drain before each part of an answer, with no
+limit, so a client that sends requests and reads none of the answers held its request (in the MLflow server, a
+scoring slot) for as long as it kept the connection open. When the transport asks to stop writing (its buffer is
+full), a timer of `send_timeout_s` starts; when the client has not read enough to resume writing by then, the
+connection is dropped (`abort`: a plain close would wait for the unread buffer to drain first), and the app's
+pending send returns.
 """
 
 from __future__ import annotations
@@ -35,9 +42,10 @@ HEADERS_TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: appl
                             + _TIMEOUT_BODY)
 
 
-def request_deadline_protocol(headers_timeout_s: float) -> type[asyncio.Protocol]:
-    """uvicorn's h11 protocol class with a `headers_timeout_s` deadline on each request's line and headers, for
-    `uvicorn.run(app, http=...)` (uvicorn's own options, such as `h11_max_incomplete_event_size`, still apply)."""
+def request_deadline_protocol(headers_timeout_s: float, send_timeout_s: float = 30.0) -> type[asyncio.Protocol]:
+    """uvicorn's h11 protocol class with a `headers_timeout_s` deadline on each request's line and headers and a
+    `send_timeout_s` one on a client that stopped reading, for `uvicorn.run(app, http=...)` (uvicorn's own options,
+    such as `h11_max_incomplete_event_size`, still apply)."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -49,6 +57,7 @@ def request_deadline_protocol(headers_timeout_s: float) -> type[asyncio.Protocol
         # the answered request (uvicorn's cycle) whose unread rest of a body the deadline ends; None: the deadline
         # is on the next request's headers
         lingering_for: Any = None
+        send_deadline: asyncio.TimerHandle | None = None  # armed while the transport's send buffer is full
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -56,7 +65,14 @@ def request_deadline_protocol(headers_timeout_s: float) -> type[asyncio.Protocol
 
         def data_received(self, data: bytes) -> None:
             self.request_begun = self.request_begun or bool(data)
-            super().data_received(data)
+            try:
+                super().data_received(data)
+            except h11.LocalProtocolError:
+                # bytes h11 cannot parse after an answer went out (the rest of a refused chunked body, malformed):
+                # uvicorn's 400 for them cannot be framed once a response is complete, and nothing more can be
+                # said on this connection
+                self.transport.close()
+                return
             if self.lingering_for is not None:
                 if self.cycle is self.lingering_for and self.conn.their_state is not h11.IDLE:
                     return  # still the rest of the answered request's body: its deadline stands
@@ -65,19 +81,44 @@ def request_deadline_protocol(headers_timeout_s: float) -> type[asyncio.Protocol
                 self._disarm()  # a request's headers are in: its body is the app's to time
 
         def on_response_complete(self) -> None:
-            super().on_response_complete()
+            answered = self.cycle
+            super().on_response_complete()  # starts a pipelined request already received (a new cycle)
             if self.transport.is_closing():
                 return
-            if self.conn.their_state is h11.IDLE:
-                # the connection stays open for the next request: its headers get the same deadline (a pipelined
-                # request already parsed by the line above has its headers in)
+            if self.cycle is not answered:
+                self._disarm()  # that pipelined request's headers are in: its body is the app's to time
+            elif self.conn.their_state is h11.IDLE:
+                # the connection stays open for the next request: its headers get the same deadline, and a part of
+                # them already received counts as a request begun (a 408 at the deadline)
                 self._arm()
+                self.request_begun = bool(self.conn.trailing_data[0])
             elif self.conn.their_state is h11.SEND_BODY:  # answered before its body was all in: dropped until then
-                self._arm(lingering_for=self.cycle)
+                self._arm(lingering_for=answered)
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self.send_deadline is None:
+                self.send_deadline = self.loop.call_later(send_timeout_s, self._send_deadline_passed)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            self._stop_send_deadline()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
-            super().connection_lost(exc)
+            self._stop_send_deadline()
+            super().connection_lost(exc)  # also ends a send waiting for the buffer to drain
+
+        def _stop_send_deadline(self) -> None:
+            if self.send_deadline is not None:
+                self.send_deadline.cancel()
+                self.send_deadline = None
+
+        def _send_deadline_passed(self) -> None:
+            self.send_deadline = None
+            client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+            log.warning("dropping the connection of %s: it read none of its answers for %g s", client, send_timeout_s)
+            self.transport.abort()
 
         def _arm(self, lingering_for: Any = None) -> None:
             self._disarm()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import math
 from typing import Any
 
@@ -52,7 +53,8 @@ def body_kind(content_type: str | None, shapes: frozenset[str]) -> str:
     if not media:
         raise RequestError(415, f"no Content-Type header; send one of {', '.join(accepted)}")
     if media == "application/x-www-form-urlencoded" or media.startswith("multipart/"):
-        raise RequestError(415, f"a form-encoded body ({media}) is not accepted: send the JSON itself with "
+        form = media if media in ("application/x-www-form-urlencoded", "multipart/form-data") else "multipart"
+        raise RequestError(415, f"a form-encoded body ({form}) is not accepted: send the JSON itself with "
                                 "'Content-Type: application/json' (curl -d sends form encoding unless told -H)")
     charset = params.get("charset", "utf-8")
     if charset not in ("utf-8", "utf8"):
@@ -65,8 +67,23 @@ def body_kind(content_type: str | None, shapes: frozenset[str]) -> str:
         return "plain"
     if media == "text/csv" and "csv" in shapes:
         return "csv"
-    shown = media if len(media) <= 60 and media.isascii() and media.isprintable() else "this media type"
-    raise RequestError(415, f"Content-Type {shown} is not accepted; send one of {', '.join(accepted)}")
+    # named only when it is a well-known type: the header is the client's text, and no error quotes the input
+    shown = f"Content-Type {media}" if media in NAMED_MEDIA_TYPES else "this Content-Type"
+    raise RequestError(415, f"{shown} is not accepted; send one of {', '.join(accepted)}")
+
+
+#: Media types a 415 names (others are "this Content-Type"): what clients commonly send by mistake.
+NAMED_MEDIA_TYPES = frozenset({
+    "application/xml", "text/xml", "text/html", "application/octet-stream", "application/x-ndjson",
+    "application/jsonl", "application/msgpack", "application/x-msgpack", "application/x-protobuf",
+    "application/yaml", "text/yaml", "application/x-yaml", "text/tab-separated-values", "text/plain", "text/csv",
+    "application/gzip", "application/zip", "application/parquet", "application/vnd.apache.parquet",
+})
+#: JSON values (objects, arrays, strings, numbers) a request may hold per text it may hold, plus a few for its
+#: frame: the largest valid shape, `dataframe_split` with an index, holds 3 a text (its row, its text, its index)
+#: and 7 more. A body that parses to more is refused before it is walked, so a megabyte of `[]` costs one parse.
+JSON_VALUES_PER_TEXT = 4
+JSON_FRAME_VALUES = 16
 
 
 def parse_request(body: Any, limits: Limits, content_type: str | None = None,
@@ -114,14 +131,22 @@ def decode_json(raw: bytes) -> Any:
 def _checked_tree(payload: Any, limits: Limits, decoded_by_server: bool) -> Any:
     """Refuse JSON nested deeper than `max_json_depth`, numbers outside a double's range, non-JSON types and
     (for JSON the server decoded) an encoded size above `max_body_bytes`. Iterative, so no nesting depth can
-    exhaust the stack; stops at the first violation."""
+    exhaust the stack; stops at the first violation. More values than any valid request holds
+    (`JSON_VALUES_PER_TEXT` a text) are 413 as soon as an object or array is seen to hold them: the walk costs
+    at most that many steps whatever the body."""
     size = 0
+    most = JSON_VALUES_PER_TEXT * limits.max_texts + JSON_FRAME_VALUES
+    values = 1
     stack: list[tuple[Any, int]] = [(payload, 0)]
     while stack:
         node, depth = stack.pop()
         if isinstance(node, dict | list):
             if depth + 1 > limits.max_json_depth:
                 raise RequestError(400, f"JSON nested more than {limits.max_json_depth} levels deep")
+            values += len(node)
+            if values > most:
+                raise RequestError(413, f"JSON body holds more than {most} values; a request holds at most "
+                                        f"{limits.max_texts} texts")
             size += 2 + len(node)  # brackets and separators
             if isinstance(node, dict):
                 for key in node:
@@ -228,11 +253,15 @@ def _tensor_column(value: Any, where: str) -> list[Any]:
 
 
 def _csv_column(text: str, limits: Limits) -> list[str]:
-    """The `text` column of a CSV body with that one column and a header row."""
+    """The `text` column of a CSV body with that one column and a header row; read no further than one row past
+    `max_texts` (413), so a body of a million short rows costs what a valid one does."""
     try:
-        rows = list(csv.reader(io.StringIO(text, newline=""), strict=True))
+        rows = list(itertools.islice(csv.reader(io.StringIO(text, newline=""), strict=True), limits.max_texts + 2))
     except csv.Error as exc:
         raise RequestError(400, f"invalid CSV: {exc}") from None
+    if len(rows) > limits.max_texts + 1:
+        raise RequestError(413, f"CSV body holds more than {limits.max_texts} rows: texts exceed the maximum of "
+                                f"{limits.max_texts} per request")
     if not rows or rows[0] != [TEXT_COLUMN]:
         raise RequestError(400, f"CSV body needs a header row with one column, \"{TEXT_COLUMN}\"")
     for i, row in enumerate(rows[1:]):

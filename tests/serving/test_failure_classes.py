@@ -321,3 +321,79 @@ def test_concurrent_readiness_probes_share_one_scoring_call(served):
     assert [a[0] for a in answers] == [200] * 20 and len(calls) == 1
     assert {json.loads(a[2])["status"] for a in answers} == {"ready"}
     assert asyncio.run(call(app, b"", path="/ready", method="GET"))[0] == 200 and len(calls) == 2  # the next one scores
+
+
+def test_an_answer_the_client_does_not_read_holds_no_scoring_slot(served):
+    """With one scoring slot, a request whose answer cannot go out (a client that reads nothing: uvicorn's send
+    waits for the buffer to drain, until the server's send timeout drops the connection) leaves the slot to the
+    next request: the slot is freed once the answer is known, before it is sent."""
+    app = middleware(served, max_in_flight=1)
+    stuck = asyncio.Event()
+
+    async def scenario() -> tuple[int, dict[str, str], bytes]:
+        async def never_drains(message: dict[str, Any]) -> None:
+            stuck.set()
+            await asyncio.Event().wait()
+
+        raw = [(b"content-type", b"application/json")]
+        scope = {"type": "http", "method": "POST", "path": "/invocations", "raw_path": b"/invocations",
+                 "query_string": b"", "headers": raw, "http_version": "1.1"}
+        body = json.dumps({"inputs": ["unread"]}).encode()
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        blocked = asyncio.create_task(app(scope, receive, never_drains))
+        await asyncio.wait_for(stuck.wait(), 10)  # its answer is being sent, and stays so
+        answered = await call(app, json.dumps({"inputs": ["fine"]}).encode())
+        blocked.cancel()
+        return answered
+
+    status, _, body = asyncio.run(scenario())
+    assert status == 200, body
+    assert json.loads(body)["predictions"][0]["label"] == "positive"
+
+
+def test_an_oversized_body_the_client_waits_to_be_invited_to_send_is_refused_unread(served):
+    """`Expect: 100-continue` with a declared length over the limit: a 413 that closes the connection, and the body
+    is never read (uvicorn answers "100 Continue" on the first read, which would ask for the whole upload)."""
+    app = middleware(served)
+    reads = 0
+
+    async def receive() -> dict[str, Any]:
+        nonlocal reads
+        reads += 1
+        return {"type": "http.request", "body": b"x" * 1000, "more_body": True}
+
+    status, headers, body = asyncio.run(call(app, b"", {"Content-Length": "5000000", "Expect": "100-continue"},
+                                             receive=receive))
+    assert status == 413 and headers["connection"] == "close" and reads == 0
+    assert json.loads(body)["status"] == 413
+
+
+def test_a_request_framed_both_by_length_and_by_chunks_is_a_400_that_closes_the_connection(served):
+    app = middleware(served)
+    status, headers, body = asyncio.run(call(app, json.dumps({"inputs": ["a"]}).encode(),
+                                             {"Content-Length": "2000000", "Transfer-Encoding": "chunked"}))
+    assert status == 400 and headers["connection"] == "close"
+    assert "Transfer-Encoding" in json.loads(body)["error"]
+
+
+def test_a_large_body_is_checked_off_the_event_loop_and_answered(served, monkeypatch):
+    """A body over `PARSE_INLINE_BYTES` is parsed and checked in a worker thread (a megabyte of JSON takes the
+    checks a while, during which the event loop would serve no one); a small one on the loop, as before."""
+    threads: list[str] = []
+    parse = mlflow_server.parse_request
+
+    def recording(*args: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return parse(*args)
+
+    monkeypatch.setattr(mlflow_server, "parse_request", recording)
+    app = middleware(served)
+    small = json.dumps({"inputs": ["fine"]}).encode()
+    large = small[:-1] + b" " * (mlflow_server.PARSE_INLINE_BYTES + 1) + b"}"
+    for body in (small, large):
+        status, _, answer = asyncio.run(call(app, body))
+        assert status == 200 and json.loads(answer)["predictions"][0]["label"] == "positive"
+    assert threads[0] == threading.main_thread().name and threads[1] != threading.main_thread().name

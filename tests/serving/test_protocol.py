@@ -137,6 +137,43 @@ def test_the_contracts_refusals_name_the_problem(body, content_type, shapes, sta
     assert err.value.status == status and needle in err.value.message, err.value.message
 
 
+def test_the_largest_valid_request_of_each_shape_is_within_the_value_cap():
+    """The cap on JSON values (`JSON_VALUES_PER_TEXT` a text) refuses no valid request: each shape at
+    `max_texts` texts, `dataframe_split` with its index, parses."""
+    rows = [f"review {i}" for i in range(LIMITS.max_texts)]
+    limits = Limits(max_texts=LIMITS.max_texts, max_body_bytes=100_000)
+    bodies = [{"dataframe_split": {"columns": ["text"], "data": [[t] for t in rows],
+                                   "index": list(range(len(rows)))}},
+              {"dataframe_records": [{"text": t} for t in rows]}, {"inputs": {"text": rows}},
+              {"instances": [{"text": t} for t in rows]}]
+    for body in bodies:
+        for raw in (json.dumps(body).encode(), body):  # as bytes and as JSON the server decoded
+            assert parse_request(raw, limits, "application/json", MLFLOW_SHAPES).texts == rows
+    assert parse_request({"texts": rows}, limits, "application/json").texts == rows
+
+
+@pytest.mark.parametrize("as_bytes", [True, False])
+def test_a_body_of_more_values_than_any_request_holds_is_refused_before_it_is_walked(as_bytes):
+    """A megabyte of empty arrays, or an object of a hundred thousand keys, is a 413 from the first container's
+    length, not after a walk over every value (which blocked the MLflow server's event loop for most of a second
+    per request)."""
+    limits = Limits(max_texts=64, max_body_bytes=2_000_000)
+    for payload in ({"inputs": [[] for _ in range(300_000)]}, {"inputs": {f"k{i}": 1 for i in range(100_000)}}):
+        body = json.dumps(payload).encode() if as_bytes else payload
+        with pytest.raises(RequestError) as err:
+            parse_request(body, limits, "application/json", MLFLOW_SHAPES)
+        assert err.value.status == 413 and "values" in err.value.message
+
+
+def test_a_csv_body_is_read_no_further_than_one_row_past_the_limit():
+    """Rows past `max_texts` + 1 are not parsed: a malformed row far down a long body goes unread (413 for the
+    row count, not 400 for the row), so a million short lines cost what a valid body does."""
+    body = b"text\n" + b"a\n" * 100 + b'"a",b\n'
+    with pytest.raises(RequestError) as err:
+        parse_request(body, LIMITS, "text/csv", MLFLOW_SHAPES)
+    assert err.value.status == 413 and "maximum of 4" in err.value.message
+
+
 def test_error_messages_are_bounded_and_never_quote_the_input():
     marker = "ECHO-MARKER"
     for body in (b'{"' + marker.encode() * 100 + b'": 1}', (marker * 100).encode() + b"\xff",
@@ -144,6 +181,11 @@ def test_error_messages_are_bounded_and_never_quote_the_input():
         with pytest.raises(RequestError) as err:
             parse_request(body, LIMITS, "application/json")
         assert marker not in err.value.message and len(err.value.message) <= MAX_ERROR_CHARS
+    for content_type in (f"text/{marker}", f"application/{marker}+xml", f"multipart/{marker}",
+                         f"{marker}/json-ish"):  # the media type is the client's text too
+        with pytest.raises(RequestError) as err:
+            parse_request(b'{"text": "a"}', LIMITS, content_type)
+        assert err.value.status == 415 and marker.lower() not in err.value.message.lower(), err.value.message
     assert len(RequestError(400, "x" * 5000).message) == MAX_ERROR_CHARS
 
 

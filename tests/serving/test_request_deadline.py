@@ -7,6 +7,8 @@ starts again after the answer."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import socket
 import threading
 import time
@@ -19,14 +21,26 @@ from serving.request_deadline import HEADERS_TIMEOUT_RESPONSE, request_deadline_
 from tests.factories import free_port, read_until_closed
 
 DEADLINE_S = 0.6
+#: `/big`'s answer: far more than a socket's send and receive buffers hold together.
+BIG = 64 * 1024 * 1024
+#: Set when the app's last send of `/big` returned (the answer went out, or the connection was dropped).
+big_sent = threading.Event()
 
 
 async def hello(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    """Answers "ok" at once without reading any body; on `/slow` after `DEADLINE_S`."""
+    """Answers "ok" at once without reading any body; on `/slow` after `DEADLINE_S`, on `/slower` after twice
+    that; `/big` answers `BIG` bytes."""
     if scope["type"] != "http":
         return
-    if scope["path"] == "/slow":
-        await asyncio.sleep(DEADLINE_S)
+    if scope["path"] == "/big":
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", str(BIG).encode())]})
+        chunk = b"x" * (1 << 20)
+        for left in range(BIG, 0, -len(chunk)):  # in parts: each waits for the buffer to drain, as an app's do
+            await send({"type": "http.response.body", "body": chunk, "more_body": left > len(chunk)})
+        big_sent.set()
+        return
+    if scope["path"] in ("/slow", "/slower"):
+        await asyncio.sleep(DEADLINE_S * (2 if scope["path"] == "/slower" else 1))
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
     await send({"type": "http.response.body", "body": b"ok"})
 
@@ -36,7 +50,7 @@ def port() -> Iterator[int]:
     import uvicorn
 
     port = free_port()
-    config = uvicorn.Config(hello, host="127.0.0.1", port=port, http=request_deadline_protocol(DEADLINE_S),
+    config = uvicorn.Config(hello, host="127.0.0.1", port=port, http=request_deadline_protocol(DEADLINE_S, DEADLINE_S),
                             lifespan="off", log_level="warning", timeout_keep_alive=30)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
@@ -139,3 +153,47 @@ def test_a_body_finished_after_its_answer_leaves_the_connection_usable(port):
         time.sleep(DEADLINE_S / 4)
         sock.sendall(REQUEST.replace(b"GET / ", b"GET /slow "))  # its answer comes after that deadline
         assert read_answer(sock).startswith(b"HTTP/1.1 200 ")
+
+
+def test_a_pipelined_request_is_answered_however_long_its_answer_takes(port):
+    """Two requests sent together, the second's body still arriving when the first is answered: the deadline that
+    drops the rest of an answered request's body is not put on the next request, whose answer comes after it."""
+    with connect(port) as sock:
+        sock.sendall(REQUEST + b"POST /slower HTTP/1.1\r\nHost: test\r\nContent-Length: 10\r\n\r\n12345")
+        time.sleep(DEADLINE_S / 4)
+        sock.sendall(b"67890")
+        first = read_answer(sock)
+        second = first.split(b"\r\n\r\nok", 1)[1] or read_answer(sock)
+    assert first.startswith(b"HTTP/1.1 200 ") and second.startswith(b"HTTP/1.1 200 ")
+
+
+def test_a_client_that_reads_none_of_its_answer_is_dropped_at_the_send_deadline(port):
+    """A client that asks for a large answer and reads nothing: once the server's send buffer is full, the
+    connection is dropped at the deadline and the app's pending send returns (before, it waited for as long as the
+    client kept the connection open, holding what the request held)."""
+    big_sent.clear()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the server's buffer fills soon
+    sock.connect(("127.0.0.1", port))
+    with sock:
+        sock.sendall(REQUEST.replace(b"GET / ", b"GET /big "))
+        assert big_sent.wait(DEADLINE_S + 10), "the app's send never returned"
+        sock.settimeout(10)
+        received = 0
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := sock.recv(1 << 20):
+                received += len(chunk)
+    assert received < BIG  # what the buffers held, then the connection ended
+
+
+def test_bad_bytes_after_an_early_answer_close_the_connection_without_an_error(port, caplog):
+    """A chunked body answered before it was read, then bytes that are no chunk: uvicorn's 400 cannot be framed
+    after an answer (h11 raised out of `data_received`, which asyncio logs as a fatal protocol error); the
+    connection is closed quietly instead."""
+    with connect(port) as sock:
+        sock.sendall(b"POST / HTTP/1.1\r\nHost: test\r\nTransfer-Encoding: chunked\r\n\r\n")
+        assert read_answer(sock).startswith(b"HTTP/1.1 200 ")
+        sock.sendall(b"zz\r\n")
+        data, waited = read_until_closed(sock)
+    assert data == b"" and waited < DEADLINE_S + 5
+    assert not [r for r in caplog.records if "data_received" in r.getMessage() or r.levelno >= logging.ERROR]
