@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,17 +25,24 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from pipeline.core.io import write_json
 from pipeline.core.machine import machine_info
+from pipeline.core.params import load_params, set_value
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _set(raw: dict[str, Any], dotted: str) -> None:
-    key, _, value = dotted.partition("=")
-    section, _, name = key.partition(".")
-    raw[section][name] = yaml.safe_load(value)
+def run_params(work: Path, overrides: list[str]) -> int:
+    """This checkout's params.yaml copied into `work`, with `overrides` (`key=value`) and the run's own checkpoint
+    directory and tracking store set through the config loader's writer (YAML 1.2, comments kept), then read back
+    by the loader (a bad override fails here, before any work). Returns the checkpoint interval in steps."""
+    params = work / "params.yaml"
+    shutil.copy2(ROOT / "params.yaml", params)
+    for override in [*overrides, f"train.checkpoint_dir={work / 'checkpoints'}",
+                     f"mlflow.tracking_uri=sqlite:///{work / 'mlflow.db'}"]:
+        key, _, value = override.partition("=")
+        set_value(params, key, value)
+    return load_params(params).train.checkpoint_every_n_steps
 
 
 def _stage(work: Path, tokenized: Path) -> list[str]:
@@ -83,9 +91,6 @@ def main(argv: list[str] | None = None) -> None:
     if not (args.tokenized / "train.parquet").is_file():
         raise SystemExit(f"{args.tokenized} has no tokenized splits: run `.venv/bin/dvc repro prepare` first")
 
-    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
-    for o in args.overrides:
-        _set(raw, o)
     results: dict[str, Any] = {"command": "python -m benchmarks.interrupted_finetune " + " ".join(sys.argv[1:]),
                                "date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine_info(0),
                                "overrides": args.overrides}
@@ -94,15 +99,12 @@ def main(argv: list[str] | None = None) -> None:
         for name in ("whole", "interrupted"):
             work = Path(tmp) / name
             work.mkdir()
-            raw["train"]["checkpoint_dir"] = str(work / "checkpoints")
-            raw["mlflow"]["tracking_uri"] = f"sqlite:///{work / 'mlflow.db'}"
-            (work / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+            every = run_params(work, args.overrides)
             runs[name] = work
         whole = _run(runs["whole"], args.tokenized, "whole.log")
         steps = whole.get("train_steps")
         if not steps:
             raise SystemExit(f"the whole run failed (exit {whole['returncode']}): see {runs['whole'] / 'whole.log'}")
-        every = raw["train"]["checkpoint_every_n_steps"]
         stop_at = max(every, int(steps * args.at) // every * every)
         first = _run(runs["interrupted"], args.tokenized, "first.log", stop_at, getattr(signal, f"SIG{args.signal}"))
         second = _run(runs["interrupted"], args.tokenized, "second.log")
@@ -114,8 +116,7 @@ def main(argv: list[str] | None = None) -> None:
                           "same_step_count": second.get("train_steps") == steps,
                           "test_accuracy_delta_pt": round(100 * (second.get("test_accuracy", float("nan"))
                                                                  - whole["test_accuracy"]), 2)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    write_json(args.out, results)
     print(f"{'run':<22}{'wall s':>8}{'steps':>7}{'from step':>10}{'test acc':>10}")
     for name, r in (("whole", whole), ("interrupted (1st)", first), ("resumed (2nd)", second)):
         print(f"{name:<22}{r['wall_s']:>8}{r.get('train_steps', '-')!s:>7}{r.get('resumed_from_step', '-')!s:>10}"

@@ -1,16 +1,33 @@
-"""Small file helpers shared by stages."""
+"""Small file helpers shared by stages: files are written whole or not at all (`replaced_on_success`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 
-def write_json(path: Path, obj: Any) -> None:
-    """Pretty, key-sorted JSON with parent folders created (stable diffs for DVC metrics)."""
+@contextlib.contextmanager
+def replaced_on_success(path: Path) -> Iterator[Path]:
+    """A temporary path beside `path` (same folder, so the rename is atomic) for the block to write; renamed onto
+    `path` when the block ends without error, removed when it raises. A reader (a later stage, a server, a resumed
+    run) finds the old file, the whole new one or none: never a part of one, whenever the writer dies."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Pretty, key-sorted JSON with parent folders created (stable diffs for DVC metrics), written whole."""
+    with replaced_on_success(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 
 
 def read_json(path: Path) -> Any:
@@ -41,8 +58,7 @@ def write_predictions(path: Path, logits: Any, labels: Any, seqs: Any, **meta: A
     """Logits, labels and the split's fingerprint in one `.npz`, so a later stage can reuse a scoring pass."""
     import numpy as np
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("wb") as fh:
+    with replaced_on_success(path) as tmp, tmp.open("wb") as fh:
         np.savez(fh, logits=np.asarray(logits, dtype=np.float32), labels=np.asarray(labels),
                  fingerprint=np.array(token_fingerprint(seqs)), meta=np.array(json.dumps(meta, sort_keys=True)))
 

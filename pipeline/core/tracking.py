@@ -103,11 +103,6 @@ class StageRun:
 
         mlflow.log_artifacts(str(directory), artifact_path)
 
-    def artifact_uri(self, artifact_path: str) -> str:
-        import mlflow
-
-        return mlflow.get_artifact_uri(artifact_path)
-
     def log_steps(self, points: Sequence[tuple[int, Mapping[str, float]]]) -> None:
         """Curves: each (step, {name: value}) as metric points at that step, in as few calls as MLflow allows (a
         `pipeline.training.curves.CurveRecorder` sink)."""

@@ -110,8 +110,9 @@ def read_tokenized(directory: str | Path, split: str) -> pd.DataFrame:
 
 
 def training_window(meta: dict[str, Any], tokenizer: Any) -> Any:
-    """Shorten QAT reviews to the window the finetune stage trained on (`train.max_length` in the model's
-    own record), so QAT steps cost what finetune steps cost; None when training used the full length."""
+    """Shorten reviews to the window the finetune stage trained on (`train.max_length` in the model's own record),
+    so the steps of the stages that train further (QAT, distillation, pruning's recovery) cost what finetune steps
+    cost; None when training used the full length."""
 
     window = (meta.get("params", {}).get("train", {}) or {}).get("max_length")
     pre = meta["preprocessing"]

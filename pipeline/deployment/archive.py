@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.core.errors import UserError
-from pipeline.core.io import write_json
+from pipeline.core.io import replaced_on_success, write_json
 from pipeline.core.params import PackageParams, Params
 from pipeline.runtimes.catalog import REFERENCE
 from pipeline.selection import ServedChoice, choose_variant
@@ -91,7 +91,10 @@ def build_archive(variant_dir: Path, choice: ServedChoice, registry: dict[str, A
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise PackageError(f"torch-model-archiver failed: {proc.stderr[-2000:]}")
-        shutil.move(str(Path(tmp) / f"{mar_path.stem}.mar"), mar_path)
+        # copied in beside its destination and renamed: a package run killed mid-copy (the temporary folder may
+        # be on another file system) leaves the previous archive or none, never a truncated one `make serve` loads
+        with replaced_on_success(mar_path) as partial:
+            shutil.copyfile(Path(tmp) / f"{mar_path.stem}.mar", partial)
     log.info("built %s serving %s (%s)", mar_path, model_label, choice.reason)
     return config
 

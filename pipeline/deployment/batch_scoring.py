@@ -22,7 +22,6 @@ errors, seconds, rows/s) to stdout, and to `--summary-json` when given.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 # The contract's checks are plain Python (no third-party import): Spark ships them to the executors by value
+from pipeline.core.io import write_json
 from pipeline.deployment.protocol import TEXT_COLUMN, Limits, RequestError, check_text
 from pipeline.deployment.spark_io import (
     BATCH_ROWS,
@@ -269,8 +269,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{summary.seconds:.1f} s, {summary.rows_per_s:.1f} rows/s ({summary.partitions} partitions; id column "
           f"{summary.id_column}{', added' if summary.id_added else ''})")
     if args.summary_json is not None:
-        args.summary_json.parent.mkdir(parents=True, exist_ok=True)
-        args.summary_json.write_text(json.dumps(asdict(summary), indent=2) + "\n")
+        write_json(args.summary_json, asdict(summary))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ It does not depend on TorchServe."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,14 +99,15 @@ class SentimentPredictor:
     def __init__(self, directory: str | Path, threads: int | None = None, max_chars: int | None = None,
                  max_batch: int = 64, **runner_options: Any) -> None:
         from pipeline.deployment.coalescing import Coalescer
-        from pipeline.modeling import load_saved_tokenizer
+        from pipeline.modeling import load_saved_tokenizer, pad_id, read_model_record
 
         self.directory = Path(directory)
         self.max_chars = max_chars
-        meta = json.loads((self.directory / "pipeline.json").read_text())
+        meta = read_model_record(self.directory)
         self.preprocessing = meta["preprocessing"]
         self.labels = {int(k): v for k, v in meta["labels"].items()}
         self.tokenizer = load_saved_tokenizer(self.directory)
+        self.pad_id = pad_id(self.tokenizer)
         self.runner = load_runner(self.directory, threads, **runner_options)
         self.name = (read_variant(self.directory).name if (self.directory / VARIANT_FILE).is_file()
                      else "fp32-eager")
@@ -159,7 +159,7 @@ class SentimentPredictor:
     def _score_batch(self, encoded: Sequence[np.ndarray]) -> list[Prediction]:
         if not encoded:
             return []
-        ids, mask = pad_batch(list(encoded), self.tokenizer.pad_token_id or 0)
+        ids, mask = pad_batch(list(encoded), self.pad_id)
         probs = softmax(self.runner(ids, mask).astype(np.float64))
         best = probs.argmax(-1)
         return [Prediction(self.labels[int(i)], float(probs[row, i])) for row, i in enumerate(best)]

@@ -61,7 +61,7 @@ def body_kind(content_type: str | None, shapes: frozenset[str]) -> str:
         raise RequestError(415, "only charset=utf-8 is accepted")
     if set(params) - {"charset"}:
         raise RequestError(415, "Content-Type parameters other than charset are not accepted")
-    if media in JSON_MEDIA_TYPES or media.endswith("+json"):
+    if is_json_media_type(media):
         return "json"
     if media == "text/plain" and "plain" in shapes:
         return "plain"

@@ -25,7 +25,8 @@ STAGES = ("prepare", "finetune", "export", "quantize", "prune", "distill", "tens
 
 @dataclass(frozen=True)
 class StageTime:
-    """One stage in this run: seconds it ran (None when `dvc repro` did not run it) and its MLflow status."""
+    """One stage in this run: seconds it ran (None when `dvc repro` did not run it) and what became of it: "ran",
+    the outcome its log line recorded otherwise, or "up to date" when `dvc repro` skipped it."""
 
     stage: str
     seconds: float | None

@@ -18,11 +18,10 @@ that, which is why it is not used here:
   / 63.5; onnxruntime's are +-127 and +-64 with max |w| / 127 and / 64, so QAT would learn to round onto a grid
   0.4-0.8 % off the one the weights are converted to (of 256 random weights, 35 (int8) and 50 (int7) come
   out of its fake quantization on another level than onnxruntime quantizes them to).
-Measured on the default profile's model (3,000 unseen train-split reviews, `benchmarks.heldout_accuracy`'s
-sample): these fake quantizers give an int8-qat file identical, weight for weight, to the torch.ao build they
-replace (89.97 %); `QATConfig` with per-token int8 activations and per-channel int8 weights, converted the
-same way, gave 90.13 % (+0.17 +- 0.17 pt paired: no measurable difference) and reaches `torch.ao` internals
-through its per-token path (`torch.ao.quantization.fx._decomposed`).
+These fake quantizers give an int8-qat file identical, weight for weight, to the torch.ao build they replace;
+`QATConfig` with per-token int8 activations and per-channel int8 weights made no measurable difference and reaches
+`torch.ao` internals through its per-token path (`torch.ao.quantization.fx._decomposed`): the measurements are in
+docs/tried-and-dropped.md.
 PT2E QAT proper (`prepare_qat_pt2e`) trains a `torch.export` graph instead of the HF model that the Lightning
 loop, the distillation teacher and the [CLS]-readout export work on; the wrapper below applies the same
 torchao fake quantizers to the HF model's Linear layers in place.

@@ -16,7 +16,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from pipeline.core.io import write_json
+from pipeline.core.io import replaced_on_success, write_json
 from pipeline.data.batching import LoaderPosition
 from pipeline.training.fingerprint import Fingerprint
 from pipeline.training.resume import ResumableTraining
@@ -55,10 +55,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     or absent, whenever the process dies."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        target = Path(path)
-        tmp = target.with_name(target.name + ".tmp")
-        super().save_checkpoint(checkpoint, tmp, storage_options)
-        os.replace(tmp, target)
+        with replaced_on_success(Path(path)) as tmp:
+            super().save_checkpoint(checkpoint, tmp, storage_options)
 
 
 def is_rank_zero() -> bool:

@@ -166,6 +166,3 @@ class IMDBDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return self._loader("val", self.params.eval_batch_size, shuffle=False)
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("test", self.params.eval_batch_size, shuffle=False)

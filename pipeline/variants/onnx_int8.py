@@ -202,8 +202,13 @@ def static_int8_attention(src: Path, dst: Path, calibration: Sequence[np.ndarray
         ranges = calibrator.compute_data()
         del calibrator
     weights = weight_options(params.weights())
-    quantizer = ONNXQuantizer(model, params.per_channel, weights["reduce_range"], QuantizationMode.IntegerOps, True,
-                              weights["weight_type"], QuantType.QUInt8, ranges, None, None, ["Attention"], extra)
+    # onnxruntime's operator-format quantizer (what `quantize_static` runs for QOperator), called directly to keep
+    # the dynamic kernels with calibrated attention ranges; not in the package's public API, hence every argument
+    # by name: a reordering in a new onnxruntime fails here instead of binding silently
+    quantizer = ONNXQuantizer(model=model, per_channel=params.per_channel, reduce_range=weights["reduce_range"],
+                              mode=QuantizationMode.IntegerOps, static=True, weight_qType=weights["weight_type"],
+                              activation_qType=QuantType.QUInt8, tensors_range=ranges, nodes_to_quantize=None,
+                              nodes_to_exclude=None, op_types_to_quantize=["Attention"], extra_options=extra)
     quantized = quantizer.quantize_model()
     typed_contrib_outputs(quantized)
     onnx.save(quantized, str(dst))
