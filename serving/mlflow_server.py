@@ -4,8 +4,9 @@
 It loads `models:/<mlflow.registered_model_name>@<mlflow.champion_alias>` (or `--model-uri`) as a pyfunc and
 serves it under uvicorn, in one process, through `ContractMiddleware` (ASGI): MLflow's own scoring app
 (`mlflow.pyfunc.scoring_server`, what `mlflow models serve` runs) answers `/ping`, `/health` and `/version`, and
-scoring goes to the same `PyFuncModel.predict` that app would call, with MLflow's input-schema enforcement, on a
-DataFrame of the checked texts. MLflow's app would parse a body with Python's `json` first (no size or depth limit,
+scoring goes to the pyfunc MLflow loaded (`served_model`: for this project's models, the predictor its `predict`
+calls, on the checked texts, without the DataFrames around it; any other pyfunc through `PyFuncModel.predict`).
+MLflow's app would parse a body with Python's `json` first (no size or depth limit,
 NaN and 10**5000 accepted, a deep body a 500, errors that echo the input) and encode the answer again; the
 middleware holds the contract of `pipeline.deployment.protocol` instead, and skips that round trip:
 
@@ -40,7 +41,7 @@ middleware holds the contract of `pipeline.deployment.protocol` instead, and ski
 Concurrency: one process. uvicorn's event loop reads and checks requests; the checked texts of the requests that
 arrive while the model is scoring go to it together in its next call, in a worker thread (server-side batching, as
 TorchServe's frontend does, with no delay: a lone request goes at once), and each request gets its slice of the
-predictions. MLflow's per-call work (schema enforcement, pandas frames in and out) is paid once per batch, and one
+predictions. Whatever per-call work remains is paid once per batch, and one
 forward pass at a time uses the runtime's threads (all cores, or `package.threads`). Below that, the predictor also
 merges calls from several threads (`pipeline.deployment.coalescing`) and every runtime lends each call what it
 cannot share (`pipeline.runtimes.pool`), so the model is safe however it is called. Several processes would each

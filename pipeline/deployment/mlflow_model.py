@@ -144,22 +144,31 @@ def local_model(model_uri: str, *, tracking_uri: str | None) -> str:
 
 
 def served_model(model_uri: str, *, tracking_uri: str | None) -> ServedModel:
-    """The pyfunc at `model_uri` (in store `tracking_uri`: `local_model`), loaded now, with MLflow's own scoring
-    server for it (the FastAPI app `mlflow models serve` runs under uvicorn) and `score`: the same
-    `PyFuncModel.predict` MLflow's app calls (input schema enforced by MLflow), on a DataFrame of texts, answered
-    as the records MLflow's app would put under `predictions`, without MLflow's JSON parsing and encoding around
-    it. (MLflow's app marks its process as a serving one, `MLFLOW_IS_IN_SERVING_ENVIRONMENT`, MLflow's doing.)"""
+    """The pyfunc at `model_uri` (in store `tracking_uri`: `local_model`), loaded now by MLflow, with MLflow's own
+    scoring server for it (the FastAPI app `mlflow models serve` runs under uvicorn) and `score`: texts in, the
+    records MLflow's app would put under `predictions` out, without MLflow's JSON parsing and encoding around it.
+    (MLflow's app marks its process as a serving one, `MLFLOW_IS_IN_SERVING_ENVIRONMENT`, MLflow's doing.)
+
+    For a model this module logged, `score` calls the predictor its `PythonModel.predict` calls, on the texts as a
+    list: the same answers, without the DataFrame in, MLflow's schema check of a string column (the request contract
+    has checked every text, and `ContractPredictor` checks them again) and the DataFrame out, which cost a
+    concurrency-1 request about 3 ms (docs/serving.md, "Under concurrency"). Any other pyfunc is scored through
+    `PyFuncModel.predict` on a DataFrame of one `text` column, as MLflow's app would."""
     import mlflow
     from mlflow.environment_variables import MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT
     from mlflow.pyfunc import scoring_server
 
     model = mlflow.pyfunc.load_model(local_model(model_uri, tracking_uri=tracking_uri))
     try:
-        predictor = getattr(model.unwrap_python_model(), "predictor", None)
-    except Exception:  # a pyfunc of another flavour: nothing to read the variant from
-        predictor = None
+        python_model = model.unwrap_python_model()
+    except Exception:  # a pyfunc of another flavour
+        python_model = None
+    # ours only when it is this module's class (the model's copy of the code is this module, already imported)
+    predictor = python_model.predictor if isinstance(python_model, predictor_model_class()) else None
 
     def score(texts: list[str]) -> list[dict[str, Any]]:
+        if predictor is not None:
+            return [{"label": p.label, "score": float(p.score)} for p in predictor.predict(texts)]
         answer = model.predict(pd.DataFrame({TEXT_COLUMN: texts}))
         if not isinstance(answer, pd.DataFrame):
             answer = pd.DataFrame(answer)

@@ -47,6 +47,29 @@ def test_scoring_server_answers_like_the_predictor_on_the_same_variant(champion)
         assert [p["score"] for p in got] == pytest.approx([p.score for p in want], abs=1e-6)
 
 
+def test_this_projects_pyfunc_is_scored_through_its_predictor_with_pyfunc_predicts_answers(champion, monkeypatch):
+    """`served_model`'s scorer skips MLflow's DataFrames for a model this project logged, calling the predictor its
+    `predict` calls: the records equal `PyFuncModel.predict`'s, and `PyFuncModel.predict` is not called."""
+    import mlflow
+    import pandas as pd
+    from mlflow.pyfunc import PyFuncModel
+
+    from pipeline.deployment.mlflow_model import local_model, served_model
+
+    served = served_model("models:/imdb-sentiment@champion", tracking_uri=champion["store"])
+    assert served.variant == "fp32-onnx"
+    texts = [*REVIEWS, "NA"]  # "NA": what pandas would read back from CSV as missing
+    calls: list[int] = []
+    real = PyFuncModel.predict
+    monkeypatch.setattr(PyFuncModel, "predict", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    direct = served.score(texts)
+    assert calls == []
+    through_mlflow = mlflow.pyfunc.load_model(local_model("models:/imdb-sentiment@champion",
+                                                          tracking_uri=champion["store"]))
+    want = through_mlflow.predict(pd.DataFrame({"text": texts})).to_dict(orient="records")
+    assert calls == [1] and direct == want
+
+
 def test_scoring_server_refuses_input_without_the_text_column(champion):
     status, body = _post(champion["url"], {"dataframe_records": [{"review": "no text column"}]})
     assert status == 400 and "text" in json.dumps(body)
