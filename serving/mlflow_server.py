@@ -118,6 +118,8 @@ PARSE_INLINE_BYTES = 64 * 1024
 CLOSE = (b"connection", b"close")
 #: Seconds a client is asked to wait after a 503 (overloaded).
 RETRY_AFTER_S = 1
+#: Scoring requests answered at once (`--max-in-flight`); one more is a 503 with Retry-After.
+MAX_IN_FLIGHT = 64
 #: Texts of concurrent requests scored in one call of the model at most.
 MAX_BATCH_TEXTS = 64
 
@@ -221,7 +223,7 @@ class ContractMiddleware:
     variant: str
     metrics: Metrics
     timeout_s: float  # seconds one scoring call may take before its requests are answered 504 (MLflow's timeout)
-    max_in_flight: int = 64
+    max_in_flight: int = MAX_IN_FLIGHT
     body_timeout_s: float = BODY_TIMEOUT_S
     _in_flight: int = 0
     _queue: list[_Pending] = field(default_factory=list)
@@ -534,7 +536,7 @@ def served_version(model_uri: str | None, *, name: str, alias: str, tracking_uri
     return "unregistered", {}
 
 
-def build_app(model_uri: str | None, params_path: Path, max_in_flight: int = 64,
+def build_app(model_uri: str | None, params_path: Path, max_in_flight: int = MAX_IN_FLIGHT,
               body_timeout_s: float = BODY_TIMEOUT_S) -> ContractMiddleware:
     """Load the champion (or `model_uri`) and serve it through the contract. The store (`$MLFLOW_TRACKING_URI`,
     else the params') is read once and handed to every registry lookup and to the model's download: MLflow's
@@ -573,7 +575,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-dir", type=Path, default=Path("logs"))
     parser.add_argument("--log-max-bytes", type=int, default=10_000_000)
     parser.add_argument("--log-backups", type=int, default=5)
-    parser.add_argument("--max-in-flight", type=int, default=64,
+    parser.add_argument("--max-in-flight", type=int, default=MAX_IN_FLIGHT,
                         help="scoring requests answered at once; one more is answered 503 with Retry-After")
     parser.add_argument("--limit-concurrency", type=int, default=256,
                         help="connections plus tasks at once (above --max-in-flight); uvicorn answers 503 beyond")
