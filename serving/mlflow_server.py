@@ -285,11 +285,10 @@ class ContractMiddleware:
                                                              "one of them"), rid, [CLOSE])
         try:
             body = await self._body(headers, receive)
-            if len(body) <= PARSE_INLINE_BYTES:
-                parsed = parse_request(body, self.limits, headers.get("content-type"), MLFLOW_SHAPES)
-            else:  # a large body's checks take a while: in a thread, so the event loop goes on serving the others
-                parsed = await asyncio.to_thread(parse_request, body, self.limits, headers.get("content-type"),
-                                                 MLFLOW_SHAPES)
+            request = (body, self.limits, headers.get("content-type"), MLFLOW_SHAPES)
+            # a large body's checks take a while: in a thread, so the event loop goes on serving the others
+            parsed = (parse_request(*request) if len(body) <= PARSE_INLINE_BYTES
+                      else await asyncio.to_thread(parse_request, *request))
         except RequestError as err:
             # a 408's body, and a 413's that the client waits to be invited to send, are not read
             close = err.status == 408 or (err.status == 413 and expects_continue(headers))

@@ -42,7 +42,7 @@ HEADERS_TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: appl
                             + _TIMEOUT_BODY)
 
 
-def request_deadline_protocol(headers_timeout_s: float, send_timeout_s: float = 30.0) -> type[asyncio.Protocol]:
+def request_deadline_protocol(headers_timeout_s: float, send_timeout_s: float) -> type[asyncio.Protocol]:
     """uvicorn's h11 protocol class with a `headers_timeout_s` deadline on each request's line and headers and a
     `send_timeout_s` one on a client that stopped reading, for `uvicorn.run(app, http=...)` (uvicorn's own options,
     such as `h11_max_incomplete_event_size`, still apply)."""
@@ -50,7 +50,8 @@ def request_deadline_protocol(headers_timeout_s: float, send_timeout_s: float = 
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class RequestDeadlineProtocol(H11Protocol):
-        """`H11Protocol` whose connections must deliver each request's headers within `headers_timeout_s`."""
+        """`H11Protocol` whose connections must deliver each request's headers within `headers_timeout_s`, and
+        read their answers at least every `send_timeout_s` once the send buffer is full."""
 
         deadline: asyncio.TimerHandle | None = None
         request_begun = False  # bytes of a request arrived since the deadline was armed
@@ -116,9 +117,12 @@ def request_deadline_protocol(headers_timeout_s: float, send_timeout_s: float = 
 
         def _send_deadline_passed(self) -> None:
             self.send_deadline = None
-            client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
-            log.warning("dropping the connection of %s: it read none of its answers for %g s", client, send_timeout_s)
+            log.warning("dropping the connection of %s: it read none of its answers for %g s", self._peer(),
+                        send_timeout_s)
             self.transport.abort()
+
+        def _peer(self) -> str:
+            return f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
 
         def _arm(self, lingering_for: Any = None) -> None:
             self._disarm()
@@ -142,9 +146,8 @@ def request_deadline_protocol(headers_timeout_s: float, send_timeout_s: float = 
             if self.conn.their_state is not h11.IDLE:
                 return
             if self.request_begun:
-                client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
                 log.warning("closing the connection of %s: no complete request line and headers within %g s",
-                            client, headers_timeout_s)
+                            self._peer(), headers_timeout_s)
                 if self.cycle is None or self.cycle.response_complete:  # nothing of an answer is on its way
                     self.transport.write(HEADERS_TIMEOUT_RESPONSE)
             self.transport.close()

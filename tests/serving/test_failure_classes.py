@@ -58,9 +58,10 @@ def middleware(served: ServedModel, score: Callable[[list[str]], list[Any]] | No
 
 async def call(app: Any, body: bytes, headers: dict[str, str] | None = None,
                path: str = "/invocations", method: str = "POST",
-               receive: Any = None) -> tuple[int, dict[str, str], bytes]:
+               receive: Any = None, before_send: Any = None) -> tuple[int, dict[str, str], bytes]:
     """One request through an ASGI app; (status, headers, body). `receive` replaces the client's side of the body
-    (by default `body` in one message, then a client that keeps the connection open)."""
+    (by default `body` in one message, then a client that keeps the connection open); `before_send` is awaited with
+    each message the app sends, before it goes out (a client that reads nothing: one that never returns)."""
     raw = [(k.lower().encode(), v.encode()) for k, v in {"content-type": "application/json", **(headers or {})}.items()]
     scope = {"type": "http", "method": method, "path": path, "raw_path": path.encode(), "query_string": b"",
              "headers": raw, "http_version": "1.1"}
@@ -75,6 +76,8 @@ async def call(app: Any, body: bytes, headers: dict[str, str] | None = None,
         return {"type": "http.request", "body": body, "more_body": False}
 
     async def send(message: dict[str, Any]) -> None:
+        if before_send is not None:
+            await before_send(message)
         if message["type"] == "http.response.start":
             out["status"] = message["status"]
             out["headers"] = {k.decode(): v.decode() for k, v in message["headers"]}
@@ -330,20 +333,13 @@ def test_an_answer_the_client_does_not_read_holds_no_scoring_slot(served):
     app = middleware(served, max_in_flight=1)
     stuck = asyncio.Event()
 
+    async def never_drains(message: dict[str, Any]) -> None:
+        stuck.set()
+        await asyncio.Event().wait()
+
     async def scenario() -> tuple[int, dict[str, str], bytes]:
-        async def never_drains(message: dict[str, Any]) -> None:
-            stuck.set()
-            await asyncio.Event().wait()
-
-        raw = [(b"content-type", b"application/json")]
-        scope = {"type": "http", "method": "POST", "path": "/invocations", "raw_path": b"/invocations",
-                 "query_string": b"", "headers": raw, "http_version": "1.1"}
-        body = json.dumps({"inputs": ["unread"]}).encode()
-
-        async def receive() -> dict[str, Any]:
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        blocked = asyncio.create_task(app(scope, receive, never_drains))
+        blocked = asyncio.create_task(call(app, json.dumps({"inputs": ["unread"]}).encode(),
+                                           before_send=never_drains))
         await asyncio.wait_for(stuck.wait(), 10)  # its answer is being sent, and stays so
         answered = await call(app, json.dumps({"inputs": ["fine"]}).encode())
         blocked.cancel()
