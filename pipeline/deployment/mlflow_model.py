@@ -151,8 +151,8 @@ def served_model(model_uri: str, *, tracking_uri: str | None) -> ServedModel:
 
     For a model this module logged, `score` calls the predictor its `PythonModel.predict` calls, on the texts as a
     list: the same answers, without the DataFrame in, MLflow's schema check of a string column (the request contract
-    has checked every text, and `ContractPredictor` checks them again) and the DataFrame out, which cost a
-    concurrency-1 request about 3 ms (docs/serving.md, "Under concurrency"). Any other pyfunc is scored through
+    has checked every text, and `ContractPredictor` checks them again) and the DataFrame out, which weigh on a
+    lone request (measured in docs/serving.md, "Under concurrency"). Any other pyfunc is scored through
     `PyFuncModel.predict` on a DataFrame of one `text` column, as MLflow's app would."""
     import mlflow
     from mlflow.environment_variables import MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT
