@@ -39,6 +39,9 @@ DOCS = ROOT / "docs" / "mlflow.md"
 #: The database as docs/mlflow.md creates it (run there as PostgreSQL's superuser: `sudo -u postgres psql ...`);
 #: the test runs the same command against its own cluster.
 CREATE_DATABASE = 'psql -c "CREATE USER mlflow PASSWORD \'change-me\'" -c "CREATE DATABASE mlflow OWNER mlflow"'
+#: The server's environment as docs/mlflow.md sets it: MLflow's server-side jobs off (the pipeline uses none; on a
+#: database backend they cost six job-runner processes).
+SERVER_ENV = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
 #: The server's backend store as docs/mlflow.md names it, the database's host and port left to fill in.
 BACKEND_STORE = "postgresql://mlflow:change-me@{host}:{port}/mlflow"
 
@@ -65,7 +68,8 @@ def server(database, tmp_path_factory):
     """`mlflow server` on the PostgreSQL database with its own artifact directory; stopped even when a test fails."""
     root = tmp_path_factory.mktemp("tracking-server")
     port = free_port()
-    env = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}, "PATH": f"{BIN}:{os.environ['PATH']}"}
+    env = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}, "PATH": f"{BIN}:{os.environ['PATH']}",
+           **SERVER_ENV}
     cmd = [str(BIN / "mlflow"), "server", "--backend-store-uri", database["uri"],
            "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
            "--workers", "1"]
@@ -82,7 +86,9 @@ def test_the_docs_stand_the_server_up_as_this_test_does():
     page = DOCS.read_text(encoding="utf-8")
     assert f"sudo -u postgres {CREATE_DATABASE}" in page
     shown = BACKEND_STORE.format(host="db.example.org", port=5432)
-    assert f"mlflow server --backend-store-uri {shown} --artifacts-destination" in page.replace("\\\n    ", "")
+    env = " ".join(f"{k}={v}" for k, v in SERVER_ENV.items())
+    assert f"{env} .venv/bin/mlflow server --backend-store-uri {shown} --artifacts-destination" in page.replace(
+        "\\\n    ", "")
     assert "MLFLOW_TRACKING_URI=http://" in page and "make run" in page
 
 
