@@ -26,6 +26,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from pipeline.core.io import write_json
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -117,8 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     command = "python -m benchmarks.batch_invariance " + " ".join(argv if argv is not None else sys.argv[1:])
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": command,
               "machine": {**isa_record(), "logical_cpus": os.cpu_count()}, "variants": results}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.out, report)  # written whole: an interrupted run leaves the previous file
     print(table(results, args.batch_size))
 
 

@@ -30,6 +30,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from pipeline.core.io import write_json
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "imdb" / "test.parquet"
 #: The issue's target: Spark in local mode at least this share of in-process `predict` on 2 cores.
@@ -124,8 +126,7 @@ def main(argv: list[str] | None = None) -> None:
               "spark_vs_in_process": round(spark["rows_per_s"] / local["rows_per_s"], 3),
               "target_ratio": TARGET_RATIO, "agreement": agreement(spark_out, frame["review_id"], answers)}
     result["meets_target"] = result["spark_vs_in_process"] >= TARGET_RATIO
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)  # written whole: an interrupted run leaves the previous file
     print(table(spark, local, args.cores))
     print(json.dumps({k: result[k] for k in ("spark_vs_in_process", "meets_target", "agreement")}))
 

@@ -11,7 +11,6 @@ buys. Prints a table and writes `benchmarks/results/finetune_speed.json`.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import tempfile
@@ -22,6 +21,7 @@ from typing import Any
 import pandas as pd
 import torch
 
+from pipeline.core.io import write_json
 from pipeline.core.params import DataParams, ModelParams, TrainParams
 from pipeline.data.imdb import clean_text
 from pipeline.data.tokens import tokenize_frame
@@ -164,8 +164,7 @@ def main(argv: list[str] | None = None) -> None:
             },
         },
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)  # written whole: an interrupted run leaves the previous file
     print(f"\n{'run':<26}{'samples/s':>12}{'speedup':>10}{'val acc':>10}")
     for name, r in rows.items():
         print(

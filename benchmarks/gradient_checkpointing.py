@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from pipeline.core.io import write_json
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -111,8 +113,7 @@ def main(argv: list[str] | None = None) -> None:
               "memory_saved_pct": round(100 * (1 - on["peak_above_model_and_optimizer_mb"]
                                                / max(off["peak_above_model_and_optimizer_mb"], 1e-9)), 1),
               "step_time_ratio": round(on["step_ms"] / off["step_ms"], 2)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)  # written whole: an interrupted run leaves the previous file
     print(f"{args.model}, batch {args.batch} x {args.seq} tokens on {result['gpu'] or result['machine']['cpu']}")
     print(f"{'checkpointing':<15}{'step ms':>10}{'peak MB':>10}{'added by steps MB':>20}")
     for r in rows:

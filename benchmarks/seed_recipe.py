@@ -46,6 +46,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from pipeline.core.io import replaced_on_success, write_json
 from pipeline.core.machine import machine_info, resolve_precision
 from pipeline.core.params import DataParams, ModelParams, TrainParams
 from pipeline.data.imdb import clean_text
@@ -133,8 +134,8 @@ class StepClock:
                 "num_alloc_retries", "num_device_alloc", "num_device_free", "segment.all.allocated",
                 "reserved_bytes.all.peak")}, indent=1))
         assert self.profile_out is not None
-        self.profile_out.parent.mkdir(parents=True, exist_ok=True)
-        self.profile_out.write_text("\n\n".join(tables) + "\n")
+        with replaced_on_success(self.profile_out) as tmp:
+            tmp.write_text("\n\n".join(tables) + "\n")
         print(f"profile written to {self.profile_out}", flush=True)
         self._profiler = None
 
@@ -315,8 +316,7 @@ def main(argv: list[str] | None = None) -> None:
         "machine": machine_info(torch.get_num_threads()), "rows": results,
         "note": "minutes = the blog's 3 epochs x 35,000 reviews at the measured rate (a projection, not a run)",
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    write_json(args.out, out)  # written whole: an interrupted run leaves the previous file
     print(f"\n{args.model} ({args.weights} weights) on {gpu or 'CPU'}, batch {BLOG_BATCH}, {args.steps} timed steps")
     print(f"{'row':<32}{'samples/s':>11}{'vs plain':>10}{'3-epoch min*':>14}")
     for name, r in results.items():

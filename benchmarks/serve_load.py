@@ -44,6 +44,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from pipeline.core.io import write_json
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -383,8 +385,7 @@ def main(argv: list[str] | None = None) -> None:
               "malformed_kinds": [kind for kind, _, _ in poison], "model": config.get("model"), "rows": rows,
               "targets": targets(rows, args.malformed_share)}
     out = args.out or ROOT / f"benchmarks/results/serve_load-{args.server}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(out, result)  # written whole: an interrupted run leaves the previous file
     print(table(rows))
     print(json.dumps(result["targets"]))
 
