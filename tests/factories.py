@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
     from pipeline.core.machine import Choice
     from pipeline.core.params import Params
+    from pipeline.deployment.protocol import Limits
 
 ROOT = Path(__file__).resolve().parents[1]
 IMDB_DIR = Path(os.environ.get("IMDB_DIR", ROOT.parent / "shared" / "data" / "imdb"))
@@ -81,6 +82,14 @@ def write_tokenized(directory: Path, sizes: dict[str, int], max_length: int = 64
 #: The limits both test servers run with (`package.*`): small, so every limit can be crossed cheaply, and a text's
 #: limit below the body's, so a too-long text is refused for itself.
 SERVING_LIMITS = {"max_texts": 4, "max_body_bytes": 4096, "max_chars_per_text": 1500, "max_json_depth": 8}
+
+
+def limits(**overrides: int) -> Limits:
+    """The endpoint's limits as the default profile sets them (`PackageParams`), with `overrides`."""
+    from pipeline.core.params import PackageParams
+    from pipeline.deployment.protocol import Limits
+
+    return Limits.from_config({**vars(PackageParams()), **overrides})
 
 
 #: Ports `free_port` handed out in this process: a server's several ports are never drawn twice.

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 # The contract's checks are plain Python (no third-party import): Spark ships them to the executors by value
 from pipeline.core.io import write_json
-from pipeline.deployment.protocol import TEXT_COLUMN, Limits, RequestError, check_text
+from pipeline.deployment.protocol import TEXT_COLUMN, RequestError, check_text
 from pipeline.deployment.spark_io import (
     BATCH_ROWS,
     count_output,
@@ -79,11 +79,9 @@ def text_errors(values: pd.Series, where: str, max_chars: int) -> pd.Series:
     value is a review the model may score. Runs in Spark's Python workers, one Arrow batch at a time."""
     import pandas as pd
 
-    limits = Limits(max_chars_per_text=max_chars)
-
     def error(value: Any) -> str | None:
         try:
-            check_text(value, where, limits)
+            check_text(value, where, max_chars)
         except RequestError as exc:
             return exc.message
         return None

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import unicodedata
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
 # Largest integer a JSON number may hold: what still fits a double, the same bound orjson enforces on bodies
@@ -63,18 +63,24 @@ class RequestError(ValueError):
 
 @dataclass(frozen=True)
 class Limits:
-    """Documented limits of the endpoint (`package.*` in params.yaml, carried by the archive's serving.json)."""
+    """Documented limits of the endpoint: `package.*` in params.yaml, carried by the archive's serving.json. No
+    defaults here: the values (and their defaults) have one source, the params' `PackageParams`."""
 
-    max_texts: int = 64
-    max_body_bytes: int = 1_000_000
-    max_chars_per_text: int = 20_000
-    max_json_depth: int = 8
+    max_texts: int
+    max_body_bytes: int
+    max_chars_per_text: int
+    max_json_depth: int
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> Limits:
-        """The limits recorded in serving.json (or params' package section); missing keys keep their defaults."""
-        names = ("max_texts", "max_body_bytes", "max_chars_per_text", "max_json_depth")
-        return cls(**{name: int(config[name]) for name in names if config.get(name) is not None})
+        """The limits recorded in serving.json, or params' package section (`vars(params.package)`); every one of
+        them must be there: a serving.json without one was not written by the package stage."""
+        names = [field.name for field in fields(cls)]
+        missing = [name for name in names if config.get(name) is None]
+        if missing:
+            raise ValueError(f"serving limits missing: {', '.join(missing)} (the package stage records all of "
+                             f"{', '.join(names)} in serving.json, from params' package section)")
+        return cls(**{name: int(config[name]) for name in names})
 
 
 @dataclass(frozen=True)
@@ -117,19 +123,18 @@ def check_texts(values: Sequence[Any], limits: Limits, where: str) -> list[str]:
         raise RequestError(400, f"\"{where}\" holds no texts")
     if len(values) > limits.max_texts:
         raise RequestError(413, f"{len(values)} texts exceed the maximum of {limits.max_texts} per request")
-    return [check_text(value, f"{where}[{i}]", limits) for i, value in enumerate(values)]
+    return [check_text(value, f"{where}[{i}]", limits.max_chars_per_text) for i, value in enumerate(values)]
 
 
-def check_text(value: Any, where: str, limits: Limits | None = None) -> str:
-    """`value` if it is a string holding a visible character, within `limits.max_chars_per_text` (no length limit
-    when `limits` is None: the model itself cuts long texts); else `RequestError`."""
+def check_text(value: Any, where: str, max_chars: int | None = None) -> str:
+    """`value` if it is a string holding a visible character, of at most `max_chars` characters (no length limit
+    when None: the model itself cuts long texts); else `RequestError`."""
     if not isinstance(value, str):
         if isinstance(value, float) and math.isnan(value):  # how pandas writes a missing cell (null, empty)
             raise RequestError(400, f"{where} must be a string, got null")
         raise RequestError(400, f"{where} must be a string, got {json_type(value)}")
-    if limits is not None and len(value) > limits.max_chars_per_text:
-        raise RequestError(413, f"{where} has {len(value)} characters, more than the limit of "
-                                f"{limits.max_chars_per_text}")
+    if max_chars is not None and len(value) > max_chars:
+        raise RequestError(413, f"{where} has {len(value)} characters, more than the limit of {max_chars}")
     if not value.strip():
         raise RequestError(400, f"{where} is empty or whitespace only")
     try:

@@ -116,7 +116,7 @@ def parse_request(body: Any, limits: Limits, content_type: str | None = None,
         return _from_payload(_checked_tree(decode_json(raw), limits, decoded_by_server=False), limits, shapes)
     if kind == "csv":
         return ParsedRequest(check_texts(_csv_column(text, limits), limits, "row"), "csv")
-    return ParsedRequest([check_text(text, "body", limits)], "plain")
+    return ParsedRequest([check_text(text, "body", limits.max_chars_per_text)], "plain")
 
 
 def decode_json(raw: bytes) -> Any:
@@ -193,7 +193,7 @@ def _from_payload(payload: Any, limits: Limits, shapes: frozenset[str]) -> Parse
                                 "and nothing else")
     shape, value = keys[0], payload[keys[0]]
     if shape == "text":
-        return ParsedRequest([check_text(value, "text", limits)], "text")
+        return ParsedRequest([check_text(value, "text", limits.max_chars_per_text)], "text")
     if shape == "texts":
         return ParsedRequest(check_texts(_list(value, "texts", "a list of strings"), limits, "texts"), "texts")
     if shape == "dataframe_split":

@@ -20,9 +20,9 @@ import pandas as pd
 import pytest
 
 from pipeline.deployment.mlflow_model import ServedModel, served_model
-from pipeline.deployment.protocol import Limits
 from serving import mlflow_server
 from serving.mlflow_server import ContractMiddleware, Metrics
+from tests import factories
 
 
 class Failing:
@@ -51,7 +51,7 @@ def served(tmp_path_factory) -> ServedModel:
 def middleware(served: ServedModel, score: Callable[[list[str]], list[Any]] | None = None, max_in_flight: int = 64,
                timeout_s: float | None = None,
                body_timeout_s: float = mlflow_server.BODY_TIMEOUT_S) -> ContractMiddleware:
-    return ContractMiddleware(served.app, score or served.score, Limits(max_texts=4), "3", "test-variant",
+    return ContractMiddleware(served.app, score or served.score, factories.limits(max_texts=4), "3", "test-variant",
                               Metrics("3", "test-variant"), timeout_s=timeout_s or served.timeout_s,
                               max_in_flight=max_in_flight, body_timeout_s=body_timeout_s)
 

@@ -10,8 +10,8 @@ import logging
 import pytest
 
 from pipeline.deployment.inference import SentimentPredictor
-from pipeline.deployment.protocol import Limits
 from serving.handler import SentimentHandler
+from tests import factories
 
 
 class Context:
@@ -57,7 +57,7 @@ def test_a_batch_is_scored_in_one_call_mapped_back_and_its_size_logged(tiny_mode
     predictor = SentimentPredictor(tiny_model_dir)
     handler = SentimentHandler()
     handler.predictor = CountingPredictor(predictor)
-    handler.limits = Limits(max_texts=4, max_body_bytes=2048)
+    handler.limits = factories.limits(max_texts=4, max_body_bytes=2048)
     handler.model_label = "imdb-sentiment:v1/test"
     handler.headers = {"X-Model-Version": "1", "X-Model-Variant": "test"}
     handler.initialized = True

@@ -24,6 +24,7 @@ from pipeline.deployment.protocol import (
 )
 from pipeline.deployment.request_parsing import is_json_media_type, parse_request
 from serving.handler import SentimentHandler
+from tests import factories
 
 LIMITS = Limits(max_texts=4, max_body_bytes=4096, max_chars_per_text=256, max_json_depth=8)
 CONTENT_TYPES = [None, "application/json", "application/json; charset=utf-8", "text/plain",
@@ -141,7 +142,7 @@ def test_the_largest_valid_request_of_each_shape_is_within_the_value_cap():
     """The cap on JSON values (`JSON_VALUES_PER_TEXT` a text) refuses no valid request: each shape at
     `max_texts` texts, `dataframe_split` with its index, parses."""
     rows = [f"review {i}" for i in range(LIMITS.max_texts)]
-    limits = Limits(max_texts=LIMITS.max_texts, max_body_bytes=100_000)
+    limits = factories.limits(max_texts=LIMITS.max_texts, max_body_bytes=100_000)
     bodies = [{"dataframe_split": {"columns": ["text"], "data": [[t] for t in rows],
                                    "index": list(range(len(rows)))}},
               {"dataframe_records": [{"text": t} for t in rows]}, {"inputs": {"text": rows}},
@@ -157,7 +158,7 @@ def test_a_body_of_more_values_than_any_request_holds_is_refused_before_it_is_wa
     """A megabyte of empty arrays, or an object of a hundred thousand keys, is a 413 from the first container's
     length, not after a walk over every value (which blocked the MLflow server's event loop for most of a second
     per request)."""
-    limits = Limits(max_texts=64, max_body_bytes=2_000_000)
+    limits = factories.limits(max_texts=64, max_body_bytes=2_000_000)
     for payload in ({"inputs": [[] for _ in range(300_000)]}, {"inputs": {f"k{i}": 1 for i in range(100_000)}}):
         body = json.dumps(payload).encode() if as_bytes else payload
         with pytest.raises(RequestError) as err:
@@ -230,7 +231,7 @@ def test_arbitrary_json_raises_nothing_but_request_error(value, key, as_bytes):
 def test_any_nesting_depth_is_refused_or_parsed_without_recursion(depth, as_bytes):
     body = b"[" * depth + b"1" + b"]" * depth if as_bytes else nested(depth, 1)
     with pytest.raises(RequestError) as err:
-        parse_request(body, Limits(max_body_bytes=100_000), "application/json")
+        parse_request(body, factories.limits(max_body_bytes=100_000), "application/json")
     assert ("levels deep" in err.value.message or "depth" in err.value.message) if depth > 8 else \
         "must be an object" in err.value.message
 
@@ -361,3 +362,16 @@ def test_the_issue_17_batch_poison_and_valid_together(handler):
     expected = handler.predictor.predict([body["text"] for body, _ in valid])
     got = [answers[i] for i in (0, 2, 5, 7)]
     assert [g["label"] for g in got] == [e.label for e in expected]
+
+
+def test_limits_come_whole_from_the_package_params_or_not_at_all():
+    """`Limits` holds no defaults of its own (one source: `PackageParams`): a config missing a limit is refused by
+    name instead of falling back to a second copy of the default."""
+    from pipeline.core.params import PackageParams
+
+    package = vars(PackageParams())
+    assert Limits.from_config(package) == Limits(package["max_texts"], package["max_body_bytes"],
+                                                 package["max_chars_per_text"], package["max_json_depth"])
+    partial = {k: v for k, v in package.items() if k != "max_json_depth"}
+    with pytest.raises(ValueError, match="max_json_depth"):
+        Limits.from_config(partial)

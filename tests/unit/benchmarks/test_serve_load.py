@@ -10,12 +10,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from benchmarks.serve_load import Connection, Endpoint, malformed_bodies, table, targets, torchserve_batching
-from pipeline.deployment.protocol import Limits, RequestError
+from pipeline.deployment.protocol import RequestError
 from pipeline.deployment.request_parsing import parse_request
+from tests import factories
 
 
 def test_every_kind_of_malformed_request_is_refused_by_the_protocol():
-    limits = Limits(max_texts=4, max_body_bytes=2048)
+    limits = factories.limits(max_texts=4, max_body_bytes=2048)
     kinds = malformed_bodies(limits.max_body_bytes, limits.max_texts)
     assert len({kind for kind, _, _ in kinds}) == len(kinds) >= 8
     for _, body, content_type in kinds:

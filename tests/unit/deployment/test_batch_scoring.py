@@ -15,7 +15,7 @@ import yaml
 
 from pipeline.core.params import MlflowParams, PackageParams
 from pipeline.deployment import batch_scoring, spark_io
-from pipeline.deployment.protocol import Limits, RequestError, check_text
+from pipeline.deployment.protocol import RequestError, check_text
 
 MAX_CHARS = PackageParams().max_chars_per_text
 #: Rows the contract refuses (text column of strings): what each one's error must say.
@@ -32,10 +32,9 @@ def test_the_row_check_is_the_contracts_check_text():
     """No Spark: the per-batch check answers what `check_text` (with the text limit) raises, None for a review."""
     values = pd.Series(["a fine film", None, math.nan, "  ", "\u200b", "y" * 13, "y" * 12, "42"])
     got = batch_scoring.text_errors(values, "text", 12).tolist()
-    limits = Limits(max_chars_per_text=12)
     for value, error in zip(values, got, strict=True):
         try:
-            check_text(value, "text", limits)
+            check_text(value, "text", 12)
             assert error is None, value
         except RequestError as exc:
             assert error == exc.message
