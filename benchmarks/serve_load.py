@@ -49,7 +49,7 @@ from pipeline.core.io import write_json
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def malformed_bodies(max_body_bytes: int = 1_000_000, max_texts: int = 64,
+def malformed_bodies(max_body_bytes: int, max_texts: int,
                      server: str = "torchserve") -> list[tuple[str, bytes, str]]:
     """(kind, body, content type) of requests the endpoint must refuse with a 4xx, one per kind of poison, in
     the request format of `server` (TorchServe's `{"text"}`/`{"texts"}`, MLflow's `dataframe_records`)."""

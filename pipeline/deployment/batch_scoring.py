@@ -155,11 +155,12 @@ def scored_frame(frame: DataFrame, model_udf: Any, id_column: str, text_column: 
     return scored.unionByName(refused)
 
 
-def score(spark: SparkSession, input_path: str, output_path: str, model_uri: str, *, id_column: str | None = None,
-          text_column: str = "text", max_chars: int = 20_000, input_fmt: str = "auto", partitions: int | None = None,
-          env_manager: str = "local", overwrite: bool = False) -> ScoringSummary:
-    """Score `input_path` into `output_path` with the model at `model_uri` on `spark`; raises `RowCountMismatch`
-    when the output's row count is not the input's, `ValueError` for a missing column."""
+def score(spark: SparkSession, input_path: str, output_path: str, model_uri: str, *, max_chars: int,
+          id_column: str | None = None, text_column: str = "text", input_fmt: str = "auto",
+          partitions: int | None = None, env_manager: str = "local", overwrite: bool = False) -> ScoringSummary:
+    """Score `input_path` into `output_path` with the model at `model_uri` on `spark`, refusing texts over
+    `max_chars` characters (`package.max_chars_per_text`, as the servers do); raises `RowCountMismatch` when the
+    output's row count is not the input's, `ValueError` for a missing column."""
     from pyspark.sql import functions as F
 
     from pipeline.deployment.mlflow_model import spark_model_udf

@@ -142,7 +142,8 @@ def test_a_parquet_of_reviews_and_bad_rows_comes_out_whole_with_errors_beside_th
 
 def test_a_text_column_of_numbers_is_refused_row_by_row_and_no_row_is_lost(spark, in_store, tmp_path):
     pd.DataFrame({"text": pd.array([42, None, 7], dtype="Int64")}).to_parquet(tmp_path / "numbers.parquet")
-    summary = batch_scoring.score(spark, str(tmp_path / "numbers.parquet"), str(tmp_path / "out"), in_store["uri"])
+    summary = batch_scoring.score(spark, str(tmp_path / "numbers.parquet"), str(tmp_path / "out"), in_store["uri"],
+                                  max_chars=MAX_CHARS)
     out = pd.read_parquet(tmp_path / "out").sort_values("row_id")
     assert summary.id_added and summary.id_column == "row_id" and out["row_id"].is_unique
     assert (summary.rows_in, summary.rows_out, summary.errors, summary.scored) == (3, 3, 3, 0)
@@ -155,7 +156,8 @@ def test_an_output_with_another_row_count_than_the_input_fails_the_job(spark, in
     pd.DataFrame({"text": pd.array([1, None], dtype="Int64")}).to_parquet(tmp_path / "in.parquet")
     monkeypatch.setattr(batch_scoring, "count_output", lambda spark, path: (1, 1))  # as if a row were lost
     with pytest.raises(batch_scoring.RowCountMismatch, match=r"holds 1 rows but .* has 2"):
-        batch_scoring.score(spark, str(tmp_path / "in.parquet"), str(tmp_path / "out"), in_store["uri"])
+        batch_scoring.score(spark, str(tmp_path / "in.parquet"), str(tmp_path / "out"), in_store["uri"],
+                            max_chars=MAX_CHARS)
 
 
 def test_the_command_scores_a_csv_with_the_champion_into_a_csv(spark, model, tmp_path, monkeypatch, capsys):
