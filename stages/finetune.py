@@ -25,15 +25,15 @@ def finetune(
     """Finetune the model; under `train.launcher: torchrun` this process only launches the workers."""
     from pipeline.training import elastic
     from pipeline.training.checkpoints import is_rank_zero
-    from pipeline.training.finetune import run_finetune
+    from pipeline.training.finetune import FinetuneOutputs, run_finetune
 
     params = stage.params
     if params.train.launcher == "torchrun" and not elastic.under_torchelastic():
         # this process only launches: the workers torchrun starts run this stage again, as a group
         raise SystemExit(elastic.launch(params.train, ["-m", "stages.finetune", *sys.argv[1:]]))
-    run_finetune(tokenized_dir=tokenized, model_dir=model_dir, metrics_path=metrics, plots_dir=plots,
-                 report_dir=reports, predictions_path=test_predictions, data=params.data, model=params.model,
-                 train=params.train, tracking=params.mlflow, precision=stage.auto.precision,
+    outputs = FinetuneOutputs(model_dir=model_dir, metrics_path=metrics, plots_dir=plots, report_dir=reports,
+                              predictions_path=test_predictions)
+    run_finetune(tokenized, outputs, params, stage.auto.precision,
                  # rank zero logs for the group: the other ranks never look the parent run up
                  run_context=stage.run_context if is_rank_zero() else None)
 

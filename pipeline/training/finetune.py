@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from pipeline.core.io import write_json, write_predictions
-from pipeline.core.params import DataParams, MlflowParams, ModelParams, TrainParams, to_dict
+from pipeline.core.params import Params, to_dict
 from pipeline.data.tokens import window_shortener
 from pipeline.training.checkpoints import CheckpointStore, ResumePlan, is_rank_zero, start_attempt
 from pipeline.training.classifier import IMDBDataModule, SentimentClassifier, check_accelerations
@@ -32,6 +32,17 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class FinetuneOutputs:
+    """Where finetuning writes: the stage's outputs in `dvc.yaml`."""
+
+    model_dir: Path  # the best model, HF format, with its record (pipeline.json)
+    metrics_path: Path
+    plots_dir: Path  # the training curves
+    report_dir: Path  # confusion matrix, profiler traces
+    predictions_path: Path | None = None  # the test logits, which the evaluate stage reuses for its FP32 row
+
+
+@dataclass(frozen=True)
 class FinetuneResult:
     """What the finetune stage measured."""
 
@@ -40,38 +51,41 @@ class FinetuneResult:
     best_checkpoint: str
 
 
-def finetune_plan(tokenized_dir: Path, data: DataParams, model_params: ModelParams, params: TrainParams,
-                  precision: Choice) -> ResumePlan:
+def finetune_plan(tokenized_dir: Path, all_params: Params, precision: Choice) -> ResumePlan:
     """Whether finetune resumes from `train.checkpoint_dir/finetune` (its fingerprint: the data, model and training
     settings that shape the weights, the tokenized splits, the training code) or starts fresh, and why."""
     # `auto` as this machine resolved it: the same settings trained in bf16 elsewhere are another trajectory
-    resolved = dataclasses.replace(params, precision=precision.value)
-    settings = {"data": to_dict(data), "model": to_dict(model_params), "train": trajectory_settings(to_dict(resolved))}
-    return CheckpointStore.for_job(params, "finetune").plan(fingerprint(settings, [tokenized_dir]), params.resume)
+    resolved = dataclasses.replace(all_params.train, precision=precision.value)
+    settings = {"data": to_dict(all_params.data), "model": to_dict(all_params.model),
+                "train": trajectory_settings(to_dict(resolved))}
+    return CheckpointStore.for_job(all_params.train, "finetune").plan(fingerprint(settings, [tokenized_dir]),
+                                                                      all_params.train.resume)
 
 
-def finetune(tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots_dir: Path, report_dir: Path,
-             data: DataParams, model_params: ModelParams, params: TrainParams, precision: Choice,
-             metric_sink: MetricSink | None = None, predictions_path: Path | None = None,
-             plan: ResumePlan | None = None) -> FinetuneResult:
-    """Train, keep the best checkpoint by validation accuracy, test it, and save it in HF format.
+def finetune(tokenized_dir: Path, outputs: FinetuneOutputs, all_params: Params, precision: Choice,
+             metric_sink: MetricSink | None = None, plan: ResumePlan | None = None) -> FinetuneResult:
+    """Train on `all_params`' data, model and train sections, keep the best checkpoint by validation accuracy,
+    test it, and write `outputs` (the model in HF format).
 
     Checkpoints go to `train.checkpoint_dir/finetune` (outside DVC's outputs); `plan` (else `finetune_plan`) says
     whether this run continues an interrupted one. They are removed once the model is saved.
-    `predictions_path` keeps the test logits, so the evaluate stage's FP32 reference row need not score
+    `outputs.predictions_path` keeps the test logits, so the evaluate stage's FP32 reference row need not score
     the same model on the same reviews again.
     """
     from pipeline.modeling import load_model, load_tokenizer, pad_id
 
+    data, model_params = all_params.data, all_params.model
+    model_dir, metrics_path, plots_dir, report_dir = (outputs.model_dir, outputs.metrics_path, outputs.plots_dir,
+                                                      outputs.report_dir)
     choice = precision  # `train.precision` as the stage resolved it
     log.info("train.precision: %s", choice.tag())
-    params = dataclasses.replace(params, precision=choice.value)
+    params = dataclasses.replace(all_params.train, precision=choice.value)
     check_accelerations(params)
     if params.max_length is not None and params.max_length > data.max_length:
         raise ValueError(f"train.max_length ({params.max_length}) exceeds data.max_length ({data.max_length}), "
                          "the length the splits were tokenized to")
     started = time.perf_counter()
-    plan = plan or finetune_plan(tokenized_dir, data, model_params, params, precision)
+    plan = plan or finetune_plan(tokenized_dir, all_params, precision)
     store = CheckpointStore.for_job(params, "finetune")
     seed_run(params)  # before the classifier head is initialised
     tokenizer = load_tokenizer(model_params)
@@ -110,8 +124,8 @@ def finetune(tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots_dir
         **plan.record(),  # resumed, resumed_from_step, resume_reason
     }
     save_model(module.model, tokenizer, model_dir, data, model_params, params, choices=[choice])
-    if predictions_path is not None:
-        write_predictions(predictions_path, logits, labels, dm.datasets["test"].input_ids,
+    if outputs.predictions_path is not None:
+        write_predictions(outputs.predictions_path, logits, labels, dm.datasets["test"].input_ids,
                           batch_size=params.eval_batch_size, seconds=round(score_seconds, 2),
                           threads=torch.get_num_threads())
     write_json(metrics_path, metrics)
@@ -148,10 +162,8 @@ def save_confusion(labels: np.ndarray, preds: np.ndarray, path: Path) -> None:
     plt.close(fig)
 
 
-def run_finetune(*, tokenized_dir: Path, model_dir: Path, metrics_path: Path, plots_dir: Path, report_dir: Path,
-                 data: DataParams, model: ModelParams, train: TrainParams, tracking: MlflowParams,
-                 precision: Choice, run_context: RunContext | None,
-                 predictions_path: Path | None = None) -> FinetuneResult:
+def run_finetune(tokenized_dir: Path, outputs: FinetuneOutputs, all_params: Params, precision: Choice,
+                 run_context: RunContext | None) -> FinetuneResult:
     """Finetune inside an MLflow child run of the execution's parent (`run_context`) that samples the machine's
     load (`mlflow.system_metrics`); log curves, metrics and the model's files. A training worker of rank > 0
     logs nothing (rank zero logs for the group), and its stage passes no context (None).
@@ -160,21 +172,19 @@ def run_finetune(*, tokenized_dir: Path, model_dir: Path, metrics_path: Path, pl
     from pipeline.core.tracking import stage_run
 
     if run_context is None or not is_rank_zero():
-        return finetune(tokenized_dir, model_dir, metrics_path, plots_dir, report_dir, data, model, train,
-                        precision, predictions_path=predictions_path)
+        return finetune(tokenized_dir, outputs, all_params, precision)
 
-    plan = finetune_plan(tokenized_dir, data, model, train, precision)
-    with stage_run(run_context, "finetune", system_metrics=tracking.system_metrics) as run:
-        run.log_sections({"data": to_dict(data), "model": to_dict(model), "train": to_dict(train)})
-        start_attempt(run, plan, CheckpointStore.for_job(train, "finetune"))
-        result = finetune(tokenized_dir, model_dir, metrics_path, plots_dir, report_dir, data, model, train,
-                          precision, metric_sink=run.log_steps, predictions_path=predictions_path, plan=plan)
+    plan = finetune_plan(tokenized_dir, all_params, precision)
+    with stage_run(run_context, "finetune", system_metrics=all_params.mlflow.system_metrics) as run:
+        run.log_sections({name: to_dict(getattr(all_params, name)) for name in ("data", "model", "train")})
+        start_attempt(run, plan, CheckpointStore.for_job(all_params.train, "finetune"))
+        result = finetune(tokenized_dir, outputs, all_params, precision, metric_sink=run.log_steps, plan=plan)
         run.log_metrics(result.metrics)
         run.set_tags({"train.precision.resolved": result.metrics["precision"]})
-        run.log_artifact(metrics_path)
-        run.log_artifacts(plots_dir, "curves")
-        run.log_artifacts(report_dir, "reports")
-        run.log_artifacts(model_dir, "model")
-        if predictions_path is not None and predictions_path.exists():
-            run.log_artifact(predictions_path, "predictions")  # the logits evaluate's FP32 row reuses
+        run.log_artifact(outputs.metrics_path)
+        run.log_artifacts(outputs.plots_dir, "curves")
+        run.log_artifacts(outputs.report_dir, "reports")
+        run.log_artifacts(outputs.model_dir, "model")
+        if outputs.predictions_path is not None and outputs.predictions_path.exists():
+            run.log_artifact(outputs.predictions_path, "predictions")  # the logits evaluate's FP32 row reuses
     return result

@@ -14,7 +14,7 @@ import torch
 from pipeline.core.params import DataParams, ModelParams, Params, TrainParams, resolve_auto
 from pipeline.modeling import load_finetuned, load_model
 from pipeline.training.classifier import IMDBDataModule, SentimentClassifier
-from pipeline.training.finetune import finetune
+from pipeline.training.finetune import FinetuneOutputs, finetune
 from pipeline.training.loop import build_trainer
 
 pytestmark = pytest.mark.gpu
@@ -60,9 +60,10 @@ def test_mixed_precision_runs_matmuls_in_half_precision_on_cuda(tmp_path, tokeni
 def test_amp_finetune_learns_and_saves_fp32_on_cuda(tmp_path, tokenized_dir):
     out = tmp_path / "out"
     params = TrainParams(**{**CUDA_TRAIN, "precision": "16-mixed", "checkpoint_dir": str(tmp_path / "ckpt")})
-    result = finetune(tokenized_dir, out / "model", out / "metrics.json", out / "plots", out / "reports",
-                      DataParams(max_length=64), ModelParams(source="tiny"), params,
-                      resolve_auto(Params(train=params)).precision, predictions_path=out / "test-logits.npz")
+    all_params = Params(data=DataParams(max_length=64), model=ModelParams(source="tiny"), train=params)
+    outputs = FinetuneOutputs(out / "model", out / "metrics.json", out / "plots", out / "reports",
+                              predictions_path=out / "test-logits.npz")
+    result = finetune(tokenized_dir, outputs, all_params, resolve_auto(all_params).precision)
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["test_accuracy"] == result.metrics["test_accuracy"] > 0.75
     model, _tok, meta = load_finetuned(out / "model")
@@ -75,9 +76,9 @@ def test_compiled_training_on_cuda_learns(tmp_path, tokenized_dir):
     out = tmp_path / "out"
     params = TrainParams(**{**CUDA_TRAIN, "precision": "16-mixed", "compile": True,
                             "checkpoint_dir": str(tmp_path / "ckpt")})  # not the checkout's ./checkpoints
-    result = finetune(tokenized_dir, out / "model", out / "metrics.json", out / "plots", out / "reports",
-                      DataParams(max_length=64), ModelParams(source="tiny"), params,
-                      resolve_auto(Params(train=params)).precision)
+    all_params = Params(data=DataParams(max_length=64), model=ModelParams(source="tiny"), train=params)
+    outputs = FinetuneOutputs(out / "model", out / "metrics.json", out / "plots", out / "reports")
+    result = finetune(tokenized_dir, outputs, all_params, resolve_auto(all_params).precision)
     # Dynamo really compiled the model's forward (a fallback to eager would leave no graph).
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
     assert result.metrics["test_accuracy"] > 0.75

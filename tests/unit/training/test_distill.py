@@ -29,7 +29,7 @@ def distilled(tmp_path_factory):
     """A tiny 2-layer teacher (trained briefly) distilled into 1 layer with half its FFN neurons, and the
     student's variants."""
     from pipeline.training.distill import distill
-    from pipeline.training.finetune import finetune
+    from pipeline.training.finetune import FinetuneOutputs, finetune
     from pipeline.variants.distilled import run_distilled_variants
 
     root = tmp_path_factory.mktemp("distill")
@@ -43,8 +43,9 @@ def distilled(tmp_path_factory):
     teacher_dir = root / "teacher"
     train = TrainParams(epochs=1, batch_size=16, precision="32-true", max_length=None,
                         checkpoint_dir=str(root / "checkpoints"))  # not the checkout's ./checkpoints
-    finetune(tok, teacher_dir, root / "finetune.json", root / "plots", root / "reports", DataParams(max_length=64),
-             ModelParams(source="tiny"), train, resolve_auto(Params(train=train)).precision)
+    teacher = Params(data=DataParams(max_length=64), model=ModelParams(source="tiny"), train=train)
+    finetune(tok, FinetuneOutputs(teacher_dir, root / "finetune.json", root / "plots", root / "reports"), teacher,
+             resolve_auto(teacher).precision)
     params = Params(data=DataParams(max_length=64), model=ModelParams(source="tiny"), train=train,
                     distill=DistillParams(depth=1, ffn_width=64, epochs=1, batch_size=16, lr=5e-4),
                     export=ExportParams(parity_samples=8))

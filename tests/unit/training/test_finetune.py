@@ -13,7 +13,7 @@ import yaml
 
 from pipeline.core.params import DataParams, ModelParams, Params, TrainParams, resolve_auto
 from pipeline.modeling import load_finetuned
-from pipeline.training.finetune import finetune
+from pipeline.training.finetune import FinetuneOutputs, finetune
 from tests.factories import ROOT
 
 TINY_TRAIN = {"epochs": 4, "batch_size": 8, "eval_batch_size": 16, "lr": 3e-3, "accelerator": "cpu",
@@ -24,9 +24,10 @@ TINY_TRAIN = {"epochs": 4, "batch_size": 8, "eval_batch_size": 16, "lr": 3e-3, "
 def _run(tmp_path: Path, tokenized_dir: Path, **overrides):
     out = tmp_path / "out"
     params = TrainParams(**{**TINY_TRAIN, "checkpoint_dir": str(tmp_path / "ckpt"), **overrides})
-    result = finetune(tokenized_dir, out / "model", out / "metrics.json", out / "plots", out / "reports",
-                      DataParams(max_length=64), ModelParams(source="tiny"), params,
-                      resolve_auto(Params(train=params)).precision, predictions_path=out / "test-logits.npz")
+    all_params = Params(data=DataParams(max_length=64), model=ModelParams(source="tiny"), train=params)
+    outputs = FinetuneOutputs(out / "model", out / "metrics.json", out / "plots", out / "reports",
+                              predictions_path=out / "test-logits.npz")
+    result = finetune(tokenized_dir, outputs, all_params, resolve_auto(all_params).precision)
     return out, result
 
 
@@ -93,17 +94,17 @@ def test_finetune_run_samples_the_machine_load_and_registers_nothing(tmp_path, t
 
     from pipeline.core.params import MlflowParams
     from pipeline.core.parent_run import start_tracking
-    from pipeline.training.finetune import run_finetune
+    from pipeline.training.finetune import FinetuneOutputs, run_finetune
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.2")  # MLflow's default is 10 s
     tracking = MlflowParams(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="unit-finetune")
     out = tmp_path / "out"
     train = TrainParams(**{**TINY_TRAIN, "epochs": 1, "checkpoint_dir": str(tmp_path / "ckpt")})
-    run_finetune(tokenized_dir=tokenized_dir, model_dir=out / "model", metrics_path=out / "metrics.json",
-                 plots_dir=out / "plots", report_dir=out / "reports", data=DataParams(max_length=64),
-                 model=ModelParams(source="tiny"), train=train, tracking=tracking,
-                 precision=resolve_auto(Params(train=train)).precision,
+    all_params = Params(data=DataParams(max_length=64), model=ModelParams(source="tiny"), train=train,
+                        mlflow=tracking)
+    run_finetune(tokenized_dir, FinetuneOutputs(out / "model", out / "metrics.json", out / "plots", out / "reports"),
+                 all_params, resolve_auto(all_params).precision,
                  run_context=start_tracking(tracking, run_id="unit-finetune"))
     runs = mlflow.search_runs(experiment_names=["unit-finetune"], output_format="list",
                               filter_string="tags.`pipeline.stage` = 'finetune'")
