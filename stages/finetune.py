@@ -33,7 +33,7 @@ def finetune(
         raise SystemExit(elastic.launch(params.train, ["-m", "stages.finetune", *sys.argv[1:]]))
     outputs = FinetuneOutputs(model_dir=model_dir, metrics_path=metrics, plots_dir=plots, report_dir=reports,
                               predictions_path=test_predictions)
-    run_finetune(tokenized, outputs, params, stage.auto.precision,
+    run_finetune(tokenized_dir=tokenized, outputs=outputs, all_params=params, precision=stage.auto.precision,
                  # rank zero logs for the group: the other ranks never look the parent run up
                  run_context=stage.run_context if is_rank_zero() else None)
 

@@ -162,7 +162,7 @@ def save_confusion(labels: np.ndarray, preds: np.ndarray, path: Path) -> None:
     plt.close(fig)
 
 
-def run_finetune(tokenized_dir: Path, outputs: FinetuneOutputs, all_params: Params, precision: Choice,
+def run_finetune(*, tokenized_dir: Path, outputs: FinetuneOutputs, all_params: Params, precision: Choice,
                  run_context: RunContext | None) -> FinetuneResult:
     """Finetune inside an MLflow child run of the execution's parent (`run_context`) that samples the machine's
     load (`mlflow.system_metrics`); log curves, metrics and the model's files. A training worker of rank > 0

@@ -103,8 +103,9 @@ def test_finetune_run_samples_the_machine_load_and_registers_nothing(tmp_path, t
     train = TrainParams(**{**TINY_TRAIN, "epochs": 1, "checkpoint_dir": str(tmp_path / "ckpt")})
     all_params = Params(data=DataParams(max_length=64), model=ModelParams(source="tiny"), train=train,
                         mlflow=tracking)
-    run_finetune(tokenized_dir, FinetuneOutputs(out / "model", out / "metrics.json", out / "plots", out / "reports"),
-                 all_params, resolve_auto(all_params).precision,
+    outputs = FinetuneOutputs(out / "model", out / "metrics.json", out / "plots", out / "reports")
+    run_finetune(tokenized_dir=tokenized_dir, outputs=outputs, all_params=all_params,
+                 precision=resolve_auto(all_params).precision,
                  run_context=start_tracking(tracking, run_id="unit-finetune"))
     runs = mlflow.search_runs(experiment_names=["unit-finetune"], output_format="list",
                               filter_string="tags.`pipeline.stage` = 'finetune'")
