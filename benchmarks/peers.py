@@ -51,8 +51,8 @@ from pipeline.evaluation.latency import (
     measure,
     speedup,
     throughput_batches,
-    vm_hwm_mb,
 )
+from pipeline.evaluation.memory_probe import vm_hwm_mb
 from pipeline.selection import within_budget
 
 log = logging.getLogger(__name__)

@@ -180,9 +180,16 @@ def pad_id(tokenizer: Any) -> int:
 
 
 def load_saved_tokenizer(model_dir: str | Path) -> Any:
-    """The tokenizer saved beside a model or variant. The mean-pooling model type is registered first: transformers
-    reads the directory's `config.json` to choose the tokenizer class, and warns about a `model_type` it does not
-    know (as if one model type were being loaded as another)."""
+    """The tokenizer saved beside a model or variant: its `tokenizer.json` read by the `tokenizers` library alone
+    (`pipeline.data.saved_tokenizer`: the same ids, without importing transformers or torch), or, where the directory
+    has none, transformers' `AutoTokenizer`. For the latter the mean-pooling model type is registered first:
+    transformers reads the directory's `config.json` to choose the tokenizer class, and warns about a `model_type`
+    it does not know (as if one model type were being loaded as another)."""
+    from pipeline.data.saved_tokenizer import SavedTokenizer
+
+    saved = SavedTokenizer.from_dir(model_dir)
+    if saved is not None:
+        return saved
     from transformers import AutoTokenizer
 
     mean_pool_classes()

@@ -5,7 +5,6 @@ Rerun alone on chosen variants with `python -m pipeline.evaluation.benchmark --v
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 from pathlib import Path
@@ -16,7 +15,6 @@ from pipeline.core.machine import Choice, default_threads, machine_info
 from pipeline.core.params import BenchmarkParams, Params, to_dict
 from pipeline.evaluation.charts import latency_chart, pareto_chart, plot_rows
 from pipeline.evaluation.latency import (
-    _rss_probe,
     candidates,
     latency_inputs,
     measure,
@@ -106,15 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--finetuned", type=Path, default=Path("models/finetuned"))
     parser.add_argument("--tokenized", type=Path, default=Path("data/tokenized"))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/bench_cli.json"))
-    parser.add_argument("--rss-probe", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--batch-file", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
-    parser.add_argument("--options", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.rss_probe:
-        _rss_probe(args.rss_probe, args.batch_file, args.threads, json.loads(args.options))
-        return
-
     from pipeline.core.io import write_json
     from pipeline.core.params import load_params, resolve_auto
     from pipeline.core.stage import setup_logging

@@ -19,7 +19,6 @@ from pipeline.core.params import BenchmarkParams
 from pipeline.runtimes.base import Runner, pad_batch
 from pipeline.runtimes.catalog import BF16_ROW, READOUT_ROW, REFERENCE
 from pipeline.runtimes.record import read_variant
-from pipeline.runtimes.registry import load_runner
 
 log = logging.getLogger(__name__)
 
@@ -170,12 +169,13 @@ def measure(runners: dict[str, Runner], lat_inputs: list[tuple[np.ndarray, ...]]
 
 
 def peak_rss_mb(directory: Path, options: dict[str, Any], batch: tuple[np.ndarray, ...], threads: int) -> float:
-    """Peak RSS of a fresh process that loads the variant and serves one batch (isolated per variant)."""
+    """Peak RSS of a fresh process that loads the variant and serves one batch (isolated per variant:
+    `pipeline.evaluation.memory_probe`)."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="rss-") as tmp:
         np.savez(Path(tmp) / "batch.npz", ids=batch[0], mask=batch[1])
-        cmd = [sys.executable, "-m", "pipeline.evaluation.benchmark", "--rss-probe", str(directory), "--batch-file",
+        cmd = [sys.executable, "-m", "pipeline.evaluation.memory_probe", str(directory), "--batch-file",
                str(Path(tmp) / "batch.npz"), "--threads", str(threads), "--options", json.dumps(options)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:
@@ -194,20 +194,3 @@ def peak_rss_of_each(probes: dict[str, tuple[Path, dict[str, Any]]], batch: tupl
     with ThreadPoolExecutor(max_workers=workers) as pool:
         futures = {name: pool.submit(peak_rss_mb, d, options, batch, threads) for name, (d, options) in probes.items()}
         return {name: future.result() for name, future in futures.items()}
-
-
-def _rss_probe(directory: Path, batch_file: Path, threads: int, options: dict[str, Any]) -> None:
-    data = np.load(batch_file)
-    runner = load_runner(directory, threads, **options)
-    runner(data["ids"], data["mask"])
-    print(vm_hwm_mb())
-
-
-def vm_hwm_mb() -> float:
-    """This process's peak RSS (VmHWM) in MB; unlike ru_maxrss it starts afresh at exec, not at fork."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
