@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.core.params import BenchmarkParams
+from pipeline.evaluation import memory_probe
 from pipeline.runtimes.base import Runner, pad_batch
 from pipeline.runtimes.catalog import BF16_ROW, READOUT_ROW, REFERENCE
 from pipeline.runtimes.record import read_variant
@@ -175,7 +176,7 @@ def peak_rss_mb(directory: Path, options: dict[str, Any], batch: tuple[np.ndarra
 
     with tempfile.TemporaryDirectory(prefix="rss-") as tmp:
         np.savez(Path(tmp) / "batch.npz", ids=batch[0], mask=batch[1])
-        cmd = [sys.executable, "-m", "pipeline.evaluation.memory_probe", str(directory), "--batch-file",
+        cmd = [sys.executable, "-m", memory_probe.__name__, str(directory), "--batch-file",
                str(Path(tmp) / "batch.npz"), "--threads", str(threads), "--options", json.dumps(options)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:

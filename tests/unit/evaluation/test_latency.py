@@ -117,3 +117,16 @@ def test_the_bf16_row_is_timed_exactly_when_the_choice_asks(tiny_model_dir, toke
         row = rows[BF16_ROW]
         assert row["status"] == "ok" and row["latency_samples"] == 2, row
         assert row["p50_ms_b1"] > 0 and row["throughput_b32"] > 0 and row["speedup_p50_low"] > 0, row
+
+
+def test_each_variants_memory_is_read_from_a_process_of_its_own(built, tmp_path):
+    """`peak_rss_of_each`: one probe process per variant (`pipeline.evaluation.memory_probe`), which loads only the
+    runtime it needs: an ONNX variant's probe imports no torch, so it peaks below the eager model's."""
+    from pipeline.evaluation.latency import peak_rss_mb, peak_rss_of_each
+
+    batch = (np.full((4, 16), 1000, dtype=np.int64), np.ones((4, 16), dtype=np.int64))
+    rss = peak_rss_of_each({n: (built["dirs"][n], {}) for n in ("int8-dynamic", "fp32-torchscript")}, batch, 1)
+    assert set(rss) == {"int8-dynamic", "fp32-torchscript"} and all(v > 20 for v in rss.values())
+    assert rss["int8-dynamic"] < rss["fp32-torchscript"]  # no torch in the ONNX Runtime probe
+    with pytest.raises(RuntimeError, match="memory probe failed"):
+        peak_rss_mb(tmp_path, {}, batch, 1)
