@@ -5,6 +5,7 @@ VENV := .venv
 BIN := $(abspath $(VENV))/bin
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | cksum | cut -d' ' -f1)
 SPARK_STAMP := $(VENV)/.spark-installed-$(shell cat requirements-spark.txt | cksum | cut -d' ' -f1)
+PIP_STAMP := $(VENV)/.pip-upgraded
 export PATH := $(BIN):$(PATH)
 export MPLBACKEND := Agg
 export TOKENIZERS_PARALLELISM := false
@@ -21,9 +22,14 @@ unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: run test test-all test-gpu venv venv-spark lint dvc-deps docs mlflow-ui serve serve-mlflow stop plots score
 
-$(STAMP): requirements.txt pyproject.toml
+# The venv with an up-to-date pip; the two installs below start from it and run side by side under `make test`
+# (`$(MAKE) -j2 venv venv-spark`): pip spends most of an install on one core, and the two sets share no package.
+$(PIP_STAMP):
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	@touch $@
+
+$(STAMP): requirements.txt pyproject.toml | $(PIP_STAMP)
 	@# Not compiled at install: of the ~24,000 modules installed, the pipeline and its tests import ~6,000, which the
 	@# first import of each compiles into the venv (PYTHONDONTWRITEBYTECODE is lifted below); compiling them all ahead
 	@# (pip's default, or compileall on every core) cost a fresh machine a minute more than that.
@@ -34,7 +40,8 @@ $(STAMP): requirements.txt pyproject.toml
 venv: $(STAMP)
 
 # Apache Spark (requirements-spark.txt) for `make score` and `make test` only: `make run` does not pay for it.
-$(SPARK_STAMP): requirements-spark.txt $(STAMP)
+# pyspark and py4j only: nothing of requirements.txt, so it may install while that does.
+$(SPARK_STAMP): requirements-spark.txt | $(PIP_STAMP)
 	$(BIN)/python -m pip install --quiet --no-compile -r requirements-spark.txt
 	@rm -f $(VENV)/.spark-installed-*
 	@touch $@
@@ -62,12 +69,14 @@ run: venv
 ## torchrun stay; SIGTERM and changed-param resumes, 2-process DDP, the benchmark scripts end to end and the
 ## torch.compile'd peers go); `make test-all` runs them too.
 TEST_WORKERS ?= 2
-test: venv venv-spark
+test:
+	@$(MAKE) --no-print-directory -j2 venv venv-spark
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not slow" $(PYTEST_ARGS)
 
 ## test-all: `make test` plus the tests marked `slow`.
-test-all: venv venv-spark
+test-all:
+	@$(MAKE) --no-print-directory -j2 venv venv-spark
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 

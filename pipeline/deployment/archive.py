@@ -115,7 +115,7 @@ def run_package_stage(*, variants_root: Path, variants_metrics: Path, benchmark_
     from pipeline.core.parent_run import log_parent_summary
     from pipeline.core.run_id import git_commit
     from pipeline.core.tracking import stage_run
-    from pipeline.deployment.inference import log_predictor_model
+    from pipeline.deployment.mlflow_model import log_variant_model
     from pipeline.runtimes.catalog import directories
 
     variants, benchmark = read_json(variants_metrics), read_json(benchmark_metrics)
@@ -130,7 +130,7 @@ def run_package_stage(*, variants_root: Path, variants_metrics: Path, benchmark_
         if not model_with_files(model_id, tracking_uri=store):
             log.info("%s: logging its MLflow model in the package run (evaluate's model %s is not usable here)",
                      choice.name, model_id)
-            model_id = log_predictor_model(run, choice.name, variant_dir, params.package,
+            model_id = log_variant_model(run, choice.name, variant_dir, params.package,
                                            {"variant": choice.name}).model_id
         previous = alias_version(name, alias, tracking_uri=store)
         version = run.register(name, f"models:/{model_id}", "IMDB sentiment classifier: the variant the pipeline "

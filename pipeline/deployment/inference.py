@@ -6,10 +6,10 @@ It does not depend on TorchServe."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -17,54 +17,6 @@ from pipeline.data.tokens import clip_chars, encode_texts
 from pipeline.runtimes.base import pad_batch
 from pipeline.runtimes.record import VARIANT_FILE, read_variant
 from pipeline.runtimes.registry import load_runner
-
-if TYPE_CHECKING:  # only for hints: the served archive's worker never imports the params loader
-    from pipeline.core.params import PackageParams
-
-#: What a variant needs at serve time besides the pipeline's own code, by the variant's format: MLflow records
-#: these (pinned to the running versions) with each logged model, for `mlflow models serve` with an env manager
-#: other than `local`.
-RUNTIME_PACKAGES: Mapping[str, tuple[str, ...]] = {
-    "onnx": ("mlflow", "onnxruntime", "transformers", "tokenizers", "numpy", "pandas"),
-    "openvino": ("mlflow", "openvino", "transformers", "tokenizers", "numpy", "pandas"),
-    "torchscript": ("mlflow", "torch", "transformers", "tokenizers", "numpy", "pandas"),
-    "eager": ("mlflow", "torch", "transformers", "tokenizers", "safetensors", "numpy", "pandas"),
-}
-
-#: Reviews stored with every logged model as its input example (and scored once by MLflow when logging).
-EXAMPLE_REVIEWS = ("A wonderful, moving film with a superb cast.", "Dull, predictable and far too long.")
-
-
-def runtime_requirements(fmt: str) -> list[str]:
-    """`RUNTIME_PACKAGES[fmt]` pinned to the versions installed here (`name==version`)."""
-    from importlib.metadata import version
-
-    return [f"{name}=={version(name)}" for name in RUNTIME_PACKAGES[fmt]]
-
-
-def model_labels(name: str) -> tuple[dict[str, str], str]:
-    """Tags (variant, format, dtype, family from the registry) and the model type MLflow shows for the MLflow
-    model of variant `name`."""
-    from pipeline.runtimes.catalog import spec
-
-    row = spec(name)
-    return {"variant": name, "format": row.format, "dtype": row.precision, "family": row.family}, \
-        f"{row.format}-{row.precision}"
-
-
-def log_predictor_model(run: Any, name: str, directory: Path, serving: PackageParams,
-                        params: Mapping[str, Any]) -> Any:
-    """Variant `name` (its `directory`) as an MLflow model of `run` (a `pipeline.core.tracking.StageRun`): a
-    pyfunc around `ContractPredictor` that checks texts, cuts them and uses threads as the served `.mar` does
-    (`serving`), with the packages its format needs at serve time. The request limits stay with the servers: the
-    model scores any number of rows. Returns the `LoggedModelRef`."""
-    from pipeline.deployment.mlflow_model import log_predictor_model as log_pyfunc
-    from pipeline.runtimes.catalog import spec
-
-    tags, model_type = model_labels(name)
-    return log_pyfunc(run, name, directory, ContractPredictor, EXAMPLE_REVIEWS,
-                      {"max_chars": serving.max_chars_per_text, "threads": serving.threads},
-                      runtime_requirements(spec(name).format), params, tags, model_type)
 
 
 @dataclass(frozen=True)

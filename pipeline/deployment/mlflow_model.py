@@ -17,13 +17,16 @@ import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd  # at module level: MLflow resolves the predictor model's `pd.DataFrame` hints against it
 
 from pipeline.core.parent_run import TAG_LIMIT, client_for, text_values
 from pipeline.core.tracking import PARAM_LIMIT, LoggedModelRef, StageRun
 from pipeline.deployment.protocol import TEXT_COLUMN
+
+if TYPE_CHECKING:
+    from pipeline.core.params import PackageParams
 
 #: The columns a served model answers (it reads `pipeline.deployment.protocol.TEXT_COLUMN`, one review per row).
 OUTPUT_COLUMNS = ("label", "score")
@@ -37,6 +40,59 @@ from pipeline.deployment.mlflow_model import set_predictor_model
 
 set_predictor_model({target!r})
 """
+
+
+#: What a variant needs at serve time besides the pipeline's own code, by the variant's format: MLflow records
+#: these (pinned to the running versions) with each logged model, for `mlflow models serve` with an env manager
+#: other than `local`. The tokenizer is read by `tokenizers` alone (`pipeline.data.saved_tokenizer`); transformers
+#: is needed by the eager model, and by any variant whose directory has no `tokenizer.json` (`runtime_requirements`).
+RUNTIME_PACKAGES: Mapping[str, tuple[str, ...]] = {
+    "onnx": ("mlflow", "onnxruntime", "tokenizers", "numpy", "pandas"),
+    "openvino": ("mlflow", "openvino", "tokenizers", "numpy", "pandas"),
+    "torchscript": ("mlflow", "torch", "tokenizers", "numpy", "pandas"),
+    "eager": ("mlflow", "torch", "transformers", "tokenizers", "safetensors", "numpy", "pandas"),
+}
+
+#: Reviews stored with every logged model as its input example (and scored once by MLflow when logging).
+EXAMPLE_REVIEWS = ("A wonderful, moving film with a superb cast.", "Dull, predictable and far too long.")
+
+
+def runtime_requirements(fmt: str, directory: Path | None = None) -> list[str]:
+    """`RUNTIME_PACKAGES[fmt]` pinned to the versions installed here (`name==version`), with transformers added
+    where `directory` has no `tokenizer.json` (its tokenizer then loads through transformers' `AutoTokenizer`)."""
+    from importlib.metadata import version
+
+    from pipeline.data.saved_tokenizer import TOKENIZER_FILE
+
+    names = RUNTIME_PACKAGES[fmt]
+    if directory is not None and "transformers" not in names and not (Path(directory) / TOKENIZER_FILE).is_file():
+        names = (*names, "transformers")
+    return [f"{name}=={version(name)}" for name in names]
+
+
+def model_labels(name: str) -> tuple[dict[str, str], str]:
+    """Tags (variant, format, dtype, family from the registry) and the model type MLflow shows for the MLflow
+    model of variant `name`."""
+    from pipeline.runtimes.catalog import spec
+
+    row = spec(name)
+    return {"variant": name, "format": row.format, "dtype": row.precision, "family": row.family}, \
+        f"{row.format}-{row.precision}"
+
+
+def log_variant_model(run: StageRun, name: str, directory: Path, serving: PackageParams,
+                      params: Mapping[str, Any]) -> LoggedModelRef:
+    """Variant `name` (its `directory`) as an MLflow model of `run`: a pyfunc around
+    `pipeline.deployment.inference.ContractPredictor` that checks texts, cuts them and uses threads as the served
+    `.mar` does (`serving`), with the packages its format needs at serve time. The request limits stay with the
+    servers: the model scores any number of rows."""
+    from pipeline.deployment.inference import ContractPredictor
+    from pipeline.runtimes.catalog import spec
+
+    tags, model_type = model_labels(name)
+    return log_predictor_model(run, name, directory, ContractPredictor, EXAMPLE_REVIEWS,
+                               {"max_chars": serving.max_chars_per_text, "threads": serving.threads},
+                               runtime_requirements(spec(name).format, directory), params, tags, model_type)
 
 
 def log_predictor_model(run: StageRun, name: str, directory: Path, predictor: type, examples: Sequence[str],

@@ -161,7 +161,7 @@ def log_variant_runs(results: dict[str, dict[str, Any]], *, variant_dirs: dict[s
     only a GPU runs are logged as external models: their metrics line up, their files stay where they are.
     Each entry of `results` gains the model's id and URI (`model_id`, `model_uri`, `model_files`)."""
     from pipeline.core.tracking import stage_run
-    from pipeline.deployment.inference import log_predictor_model, model_labels
+    from pipeline.deployment.mlflow_model import log_variant_model, model_labels
 
     dirs = {REFERENCE: finetuned, **variant_dirs}
     for name, entry in results.items():
@@ -177,7 +177,7 @@ def log_variant_runs(results: dict[str, dict[str, Any]], *, variant_dirs: dict[s
                 continue
             model_params = {"variant": name, **flatten(info_params)}
             if spec(name).servable and entry["size_mb"] <= params.artifact_max_mb:
-                ref = log_predictor_model(run, name, directory, serving, model_params)
+                ref = log_variant_model(run, name, directory, serving, model_params)
             else:
                 ref = run.log_external_model(name, directory, model_params, *model_labels(name))
                 run.set_tags({"artifact_pointer": Path(directory).resolve()})

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from pipeline.core.io import write_json, write_predictions
-from pipeline.core.params import Params, to_dict
+from pipeline.core.params import Params, TrainParams, to_dict
 from pipeline.data.tokens import window_shortener
 from pipeline.training.checkpoints import CheckpointStore, ResumePlan, is_rank_zero, start_attempt
 from pipeline.training.classifier import IMDBDataModule, SentimentClassifier, check_accelerations
@@ -51,13 +51,17 @@ class FinetuneResult:
     best_checkpoint: str
 
 
+def resolved_train(all_params: Params, precision: Choice) -> TrainParams:
+    """`train` with `precision` as the stage resolved `train.precision` on this machine (`auto` included)."""
+    return dataclasses.replace(all_params.train, precision=precision.value)
+
+
 def finetune_plan(tokenized_dir: Path, all_params: Params, precision: Choice) -> ResumePlan:
     """Whether finetune resumes from `train.checkpoint_dir/finetune` (its fingerprint: the data, model and training
-    settings that shape the weights, the tokenized splits, the training code) or starts fresh, and why."""
-    # `auto` as this machine resolved it: the same settings trained in bf16 elsewhere are another trajectory
-    resolved = dataclasses.replace(all_params.train, precision=precision.value)
+    settings that shape the weights, the tokenized splits, the training code) or starts fresh, and why. The
+    precision is the resolved one: the same settings trained in bf16 elsewhere are another trajectory."""
     settings = {"data": to_dict(all_params.data), "model": to_dict(all_params.model),
-                "train": trajectory_settings(to_dict(resolved))}
+                "train": trajectory_settings(to_dict(resolved_train(all_params, precision)))}
     return CheckpointStore.for_job(all_params.train, "finetune").plan(fingerprint(settings, [tokenized_dir]),
                                                                       all_params.train.resume)
 
@@ -75,11 +79,8 @@ def finetune(tokenized_dir: Path, outputs: FinetuneOutputs, all_params: Params, 
     from pipeline.modeling import load_model, load_tokenizer, pad_id
 
     data, model_params = all_params.data, all_params.model
-    model_dir, metrics_path, plots_dir, report_dir = (outputs.model_dir, outputs.metrics_path, outputs.plots_dir,
-                                                      outputs.report_dir)
-    choice = precision  # `train.precision` as the stage resolved it
-    log.info("train.precision: %s", choice.tag())
-    params = dataclasses.replace(all_params.train, precision=choice.value)
+    log.info("train.precision: %s", precision.tag())
+    params = resolved_train(all_params, precision)
     check_accelerations(params)
     if params.max_length is not None and params.max_length > data.max_length:
         raise ValueError(f"train.max_length ({params.max_length}) exceeds data.max_length ({data.max_length}), "
@@ -98,9 +99,9 @@ def finetune(tokenized_dir: Path, outputs: FinetuneOutputs, all_params: Params, 
                                tokenizer.cls_token_id, tokenizer.sep_token_id)
     dm = IMDBDataModule(tokenized_dir, params, pad_id=pad_id(tokenizer), shorten_train=shorten)
     fitted = fit(module, params, store=store, plan=plan, position=dm.position, datamodule=dm, sink=metric_sink,
-                 profiler_dir=report_dir / "profiler")
+                 profiler_dir=outputs.report_dir / "profiler")
     if not fitted.trainer.is_global_zero:
-        return FinetuneResult({}, model_dir, fitted.best_checkpoint)
+        return FinetuneResult({}, outputs.model_dir, fitted.best_checkpoint)
     # Scored in one process over the whole test split (a DDP-sharded test loop would drop the tail).
     scored = time.perf_counter()
     logits, labels = predict_split(module, dm, "test")
@@ -120,20 +121,20 @@ def finetune(tokenized_dir: Path, outputs: FinetuneOutputs, all_params: Params, 
         "train_samples_seen": curves.samples,
         "wall_time_s": time.perf_counter() - started,  # this attempt's (a resumed run's excludes the first)
         "train_steps": fitted.steps,
-        "precision": choice.value,  # what `train.precision` resolved to (text: not an MLflow metric)
+        "precision": precision.value,  # what `train.precision` resolved to (text: not an MLflow metric)
         **plan.record(),  # resumed, resumed_from_step, resume_reason
     }
-    save_model(module.model, tokenizer, model_dir, data, model_params, params, choices=[choice])
+    save_model(module.model, tokenizer, outputs.model_dir, data, model_params, params, choices=[precision])
     if outputs.predictions_path is not None:
         write_predictions(outputs.predictions_path, logits, labels, dm.datasets["test"].input_ids,
                           batch_size=params.eval_batch_size, seconds=round(score_seconds, 2),
                           threads=torch.get_num_threads())
-    write_json(metrics_path, metrics)
-    curves.write(plots_dir)
-    report_dir.mkdir(parents=True, exist_ok=True)
-    save_confusion(labels, preds, report_dir / "confusion_matrix.png")
+    write_json(outputs.metrics_path, metrics)
+    curves.write(outputs.plots_dir)
+    outputs.report_dir.mkdir(parents=True, exist_ok=True)
+    save_confusion(labels, preds, outputs.report_dir / "confusion_matrix.png")
     store.clear()  # the model is saved: nothing left to resume
-    return FinetuneResult(metrics, model_dir, fitted.best_checkpoint)
+    return FinetuneResult(metrics, outputs.model_dir, fitted.best_checkpoint)
 
 
 def save_confusion(labels: np.ndarray, preds: np.ndarray, path: Path) -> None:

@@ -190,8 +190,8 @@ def test_the_environment_names_the_tracking_store_and_the_experiment_opens_as_mo
 
 
 def test_a_predictor_model_loads_as_pyfunc_and_answers_like_the_predictor(tmp_path, monkeypatch, tiny_model_dir):
-    from pipeline.deployment.inference import EXAMPLE_REVIEWS, SentimentPredictor, runtime_requirements
-    from pipeline.deployment.mlflow_model import local_model, log_predictor_model
+    from pipeline.deployment.inference import SentimentPredictor
+    from pipeline.deployment.mlflow_model import EXAMPLE_REVIEWS, local_model, log_predictor_model, runtime_requirements
 
     monkeypatch.chdir(tmp_path)
     context = start_tracking(_store(tmp_path), run_id="unit-model")

@@ -73,14 +73,14 @@ def spark():
 @pytest.fixture(scope="module")
 def model(tmp_path_factory, built):
     """The tiny model's int8-dynamic variant (ONNX Runtime, as the default run's champion often is) logged as the
-    evaluate stage logs a variant (`log_predictor_model`: a `ContractPredictor` pyfunc, one thread) and registered
+    evaluate stage logs a variant (`log_variant_model`: a `ContractPredictor` pyfunc, one thread) and registered
     as imdb-sentiment@champion in a store of its own. Spark's Python workers load it without torch or transformers
     (`pipeline.data.saved_tokenizer`)."""
     import mlflow
 
     from pipeline.core.parent_run import start_tracking
     from pipeline.core.tracking import stage_run
-    from pipeline.deployment.inference import log_predictor_model
+    from pipeline.deployment.mlflow_model import log_variant_model
 
     work = tmp_path_factory.mktemp("batch-scoring-model")
     store = MlflowParams(tracking_uri=f"sqlite:///{work / 'mlflow.db'}", experiment="unit")
@@ -89,7 +89,7 @@ def model(tmp_path_factory, built):
         # mlflow.set_tracking_uri also exports the store as MLFLOW_TRACKING_URI: set here, it is removed on leaving
         mp.setenv("MLFLOW_TRACKING_URI", store.tracking_uri)
         with stage_run(start_tracking(store, run_id="unit-batch-scoring"), "evaluate", run_name="int8-dynamic") as run:
-            ref = log_predictor_model(run, "int8-dynamic", built["dirs"]["int8-dynamic"], PackageParams(threads=1), {})
+            ref = log_variant_model(run, "int8-dynamic", built["dirs"]["int8-dynamic"], PackageParams(threads=1), {})
         version = mlflow.register_model(ref.uri, "imdb-sentiment")
         mlflow.MlflowClient().set_registered_model_alias("imdb-sentiment", "champion", version.version)
     return {"uri": ref.uri, "store": store, "work": work}

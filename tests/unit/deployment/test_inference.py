@@ -76,10 +76,23 @@ def test_predict_scores_a_long_input_in_bounded_chunks_in_input_order(tiny_model
 
 
 def test_every_servable_format_names_the_packages_its_mlflow_model_needs():
-    from pipeline.deployment.inference import runtime_requirements
+    from pipeline.deployment.mlflow_model import runtime_requirements
     from pipeline.runtimes.catalog import VARIANTS
 
     for fmt in {v.format for v in VARIANTS if v.servable}:
         pins = runtime_requirements(fmt)
         assert pins[0].startswith("mlflow==") and all("==" in p for p in pins), fmt
     assert any(p.startswith("openvino==") for p in runtime_requirements("openvino"))
+
+
+def test_a_variant_needs_transformers_only_where_its_tokenizer_does(built, tmp_path):
+    """The ONNX and OpenVINO variants tokenize with `tokenizers` alone; a directory without `tokenizer.json`
+    loads its tokenizer through transformers, so its requirements name it."""
+    from pipeline.deployment.mlflow_model import runtime_requirements
+
+    def names(fmt, directory):
+        return {p.split("==")[0] for p in runtime_requirements(fmt, directory)}
+
+    assert "transformers" not in names("onnx", built["dirs"]["int8-dynamic"]) | names(
+        "openvino", built["dirs"]["int8-openvino"])
+    assert "transformers" in names("onnx", tmp_path) and "transformers" in names("eager", None)
