@@ -162,6 +162,28 @@ class Connection:
         return None, None
 
 
+def answering_endpoint(server: str, url: str, key_file: Path, text: str, timeout: float) -> Endpoint:
+    """The endpoint once one valid review gets its label. `make serve` returns before TorchServe has written its
+    key file and loaded the model (requests without the key get 400 until then), and `make serve-mlflow` before its
+    model is loaded: a valid request is sent once a second, the key file read again each time, until `timeout`.
+    SystemExit with the last answer otherwise, so a sweep never measures a server that refuses every request."""
+    from serving.client import inference_key
+
+    deadline = time.monotonic() + timeout
+    while True:
+        endpoint = Endpoint(server, url, inference_key(key_file) if server == "torchserve" else None)
+        connection = Connection(endpoint, reuse=False, timeout=30.0)
+        status, answer = connection.post(endpoint.body(text), "application/json")
+        connection.close()
+        if status == 200 and endpoint.answered(answer):
+            return endpoint
+        if time.monotonic() >= deadline:
+            last = f"HTTP {status}" if status is not None else "no answer (nothing listening?)"
+            raise SystemExit(f"{server} at {url} did not answer a valid review within {timeout:.0f} s (last: {last});"
+                             f" is it started (`make serve` / `make serve-mlflow`) and is {key_file} its key file?")
+        time.sleep(1.0)
+
+
 def served(endpoint: Endpoint, texts: list[str], concurrency: int, duration: float, max_requests: int,
            malformed_share: float, poison: Sequence[tuple[str, bytes, str]], reuse: bool = True) -> dict[str, Any]:
     """Closed-loop clients, each on its own `Connection`: each sends one request, waits for the answer, sends the
@@ -341,6 +363,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-connection-per-request", action="store_true",
                         help="open and close a connection for every request instead of keeping one per client")
     parser.add_argument("--no-in-process", action="store_true", help="skip the in-process comparison")
+    parser.add_argument("--ready-timeout", type=float, default=120.0,
+                        help="seconds to wait for the server to answer a first valid review before measuring")
     parser.add_argument("--out", type=Path, help="default: benchmarks/results/serve_load-<server>.json")
     args = parser.parse_args(argv)
     url = args.url or DEFAULT_URLS[args.server]
@@ -350,15 +374,13 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("--malformed-share must be in [0, 1)")
 
     from pipeline.core.machine import isa_record
-    from serving.client import inference_key
-
     with zipfile.ZipFile(args.mar) as mar:
         config = json.loads(mar.read("serving.json"))
     ts_batching = torchserve_batching(args.ts_config)
     batch_size = args.batch_size or int(ts_batching.get("batchSize", 8))
     poison = malformed_bodies(int(config["max_body_bytes"]), int(config["max_texts"]), args.server)
     texts = _texts(args.imdb_dir, 512)
-    endpoint = Endpoint(args.server, url, inference_key(args.key_file) if args.server == "torchserve" else None)
+    endpoint = answering_endpoint(args.server, url, args.key_file, texts[0], args.ready_timeout)
     reuse = not args.new_connection_per_request
     rows = []
     for concurrency in args.concurrency:

@@ -9,7 +9,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from benchmarks.serve_load import Connection, Endpoint, malformed_bodies, table, targets, torchserve_batching
+from benchmarks.serve_load import (
+    Connection,
+    Endpoint,
+    answering_endpoint,
+    malformed_bodies,
+    table,
+    targets,
+    torchserve_batching,
+)
 from pipeline.deployment.protocol import RequestError
 from pipeline.deployment.request_parsing import parse_request
 from tests import factories
@@ -146,3 +154,15 @@ def test_a_connection_per_request_when_asked(stand_in):
 def test_no_server_is_no_answer_not_a_crash():
     client = Connection(Endpoint("mlflow", "http://127.0.0.1:9"), timeout=2.0)
     assert client.post(b"{}", "application/json") == (None, None)
+
+
+def test_a_sweep_waits_for_its_server_and_refuses_to_measure_one_that_never_answers(stand_in, tmp_path):
+    """`answering_endpoint`: the key file read as the server writes it; a server that refuses every valid review
+    (here: no server on the port) stops the sweep with what it answered, instead of a table of errors."""
+    endpoint, state = stand_in
+    key_file = tmp_path / "key_file.json"
+    key_file.write_text(json.dumps({"inference": {"key": "fresh"}, "management": {"key": "m"}, "API": {"key": "a"}}))
+    ready = answering_endpoint("torchserve", endpoint.url, key_file, "a fine film", timeout=5)
+    assert ready.key == "fresh" and state["seen"][-1][0] == "Bearer fresh"
+    with pytest.raises(SystemExit, match="did not answer a valid review within 0 s"):
+        answering_endpoint("mlflow", f"http://127.0.0.1:{factories.free_port()}", key_file, "a fine film", timeout=0)

@@ -57,7 +57,7 @@ def test_real_reviews_get_transformers_ids_and_special_ids(saved, tokenizer, rev
     assert [w.tolist() for w in windows[0]] == [w.tolist() for w in windows[1]]
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.text(min_size=1, max_size=300), min_size=1, max_size=4))
 def test_any_text_gets_transformers_ids(saved, tokenizer, texts):
     light = SavedTokenizer.from_dir(saved)
