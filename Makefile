@@ -20,10 +20,10 @@ export TORCHAO_FORCE_SKIP_LOADING_SO_FILES := 1
 # transformers and MLflow again: the commands here write it, into this checkout's .venv and git-ignored __pycache__.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: run test test-all test-gpu venv venv-spark lint dvc-deps docs mlflow-ui serve serve-mlflow stop plots score
+.PHONY: run test test-all test-gpu venv venv-spark venv-all lint dvc-deps docs mlflow-ui serve serve-mlflow stop plots score
 
-# The venv with an up-to-date pip; the two installs below start from it and run side by side under `make test`
-# (`$(MAKE) -j2 venv venv-spark`): pip spends most of an install on one core, and the two sets share no package.
+# The venv with an up-to-date pip; the two installs below start from it and run side by side where both are needed
+# (`venv-all`): pip spends most of an install on one core, and the two sets share no package.
 $(PIP_STAMP):
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
@@ -48,6 +48,10 @@ $(SPARK_STAMP): requirements-spark.txt | $(PIP_STAMP)
 
 venv-spark: $(SPARK_STAMP)
 
+# Both installs, side by side (for `make test`, `make test-all` and `make score`).
+venv-all:
+	@$(MAKE) --no-print-directory -j2 venv venv-spark
+
 ## run: the whole DVC pipeline on params.yaml (`dvc repro`). PROFILE=name checks profiles/name.yaml, then
 ## `dvc exp run -S +profiles=name` composes it over params.yaml (DVC's Hydra composition, `.dvc/config`): an
 ## experiment DVC records, which rewrites params.yaml without comments (`git checkout params.yaml` returns).
@@ -69,14 +73,12 @@ run: venv
 ## torchrun stay; SIGTERM and changed-param resumes, 2-process DDP, the benchmark scripts end to end and the
 ## torch.compile'd peers go); `make test-all` runs them too.
 TEST_WORKERS ?= 2
-test:
-	@$(MAKE) --no-print-directory -j2 venv venv-spark
+test: venv-all
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not slow" $(PYTEST_ARGS)
 
 ## test-all: `make test` plus the tests marked `slow`.
-test-all:
-	@$(MAKE) --no-print-directory -j2 venv venv-spark
+test-all: venv-all
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
@@ -122,7 +124,7 @@ serve-mlflow: venv
 ## when it ends in .csv): the id column (ID_COLUMN=name, else an added row_id), label, score, and error for a row the
 ## request contract refuses (pipeline/deployment/batch_scoring.py; docs/serving.md, "Scoring a file or a table").
 MASTER ?= local[*]
-score: venv venv-spark
+score: venv-all
 	@test -n "$(INPUT)" -a -n "$(OUTPUT)" || { echo "usage: make score INPUT=reviews.parquet OUTPUT=scored.parquet"; exit 2; }
 	$(BIN)/python -m pipeline.deployment.batch_scoring --input "$(INPUT)" --output "$(OUTPUT)" --master "$(MASTER)" \
 		$(if $(MODEL_URI),--model-uri "$(MODEL_URI)") $(if $(ID_COLUMN),--id-column "$(ID_COLUMN)") --params params.yaml

@@ -27,7 +27,9 @@ from pipeline.core.io import write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: Run in the fresh process: load, answer one review, report. CPU time is the process's own (user + system).
+#: Run in the fresh process: load, answer one review, report. CPU time is the process's own (user + system). It
+#: reads VmHWM itself rather than through `pipeline.evaluation.memory_probe`: `--code` may name a checkout that
+#: predates that module.
 PROBE = """
 import json, os, sys, time
 t0 = time.perf_counter()
