@@ -129,12 +129,17 @@ score: venv-all
 	$(BIN)/python -m pipeline.deployment.batch_scoring --input "$(INPUT)" --output "$(OUTPUT)" --master "$(MASTER)" \
 		$(if $(MODEL_URI),--model-uri "$(MODEL_URI)") $(if $(ID_COLUMN),--id-column "$(ID_COLUMN)") --params params.yaml
 
-## serve: start TorchServe on 127.0.0.1:8080 with model_store/sentiment.mar (`make run` builds it); stop: `make stop`.
+## serve: start TorchServe on 127.0.0.1:8080 with model_store/sentiment.mar (`make run` builds it) and return once it
+## answers a review (`serving.health --predict`); stop: `make stop`.
 ## Logs: logs/*.log (serving/log4j2.xml: appended across restarts, rotated at 10 MB); logs/torchserve.out gets warnings
 serve: venv
 	@test -f model_store/sentiment.mar || { echo "model_store/sentiment.mar missing: run 'make run' first"; exit 1; }
 	mkdir -p logs && $(BIN)/torchserve --start --ncs --ts-config serving/config.properties --model-store model_store \
 		--log-config serving/log4j2.xml >> logs/torchserve.out 2>&1 < /dev/null
+	@# `torchserve --start` returns before the worker has loaded the model and written key_file.json (a call without
+	@# the key gets 400): wait until one review is answered, so the next command can call the server.
+	@for i in $$(seq 180); do $(BIN)/python -m serving.health --predict > /dev/null 2>&1 && exit 0; sleep 1; done; \
+		echo "TorchServe answered no review within 3 minutes: see logs/torchserve.out and logs/model_log.log"; exit 1
 	@echo "inference key: key_file.json; try: $(BIN)/python -m serving.client 'a wonderful film'"
 
 stop: venv

@@ -163,10 +163,11 @@ class Connection:
 
 
 def answering_endpoint(server: str, url: str, key_file: Path, text: str, timeout: float) -> Endpoint:
-    """The endpoint once one valid review gets its label. `make serve` returns before TorchServe has written its
-    key file and loaded the model (requests without the key get 400 until then), and `make serve-mlflow` before its
-    model is loaded: a valid request is sent once a second, the key file read again each time, until `timeout`.
-    SystemExit with the last answer otherwise, so a sweep never measures a server that refuses every request."""
+    """The endpoint once one valid review gets its label. A server may still be starting (`make serve-mlflow` in
+    the background; a TorchServe started without `make serve`, which waits, answers 400 until its worker has
+    written the key file): a valid request is sent once a second, the key file read again each time, until
+    `timeout`. SystemExit with the last answer otherwise, so a sweep never measures a server that refuses every
+    request."""
     from serving.client import inference_key
 
     deadline = time.monotonic() + timeout
