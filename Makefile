@@ -34,6 +34,11 @@ $(STAMP): requirements.txt pyproject.toml | $(PIP_STAMP)
 	@# first import of each compiles into the venv (PYTHONDONTWRITEBYTECODE is lifted below); compiling them all ahead
 	@# (pip's default, or compileall on every core) cost a fresh machine a minute more than that.
 	$(BIN)/python -m pip install --quiet --no-compile -r requirements.txt
+	@# OpenVINO's model conversion and NNCF send usage events to Google Analytics, from a process forked per event
+	@# (about 0.7 s of each conversion, and connections this network refuses). As the variables at the top do for MLflow
+	@# and Hugging Face, the commands here send none; OpenVINO's only switch is the consent file that its
+	@# `opt_in_out --opt_out` writes in ~/intel. A choice already made there is left as it is.
+	@test -e "$$HOME/intel/openvino_telemetry" || $(BIN)/opt_in_out --opt_out >/dev/null || true
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 

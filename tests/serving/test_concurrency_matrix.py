@@ -2,7 +2,8 @@
 variant of `matrix` (one per runtime and batching path, plus the variant the default profile serves, whichever it
 is), at 8 and 32 concurrent clients sending real IMDB reviews of mixed lengths, one or several per request: no
 valid request fails, and every answer equals the same review scored alone in-process (same label, score within
-1e-4). The MLflow server once failed 88 % of requests at 8 clients ("Infer Request is busy" from a shared
+1e-4); TorchServe's answers name their archive's version and variant, the OpenVINO IR's as every other. The MLflow
+server once failed 88 % of requests at 8 clients ("Infer Request is busy" from a shared
 OpenVINO request, answered 400)."""
 
 from __future__ import annotations
@@ -56,11 +57,14 @@ def post(url: str, body: dict[str, Any], headers: dict[str, str]) -> tuple[int, 
         return err.code, err.read().decode("utf-8", "replace")[:300]
 
 
-def check(answers: list[tuple[int, Any]], reviews: list[str], expected: list[Prediction], where: str) -> None:
+def check(answers: list[tuple[int, Any]], reviews: list[str], expected: list[Prediction], where: str,
+          model: str | None = None) -> None:
+    """Every request answered, each review as alone; `model`: what each answer must name as its model."""
     failed = [(i, a) for i, a in enumerate(answers) if a[0] != 200]
     assert not failed, f"{where}: {len(failed)} of {len(answers)} valid requests failed, e.g. {failed[:3]}"
     for i, (_, predictions) in enumerate(answers):
         for k, got in zip(request_texts(i, reviews), predictions, strict=True):
+            assert model is None or got["model"] == model, (where, i, k, got.get("model"))
             assert got["label"] == expected[k].label, (where, i, k)
             assert abs(got["score"] - expected[k].score) <= 1e-4, (where, i, k, got["score"], expected[k].score)
 
@@ -91,4 +95,6 @@ def test_torchserve_answers_every_concurrent_caller_as_the_review_alone(matrix, 
             return post(url, {"texts": [reviews[k] for k in request_texts(i, reviews)]},
                         {"Authorization": f"Bearer {server.key}"})
 
-        check(concurrently(send, REQUESTS_PER_LEVEL, level), reviews, alone[name], f"torchserve {name} at {level}")
+        # each archive answers as its registry version and variant (the matrix packages version 1 of each)
+        check(concurrently(send, REQUESTS_PER_LEVEL, level), reviews, alone[name], f"torchserve {name} at {level}",
+              model=f"imdb-sentiment:v1/{name}")

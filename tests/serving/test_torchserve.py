@@ -243,32 +243,6 @@ def test_worker_killed_and_replaced(server):
     assert now - old, "no new worker process"
 
 
-def test_an_openvino_archive_is_served_and_answers_like_its_predictor(built, tmp_path):
-    """int8-openvino (OpenVINO IR, NNCF INT8; the quantize stage's build of the tiny model) is servable: its `.mar`,
-    served by a TorchServe of its own started as `make serve` starts it, answers with the same labels and scores as
-    `SentimentPredictor` on its directory."""
-    import shutil
-
-    from pipeline.core.params import PackageParams
-    from pipeline.deployment.archive import build_archive
-    from pipeline.selection import ServedChoice
-    from tests.factories import SERVING_LIMITS
-    from tests.serving.conftest import running_torchserve
-
-    variant = tmp_path / "variants" / "int8-openvino"
-    shutil.copytree(built["dirs"]["int8-openvino"], variant)
-    build_archive(variant, ServedChoice("int8-openvino", "test"), {"name": "imdb-sentiment", "version": "8"},
-                  PackageParams(**SERVING_LIMITS), tmp_path / "ts" / "model_store" / "sentiment.mar")
-    texts = ["a wonderful, moving film", "dull and far too long", "fine"]
-    with running_torchserve(tmp_path / "ts", variant) as ov_server:
-        status, body = ov_server.predict({"texts": texts})
-    assert status == 200, body
-    expected = SentimentPredictor(variant).predict(texts)
-    assert [b["model"] for b in body] == ["imdb-sentiment:v8/int8-openvino"] * 3
-    assert [b["label"] for b in body] == [e.label for e in expected]
-    assert [b["score"] for b in body] == pytest.approx([e.score for e in expected], abs=1e-4)
-
-
 def test_client_recovers_from_a_replaced_key_through_the_key_file(server):
     """TorchServe's token API replaces the inference key (as on expiry); a client holding the old key retries
     once with the key file's new one. Runs last: the module's server key changes."""

@@ -50,21 +50,51 @@ def test_profiles_hold_only_keys_that_differ(profile):
     assert not same, f"{profile.name} repeats default values: {same}"
 
 
-@pytest.mark.parametrize("profile", PROFILES, ids=lambda p: p.stem)
-def test_profile_overrides_round_trip_through_dvc_exp_run(profile, tmp_path):
-    """`make run PROFILE=...` passes these arguments to `dvc exp run`, whose Hydra composition (the repo's
-    `.dvc/config`) must write params.yaml merged with what the profile says."""
+def _hydra_repo(d: Path) -> None:
+    """params.yaml, profiles/ and the repo's `.dvc/config` (DVC's Hydra composition) copied into `d`."""
     import shutil
+
+    shutil.copy(ROOT / "params.yaml", d / "params.yaml")
+    shutil.copytree(ROOT / "profiles", d / "profiles")
+    (d / ".dvc").mkdir()
+    shutil.copy(ROOT / ".dvc" / "config", d / ".dvc" / "config")
+
+
+@pytest.mark.parametrize("profile", PROFILES, ids=lambda p: p.stem)
+def test_dvcs_hydra_composition_of_each_profile_is_params_merged_with_it(profile, tmp_path):
+    """What `dvc exp run -S +profiles=<name>` writes into params.yaml, composed in this process by the function DVC
+    calls for it (`dvc.utils.hydra.compose_and_dump`) with the repo's `.dvc/config` settings: params.yaml merged with
+    what the profile says. (`test_a_profile_round_trips_through_dvc_exp_run` runs the real command once.)"""
+    import configparser
+
+    from dvc.utils.hydra import compose_and_dump
+
+    _hydra_repo(tmp_path)
+    hydra = configparser.ConfigParser()
+    hydra.read(tmp_path / ".dvc" / "config")
+    args = profile_overrides(profile)
+    assert args[0] == "-S" and len(args) == 2, args
+    compose_and_dump(tmp_path / "params.yaml", str(tmp_path / hydra["hydra"]["config_dir"]), None,
+                     hydra["hydra"]["config_name"], str(tmp_path), [args[1]])
+    expected = parse_params(with_overrides(dataclasses.asdict(Params()), read_profile(profile)))
+    assert load_params(tmp_path / "params.yaml") == expected
+
+
+def test_a_profile_round_trips_through_dvc_exp_run(tmp_path):
+    """`make run PROFILE=...` passes these arguments to `dvc exp run`, whose Hydra composition (the repo's
+    `.dvc/config`) must write params.yaml merged with what the profile says: the real command, on the profile
+    `make test` runs end to end (every profile's composition: the test above)."""
     import subprocess
     import sys
 
+    profile = ROOT / "profiles" / "mini.yaml"
     dvc = str(Path(sys.executable).with_name("dvc"))
     env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t",
            "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(tmp_path)}
-    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
-    shutil.copytree(ROOT / "profiles", tmp_path / "profiles")
+    _hydra_repo(tmp_path)
     (tmp_path / "dvc.yaml").write_text("stages:\n  s:\n    cmd: echo ok\n    params: [data, model, train, quantize]\n")
-    for cmd in (["git", "init", "-q"], [dvc, "init", "-q"], ["cp", str(ROOT / ".dvc" / "config"), ".dvc/config"],
+    for cmd in (["git", "init", "-q"], [dvc, "init", "-q", "--force"], ["cp", str(ROOT / ".dvc" / "config"),
+                                                                          ".dvc/config"],
                 ["git", "add", "-A"], ["git", "commit", "-qm", "i"]):
         subprocess.run(cmd, cwd=tmp_path, env=env, check=True, capture_output=True)
     proc = subprocess.run([dvc, "exp", "run", *profile_overrides(profile)], cwd=tmp_path, env=env,

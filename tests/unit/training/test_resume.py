@@ -1,7 +1,9 @@
 """Training that survives its process: the finetune stage killed (SIGKILL), stopped (SIGTERM) or re-run with other
 settings, and a 2-process gloo torchrun job that loses a worker; real stage processes on the tiny BERT.
 
-The uninterrupted reference run is shared by the tests of this module (one stage process)."""
+What an uninterrupted run of `TRAIN` gives is known without running one: `STEPS` optimizer steps over
+`SAMPLES` reviews, one curve row and one logged loss per step (1 to `STEPS`), and a test accuracy of 1.0 on the
+synthetic splits. The killed run, resumed, must give the same."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from tests.factories import ROOT, free_port, write_tokenized
 TRAIN = {"epochs": 3, "batch_size": 8, "eval_batch_size": 32, "lr": 3e-3, "accelerator": "cpu", "warmup_ratio": 0.0,
          "val_checks_per_epoch": 1, "max_length": None, "checkpoint_every_n_steps": 10, "threads": 1}
 STEPS = 3 * 600 // 8
+SAMPLES = 3 * 600
 
 
 @pytest.fixture(scope="module")
@@ -105,16 +108,7 @@ def _stage_runs(d: Path) -> list:
     return runs
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, tokenized) -> Path:
-    d = tmp_path_factory.mktemp("uninterrupted")
-    _params(d)
-    proc = _run(d, tokenized)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return d
-
-
-def test_resume_after_sigkill_mid_epoch_reaches_the_same_step_count(tmp_path, tokenized, uninterrupted):
+def test_resume_after_sigkill_mid_epoch_reaches_the_same_step_count(tmp_path, tokenized):
     _params(tmp_path)
     rc, log = _interrupt(tmp_path, tokenized, signal.SIGKILL, min_step=30)
     assert rc == -signal.SIGKILL, log[-2000:]
@@ -126,20 +120,19 @@ def test_resume_after_sigkill_mid_epoch_reaches_the_same_step_count(tmp_path, to
 
     proc = _run(tmp_path, tokenized)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    m, ref = _metrics(tmp_path), _metrics(uninterrupted)
+    m = _metrics(tmp_path)
     assert m["resumed"] is True and m["resumed_from_step"] == saved_step, m["resume_reason"]
     assert f"resuming from step {saved_step}" in proc.stderr
-    assert m["train_steps"] == ref["train_steps"] == STEPS
-    assert m["train_samples_seen"] == ref["train_samples_seen"]  # every batch once: none repeated, none skipped
-    assert _curve_steps(tmp_path) == _curve_steps(uninterrupted)  # the curve continues, one row per step
-    assert abs(m["test_accuracy"] - ref["test_accuracy"]) <= 0.05
+    assert m["train_steps"] == STEPS
+    assert m["train_samples_seen"] == SAMPLES  # every batch once: none repeated, none skipped
+    assert _curve_steps(tmp_path) == list(range(1, STEPS + 1))  # the curve continues, one row per step
+    assert m["test_accuracy"] >= 0.95  # learned as the uninterrupted run does (1.0)
     assert not (tmp_path / "checkpoints" / "finetune").exists()  # finished: nothing left to resume from
     # MLflow: the resumed run holds the whole curve, each logged step once, and closes the killed attempt
     killed, resumed = _stage_runs(tmp_path)
     assert resumed.data.tags["resume.continues"] == killed.info.run_id
     assert killed.info.status == "KILLED" and killed.data.tags["resume.continued_by"] == resumed.info.run_id
-    ref_run = _stage_runs(uninterrupted)[0]
-    assert _mlflow_steps(tmp_path, resumed.info.run_id) == _mlflow_steps(uninterrupted, ref_run.info.run_id)
+    assert _mlflow_steps(tmp_path, resumed.info.run_id) == list(range(1, STEPS + 1))
     assert resumed.data.metrics["resumed_from_step"] == saved_step
 
 
