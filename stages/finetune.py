@@ -24,13 +24,15 @@ def finetune(
 ) -> None:
     """Finetune the model; under `train.launcher: torchrun` this process only launches the workers."""
     from pipeline.training import elastic
-    from pipeline.training.checkpoints import is_rank_zero
-    from pipeline.training.finetune import FinetuneOutputs, run_finetune
 
     params = stage.params
     if params.train.launcher == "torchrun" and not elastic.under_torchelastic():
-        # this process only launches: the workers torchrun starts run this stage again, as a group
+        # this process only launches: the workers torchrun starts run this stage again, as a group. It imports none
+        # of the training code, so it holds no torch in memory (nor spends its import) while the group trains.
         raise SystemExit(elastic.launch(params.train, ["-m", "stages.finetune", *sys.argv[1:]]))
+    from pipeline.training.checkpoints import is_rank_zero
+    from pipeline.training.finetune import FinetuneOutputs, run_finetune
+
     outputs = FinetuneOutputs(model_dir=model_dir, metrics_path=metrics, plots_dir=plots, report_dir=reports,
                               predictions_path=test_predictions)
     run_finetune(tokenized_dir=tokenized, outputs=outputs, all_params=params, precision=stage.auto.precision,

@@ -56,14 +56,19 @@ def resolved_train(all_params: Params, precision: Choice) -> TrainParams:
     return dataclasses.replace(all_params.train, precision=precision.value)
 
 
+def checkpoint_store(train: TrainParams) -> CheckpointStore:
+    """Where finetune's checkpoints go (`train.checkpoint_dir/finetune`) and how often (the one place that says so:
+    the plan, the training loop and the MLflow attempt all read this store)."""
+    return CheckpointStore.for_job(train, "finetune")
+
+
 def finetune_plan(tokenized_dir: Path, all_params: Params, precision: Choice) -> ResumePlan:
     """Whether finetune resumes from `train.checkpoint_dir/finetune` (its fingerprint: the data, model and training
     settings that shape the weights, the tokenized splits, the training code) or starts fresh, and why. The
     precision is the resolved one: the same settings trained in bf16 elsewhere are another trajectory."""
     settings = {"data": to_dict(all_params.data), "model": to_dict(all_params.model),
                 "train": trajectory_settings(to_dict(resolved_train(all_params, precision)))}
-    return CheckpointStore.for_job(all_params.train, "finetune").plan(fingerprint(settings, [tokenized_dir]),
-                                                                      all_params.train.resume)
+    return checkpoint_store(all_params.train).plan(fingerprint(settings, [tokenized_dir]), all_params.train.resume)
 
 
 def finetune(tokenized_dir: Path, outputs: FinetuneOutputs, all_params: Params, precision: Choice,
@@ -87,7 +92,7 @@ def finetune(tokenized_dir: Path, outputs: FinetuneOutputs, all_params: Params, 
                          "the length the splits were tokenized to")
     started = time.perf_counter()
     plan = plan or finetune_plan(tokenized_dir, all_params, precision)
-    store = CheckpointStore.for_job(params, "finetune")
+    store = checkpoint_store(params)
     seed_run(params)  # before the classifier head is initialised
     tokenizer = load_tokenizer(model_params)
     model = load_model(model_params, seed=params.seed, attention_dropout=params.attention_dropout)
@@ -178,7 +183,7 @@ def run_finetune(*, tokenized_dir: Path, outputs: FinetuneOutputs, all_params: P
     plan = finetune_plan(tokenized_dir, all_params, precision)
     with stage_run(run_context, "finetune", system_metrics=all_params.mlflow.system_metrics) as run:
         run.log_sections({name: to_dict(getattr(all_params, name)) for name in ("data", "model", "train")})
-        start_attempt(run, plan, CheckpointStore.for_job(all_params.train, "finetune"))
+        start_attempt(run, plan, checkpoint_store(all_params.train))
         result = finetune(tokenized_dir, outputs, all_params, precision, metric_sink=run.log_steps, plan=plan)
         run.log_metrics(result.metrics)
         run.set_tags({"train.precision.resolved": result.metrics["precision"]})

@@ -1,8 +1,13 @@
 """Unit: a review gets the same label and score alone and inside any batch (server-side batching puts one client's
 review beside other clients' reviews and their padding), for every variant the package stage may serve, built
-from the tiny BERT and scored on real IMDB reviews of mixed lengths through `SentimentPredictor`."""
+from the tiny BERT and scored on real IMDB reviews of mixed lengths through `SentimentPredictor` (the opt-in stages'
+variants in the slow tier, `OPT_IN`)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -10,17 +15,33 @@ import pytest
 
 from pipeline.core.params import ExportParams, Params, PruneParams
 from pipeline.deployment.inference import SentimentPredictor
-from pipeline.runtimes.catalog import VARIANTS
+from pipeline.runtimes.catalog import VARIANTS, spec
 from tests.factories import weight_format_here
 
 SERVABLE = [v.name for v in VARIANTS if v.servable]
+#: Built only by the opt-in stages (prune, distill): the tiny model's builds of these repeat the recipes of the
+#: default's variants (`fused_dynamic_int8`, `onnx_variant`, NNCF), so `make test` checks the default's and the slow
+#: tier (`make test-all`) builds and checks these too.
+OPT_IN = [n for n in SERVABLE if spec(n).stage in ("prune", "distill")]
 TOLERANCE = 1e-4
 
 
+def servable(name: str) -> Any:
+    return pytest.param(name, id=name, marks=[pytest.mark.slow] if name in OPT_IN else [])
+
+
 @pytest.fixture(scope="module")
-def servable_dirs(built, tiny_model_dir, tmp_path_factory):
-    """Every servable variant of the tiny model: the shared build plus int8-pruned and the distilled pair (the
-    tiny model standing in for a student: the same recipes, `fused_dynamic_int8` and `onnx_variant`)."""
+def default_dirs(built) -> dict[str, Path]:
+    """Every servable variant the default run builds, from the shared build of the tiny model."""
+    dirs = {n: d for n, d in built["dirs"].items() if n in SERVABLE and n not in OPT_IN}
+    assert sorted(dirs) == sorted(set(SERVABLE) - set(OPT_IN))
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def opt_in_dirs(built, tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
+    """int8-pruned and the distilled pair, built from the tiny model by their stages' code (the tiny model standing
+    in for a student: the same recipes, `fused_dynamic_int8` and `onnx_variant`)."""
     from pipeline.variants.distilled import run_distilled_variants
     from pipeline.variants.prune import run_prune
 
@@ -30,11 +51,13 @@ def servable_dirs(built, tiny_model_dir, tmp_path_factory):
               weight_format=weight_format_here())
     run_distilled_variants(student_dir=tiny_model_dir, tokenized=built["tokenized"], variants_root=root,
                            params=Params(export=ExportParams(parity_samples=8)), weight_format=weight_format_here())
-    dirs = {**{n: d for n, d in built["dirs"].items() if n in SERVABLE},
-            **{n: root / n for n in ("int8-pruned", "fp32-distilled", "int8-distilled",
-                                              "int8-distilled-openvino")}}
-    assert sorted(dirs) == sorted(SERVABLE)
-    return dirs
+    return {n: root / n for n in OPT_IN}
+
+
+@pytest.fixture
+def variant_dir(request, default_dirs) -> Callable[[str], Path]:
+    """The directory of a servable variant by name; the opt-in ones are built on first use."""
+    return lambda name: default_dirs[name] if name in default_dirs else request.getfixturevalue("opt_in_dirs")[name]
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +82,9 @@ def mixed_batches(n: int, seed: int = 0) -> list[np.ndarray]:
     return batches
 
 
-@pytest.mark.parametrize("name", SERVABLE)
-def test_a_review_gets_the_same_answer_alone_and_in_any_batch(name, servable_dirs, reviews):
-    predictor = SentimentPredictor(servable_dirs[name])
+@pytest.mark.parametrize("name", [servable(n) for n in SERVABLE])
+def test_a_review_gets_the_same_answer_alone_and_in_any_batch(name, variant_dir, reviews):
+    predictor = SentimentPredictor(variant_dir(name))
     alone = np.concatenate([positive_probability(predictor, [r]) for r in reviews])
     for idx in mixed_batches(len(reviews)):
         batched = positive_probability(predictor, [reviews[i] for i in idx])
@@ -69,30 +92,35 @@ def test_a_review_gets_the_same_answer_alone_and_in_any_batch(name, servable_dir
         assert ((batched > 0.5) == (alone[idx] > 0.5)).all(), (name, len(idx))
 
 
-def test_the_record_says_how_each_servable_variant_is_batched_and_why(servable_dirs):
+@pytest.mark.parametrize("name", [servable(n) for n in SERVABLE])
+def test_the_record_says_how_each_servable_variant_is_batched_and_why(name, variant_dir):
     from pipeline.runtimes.batch_invariance import per_tensor_dynamic_ops
     from pipeline.runtimes.record import model_file, read_variant, variant_batching
 
-    for name, directory in servable_dirs.items():
-        info = read_variant(directory)
-        record = variant_batching(directory)
-        assert info.params["served_batching"] == record["served_batching"]
-        dynamic = info.format == "onnx" and per_tensor_dynamic_ops(model_file(directory, info))
-        assert record["served_batching"] == ("rows" if dynamic else "batched"), name
-        assert ("DynamicQuantizeLinear" in record["served_batching_reason"]) == bool(dynamic), name
-    # int8-openvino's INT8 is static: batched, and the test above checks its answers do not move
-    assert "static INT8" in read_variant(servable_dirs["int8-openvino"]).params["served_batching_reason"]
-    # the default recipes: int8-dynamic quantizes every activation per batch, int8-static its FFN down-projections
-    assert read_variant(servable_dirs["int8-dynamic"]).params["served_batching"] == "rows"
-    assert read_variant(servable_dirs["int8-static"]).params["served_batching"] == "rows"
-    assert read_variant(servable_dirs["fp32-onnx"]).params["served_batching"] == "batched"
+    directory = variant_dir(name)
+    info = read_variant(directory)
+    record = variant_batching(directory)
+    assert info.params["served_batching"] == record["served_batching"]
+    dynamic = info.format == "onnx" and per_tensor_dynamic_ops(model_file(directory, info))
+    assert record["served_batching"] == ("rows" if dynamic else "batched"), name
+    assert ("DynamicQuantizeLinear" in record["served_batching_reason"]) == bool(dynamic), name
+    expected = {
+        "int8-openvino": "batched",  # static INT8: batched, and the test above checks its answers do not move
+        "int8-dynamic": "rows",  # every activation quantized per batch
+        "int8-static": "rows",  # its FFN down-projections quantized per batch
+        "fp32-onnx": "batched",
+    }
+    if name in expected:
+        assert info.params["served_batching"] == expected[name]
+    if name == "int8-openvino":
+        assert "static INT8" in info.params["served_batching_reason"]
 
 
-def test_per_batch_activation_scales_are_why_rows_are_scored_alone(servable_dirs, reviews):
+def test_per_batch_activation_scales_are_why_rows_are_scored_alone(default_dirs, reviews):
     """Forced into one call per batch, int8-dynamic's scores move with their neighbours (the reason its record
     gives); scored row by row they do not move at all."""
-    one_call = SentimentPredictor(servable_dirs["int8-dynamic"], batching="batched")
-    rows = SentimentPredictor(servable_dirs["int8-dynamic"])
+    one_call = SentimentPredictor(default_dirs["int8-dynamic"], batching="batched")
+    rows = SentimentPredictor(default_dirs["int8-dynamic"])
     assert rows.runner.rows_alone and not one_call.runner.rows_alone
     alone = np.concatenate([positive_probability(one_call, [r]) for r in reviews])
     together = positive_probability(one_call, reviews)
@@ -100,10 +128,10 @@ def test_per_batch_activation_scales_are_why_rows_are_scored_alone(servable_dirs
     assert np.array_equal(positive_probability(rows, reviews), alone)
 
 
-def test_rows_scored_alone_ignore_their_padding_wherever_it_is(servable_dirs):
+def test_rows_scored_alone_ignore_their_padding_wherever_it_is(default_dirs):
     from pipeline.runtimes.registry import load_runner
 
-    runner = load_runner(servable_dirs["int8-dynamic"])
+    runner = load_runner(default_dirs["int8-dynamic"])
     ids = np.array([[101, 2307, 2143, 102, 0, 0], [0, 0, 101, 2307, 2143, 102], [101, 2307, 2143, 102, 7, 8]])
     mask = np.array([[1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
     logits = runner(ids, mask)

@@ -6,16 +6,12 @@ from pathlib import Path
 
 import torch
 
-from pipeline.modeling import load_finetuned
 from pipeline.runtimes.ort import OrtRunner
 from pipeline.runtimes.registry import load_runner
-from pipeline.variants.export import export_onnx
 
 
-def test_ort_session_threads(tmp_path, tiny_model_dir):
-    model, _, _ = load_finetuned(tiny_model_dir)
-    export_onnx(model, tmp_path / "m.onnx", 32)
-    runner = OrtRunner(tmp_path / "m.onnx", threads=1)
+def test_ort_session_threads(built):
+    runner = OrtRunner(built["dirs"]["fp32-onnx"] / "model.onnx", threads=1)
     assert runner.session.get_session_options().intra_op_num_threads == 1
     assert runner.describe() == {"runtime": "onnxruntime", "threads": 1, "optimization": "all", "batching": "batched"}
 

@@ -191,6 +191,24 @@ def _workers(pid: int) -> list:
     return out
 
 
+def test_the_torchrun_launcher_process_imports_no_training_code(tmp_path, tokenized):
+    """Under `train.launcher: torchrun` the stage's own process only starts torchrun and waits for the group: it must
+    not import torch or Lightning (seconds of CPU, and their memory held for the whole training)."""
+    _params(tmp_path, launcher="torchrun", strategy="ddp", devices=2)
+    argv = _cmd(tmp_path, tokenized)[3:]  # what follows `python -m stages.finetune`
+    probe = ("import sys\n"
+             "from pipeline.training import elastic\n"
+             "elastic.launch = lambda train, program: print('loaded:', sorted({'torch', 'lightning', 'transformers'}"
+             " & set(sys.modules)), program[:2]) or 0\n"
+             "from pipeline.core.stage import stage_main\n"
+             "from stages.finetune import finetune\n"
+             f"stage_main('finetune', finetune, {argv!r})\n")
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "loaded: [] ['-m', 'stages.finetune']" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+
+
 def test_elastic_torchrun_restarts_a_lost_worker_and_finishes(tmp_path, tokenized):
     """2 gloo workers under torchrun; one is SIGKILLed after a checkpoint: the agent restarts the group, which
     resumes from the checkpoint and ends with the same step count as one uninterrupted 2-process run."""
