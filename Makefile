@@ -77,20 +77,15 @@ run: venv
 ## The tests marked `slow` are left out: more whole-process runs beside the ones kept (SIGKILL resume and elastic
 ## torchrun stay; SIGTERM and changed-param resumes, 2-process DDP, the benchmark scripts end to end and the
 ## torch.compile'd peers go); `make test-all` runs them too.
-## The tests' processes wait for OpenMP work passively (OMP_WAIT_POLICY=PASSIVE): the workers and the processes they
-## start share the cores, and PyTorch's OpenMP threads that spin while they wait (OpenMP's default) take the cores
-## from each other's work. `make run`, one stage at a time on free cores, keeps the default, which is faster there
-## (docs/testing.md has both measurements).
 TEST_WORKERS ?= 2
-TEST_ENV := OMP_WAIT_POLICY=PASSIVE
 test: venv-all
 	$(BIN)/ruff check .
-	$(TEST_ENV) $(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not slow" $(PYTEST_ARGS)
 
 ## test-all: `make test` plus the tests marked `slow`.
 test-all: venv-all
 	$(BIN)/ruff check .
-	$(TEST_ENV) $(BIN)/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 ## test-gpu: the tests marked `gpu` (tests/gpu: mixed-precision and compiled training on CUDA, exports from CUDA,
 ## TensorRT engines); each skips, with its reason, where no CUDA device or no `tensorrt` is present.
