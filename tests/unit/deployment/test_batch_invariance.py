@@ -27,6 +27,7 @@ TOLERANCE = 1e-4
 
 
 def servable(name: str) -> Any:
+    """`name` as a parametrize value, marked `slow` where only an opt-in stage builds it."""
     return pytest.param(name, id=name, marks=[pytest.mark.slow] if name in OPT_IN else [])
 
 
