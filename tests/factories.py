@@ -49,6 +49,19 @@ def shared_across_workers(base: Path, name: str, build: Callable[[Path], None]) 
     return directory
 
 
+def migrated_tracking_store(directory: Path) -> None:
+    """`directory/mlflow.db`: an MLflow SQLite store as MLflow leaves a new database after migrating its schema, less
+    the Default experiment, which MLflow creates on the next open at that store's own location."""
+    import sqlite3
+
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    store = SqlAlchemyStore(f"sqlite:///{directory / 'mlflow.db'}", str(directory / "mlruns"))
+    store.engine.dispose()
+    with contextlib.closing(sqlite3.connect(directory / "mlflow.db")) as db, db:
+        db.execute("DELETE FROM experiments")
+
+
 def synthetic_reviews(n: int, seed: int = 0) -> pd.DataFrame:
     """Short labelled reviews whose sentiment is carried by a few words (learnable in seconds)."""
     rng = np.random.default_rng(seed)

@@ -168,7 +168,7 @@ CHAMPION_TIMEOUTS_S = 3.0
 
 
 @pytest.fixture(scope="session")
-def champion(tmp_path_factory, tiny_model_dir, built):
+def champion(tmp_path_factory, tiny_model_dir, built, tracking_store):
     """The tiny model's fp32-onnx variant evaluated, packaged as `imdb-sentiment@champion`, and
     `python -m serving.mlflow_server` serving `models:/imdb-sentiment@champion` with the test limits. It runs
     from a directory outside the checkout: the model carries its own code, only the launcher comes from it."""
@@ -176,7 +176,7 @@ def champion(tmp_path_factory, tiny_model_dir, built):
     from pipeline.deployment.archive import run_package_stage
 
     work = tmp_path_factory.mktemp("mlflow-serve")
-    store = f"sqlite:///{work / 'mlflow.db'}"
+    store = tracking_store(work / "mlflow.db")
     params = Params(mlflow=MlflowParams(tracking_uri=store))
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(work)
@@ -259,7 +259,7 @@ MATRIX_VARIANTS = ("fp32-onnx", "int8-dynamic", "int8-openvino", "fp32-torchscri
 
 
 @pytest.fixture(scope="session")
-def matrix(tmp_path_factory, tiny_model_dir, built):
+def matrix(tmp_path_factory, tiny_model_dir, built, tracking_store):
     """The concurrency matrix's servers: the tiny model's `MATRIX_VARIANTS` plus the default's served variant, built
     by the export and quantize stages' own code (copied from `built`), logged as MLflow models by the evaluate
     stage's code, then one
@@ -280,7 +280,7 @@ def matrix(tmp_path_factory, tiny_model_dir, built):
         pytest.fail(f"the default serves {served} (built by the {spec(served).stage} stage): give the concurrency "
                     "matrix a builder for it in tests/serving/conftest.py")
     work = tmp_path_factory.mktemp("matrix")
-    store = f"sqlite:///{work / 'mlflow.db'}"
+    store = tracking_store(work / "mlflow.db")
     params = Params(mlflow=MlflowParams(tracking_uri=store))
     tok = write_tokenized(work / "tok", {"test": 16})
     dirs = {n: work / "variants" / n for n in names}

@@ -61,9 +61,9 @@ def test_only_the_tracking_registry_and_served_model_modules_talk_to_mlflow():
     assert offenders == []
 
 
-def test_tracked_stage_logs_params_metrics_tags_and_artifacts(tmp_path, monkeypatch):
+def test_tracked_stage_logs_params_metrics_tags_and_artifacts(tmp_path, monkeypatch, tracking_store):
     monkeypatch.chdir(tmp_path)
-    params = Params(mlflow=MlflowParams(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="unit"))
+    params = Params(mlflow=_store(tracking_store(tmp_path / "mlflow.db")))
     report_file = tmp_path / "report.json"
     report_file.write_text("{}")
     report = {"tensorrt-fp16": {"status": "skipped", "reason": "no CUDA"}, "size": {"mb": 2.5}, "flag": True}
@@ -84,12 +84,13 @@ def test_tracked_stage_logs_params_metrics_tags_and_artifacts(tmp_path, monkeypa
 
 
 def test_a_new_experiments_artifacts_sit_beside_its_sqlite_store_whatever_the_working_directory(tmp_path,
-                                                                                                   monkeypatch):
+                                                                                                   monkeypatch,
+                                                                                                   tracking_store):
     elsewhere, store = tmp_path / "elsewhere", tmp_path / "store"
     elsewhere.mkdir()
     store.mkdir()
     monkeypatch.chdir(elsewhere)
-    params = Params(mlflow=MlflowParams(tracking_uri=f"sqlite:///{store / 'mlflow.db'}", experiment="unit"))
+    params = Params(mlflow=_store(tracking_store(store / "mlflow.db")))
     report_file = tmp_path / "report.json"
     report_file.write_text("{}")
     tracked_stage(start_tracking(params.mlflow, run_id="unit-artifacts"), params=params, stage="probe",
@@ -97,8 +98,8 @@ def test_a_new_experiments_artifacts_sit_beside_its_sqlite_store_whatever_the_wo
     assert list((store / "mlruns").rglob("report.json")) and not list(elsewhere.iterdir())
 
 
-def _store(tmp_path: Path, name: str = "mlflow.db") -> MlflowParams:
-    return MlflowParams(tracking_uri=f"sqlite:///{tmp_path / name}", experiment="unit")
+def _store(uri: str) -> MlflowParams:
+    return MlflowParams(tracking_uri=uri, experiment="unit")
 
 
 def busy_stage(stage: StageContext, report: Annotated[Path, typer.Option(help="a file for the parent run")]) -> None:
@@ -113,14 +114,14 @@ def busy_stage(stage: StageContext, report: Annotated[Path, typer.Option(help="a
         log_parent_artifact(stage.run_context, report, artifact_path="comparison")
 
 
-def test_a_stage_process_looks_its_parent_run_up_once_and_points_mlflow_once(tmp_path, monkeypatch):
+def test_a_stage_process_looks_its_parent_run_up_once_and_points_mlflow_once(tmp_path, monkeypatch, tracking_store):
     """However many runs and parent-run writes a stage makes, its process searches the store for the parent once
     and sets MLflow's tracking URI once (where the stage starts), and never sets an experiment globally."""
     from pipeline.core.stage import stage_main
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PIPELINE_RUN_ID", "unit-once")
-    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    store = tracking_store(tmp_path / "mlflow.db")
     (tmp_path / "params.yaml").write_text(f"mlflow:\n  tracking_uri: {store}\n  experiment: unit-once\n")
     (tmp_path / "report.md").write_text("# report\n")
     calls = {"search_runs": 0, "set_tracking_uri": 0, "set_experiment": 0}
@@ -154,11 +155,11 @@ def test_a_stage_process_looks_its_parent_run_up_once_and_points_mlflow_once(tmp
     assert len(client.list_artifacts(parents[0].info.run_id, "comparison")) == 2  # report.md and the table
 
 
-def test_one_run_id_is_one_parent_run_and_another_run_id_another(tmp_path, monkeypatch):
+def test_one_run_id_is_one_parent_run_and_another_run_id_another(tmp_path, monkeypatch, tracking_store):
     """Resolving a context finds the parent of its run id or creates it, through a client on the params' store:
     MLflow's process-wide tracking URI and the environment are left as they were."""
     monkeypatch.chdir(tmp_path)
-    params = _store(tmp_path)
+    params = _store(tracking_store(tmp_path / "mlflow.db"))
     environment, global_uri = dict(os.environ), mlflow.get_tracking_uri()
     first = resolve_run_context(params, run_id="exec-1")
     again = resolve_run_context(params, run_id="exec-1")
@@ -173,10 +174,11 @@ def test_one_run_id_is_one_parent_run_and_another_run_id_another(tmp_path, monke
     assert {r.info.status for r in parents} == {"FINISHED"}
 
 
-def test_the_environment_names_the_tracking_store_and_the_experiment_opens_as_model_training(tmp_path, monkeypatch):
+def test_the_environment_names_the_tracking_store_and_the_experiment_opens_as_model_training(tmp_path, monkeypatch,
+                                                                                             tracking_store):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'from-env.db'}")
-    params = _store(tmp_path, "from-params.db")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_store(tmp_path / "from-env.db"))
+    params = _store(f"sqlite:///{tmp_path / 'from-params.db'}")
     assert tracking_uri(params) == f"sqlite:///{tmp_path / 'from-env.db'}"
     with stage_run(start_tracking(params, run_id="unit-env"), "probe") as run:
         run.log_metrics({"x": 1.0})
@@ -189,12 +191,13 @@ def test_the_environment_names_the_tracking_store_and_the_experiment_opens_as_mo
     assert tracking_uri(params) == params.tracking_uri
 
 
-def test_a_predictor_model_loads_as_pyfunc_and_answers_like_the_predictor(tmp_path, monkeypatch, tiny_model_dir):
+def test_a_predictor_model_loads_as_pyfunc_and_answers_like_the_predictor(tmp_path, monkeypatch, tiny_model_dir,
+                                                                           tracking_store):
     from pipeline.deployment.inference import SentimentPredictor
     from pipeline.deployment.mlflow_model import EXAMPLE_REVIEWS, local_model, log_predictor_model, runtime_requirements
 
     monkeypatch.chdir(tmp_path)
-    context = start_tracking(_store(tmp_path), run_id="unit-model")
+    context = start_tracking(_store(tracking_store(tmp_path / "mlflow.db")), run_id="unit-model")
     with stage_run(context, "evaluate", run_name="fp32-eager") as run:
         ref = log_predictor_model(run, "fp32-eager", tiny_model_dir, SentimentPredictor, EXAMPLE_REVIEWS,
                                   {"max_chars": 64, "threads": 1}, runtime_requirements("eager"),
@@ -229,9 +232,9 @@ def test_a_predictor_model_loads_as_pyfunc_and_answers_like_the_predictor(tmp_pa
     assert not (tmp_path / "elsewhere.db").exists()
 
 
-def test_registering_adds_versions_and_the_alias_moves(tmp_path, monkeypatch, tiny_model_dir):
+def test_registering_adds_versions_and_the_alias_moves(tmp_path, monkeypatch, tiny_model_dir, tracking_store):
     monkeypatch.chdir(tmp_path)
-    params = _store(tmp_path)
+    params = _store(tracking_store(tmp_path / "mlflow.db"))
     store = params.tracking_uri
     context = start_tracking(params, run_id="unit-registry")
     versions = []
@@ -249,9 +252,9 @@ def test_registering_adds_versions_and_the_alias_moves(tmp_path, monkeypatch, ti
     assert not ref.files and external.tags["artifact_pointer"] == str(tiny_model_dir.resolve())
 
 
-def test_parent_run_carries_the_summary_and_the_table(tmp_path, monkeypatch):
+def test_parent_run_carries_the_summary_and_the_table(tmp_path, monkeypatch, tracking_store):
     monkeypatch.chdir(tmp_path)
-    context = start_tracking(_store(tmp_path), run_id="unit-parent")
+    context = start_tracking(_store(tracking_store(tmp_path / "mlflow.db")), run_id="unit-parent")
     parent = log_parent_summary(context, metrics={"served_p50_ms": 3.5, "test_accuracy": 0.9, "skipped": "text"},
                                 tags={"served_variant": "int8-static"})
     log_parent_table(context, rows=[{"variant": "a", "p50": 1.0}, {"variant": "b", "p50": 2.0}],
@@ -264,10 +267,11 @@ def test_parent_run_carries_the_summary_and_the_table(tmp_path, monkeypatch):
     assert table["variant"].tolist() == ["a", "b"] and table["p50"].tolist() == [1.0, 2.0]
 
 
-def test_a_logged_dataset_has_a_digest_of_its_content(tmp_path, monkeypatch):
+def test_a_logged_dataset_has_a_digest_of_its_content(tmp_path, monkeypatch, tracking_store):
     monkeypatch.chdir(tmp_path)
     frame = pd.DataFrame({"text": ["good", "bad"], "label": [1, 0]})
-    with stage_run(start_tracking(_store(tmp_path), run_id="unit-data"), "prepare") as run:
+    context = start_tracking(_store(tracking_store(tmp_path / "mlflow.db")), run_id="unit-data")
+    with stage_run(context, "prepare") as run:
         first = run.log_dataset(frame, "imdb-train", "training", str(tmp_path), targets="label")
         second = run.log_dataset(frame.assign(label=[0, 1]), "imdb-test", "test", str(tmp_path), targets="label")
     assert first != second

@@ -15,7 +15,7 @@ from pipeline.modeling import load_tokenizer
 from tests.factories import synthetic_reviews
 
 
-def test_prepare_logs_every_split_as_a_dataset_input(tmp_path, monkeypatch):
+def test_prepare_logs_every_split_as_a_dataset_input(tmp_path, monkeypatch, tracking_store):
     monkeypatch.chdir(tmp_path)
     source = tmp_path / "imdb"
     source.mkdir()
@@ -24,7 +24,7 @@ def test_prepare_logs_every_split_as_a_dataset_input(tmp_path, monkeypatch):
     params = Params(data=DataParams(local_dir=str(source), train_count=50, val_count=20, train_subsample=None,
                                     val_subsample=None, test_subsample=None, max_length=32),
                     model=ModelParams(source="tiny"),
-                    mlflow=MlflowParams(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="unit-prep"))
+                    mlflow=MlflowParams(tracking_uri=tracking_store(tmp_path / "mlflow.db"), experiment="unit-prep"))
     run_prepare_stage(params=params, tokenizer=load_tokenizer(params.model), prepared_dir=tmp_path / "prepared",
                       tokenized_dir=tmp_path / "tokenized", metrics_path=tmp_path / "prepare.json",
                       run_context=start_tracking(params.mlflow, run_id="unit-prepare"))

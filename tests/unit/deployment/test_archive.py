@@ -27,9 +27,10 @@ def _serving_json(mar) -> dict:
         return json.loads(archive.read("serving.json"))
 
 
-def test_package_registers_versions_and_moves_the_champion_alias(built, tiny_model_dir, tmp_path, monkeypatch):
+def test_package_registers_versions_and_moves_the_champion_alias(built, tiny_model_dir, tmp_path, monkeypatch,
+                                                                 tracking_store):
     monkeypatch.chdir(tmp_path)
-    tracking = MlflowParams(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="unit-package")
+    tracking = MlflowParams(tracking_uri=tracking_store(tmp_path / "mlflow.db"), experiment="unit-package")
     store = tracking.tracking_uri
     context = start_tracking(tracking, run_id="unit-package")  # as each stage process does, once
     dirs = {n: built["dirs"][n] for n in NAMES}

@@ -71,7 +71,7 @@ def spark():
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory, built):
+def model(tmp_path_factory, built, tracking_store):
     """The tiny model's int8-dynamic variant (ONNX Runtime, as the default run's champion often is) logged as the
     evaluate stage logs a variant (`log_variant_model`: a `ContractPredictor` pyfunc, one thread) and registered
     as imdb-sentiment@champion in a store of its own. Spark's Python workers load it without torch or transformers
@@ -83,7 +83,7 @@ def model(tmp_path_factory, built):
     from pipeline.deployment.mlflow_model import log_variant_model
 
     work = tmp_path_factory.mktemp("batch-scoring-model")
-    store = MlflowParams(tracking_uri=f"sqlite:///{work / 'mlflow.db'}", experiment="unit")
+    store = MlflowParams(tracking_uri=tracking_store(work / "mlflow.db"), experiment="unit")
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(work)
         # mlflow.set_tracking_uri also exports the store as MLFLOW_TRACKING_URI: set here, it is removed on leaving

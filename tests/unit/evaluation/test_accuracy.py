@@ -79,7 +79,8 @@ def test_reference_row_reuses_the_finetune_logits_only_for_the_same_split(built,
         score_variants(tiny_model_dir, {}, built["tokenized"], params, reference_predictions=tmp_path / "none.npz")
 
 
-def test_every_built_variant_is_an_mlflow_model_with_its_scores(built, tiny_model_dir, tmp_path, monkeypatch):
+def test_every_built_variant_is_an_mlflow_model_with_its_scores(built, tiny_model_dir, tmp_path, monkeypatch,
+                                                                 tracking_store):
     """Deployable variants within `evaluate.artifact_max_mb` are pyfunc models holding their files; larger ones,
     the FP32 reference and GPU-only variants are external models; skipped variants get none. Each model carries
     its variant's scores, and each entry the model's id."""
@@ -90,7 +91,7 @@ def test_every_built_variant_is_an_mlflow_model_with_its_scores(built, tiny_mode
     from pipeline.evaluation.accuracy import log_variant_runs
 
     monkeypatch.chdir(tmp_path)
-    tracking = MlflowParams(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="unit-evaluate")
+    tracking = MlflowParams(tracking_uri=tracking_store(tmp_path / "mlflow.db"), experiment="unit-evaluate")
     dirs = {n: built["dirs"][n] for n in ("fp32-onnx", "int8-static", "tensorrt-fp16")}
     results = score_variants(tiny_model_dir, dirs, built["tokenized"], EvaluateParams(batch_size=16))
     limit = (results["fp32-onnx"]["size_mb"] + results["int8-static"]["size_mb"]) / 2  # fp32-onnx is above it

@@ -124,7 +124,7 @@ def test_a_disabled_student_leaves_skipped_records(tmp_path):
 
 @pytest.mark.parametrize(("enabled", "skipped"), [("auto", True), (True, False)])
 def test_auto_skips_a_student_that_would_train_in_fp32_on_the_cpu_and_says_why(tmp_path, monkeypatch, enabled,
-                                                                               skipped):
+                                                                               skipped, tracking_store):
     """`distill.enabled: auto` where the CPU trains in 32-true: no teacher is read, the record, the metrics and
     the MLflow run say what `auto` resolved to and why; `true` trains the student whatever the precision."""
     import mlflow
@@ -147,7 +147,7 @@ def test_auto_skips_a_student_that_would_train_in_fp32_on_the_cpu_and_says_why(t
                               "teacher_labelling_autocast": "none"}, tmp_path / "student")
 
     monkeypatch.setattr(distill_module, "distill", fake_distill)
-    tracking = MlflowParams(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="unit-distill",
+    tracking = MlflowParams(tracking_uri=tracking_store(tmp_path / "mlflow.db"), experiment="unit-distill",
                             system_metrics=False)
     params = Params(train=TrainParams(precision="32-true", accelerator="cpu",
                                       checkpoint_dir=str(tmp_path / "checkpoints")),  # not the checkout's

@@ -89,7 +89,8 @@ def test_no_bucketing_with_grad_accum(tmp_path, tokenized_dir):
     assert rows[-1].split(",")[0] == "6"  # 12 batches, accumulated in pairs -> 6 optimizer steps
 
 
-def test_finetune_run_samples_the_machine_load_and_registers_nothing(tmp_path, tokenized_dir, monkeypatch):
+def test_finetune_run_samples_the_machine_load_and_registers_nothing(tmp_path, tokenized_dir, monkeypatch,
+                                                                    tracking_store):
     import mlflow
 
     from pipeline.core.params import MlflowParams
@@ -98,7 +99,7 @@ def test_finetune_run_samples_the_machine_load_and_registers_nothing(tmp_path, t
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.2")  # MLflow's default is 10 s
-    tracking = MlflowParams(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="unit-finetune")
+    tracking = MlflowParams(tracking_uri=tracking_store(tmp_path / "mlflow.db"), experiment="unit-finetune")
     out = tmp_path / "out"
     train = TrainParams(**{**TINY_TRAIN, "epochs": 1, "checkpoint_dir": str(tmp_path / "ckpt")})
     all_params = Params(data=DataParams(max_length=64), model=ModelParams(source="tiny"), train=train,

@@ -108,7 +108,8 @@ def _stage_runs(d: Path) -> list:
     return runs
 
 
-def test_resume_after_sigkill_mid_epoch_reaches_the_same_step_count(tmp_path, tokenized):
+def test_resume_after_sigkill_mid_epoch_reaches_the_same_step_count(tmp_path, tokenized, tracking_store):
+    tracking_store(tmp_path / "mlflow.db")
     _params(tmp_path)
     rc, log = _interrupt(tmp_path, tokenized, signal.SIGKILL, min_step=30)
     assert rc == -signal.SIGKILL, log[-2000:]
@@ -137,7 +138,8 @@ def test_resume_after_sigkill_mid_epoch_reaches_the_same_step_count(tmp_path, to
 
 
 @pytest.mark.slow  # a real finetune process (or two) per test: `make test-all`
-def test_preempt_sigterm_writes_a_checkpoint_and_exits_143(tmp_path, tokenized):
+def test_preempt_sigterm_writes_a_checkpoint_and_exits_143(tmp_path, tokenized, tracking_store):
+    tracking_store(tmp_path / "mlflow.db")
     _params(tmp_path, checkpoint_every_n_steps=5)
     rc, log = _interrupt(tmp_path, tokenized, signal.SIGTERM, min_step=5)
     assert rc == 128 + signal.SIGTERM, log[-3000:]
@@ -154,7 +156,8 @@ def test_preempt_sigterm_writes_a_checkpoint_and_exits_143(tmp_path, tokenized):
 
 
 @pytest.mark.slow  # a real finetune process (or two) per test: `make test-all`
-def test_resume_starts_fresh_when_a_param_changed(tmp_path, tokenized):
+def test_resume_starts_fresh_when_a_param_changed(tmp_path, tokenized, tracking_store):
+    tracking_store(tmp_path / "mlflow.db")
     _params(tmp_path)
     rc, log = _interrupt(tmp_path, tokenized, signal.SIGKILL, min_step=10)
     assert rc == -signal.SIGKILL, log[-2000:]
@@ -209,9 +212,10 @@ def test_the_torchrun_launcher_process_imports_no_training_code(tmp_path, tokeni
     assert "loaded: [] ['-m', 'stages.finetune']" in proc.stdout, proc.stdout + proc.stderr[-2000:]
 
 
-def test_elastic_torchrun_restarts_a_lost_worker_and_finishes(tmp_path, tokenized):
+def test_elastic_torchrun_restarts_a_lost_worker_and_finishes(tmp_path, tokenized, tracking_store):
     """2 gloo workers under torchrun; one is SIGKILLed after a checkpoint: the agent restarts the group, which
     resumes from the checkpoint and ends with the same step count as one uninterrupted 2-process run."""
+    tracking_store(tmp_path / "mlflow.db")
     _params(tmp_path, launcher="torchrun", strategy="ddp", devices=2, max_restarts=2,
             rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_id="elastic-test", epochs=2,
             eval_batch_size=16)  # 32 validation reviews: one batch for each rank
