@@ -1,6 +1,8 @@
 # Two commands set everything up on a fresh machine: `make run` (the pipeline) and `make test`.
 SHELL := /bin/bash
 PYTHON ?= python3
+# $(PYTHON) as found on the caller's PATH, before the venv's bin goes first on it (below).
+HOST_PYTHON := $(shell command -v $(PYTHON) || echo $(PYTHON))
 VENV := .venv
 BIN := $(abspath $(VENV))/bin
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | cksum | cut -d' ' -f1)
@@ -27,8 +29,8 @@ unexport PYTHONDONTWRITEBYTECODE
 # pip and gets it from $(PYTHON)'s own pip (`--python`, pip 22.3 and later): venv's bundled pip compiles itself on
 # install only to be replaced (about 13 s against 3 s); a $(PYTHON) whose pip cannot falls back to ensurepip.
 $(PIP_STAMP):
-	@test -x $(BIN)/python || $(PYTHON) -m venv --without-pip $(VENV)
-	@$(PYTHON) -m pip --python $(BIN)/python install --quiet --no-compile --upgrade pip 2> /dev/null \
+	@test -x $(BIN)/python || $(HOST_PYTHON) -m venv --without-pip $(VENV)
+	@$(HOST_PYTHON) -m pip --python $(BIN)/python install --quiet --no-compile --upgrade pip 2> /dev/null \
 		|| { $(BIN)/python -m ensurepip --upgrade > /dev/null && $(BIN)/python -m pip install --quiet --upgrade pip; }
 	@touch $@
 
