@@ -57,8 +57,7 @@ MODULE_GROUPS = {
 #: at the end while the other stood idle. Ordered by each scope's summed test seconds in a `make test` (the figures
 #: are in docs/testing.md); a stale entry only costs scheduling, never a test.
 LONG_FIRST = ("repro", "servers", "tests/unit/training/test_resume.py", "tests/unit/deployment/test_batch_scoring.py",
-              "tests/unit/deployment/test_batch_invariance.py", "tests/unit/training/test_distill.py",
-              "tests/unit/runtimes/test_readout.py")
+              "tests/unit/deployment/test_batch_invariance.py", "tests/unit/runtimes/test_readout.py")
 CHECKOUT_BEFORE = pytest.StashKey[set[str]]()
 #: What the test tools themselves keep in the working directory (pytest's and hypothesis's caches, git-ignored).
 TOOL_CACHES = {".pytest_cache", ".hypothesis"}

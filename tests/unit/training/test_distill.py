@@ -57,6 +57,7 @@ def distilled(tmp_path_factory):
     return {"root": root, "result": result, "report": report, "teacher": teacher_dir}
 
 
+@pytest.mark.slow  # the opt-in distill stage's whole build (the default profile leaves it off): `make test-all`
 def test_distill_writes_a_student_with_its_record(distilled):
     from pipeline.modeling import load_finetuned
 
@@ -78,6 +79,7 @@ def test_distill_writes_a_student_with_its_record(distilled):
     assert (distilled["root"] / "distill-plots" / "train.csv").is_file()
 
 
+@pytest.mark.slow  # the opt-in distill stage's whole build (the default profile leaves it off): `make test-all`
 def test_student_variants_pass_the_teachers_checks(distilled):
     from pipeline.runtimes.base import pad_batch
     from pipeline.runtimes.record import read_variant

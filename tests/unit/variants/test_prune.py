@@ -20,6 +20,7 @@ def test_params_validated():
         PruneParams(damp=0.0)
 
 
+@pytest.mark.slow  # the opt-in prune stage's whole build (the default profile leaves it off): `make test-all`
 def test_pruned_variant_built_and_described(tmp_path, tiny_model_dir, tokenized_dir):
     from pipeline.runtimes.base import pad_batch
     from pipeline.runtimes.registry import load_runner
