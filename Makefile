@@ -86,8 +86,8 @@ run: venv
 ## miniature pipeline run (the longest fixture) goes on while the other tests run beside it; tests/conftest.py
 ## schedules by module and keeps the modules that share a slow fixture in one worker (MODULE_GROUPS).
 ## TEST_WORKERS=0 runs them all in this process. Lint (ruff) runs first, so CI, which runs `make test`, lints too.
-## The tests marked `slow` are left out: more whole-process runs beside the ones kept (SIGKILL resume and elastic
-## torchrun stay; SIGTERM and changed-param resumes, 2-process DDP, the benchmark scripts end to end, the
+## The tests marked `slow` are left out: more whole-process runs beside the ones kept (the SIGKILL resume stays;
+## SIGTERM and changed-param resumes, the elastic torchrun group, 2-process DDP, the benchmark scripts end to end, the
 ## torch.compile'd peers and the opt-in prune and distill stages' builds go); `make test-all` runs them too.
 TEST_WORKERS ?= 2
 test: venv-all

@@ -212,6 +212,10 @@ def test_the_torchrun_launcher_process_imports_no_training_code(tmp_path, tokeni
     assert "loaded: [] ['-m', 'stages.finetune']" in proc.stdout, proc.stdout + proc.stderr[-2000:]
 
 
+# Four training processes (two rounds of two workers), about 80 s of CPU: `make test-all`. `make test` keeps the
+# torchrun command and its environment (tests/unit/training/test_resume_store.py), the launcher's imports (above) and
+# the single-process SIGKILL resume.
+@pytest.mark.slow
 def test_elastic_torchrun_restarts_a_lost_worker_and_finishes(tmp_path, tokenized, tracking_store):
     """2 gloo workers under torchrun; one is SIGKILLed after a checkpoint: the agent restarts the group, which
     resumes from the checkpoint and ends with the same step count as one uninterrupted 2-process run."""
