@@ -155,8 +155,8 @@ serve: venv
 		--log-config serving/log4j2.xml >> logs/torchserve.out 2>&1 < /dev/null
 	@# `torchserve --start` returns before the worker has loaded the model and written key_file.json (a call without
 	@# the key gets 400): wait until one review is answered, so the next command can call the server.
-	@for i in $$(seq 180); do $(BIN)/python -m serving.health --predict > /dev/null 2>&1 && exit 0; sleep 1; done; \
-		echo "TorchServe answered no review within 3 minutes: see logs/torchserve.out and logs/model_log.log"; exit 1
+	@$(BIN)/python -m serving.health --predict --wait 180 || { echo "TorchServe answered no review within 3 minutes:" \
+		"see logs/torchserve.out and logs/model_log.log"; exit 1; }
 	@echo "inference key: key_file.json; try: $(BIN)/python -m serving.client 'a wonderful film'"
 
 stop: venv

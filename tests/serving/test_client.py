@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from serving.client import inference_key, predict
-from serving.health import probe
+from serving.health import probe, wait_until_healthy
 
 INVALID = {"code": 400, "type": "InvalidKeyException",
            "message": "Token Authorization failed. Token either incorrect, expired, or not provided correctly"}
@@ -144,3 +144,40 @@ def test_a_key_file_being_written_is_waited_for_not_mistaken_for_keys(tmp_path, 
         key_file.write_text(broken)
         with pytest.raises(KeyFileError, match=r"key_file\.json"):
             read_key_file(key_file, settle_s=0.2)
+
+
+def test_health_wait_probes_until_the_server_answers(fake):
+    """`--wait` (what `make serve` waits with): probes once a second while the server refuses, and stops at the
+    first healthy answer."""
+    state, url = fake
+    ready_key, state.valid_key = state.valid_key, "not-yet"  # the worker is still loading: every call is refused
+    sleeps: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        if len(sleeps) == 2:
+            state.valid_key = ready_key  # ready after the second wait
+
+    assert wait_until_healthy(url, state.key_file, None, predict=True, timeout=5, wait=60, sleep=sleep) == (
+        True, "/ping: Healthy; prediction: positive")
+    assert sleeps == [1.0, 1.0]
+
+
+def test_health_wait_gives_up_at_its_deadline_and_says_what_it_saw_last(fake, tmp_path):
+    state, url = fake
+    state.valid_key = "never"
+    now = [0.0]
+    sleeps: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        now[0] += seconds
+
+    assert wait_until_healthy(url, state.key_file, None, predict=True, timeout=5, wait=3, clock=lambda: now[0],
+                              sleep=sleep) == (False, f"/ping answered 400: {INVALID}")
+    assert sleeps == [1.0, 1.0, 1.0]
+    half_written = tmp_path / "half.json"
+    half_written.write_text('{"inference": ')  # a key file TorchServe is still writing, for longer than it settles
+    healthy, seen = wait_until_healthy(url, half_written, None, predict=False, timeout=5, wait=0)
+    assert not healthy and seen.startswith("key file not readable yet")
+
