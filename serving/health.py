@@ -24,11 +24,16 @@ from serving.client import KeyFileError, call_with_key_refresh, inference_key
 
 
 def probe(url: str, key_file: Path, management_url: str | None, predict: bool, timeout: float) -> tuple[bool, str]:
-    """(healthy, what was seen) for `/ping`, then optionally one prediction."""
-    key = inference_key(key_file)
+    """(healthy, what was seen) for `/ping`, then optionally one prediction. A key file still being written, a
+    refused connection and an answer cut short are each an unhealthy probe: all three happen while TorchServe
+    starts."""
+    try:
+        key = inference_key(key_file)
+    except KeyFileError as exc:
+        return False, f"key file not readable yet: {exc}"
     try:
         status, body, key = call_with_key_refresh("GET", f"{url}/ping", None, key, key_file, management_url, timeout)
-    except OSError as exc:
+    except (OSError, http.client.HTTPException) as exc:
         return False, f"/ping unreachable: {exc}"
     if status != 200 or not isinstance(body, dict) or body.get("status") != "Healthy":
         return False, f"/ping answered {status}: {body}"
@@ -38,7 +43,7 @@ def probe(url: str, key_file: Path, management_url: str | None, predict: bool, t
     try:
         status, body, _ = call_with_key_refresh("POST", f"{url}/predictions/sentiment", data, key, key_file,
                                                 management_url, timeout)
-    except OSError as exc:
+    except (OSError, http.client.HTTPException) as exc:
         return False, f"prediction unreachable: {exc}"
     if status != 200 or not isinstance(body, dict) or "label" not in body:
         return False, f"prediction answered {status}: {body}"
@@ -49,16 +54,10 @@ def wait_until_healthy(url: str, key_file: Path, management_url: str | None, pre
                        wait: float, interval: float = 1.0, clock: Callable[[], float] = time.monotonic,
                        sleep: Callable[[float], None] = time.sleep) -> tuple[bool, str]:
     """`probe` once every `interval` seconds until it says healthy or `wait` seconds have passed; (healthy, what
-    the last probe saw). A key file still being written and an answer cut short count as not healthy yet, as a
-    refused connection does: all three happen while TorchServe starts."""
+    the last probe saw)."""
     deadline = clock() + wait
     while True:
-        try:
-            healthy, seen = probe(url, key_file, management_url, predict, timeout)
-        except KeyFileError as exc:
-            healthy, seen = False, f"key file not readable yet: {exc}"
-        except http.client.HTTPException as exc:
-            healthy, seen = False, f"answer cut short: {exc!r}"
+        healthy, seen = probe(url, key_file, management_url, predict, timeout)
         if healthy or clock() >= deadline:
             return healthy, seen
         sleep(interval)
