@@ -38,8 +38,8 @@ from pipeline.deployment.spark_io import (
     input_format,
     progress_lines,
     read_input,
+    session_for,
     spark_path,
-    spark_session,
     write_output,
 )
 
@@ -216,8 +216,6 @@ def default_model_uri(params_path: Path) -> tuple[str, int, str]:
 
 def main(argv: list[str] | None = None) -> None:
     """Score the input; print the summary; exit 1 when the output's row count is not the input's."""
-    from pyspark.sql import SparkSession
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", required=True, help="a Parquet or CSV file, or a folder of them (any Spark path)")
     parser.add_argument("--output", required=True, help="where the answers go: Parquet, or CSV if it ends in .csv")
@@ -251,18 +249,14 @@ def main(argv: list[str] | None = None) -> None:
         except LookupError as exc:
             raise SystemExit(f"{exc}: run `make run` first (its package stage registers the champion) or pass "
                              "--model-uri") from None
-    owned = SparkSession.getActiveSession() is None  # a caller's session (a notebook's, a test's) is left running
-    spark = spark_session(args.master, args.task_threads, args.batch_rows)
-    try:
-        summary = score(spark, args.input, args.output, model_uri, id_column=args.id_column,
-                        text_column=args.text_column, max_chars=max_chars, input_fmt=args.format,
-                        partitions=args.partitions, env_manager=args.env_manager, overwrite=args.overwrite)
+    try:  # a caller's running session (a notebook's, a test's) is used and left running
+        with session_for(args.master, args.task_threads, args.batch_rows) as spark:
+            summary = score(spark, args.input, args.output, model_uri, id_column=args.id_column,
+                            text_column=args.text_column, max_chars=max_chars, input_fmt=args.format,
+                            partitions=args.partitions, env_manager=args.env_manager, overwrite=args.overwrite)
     except (RowCountMismatch, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
-    finally:
-        if owned:
-            spark.stop()
     print(f"scored {summary.input} with {summary.model_uri} on {summary.master} into {summary.output}: "
           f"{summary.rows_in} rows in, {summary.rows_out} out ({summary.scored} scored, {summary.errors} errors), "
           f"{summary.seconds:.1f} s, {summary.rows_per_s:.1f} rows/s ({summary.partitions} partitions; id column "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -127,3 +128,26 @@ def spark_session(master: str, task_threads: int = 1, batch_rows: int = BATCH_RO
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
     return spark
+
+
+@contextmanager
+def session_for(master: str, task_threads: int = 1, batch_rows: int = BATCH_ROWS,
+                shuffle_partitions: int | None = None) -> Iterator[SparkSession]:
+    """`spark_session` for the block. A session that was already running (a notebook's, a test's) is left running;
+    one started here is stopped at the end, and the SIGINT handler from before it is put back: SparkContext
+    installs its own (cancel every job, then KeyboardInterrupt) and `stop()` leaves it in place, where a Ctrl-C,
+    or the SIGINT pytest-xdist's execnet sends a worker still busy at shutdown, would fail inside it (`'NoneType'
+    object has no attribute 'sc'`) instead of interrupting."""
+    from pyspark.sql import SparkSession
+
+    owned = SparkSession.getActiveSession() is None
+    main_thread = threading.current_thread() is threading.main_thread()
+    handler = signal.getsignal(signal.SIGINT) if main_thread else None
+    spark = spark_session(master, task_threads, batch_rows, shuffle_partitions)
+    try:
+        yield spark
+    finally:
+        if owned:
+            spark.stop()
+            if handler is not None:  # None: installed outside Python, or not the main thread (Spark installed none)
+                signal.signal(signal.SIGINT, handler)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 
 import numpy as np
 import pandas as pd
@@ -65,9 +66,12 @@ def test_a_folder_of_csv_files_is_read_as_csv(tmp_path):
 
 @pytest.fixture(scope="module")
 def spark():
-    session = spark_io.spark_session("local[2]", task_threads=1, shuffle_partitions=2)
-    yield session
-    session.stop()
+    """One session for the module. Stopping it must put back the SIGINT handler SparkContext replaced."""
+    before = signal.getsignal(signal.SIGINT)
+    with spark_io.session_for("local[2]", task_threads=1, shuffle_partitions=2) as session:
+        assert signal.getsignal(signal.SIGINT) is not before  # pyspark's own while the context runs
+        yield session
+    assert signal.getsignal(signal.SIGINT) is before, "the SIGINT handler from before the session was not put back"
 
 
 @pytest.fixture(scope="module")
