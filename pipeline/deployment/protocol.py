@@ -45,6 +45,8 @@ TEXT_COLUMN = "text"
 TORCHSERVE_SHAPES = frozenset({"text", "texts", "plain"})
 MLFLOW_JSON_SHAPES = ("dataframe_split", "dataframe_records", "inputs", "instances")
 MLFLOW_SHAPES = frozenset({*MLFLOW_JSON_SHAPES, "csv"})
+#: Shapes that are a body of their own media type (text/plain, text/csv), never a key of a JSON body.
+NON_JSON_SHAPES = frozenset({"plain", "csv"})
 #: Response headers both servers add to every answer.
 VERSION_HEADER = "X-Model-Version"
 VARIANT_HEADER = "X-Model-Variant"

@@ -16,6 +16,7 @@ from pipeline.deployment.protocol import (
     JSON_MEDIA_TYPES,
     MAX_INT_BITS,
     MLFLOW_JSON_SHAPES,
+    NON_JSON_SHAPES,
     TEXT_COLUMN,
     TORCHSERVE_SHAPES,
     Limits,
@@ -35,7 +36,8 @@ def media_type(content_type: str | None) -> tuple[str, dict[str, str]]:
     parsed = {}
     for param in params:
         key, _, value = param.partition("=")
-        parsed[key.strip().lower()] = value.strip().strip('"').lower()
+        if key.strip():  # an empty parameter (`application/json;`) is allowed by RFC 9110 and means nothing
+            parsed[key.strip().lower()] = value.strip().strip('"').lower()
     return media.strip().lower(), parsed
 
 
@@ -59,8 +61,13 @@ def body_kind(content_type: str | None, shapes: frozenset[str]) -> str:
     charset = params.get("charset", "utf-8")
     if charset not in ("utf-8", "utf8"):
         raise RequestError(415, "only charset=utf-8 is accepted")
-    if set(params) - {"charset"}:
-        raise RequestError(415, "Content-Type parameters other than charset are not accepted")
+    allowed = {"charset", "header"} if media == "text/csv" else {"charset"}  # text/csv's header: RFC 4180
+    if set(params) - allowed:
+        raise RequestError(415, f"Content-Type parameters other than {' and '.join(sorted(allowed))} are not "
+                                "accepted")
+    if params.get("header", "present") != "present":
+        raise RequestError(415, f"text/csv with header={params['header']} is not accepted: the body needs a "
+                                f"header row, \"{TEXT_COLUMN}\"")
     if is_json_media_type(media):
         return "json"
     if media == "text/plain" and "plain" in shapes:
@@ -182,7 +189,7 @@ def _from_payload(payload: Any, limits: Limits, shapes: frozenset[str]) -> Parse
               else 'a "text" string or a "texts" list')
     if not isinstance(payload, dict):
         raise RequestError(400, f"JSON body must be an object with {wanted}, got {json_type(payload)}")
-    keys = [k for k in payload if k in shapes]
+    keys = [k for k in payload if k in shapes - NON_JSON_SHAPES]  # "plain" and "csv" name a media type, not a key
     if len(keys) > 1:
         raise RequestError(400, f"JSON body has {' and '.join(f'{chr(34)}{k}{chr(34)}' for k in keys)}; "
                                 f"send {wanted}")
@@ -200,7 +207,9 @@ def _from_payload(payload: Any, limits: Limits, shapes: frozenset[str]) -> Parse
         return ParsedRequest(check_texts(_split_column(value), limits, "data"), shape)
     if shape == "dataframe_records":
         return ParsedRequest(check_texts(_records_column(value, shape), limits, shape), shape)
-    return ParsedRequest(check_texts(_tensor_column(value, shape), limits, shape), shape)
+    if shape in ("inputs", "instances"):
+        return ParsedRequest(check_texts(_tensor_column(value, shape), limits, shape), shape)
+    raise AssertionError(f"JSON shape {shape!r} has no reader")  # a shape added to protocol but not here
 
 
 def _list(value: Any, where: str, what: str) -> list[Any]:
@@ -255,6 +264,11 @@ def _tensor_column(value: Any, where: str) -> list[Any]:
 def _csv_column(text: str, limits: Limits) -> list[str]:
     """The `text` column of a CSV body with that one column and a header row; read no further than one row past
     `max_texts` (413), so a body of a million short rows costs what a valid one does."""
+    # The csv module refuses a field over its limit (131,072 characters by default) before `check_text` can answer
+    # a long text with 413. No field of an accepted body is longer than the body, so the limit is raised to that.
+    # It is process-wide state: only ever raised, so concurrent requests never lower it under one another.
+    if csv.field_size_limit() < limits.max_body_bytes:
+        csv.field_size_limit(limits.max_body_bytes)
     try:
         rows = list(itertools.islice(csv.reader(io.StringIO(text, newline=""), strict=True), limits.max_texts + 2))
     except csv.Error as exc:

@@ -18,6 +18,7 @@ from pipeline.deployment.protocol import (
     INVISIBLE_CATEGORIES,
     MAX_ERROR_CHARS,
     MLFLOW_SHAPES,
+    NON_JSON_SHAPES,
     TORCHSERVE_SHAPES,
     Limits,
     RequestError,
@@ -130,12 +131,41 @@ def test_valid_bodies_in_every_form():
         (b"review\na\n", "text/csv", MLFLOW_SHAPES, 400, "header row"),
         (b'text\n"a",b\n', "text/csv", MLFLOW_SHAPES, 400, "2 fields"),
         (b"text\n" + b"a\n" * 5, "text/csv", MLFLOW_SHAPES, 413, "maximum of 4"),
+        (b"text\na\n", "text/csv; header=absent", MLFLOW_SHAPES, 415, "header=absent"),
+        (b'{"text": "a"}', "application/json; q=1", TORCHSERVE_SHAPES, 415, "other than charset"),
     ],
 )
 def test_the_contracts_refusals_name_the_problem(body, content_type, shapes, status, needle):
     with pytest.raises(RequestError) as err:
         parse_request(body, LIMITS, content_type, shapes)
     assert err.value.status == status and needle in err.value.message, err.value.message
+
+
+@pytest.mark.parametrize("shapes", [TORCHSERVE_SHAPES, MLFLOW_SHAPES])
+@pytest.mark.parametrize("key", sorted(NON_JSON_SHAPES))
+def test_a_media_type_shape_is_not_a_json_key(shapes, key):
+    """"plain" and "csv" name bodies of their own media type: as the key of a JSON body they are refused, never read
+    as a list whose answer would then be one object for several texts."""
+    for value in (["good", "bad", "ugly"], "good", {"text": ["good"]}):
+        with pytest.raises(RequestError) as err:
+            parse_request(json.dumps({key: value}).encode(), LIMITS, "application/json", shapes)
+        assert err.value.status == 400 and "needs" in err.value.message, err.value.message
+
+
+def test_content_type_parameters_the_rfcs_allow():
+    """An empty parameter (`application/json;`, RFC 9110) and text/csv's `header=present` (RFC 4180) are accepted."""
+    assert parse_request(b'{"text": "a"}', LIMITS, "application/json;").texts == ["a"]
+    assert parse_request(b'{"text": "a"}', LIMITS, "application/json; ; charset=utf-8").texts == ["a"]
+    assert parse_request(b"text\na\n", LIMITS, "text/csv; header=present", MLFLOW_SHAPES).texts == ["a"]
+
+
+def test_a_csv_text_longer_than_the_csv_modules_field_limit_is_a_413_for_its_length():
+    """The csv module's own field limit (131,072 characters by default) must not answer first with a 400."""
+    limits = factories.limits(max_body_bytes=400_000, max_chars_per_text=1_000)
+    body = b"text\n" + b"x" * 200_000 + b"\n"
+    with pytest.raises(RequestError) as err:
+        parse_request(body, limits, "text/csv", MLFLOW_SHAPES)
+    assert err.value.status == 413 and "characters" in err.value.message, err.value.message
 
 
 def test_the_largest_valid_request_of_each_shape_is_within_the_value_cap():
