@@ -31,16 +31,24 @@ def read_key_file(key_file: Path, settle_s: float = 2.0) -> dict[str, Any] | Non
         if not key_file.is_file():
             return None
         try:
-            keys = json.loads(key_file.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            keys = json.loads(key_file.read_bytes())
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError: cut off or being written
             problem = f"not complete JSON ({exc})"
+        except OSError as exc:  # removed or replaced since `is_file` (gone: None on the next pass), or unreadable
+            problem = f"not readable ({exc.strerror or exc})"
         else:
-            if isinstance(keys, dict) and isinstance(keys.get("inference"), dict) and "key" in keys["inference"]:
+            if isinstance(keys, dict) and has_key(keys, "inference"):
                 return keys
             problem = "no inference key in it"
         if time.monotonic() >= deadline:
             raise KeyFileError(f"{key_file}: {problem} after waiting {settle_s:g} s for TorchServe to write it")
         time.sleep(0.05)
+
+
+def has_key(keys: dict[str, Any], name: str) -> bool:
+    """Whether the key file's `name` entry (`inference`, `API`) holds a key string."""
+    entry = keys.get(name)
+    return isinstance(entry, dict) and isinstance(entry.get("key"), str)
 
 
 def inference_key(key_file: Path) -> str | None:
@@ -59,7 +67,7 @@ def refresh_inference_key(management_url: str, key_file: Path, timeout: float = 
     """Ask TorchServe for a new inference key with the API key (its token authorization API); the server writes
     the new key to its key file, which is read back. None when there is no key file or the API refuses."""
     keys = read_key_file(key_file)
-    if not keys or "API" not in keys:
+    if not keys or not has_key(keys, "API"):
         return None
     req = urllib.request.Request(f"{management_url}/token?type=inference",
                                  headers={"Authorization": f"Bearer {keys['API']['key']}"})
@@ -84,7 +92,7 @@ def request(method: str, url: str, data: bytes | None = None, key: str | None = 
         status, body = err.code, err.read()
     try:
         return status, json.loads(body or b"null")
-    except json.JSONDecodeError:
+    except ValueError:  # not JSON, or not UTF-8 (UnicodeDecodeError): the text as far as it decodes
         return status, body.decode("utf-8", "replace")
 
 

@@ -31,9 +31,9 @@ def probe(url: str, key_file: Path, management_url: str | None, predict: bool, t
         key = inference_key(key_file)
     except KeyFileError as exc:
         return False, f"key file not readable yet: {exc}"
-    try:
+    try:  # a refused key re-reads the key file, which may be being rewritten (KeyFileError)
         status, body, key = call_with_key_refresh("GET", f"{url}/ping", None, key, key_file, management_url, timeout)
-    except (OSError, http.client.HTTPException) as exc:
+    except (OSError, http.client.HTTPException, KeyFileError) as exc:
         return False, f"/ping unreachable: {exc}"
     if status != 200 or not isinstance(body, dict) or body.get("status") != "Healthy":
         return False, f"/ping answered {status}: {body}"
@@ -43,7 +43,7 @@ def probe(url: str, key_file: Path, management_url: str | None, predict: bool, t
     try:
         status, body, _ = call_with_key_refresh("POST", f"{url}/predictions/sentiment", data, key, key_file,
                                                 management_url, timeout)
-    except (OSError, http.client.HTTPException) as exc:
+    except (OSError, http.client.HTTPException, KeyFileError) as exc:
         return False, f"prediction unreachable: {exc}"
     if status != 200 or not isinstance(body, dict) or "label" not in body:
         return False, f"prediction answered {status}: {body}"

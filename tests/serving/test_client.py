@@ -26,6 +26,7 @@ class FakeTorchServe:
     def __init__(self, key_file: Path) -> None:
         self.key_file, self.api_key, self.generation = key_file, "api-key", 0
         self.refreshes, self.refresh_works = 0, True
+        self.ping_body: bytes | None = None  # what /ping answers instead of its JSON, when set
         self.valid_key = self.write_keys()
 
     def write_keys(self) -> str:
@@ -45,7 +46,7 @@ class FakeTorchServe:
         if auth != f"Bearer {self.valid_key}":
             return 400, INVALID
         if path == "/ping":
-            return 200, {"status": "Healthy"}
+            return 200, self.ping_body or {"status": "Healthy"}
         return 200, {"label": "positive", "score": 0.9, "model": "m"}
 
 
@@ -57,7 +58,7 @@ def fake(tmp_path) -> Iterator[tuple[FakeTorchServe, str]]:
         def _reply(self) -> None:
             self.rfile.read(int(self.headers.get("Content-Length") or 0))
             status, body = state.answer(self.path, self.headers.get("Authorization"))
-            data = b"" if body is None else json.dumps(body).encode()
+            data = b"" if body is None else body if isinstance(body, bytes) else json.dumps(body).encode()
             self.send_response(status)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
@@ -181,3 +182,37 @@ def test_health_wait_gives_up_at_its_deadline_and_says_what_it_saw_last(fake, tm
     healthy, seen = wait_until_healthy(url, half_written, None, predict=False, timeout=5, wait=0)
     assert not healthy and seen.startswith("key file not readable yet")
 
+
+
+def test_the_probe_answers_one_line_whatever_the_server_or_key_file_holds(fake, monkeypatch):
+    """`serving.health`'s contract (one line, exit 1) holds for an answer that is neither JSON nor UTF-8, a key
+    file cut off while a refused key is refreshed, and a key file whose API key is not a string."""
+    import serving.client
+    from serving.client import read_key_file, request
+
+    state, url = fake
+    state.ping_body = b"<html>\xe9\xff</html>"
+    assert request("GET", f"{url}/ping", key=state.valid_key) == (200, "<html>\ufffd\ufffd</html>")
+    healthy, seen = probe(url, state.key_file, url, predict=False, timeout=5)
+    assert not healthy and seen.startswith("/ping answered 200: <html>")
+    state.ping_body = None
+
+    key, whole = state.valid_key, state.key_file.read_text()
+    state.valid_key = "rotated"  # the probe's key is refused, so the refresh reads the key file again: cut off
+    reads: list[Path] = []
+
+    def read_then_cut_off(key_file: Path, settle_s: float = 2.0) -> dict | None:
+        reads.append(key_file)
+        if len(reads) > 1:
+            key_file.write_text(whole[:10])
+        return read_key_file(key_file, settle_s=0.1)
+
+    monkeypatch.setattr(serving.client, "read_key_file", read_then_cut_off)
+    healthy, seen = probe(url, state.key_file, url, predict=False, timeout=5)
+    assert not healthy and seen.startswith("/ping unreachable:") and "not complete JSON" in seen, seen
+    assert len(reads) == 2
+    monkeypatch.undo()
+
+    state.key_file.write_text(json.dumps({"inference": {"key": key}, "API": {"key": 5}}))
+    healthy, seen = probe(url, state.key_file, url, predict=False, timeout=5)  # no usable API key: no refresh
+    assert not healthy and seen == f"/ping answered 400: {INVALID}" and state.refreshes == 0
