@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
 import logging
 import logging.config
@@ -97,6 +98,9 @@ READY_TEXT = "readiness probe: a fine film"
 ERROR_KINDS = {400: "invalid_input", 404: "not_found", 405: "method_not_allowed", 408: "request_timeout",
                413: "too_large", 414: "uri_too_long", 415: "unsupported_media_type", 431: "headers_too_large",
                500: "server_error", 503: "overloaded", 504: "timeout"}
+#: The kind of a 503 while the model is still busy with a call that timed out, and of a failed `/ready`.
+MODEL_BUSY = "model_busy"
+NOT_READY = "not_ready"
 #: The kind of a 500 when the model (the pyfunc) failed on a request the contract had accepted.
 MODEL_ERROR = "model_error"
 #: A client's request id is echoed only when it is this short and plain (never a header or log injection).
@@ -229,6 +233,13 @@ class ContractMiddleware:
     _queue: list[_Pending] = field(default_factory=list)
     _drainer: asyncio.Task[None] | None = None
     _readiness: asyncio.Task[tuple[int, list[Any], str]] | None = None
+    #: The model's own thread: every call runs there, one at a time (the drainer sends one batch at a time anyway),
+    #: so a call that hangs holds this thread, never the event loop's default pool that parses large bodies.
+    _model_thread: concurrent.futures.ThreadPoolExecutor = field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model"))
+    #: A call that timed out and is still running: until it ends, new calls are answered 503 at once instead of
+    #: queueing behind it (the thread cannot be stopped).
+    _timed_out: concurrent.futures.Future[Any] | None = None
 
     def model_headers(self, rid: str | None = None) -> list[tuple[bytes, bytes]]:
         headers = [(VERSION_HEADER.lower().encode(), self.version.encode()),
@@ -272,7 +283,7 @@ class ContractMiddleware:
             await self._send(send, 200, body, content_type, rid)
             return Outcome(200)
         if path == "/ready":
-            return Outcome(await self._ready(send, rid))
+            return Outcome(200) if await self._ready(send, rid) == 200 else Outcome(503, NOT_READY)
         if path != INVOCATIONS:
             return await self._forward(scope, b"", send, rid)
         if self._in_flight >= self.max_in_flight:  # refused before its body is read
@@ -331,6 +342,11 @@ class ContractMiddleware:
             await self._json(send, 504, {"error": "scoring this request took longer than the server's timeout",
                                          "status": 504, "request_id": rid}, rid)
             return Outcome(504, "timeout")
+        if status == 503:
+            await self._json(send, 503, {"error": "the model is still busy with a call that timed out; retry after "
+                                                  f"{RETRY_AFTER_S} s", "status": 503, "request_id": rid},
+                             rid, [(b"retry-after", str(RETRY_AFTER_S).encode())])
+            return Outcome(503, MODEL_BUSY)
         await self._json(send, 500, {"error": "internal error while scoring this request (logged on the server "
                                               "with its request id)", "status": 500, "request_id": rid}, rid)
         return Outcome(500, MODEL_ERROR)
@@ -358,7 +374,7 @@ class ContractMiddleware:
                 _resolve(pending, 200, predictions[start : start + len(pending.texts)])
                 start += len(pending.texts)
             return
-        if len(batch) > 1 and status != 504:  # find the request at fault: each on its own (a timeout is not retried)
+        if len(batch) > 1 and status == 500:  # find the request at fault: each on its own (not a timeout, 504/503)
             log.warning("requests %s: a batch of %d requests failed (%d: %s), scoring each alone",
                         ", ".join(p.rid for p in batch), len(batch), status, detail)
             for pending in batch:
@@ -369,12 +385,19 @@ class ContractMiddleware:
             _resolve(pending, status, None)
 
     async def _model(self, texts: list[str]) -> tuple[int, list[Any], str]:
-        """The pyfunc on `texts`, in a worker thread so the event loop goes on reading requests: (status,
-        predictions, error detail). 504 past `timeout_s` (the thread cannot be stopped; it finishes on its own),
-        500 when the model raised or answered the wrong number of rows."""
+        """The pyfunc on `texts`, in the model's thread so the event loop goes on reading requests: (status,
+        predictions, error detail). 504 past `timeout_s`; the thread cannot be stopped, so until that call ends every
+        call is a 503 at once (requests queued behind a hung model fail fast instead of waiting a timeout each,
+        and the readiness probe says not ready). 500 when the model raised or answered the wrong number of rows."""
+        if self._timed_out is not None:
+            if not self._timed_out.done():
+                return 503, [], "the model is still running a call that timed out"
+            self._timed_out = None
+        call = self._model_thread.submit(self.score, texts)
         try:
-            predictions = await asyncio.wait_for(asyncio.to_thread(self.score, texts), self.timeout_s)
+            predictions = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(call)), self.timeout_s)
         except TimeoutError:
+            self._timed_out = call
             return 504, [], f"scoring {len(texts)} texts took longer than {self.timeout_s:g} s"
         except Exception as exc:
             return 500, [], f"{type(exc).__name__}: {exc}"[:300]
@@ -440,9 +463,12 @@ class ContractMiddleware:
         """Run MLflow's app on `body` (its GET paths); a 200 goes out with the model headers, anything else becomes
         the contract's JSON error (`_failed`: MLflow's own error bodies may quote the input and be any size)."""
         status, answer, headers = await self._call_app(scope, body)
-        if status != 200:
+        if status != 200:  # MLflow's own GET route failed: said as such, with MLflow's status in the log only
             _log_failure(rid, status, answer[:300].decode("utf-8", "replace"))
-            return await self._failed(send, status, rid)
+            await self._json(send, 500, {"error": f"{scope.get('path')} failed inside MLflow's scoring app (logged on "
+                                                  "the server with its request id)", "status": 500,
+                                         "request_id": rid}, rid)
+            return Outcome(500, "server_error")
         headers = [h for h in headers if h[0].lower() != b"server"]
         await send({"type": "http.response.start", "status": 200, "headers": [*headers, *self.model_headers(rid)]})
         await send({"type": "http.response.body", "body": answer, "more_body": False})

@@ -181,11 +181,26 @@ def test_a_scoring_call_past_the_timeout_is_a_504_and_the_server_goes_on(served,
     app = middleware(served, slow, timeout_s=0.2)
     with caplog.at_level(logging.ERROR, logger="serving.mlflow_server"):
         status, headers, body = asyncio.run(call(app, json.dumps({"inputs": ["slow"]}).encode()))
-    stuck.set()
     assert status == 504 and json.loads(body)["request_id"] == headers["x-request-id"], body
     assert any(headers["x-request-id"] in r.getMessage() and "timed out" in r.getMessage() for r in caplog.records)
     assert metric(app, "sentiment_request_errors_total", kind="timeout", side="server") == 1
-    assert asyncio.run(call(app, json.dumps({"inputs": ["fine"]}).encode()))[0] == 200
+    # while the timed-out call still runs (a thread cannot be stopped), nothing queues behind it: 503 at once
+    t0 = time.perf_counter()
+    busy = asyncio.run(call(app, json.dumps({"inputs": ["fine"]}).encode()))
+    ready = asyncio.run(call(app, b"", path="/ready", method="GET"))
+    assert time.perf_counter() - t0 < 0.2 and not stuck.is_set()
+    assert busy[0] == 503 and busy[1]["retry-after"] == "1" and "busy" in json.loads(busy[2])["error"], busy
+    assert ready[0] == 503 and json.loads(ready[2])["status"] == "not ready", ready
+    assert metric(app, "sentiment_request_errors_total", kind="model_busy", side="server") == 1
+    assert metric(app, "sentiment_request_errors_total", kind="not_ready", side="server") == 1
+    assert metric(app, "sentiment_request_errors_total", kind="overloaded") == 0  # neither is load shedding
+    stuck.set()
+    deadline = time.monotonic() + 5
+    while (answer := asyncio.run(call(app, json.dumps({"inputs": ["fine"]}).encode())))[0] == 503:
+        assert time.monotonic() < deadline, answer
+        time.sleep(0.02)
+    assert answer[0] == 200
+    assert asyncio.run(call(app, b"", path="/ready", method="GET"))[0] == 200
 
 
 def test_ping_version_and_ready_answer_with_the_model_headers(served):
