@@ -92,6 +92,8 @@ def run_benchmark(*, finetuned: Path, variant_dirs: dict[str, Path], tokenized: 
     return {"variants": results, "machine": machine_info(threads),
             "settings": {"seq_len": params.seq_len, "batch_size": params.batch_size, "rounds": params.rounds,
                          "iterations": params.iterations, "warmup": params.warmup, "bf16_row": bf16.value,
+                         "latency_samples": max(1, params.iterations // params.rounds) * params.rounds,
+                         "latency_inputs": len(lat_inputs),
                          "bf16_row_choice": bf16.tag()}}
 
 
@@ -105,7 +107,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokenized", type=Path, default=Path("data/tokenized"))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/bench_cli.json"))
     args = parser.parse_args(argv)
-    from pipeline.core.io import write_json
     from pipeline.core.params import load_params, resolve_auto
     from pipeline.core.stage import setup_logging
 

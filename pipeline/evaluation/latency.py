@@ -27,12 +27,18 @@ log = logging.getLogger(__name__)
 SPEEDUP_LEVEL = 0.9  # the speed-up interval's coverage (`speedup_interval`)
 
 
-def percentiles(samples_ms: Sequence[float]) -> dict[str, float]:
-    """p50/p95/p99 with linear interpolation (numpy's default), in ms."""
+#: Fewest samples a p99 is reported from: below it the 99th percentile is an interpolation between the largest
+#: two samples, not a tail estimate.
+P99_MIN_SAMPLES = 100
+
+
+def percentiles(samples_ms: Sequence[float]) -> dict[str, float | None]:
+    """p50/p95/p99 with linear interpolation (numpy's default), in ms; p99 is None under `P99_MIN_SAMPLES`."""
     if not samples_ms:
         raise ValueError("no latency samples")
     a = np.asarray(samples_ms, dtype=np.float64)
-    return {"p50": float(np.percentile(a, 50)), "p95": float(np.percentile(a, 95)), "p99": float(np.percentile(a, 99))}
+    p99 = float(np.percentile(a, 99)) if len(a) >= P99_MIN_SAMPLES else None
+    return {"p50": float(np.percentile(a, 50)), "p95": float(np.percentile(a, 95)), "p99": p99}
 
 
 def speedup_interval(reference_rounds: Sequence[Sequence[float]], rounds: Sequence[Sequence[float]],
@@ -110,12 +116,16 @@ def candidates(finetuned: Path, variant_dirs: dict[str, Path], include_bf16: boo
 
 
 def latency_inputs(seqs: Sequence[np.ndarray], seq_len: int, count: int, pad_id: int) -> list[tuple[np.ndarray, ...]]:
-    """Batch-1 inputs of exactly `seq_len` tokens: real reviews truncated or padded to it."""
-    out = []
-    for s in seqs[:count]:
-        ids, mask = pad_batch([s[:seq_len]], pad_id, seq_len)
-        out.append((ids, mask))
-    return out
+    """Batch-1 inputs of exactly `seq_len` real tokens: the first `count` reviews at least that long, truncated to
+    it. None is padded: a variant that scores each review unpadded (`batching: rows`) would drop the padding and
+    be timed on a shorter input than the others. `measure` cycles through fewer inputs when fewer reviews are that
+    long."""
+    full = [s[:seq_len] for s in seqs if len(s) >= seq_len][:count]
+    if not full:
+        longest = max((len(s) for s in seqs), default=0)
+        raise ValueError(f"benchmark.seq_len is {seq_len} tokens, but the longest test review has {longest}: "
+                         "lower benchmark.seq_len to at most the reviews' length")
+    return [pad_batch([s], pad_id, seq_len) for s in full]
 
 
 def throughput_batches(seqs: Sequence[np.ndarray], batch: int, n_batches: int,
@@ -145,10 +155,11 @@ def measure(runners: dict[str, Runner], lat_inputs: list[tuple[np.ndarray, ...]]
     for r, name in enumerate(alternating_schedule(names, params.rounds)):
         run = runners[name]
         lat[name].append([])
+        first = (r // len(names)) * per_round  # by round: every variant is timed on the same reviews in a round
         for i in range(params.warmup):  # the first calls after another variant ran are cold (caches, threads)
-            run(*lat_inputs[(r * per_round + i) % len(lat_inputs)])
+            run(*lat_inputs[(first + i) % len(lat_inputs)])
         for i in range(per_round):
-            ids, mask = lat_inputs[(r * per_round + i) % len(lat_inputs)]
+            ids, mask = lat_inputs[(first + i) % len(lat_inputs)]
             t = time.perf_counter()
             run(ids, mask)
             lat[name][-1].append((time.perf_counter() - t) * 1e3)

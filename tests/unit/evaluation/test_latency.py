@@ -23,6 +23,7 @@ def test_percentiles_match_definition():
     assert p["p50"] == pytest.approx(50.5)
     assert p["p95"] == pytest.approx(95.05)
     assert p["p99"] == pytest.approx(99.01)
+    assert percentiles(list(range(1, 100)))["p99"] is None  # 99 samples: no tail estimate, so none reported
     with pytest.raises(ValueError):
         percentiles([])
 
@@ -59,6 +60,29 @@ def test_measure_alternates_and_counts():
         assert [len(r) for r in out[name]["latency_rounds_ms"]] == [2, 2, 2]  # by round, for the interval
 
 
+def test_every_variant_is_timed_on_the_same_reviews_in_a_round():
+    seen: dict[str, list[list[int]]] = {"a": [], "b": [], "c": []}
+
+    def runner(name: str):
+        def run(ids, mask):
+            if ids.shape[0] == 1:
+                seen[name][-1].append(int(ids[0, 0]))
+            return np.zeros((ids.shape[0], 2), dtype=np.float32)
+        return run
+
+    class Rounds(dict):  # a new list of inputs for each visit: warm-up and timed calls of one visit together
+        def __getitem__(self, name):
+            seen[name].append([])
+            return super().__getitem__(name)
+
+    lat = [(np.full((1, 8), i, np.int64), np.ones((1, 8), np.int64)) for i in range(7)]
+    tp = [(np.zeros((4, 8), np.int64), np.ones((4, 8), np.int64))]
+    runners = Rounds({n: runner(n) for n in seen})
+    measure(runners, lat, tp, BenchmarkParams(warmup=1, iterations=9, rounds=3))
+    visits = {name: calls[-3:] for name, calls in seen.items()}  # the three rounds (earlier: the first warm-up)
+    assert visits["a"] == visits["b"] == visits["c"] == [[0, 0, 1, 2], [3, 3, 4, 5], [6, 6, 0, 1]]
+
+
 def test_speedup_interval_is_paired_by_round():
     # the machine drifts 2x between rounds, but within a round the variant is always 2.5x faster: pairing
     # by round cancels the drift, so the interval is exactly 2.5x
@@ -75,11 +99,15 @@ def test_speedup_interval_is_paired_by_round():
         speedup_interval(ref, var[:3])
 
 
-def test_latency_inputs_have_exact_length():
-    seqs = [np.arange(1, 200), np.arange(1, 10)]
+def test_latency_inputs_are_real_reviews_of_exactly_seq_len_tokens_never_padded():
+    """A padded input would be timed shorter for a variant that scores rows unpadded than for the others."""
+    seqs = [np.arange(1, 200), np.arange(1, 10), np.arange(3, 131), np.arange(5, 300)]
     inputs = latency_inputs(seqs, 128, 2, pad_id=0)
-    assert all(ids.shape == (1, 128) for ids, _ in inputs)
-    assert inputs[0][1].sum() == 128 and inputs[1][1].sum() == 9
+    assert [ids[0, 0] for ids, _ in inputs] == [1, 3]  # the short review is passed over
+    assert all(ids.shape == (1, 128) and mask.sum() == 128 for ids, mask in inputs)
+    assert len(latency_inputs(seqs, 128, 10, pad_id=0)) == 3  # as many as there are
+    with pytest.raises(ValueError, match="longest test review has 295"):
+        latency_inputs(seqs, 300, 2, pad_id=0)
 
 
 def test_throughput_batches_use_dynamic_padding():

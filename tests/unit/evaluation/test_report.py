@@ -22,7 +22,8 @@ from pipeline.evaluation.report import (
     write_report,
 )
 
-SETTINGS = {"seq_len": 128, "batch_size": 32, "rounds": 2, "iterations": 10, "warmup": 2}
+SETTINGS = {"seq_len": 128, "batch_size": 32, "rounds": 2, "iterations": 10, "warmup": 2, "latency_samples": 10,
+            "latency_inputs": 100}
 
 
 def _row(p50: float, acc: float | None = 0.9) -> dict:
