@@ -1,7 +1,7 @@
 """A/B latency of ONNX files in one process: onnxruntime alone, alternating A B A B ...
 
-The pipeline benchmark's ratios hang on a PyTorch FP32 reference that moves 38-44 ms between runs on this
-2-vCPU machine; two graphs that differ by ~10 % (e.g. with and without `export.cls_readout`) are compared
+The pipeline benchmark's ratios hang on a PyTorch FP32 reference whose latency drifts between runs on a shared
+machine; two graphs that differ by a few per cent (e.g. with and without `export.cls_readout`) are compared
 more cleanly here. Prints p10/p50/mean per file and writes `benchmarks/results/onnx_ab.json`.
 
 `--op-profile N` then runs each file N more times in a session of its own with onnxruntime's profiler on (after

@@ -431,6 +431,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parser.add_argument("--rss-probe", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    for name in ("params", "finetuned", "student", "variants_root", "tokenized"):  # the probes run in ROOT
+        setattr(args, name, getattr(args, name).resolve())
     if args.threads is None:
         args.threads = load_params(args.params).benchmark.threads or os.cpu_count() or 1
     if args.rss_probe:

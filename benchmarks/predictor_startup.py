@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "predictor_startup.json")
     args = parser.parse_args(argv)
     codes = [c.resolve() for c in (args.code or [ROOT])]
+    args.variants_root = args.variants_root.resolve()  # the probes run in each checkout: the same variants for all
     names = [v.name for v in VARIANTS if v.servable and (args.variants_root / v.name / VARIANT_FILE).is_file()
              and read_variant(args.variants_root / v.name).status == "ok"]
     if not names:

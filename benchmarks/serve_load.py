@@ -277,8 +277,11 @@ def in_process(mar: Path, texts: list[str], concurrency: int, batch_size: int, d
         start = time.perf_counter()
         for th in threads:
             th.start()
-        while time.perf_counter() < stop_at:
-            batch = [jobs.get()]
+        while (left := stop_at - time.perf_counter()) > 0:
+            try:  # bounded: the callers may all have seen the deadline and stopped queueing
+                batch = [jobs.get(timeout=left)]
+            except queue.Empty:
+                break
             while len(batch) < batch_size:
                 try:
                     batch.append(jobs.get_nowait())
