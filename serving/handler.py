@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,7 @@ class SentimentHandler:
 
         model_dir = Path(context.system_properties.get("model_dir"))
         config = json.loads((model_dir / "serving.json").read_text())
-        threads = int(os.environ.get("SENTIMENT_THREADS", config.get("threads") or 0)) or None
+        threads = config.get("threads") or None  # package.threads, written into serving.json by the package stage
         self.limits = Limits.from_config(config)
         self.predictor = SentimentPredictor(model_dir / config["variant_dir"], threads=threads,
                                             max_chars=self.limits.max_chars_per_text)

@@ -57,9 +57,13 @@ def output_format(path: str) -> str:
 def read_input(spark: SparkSession, path: str, fmt: str) -> DataFrame:
     """The input as Spark reads it, in partitions. CSV: a header row, every column a string (a review "42" stays the
     text "42"), quoted fields may span lines and hold doubled quotes (RFC 4180); an empty field is null."""
-    if fmt == "csv":
-        return spark.read.csv(path, header=True, multiLine=True, escape='"')
-    return spark.read.parquet(path)
+    return read_csv(spark, path) if fmt == "csv" else spark.read.parquet(path)
+
+
+def read_csv(spark: SparkSession, path: str) -> DataFrame:
+    """A CSV file or folder as both the input and the written answers are read: one set of options, so a field the
+    writer quoted across lines (an id or review holding a newline) is one row when it is counted back too."""
+    return spark.read.csv(path, header=True, multiLine=True, escape='"')
 
 
 def write_output(frame: DataFrame, path: str, overwrite: bool) -> None:
@@ -77,7 +81,7 @@ def count_output(spark: SparkSession, path: str) -> tuple[int, int]:
     from pyspark.sql import functions as F
 
     fmt = output_format(path)
-    written = spark.read.csv(path, header=True, escape='"') if fmt == "csv" else spark.read.parquet(path)
+    written = read_csv(spark, path) if fmt == "csv" else spark.read.parquet(path)
     row = written.agg(F.count(F.lit(1)).alias("rows"), F.count("error").alias("errors")).first()
     return int(row["rows"]), int(row["errors"])
 

@@ -168,10 +168,12 @@ def test_an_output_with_another_row_count_than_the_input_fails_the_job(spark, in
 
 def test_the_command_scores_a_csv_with_the_champion_into_a_csv(spark, model, tmp_path, monkeypatch, capsys):
     """`python -m pipeline.deployment.batch_scoring` end to end (in this process, on the module's session): the
-    champion from params' store, a CSV with quoted commas, line breaks and doubled quotes, an empty field (null)."""
+    champion from params' store, a CSV with quoted commas, line breaks and doubled quotes (in a review and in an
+    id), an empty field (null)."""
     texts = ['Great, "moving" film.\nWould watch again.', "42", None, "   ", "dull and far too long"]
     csv = tmp_path / "reviews.csv"
-    pd.DataFrame({"id": [10, 11, 12, 13, 14], "text": texts}).to_csv(csv, index=False)
+    ids = ["r10", "r\n11", "r12", "r13", "r14"]  # an id the writer quotes across lines is still one row read back
+    pd.DataFrame({"id": ids, "text": texts}).to_csv(csv, index=False)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({"mlflow": {"tracking_uri": model["store"].tracking_uri}}))
     monkeypatch.chdir(tmp_path)
 
@@ -182,7 +184,7 @@ def test_the_command_scores_a_csv_with_the_champion_into_a_csv(spark, model, tmp
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["model_uri"] == "models:/imdb-sentiment@champion" and summary["rows_out"] == 5
     parts = sorted((tmp_path / "scored.csv").glob("part-*.csv"))
-    out = pd.concat([pd.read_csv(p) for p in parts]).set_index("id").loc[[10, 11, 12, 13, 14]]
+    out = pd.concat([pd.read_csv(p) for p in parts]).set_index("id").loc[ids]
     assert out["error"].iloc[:2].isna().all() and out["error"].iloc[4:].isna().all()
     assert_same_answers(out.iloc[[0, 1, 4]].reset_index(), alone(model["uri"], [texts[0], "42", texts[4]]))
     assert out["error"].iloc[2] == "text must be a string, got null" and "whitespace" in out["error"].iloc[3]
