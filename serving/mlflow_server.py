@@ -566,15 +566,11 @@ def build_app(model_uri: str | None, params_path: Path, max_in_flight: int = MAX
     """Load the champion (or `model_uri`) and serve it through the contract. The store (`$MLFLOW_TRACKING_URI`,
     else the params') is read once and handed to every registry lookup and to the model's download: MLflow's
     process-wide tracking URI and the environment are left as they are."""
-    from pipeline.core.params import load_params
+    from pipeline.core.params import load_params_or_defaults
     from pipeline.core.parent_run import tracking_uri
     from pipeline.deployment.mlflow_model import served_model
 
-    params = load_params(params_path) if params_path.is_file() else None
-    if params is None:
-        from pipeline.core.params import Params
-
-        params = Params()
+    params = load_params_or_defaults(params_path)
     store = tracking_uri(params.mlflow)
     name, alias = params.mlflow.registered_model_name, params.mlflow.champion_alias
     version, tags = served_version(model_uri, name=name, alias=alias, tracking_uri=store)
@@ -595,7 +591,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=5001)
     parser.add_argument("--params", type=Path, default=Path("params.yaml"),
-                        help="limits (package.*) and the registry entry (mlflow.*); defaults if absent")
+                        help="limits (package.*) and the registry entry (mlflow.*); defaults if params.yaml is absent")
     parser.add_argument("--model-uri", help="serve this model instead of models:/<name>@<alias> (same limits)")
     parser.add_argument("--log-dir", type=Path, default=Path("logs"))
     parser.add_argument("--log-max-bytes", type=int, default=10_000_000)
@@ -618,6 +614,8 @@ def main(argv: list[str] | None = None) -> None:
         app = build_app(args.model_uri, args.params, args.max_in_flight, args.body_timeout)
     except LookupError as exc:  # no champion yet: say what to do instead of a traceback
         raise SystemExit(f"{exc}: run `make run` first (its package stage registers and aliases the model)") from None
+    except FileNotFoundError as exc:  # a --params that is not there
+        raise SystemExit(str(exc)) from None
     print(f"serving {app.variant} (version {app.version}) at http://{args.host}:{args.port}/invocations; "
           f"logs in {args.log_dir / 'mlflow_server.log'}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port,

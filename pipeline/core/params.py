@@ -68,6 +68,21 @@ def load_params(path: str | Path) -> Params:
     return parse_params(read_params(path), str(path))
 
 
+#: The params file the commands read by default (`--params`).
+DEFAULT_PARAMS_FILE = Path("params.yaml")
+
+
+def load_params_or_defaults(path: Path) -> Params:
+    """The params file at `path`, or the defaults where `path` is the default `params.yaml` and there is none (a
+    server or scoring job run in a directory that holds no checkout). A file that was named and does not exist is
+    a `FileNotFoundError`, never silently the defaults (another registry entry, other limits)."""
+    if path.is_file():
+        return load_params(path)
+    if path == DEFAULT_PARAMS_FILE:
+        return Params()
+    raise FileNotFoundError(f"params file {path} does not exist (leave --params out to use the defaults)")
+
+
 def to_dict(obj: Any) -> dict[str, Any]:
     """Plain dict of a params section (or of `Params`), for JSON files and MLflow params."""
     return dataclasses.asdict(obj)

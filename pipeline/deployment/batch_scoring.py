@@ -205,10 +205,10 @@ def default_model_uri(params_path: Path) -> tuple[str, int, str]:
     """The champion's URI (`models:/<name>@<alias>`), `package.max_chars_per_text` and the tracking store, from the
     params file (defaults where it is absent); MLflow is pointed at the params' tracking store
     (`$MLFLOW_TRACKING_URI` wins), once, for MLflow's Spark UDF, which takes no store of its own."""
-    from pipeline.core.params import Params, load_params
+    from pipeline.core.params import load_params_or_defaults
     from pipeline.core.parent_run import use_store
 
-    params = load_params(params_path) if params_path.is_file() else Params()
+    params = load_params_or_defaults(params_path)
     store = use_store(params.mlflow)
     return (f"models:/{params.mlflow.registered_model_name}@{params.mlflow.champion_alias}",
             params.package.max_chars_per_text, store)
@@ -239,7 +239,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one bar per model file, on every copy
 
-    champion, max_chars, store = default_model_uri(args.params)
+    try:
+        champion, max_chars, store = default_model_uri(args.params)
+    except FileNotFoundError as exc:  # a --params that is not there
+        raise SystemExit(str(exc)) from None
     model_uri = args.model_uri or champion
     if args.model_uri is None:  # say so before Spark starts, instead of MLflow's traceback from inside spark_udf
         from pipeline.core.model_registry import registered_version

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -212,3 +213,14 @@ def test_rules_across_sections_hold_for_files_not_for_params_assembled_in_code()
     assembled = Params(data=DataParams(max_length=64))  # a test's or benchmark's few sections
     assert assembled.train.max_length == 128
     assert error_keys({"data": {"max_length": 64}}) == {"train.max_length"}
+
+
+def test_a_named_params_file_that_is_missing_is_an_error_not_the_defaults(tmp_path, monkeypatch):
+    from pipeline.core.params import DEFAULT_PARAMS_FILE, Params, load_params_or_defaults
+
+    monkeypatch.chdir(tmp_path)
+    assert load_params_or_defaults(DEFAULT_PARAMS_FILE) == Params()  # no checkout here: the defaults
+    with pytest.raises(FileNotFoundError, match=r"prams\.yaml does not exist"):
+        load_params_or_defaults(Path("prams.yaml"))
+    (tmp_path / "params.yaml").write_text("mlflow:\n  champion_alias: staging\n")
+    assert load_params_or_defaults(DEFAULT_PARAMS_FILE).mlflow.champion_alias == "staging"
