@@ -23,13 +23,13 @@ from pipeline.evaluation.latency import (
     throughput_batches,
 )
 from pipeline.evaluation.report import markdown_table, speedup_sources, target_lines, write_report
-
-if TYPE_CHECKING:
-    from pipeline.core.parent_run import RunContext
 from pipeline.runtimes.base import Runner
 from pipeline.runtimes.catalog import REFERENCE, TIMING_ROWS, directories
 from pipeline.runtimes.record import VARIANT_FILE
 from pipeline.runtimes.registry import load_runner
+
+if TYPE_CHECKING:
+    from pipeline.core.parent_run import RunContext
 
 log = logging.getLogger(__name__)
 
