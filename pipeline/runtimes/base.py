@@ -3,13 +3,13 @@ a description of its settings), padding, and batched logits for token-id arrays 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
-from pipeline.runtimes.record import VariantInfo
+from pipeline.runtimes.record import VariantError, VariantInfo
 
 
 class Runner(Protocol):
@@ -71,18 +71,49 @@ def predict_logits(runner: Runner, seqs: Sequence[np.ndarray], batch_size: int =
         if bar is not None:
             bar.update(1)
 
-    if callers > 1 and len(starts) > 1:
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(max_workers=callers, thread_name_prefix="score") as pool:
-            for done in [pool.submit(score, start) for start in starts]:
-                done.result()  # re-raises a failed call's exception here
-    else:
-        for start in starts:
-            score(start)
-    if bar is not None:
-        bar.close()
+    try:
+        if callers > 1 and len(starts) > 1:
+            _score_concurrently(score, starts, callers)
+        else:
+            for start in starts:
+                score(start)
+    finally:
+        if bar is not None:
+            bar.close()
     return out
+
+
+def _score_concurrently(score: Callable[[int], None], starts: Sequence[int], callers: int) -> None:
+    """`score` of every batch start on `callers` threads. The first failed call's exception is raised as soon as it
+    happens, and the batches no thread has started yet are cancelled first: a runner that fails on every batch
+    (a variant that cannot run these inputs) is called about `callers` more times, not once per batch."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    with ThreadPoolExecutor(max_workers=callers, thread_name_prefix="score") as pool:
+        futures = [pool.submit(score, start) for start in starts]
+        try:
+            for done in as_completed(futures):
+                done.result()  # re-raises a failed call's exception here
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)  # the calls under way finish; the queued ones never start
+            raise
+
+
+def checked_options(runtime: str, options: Mapping[str, Any],
+                    allowed: Mapping[str, tuple[Any, ...]]) -> dict[str, Any]:
+    """`options` given to `runtime`'s `load`, each key one of `allowed` and each value one of the values it lists;
+    anything else is a `VariantError` naming what the runtime accepts (a misspelt option would otherwise be
+    ignored and the default measured or served in its place)."""
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        accepted = ", ".join(f"{k} ({' | '.join(map(repr, v))})" for k, v in allowed.items()) or "none"
+        raise VariantError(f"the {runtime} runtime has no option {', '.join(map(repr, unknown))}; "
+                           f"its options: {accepted}")
+    for key, value in options.items():
+        if not any(value is v or (type(value) is type(v) and value == v) for v in allowed[key]):
+            raise VariantError(f"the {runtime} runtime's option {key}={value!r} is not one of "
+                               f"{', '.join(map(repr, allowed[key]))}")
+    return dict(options)
 
 
 def set_torch_threads(threads: int | None) -> None:

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from pipeline.runtimes.base import predict_logits, set_torch_threads
+from pipeline.runtimes.base import checked_options, predict_logits, set_torch_threads
 from pipeline.runtimes.record import VariantInfo
 
 #: Autocast dtypes a `TorchRunner` can run under, by name.
@@ -40,8 +40,11 @@ class TorchRunner:
     def load(cls, directory: Path, info: VariantInfo | None, threads: int | None = None,
              **options: Any) -> TorchRunner:
         """The finetuned HF model in `directory`; options `cls_readout` (the [CLS]-only last layer,
-        `pipeline.runtimes.readout`; raises `ReadoutError` for a head that reads more) and `autocast`."""
+        `pipeline.runtimes.readout`; raises `ReadoutError` for a head that reads more) and `autocast` (`AUTOCAST`
+        or None); any other option is a `VariantError`."""
+        options = checked_options("torch", options, {"cls_readout": (False, True), "autocast": (None, *AUTOCAST)})
         from pipeline.modeling import load_finetuned
+
 
         model, _, _ = load_finetuned(directory)
         if options.get("cls_readout"):

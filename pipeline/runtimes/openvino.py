@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from pipeline.runtimes.base import checked_options
 from pipeline.runtimes.batch_invariance import BATCHING_MODES, Batching, score_batch
 from pipeline.runtimes.pool import Pool
 from pipeline.runtimes.record import VariantError, VariantInfo, model_file
@@ -35,6 +36,15 @@ def compiled_model(model: Path | Any, threads: int | None = None) -> Any:
         raise VariantError(f"OpenVINO cannot load {model}: {exc}") from exc
 
 
+def inference_precision(compiled: Any) -> str:
+    """The floating-point precision a compiled model runs its float layers in, as OpenVINO names it (`f32`, `bf16`,
+    `f16`). No `INFERENCE_PRECISION_HINT` is given at compile time, so the CPU plugin picks it: `bf16` where the CPU
+    has native bf16 (AMX, AVX512-BF16), `f32` elsewhere; scores and timings depend on it, so it is read back here
+    and recorded with them."""
+    precision = compiled.get_property("INFERENCE_PRECISION_HINT")
+    return str(precision.get_type_name()) if hasattr(precision, "get_type_name") else str(precision)
+
+
 class OpenVinoRunner:
     """Runs an OpenVINO IR variant; feeds only the inputs the model declares.
 
@@ -48,29 +58,31 @@ class OpenVinoRunner:
     def __init__(self, path: Path, threads: int | None = None, batching: Batching = "auto") -> None:
         if batching not in BATCHING_MODES:
             raise ValueError(f"batching must be one of {BATCHING_MODES}, not {batching!r}")
-        from pipeline.core.machine import default_threads
-
-        threads = threads or default_threads()
         self.compiled = compiled_model(path, threads)
         # one infer request per concurrent call, made on demand and reused (thread-safe: see the module doc)
         self.requests: Pool[Any] = Pool(self.compiled.create_infer_request)
         self.inputs = {p.get_any_name() for p in self.compiled.inputs}
         self.rows_alone = batching == "rows"
-        self.threads = threads
+        # what the plugin runs with (`compiled_model` applied the cap to a null setting, or the plugin chose)
+        self.threads = int(self.compiled.get_property("INFERENCE_NUM_THREADS"))
 
     @classmethod
     def load(cls, directory: Path, info: VariantInfo | None, threads: int | None = None,
              **options: Any) -> OpenVinoRunner:
-        """The variant's IR file; option `batching` (default `auto`: one call per batch)."""
+        """The variant's IR file; option `batching` (`BATCHING_MODES`, default `auto`: one call per batch); any
+        other option is a `VariantError`."""
+        options = checked_options("openvino", options, {"batching": BATCHING_MODES})
         if info is None:
             raise VariantError(f"{directory} has no variant record: OpenVINO runs OpenVINO IR variants only")
         return cls(model_file(directory, info), threads, options.get("batching", "auto"))
 
     def describe(self) -> dict[str, Any]:
+        """The runtime and what it was compiled with: threads, batching and the float precision the CPU plugin
+        chose (`inference_precision`, the function)."""
         import openvino as ov
 
         return {"runtime": "openvino", "version": ov.__version__, "threads": self.threads,
-                "inference_precision": str(self.compiled.get_property("INFERENCE_PRECISION_HINT")),
+                "inference_precision": inference_precision(self.compiled),
                 "batching": "rows" if self.rows_alone else "batched",
                 "concurrent_calls": "one infer request per call, pooled"}
 

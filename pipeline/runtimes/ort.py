@@ -8,8 +8,12 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from pipeline.runtimes.batch_invariance import Batching, score_batch, scores_rows_alone
+from pipeline.runtimes.base import checked_options
+from pipeline.runtimes.batch_invariance import BATCHING_MODES, Batching, score_batch, scores_rows_alone
 from pipeline.runtimes.record import VariantError, VariantInfo, model_file
+
+#: onnxruntime's graph optimisation levels by the names `session_options` (and option `optimization`) take.
+OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")
 
 
 def session_options(threads: int | None = None, optimization: str = "all") -> Any:
@@ -19,6 +23,9 @@ def session_options(threads: int | None = None, optimization: str = "all") -> An
 
     from pipeline.core.machine import default_threads
 
+    if optimization not in OPTIMIZATION_LEVELS:
+        raise VariantError(f"unknown onnxruntime graph optimization {optimization!r}; "
+                           f"use one of {', '.join(OPTIMIZATION_LEVELS)}")
     threads = threads or default_threads()
     opts = ort.SessionOptions()
     opts.graph_optimization_level = {
@@ -65,7 +72,10 @@ class OrtRunner:
     @classmethod
     def load(cls, directory: Path, info: VariantInfo | None, threads: int | None = None,
              **options: Any) -> OrtRunner:
-        """The variant's ONNX file; options `optimization` (default `all`) and `batching` (default `auto`)."""
+        """The variant's ONNX file; options `optimization` (`OPTIMIZATION_LEVELS`, default `all`) and `batching`
+        (`BATCHING_MODES`, default `auto`); any other option is a `VariantError`."""
+        options = checked_options("onnxruntime", options,
+                                  {"optimization": OPTIMIZATION_LEVELS, "batching": BATCHING_MODES})
         if info is None:
             raise VariantError(f"{directory} has no variant record: onnxruntime runs ONNX variants only")
         return cls(model_file(directory, info), threads, options.get("optimization", "all"),

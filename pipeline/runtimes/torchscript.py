@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pipeline.runtimes.base import set_torch_threads
+from pipeline.runtimes.base import checked_options, set_torch_threads
 from pipeline.runtimes.eager import TorchRunner
 from pipeline.runtimes.record import VariantError, VariantInfo, model_file
 
@@ -46,8 +46,11 @@ class TorchScriptRunner(TorchRunner):
     @classmethod
     def load(cls, directory: Path, info: VariantInfo | None, threads: int | None = None,
              **options: Any) -> TorchScriptRunner:
-        """The variant's traced module, frozen and optimised for inference unless option `freeze` is False."""
+        """The variant's traced module, frozen and optimised for inference unless option `freeze` is False; any
+        other option is a `VariantError`."""
         import torch
+
+        options = checked_options("torchscript", options, {"freeze": (True, False)})
 
         if info is None:
             raise VariantError(f"{directory} has no variant record: TorchScript runs TorchScript variants only")

@@ -18,8 +18,10 @@ def distillation_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, labels
     cross-entropy term."""
     logits = logits.float()
     known = labels != NO_LABEL
+    # without a known label the term is a zero that stays in the autograd graph (zero gradients): a loss with no
+    # grad_fn (`new_zeros`) would make backward() raise when the KL term is off too (`kl_weight` 0)
     ce = (torch.nn.functional.cross_entropy(logits[known], labels[known]) if bool(known.any())
-          else logits.new_zeros(()))
+          else logits.sum() * 0.0)
     if kl_weight == 0.0:
         return ce
     student = torch.log_softmax(logits / temperature, -1)

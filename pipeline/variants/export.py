@@ -77,9 +77,9 @@ def export_onnx(model: torch.nn.Module, path: Path, max_length: int, opset: int 
                                     input_names=["input_ids", "attention_mask"], output_names=["logits"],
                                     dynamic_shapes=shapes, optimize=True, verbose=False)
         program.save(str(path), external_data=False)
+        onnx.checker.check_model(str(path), full_check=True)  # inside: a graph it rejects is an ExportError too
     except Exception as exc:
         raise ExportError(f"ONNX export failed: {type(exc).__name__}: {exc}") from exc
-    onnx.checker.check_model(str(path), full_check=True)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import numpy as np
 
 from pipeline.runtimes.base import pad_batch
 from pipeline.runtimes.eager import logits_module
+from pipeline.runtimes.openvino import compiled_model, inference_precision
 from pipeline.variants.onnx_int8 import QuantizeError
 
 
@@ -71,8 +72,15 @@ def quantize_openvino(model: Any, calibration: list[np.ndarray], pad_id: int, ba
                               subset_size=len(batches))  # NNCF counts dataset items: batches
     out_dir.mkdir(parents=True, exist_ok=True)
     ov.save_model(quantized, str(out_dir / "model.xml"), compress_to_fp16=False)
+    seconds = round(time.perf_counter() - t0, 2)  # the build alone, without the compile below
+    # The CPU plugin picks the float layers' precision itself (bf16 where the CPU has native bf16, else f32; no
+    # hint is set, so results stay as measured): the record says what the saved IR compiles to on the build CPU,
+    # compiled as `OpenVinoRunner` compiles it. Another CPU may differ; the evaluate stage records its own
+    # (`scored_with`, from `OpenVinoRunner.describe`).
+    precision = inference_precision(compiled_model(out_dir / "model.xml"))
     return {"method": "nncf.quantize (OpenVINO IR, model_type=TRANSFORMER)",
+            "inference_precision_on_build_cpu": precision,
             "source": "torch.export of the finetuned model (OpenVINO's PyTorch frontend)",
             "calibration_samples": len(calibration), "calibration_batches": len(batches),
             "versions": {"openvino": ov.__version__, "nncf": nncf.__version__},
-            "build_seconds": round(time.perf_counter() - t0, 2)}
+            "build_seconds": seconds}

@@ -4,11 +4,12 @@ same QDQ conversion)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,7 @@ def _build_openvino(inputs: QuantizeInputs, out: Path) -> dict[str, Any]:
 
 def _build_static(inputs: QuantizeInputs, out: Path) -> dict[str, Any]:
     q, best = inputs.q, inputs.static_calibration()
+    # a rename: `inputs.tmp` is on the variants' filesystem (`scratch_directory`)
     (inputs.tmp / f"static-{best['method']}.onnx").replace(out / "model.onnx")
     return {"method": "onnxruntime.quantize_static (QDQ)", "calibration": best["method"],
             "fused_graph": inputs.q.optimize_graph, **best["fusion"],
@@ -140,12 +142,12 @@ def run_quantize(*, finetuned: Path, fp32_onnx: Path, tokenized: Path, variants_
     report: dict[str, Any] = {}
     skipped = (f"not in quantize.build ({', '.join(q.build)}); "
                "add it there or run a profile that builds it (make run PROFILE=full)")
-    with tempfile.TemporaryDirectory(prefix="quantize-") as tmp:
+    with scratch_directory(variants_root, "quantize") as tmp:
         inputs = QuantizeInputs(
             finetuned, fp32_onnx, model, tokenizer, meta, arch, pad_id(tokenizer), train,
             read_tokenized(tokenized, "val").iloc[: q.selection_samples], calibration_reviews(train, params),
             int(arch["intermediate_size"]) if q.ffn_output_dynamic else None,
-            bool(arch.get("cls_readout", False)), params, q, choice, Path(tmp))
+            bool(arch.get("cls_readout", False)), params, q, choice, tmp)
         for name, build in BUILDERS.items():
             if name not in q.build:
                 log.warning("%s skipped: %s", name, skipped)
@@ -157,6 +159,18 @@ def run_quantize(*, finetuned: Path, fp32_onnx: Path, tokenized: Path, variants_
             report[name] = {**build(inputs, out[name]), "build_seconds": round(time.perf_counter() - t0, 2)}
             write_variant(out[name], VariantInfo.built(name, report[name]), finetuned)
     return report
+
+
+@contextlib.contextmanager
+def scratch_directory(variants_root: Path, stage: str) -> Iterator[Path]:
+    """A temporary directory for `stage`'s intermediate models, inside `variants_root` and removed afterwards.
+
+    A model built there is moved into its variant directory with a rename (`_build_static`), which only works
+    within one filesystem: from the system temporary directory (often a tmpfs) it fails with EXDEV (invalid
+    cross-device link). Hidden (a leading dot), so nothing that lists the variants takes it for one."""
+    variants_root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{stage}-", dir=variants_root) as tmp:
+        yield Path(tmp)
 
 
 def _graph_for_quantization(inputs: QuantizeInputs) -> tuple[Path, dict[str, Any]]:

@@ -21,11 +21,9 @@ from typing import Any
 from pipeline.core.params import Params, to_dict
 from pipeline.runtimes.catalog import built_by, directories
 from pipeline.runtimes.record import VariantInfo, write_variant
+from pipeline.runtimes.tensorrt import INPUTS, gpu_record
 
 log = logging.getLogger(__name__)
-
-
-INPUTS = ("input_ids", "attention_mask")
 
 
 @dataclass(frozen=True)
@@ -98,7 +96,8 @@ def build_engine(onnx_path: Path, engine_path: Path, shapes: ProfileShapes, prec
         raise RuntimeError(f"TensorRT failed to build a {precision} engine from {onnx_path}")
     engine_path.parent.mkdir(parents=True, exist_ok=True)
     engine_path.write_bytes(bytes(serialized))
-    return {"tensorrt_version": trt.__version__, "precision": precision, "profile": shapes.__dict__}
+    # the engine runs only on this TensorRT version and GPU model: the record says which (a refused load names them)
+    return {"tensorrt_version": trt.__version__, **gpu_record(), "precision": precision, "profile": shapes.__dict__}
 
 
 TENSORRT_QDQ_FILE = "model.qdq.onnx"

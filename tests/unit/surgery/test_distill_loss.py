@@ -47,3 +47,13 @@ def test_qat_distillation_loss():
     assert distillation_loss(logits, logits.flip(-1), labels, 1.0) > 0.1
     half = distillation_loss(logits, logits, labels, 0.5)
     assert torch.isclose(half, 0.5 * ce, atol=1e-6)
+
+
+def test_a_batch_of_transfer_reviews_only_backpropagates_zero_with_labels_alone():
+    """`hard_label_weight: 1.0` (KL weight 0) and a batch with no known label: the loss is a zero that stays in the
+    autograd graph, so the training step's backward() runs and moves nothing."""
+    logits = torch.randn(3, 2, requires_grad=True)
+    loss = distillation_loss(logits * 2.0, torch.randn(3, 2), torch.full((3,), NO_LABEL), 0.0, 2.0)
+    assert loss.item() == 0.0 and loss.requires_grad
+    loss.backward()
+    assert logits.grad is not None and torch.equal(logits.grad, torch.zeros(3, 2))

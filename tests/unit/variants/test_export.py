@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from pipeline.core.params import ExportParams
@@ -44,3 +46,24 @@ def test_a_profile_opting_out_of_torchscript_gets_a_skip_record_with_the_reason(
     assert info.status == "skipped" and "export.torchscript" in info.reason
     assert not (tmp_path / "variants" / "fp32-torchscript" / "model.pt").exists()
     assert read_variant(tmp_path / "variants" / "fp32-onnx").status == "ok"
+
+
+def test_a_graph_the_onnx_checker_rejects_is_an_export_error(tmp_path, monkeypatch):
+    """The exported file failing `onnx.checker` is the module's `ExportError` with the checker's message, like a
+    failed export, not a raw `ValidationError`."""
+    import onnx
+    import torch
+
+    import pipeline.variants.export as build
+
+    class Program:
+        def save(self, path: str, external_data: bool) -> None:
+            Path(path).write_bytes(b"not a graph")
+
+    def rejects(path: str, full_check: bool) -> None:
+        raise onnx.checker.ValidationError("Field 'type' of 'value_info' is required but missing")
+
+    monkeypatch.setattr(torch.onnx, "export", lambda *a, **k: Program())
+    monkeypatch.setattr(onnx.checker, "check_model", rejects)
+    with pytest.raises(ExportError, match="ONNX export failed: ValidationError: Field 'type'"):
+        build.export_onnx(torch.nn.Identity(), tmp_path / "model.onnx", max_length=16)
