@@ -119,6 +119,12 @@ def spark_session(master: str, task_threads: int = 1, batch_rows: int = BATCH_RO
     against each other. In local mode the workers run this Python (the project's venv)."""
     from pyspark.sql import SparkSession
 
+    active = SparkSession.getActiveSession()
+    if active is not None:  # a caller's (a notebook's, a test's): used as it is, its configuration left alone
+        print(f"using the running Spark session on {active.sparkContext.master}: its own settings stay, so master "
+              f"{master}, {task_threads} core(s) per task and {batch_rows} rows per batch are not applied",
+              file=sys.stderr)
+        return active
     if master.startswith("local"):
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     builder = (SparkSession.builder.master(master).appName("imdb-sentiment batch scoring")
