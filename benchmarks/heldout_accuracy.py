@@ -103,8 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     fp32_pred: np.ndarray | None = None
     for length in lengths:
         start = time.perf_counter()
-        seqs = encode_texts(reviews["text"].tolist(), tokenizer, length, trained["truncation"],
-                            trained["head_fraction"])
+        seqs = encode_texts(reviews["text"].tolist(), tokenizer, length, truncation=trained["truncation"],
+                            head_fraction=trained["head_fraction"])
         pred = predict_logits(runner, seqs, 16, pad_id=pad, progress=f"{length} tokens").argmax(-1)
         acc = float((pred == labels).mean())
         rows[str(length)] = {"accuracy": acc, "std_error": math.sqrt(acc * (1 - acc) / len(labels)),

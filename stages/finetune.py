@@ -29,15 +29,17 @@ def finetune(
     if params.train.launcher == "torchrun" and not elastic.under_torchelastic():
         # this process only launches: the workers torchrun starts run this stage again, as a group. It imports none
         # of the training code, so it holds no torch in memory (nor spends its import) while the group trains.
-        raise SystemExit(elastic.launch(params.train, ["-m", "stages.finetune", *sys.argv[1:]]))
-    from pipeline.training.checkpoints import is_rank_zero
+        # A group that finished returns (the stage is done); one that failed past its restarts ends with its status.
+        if status := elastic.launch(params.train, ["-m", "stages.finetune", *sys.argv[1:]]):
+            raise SystemExit(status)
+        return
     from pipeline.training.finetune import FinetuneOutputs, run_finetune
 
     outputs = FinetuneOutputs(model_dir=model_dir, metrics_path=metrics, plots_dir=plots, report_dir=reports,
                               predictions_path=test_predictions)
     run_finetune(tokenized_dir=tokenized, outputs=outputs, all_params=params, precision=stage.auto.precision,
                  # rank zero logs for the group: the other ranks never look the parent run up
-                 run_context=stage.run_context if is_rank_zero() else None)
+                 run_context=stage.run_context if elastic.is_rank_zero() else None)
 
 
 if __name__ == "__main__":

@@ -100,7 +100,9 @@ def run_stage(*, name: str, body: Callable[[], None], run_id: str) -> None:
         print(f"error: stage '{name}' failed: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     except SystemExit as exc:  # e.g. a preempted training job: exit 128 + signal, checkpoint written
-        outcome = f"stopped (exit {exc.code})"
+        # status 0 (or none) is a body that ended the process successfully, as a launcher passing on its workers'
+        # status does: done, like a body that returns
+        outcome = "done" if exc.code in (0, None) else f"stopped (exit {exc.code})"
         raise
     finally:
         seconds = time.perf_counter() - started

@@ -90,9 +90,10 @@ def tokenize_frame(df: pd.DataFrame, tokenizer: Any, params: DataParams, chunk: 
     return frame
 
 
-def encode_texts(texts: Sequence[str], tokenizer: Any, max_length: int, truncation: str = "head",
-                 head_fraction: float = 0.25) -> list[np.ndarray]:
-    """Same truncation as training, for inference paths that start from raw text."""
+def encode_texts(texts: Sequence[str], tokenizer: Any, max_length: int, *, truncation: str,
+                 head_fraction: float) -> list[np.ndarray]:
+    """Same truncation as training, for inference paths that start from raw text. `truncation` and `head_fraction`
+    have no defaults: they must be the model's own (its record's `preprocessing`), never a guess."""
     enc = tokenizer([clean_text(t) for t in texts], add_special_tokens=False, truncation=False, verbose=False)
     return [
         np.asarray(truncate_ids(ids, max_length, truncation, head_fraction,

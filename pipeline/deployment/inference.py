@@ -76,7 +76,8 @@ class SentimentPredictor:
         p = self.preprocessing
         if self.max_chars is not None:
             texts = [clip_chars(t, self.max_chars, p["truncation"], p["head_fraction"]) for t in texts]
-        return encode_texts(texts, self.tokenizer, p["max_length"], p["truncation"], p["head_fraction"])
+        return encode_texts(texts, self.tokenizer, p["max_length"], truncation=p["truncation"],
+                            head_fraction=p["head_fraction"])
 
     def predict(self, texts: Sequence[str], progress: bool | None = False) -> list[Prediction]:
         """Predictions in input order for any number of texts (one padded batch when they fit `max_batch`).

@@ -3,23 +3,29 @@ resume from it or start fresh (`ResumePlan`), atomic checkpoint writes, and the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-import os
 import re
 import shutil
 import zipfile
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from pipeline.core.io import replaced_on_success, write_json
 from pipeline.data.batching import LoaderPosition
+from pipeline.training.elastic import is_rank_zero
 from pipeline.training.fingerprint import Fingerprint
-from pipeline.training.resume import ResumableTraining
+from pipeline.training.resume import Preempted, ResumableTraining
+
+if TYPE_CHECKING:
+    from pipeline.core.parent_run import RunContext
+    from pipeline.core.tracking import StageRun
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +40,9 @@ class ResumePlan:
     checkpoint: Path | None
     step: int
     reason: str
-    previous_run_id: str | None = None  # the MLflow run of the interrupted attempt, whose curves continue
+    # the MLflow run of the job's previous attempt: resumed, this attempt continues its curves; fresh, it is
+    # closed if a killed process left it RUNNING
+    previous_run_id: str | None = None
 
     @property
     def resumed(self) -> bool:
@@ -57,14 +65,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         with replaced_on_success(Path(path)) as tmp:
             super().save_checkpoint(checkpoint, tmp, storage_options)
-
-
-def is_rank_zero() -> bool:
-    """True in the process that writes files and logs: global rank 0 under torchrun (RANK), else the launching
-    process of a Lightning DDP job (LOCAL_RANK and NODE_RANK unset or 0)."""
-    if "RANK" in os.environ:
-        return int(os.environ["RANK"]) == 0
-    return int(os.environ.get("LOCAL_RANK", 0)) == 0 and int(os.environ.get("NODE_RANK", 0)) == 0
 
 
 class CheckpointStore:
@@ -100,19 +100,21 @@ class CheckpointStore:
 
     def plan(self, current: Fingerprint, resume: bool = True) -> ResumePlan:
         """Resume from the newest intact checkpoint if the saved fingerprint equals `current`; otherwise clear the
-        directory (rank 0) and start fresh. The reason is logged and returned."""
+        directory (rank 0) and start fresh. The reason is logged and returned, with the previous attempt's MLflow
+        run either way (read before the directory is cleared: `start_attempt` closes it)."""
         saved = self._read_fingerprint()
         found = self.checkpoints()
         previous = self._read_run()
         if not resume:
-            plan = ResumePlan(self.job, None, 0, "fresh start: train.resume is false")
+            plan = ResumePlan(self.job, None, 0, "fresh start: train.resume is false", previous)
         elif not found:
-            plan = ResumePlan(self.job, None, 0, f"fresh start: no checkpoint in {self.dir}")
+            plan = ResumePlan(self.job, None, 0, f"fresh start: no checkpoint in {self.dir}", previous)
         elif saved is None:
-            plan = ResumePlan(self.job, None, 0, f"fresh start: {self.dir} has checkpoints but no fingerprint")
+            plan = ResumePlan(self.job, None, 0, f"fresh start: {self.dir} has checkpoints but no fingerprint",
+                              previous)
         elif changed := current.differences(saved):
             plan = ResumePlan(self.job, None, 0, f"fresh start, the checkpoint at step {found[0][0]} is for other "
-                                                 f"inputs: {'; '.join(changed)}")
+                                                 f"inputs: {'; '.join(changed)}", previous)
         else:
             step, path = found[0]
             plan = ResumePlan(self.job, path, step, f"resuming from step {step} ({path})", previous)
@@ -159,11 +161,46 @@ class CheckpointStore:
             return None
 
 
-def start_attempt(run: Any, plan: ResumePlan, store: CheckpointStore) -> None:
-    """Record the attempt in its MLflow run: whether it resumed and from where (tags), the interrupted attempt it
-    continues (closed as KILLED), and this run as the one a later attempt would continue."""
+def start_attempt(run: StageRun, plan: ResumePlan, store: CheckpointStore) -> None:
+    """Record the attempt in its MLflow run: whether it resumed and from where (tags), the previous attempt (the
+    interrupted one it continues, or the one a fresh start replaces), closed as KILLED if a killed process left it
+    RUNNING, and this run as the one a later attempt would continue."""
     run.set_tags({"resume.resumed": str(plan.resumed).lower(), "resume.reason": plan.reason[:500],
                   "resume.from_step": str(plan.step)})
-    if plan.resumed and plan.previous_run_id:
+    if plan.previous_run_id and plan.resumed:
         run.close_interrupted(plan.previous_run_id)
+    elif plan.previous_run_id:
+        close_replaced(run, plan.previous_run_id)
     store.remember_run(run.run_id)
+
+
+def close_replaced(run: StageRun, previous_run_id: str) -> None:
+    """The previous attempt's run, which this fresh start replaces without continuing its curves: marked KILLED if
+    a hard-killed process left it RUNNING (nothing else would ever end it), and tagged with the run that replaced
+    it. A run the store no longer holds (deleted, another store) is left alone."""
+    client = run.context.client()
+    try:
+        previous = client.get_run(previous_run_id)
+    except Exception:  # MLflow's "not found" error: an MLflow type, and only the tracking modules import MLflow
+        log.info("previous attempt's run %s not found in the store: nothing to close", previous_run_id)
+        return
+    client.set_tag(previous_run_id, "resume.replaced_by", run.run_id)
+    if previous.info.status == "RUNNING":
+        client.set_terminated(previous_run_id, "KILLED")
+
+
+@contextlib.contextmanager
+def training_run(context: RunContext, stage: str, *, system_metrics: bool = False) -> Iterator[StageRun]:
+    """`pipeline.core.tracking.stage_run` for a training stage: a run stopped by a signal (`Preempted`, checkpoint
+    written, to be resumed) ends KILLED, as a scheduler's preemption is, where MLflow's run context would end it
+    FAILED (it marks every exception so); any other failure stays FAILED."""
+    from pipeline.core.tracking import stage_run
+
+    run: StageRun | None = None
+    try:
+        with stage_run(context, stage, system_metrics=system_metrics) as run:
+            yield run
+    except Preempted:
+        if run is not None:  # the run context has ended it FAILED by now: its status is set once more
+            run.context.client().set_terminated(run.run_id, "KILLED")
+        raise

@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from pipeline.core.machine import Choice
     from pipeline.core.params import ResolvedAuto
     from pipeline.core.parent_run import RunContext
+    from pipeline.core.tracking import StageRun
     from pipeline.training.checkpoints import ResumePlan
 
 log = logging.getLogger(__name__)
@@ -66,7 +68,11 @@ def distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metrics_p
     score the test split and save the student in HF format with its record (the teacher's preprocessing, and the
     machine choices: `precision`, `train.precision` as the stage resolved it, and, from `run_distill`, how
     `distill.enabled` resolved). Training checkpoints and resumes as
-    finetune's does (`train.checkpoint_dir/distill`, `plan` else `distill_plan`)."""
+    finetune's does (`train.checkpoint_dir/distill`, `plan` else `distill_plan`).
+
+    Under DDP (`train.devices` > 1) Lightning starts the stage again for each further process, which labels the
+    reviews itself (each rank trains on them) and trains its share; only rank 0 then restores the best epoch,
+    scores, saves and clears the checkpoints: the others return once training ends, with empty metrics."""
     from pipeline.data.tokens import training_window
     from pipeline.modeling import load_finetuned, pad_id
     from pipeline.surgery.student import build_student, count_parameters, layer_list, narrow_ffn
@@ -108,6 +114,8 @@ def distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metrics_p
     plan = plan or distill_plan(teacher_dir, tokenized_dir, params, precision)
     store = CheckpointStore.for_job(params.train, "distill")
     fitted = fit(module, train, store=store, plan=plan, position=dm.position, datamodule=dm, sink=metric_sink)
+    if not fitted.trainer.is_global_zero:  # the best epoch is loaded, scored and saved by rank 0 alone
+        return DistillResult({}, student_dir, "worker", "a training process of rank > 0: rank 0 saves the student")
     logits, labels = predict_split(module, dm, "test")
     curves = fitted.curves
     # Agreement with the teacher on the test split is the evaluate stage's `agreement_with_fp32`.
@@ -133,7 +141,7 @@ def distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metrics_p
     }
     record = {"distillation": {"teacher": str(teacher_dir), "kept_layers": keep, **width, **to_dict(d),
                                "labelled_reviews": transfer.labelled, "transfer_reviews": transfer.unlabelled}}
-    save_model(module.model, tokenizer, student_dir, _teacher_data(meta, params), params.model, train,
+    save_model(module.model, tokenizer, student_dir, _teacher_data(meta, params, teacher_dir), params.model, train,
                choices=[choice] + ([enabled] if enabled else []), extra=record)
     write_json(metrics_path, metrics)
     curves.write(plots_dir)
@@ -146,23 +154,32 @@ def distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metrics_p
 def distill_plan(teacher_dir: Path, tokenized_dir: Path, params: Params, precision: Choice) -> ResumePlan:
     """Whether distill resumes from `train.checkpoint_dir/distill`: its fingerprint is the student's and the
     trainer's settings (`precision`: `train.precision` as the stage resolved it), the teacher's files, the tokenized
-    splits and the training code."""
+    splits and the training code. The `export` settings are not in it: they shape the student's variants, built
+    after training, never its weights."""
     from pipeline.training.checkpoints import CheckpointStore
 
     train = dataclasses.replace(student_train_params(params), precision=precision.value)
     settings = {"distill": to_dict(params.distill), "train": trajectory_settings(to_dict(train)),
-                "export": to_dict(params.export), "data": to_dict(params.data)}
+                "data": to_dict(params.data)}
     inputs = [teacher_dir, tokenized_dir]
     return CheckpointStore.for_job(params.train, "distill").plan(fingerprint(settings, inputs), params.train.resume)
 
 
-def _teacher_data(meta: dict[str, Any], params: Params) -> Any:
-    """The data params the teacher was trained with (its record), so the student's record states the same
-    preprocessing as the teacher's."""
-    from pipeline.core.params import DataParams, from_mapping
+def _teacher_data(meta: dict[str, Any], params: Params, teacher_dir: Path) -> Any:
+    """The data params the teacher was trained with (its record, `teacher_dir/pipeline.json`), so the student's
+    record states the same preprocessing as the teacher's. A record this code cannot read is the teacher's fault,
+    not params.yaml's, and the error says so."""
+    from pipeline.core.params import DataParams, ParamsError, from_mapping
+    from pipeline.surgery.errors import DistillError
 
     recorded = meta.get("params", {}).get("data")
-    return from_mapping(DataParams, recorded, "data") if recorded else params.data
+    if not recorded:
+        return params.data
+    try:
+        return from_mapping(DataParams, recorded, "params.data")
+    except ParamsError as exc:
+        raise DistillError(f"the teacher's record {teacher_dir / 'pipeline.json'} (not params.yaml): {exc}; "
+                           "finetune the teacher again with this code (dvc repro finetune)") from None
 
 
 def write_skipped(student_dir: Path, metrics_path: Path, plots_dir: Path, reason: str,
@@ -178,20 +195,34 @@ def write_skipped(student_dir: Path, metrics_path: Path, plots_dir: Path, reason
 
 
 def run_distill(*, teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metrics_path: Path, plots_dir: Path,
-                params: Params, auto: ResolvedAuto, run_context: RunContext,
+                params: Params, auto: ResolvedAuto, run_context: RunContext | None,
                 build_variants: Callable[[], Mapping[str, Any]]) -> DistillResult:
     """`distill` inside an MLflow child run of the execution's parent (`run_context`) like finetune's (machine
     load sampled, curves, metrics, the student's files), then `build_variants` (the student's exports) in the
     same run, its report logged like other build stages'. A disabled student is recorded as skipped with the
     reason, and so are its variants. `auto`: the stage's resolved `auto` settings (`train.precision`,
-    `distill.enabled`)."""
-    from pipeline.core.tracking import stage_run
+    `distill.enabled`).
+
+    Under multi-process DDP, Lightning starts the stage again for each process of rank > 0: such a process (its
+    stage passes no context, None) trains its share and does nothing else, no MLflow run, no variants, and `distill`
+    leaves the records to rank 0. A run stopped by a signal (checkpoint written, to be resumed) ends KILLED
+    (`training_run`)."""
+    from pipeline.training.elastic import is_rank_zero
 
     tracking: MlflowParams = params.mlflow
     train = params.train
     precision, enabled = auto.precision, auto.distill
+    reason = ("distill.enabled is false (make run PROFILE=full or PROFILE=avx2-student builds the student)"
+              if enabled.asked is False
+              else f"distill.enabled auto resolved to false: {enabled.reason}")
+    if run_context is None or not is_rank_zero():  # rank zero logs and builds for the group
+        if enabled.value:
+            return distill(teacher_dir, tokenized_dir, student_dir, metrics_path, plots_dir, params, precision,
+                           enabled=enabled)
+        return write_skipped(student_dir, metrics_path, plots_dir, reason, enabled)  # no student: a single process
+
     log.info("distill: distill.enabled %s", enabled.tag())
-    with stage_run(run_context, "distill", system_metrics=tracking.system_metrics) as run:
+    with _stage_run(run_context, enabled.value, tracking.system_metrics) as run:
         run.log_sections({"distill": to_dict(params.distill), "train": to_dict(train),
                           "export": to_dict(params.export), "quantize": to_dict(params.quantize)})
         run.set_tags({"distill.enabled.resolved": enabled.tag()})
@@ -209,11 +240,20 @@ def run_distill(*, teacher_dir: Path, tokenized_dir: Path, student_dir: Path, me
             run.log_artifacts(plots_dir, "curves")
             run.log_artifacts(student_dir, "model")
         else:
-            reason = ("distill.enabled is false (make run PROFILE=full or PROFILE=avx2-student builds the student)"
-                      if enabled.asked is False
-                      else f"distill.enabled auto resolved to false: {enabled.reason}")
             log.warning("student skipped: %s", reason)
             run.set_tags({"status": "skipped", "reason": reason})
             result = write_skipped(student_dir, metrics_path, plots_dir, reason, enabled)
         run.log_report(build_variants(), [metrics_path])
     return result
+
+
+def _stage_run(context: RunContext, trains: bool, system_metrics: bool) -> AbstractContextManager[StageRun]:
+    """The stage's MLflow run: a training run (stopped by a signal, it ends KILLED) where the student trains, a plain
+    stage run where it is skipped, which imports no Lightning."""
+    if trains:
+        from pipeline.training.checkpoints import training_run
+
+        return training_run(context, "distill", system_metrics=system_metrics)
+    from pipeline.core.tracking import stage_run
+
+    return stage_run(context, "distill", system_metrics=system_metrics)

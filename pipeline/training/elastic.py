@@ -2,7 +2,8 @@
 `torch.distributed.run` (torchelastic) with a c10d rendezvous, so a group of `min_nodes`..`num_nodes` machines with
 `devices` processes each trains together, and a failed worker restarts the whole group (up to `max_restarts`
 times), which resumes from the newest checkpoint (`pipeline.training.resume`). Lightning reads the group's shape from
-torchelastic's environment (`loop.elastic_world`); the backend is gloo on CPU and NCCL on CUDA."""
+torchelastic's environment (`loop.elastic_world`); the backend is gloo on CPU and NCCL on CUDA. `is_rank_zero` tells,
+from the environment alone, the one process of a group (torchrun's or Lightning's DDP) that writes and logs."""
 
 from __future__ import annotations
 
@@ -20,6 +21,15 @@ log = logging.getLogger(__name__)
 def under_torchelastic() -> bool:
     """True in a worker that torchrun started (its agent sets TORCHELASTIC_RUN_ID)."""
     return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def is_rank_zero() -> bool:
+    """True in the process that writes files and logs: global rank 0 under torchrun (RANK), else the launching
+    process of a Lightning DDP job (LOCAL_RANK and NODE_RANK unset or 0). Read from the environment alone, so a
+    stage can tell before it imports any training code."""
+    if "RANK" in os.environ:
+        return int(os.environ["RANK"]) == 0
+    return int(os.environ.get("LOCAL_RANK", 0)) == 0 and int(os.environ.get("NODE_RANK", 0)) == 0
 
 
 def torchrun_command(train: TrainParams, program: Sequence[str]) -> list[str]:

@@ -7,9 +7,10 @@ loop counters, callback states) and this module adds what Lightning does not kee
 - the position inside the epoch (`LoaderPosition`: the length-bucketed sampler rebuilds the epoch's order from its
   seed and skips the batches already trained) and the RNG streams, so a resumed run continues the same trajectory;
 - a checkpoint when SIGTERM, SIGINT or SIGUSR1 arrives. The signal only raises a flag; the checkpoint is written at
-  the next batch boundary, where weights, optimizer and data position agree (saving from an exception handler, as
-  `OnExceptionCheckpoint` does, can catch an optimizer step half applied), then the process exits with 128 + the
-  signal number. A second Ctrl-C stops at once;
+  the end of the next batch that steps the optimizer, where weights, optimizer and data position agree (saving from
+  an exception handler, as `OnExceptionCheckpoint` does, can catch an optimizer step half applied; between steps of
+  `train.grad_accum`, the accumulated gradients would be lost), then the process exits with 128 + the signal
+  number. A second Ctrl-C stops at once;
 - atomic writes (a file is complete or absent: a kill mid-write never leaves a checkpoint a later run trusts);
 - the fingerprint (the job's settings, a digest of its input files, a digest of the training code): the next run
   resumes from the newest intact checkpoint when it matches and starts fresh, saying why in one line, when not.
@@ -83,8 +84,9 @@ def set_rng_states(states: Mapping[str, Any]) -> None:
 
 
 class ResumableTraining(L.Callback):
-    """Keeps the epoch position and RNG streams in every checkpoint and restores them; turns SIGTERM, SIGINT and
-    SIGUSR1 into a checkpoint at the next batch boundary followed by `Preempted`."""
+    """Keeps the epoch position and RNG streams in every checkpoint and restores them (an elastic resume with another
+    world size moves both the sampler's skip and Lightning's batch count); turns SIGTERM, SIGINT and SIGUSR1 into a
+    checkpoint after the next optimizer step followed by `Preempted`."""
 
     def __init__(self, directory: Path, position: LoaderPosition | None = None,
                  signals: Sequence[signal.Signals] = STOP_SIGNALS) -> None:
@@ -111,7 +113,9 @@ class ResumableTraining(L.Callback):
             return
         done = int(state["batches_done"])
         if state.get("world_size", 1) != trainer.world_size:  # elastic: same share of the epoch, new sharding
+            saved = done
             done = done * int(state["world_size"]) // max(trainer.world_size, 1)
+            rescale_batch_progress(checkpoint, done - saved)
             log.warning("resuming with %d processes where the checkpoint had %d: the epoch continues at batch %d",
                         trainer.world_size, state["world_size"], done)
         if self.position is not None:
@@ -138,7 +142,7 @@ class ResumableTraining(L.Callback):
         if self.requested is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C: stop now
         self.requested = signum
-        log.warning("received %s: writing a checkpoint at the end of this batch, then stopping",
+        log.warning("received %s: writing a checkpoint after the next optimizer step, then stopping",
                     signal.Signals(signum).name)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
@@ -146,7 +150,10 @@ class ResumableTraining(L.Callback):
         stop = self.requested is not None
         if trainer.world_size > 1:  # a signal to any rank stops all of them at the same batch
             stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
-        if stop:
+        # Between two optimizer steps (`train.grad_accum` > 1) the accumulated gradients are in `.grad`, which no
+        # checkpoint holds, while `batches_done` would count their batches: the resumed run would skip them. The
+        # stop waits for the batch that steps (every rank reaches it at the same batch).
+        if stop and steps_after(trainer, batch_idx):
             self._stop(trainer)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -171,6 +178,37 @@ class ResumableTraining(L.Callback):
             with contextlib.suppress(ValueError, TypeError):
                 signal.signal(sig, handler)
         self._previous = {}
+
+
+def steps_after(trainer: L.Trainer, batch_idx: int) -> bool:
+    """Whether the optimizer steps after batch `batch_idx` of the epoch (Lightning's own rule): the batch completes
+    an accumulation window of `accumulate_grad_batches`, or it is the epoch's last, where Lightning steps on a
+    partial window. (`batch_idx` counts from the epoch's start, a resumed run's included.)"""
+    if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+        return True
+    return (trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+            or batch_idx + 1 >= trainer.num_training_batches)
+
+
+def rescale_batch_progress(checkpoint: dict[str, Any], shift: int) -> None:
+    """Move Lightning's restored position in the epoch (`epoch_loop.batch_progress`, the batches this rank has
+    taken) by `shift` batches, where an elastic resume with another world size moved the sampler's skip.
+
+    Lightning ends the epoch when that count reaches the epoch's length and validates when it is a multiple of the
+    validation interval; left at the old world size's value while the sampler skips the rescaled number, a smaller
+    group (more batches per rank) ended the epoch's loader before the count reached the length, so the epoch-end
+    validation never ran, and a larger group reached the length early and dropped the rest of the epoch. Every
+    counter of the current epoch and of the run moves by the same amount, so the relations between them, which
+    Lightning reads to tell where in a batch the checkpoint was written, are kept (a checkpoint written at the end
+    of a batch counts that batch processed but not completed: shifted to the epoch's start, `completed` is -1 until
+    Lightning's restart adds the batch back)."""
+    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
+    if not progress or not shift:
+        return
+    for scope in ("current", "total"):
+        counters = progress[scope]
+        for name in ("ready", "started", "processed", "completed"):
+            counters[name] = int(counters[name]) + shift
 
 
 def _main_thread() -> bool:

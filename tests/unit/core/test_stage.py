@@ -234,3 +234,30 @@ def test_auto_settings_are_resolved_only_where_a_stage_starts():
                 if name in rules:
                     callers.add(str(path.relative_to(ROOT)))
     assert callers == {"pipeline/core/settings/auto.py"}
+
+
+def test_a_body_that_ends_the_process_with_status_0_is_done(tmp_path, monkeypatch):
+    """A torchrun launcher passes on its workers' status with `SystemExit`: status 0 (or none) is a stage that
+    finished, logged "done" as a body that returns is, so the run summary counts it as run; another status is
+    stopped."""
+    import json
+
+    import pytest
+
+    from pipeline.core.stage import run_stage
+    from pipeline.evaluation.run_summary import stage_times
+
+    log = tmp_path / "stages.jsonl"
+    monkeypatch.setenv("PIPELINE_STAGE_LOG", str(log))
+
+    def exits(code: int | None) -> None:
+        raise SystemExit(code)
+
+    for code in (0, None, 143):
+        with pytest.raises(SystemExit):
+            run_stage(name="finetune", body=lambda code=code: exits(code), run_id=f"unit-exit-{code}")
+    outcomes = [json.loads(line)["outcome"] for line in log.read_text().splitlines()]
+    assert outcomes == ["done", "done", "stopped (exit 143)"]
+    ran = {t.stage: t.status for t in stage_times(log, "unit-exit-0")}
+    assert ran["finetune"] == "ran"
+    assert {t.stage: t.status for t in stage_times(log, "unit-exit-143")}["finetune"] == "stopped (exit 143)"

@@ -53,7 +53,7 @@ def test_real_reviews_get_transformers_ids_and_special_ids(saved, tokenizer, rev
     assert max(len(ids) for ids in light(reviews)["input_ids"]) > 16  # the file's stored truncation is off
     assert (light.cls_token_id, light.sep_token_id, light.pad_token_id) == (
         tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.pad_token_id)
-    windows = [encode_texts(reviews, t, 64, "head_tail", 0.25) for t in (light, tokenizer)]
+    windows = [encode_texts(reviews, t, 64, truncation="head_tail", head_fraction=0.25) for t in (light, tokenizer)]
     assert [w.tolist() for w in windows[0]] == [w.tolist() for w in windows[1]]
 
 

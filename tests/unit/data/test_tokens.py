@@ -42,8 +42,8 @@ def test_qat_trains_on_the_finetune_window(tokenizer):
     """The window QAT re-truncates training reviews to is the finetune stage's `train.max_length`."""
     pre = {"max_length": 64, "truncation": "head_tail", "head_fraction": 0.25}
     text = " ".join(f"word{i}" for i in range(200))
-    (full,) = encode_texts([text], tokenizer, 64, "head_tail", 0.25)
-    (short,) = encode_texts([text], tokenizer, 24, "head_tail", 0.25)
+    (full,) = encode_texts([text], tokenizer, 64, truncation="head_tail", head_fraction=0.25)
+    (short,) = encode_texts([text], tokenizer, 24, truncation="head_tail", head_fraction=0.25)
     window = training_window({"preprocessing": pre, "params": {"train": {"max_length": 24}}}, tokenizer)
     assert window is not None and np.array_equal(window(full), short)
     assert training_window({"preprocessing": pre, "params": {"train": {"max_length": None}}}, tokenizer) is None
@@ -57,6 +57,19 @@ def test_clipping_characters_keeps_the_tokens_a_long_review_is_truncated_to(toke
     clipped = clip_chars(review, 2000, mode, 0.25)
     assert len(clipped) == 2000 and len(review) > 2000
     assert clipped.startswith(review[:400]) and (mode == "head" or review.endswith(clipped[-1000:]))
-    full, short = encode_texts([review, clipped], tokenizer, 64, mode, 0.25)
+    full, short = encode_texts([review, clipped], tokenizer, 64, truncation=mode, head_fraction=0.25)
     assert full.tolist() == short.tolist()
     assert clip_chars("short review", 2000, mode, 0.25) == "short review"
+
+
+def test_encode_texts_takes_the_truncation_by_name_and_never_guesses_it(tokenizer):
+    """The truncation and head fraction are the model's own (its record's `preprocessing`): a call that leaves them
+    out, or passes them by position where another order could swap them, is refused."""
+    with pytest.raises(TypeError):
+        encode_texts(["a review"], tokenizer, 64)
+    with pytest.raises(TypeError):
+        encode_texts(["a review"], tokenizer, 64, "head_tail", 0.25)
+    text = " ".join(f"word{i}" for i in range(200))
+    (head,) = encode_texts([text], tokenizer, 16, truncation="head", head_fraction=0.25)
+    (head_tail,) = encode_texts([text], tokenizer, 16, truncation="head_tail", head_fraction=0.25)
+    assert head[:4].tolist() == head_tail[:4].tolist() and head[-2] != head_tail[-2]  # the mode named is applied

@@ -223,3 +223,110 @@ def test_hidden_state_loss_matches_each_student_layer_to_its_teacher_layer():
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in student.parameters())
     with pytest.raises(DistillError, match="needs the teacher"):
         StudentClassifier(student, DistillParams(hidden_weight=0.5), 0.0, 0.0)
+
+
+class _UnusedContext:
+    """A run context that fails any use: a process of rank > 0 must not look the parent run up."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):  # Python's and pytest's own look-ups
+            raise AttributeError(name)
+        raise AssertionError(f"a process of rank > 0 used the MLflow context ({name})")
+
+
+@pytest.mark.parametrize("context", [None, _UnusedContext()], ids=["no context", "a context"])
+def test_a_ddp_process_of_rank_above_zero_only_trains(tmp_path, monkeypatch, context):
+    """Lightning runs the stage again in each further DDP process (LOCAL_RANK set): that process trains its share
+    and opens no MLflow run, builds no variants, and leaves the records to rank 0."""
+    import pipeline.training.distill as distill_module
+    from pipeline.training.distill import DistillResult, run_distill
+
+    trained: list[object] = []
+
+    def fake_distill(teacher_dir, tokenized_dir, student_dir, metrics_path, plots_dir, params, precision,
+                     metric_sink=None, enabled=None, plan=None):
+        trained.append((metric_sink, plan))
+        return DistillResult({}, student_dir, "worker")
+
+    def no_variants():
+        raise AssertionError("a process of rank > 0 built the student's variants")
+
+    monkeypatch.setattr(distill_module, "distill", fake_distill)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    params = Params(train=TrainParams(checkpoint_dir=str(tmp_path / "checkpoints")),
+                    distill=DistillParams(enabled=True))
+    result = run_distill(teacher_dir=tmp_path / "teacher", tokenized_dir=tmp_path, student_dir=tmp_path / "student",
+                         metrics_path=tmp_path / "distill.json", plots_dir=tmp_path / "plots", params=params,
+                         auto=resolve_auto(params), run_context=context, build_variants=no_variants)
+    assert result.status == "worker" and trained == [(None, None)]  # no MLflow sink, no plan of rank 0's run
+    assert not (tmp_path / "distill.json").exists() and not (tmp_path / "student").exists()
+
+
+def test_distill_on_a_rank_above_zero_returns_after_training_and_writes_nothing(tmp_path, monkeypatch, tokenized_dir,
+                                                                                tiny_model_dir):
+    """After the fit, a process of rank > 0 neither scores nor saves: the best epoch is rank 0's to load (it alone
+    does), and the student, its metrics, curves and the checkpoints are rank 0's to write and clear."""
+    import math
+    from types import SimpleNamespace
+
+    import pipeline.training.loop as loop
+    from pipeline.training.curves import CurveRecorder
+    from pipeline.training.distill import distill
+    from pipeline.training.loop import Fitted
+
+    def fake_fit(module, params, **kwargs):
+        return Fitted(SimpleNamespace(is_global_zero=False, global_step=3), CurveRecorder(), "", math.nan)
+
+    def no_scoring(*args, **kwargs):
+        raise AssertionError("a process of rank > 0 scored the test split")
+
+    monkeypatch.setattr(loop, "fit", fake_fit)
+    monkeypatch.setattr(loop, "predict_split", no_scoring)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    checkpoints = tmp_path / "checkpoints"
+    (checkpoints / "distill").mkdir(parents=True)
+    (checkpoints / "distill" / "fingerprint.json").write_text("{}")  # rank 0's: left alone
+    params = Params(data=DataParams(max_length=64), model=ModelParams(source="tiny"),
+                    train=TrainParams(precision="32-true", accelerator="cpu", checkpoint_dir=str(checkpoints)),
+                    distill=DistillParams(enabled=True, depth=1, epochs=1, batch_size=16))
+    result = distill(tiny_model_dir, tokenized_dir, tmp_path / "student", tmp_path / "distill.json",
+                     tmp_path / "plots", params, resolve_auto(params).precision)
+    assert result.status == "worker" and result.metrics == {}
+    assert not any(p.exists() for p in (tmp_path / "student", tmp_path / "distill.json", tmp_path / "plots"))
+    assert (checkpoints / "distill" / "fingerprint.json").read_text() == "{}"
+
+
+def test_the_export_settings_do_not_discard_distill_checkpoints(tmp_path):
+    """The student's exports are built after training: changing `export` (the ONNX opset) keeps the checkpoint, a
+    change of the student's own settings does not."""
+    import dataclasses
+
+    from pipeline.training.distill import distill_plan
+
+    teacher, tokenized = tmp_path / "teacher", tmp_path / "tokenized"
+    for d in (teacher, tokenized):
+        d.mkdir()
+        (d / "file").write_text(d.name)
+    params = Params(train=TrainParams(checkpoint_dir=str(tmp_path / "checkpoints")), export=ExportParams(opset=18))
+    precision = resolve_auto(params).precision
+    distill_plan(teacher, tokenized, params, precision)  # writes the fingerprint
+    ckpt = tmp_path / "checkpoints" / "distill" / "periodic" / "step=10.ckpt"
+    ckpt.parent.mkdir(parents=True)
+    torch.save({"global_step": 10}, ckpt)
+    opset = dataclasses.replace(params, export=ExportParams(opset=19))
+    assert distill_plan(teacher, tokenized, opset, precision).resumed
+    deeper = dataclasses.replace(opset, distill=DistillParams(depth=3))
+    plan = distill_plan(teacher, tokenized, deeper, precision)
+    assert not plan.resumed and "distill.depth" in plan.reason
+
+
+def test_an_unknown_key_in_the_teachers_record_names_the_record_not_params_yaml(tmp_path):
+    from pipeline.training.distill import _teacher_data
+
+    meta = {"params": {"data": {"max_length": 64, "stemming": True}}}
+    with pytest.raises(DistillError) as error:
+        _teacher_data(meta, Params(), tmp_path / "teacher")
+    message = str(error.value)
+    assert f"the teacher's record {tmp_path / 'teacher' / 'pipeline.json'} (not params.yaml)" in message
+    assert "params.data.stemming: unknown key" in message
+    assert _teacher_data({"params": {"data": {"max_length": 32}}}, Params(), tmp_path).max_length == 32

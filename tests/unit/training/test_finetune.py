@@ -160,3 +160,31 @@ def test_stage_reports_bad_params_without_traceback(tmp_path, tokenized_dir):
     )
     assert proc.returncode == 2
     assert "train.precision: must be one of" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(("status", "outcome"), [(0, "done"), (3, "stopped (exit 3)")])
+def test_the_torchrun_launcher_stage_is_done_when_its_group_finished(tmp_path, tokenized_dir, monkeypatch, status,
+                                                                      outcome):
+    """Under `train.launcher: torchrun` the stage's own process waits for the group: a group that finished is a stage
+    done (the run summary's "ran", not "stopped (exit 0)"); one that failed past its restarts ends the stage with its
+    status."""
+    from pipeline.core.stage import stage_main
+    from pipeline.training import elastic
+    from stages.finetune import finetune as finetune_stage
+
+    params = tmp_path / "params.yaml"
+    _write_params(params, launcher="torchrun", strategy="ddp", devices=2)
+    launched: list[list[str]] = []
+    monkeypatch.setattr(elastic, "launch", lambda train, program: launched.append(list(program)) or status)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    argv = ["--params", str(params), "--tokenized", str(tokenized_dir), "--model-dir", str(tmp_path / "m"),
+            "--metrics", str(tmp_path / "m.json"), "--plots", str(tmp_path / "p"), "--reports", str(tmp_path / "r")]
+    if status:
+        with pytest.raises(SystemExit) as stopped:
+            stage_main("finetune", finetune_stage, argv)
+        assert stopped.value.code == status
+    else:
+        stage_main("finetune", finetune_stage, argv)
+    assert launched and launched[0][:2] == ["-m", "stages.finetune"]
+    logged = [json.loads(line) for line in (tmp_path / "stages.jsonl").read_text().splitlines()]
+    assert [(e["stage"], e["outcome"]) for e in logged] == [("finetune", outcome)]

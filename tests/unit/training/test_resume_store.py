@@ -1,5 +1,6 @@
 """Unit: the resume decision (fingerprint, newest intact checkpoint, who may clear the store), the sampler's resume
-position, the checkpoint writer's atomic rename and the torchrun command line."""
+position, the checkpoint writer's atomic rename, the torchrun command line, and each attempt's MLflow run (the previous
+attempt's closed, a preempted one ended KILLED)."""
 
 from __future__ import annotations
 
@@ -134,3 +135,81 @@ def test_torchrun_rounds_do_not_share_the_rendezvous_store():
     env = launch_env({"PATH": "/bin"})
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and env["PATH"] == "/bin"
     assert launch_env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"})["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "0"
+
+
+def _tracking(tmp_path: Path, tracking_store):
+    from pipeline.core.params import MlflowParams
+    from pipeline.core.parent_run import start_tracking
+
+    params = MlflowParams(tracking_uri=tracking_store(tmp_path / "mlflow.db"), experiment="unit-attempts",
+                          system_metrics=False)
+    return start_tracking(params, run_id="unit-attempts")
+
+
+@pytest.mark.parametrize("why", ["no checkpoint", "other settings", "resume false"])
+def test_a_fresh_start_closes_the_run_a_hard_kill_left_running(tmp_path, tracking_store, why):
+    """A killed process never ends its MLflow run: the next attempt that starts fresh (nothing to resume, other
+    settings, `train.resume: false`) marks it KILLED and names itself in it, as a resumed one does."""
+    from pipeline.core.tracking import stage_run
+    from pipeline.training.checkpoints import start_attempt
+
+    context = _tracking(tmp_path, tracking_store)
+    client = context.client()
+    store = CheckpointStore(tmp_path / "ck", "finetune", writer=True)
+    fp = fingerprint({"train": {"lr": 1e-4}}, [_inputs(tmp_path)])
+    store.plan(fp)
+    killed = client.create_run(context.experiment_id).info.run_id  # RUNNING, as the killed process left it
+    store.remember_run(killed)
+    if why != "no checkpoint":
+        _ckpt(store.dir / "periodic" / "step=10.ckpt", 10)
+    current = fingerprint({"train": {"lr": 2e-4}}, [_inputs(tmp_path)]) if why == "other settings" else fp
+    plan = store.plan(current, resume=why != "resume false")
+    assert not plan.resumed and plan.previous_run_id == killed
+    with stage_run(context, "finetune") as run:
+        start_attempt(run, plan, store)
+    previous = client.get_run(killed)
+    assert previous.info.status == "KILLED" and previous.data.tags["resume.replaced_by"] == run.run_id
+    assert "resume.continues" not in client.get_run(run.run_id).data.tags  # replaced, not continued
+    assert store.plan(current).previous_run_id == run.run_id  # the run a later attempt would close or continue
+
+
+def test_a_fresh_start_leaves_an_ended_run_as_it_ended(tmp_path, tracking_store):
+    from pipeline.core.tracking import stage_run
+    from pipeline.training.checkpoints import start_attempt
+
+    context = _tracking(tmp_path, tracking_store)
+    client = context.client()
+    store = CheckpointStore(tmp_path / "ck", "finetune", writer=True)
+    fp = fingerprint({"a": 1}, [_inputs(tmp_path)])
+    store.plan(fp)
+    failed = client.create_run(context.experiment_id).info.run_id
+    client.set_terminated(failed, "FAILED")
+    store.remember_run(failed)
+    with stage_run(context, "finetune") as run:
+        start_attempt(run, store.plan(fp), store)
+    assert client.get_run(failed).info.status == "FAILED"
+    store.remember_run("no-such-run")  # a run the store no longer holds: nothing to close, no failure
+    with stage_run(context, "finetune") as run:
+        start_attempt(run, store.plan(fp), store)
+
+
+def test_a_preempted_training_run_ends_killed_and_a_failed_one_failed(tmp_path, tracking_store):
+    """Stopped by a signal after its checkpoint (to be resumed), the attempt's run ends KILLED, not FAILED as
+    MLflow's run context ends a run left by any exception; a real failure stays FAILED."""
+    import signal
+
+    from pipeline.training.checkpoints import training_run
+    from pipeline.training.resume import Preempted
+
+    context = _tracking(tmp_path, tracking_store)
+    ids: list[str] = []
+    with pytest.raises(Preempted), training_run(context, "finetune") as run:
+        ids.append(run.run_id)
+        raise Preempted(signal.SIGTERM, 5, tmp_path / "preempt-step=5.ckpt")
+    with pytest.raises(RuntimeError), training_run(context, "finetune") as run:
+        ids.append(run.run_id)
+        raise RuntimeError("a bug")
+    with training_run(context, "finetune") as run:
+        ids.append(run.run_id)
+    statuses = [context.client().get_run(i).info.status for i in ids]
+    assert statuses == ["KILLED", "FAILED", "FINISHED"]
