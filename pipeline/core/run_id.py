@@ -22,6 +22,7 @@ Nothing of it reaches a stage's command, params or deps in `dvc.yaml`, so DVC's 
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 from collections.abc import Mapping
 
@@ -32,6 +33,9 @@ RUN_ID_ENV = "PIPELINE_RUN_ID"
 #: Set by DVC for every stage command of one `dvc exp run`: the experiment's name and its baseline commit.
 EXP_NAME_ENV = "DVC_EXP_NAME"
 EXP_BASELINE_ENV = "DVC_EXP_BASELINE_REV"
+#: What a run id may hold: it is matched inside an MLflow search filter (`tags.pipeline.run_id = '<id>'`), where a
+#: quote would end the string and other characters would need escaping that MLflow's filter grammar lacks.
+RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9._:+@-]{1,200}")
 
 
 def pipeline_run_id(environ: Mapping[str, str]) -> str:
@@ -39,16 +43,23 @@ def pipeline_run_id(environ: Mapping[str, str]) -> str:
     with (the rule is the module docstring's); reads the git commit only when neither variable is set."""
     explicit = environ.get(RUN_ID_ENV)
     if explicit:
-        return explicit
+        return checked_run_id(explicit, RUN_ID_ENV)
     experiment = environ.get(EXP_NAME_ENV)
     if experiment:
         baseline = environ.get(EXP_BASELINE_ENV, "")[:12]
-        return f"exp-{experiment}-{baseline}" if baseline else f"exp-{experiment}"
+        return checked_run_id(f"exp-{experiment}-{baseline}" if baseline else f"exp-{experiment}", EXP_NAME_ENV)
     commit = git_commit_id()
     log.warning("%s is not set (make run sets it; so can you: %s=<id> dvc repro): this stage's MLflow parent run is "
                 "the one of commit %s, shared with every other execution on that commit", RUN_ID_ENV, RUN_ID_ENV,
                 commit)
     return commit
+
+
+def checked_run_id(run_id: str, source: str) -> str:
+    """`run_id` when it matches `RUN_ID_PATTERN`; else a ValueError naming the variable it came from."""
+    if not RUN_ID_PATTERN.fullmatch(run_id):
+        raise ValueError(f"{source} gives the run id {run_id[:60]!r}: use 1-200 letters, digits and . _ : + @ -")
+    return run_id
 
 
 def git_commit_id() -> str:

@@ -179,7 +179,7 @@ class DistillParams:
     hidden_weight: float = Field(0.0, ge=0)
     """Weight of the hidden-state term: each student layer's output pulled towards that of the teacher layer it was
     copied from (mean squared error over real tokens). 0 = predictions only; > 0 runs the teacher beside the student
-    at every step (about 1.5x the step's cost)."""
+    at every step (its forward pass added to every step's cost)."""
     teacher_reads: TeacherReads = "window"
     """What the teacher reads when it labels a review: `window` = the student's training window (`train.max_length`
     tokens), `review` = the whole prepared review (`data.max_length` tokens), so the student learns to predict from

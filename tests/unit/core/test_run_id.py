@@ -65,3 +65,16 @@ def test_nothing_run_specific_is_in_a_stage_command_params_or_deps():
         text = yaml.safe_dump({"cmd": stage.get("cmd"), "params": stage.get("params"), "deps": deps})
         for word in ("PIPELINE_RUN_ID", "DVC_EXP_NAME", "run_id", "$("):
             assert word not in text, (name, word)
+
+
+def test_a_run_id_that_would_break_the_parent_runs_search_filter_is_refused():
+    """The id is matched inside MLflow's filter string: a quote would end it (an unclear MLflow error, or a filter
+    that means something else)."""
+    import pytest
+
+    for bad in ("it's-mine", "a b", "x" * 201, "semi;colon"):
+        with pytest.raises(ValueError, match="PIPELINE_RUN_ID gives the run id"):
+            pipeline_run_id({**BARE_REPRO, "PIPELINE_RUN_ID": bad})
+    with pytest.raises(ValueError, match="DVC_EXP_NAME"):
+        pipeline_run_id({**BARE_REPRO, "DVC_EXP_NAME": "o'brien"})
+    assert pipeline_run_id({**BARE_REPRO, "PIPELINE_RUN_ID": "20261127T160000Z-cd12c0d"}) == "20261127T160000Z-cd12c0d"
