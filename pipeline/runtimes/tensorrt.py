@@ -63,8 +63,8 @@ def profile_bounds(engine: Any, profile: int = 0) -> dict[str, tuple[tuple[int, 
     return bounds
 
 
-def run_context(context: Any, engine: Any, stream_handle: int, inputs: Mapping[str, tuple[tuple[int, ...], int]],
-                output_address: int, batch: int) -> None:
+def launch(context: Any, engine: Any, *, stream_handle: int, inputs: Mapping[str, tuple[tuple[int, ...], int]],
+           output_address: int, batch: int) -> None:
     """Bind `inputs` (name -> (shape, device address)) and the (`batch`, 2) float output buffer at `output_address`
     to an execution `context` of `engine`, and launch it on the CUDA stream `stream_handle`.
 
@@ -135,9 +135,9 @@ class TensorRTRunner:
                 for name, array in feeds.items()}
             out = torch.empty((input_ids.shape[0], 2), dtype=torch.float32, device="cuda")
             try:
-                run_context(context, self.engine, stream.cuda_stream,
-                            {name: (tuple(t.shape), t.data_ptr()) for name, t in buffers.items()},
-                            out.data_ptr(), input_ids.shape[0])
+                launch(context, self.engine, stream_handle=stream.cuda_stream,
+                       inputs={name: (tuple(t.shape), t.data_ptr()) for name, t in buffers.items()},
+                       output_address=out.data_ptr(), batch=input_ids.shape[0])
             finally:
                 stream.synchronize()  # also after a refusal: the input copies are done before their buffers go
             return out.cpu().numpy()

@@ -65,7 +65,10 @@ def test_benchmark_report_and_package(repo):
     assert set(bench) == set(variants) | {"fp32-eager-readout"}  # no bf16 row: auto, and the run rehearses AVX2
     for name, entry in bench.items():
         if entry["status"] == "ok":
-            assert entry["p50_ms_b1"] <= entry["p95_ms_b1"] <= entry["p99_ms_b1"]
+            assert entry["p50_ms_b1"] <= entry["p95_ms_b1"]
+            # a p99 only from 100 samples or more; the miniature takes fewer
+            assert (entry["p99_ms_b1"] is None) == (entry["latency_samples"] < 100), entry
+            assert entry["p99_ms_b1"] is None or entry["p95_ms_b1"] <= entry["p99_ms_b1"]
             assert entry["throughput_b32"] > 0 and entry["peak_rss_mb"] > 50
         else:  # no CUDA here; no readout for the miniature profile's mean-pooling head; the opt-in variants
             assert (name.startswith("tensorrt") or name == "fp32-eager-readout" or name in OPT_IN) and entry["reason"]
@@ -145,7 +148,8 @@ def test_mlflow_models_alias_summary_and_inputs(repo, tmp_path):
         assert metrics["accuracy"] == variants[name]["accuracy"] and metrics["size_mb"] == variants[name]["size_mb"]
         assert metrics["p50_ms_b1"] == bench[name]["p50_ms_b1"]
         assert metrics["speedup_p50_vs_fp32_eager"] == bench[name]["speedup_p50_vs_fp32_eager"]
-        assert {"p95_ms_b1", "p99_ms_b1", "throughput_b32", "agreement_with_fp32"} <= set(metrics)
+        assert {"p95_ms_b1", "throughput_b32", "agreement_with_fp32"} <= set(metrics)
+        assert ("p99_ms_b1" in metrics) == (bench[name]["p99_ms_b1"] is not None)  # no p99 logged that was not taken
     for name in ("fp32-torchscript", "fp32-onnx", *DEFAULT_INT8):
         assert variants[name]["model_files"] and "artifact_pointer" not in models[name].tags, name
     assert not variants["fp32-eager"]["model_files"]  # the reference's weights are the finetune run's artifacts

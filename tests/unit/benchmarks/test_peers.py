@@ -11,7 +11,7 @@ import yaml
 from benchmarks.peer_runtimes import PeerSpec, PeerUnavailable, specs
 from benchmarks.peers import Inputs, build_row, ceiling_fraction, main, read_inputs, weight_gemm_flops
 from pipeline.core.io import read_json, write_json
-from pipeline.core.params import Params, QuantizeParams
+from pipeline.core.params import BenchmarkParams, Params, QuantizeParams
 
 #: A row whose labels may differ from FP32 eager's only where eager's |logit difference| is below this margin: the
 #: tiny random model's logits sit close together, so INT8 rounding can flip a near-tie, never a clear answer.
@@ -20,7 +20,8 @@ INT8_MARGIN = 0.05
 
 @pytest.fixture(scope="module")
 def inputs(built, tiny_model_dir) -> Inputs:
-    params = Params(quantize=QuantizeParams(calibration_samples=16, calibration_batch_size=8))
+    params = Params(quantize=QuantizeParams(calibration_samples=16, calibration_batch_size=8),
+                    benchmark=BenchmarkParams(seq_len=16))  # the synthetic reviews are short: 16 real tokens
     return read_inputs(tiny_model_dir, built["tokenized"], params, None)
 
 

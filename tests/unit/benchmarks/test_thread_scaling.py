@@ -24,8 +24,10 @@ def test_speedup_and_efficiency_for_rates_and_latencies():
 
 def test_a_run_measures_training_scoring_and_latency_at_each_count(built, tiny_model_dir, tmp_path):
     out = tmp_path / "scaling.json"
-    main(["--finetuned", str(tiny_model_dir), "--variants-root", str(built["root"]), "--tokenized",
-          str(built["tokenized"]), "--threads", "1,2", "--reviews", "8", "--train-reviews", "32",
+    params = tmp_path / "params.yaml"
+    params.write_text("benchmark:\n  seq_len: 16\n")  # the synthetic reviews are short: timed at 16 real tokens
+    main(["--params", str(params), "--finetuned", str(tiny_model_dir), "--variants-root", str(built["root"]),
+          "--tokenized", str(built["tokenized"]), "--threads", "1,2", "--reviews", "8", "--train-reviews", "32",
           "--latency-calls", "2", "--rounds", "1", "--out", str(out)])
     result = read_json(out)
     units = [r["unit"] for r in result["rows"]]

@@ -17,7 +17,8 @@ from tests.factories import product_weights
 def small_params(tmp_path):
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump({
-        "benchmark": {"rounds": 1, "iterations": 2, "warmup": 1, "latency_reviews": 2, "batch_size": 4}}))
+        "benchmark": {"rounds": 1, "iterations": 2, "warmup": 1, "latency_reviews": 2, "batch_size": 4,
+                      "seq_len": 16}}))  # the synthetic reviews are short: timed at 16 real tokens
     return path
 
 

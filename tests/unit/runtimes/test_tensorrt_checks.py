@@ -15,8 +15,8 @@ from pipeline.runtimes.tensorrt import (
     TensorRTRunner,
     deserialized_engine,
     gpu_record,
+    launch,
     profile_bounds,
-    run_context,
 )
 
 #: The fake engine's profile: batch 1..8, sequence 8..64, as `tensorrt.profile_shapes` builds one.
@@ -68,7 +68,7 @@ def inputs(batch: int, length: int) -> dict[str, tuple[tuple[int, int], int]]:
 
 def test_a_batch_within_the_profile_is_bound_and_launched():
     context = FakeContext()
-    run_context(context, FakeEngine(), 7, inputs(3, 40), 3000, 3)
+    launch(context, FakeEngine(), stream_handle=7, inputs=inputs(3, 40), output_address=3000, batch=3)
     assert context.shapes == {"input_ids": (3, 40), "attention_mask": (3, 40)}
     assert context.addresses == {"input_ids": 1000, "attention_mask": 2000, "logits": 3000}
     assert context.executed == [7]
@@ -78,20 +78,22 @@ def test_a_batch_within_the_profile_is_bound_and_launched():
 def test_a_shape_outside_the_profile_is_an_error_naming_it_and_the_bounds(batch, length):
     context = FakeContext()
     with pytest.raises(VariantError, match=rf"input_ids of shape \({batch}, {length}\).*\(1, 8\) to \(8, 64\)"):
-        run_context(context, FakeEngine(), 7, inputs(batch, length), 3000, batch)
+        launch(context, FakeEngine(), stream_handle=7, inputs=inputs(batch, length), output_address=3000,
+               batch=batch)
     assert context.executed == []  # never launched: the output buffer would hold no logits
     assert "logits" not in context.addresses
 
 
 def test_a_refused_launch_is_an_error_naming_the_shapes():
     with pytest.raises(VariantError, match=r"could not launch.*'input_ids': \(2, 16\)"):
-        run_context(FakeContext(launches=False), FakeEngine(), 7, inputs(2, 16), 3000, 2)
+        launch(FakeContext(launches=False), FakeEngine(), stream_handle=7, inputs=inputs(2, 16),
+               output_address=3000, batch=2)
 
 
 def test_an_output_of_another_shape_than_the_buffer_is_an_error_before_the_launch():
     context = FakeContext(classes=3)
     with pytest.raises(VariantError, match=r"logits .* has shape \(2, 3\), not \(2, 2\)"):
-        run_context(context, FakeEngine(), 7, inputs(2, 16), 3000, 2)
+        launch(context, FakeEngine(), stream_handle=7, inputs=inputs(2, 16), output_address=3000, batch=2)
     assert context.executed == []
 
 
