@@ -90,6 +90,8 @@ def run_benchmark(*, finetuned: Path, variant_dirs: dict[str, Path], tokenized: 
                 entry[key] = acc[key]
         results[c.name] = entry
     return {"variants": results, "machine": machine_info(threads),
+            # every batch-1 sample by round, so each speed-up interval can be recomputed (`latency.speedup`)
+            "latency_rounds_ms": {name: t["latency_rounds_ms"] for name, t in timings.items()},
             "settings": {"seq_len": params.seq_len, "batch_size": params.batch_size, "rounds": params.rounds,
                          "iterations": params.iterations, "warmup": params.warmup, "bf16_row": bf16.value,
                          "latency_samples": max(1, params.iterations // params.rounds) * params.rounds,
@@ -173,6 +175,7 @@ def run_benchmark_stage(*, finetuned: Path, variants_root: Path, tokenized: Path
     write_json(metrics_path, variants)
     write_json(metrics_path.with_name("benchmark_machine.json"), {**result["machine"], **result["settings"]})
     plot_rows(variants, plot_data)
+    write_json(report.with_name("latency_rounds.json"), result["latency_rounds_ms"])
     chart, pareto = report.with_name("variants_latency.png"), report.with_name("variants_pareto.png")
     latency_chart(variants, chart)
     pareto_chart(variants, all_params.targets, pareto)

@@ -60,8 +60,11 @@ def test_variants_metrics(repo):
 
 
 def test_benchmark_report_and_package(repo):
+    from pipeline.evaluation.latency import speedup_interval
+
     bench = json.loads((repo / "metrics" / "benchmark.json").read_text())
     variants = json.loads((repo / "metrics" / "variants.json").read_text())
+    rounds = json.loads((repo / "reports" / "benchmark" / "latency_rounds.json").read_text())
     assert set(bench) == set(variants) | {"fp32-eager-readout"}  # no bf16 row: auto, and the run rehearses AVX2
     for name, entry in bench.items():
         if entry["status"] == "ok":
@@ -69,6 +72,9 @@ def test_benchmark_report_and_package(repo):
             # a p99 only from 100 samples or more; the miniature takes fewer
             assert (entry["p99_ms_b1"] is None) == (entry["latency_samples"] < 100), entry
             assert entry["p99_ms_b1"] is None or entry["p95_ms_b1"] <= entry["p99_ms_b1"]
+            if name != "fp32-eager":  # the interval is recomputed from the samples the report keeps
+                low, high = speedup_interval(rounds["fp32-eager"], rounds[name])
+                assert (low, high) == (entry["speedup_p50_low"], entry["speedup_p50_high"]), name
             assert entry["throughput_b32"] > 0 and entry["peak_rss_mb"] > 50
         else:  # no CUDA here; no readout for the miniature profile's mean-pooling head; the opt-in variants
             assert (name.startswith("tensorrt") or name == "fp32-eager-readout" or name in OPT_IN) and entry["reason"]
