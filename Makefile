@@ -71,7 +71,8 @@ venv-all:
 
 ## run: the whole DVC pipeline on params.yaml (`dvc repro`). PROFILE=name checks profiles/name.yaml, then
 ## `dvc exp run -S +profiles=name` composes it over params.yaml (DVC's Hydra composition, `.dvc/config`): an
-## experiment DVC records, which rewrites params.yaml without comments (`git checkout params.yaml` returns).
+## experiment DVC records, which rewrites params.yaml without comments (`git checkout params.yaml` returns; a later
+## PROFILE composes over what is there, and the overrides command names every key that is not the default).
 ## IMDB_DIR=/path sets data.local_dir; FORCE=1 re-runs every stage, e.g. to time it. Ends with a summary table
 ## (pipeline/evaluation/run_summary.py: stage times, accuracy, the served variant and its speed-up).
 RUN_STARTED := $(shell date +%s)

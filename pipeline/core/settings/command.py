@@ -14,7 +14,7 @@ import click
 import typer
 
 from pipeline.core.settings.params_file import read_params, set_value
-from pipeline.core.settings.profiles import flatten, profile_overrides, read_profile
+from pipeline.core.settings.profiles import differences_from_defaults, flatten, profile_overrides, read_profile
 from pipeline.core.settings.root import Params, json_schema
 from pipeline.core.settings.validation import ParamsError, validate
 
@@ -74,9 +74,19 @@ def check(ctx: typer.Context,
 
 
 @app.command()
-def overrides(profile: Annotated[Path, typer.Argument(help="profiles/NAME.yaml")]) -> None:
-    """Print the `dvc exp run` arguments that apply a profile (after checking it)."""
-    print(shlex.join(profile_overrides(profile)))
+def overrides(ctx: typer.Context, profile: Annotated[Path, typer.Argument(help="profiles/NAME.yaml")]) -> None:
+    """Print the `dvc exp run` arguments that apply a profile (after checking it). DVC composes the profile over the
+    params file as it is; where that file is no longer the defaults (a previous `dvc exp run`, which rewrites it,
+    or an edit), the keys that differ are named on stderr, since the profile's run then keeps them."""
+    args = profile_overrides(profile)
+    if ctx.obj.is_file():
+        differ = differences_from_defaults(dataclasses.asdict(_load(ctx.obj)), dataclasses.asdict(Params()))
+        if differ:
+            listed = "; ".join(f"{k}={v!r} (default {d!r})" for k, (v, d) in list(differ.items())[:8])
+            more = f" and {len(differ) - 8} more" if len(differ) > 8 else ""
+            print(f"note: {ctx.obj} differs from the defaults in {listed}{more}; {profile} is applied over these "
+                  f"(`git checkout {ctx.obj}` returns to the defaults first)", file=sys.stderr)
+    print(shlex.join(args))
 
 
 @app.command()

@@ -55,6 +55,12 @@ def read_profile(path: str | Path) -> dict[str, Any]:
     return overrides
 
 
+def differences_from_defaults(params: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """Dotted key -> (value, default) wherever the nested `params` differ from `defaults`."""
+    mine, base = flatten(params), flatten(defaults)
+    return {key: (value, base.get(key)) for key, value in mine.items() if base.get(key) != value}
+
+
 def profile_overrides(path: str | Path) -> list[str]:
     """`dvc exp run` arguments that apply a checked profile: its config group (the folder) and option (the name)."""
     p = Path(path)

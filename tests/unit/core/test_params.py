@@ -224,3 +224,23 @@ def test_a_named_params_file_that_is_missing_is_an_error_not_the_defaults(tmp_pa
         load_params_or_defaults(Path("prams.yaml"))
     (tmp_path / "params.yaml").write_text("mlflow:\n  champion_alias: staging\n")
     assert load_params_or_defaults(DEFAULT_PARAMS_FILE).mlflow.champion_alias == "staging"
+
+
+def test_a_profile_over_a_params_file_that_is_not_the_defaults_names_what_it_keeps(tmp_path, capsys):
+    """`dvc exp run` rewrites params.yaml with the profile it ran: the next profile would compose over that one's
+    values. The overrides command still prints the arguments, and names on stderr each key that is not the default."""
+    from pipeline.core.settings.profiles import profile_overrides
+
+    profile = ROOT / "profiles" / "mini.yaml"
+    p = tmp_path / "params.yaml"
+    p.write_text((ROOT / "params.yaml").read_text())
+    main(["--params", str(p), "overrides", str(profile)])
+    out = capsys.readouterr()
+    assert out.out.split() == profile_overrides(profile) and out.err == ""  # the defaults: nothing to say
+    main(["--params", str(p), "set", "train.epochs=3", "quantize.build=[int8-dynamic]"])
+    capsys.readouterr()
+    main(["--params", str(p), "overrides", str(profile)])
+    out = capsys.readouterr()
+    assert out.out.split() == profile_overrides(profile)
+    assert "train.epochs=3 (default 1)" in out.err and "quantize.build=['int8-dynamic']" in out.err, out.err
+    assert f"git checkout {p}" in out.err
