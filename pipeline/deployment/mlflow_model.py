@@ -87,12 +87,11 @@ def log_variant_model(run: StageRun, name: str, directory: Path, serving: Packag
     `.mar` does (`serving`), with the packages its format needs at serve time. The request limits stay with the
     servers: the model scores any number of rows."""
     from pipeline.deployment.inference import ContractPredictor
-    from pipeline.runtimes.catalog import spec
 
     tags, model_type = model_labels(name)
     return log_predictor_model(run, name, directory, ContractPredictor, EXAMPLE_REVIEWS,
                                {"max_chars": serving.max_chars_per_text, "threads": serving.threads},
-                               runtime_requirements(spec(name).format, directory), params, tags, model_type)
+                               runtime_requirements(tags["format"], directory), params, tags, model_type)
 
 
 def log_predictor_model(run: StageRun, name: str, directory: Path, predictor: type, examples: Sequence[str],
