@@ -1,11 +1,18 @@
 """A variant's self-describing directory: the model file, `variant.json` (name, format, dtype, file, params,
 status and reason, and the CPU and ISA flags it was built on), the tokenizer, and the finetune stage's
-`pipeline.json` (label map, preprocessing)."""
+`pipeline.json` (label map, preprocessing).
+
+A variant directory is built whole or not at all (`building`): its files are written into a hidden sibling
+directory that replaces the final one only once the record is written, so a process killed mid-build never leaves
+a record beside a model file it does not describe."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,7 +64,9 @@ class VariantInfo:
 def write_variant(directory: Path, info: VariantInfo, finetuned_dir: Path) -> None:
     """Write `variant.json` (with the CPU it was built on and, for a servable variant, how it is batched:
     `batch_invariance.batching_record` of its model file, written before) and copy the tokenizer and preprocessing
-    record next to the model file."""
+    record next to the model file, the record last.
+
+    A builder calls it on the directory `building` gave it, which is published whole once this has run."""
     from pipeline.core.machine import isa_record
 
     if not info.built_on:
@@ -70,6 +79,72 @@ def write_variant(directory: Path, info: VariantInfo, finetuned_dir: Path) -> No
         if src.is_file():
             shutil.copy2(src, directory / name)
     write_json(directory / VARIANT_FILE, info.to_dict())
+
+
+#: Name parts of the hidden siblings of a variant directory `<name>`: `.<name>.building-<pid>` holds a build in
+#: progress, `.<name>.replaced-<pid>` the previous version for the instant it is swapped out. The leading dot keeps
+#: them out of any listing of the variants (which goes by the registry's names, `catalog.directories`, anyway).
+BUILDING = "building"
+REPLACED = "replaced"
+
+
+def stale_builds(final_dir: Path) -> list[Path]:
+    """Hidden siblings of `final_dir` left by a build of it that was killed (`building`)."""
+    parent = final_dir.parent
+    if not parent.is_dir():
+        return []
+    return sorted(p for kind in (BUILDING, REPLACED) for p in parent.glob(f".{final_dir.name}.{kind}-*"))
+
+
+@contextlib.contextmanager
+def building(final_dir: Path) -> Iterator[Path]:
+    """A fresh directory to build the variant `final_dir` in, which replaces `final_dir` when the block ends
+    without error; removed, with `final_dir` left as it was, when the block raises.
+
+    The builder writes every file there, model files and tokenizer copies first and `variant.json` last
+    (`write_variant`); a block that wrote no record is an error, since a directory without one is not a variant.
+    The directory is a hidden sibling of `final_dir` (`.<name>.building-<pid>`), on the same filesystem so the
+    swap is a rename and intermediate files can be renamed into it; leftovers of a killed build of the same
+    variant are removed first (`stale_builds`). Builds of one variant are not run concurrently (DVC locks the
+    repository for a `repro`): a second one would remove the first's directory and make it fail, never publish
+    a mix.
+
+    The swap is two renames: the old directory aside (`.<name>.replaced-<pid>`), then the new one into place,
+    then the old one removed. Between the two renames `final_dir` does not exist, so a reader then finds no
+    variant (`read_variant` says so), never a record beside a model it does not describe; a process killed there
+    leaves both hidden directories for the next build to remove. Removing the old directory instead of renaming
+    it aside would widen that window to a whole `rmtree`, and a kill during it would leave part of the old
+    variant in place."""
+    final_dir = Path(final_dir)
+    final_dir.parent.mkdir(parents=True, exist_ok=True)
+    for stale in stale_builds(final_dir):
+        shutil.rmtree(stale, ignore_errors=True)
+    work = final_dir.with_name(f".{final_dir.name}.{BUILDING}-{os.getpid()}")
+    old = final_dir.with_name(f".{final_dir.name}.{REPLACED}-{os.getpid()}")
+    work.mkdir()
+    try:
+        yield work
+        if not (work / VARIANT_FILE).is_file():
+            raise VariantError(f"the build of {final_dir} wrote no {VARIANT_FILE}: the previous directory is kept")
+        if os.path.lexists(final_dir):
+            os.replace(final_dir, old)
+        try:
+            os.replace(work, final_dir)
+        except OSError:
+            if os.path.lexists(old):  # put the previous version back rather than leave none
+                os.replace(old, final_dir)
+            raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def write_skipped(final_dir: Path, info: VariantInfo, model_dir: Path) -> None:
+    """Replace `final_dir` with the record of a variant that was not built (`VariantInfo.skipped`, with its
+    reason) and the tokenizer of `model_dir`, through `building`: no model file of an earlier build stays beside
+    the record that says there is none."""
+    with building(final_dir) as work:
+        write_variant(work, info, model_dir)
 
 
 def read_variant(directory: Path) -> VariantInfo:

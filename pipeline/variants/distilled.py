@@ -17,7 +17,7 @@ from pipeline.core.params import Params, to_dict
 from pipeline.data.tokens import read_tokenized
 from pipeline.modeling import load_finetuned, pad_id, read_model_record
 from pipeline.runtimes.catalog import built_by, directories
-from pipeline.runtimes.record import VariantInfo, write_variant
+from pipeline.runtimes.record import VariantInfo, building, write_skipped, write_variant
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def run_distilled_variants(*, student_dir: Path, tokenized: Path, variants_root:
     reason = skipped_reason(student_dir)
     if reason is not None:
         for name, d in out.items():
-            write_variant(d, VariantInfo.skipped(name, reason, to_dict(params.distill)), student_dir)
+            write_skipped(d, VariantInfo.skipped(name, reason, to_dict(params.distill)), student_dir)
         return {name: {"status": "skipped", "reason": reason} for name in out}
     # the builders (torch, onnxruntime, OpenVINO) only where there is a student to build from
     from pipeline.variants.calibration import calibration_reviews
@@ -57,17 +57,19 @@ def run_distilled_variants(*, student_dir: Path, tokenized: Path, variants_root:
     started = time.perf_counter()
     check = FusionCheck(eager_runner(model), "the distilled student", int(model.config.num_hidden_layers), max_len,
                         read_tokenized(tokenized, "val")["input_ids"].tolist()[:16], pad)
-    with tempfile.TemporaryDirectory(prefix="distilled-") as tmp:
-        built = fused_dynamic_int8(model, "int8-distilled", out["int8-distilled"], check, params.export.cls_readout,
+    with building(out["int8-distilled"]) as work, tempfile.TemporaryDirectory(prefix="distilled-") as tmp:
+        built = fused_dynamic_int8(model, "int8-distilled", work, check, params.export.cls_readout,
                                    params.quantize.per_channel, weight_format, Path(tmp))
-    report["int8-distilled"] = {"method": "distilled student + onnxruntime.quantize_dynamic (int8-dynamic's recipe)",
-                                **built, "student_layers": int(model.config.num_hidden_layers),
-                                "build_seconds": round(time.perf_counter() - started, 2)}
-    write_variant(out["int8-distilled"], VariantInfo.built("int8-distilled", report["int8-distilled"]), student_dir)
+        report["int8-distilled"] = {
+            "method": "distilled student + onnxruntime.quantize_dynamic (int8-dynamic's recipe)", **built,
+            "student_layers": int(model.config.num_hidden_layers),
+            "build_seconds": round(time.perf_counter() - started, 2)}
+        write_variant(work, VariantInfo.built("int8-distilled", report["int8-distilled"]), student_dir)
 
     name = "int8-distilled-openvino"
     calibration = calibration_reviews(read_tokenized(tokenized, "train"), params)
-    report[name] = {**quantize_openvino(graph, calibration, pad, params.quantize.calibration_batch_size, out[name]),
-                    **readout, "student_layers": int(model.config.num_hidden_layers)}
-    write_variant(out[name], VariantInfo.built(name, report[name]), student_dir)
+    with building(out[name]) as work:
+        report[name] = {**quantize_openvino(graph, calibration, pad, params.quantize.calibration_batch_size, work),
+                        **readout, "student_layers": int(model.config.num_hidden_layers)}
+        write_variant(work, VariantInfo.built(name, report[name]), student_dir)
     return report

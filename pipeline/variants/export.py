@@ -23,7 +23,7 @@ from pipeline.runtimes.base import Runner, pad_batch
 from pipeline.runtimes.catalog import built_by, directories
 from pipeline.runtimes.eager import TorchRunner, logits_module
 from pipeline.runtimes.ort import OrtRunner
-from pipeline.runtimes.record import VariantInfo, write_variant
+from pipeline.runtimes.record import VariantInfo, building, write_skipped, write_variant
 from pipeline.runtimes.torchscript import TORCHSCRIPT_DEPRECATION, legacy_torchscript
 
 log = logging.getLogger(__name__)
@@ -144,7 +144,8 @@ def inference_model(model: Any, cls_readout: bool) -> tuple[Any, dict[str, Any]]
 
 def run_export(*, finetuned: Path, tokenized: Path, variants_root: Path, params: ExportParams) -> dict[str, Any]:
     """`fp32-onnx` and, when `export.torchscript`, `fp32-torchscript` (with the [CLS] readout when
-    `export.cls_readout`), each checked for parity against the unchanged PyTorch model on real test reviews."""
+    `export.cls_readout`), each checked for parity against the unchanged PyTorch model on real test reviews and
+    built whole or not at all (`building`)."""
     import torch
 
     model, tokenizer, meta = load_finetuned(finetuned)
@@ -157,17 +158,18 @@ def run_export(*, finetuned: Path, tokenized: Path, variants_root: Path, params:
 
     d = out_dirs["fp32-torchscript"]
     if params.torchscript:
-        t0 = time.perf_counter()
-        export_torchscript(graph, d / "model.pt", max_len)
-        with legacy_torchscript():
-            runner = TorchRunner(torch.jit.load(str(d / "model.pt")))
-        report["fp32-torchscript"] = _checked(reference, runner, seqs, params, max_len, t0, pad_id(tokenizer))
-        write_variant(d, VariantInfo.built("fp32-torchscript", {"method": "torch.jit.trace", **readout,
-                                                                 "deprecated_api": TORCHSCRIPT_DEPRECATION,
-                                                                 **report["fp32-torchscript"]}), finetuned)
+        with building(d) as work:
+            t0 = time.perf_counter()
+            export_torchscript(graph, work / "model.pt", max_len)
+            with legacy_torchscript():
+                runner = TorchRunner(torch.jit.load(str(work / "model.pt")))
+            report["fp32-torchscript"] = _checked(reference, runner, seqs, params, max_len, t0, pad_id(tokenizer))
+            write_variant(work, VariantInfo.built("fp32-torchscript", {"method": "torch.jit.trace", **readout,
+                                                                        "deprecated_api": TORCHSCRIPT_DEPRECATION,
+                                                                        **report["fp32-torchscript"]}), finetuned)
     else:
         reason = "export.torchscript is false (make run PROFILE=full builds it)"
-        write_variant(d, VariantInfo.skipped("fp32-torchscript", reason, to_dict(params)), finetuned)
+        write_skipped(d, VariantInfo.skipped("fp32-torchscript", reason, to_dict(params)), finetuned)
         report["fp32-torchscript"] = {"status": "skipped", "reason": reason}
 
     # fp32-onnx is exported in eager attention, the form onnxscript's attention fusion matches at any head count
@@ -188,14 +190,16 @@ def onnx_variant(name: str, model: Any, graph: Any, readout: dict[str, Any], dir
                  seqs: list[np.ndarray], params: ExportParams, max_len: int, pad_id: int) -> dict[str, Any]:
     """An FP32 ONNX variant of `model` (exported from `graph`, its inference form): parity-checked against the
     unchanged model on real reviews, recorded with its architecture and readout; `model_dir` is the HF directory
-    whose tokenizer and record go with it (the finetuned teacher's, or the distilled student's)."""
-    t0 = time.perf_counter()
-    export_onnx(graph, directory / "model.onnx", max_len, params.opset)
-    runner = OrtRunner(directory / "model.onnx", optimization="disable")
-    checked = _checked(eager_runner(model), runner, seqs, params, max_len, t0, pad_id)
-    write_variant(directory, VariantInfo.built(name, {"method": "torch.onnx.export(dynamo=True)", "opset": params.opset,
-                                                      "attention": attention_of(model), **describe(model), **readout,
-                                                      **checked}), model_dir)
+    whose tokenizer and record go with it (the finetuned teacher's, or the distilled student's). `directory` is
+    replaced whole once the record is written (`building`)."""
+    with building(directory) as work:
+        t0 = time.perf_counter()
+        export_onnx(graph, work / "model.onnx", max_len, params.opset)
+        runner = OrtRunner(work / "model.onnx", optimization="disable")
+        checked = _checked(eager_runner(model), runner, seqs, params, max_len, t0, pad_id)
+        write_variant(work, VariantInfo.built(name, {"method": "torch.onnx.export(dynamo=True)", "opset": params.opset,
+                                                     "attention": attention_of(model), **describe(model), **readout,
+                                                     **checked}), model_dir)
     return checked
 
 

@@ -14,7 +14,7 @@ from pipeline.core.params import Params, to_dict
 from pipeline.data.tokens import draw_rows, read_tokenized, training_window
 from pipeline.modeling import load_finetuned, pad_id
 from pipeline.runtimes.catalog import built_by, directories
-from pipeline.runtimes.record import VariantInfo, write_variant
+from pipeline.runtimes.record import VariantInfo, building, write_skipped, write_variant
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ def run_prune(*, finetuned: Path, tokenized: Path, variants_root: Path, all_para
     if not params.enabled:
         reason = "prune.enabled is false"
         log.warning("%s skipped: %s", name, reason)
-        write_variant(out, VariantInfo.skipped(name, reason, to_dict(params)), finetuned)
+        write_skipped(out, VariantInfo.skipped(name, reason, to_dict(params)), finetuned)
         return {"status": "skipped", "reason": reason}
     # torch and the builders only when there is something to prune (the default skips it)
     from pipeline.surgery.prune import calibration_batches, prune_encoder
@@ -49,13 +49,13 @@ def run_prune(*, finetuned: Path, tokenized: Path, variants_root: Path, all_para
     batches = calibration_batches(seqs, params.calibration_batch_size, pad)
     student, report = prune_encoder(model, batches, params.heads, params.ffn_width, params.damp)
 
-    with tempfile.TemporaryDirectory(prefix="prune-") as tmp:
+    with building(out) as work, tempfile.TemporaryDirectory(prefix="prune-") as tmp:
         check = FusionCheck(eager_runner(student), "the pruned model", int(model.config.num_hidden_layers),
                             max_length_of(meta), read_tokenized(tokenized, "val")["input_ids"].tolist()[:16], pad)
-        built = fused_dynamic_int8(student, name, out, check, all_params.export.cls_readout, quantize.per_channel,
+        built = fused_dynamic_int8(student, name, work, check, all_params.export.cls_readout, quantize.per_channel,
                                    weight_format, Path(tmp))
-    info = {"method": "structured pruning (OBS selection + least-squares repair) + onnxruntime.quantize_dynamic",
-            **to_dict(params), **built, **report,
-            "build_seconds": round(time.perf_counter() - started, 2)}
-    write_variant(out, VariantInfo.built(name, info), finetuned)
+        info = {"method": "structured pruning (OBS selection + least-squares repair) + onnxruntime.quantize_dynamic",
+                **to_dict(params), **built, **report,
+                "build_seconds": round(time.perf_counter() - started, 2)}
+        write_variant(work, VariantInfo.built(name, info), finetuned)
     return info

@@ -24,7 +24,7 @@ from pipeline.modeling import load_finetuned, pad_id
 from pipeline.runtimes.base import Runner, predict_logits
 from pipeline.runtimes.catalog import directories
 from pipeline.runtimes.ort import OrtRunner
-from pipeline.runtimes.record import VariantInfo, read_variant, write_variant
+from pipeline.runtimes.record import VariantInfo, building, read_variant, write_skipped, write_variant
 from pipeline.variants.calibration import calibration_reviews
 from pipeline.variants.export import eager_runner, export_onnx, inference_model, max_length_of
 from pipeline.variants.fusion import FusionCheck, fuse_export, fused_graph
@@ -111,8 +111,9 @@ def _build_qat(inputs: QuantizeInputs, out: Path) -> dict[str, Any]:
 
 
 #: The quantize stage's builders, one per variant of `quantize.build`, in the order they run (int8-qat reuses the
-#: calibration method int8-static chose). Each writes its files into the directory it is given and returns its
-#: record; `run_quantize` times it and writes the built or skipped record the same way for all.
+#: calibration method int8-static chose). Each writes its files into the directory it is given (`building`'s, which
+#: replaces the variant's directory once the record is in it) and returns its record; `run_quantize` times it and
+#: writes the built or skipped record the same way for all.
 BUILDERS: dict[str, Callable[[QuantizeInputs, Path], dict[str, Any]]] = {
     "int8-dynamic": _build_dynamic,
     "int8-openvino": _build_openvino,
@@ -151,13 +152,13 @@ def run_quantize(*, finetuned: Path, fp32_onnx: Path, tokenized: Path, variants_
         for name, build in BUILDERS.items():
             if name not in q.build:
                 log.warning("%s skipped: %s", name, skipped)
-                write_variant(out[name], VariantInfo.skipped(name, skipped, to_dict(q)), finetuned)
+                write_skipped(out[name], VariantInfo.skipped(name, skipped, to_dict(q)), finetuned)
                 report[name] = {"status": "skipped", "reason": skipped}
                 continue
-            t0 = time.perf_counter()
-            out[name].mkdir(parents=True, exist_ok=True)
-            report[name] = {**build(inputs, out[name]), "build_seconds": round(time.perf_counter() - t0, 2)}
-            write_variant(out[name], VariantInfo.built(name, report[name]), finetuned)
+            with building(out[name]) as work:
+                t0 = time.perf_counter()
+                report[name] = {**build(inputs, work), "build_seconds": round(time.perf_counter() - t0, 2)}
+                write_variant(work, VariantInfo.built(name, report[name]), finetuned)
     return report
 
 

@@ -12,6 +12,7 @@ engines as skipped with that reason."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from typing import Any
 
 from pipeline.core.params import Params, to_dict
 from pipeline.runtimes.catalog import built_by, directories
-from pipeline.runtimes.record import VariantInfo, write_variant
+from pipeline.runtimes.record import VariantInfo, building, write_variant
 from pipeline.runtimes.tensorrt import INPUTS, gpu_record
 
 log = logging.getLogger(__name__)
@@ -140,6 +141,9 @@ def run_tensorrt(*, finetuned: Path, fp32_onnx: Path, int8_static: Path, tokeniz
     The INT8 engine's QDQ input (`tensorrt_int8_source`) is built where engines can be, or on any machine with
     `tensorrt.qdq_input: true`.
 
+    Both directories are built aside (`building`) and replace the old ones, one after the other, only once
+    everything is written (the INT8 engine's input, the engines, the records): a failed or killed run leaves the
+    previous ones.
     The profile's longest sequence is the model's own inference length (its `pipeline.json`)."""
     from pipeline.modeling import read_model_record
 
@@ -153,29 +157,34 @@ def run_tensorrt(*, finetuned: Path, fp32_onnx: Path, int8_static: Path, tokeniz
     from pipeline.modeling import saved_pad_id
 
     build_input = ok if trt.qdq_input == "auto" else bool(trt.qdq_input)
-    if build_input:
-        int8_source = tensorrt_int8_source(fp32_onnx, int8_static, tokenized,
-                                           out["tensorrt-int8"] / TENSORRT_QDQ_FILE, params, saved_pad_id(finetuned))
-        log.info("tensorrt-int8 input %s: %s", TENSORRT_QDQ_FILE, int8_source)
-    else:  # nothing here could run the engine, and the input costs a calibration and two validation passes
-        int8_source = {"source_onnx": None,
-                       "source_onnx_skipped": f"tensorrt.qdq_input is {trt.qdq_input!r} and engines cannot be built "
-                                              f"here; set tensorrt.qdq_input: true to build and score it anyway"}
-        log.info("tensorrt-int8 input not built: %s", int8_source["source_onnx_skipped"])
-    sources = {"tensorrt-fp16": (fp32_onnx / "model.onnx", "fp16", {"source_onnx": str(fp32_onnx / "model.onnx")}),
-               "tensorrt-int8": (out["tensorrt-int8"] / TENSORRT_QDQ_FILE, "int8", int8_source)}
-    for name, (src, precision, source_record) in sources.items():
-        d = out[name]
-        base = {"precision": precision, "profile": shapes.__dict__, **to_dict(trt), **source_record}
-        measured = {k: v for k, v in source_record.items() if k != "source_onnx"}  # the input's own numbers
-        if not ok:
-            log.warning("%s skipped: %s", name, reason)
-            write_variant(d, VariantInfo.skipped(name, reason, base), finetuned)
-            report[name] = {"status": "skipped", "reason": reason, **measured}
-            continue
-        t0 = time.perf_counter()
-        info = build_engine(src, d / "model.engine", shapes, precision, trt.workspace_mb)
-        base.update(info, build_seconds=round(time.perf_counter() - t0, 2))
-        write_variant(d, VariantInfo.built(name, base), finetuned)
-        report[name] = {"status": "ok", **measured}
+    with contextlib.ExitStack() as stack:
+        work = {name: stack.enter_context(building(d)) for name, d in out.items()}
+        if build_input:
+            int8_source = tensorrt_int8_source(fp32_onnx, int8_static, tokenized,
+                                               work["tensorrt-int8"] / TENSORRT_QDQ_FILE, params,
+                                               saved_pad_id(finetuned))
+            log.info("tensorrt-int8 input %s: %s", TENSORRT_QDQ_FILE, int8_source)
+        else:  # nothing here could run the engine, and the input costs a calibration and two validation passes
+            int8_source = {"source_onnx": None,
+                           "source_onnx_skipped": f"tensorrt.qdq_input is {trt.qdq_input!r} and engines cannot be "
+                                                  f"built here; set tensorrt.qdq_input: true to build and score it "
+                                                  f"anyway"}
+            log.info("tensorrt-int8 input not built: %s", int8_source["source_onnx_skipped"])
+        sources = {"tensorrt-fp16": (fp32_onnx / "model.onnx", "fp16",
+                                     {"source_onnx": str(fp32_onnx / "model.onnx")}),
+                   "tensorrt-int8": (work["tensorrt-int8"] / TENSORRT_QDQ_FILE, "int8", int8_source)}
+        for name, (src, precision, source_record) in sources.items():
+            d = work[name]
+            base = {"precision": precision, "profile": shapes.__dict__, **to_dict(trt), **source_record}
+            measured = {k: v for k, v in source_record.items() if k != "source_onnx"}  # the input's own numbers
+            if not ok:
+                log.warning("%s skipped: %s", name, reason)
+                write_variant(d, VariantInfo.skipped(name, reason, base), finetuned)
+                report[name] = {"status": "skipped", "reason": reason, **measured}
+                continue
+            t0 = time.perf_counter()
+            info = build_engine(src, d / "model.engine", shapes, precision, trt.workspace_mb)
+            base.update(info, build_seconds=round(time.perf_counter() - t0, 2))
+            write_variant(d, VariantInfo.built(name, base), finetuned)
+            report[name] = {"status": "ok", **measured}
     return report
