@@ -1,10 +1,12 @@
-"""Small file helpers shared by stages: files are written whole or not at all (`replaced_on_success`)."""
+"""Small file helpers shared by stages: files and model directories are written whole or not at all
+(`replaced_on_success`, `directory_replaced_on_success`)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,64 @@ def replaced_on_success(path: Path) -> Iterator[Path]:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+#: Name parts of a directory's hidden siblings: `.<name>.building-<pid>` holds a build in progress,
+#: `.<name>.replaced-<pid>` the previous version for the instant it is swapped out.
+BUILDING = "building"
+REPLACED = "replaced"
+
+
+class IncompleteDirectory(RuntimeError):
+    """A directory build ended without writing the file that marks it complete."""
+
+
+def stale_builds(final_dir: Path) -> list[Path]:
+    """Hidden siblings of `final_dir` left by a build of it that was killed (`directory_replaced_on_success`)."""
+    parent = final_dir.parent
+    if not parent.is_dir():
+        return []
+    return sorted(p for kind in (BUILDING, REPLACED) for p in parent.glob(f".{final_dir.name}.{kind}-*"))
+
+
+@contextlib.contextmanager
+def directory_replaced_on_success(final_dir: Path, complete_when: str) -> Iterator[Path]:
+    """A fresh directory for the block to build `final_dir` in, which replaces `final_dir` whole when the block ends
+    without error and has written `complete_when` (the directory's record, written last); removed, with `final_dir`
+    left as it was, when the block raises or wrote no record (`IncompleteDirectory`).
+
+    The directory is a hidden sibling of `final_dir` (`.<name>.building-<pid>`), on the same filesystem so the
+    swap is a rename and intermediate files can be renamed into it; leftovers of a killed build of the same
+    directory are removed first (`stale_builds`). Builds of one directory are not run concurrently (DVC locks the
+    repository for a `repro`): a second one would remove the first's directory and make it fail, never publish
+    a mix.
+
+    The swap is two renames: the old directory aside (`.<name>.replaced-<pid>`), then the new one into place,
+    then the old one removed. Between the two renames `final_dir` does not exist, so a reader then finds nothing,
+    never a record beside files it does not describe; a process killed there leaves both hidden directories for
+    the next build to remove. Removing the old directory instead of renaming it aside would widen that window to
+    a whole `rmtree`, and a kill during it would leave part of the old version in place."""
+    final_dir.parent.mkdir(parents=True, exist_ok=True)
+    for stale in stale_builds(final_dir):
+        shutil.rmtree(stale, ignore_errors=True)
+    work = final_dir.with_name(f".{final_dir.name}.{BUILDING}-{os.getpid()}")
+    old = final_dir.with_name(f".{final_dir.name}.{REPLACED}-{os.getpid()}")
+    work.mkdir()
+    try:
+        yield work
+        if not (work / complete_when).is_file():
+            raise IncompleteDirectory(f"the build of {final_dir} wrote no {complete_when}")
+        if os.path.lexists(final_dir):
+            os.replace(final_dir, old)
+        try:
+            os.replace(work, final_dir)
+        except OSError:
+            if os.path.lexists(old):  # put the previous version back rather than leave none
+                os.replace(old, final_dir)
+            raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def write_json(path: Path, obj: Any) -> None:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.core import io
 from pipeline.core.errors import UserError
 from pipeline.core.io import write_json
 from pipeline.runtimes.batch_invariance import batching_record
@@ -81,62 +81,25 @@ def write_variant(directory: Path, info: VariantInfo, finetuned_dir: Path) -> No
     write_json(directory / VARIANT_FILE, info.to_dict())
 
 
-#: Name parts of the hidden siblings of a variant directory `<name>`: `.<name>.building-<pid>` holds a build in
-#: progress, `.<name>.replaced-<pid>` the previous version for the instant it is swapped out. The leading dot keeps
-#: them out of any listing of the variants (which goes by the registry's names, `catalog.directories`, anyway).
-BUILDING = "building"
-REPLACED = "replaced"
-
-
-def stale_builds(final_dir: Path) -> list[Path]:
-    """Hidden siblings of `final_dir` left by a build of it that was killed (`building`)."""
-    parent = final_dir.parent
-    if not parent.is_dir():
-        return []
-    return sorted(p for kind in (BUILDING, REPLACED) for p in parent.glob(f".{final_dir.name}.{kind}-*"))
+#: Name parts of a variant directory's hidden siblings (`pipeline.core.io.directory_replaced_on_success`); nothing
+#: lists them as variants (`catalog.directories` goes by the registry's names).
+BUILDING = io.BUILDING
+REPLACED = io.REPLACED
+stale_builds = io.stale_builds
 
 
 @contextlib.contextmanager
 def building(final_dir: Path) -> Iterator[Path]:
-    """A fresh directory to build the variant `final_dir` in, which replaces `final_dir` when the block ends
-    without error; removed, with `final_dir` left as it was, when the block raises.
-
-    The builder writes every file there, model files and tokenizer copies first and `variant.json` last
-    (`write_variant`); a block that wrote no record is an error, since a directory without one is not a variant.
-    The directory is a hidden sibling of `final_dir` (`.<name>.building-<pid>`), on the same filesystem so the
-    swap is a rename and intermediate files can be renamed into it; leftovers of a killed build of the same
-    variant are removed first (`stale_builds`). Builds of one variant are not run concurrently (DVC locks the
-    repository for a `repro`): a second one would remove the first's directory and make it fail, never publish
-    a mix.
-
-    The swap is two renames: the old directory aside (`.<name>.replaced-<pid>`), then the new one into place,
-    then the old one removed. Between the two renames `final_dir` does not exist, so a reader then finds no
-    variant (`read_variant` says so), never a record beside a model it does not describe; a process killed there
-    leaves both hidden directories for the next build to remove. Removing the old directory instead of renaming
-    it aside would widen that window to a whole `rmtree`, and a kill during it would leave part of the old
-    variant in place."""
-    final_dir = Path(final_dir)
-    final_dir.parent.mkdir(parents=True, exist_ok=True)
-    for stale in stale_builds(final_dir):
-        shutil.rmtree(stale, ignore_errors=True)
-    work = final_dir.with_name(f".{final_dir.name}.{BUILDING}-{os.getpid()}")
-    old = final_dir.with_name(f".{final_dir.name}.{REPLACED}-{os.getpid()}")
-    work.mkdir()
+    """A fresh directory to build the variant `final_dir` in, which replaces `final_dir` whole when the block ends
+    without error and has written `variant.json` (`write_variant`, which writes it last); removed, with
+    `final_dir` left as it was, when the block raises or wrote no record (a directory without one is not a
+    variant). How the swap works and why it is safe: `pipeline.core.io.directory_replaced_on_success`."""
     try:
-        yield work
-        if not (work / VARIANT_FILE).is_file():
-            raise VariantError(f"the build of {final_dir} wrote no {VARIANT_FILE}: the previous directory is kept")
-        if os.path.lexists(final_dir):
-            os.replace(final_dir, old)
-        try:
-            os.replace(work, final_dir)
-        except OSError:
-            if os.path.lexists(old):  # put the previous version back rather than leave none
-                os.replace(old, final_dir)
-            raise
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-        shutil.rmtree(old, ignore_errors=True)
+        with io.directory_replaced_on_success(Path(final_dir), complete_when=VARIANT_FILE) as work:
+            yield work
+    except io.IncompleteDirectory as exc:
+        raise VariantError(f"the build of {final_dir} wrote no {VARIANT_FILE}: the previous directory is kept") \
+            from exc
 
 
 def write_skipped(final_dir: Path, info: VariantInfo, model_dir: Path) -> None:

@@ -171,9 +171,19 @@ def save_model(model: torch.nn.Module, tokenizer: Any, model_dir: Path, data: Da
     """HF weights + config (with id2label) + tokenizer + the preprocessing that inference must repeat, and the
     machine-dependent choices training made (`auto` settings, with the CPU they were resolved on); `extra`
     sections join the record (the distill stage's `distillation`)."""
+    from pipeline.core.io import directory_replaced_on_success
     from pipeline.core.machine import isa_record
 
-    model_dir.mkdir(parents=True, exist_ok=True)
+    # built aside and swapped in whole, `pipeline.json` last: a kill mid-save never leaves new weights beside the
+    # previous run's record (or a half-written safetensors file a later stage loads)
+    with directory_replaced_on_success(model_dir, complete_when="pipeline.json") as work:
+        _write_model(model, tokenizer, work, data, model_params, params, choices, extra, isa_record())
+
+
+def _write_model(model: torch.nn.Module, tokenizer: Any, model_dir: Path, data: DataParams,
+                 model_params: ModelParams, params: TrainParams, choices: Sequence[Choice],
+                 extra: dict[str, Any] | None, built_on: dict[str, Any]) -> None:
+    """`save_model`'s files, into `model_dir`, the record last."""
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     meta = {
@@ -181,6 +191,6 @@ def save_model(model: torch.nn.Module, tokenizer: Any, model_dir: Path, data: Da
         "preprocessing": {"max_length": data.max_length, "truncation": data.truncation,
                           "head_fraction": data.head_fraction, "clean": "strip <br /> and collapse spaces"},
         "params": {"data": to_dict(data), "model": to_dict(model_params), "train": to_dict(params)},
-        "choices": {c.setting: c.to_dict() for c in choices}, "built_on": isa_record(), **(extra or {}),
+        "choices": {c.setting: c.to_dict() for c in choices}, "built_on": built_on, **(extra or {}),
     }
     write_json(model_dir / "pipeline.json", meta)

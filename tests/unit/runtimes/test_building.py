@@ -152,3 +152,43 @@ def test_the_build_directory_is_on_the_final_directory_s_filesystem(tmp_path):
     final = tmp_path / "variants" / NAME
     with pytest.raises(VariantError), building(final) as work:
         assert os.stat(work).st_dev == os.stat(final.parent).st_dev
+
+
+def test_a_model_save_that_fails_midway_leaves_the_previous_model_directory(tmp_path):
+    """`loop.save_model` (finetune's and distill's HF directories) goes through the same swap: a failure after the
+    weights are written leaves the previous directory and its `pipeline.json` as they were; a save that completes
+    replaces the directory whole, record included."""
+    import json
+
+    import transformers
+
+    from pipeline.core.params import DataParams, ModelParams, TrainParams
+    from pipeline.training import loop
+
+    config = transformers.BertConfig(vocab_size=30, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=8, num_labels=2)
+    model = transformers.BertForSequenceClassification(config)
+    model_dir = tmp_path / "finetuned"
+    model_dir.mkdir()
+    (model_dir / "pipeline.json").write_text('{"old": true}')
+    (model_dir / "stale.bin").write_bytes(b"old")
+
+    class Tokenizer:
+        def __init__(self, fails: bool) -> None:
+            self.fails = fails
+
+        def save_pretrained(self, directory: Path) -> None:
+            if self.fails:
+                raise OSError("disk full while writing the tokenizer")
+            (directory / "tokenizer.json").write_text("{}")
+
+    with pytest.raises(OSError, match="disk full"):
+        loop.save_model(model, Tokenizer(fails=True), model_dir, DataParams(), ModelParams(), TrainParams())
+    assert sorted(p.name for p in model_dir.iterdir()) == ["pipeline.json", "stale.bin"]
+    assert (model_dir / "pipeline.json").read_text() == '{"old": true}'
+    assert not list(tmp_path.glob(".finetuned.*"))
+
+    loop.save_model(model, Tokenizer(fails=False), model_dir, DataParams(), ModelParams(), TrainParams())
+    assert json.loads((model_dir / "pipeline.json").read_text())["labels"] == {"0": "LABEL_0", "1": "LABEL_1"}
+    assert (model_dir / "model.safetensors").is_file() and not (model_dir / "stale.bin").exists()
+    assert not list(tmp_path.glob(".finetuned.*"))
