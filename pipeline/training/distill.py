@@ -186,10 +186,13 @@ def write_skipped(student_dir: Path, metrics_path: Path, plots_dir: Path, reason
                   enabled: Choice | None = None) -> DistillResult:
     """The stage's outputs when the student is off: a record that says why (and how `distill.enabled` resolved),
     metrics that say skipped, and empty curves."""
-    student_dir.mkdir(parents=True, exist_ok=True)
+    from pipeline.core.io import directory_replaced_on_success
+
     write_curves(plots_dir)
     record = {"status": "skipped", "reason": reason} | ({"enabled": enabled.to_dict()} if enabled else {})
-    write_json(student_dir / STUDENT_RECORD, record)
+    # the record alone replaces the directory: no weights of an earlier student stay beside "skipped"
+    with directory_replaced_on_success(student_dir, complete_when=STUDENT_RECORD) as work:
+        write_json(work / STUDENT_RECORD, record)
     write_json(metrics_path, record)
     return DistillResult({}, student_dir, "skipped", reason)
 
