@@ -192,7 +192,9 @@ def stage_run(context: RunContext, stage: str, *, run_name: str | None = None,
               tags: Mapping[str, str] | None = None, system_metrics: bool = False) -> Iterator[StageRun]:
     """A child run of the execution's parent run (`context`, resolved once where the stage started), in its
     experiment, active for the `with` body; `system_metrics` samples the machine's CPU, memory, disk and network
-    (and GPU) load into it as `system/*` metrics."""
+    (and GPU) load into it as `system/*` metrics. A body stopped by a signal ends the run KILLED (MLflow's run
+    context would end it FAILED, as after any exception): Ctrl-C, or an exit with a signal's status, 128 + its
+    number, as training exits once its preemption checkpoint is written (`training.resume.Preempted`)."""
     import mlflow
 
     all_tags = {RUN_ID_TAG: context.run_id, ROLE_TAG: "stage", "pipeline.stage": stage,
@@ -200,7 +202,12 @@ def stage_run(context: RunContext, stage: str, *, run_name: str | None = None,
                 **thread_tags(), **(tags or {})}
     with mlflow.start_run(experiment_id=context.experiment_id, run_name=run_name or stage, tags=all_tags,
                           log_system_metrics=True if system_metrics else None) as run:
-        yield StageRun(run, context)
+        try:
+            yield StageRun(run, context)
+        except (KeyboardInterrupt, SystemExit) as exc:
+            if isinstance(exc, KeyboardInterrupt) or (isinstance(exc.code, int) and exc.code >= 128):
+                mlflow.end_run("KILLED")  # ended here, MLflow's run context leaves it as it is
+            raise
         mlflow.set_tags(torch_thread_tag())  # as the stage left them, where its work loaded torch
 
 

@@ -81,19 +81,13 @@ def write_variant(directory: Path, info: VariantInfo, finetuned_dir: Path) -> No
     write_json(directory / VARIANT_FILE, info.to_dict())
 
 
-#: Name parts of a variant directory's hidden siblings (`pipeline.core.io.directory_replaced_on_success`); nothing
-#: lists them as variants (`catalog.directories` goes by the registry's names).
-BUILDING = io.BUILDING
-REPLACED = io.REPLACED
-stale_builds = io.stale_builds
-
-
 @contextlib.contextmanager
 def building(final_dir: Path) -> Iterator[Path]:
     """A fresh directory to build the variant `final_dir` in, which replaces `final_dir` whole when the block ends
     without error and has written `variant.json` (`write_variant`, which writes it last); removed, with
     `final_dir` left as it was, when the block raises or wrote no record (a directory without one is not a
-    variant). How the swap works and why it is safe: `pipeline.core.io.directory_replaced_on_success`."""
+    variant). How the swap works and why it is safe: `pipeline.core.io.directory_replaced_on_success`; nothing
+    lists its hidden siblings as variants (`catalog.directories` goes by the registry's names)."""
     try:
         with io.directory_replaced_on_success(Path(final_dir), complete_when=VARIANT_FILE) as work:
             yield work

@@ -3,13 +3,11 @@ resume from it or start fresh (`ResumePlan`), atomic checkpoint writes, and the 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import re
 import shutil
 import zipfile
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,10 +19,9 @@ from pipeline.core.io import replaced_on_success, write_json
 from pipeline.data.batching import LoaderPosition
 from pipeline.training.elastic import is_rank_zero
 from pipeline.training.fingerprint import Fingerprint
-from pipeline.training.resume import Preempted, ResumableTraining
+from pipeline.training.resume import ResumableTraining
 
 if TYPE_CHECKING:
-    from pipeline.core.parent_run import RunContext
     from pipeline.core.tracking import StageRun
 
 log = logging.getLogger(__name__)
@@ -187,20 +184,3 @@ def close_replaced(run: StageRun, previous_run_id: str) -> None:
     client.set_tag(previous_run_id, "resume.replaced_by", run.run_id)
     if previous.info.status == "RUNNING":
         client.set_terminated(previous_run_id, "KILLED")
-
-
-@contextlib.contextmanager
-def training_run(context: RunContext, stage: str, *, system_metrics: bool = False) -> Iterator[StageRun]:
-    """`pipeline.core.tracking.stage_run` for a training stage: a run stopped by a signal (`Preempted`, checkpoint
-    written, to be resumed) ends KILLED, as a scheduler's preemption is, where MLflow's run context would end it
-    FAILED (it marks every exception so); any other failure stays FAILED."""
-    from pipeline.core.tracking import stage_run
-
-    run: StageRun | None = None
-    try:
-        with stage_run(context, stage, system_metrics=system_metrics) as run:
-            yield run
-    except Preempted:
-        if run is not None:  # the run context has ended it FAILED by now: its status is set once more
-            run.context.client().set_terminated(run.run_id, "KILLED")
-        raise

@@ -20,7 +20,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,7 +35,6 @@ if TYPE_CHECKING:
     from pipeline.core.machine import Choice
     from pipeline.core.params import ResolvedAuto
     from pipeline.core.parent_run import RunContext
-    from pipeline.core.tracking import StageRun
     from pipeline.training.checkpoints import ResumePlan
 
 log = logging.getLogger(__name__)
@@ -209,7 +207,8 @@ def run_distill(*, teacher_dir: Path, tokenized_dir: Path, student_dir: Path, me
     Under multi-process DDP, Lightning starts the stage again for each process of rank > 0: such a process (its
     stage passes no context, None) trains its share and does nothing else, no MLflow run, no variants, and `distill`
     leaves the records to rank 0. A run stopped by a signal (checkpoint written, to be resumed) ends KILLED
-    (`training_run`)."""
+    (`stage_run`)."""
+    from pipeline.core.tracking import stage_run
     from pipeline.training.elastic import is_rank_zero
 
     tracking: MlflowParams = params.mlflow
@@ -225,7 +224,7 @@ def run_distill(*, teacher_dir: Path, tokenized_dir: Path, student_dir: Path, me
         return write_skipped(student_dir, metrics_path, plots_dir, reason, enabled)  # no student: a single process
 
     log.info("distill: distill.enabled %s", enabled.tag())
-    with _stage_run(run_context, enabled.value, tracking.system_metrics) as run:
+    with stage_run(run_context, "distill", system_metrics=tracking.system_metrics) as run:
         run.log_sections({"distill": to_dict(params.distill), "train": to_dict(train),
                           "export": to_dict(params.export), "quantize": to_dict(params.quantize)})
         run.set_tags({"distill.enabled.resolved": enabled.tag()})
@@ -249,14 +248,3 @@ def run_distill(*, teacher_dir: Path, tokenized_dir: Path, student_dir: Path, me
         run.log_report(build_variants(), [metrics_path])
     return result
 
-
-def _stage_run(context: RunContext, trains: bool, system_metrics: bool) -> AbstractContextManager[StageRun]:
-    """The stage's MLflow run: a training run (stopped by a signal, it ends KILLED) where the student trains, a plain
-    stage run where it is skipped, which imports no Lightning."""
-    if trains:
-        from pipeline.training.checkpoints import training_run
-
-        return training_run(context, "distill", system_metrics=system_metrics)
-    from pipeline.core.tracking import stage_run
-
-    return stage_run(context, "distill", system_metrics=system_metrics)

@@ -18,7 +18,7 @@ import torch
 from pipeline.core.io import write_json, write_predictions
 from pipeline.core.params import Params, TrainParams, to_dict
 from pipeline.data.tokens import window_shortener
-from pipeline.training.checkpoints import CheckpointStore, ResumePlan, start_attempt, training_run
+from pipeline.training.checkpoints import CheckpointStore, ResumePlan, start_attempt
 from pipeline.training.classifier import IMDBDataModule, SentimentClassifier, check_accelerations
 from pipeline.training.curve_files import MetricSink
 from pipeline.training.elastic import is_rank_zero
@@ -174,14 +174,16 @@ def run_finetune(*, tokenized_dir: Path, outputs: FinetuneOutputs, all_params: P
     """Finetune inside an MLflow child run of the execution's parent (`run_context`) that samples the machine's
     load (`mlflow.system_metrics`); log curves, metrics and the model's files. A training worker of rank > 0
     logs nothing (rank zero logs for the group), and its stage passes no context (None). A run stopped by a signal
-    (checkpoint written, to be resumed) ends KILLED (`training_run`).
+    (checkpoint written, to be resumed) ends KILLED (`stage_run`).
 
     Nothing is registered here: the registry holds the variant the package stage serves (`@champion`)."""
+    from pipeline.core.tracking import stage_run
+
     if run_context is None or not is_rank_zero():
         return finetune(tokenized_dir, outputs, all_params, precision)
 
     plan = finetune_plan(tokenized_dir, all_params, precision)
-    with training_run(run_context, "finetune", system_metrics=all_params.mlflow.system_metrics) as run:
+    with stage_run(run_context, "finetune", system_metrics=all_params.mlflow.system_metrics) as run:
         run.log_sections({name: to_dict(getattr(all_params, name)) for name in ("data", "model", "train")})
         start_attempt(run, plan, checkpoint_store(all_params.train))
         result = finetune(tokenized_dir, outputs, all_params, precision, metric_sink=run.log_steps, plan=plan)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.core.io import stale_builds
 from pipeline.runtimes.catalog import directories
 from pipeline.runtimes.record import (
     VARIANT_FILE,
@@ -19,7 +20,6 @@ from pipeline.runtimes.record import (
     VariantInfo,
     building,
     read_variant,
-    stale_builds,
     write_skipped,
     write_variant,
 )

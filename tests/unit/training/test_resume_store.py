@@ -195,21 +195,28 @@ def test_a_fresh_start_leaves_an_ended_run_as_it_ended(tmp_path, tracking_store)
 
 def test_a_preempted_training_run_ends_killed_and_a_failed_one_failed(tmp_path, tracking_store):
     """Stopped by a signal after its checkpoint (to be resumed), the attempt's run ends KILLED, not FAILED as
-    MLflow's run context ends a run left by any exception; a real failure stays FAILED."""
+    MLflow's run context ends a run left by any exception; a real failure, or an exit with an error's status,
+    stays FAILED."""
     import signal
 
-    from pipeline.training.checkpoints import training_run
+    from pipeline.core.tracking import stage_run
     from pipeline.training.resume import Preempted
 
     context = _tracking(tmp_path, tracking_store)
     ids: list[str] = []
-    with pytest.raises(Preempted), training_run(context, "finetune") as run:
+    with pytest.raises(Preempted), stage_run(context, "finetune") as run:
         ids.append(run.run_id)
         raise Preempted(signal.SIGTERM, 5, tmp_path / "preempt-step=5.ckpt")
-    with pytest.raises(RuntimeError), training_run(context, "finetune") as run:
+    with pytest.raises(RuntimeError), stage_run(context, "finetune") as run:
         ids.append(run.run_id)
         raise RuntimeError("a bug")
-    with training_run(context, "finetune") as run:
+    with pytest.raises(SystemExit), stage_run(context, "finetune") as run:
+        ids.append(run.run_id)
+        raise SystemExit(2)
+    with pytest.raises(KeyboardInterrupt), stage_run(context, "finetune") as run:
+        ids.append(run.run_id)
+        raise KeyboardInterrupt
+    with stage_run(context, "finetune") as run:
         ids.append(run.run_id)
     statuses = [context.client().get_run(i).info.status for i in ids]
-    assert statuses == ["KILLED", "FAILED", "FINISHED"]
+    assert statuses == ["KILLED", "FAILED", "FAILED", "KILLED", "FINISHED"]
