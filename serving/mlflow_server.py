@@ -322,10 +322,14 @@ class ContractMiddleware:
 
     async def _overloaded(self, send: Send, rid: str) -> Outcome:
         log.warning("request %s: %d scoring requests in flight, the limit: answered 503", rid, self._in_flight)
-        await self._json(send, 503, {"error": f"the server is answering {self._in_flight} requests, its "
-                                              f"limit; retry after {RETRY_AFTER_S} s", "status": 503,
+        return await self._retry_later(send, rid, f"the server is answering {self._in_flight} requests, its limit",
+                                       "overloaded")
+
+    async def _retry_later(self, send: Send, rid: str, why: str, kind: str) -> Outcome:
+        """A 503 with `Retry-After`: `why`, and when to try again."""
+        await self._json(send, 503, {"error": f"{why}; retry after {RETRY_AFTER_S} s", "status": 503,
                                      "request_id": rid}, rid, [(b"retry-after", str(RETRY_AFTER_S).encode())])
-        return Outcome(503, "overloaded")
+        return Outcome(503, kind)
 
     async def _scored(self, texts: list[str], rid: str) -> tuple[int, list[Any] | None]:
         """A checked request's texts scored with those of concurrent requests: (status, its predictions)."""
@@ -343,10 +347,7 @@ class ContractMiddleware:
                                          "status": 504, "request_id": rid}, rid)
             return Outcome(504, "timeout")
         if status == 503:
-            await self._json(send, 503, {"error": "the model is still busy with a call that timed out; retry after "
-                                                  f"{RETRY_AFTER_S} s", "status": 503, "request_id": rid},
-                             rid, [(b"retry-after", str(RETRY_AFTER_S).encode())])
-            return Outcome(503, MODEL_BUSY)
+            return await self._retry_later(send, rid, "the model is still busy with a call that timed out", MODEL_BUSY)
         await self._json(send, 500, {"error": "internal error while scoring this request (logged on the server "
                                               "with its request id)", "status": 500, "request_id": rid}, rid)
         return Outcome(500, MODEL_ERROR)

@@ -45,7 +45,6 @@ class TorchRunner:
         options = checked_options("torch", options, {"cls_readout": (False, True), "autocast": (None, *AUTOCAST)})
         from pipeline.modeling import load_finetuned
 
-
         model, _, _ = load_finetuned(directory)
         if options.get("cls_readout"):
             from pipeline.runtimes.readout import cls_readout

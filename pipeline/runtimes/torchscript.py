@@ -51,7 +51,6 @@ class TorchScriptRunner(TorchRunner):
         import torch
 
         options = checked_options("torchscript", options, {"freeze": (True, False)})
-
         if info is None:
             raise VariantError(f"{directory} has no variant record: TorchScript runs TorchScript variants only")
         path = model_file(directory, info)
