@@ -94,7 +94,7 @@ def run_benchmark(*, finetuned: Path, variant_dirs: dict[str, Path], tokenized: 
             "latency_rounds_ms": {name: t["latency_rounds_ms"] for name, t in timings.items()},
             "settings": {"seq_len": params.seq_len, "batch_size": params.batch_size, "rounds": params.rounds,
                          "iterations": params.iterations, "warmup": params.warmup, "bf16_row": bf16.value,
-                         "latency_samples": max(1, params.iterations // params.rounds) * params.rounds,
+                         "latency_samples": timings[REFERENCE]["latency_samples"],  # as `measure` took them
                          "latency_inputs": len(lat_inputs),
                          "bf16_row_choice": bf16.tag()}}
 
