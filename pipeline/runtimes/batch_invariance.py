@@ -23,8 +23,14 @@ import numpy as np
 #: `DynamicQuantizeLinear`; the fused forms onnxruntime builds from it at load, should a file hold them).
 PER_TENSOR_DYNAMIC_OPS = ("DynamicQuantizeLinear", "DynamicQuantizeMatMul", "DynamicQuantizeLSTM")
 
+#: Ops of an OpenVINO IR that quantize an activation with a scale calibrated once (NNCF's static INT8). Static scales
+#: span no batch, but the float kernels between them are picked by the batch's shape (another blocking, another order
+#: of summation): a float difference of one rounding can move an activation across a quantization step, and that
+#: step reaches the score (measured in docs/batch-invariance.md: up to 1.3e-4 on an AVX2 CPU in batches of 32).
+STATIC_QUANTIZE_IR_OPS = ("FakeQuantize",)
+
 #: How a runner scores a padded batch: `batched` in one call, `rows` one unpadded review per call, `auto` rows
-#: exactly when the graph holds a per-tensor dynamic quantization op.
+#: exactly when the graph quantizes activations at run time over the batch (ONNX) or at all (OpenVINO IR).
 Batching = Literal["auto", "batched", "rows"]
 BATCHING_MODES = ("auto", "batched", "rows")
 
@@ -39,13 +45,29 @@ def per_tensor_dynamic_ops(model: Path) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
+def static_quantize_ir_ops(model: Path) -> dict[str, int]:
+    """Op type -> count of an OpenVINO IR's activation quantizers (`STATIC_QUANTIZE_IR_OPS`; empty for a float IR).
+    Reads the IR's XML (its layers' types), not its weights."""
+    from xml.etree import ElementTree
+
+    layers = ElementTree.parse(model).getroot().iter("layer")
+    counts = Counter(t for t in (layer.get("type") for layer in layers) if t in STATIC_QUANTIZE_IR_OPS)
+    return dict(sorted(counts.items()))
+
+
+def batch_dependent_ops(model: Path) -> dict[str, int]:
+    """The ops that can move a review's answer with its batch: an OpenVINO IR's (`.xml`) activation quantizers, an
+    ONNX graph's per-tensor dynamic quantization."""
+    return static_quantize_ir_ops(model) if model.suffix == ".xml" else per_tensor_dynamic_ops(model)
+
+
 def scores_rows_alone(model: Path, batching: Batching = "auto") -> bool:
-    """Whether an ONNX model is scored one review per call under `batching`."""
+    """Whether a model (ONNX, or OpenVINO IR) is scored one review per call under `batching`."""
     if batching not in BATCHING_MODES:
         raise ValueError(f"batching must be one of {BATCHING_MODES}, not {batching!r}")
     if batching != "auto":
         return batching == "rows"
-    return bool(per_tensor_dynamic_ops(model))
+    return bool(batch_dependent_ops(model))
 
 
 def score_batch(run: Callable[[np.ndarray, np.ndarray], np.ndarray], input_ids: np.ndarray,
@@ -68,10 +90,15 @@ def batching_record(fmt: str, model: Path) -> dict[str, Any]:
     """What the record of a servable variant in format `fmt` (its model file `model`) says, and so its MLflow run
     and model, about how it is served: `served_batching` is `batched` or `rows`, with the reason."""
     if fmt == "openvino":
-        return {"served_batching": "batched",
-                "served_batching_reason": "static INT8 (activation scales calibrated once, none computed over the "
-                                          "batch): a review's answer does not depend on its batch, so a batch is "
-                                          "scored in one call"}
+        ops = static_quantize_ir_ops(model)
+        listed = ", ".join(f"{n} {op}" for op, n in ops.items())
+        if ops:
+            return {"served_batching": "rows",
+                    "served_batching_reason": f"static INT8 ({listed}): scales calibrated once, but the float "
+                                              "kernels between them follow the batch's shape, and a float rounding "
+                                              "difference can move an activation across a quantization step, so every "
+                                              "review is scored unpadded on its own (the same answer alone and in any "
+                                              "batch)"}
     ops = per_tensor_dynamic_ops(model) if fmt == "onnx" else {}
     if not ops:
         return {"served_batching": "batched",

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from pipeline.runtimes.base import checked_options
-from pipeline.runtimes.batch_invariance import BATCHING_MODES, Batching, score_batch
+from pipeline.runtimes.batch_invariance import BATCHING_MODES, Batching, score_batch, scores_rows_alone
 from pipeline.runtimes.pool import Pool
 from pipeline.runtimes.record import VariantError, VariantInfo, model_file
 
@@ -48,10 +48,11 @@ def inference_precision(compiled: Any) -> str:
 class OpenVinoRunner:
     """Runs an OpenVINO IR variant; feeds only the inputs the model declares.
 
-    Its INT8 is static (activation scales calibrated once, none computed over the batch), so under
-    `batching="auto"` (the default) a batch is scored in one call, as the float variants are: a review gets the
-    same answer alone and in any batch (`tests/unit/deployment/test_batch_invariance.py` checks it through the
-    serving path); `rows` scores one unpadded review per call."""
+    Under `batching="auto"` (the default) an INT8 IR scores one unpadded review per call: its activation scales are
+    static, yet a batch's other shape picks other float kernels, whose rounding can move an activation across a
+    quantization step (`pipeline.runtimes.batch_invariance.STATIC_QUANTIZE_IR_OPS`); a float IR scores a batch in
+    one call. Either way a review gets the same answer alone and in any batch
+    (`tests/unit/deployment/test_batch_invariance.py` checks it through the serving path)."""
 
     format: ClassVar[str] = "openvino"
 
@@ -62,7 +63,7 @@ class OpenVinoRunner:
         # one infer request per concurrent call, made on demand and reused (thread-safe: see the module doc)
         self.requests: Pool[Any] = Pool(self.compiled.create_infer_request)
         self.inputs = {p.get_any_name() for p in self.compiled.inputs}
-        self.rows_alone = batching == "rows"
+        self.rows_alone = scores_rows_alone(Path(path), batching)
         # what the plugin runs with (`compiled_model` applied the cap to a null setting, or the plugin chose)
         self.threads = int(self.compiled.get_property("INFERENCE_NUM_THREADS"))
 

@@ -95,7 +95,7 @@ def test_a_review_gets_the_same_answer_alone_and_in_any_batch(name, variant_dir,
 
 @pytest.mark.parametrize("name", [servable(n) for n in SERVABLE])
 def test_the_record_says_how_each_servable_variant_is_batched_and_why(name, variant_dir):
-    from pipeline.runtimes.batch_invariance import per_tensor_dynamic_ops
+    from pipeline.runtimes.batch_invariance import per_tensor_dynamic_ops, static_quantize_ir_ops
     from pipeline.runtimes.record import model_file, read_variant, variant_batching
 
     directory = variant_dir(name)
@@ -103,10 +103,12 @@ def test_the_record_says_how_each_servable_variant_is_batched_and_why(name, vari
     record = variant_batching(directory)
     assert info.params["served_batching"] == record["served_batching"]
     dynamic = info.format == "onnx" and per_tensor_dynamic_ops(model_file(directory, info))
-    assert record["served_batching"] == ("rows" if dynamic else "batched"), name
+    static = info.format == "openvino" and static_quantize_ir_ops(model_file(directory, info))
+    assert record["served_batching"] == ("rows" if dynamic or static else "batched"), name
     assert ("DynamicQuantizeLinear" in record["served_batching_reason"]) == bool(dynamic), name
+    assert ("FakeQuantize" in record["served_batching_reason"]) == bool(static), name
     expected = {
-        "int8-openvino": "batched",  # static INT8: batched, and the test above checks its answers do not move
+        "int8-openvino": "rows",  # static INT8, whose float kernels between the quantizers follow the batch's shape
         "int8-dynamic": "rows",  # every activation quantized per batch
         "int8-static": "rows",  # its FFN down-projections quantized per batch
         "fp32-onnx": "batched",
@@ -115,6 +117,7 @@ def test_the_record_says_how_each_servable_variant_is_batched_and_why(name, vari
         assert info.params["served_batching"] == expected[name]
     if name == "int8-openvino":
         assert "static INT8" in info.params["served_batching_reason"]
+        assert SentimentPredictor(directory).runner.describe()["batching"] == "rows"
 
 
 def test_per_batch_activation_scales_are_why_rows_are_scored_alone(default_dirs, reviews):
@@ -139,3 +142,20 @@ def test_rows_scored_alone_ignore_their_padding_wherever_it_is(default_dirs):
     alone = runner(ids[:1, :4], mask[:1, :4])
     assert np.array_equal(logits[0], alone[0]) and np.array_equal(logits[1], alone[0])
     assert np.array_equal(logits[2], runner(ids[2:], mask[2:])[0])
+
+
+def test_an_openvino_ir_is_scored_by_rows_exactly_when_it_quantizes_activations(default_dirs, tmp_path):
+    """An INT8 IR's static quantizers still meet float kernels that follow the batch's shape, so `auto` scores it
+    row by row; a float IR of the same model keeps one call per batch, and its record says so."""
+    import openvino as ov
+
+    from pipeline.runtimes.batch_invariance import batching_record, scores_rows_alone, static_quantize_ir_ops
+
+    int8 = default_dirs["int8-openvino"] / "model.xml"
+    assert static_quantize_ir_ops(int8)["FakeQuantize"] > 0 and scores_rows_alone(int8)
+    assert not scores_rows_alone(int8, "batched")
+    float_ir = tmp_path / "model.xml"
+    ov.save_model(ov.convert_model(default_dirs["fp32-onnx"] / "model.onnx"), float_ir)
+    assert static_quantize_ir_ops(float_ir) == {} and not scores_rows_alone(float_ir)
+    assert batching_record("openvino", float_ir)["served_batching"] == "batched"
+    assert scores_rows_alone(float_ir, "rows")

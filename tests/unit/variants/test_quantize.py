@@ -168,7 +168,7 @@ def test_openvino_int8_is_static_int8_in_openvino_ir_and_agrees_with_fp32(built,
     assert info.status == "ok" and info.format == "openvino" and info.file == "model.xml"
     assert info.params["source"].startswith("torch.export") and info.params["calibration_samples"] == 32
     assert info.params["cls_readout"] is True  # the graph fp32-onnx holds: the last layer reads [CLS] only
-    assert info.params["served_batching"] == "batched" and set(info.params["versions"]) == {"openvino", "nncf"}
+    assert info.params["served_batching"] == "rows" and set(info.params["versions"]) == {"openvino", "nncf"}
     ops = [op.get_type_name() for op in ov.Core().read_model(str(d / "model.xml")).get_ops()]
     assert ops.count("FakeQuantize") >= 2 * 6, sorted(set(ops))  # Q, K, V, output, FFN up and down per layer
     # built after int8-dynamic, which leaves the model in eager attention: the first layer's attention still reaches
@@ -177,7 +177,7 @@ def test_openvino_int8_is_static_int8_in_openvino_ir_and_agrees_with_fp32(built,
     assert size_mb(d, info) > (d / "model.xml").stat().st_size / 1e6  # the weights (.bin) are counted
     seqs = [np.asarray(s) for s in pd.read_parquet(built["tokenized"] / "test.parquet")["input_ids"]]
     runner = load_runner(d, threads=1)
-    assert runner.describe()["runtime"] == "openvino" and runner.describe()["batching"] == "batched"
+    assert runner.describe()["runtime"] == "openvino" and runner.describe()["batching"] == "rows"
     got = predict_logits(runner, seqs, batch_size=8, pad_id=tokenizer.pad_token_id)
     ref = predict_logits(load_runner(built["dirs"]["fp32-onnx"], threads=1), seqs, batch_size=8,
                          pad_id=tokenizer.pad_token_id)
