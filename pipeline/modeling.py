@@ -139,6 +139,19 @@ def _with_attention_dropout(config: Any, attention_dropout: float | None) -> Any
     return config
 
 
+def _with_depth(config: Any, layers: int | None, name: str) -> Any:
+    """`config` cut to its first `layers` transformer layers (`model.layers`; None keeps them all). Transformers
+    builds that many layers and loads their weights, and leaves the checkpoint's later layers unused."""
+    if layers is None:
+        return config
+    if not hasattr(config, "num_hidden_layers"):
+        raise ModelSourceError(f"model.layers: {name!r} ({config.model_type!r}) has no num_hidden_layers to cut")
+    if layers > config.num_hidden_layers:
+        raise ModelSourceError(f"model.layers: {layers} is more than the {config.num_hidden_layers} layers of {name!r}")
+    config.num_hidden_layers = layers
+    return config
+
+
 def load_model(params: ModelParams, seed: int = 0, attention_dropout: float | None = None) -> Any:
     """A sequence-classification model with a fresh 2-way head (per `params.head`) and our label map.
 
@@ -151,12 +164,14 @@ def load_model(params: ModelParams, seed: int = 0, attention_dropout: float | No
     torch.manual_seed(seed)
     if params.source == "tiny":
         config = _with_attention_dropout(tiny_bert_config(head=params.head), attention_dropout)
+        config = _with_depth(config, params.layers, "tiny")
         return AutoModelForSequenceClassification.from_config(config)
     name = resolve_name_or_path(params)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the "classifier newly initialised" report is expected here
     try:
         base = AutoConfig.from_pretrained(name, num_labels=2, id2label=ID2LABEL, label2id=LABEL2ID)
+        base = _with_depth(base, params.layers, name)
         base = _with_attention_dropout(base, attention_dropout)
         if params.head == "cls":
             return AutoModelForSequenceClassification.from_pretrained(name, config=base)

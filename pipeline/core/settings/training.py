@@ -70,6 +70,10 @@ class ModelParams:
     """`cls` is the architecture's own classification head (the [CLS] vector through BERT's pooler); `mean`
     classifies the attention-masked mean of the last hidden states (BERT-family encoders only). all-MiniLM-L6-v2 was
     trained as a mean-pooled sentence encoder: its [CLS]/pooler output is not."""
+    layers: Annotated[int, Field(ge=1)] | None = None
+    """Keep only the pretrained encoder's first `layers` transformer layers (null = all of them): the config's
+    `num_hidden_layers`, so the later layers' weights are never loaded. A cheaper, less accurate encoder for smoke runs
+    and the test suite's miniature profile; the finetuned model and every variant have that depth."""
 
 
 @settings_section("train")
