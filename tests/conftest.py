@@ -263,9 +263,10 @@ def tokenized_dir(tmp_path) -> Path:
 MINI_PROFILE = ROOT / "profiles" / "mini.yaml"
 #: The opt-in parts on top of it (fixture `repo_opt_in`, `make test-all`): the student (explicitly, on whatever
 #: precision this CPU trains in), the pruned variant and the TensorRT engine's QDQ input (built and scored here
-#: although no engine can be).
-OPT_IN = {"distill.enabled": True, "distill.depth": 3, "distill.epochs": 1, "prune.enabled": True,
-          "prune.calibration_samples": 32, "tensorrt.qdq_input": True}
+#: although no engine can be). The teacher keeps all 6 of MiniLM's layers here, one epoch, so that a 3-layer student
+#: and the pruned heads have something to take away.
+OPT_IN = {"model.layers": None, "train.epochs": 1, "distill.enabled": True, "distill.depth": 3,
+          "distill.epochs": 1, "prune.enabled": True, "prune.calibration_samples": 32, "tensorrt.qdq_input": True}
 
 
 def _copy_repo(dst: Path) -> None:
@@ -311,13 +312,13 @@ def repo(tmp_path_factory) -> Path:
     """A fresh copy of the project after a real `dvc repro` of the miniature profile: the one pipeline run of the
     session, shared by the e2e and model tiers.
 
-    The miniature profile finetunes the real (packaged) all-MiniLM-L6-v2 on a few hundred reviews, so the
-    behaviour tests run against artifacts of a model that has actually learned sentiment. Its `auto` settings are
-    decided with an AVX2-only CPU's flags (`PIPELINE_CPU_FLAGS`) on every machine, so the run rehearses what
-    `make run` chooses on the least capable CPU the project supports (fp32 training, unsigned 8-bit weights);
-    the kernels still run on this CPU's ISA, and the bf16 timing row is left out as `auto` leaves it out there (an
-    explicit row is timed on the tiny model in tests/unit/evaluation/test_latency.py); the opt-in parts (student,
-    pruning, TensorRT input) stay off, as in the default.
+    The miniature profile finetunes the real (packaged) all-MiniLM-L6-v2, cut to its first 3 layers, on a few
+    hundred reviews, so the behaviour tests run against artifacts of a model that has actually learned sentiment.
+    Its `auto` settings are decided with an AVX2-only CPU's flags (`PIPELINE_CPU_FLAGS`) on every machine, so the
+    run rehearses what `make run` chooses on the least capable CPU the project supports (fp32 training, unsigned
+    8-bit weights); the kernels still run on this CPU's ISA, and the bf16 timing row is left out as `auto` leaves
+    it out there (an explicit row is timed on the tiny model in tests/unit/evaluation/test_latency.py); the opt-in
+    parts (student, pruning, TensorRT input) stay off, as in the default.
     """
     return repro_copy(tmp_path_factory.mktemp("repo"), MINI_PROFILE, extra_env={FLAGS_OVERRIDE_ENV: AVX2_ONLY_FLAGS})
 

@@ -94,3 +94,20 @@ def test_a_fresh_process_reads_a_mean_head_models_tokenizer_without_a_model_type
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split()[-1] == str(tokenizer.pad_token_id)
     assert MEAN_POOL_MODEL_TYPE not in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("head", ["cls", "mean"])
+def test_model_layers_keeps_the_pretrained_encoders_first_layers(head):
+    """`model.layers` builds that many transformer layers and loads the checkpoint's first ones into them (the
+    packaged all-MiniLM-L6-v2, 6 layers); more layers than the checkpoint has is refused by name."""
+    whole = load_model(ModelParams(head=head), seed=0)
+    cut = load_model(ModelParams(head=head, layers=2), seed=0)
+    assert cut.config.num_hidden_layers == 2 and len(cut.bert.encoder.layer) == 2
+    assert len(whole.bert.encoder.layer) == 6
+    for kept, source in zip(cut.bert.encoder.layer, whole.bert.encoder.layer[:2], strict=True):
+        for (name, a), (_, b) in zip(kept.state_dict().items(), source.state_dict().items(), strict=True):
+            assert torch.equal(a, b), name
+    assert torch.equal(cut.bert.embeddings.word_embeddings.weight, whole.bert.embeddings.word_embeddings.weight)
+    with pytest.raises(ModelSourceError, match=r"model\.layers: 7 is more than the 6 layers"):
+        load_model(ModelParams(head=head, layers=7))
+    assert len(load_model(ModelParams(source="tiny", layers=1)).bert.encoder.layer) == 1
