@@ -22,7 +22,7 @@ export TORCHAO_FORCE_SKIP_LOADING_SO_FILES := 1
 # transformers and MLflow again: the commands here write it, into this checkout's .venv and git-ignored __pycache__.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: run test test-all test-gpu venv venv-spark venv-all lint dvc-deps docs mlflow-ui serve serve-mlflow stop plots score bytecode-list
+.PHONY: run test test-all test-gpu venv venv-spark venv-all lint dvc-deps docs mlflow-ui serve serve-mlflow stop plots score
 
 # The venv with an up-to-date pip; the installs below start from it and run side by side where both are needed
 # (`venv-all`): pip spends most of an install on one core, and the sets share no package. The venv is created without
@@ -86,28 +86,19 @@ run: venv
 ## test: unit, data, model and end-to-end tests (CI runs exactly this), in TEST_WORKERS pytest-xdist processes: the
 ## miniature pipeline run (the longest fixture) goes on while the other tests run beside it; tests/conftest.py
 ## schedules by module and keeps the modules that share a slow fixture in one worker (MODULE_GROUPS).
-## TEST_WORKERS=0 runs them all in this process. Lint (ruff) runs first, so CI, which runs `make test`, lints too;
-## then the venv modules the tests import are compiled on every core, once (tests/bytecode.py), before the test
-## processes would each compile them again.
+## TEST_WORKERS=0 runs them all in this process. Lint (ruff) runs first, so CI, which runs `make test`, lints too.
 ## The tests marked `slow` are left out: more whole-process runs beside the ones kept (the SIGKILL resume stays;
 ## SIGTERM and changed-param resumes, the elastic torchrun group, 2-process DDP, the benchmark scripts end to end, the
 ## torch.compile'd peers and the opt-in prune and distill stages' builds go); `make test-all` runs them too.
 TEST_WORKERS ?= 2
 test: venv-all
 	$(BIN)/ruff check .
-	$(BIN)/python -m tests.bytecode
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not slow" $(PYTEST_ARGS)
 
 ## test-all: `make test` plus the tests marked `slow`.
 test-all: venv-all
 	$(BIN)/ruff check .
-	$(BIN)/python -m tests.bytecode
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
-
-## bytecode-list: rewrite tests/bytecode-modules.txt, the venv modules `make test` compiles before its tests start
-## (tests/bytecode.py), from the bytecode a venv holds after a `make test`; after the requirements change.
-bytecode-list: venv
-	$(BIN)/python -m tests.bytecode --write
 
 ## test-gpu: the tests marked `gpu` (tests/gpu: mixed-precision and compiled training on CUDA, exports from CUDA,
 ## TensorRT engines); each skips, with its reason, where no CUDA device or no `tensorrt` is present.
