@@ -170,3 +170,18 @@ def test_a_rows_variant_is_scored_by_one_thread_calls_on_every_core(built, tiny_
     labels = read_tokenized(built["tokenized"], "test")["label"].to_numpy()
     pred = predict_logits(load_runner(built["dirs"]["int8-dynamic"], 2), seqs, 16).argmax(-1)
     assert results["int8-dynamic"]["accuracy"] == float((pred == labels).mean())
+
+
+def test_rows_are_scored_by_parallel_callers_only_where_the_runtime_runs_calls_side_by_side(built):
+    """On two cores an onnxruntime variant scored by rows gets two one-thread callers; the OpenVINO INT8 IR, also
+    scored by rows, keeps one caller with both threads (its one stream would only let callers take turns); a
+    batched variant keeps one caller."""
+    from pipeline.evaluation.accuracy import runner_for_test_split
+
+    dirs = built["dirs"]
+    runner, callers = runner_for_test_split(dirs["int8-dynamic"], threads=2)
+    assert callers == 2 and runner.rows_alone
+    runner, callers = runner_for_test_split(dirs["int8-openvino"], threads=2)
+    assert callers == 1 and runner.rows_alone and runner.threads == 2
+    assert runner_for_test_split(dirs["fp32-onnx"], threads=2)[1] == 1
+    assert runner_for_test_split(dirs["int8-dynamic"], threads=1)[1] == 1
