@@ -89,23 +89,18 @@ def score_batch(run: Callable[[np.ndarray, np.ndarray], np.ndarray], input_ids: 
 def batching_record(fmt: str, model: Path) -> dict[str, Any]:
     """What the record of a servable variant in format `fmt` (its model file `model`) says, and so its MLflow run
     and model, about how it is served: `served_batching` is `batched` or `rows`, with the reason."""
-    if fmt == "openvino":
-        ops = static_quantize_ir_ops(model)
-        listed = ", ".join(f"{n} {op}" for op, n in ops.items())
-        if ops:
-            return {"served_batching": "rows",
-                    "served_batching_reason": f"static INT8 ({listed}): scales calibrated once, but the float "
-                                              "kernels between them follow the batch's shape, and a float rounding "
-                                              "difference can move an activation across a quantization step, so every "
-                                              "review is scored unpadded on its own (the same answer alone and in any "
-                                              "batch)"}
-    ops = per_tensor_dynamic_ops(model) if fmt == "onnx" else {}
+    ops = batch_dependent_ops(model) if fmt in ("onnx", "openvino") else {}
     if not ops:
         return {"served_batching": "batched",
                 "served_batching_reason": "float activations (no run-time per-tensor scales): a review's answer "
                                           "does not depend on its batch, so a batch is scored in one call"}
     listed = ", ".join(f"{n} {op}" for op, n in ops.items())
+    if fmt == "openvino":
+        why = (f"static INT8 ({listed}): scales calibrated once, but the float kernels between them follow the "
+               "batch's shape, and a float rounding difference can move an activation across a quantization step")
+    else:
+        why = (f"{listed}: one activation scale per batch tensor would move a review's score with its neighbours "
+               "and their padding")
     return {"served_batching": "rows",
-            "served_batching_reason": f"{listed}: one activation scale per batch tensor would move a review's "
-                                      "score with its neighbours and their padding, so every review is scored "
-                                      "unpadded on its own (the same answer alone and in any batch)"}
+            "served_batching_reason": f"{why}, so every review is scored unpadded on its own (the same answer alone "
+                                      "and in any batch)"}

@@ -57,8 +57,6 @@ class OpenVinoRunner:
     format: ClassVar[str] = "openvino"
 
     def __init__(self, path: Path, threads: int | None = None, batching: Batching = "auto") -> None:
-        if batching not in BATCHING_MODES:
-            raise ValueError(f"batching must be one of {BATCHING_MODES}, not {batching!r}")
         self.compiled = compiled_model(path, threads)
         # one infer request per concurrent call, made on demand and reused (thread-safe: see the module doc)
         self.requests: Pool[Any] = Pool(self.compiled.create_infer_request)
