@@ -177,20 +177,13 @@ def save_model(model: torch.nn.Module, tokenizer: Any, model_dir: Path, data: Da
     # built aside and swapped in whole, `pipeline.json` last: a kill mid-save never leaves new weights beside the
     # previous run's record (or a half-written safetensors file a later stage loads)
     with directory_replaced_on_success(model_dir, complete_when="pipeline.json") as work:
-        _write_model(model, tokenizer, work, data, model_params, params, choices, extra, isa_record())
-
-
-def _write_model(model: torch.nn.Module, tokenizer: Any, model_dir: Path, data: DataParams,
-                 model_params: ModelParams, params: TrainParams, choices: Sequence[Choice],
-                 extra: dict[str, Any] | None, built_on: dict[str, Any]) -> None:
-    """`save_model`'s files, into `model_dir`, the record last."""
-    model.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    meta = {
-        "format": "huggingface", "dtype": "float32", "task": "sentiment", "labels": model.config.id2label,
-        "preprocessing": {"max_length": data.max_length, "truncation": data.truncation,
-                          "head_fraction": data.head_fraction, "clean": "strip <br /> and collapse spaces"},
-        "params": {"data": to_dict(data), "model": to_dict(model_params), "train": to_dict(params)},
-        "choices": {c.setting: c.to_dict() for c in choices}, "built_on": built_on, **(extra or {}),
-    }
-    write_json(model_dir / "pipeline.json", meta)
+        model.save_pretrained(work)
+        tokenizer.save_pretrained(work)
+        meta = {
+            "format": "huggingface", "dtype": "float32", "task": "sentiment", "labels": model.config.id2label,
+            "preprocessing": {"max_length": data.max_length, "truncation": data.truncation,
+                              "head_fraction": data.head_fraction, "clean": "strip <br /> and collapse spaces"},
+            "params": {"data": to_dict(data), "model": to_dict(model_params), "train": to_dict(params)},
+            "choices": {c.setting: c.to_dict() for c in choices}, "built_on": isa_record(), **(extra or {}),
+        }
+        write_json(work / "pipeline.json", meta)
