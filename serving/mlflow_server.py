@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.deployment.coalescing import take_oldest
+from pipeline.deployment.coalescing import MAX_BATCH_TEXTS, take_oldest
 from pipeline.deployment.protocol import (
     MLFLOW_SHAPES,
     REQUEST_ID_HEADER,
@@ -124,8 +124,6 @@ CLOSE = (b"connection", b"close")
 RETRY_AFTER_S = 1
 #: Scoring requests answered at once (`--max-in-flight`); one more is a 503 with Retry-After.
 MAX_IN_FLIGHT = 64
-#: Texts of concurrent requests scored in one call of the model at most.
-MAX_BATCH_TEXTS = 64
 
 
 class Metrics:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pipeline.core.io import write_json
+from pipeline.core.io import directory_replaced_on_success, write_json
 from pipeline.core.params import DataParams, Params, to_dict
 from pipeline.data.imdb import SPLITS, TRANSFER, load_imdb, make_splits
 from pipeline.data.tokens import tokenize_frame
@@ -19,6 +19,9 @@ if TYPE_CHECKING:
     from pipeline.core.parent_run import RunContext
 
 log = logging.getLogger(__name__)
+
+#: The file `save_pretrained` writes for every tokenizer (fast or slow), after which the tokenized folder is whole.
+TOKENIZER_COMPLETE = "tokenizer/tokenizer_config.json"
 
 
 def prepare(data: DataParams, tokenizer: Any, prepared_dir: Path, tokenized_dir: Path,
@@ -30,21 +33,22 @@ def prepare(data: DataParams, tokenizer: Any, prepared_dir: Path, tokenized_dir:
     started = time.perf_counter()
     frame = load_imdb(data)
     splits, report = make_splits(frame, data)
-    prepared_dir.mkdir(parents=True, exist_ok=True)
-    tokenized_dir.mkdir(parents=True, exist_ok=True)
     metrics: dict[str, Any] = {**dataclasses.asdict(report)}
-    for stale in (prepared_dir / f"{TRANSFER}.parquet", tokenized_dir / f"{TRANSFER}.parquet"):
-        stale.unlink(missing_ok=True)  # a transfer split of an earlier run must not outlive data.transfer_reviews
-    for name in tqdm(list(splits), desc="tokenize", unit="split"):
-        df = splits[name]
-        df.to_parquet(prepared_dir / f"{name}.parquet", index=False)
-        tok = tokenize_frame(df, tokenizer, data)
-        tok.to_parquet(tokenized_dir / f"{name}.parquet", index=False)
-        lengths = tok["length"].to_numpy()
-        metrics[f"{name}_tokens_mean"] = round(float(lengths.mean()), 1)
-        metrics[f"{name}_tokens_p95"] = float(np.percentile(lengths, 95))
-        metrics[f"{name}_truncated_share"] = round(float((lengths >= data.max_length).mean()), 4)
-    tokenizer.save_pretrained(tokenized_dir / "tokenizer")
+    # Both folders are built aside and swapped in whole (a killed run leaves the previous ones, never a part of a
+    # split), and hold only this run's splits: a transfer split of an earlier run does not outlive
+    # data.transfer_reviews. The tokenizer, saved last, marks the tokenized folder complete.
+    with (directory_replaced_on_success(prepared_dir, complete_when="test.parquet") as prepared_work,
+          directory_replaced_on_success(tokenized_dir, complete_when=TOKENIZER_COMPLETE) as tokenized_work):
+        for name in tqdm(list(splits), desc="tokenize", unit="split"):
+            df = splits[name]
+            df.to_parquet(prepared_work / f"{name}.parquet", index=False)
+            tok = tokenize_frame(df, tokenizer, data)
+            tok.to_parquet(tokenized_work / f"{name}.parquet", index=False)
+            lengths = tok["length"].to_numpy()
+            metrics[f"{name}_tokens_mean"] = round(float(lengths.mean()), 1)
+            metrics[f"{name}_tokens_p95"] = float(np.percentile(lengths, 95))
+            metrics[f"{name}_truncated_share"] = round(float((lengths >= data.max_length).mean()), 4)
+        tokenizer.save_pretrained(tokenized_work / "tokenizer")
     metrics["wall_time_s"] = round(time.perf_counter() - started, 2)
     write_json(metrics_path, metrics)
     log.info("prepared splits %s", report.sizes)

@@ -25,6 +25,10 @@ import numpy as np
 R = TypeVar("R")
 T = TypeVar("T")
 
+#: Most texts scored in one call of a runner: the coalesced batch of `Coalescer` and `SentimentPredictor`, and the
+#: texts of queued requests the MLflow server hands to one `predict` (TorchServe's frontend batches by request).
+MAX_BATCH_TEXTS = 64
+
 
 def take_oldest(queue: list[T], size: Callable[[T], int], limit: int) -> list[T]:
     """Remove and return the oldest items of `queue` whose sizes fit `limit` together: a batch, always at least
@@ -51,7 +55,7 @@ class Coalescer(Generic[R]):
     threads), merging the sequences of callers that arrive while a batch is being scored."""
 
     score: Callable[[Sequence[np.ndarray]], list[R]]
-    max_texts: int = 64
+    max_texts: int = MAX_BATCH_TEXTS
     _pending: list[_Job[R]] = field(default_factory=list, init=False, repr=False)
     _busy: bool = field(default=False, init=False, repr=False)
     _changed: threading.Condition = field(default_factory=threading.Condition, init=False, repr=False)

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.data.tokens import clip_chars, encode_texts
+from pipeline.deployment.coalescing import MAX_BATCH_TEXTS
 from pipeline.runtimes.base import pad_batch
 from pipeline.runtimes.record import VARIANT_FILE, read_variant
 from pipeline.runtimes.registry import load_runner
@@ -49,7 +50,7 @@ class SentimentPredictor:
     CHUNK_TEXTS = 2048
 
     def __init__(self, directory: str | Path, threads: int | None = None, max_chars: int | None = None,
-                 max_batch: int = 64, **runner_options: Any) -> None:
+                 max_batch: int = MAX_BATCH_TEXTS, **runner_options: Any) -> None:
         from pipeline.deployment.coalescing import Coalescer
         from pipeline.modeling import load_saved_tokenizer, pad_id, read_model_record
 

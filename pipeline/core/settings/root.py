@@ -50,12 +50,14 @@ class Params:
         if not (info.context or {}).get(WHOLE_FILE):
             return self
         longest = self.data.max_length
-        if self.train.max_length is not None and self.train.max_length > longest:
-            raise ValueError(f"train.max_length: must be at most data.max_length ({longest}), "
-                             f"got {self.train.max_length}")
-        if self.tensorrt.min_seq > longest:
-            raise ValueError(f"tensorrt.min_seq: must be at most data.max_length ({longest}), "
-                             f"got {self.tensorrt.min_seq}")
+        problems = [f"{key}: must be at most data.max_length ({longest}), got {value}" for key, value in (
+            ("train.max_length", self.train.max_length),
+            ("tensorrt.min_seq", self.tensorrt.min_seq),
+            # the batch-1 latency reads reviews of exactly this many tokens, and prepare cut them to data.max_length
+            ("benchmark.seq_len", self.benchmark.seq_len),
+        ) if value is not None and value > longest]
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
 

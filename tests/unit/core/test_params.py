@@ -70,6 +70,7 @@ def error_keys(raw: dict) -> set[str]:
         ({"tensorrt": {"opt_batch": 128}}, "tensorrt.opt_batch"),
         ({"tensorrt": {"min_seq": 64, "opt_seq": 32}}, "tensorrt.min_seq"),
         ({"tensorrt": {"min_seq": 200, "opt_seq": 256}}, "tensorrt.min_seq"),  # above data.max_length
+        ({"benchmark": {"seq_len": 256}}, "benchmark.seq_len"),  # above data.max_length (192)
         ({"benchmark": {"iterations": 2, "rounds": 5}}, "benchmark.iterations"),
         ({"benchmark": {"bf16_row": "on"}}, "benchmark.bf16_row"),
         ({"mlflow": {"champion_alias": ""}}, "mlflow.champion_alias"),
@@ -119,7 +120,8 @@ def test_tensorrt_batch_shapes_must_grow(low, opt, high):
 
 @given(st.integers(8, 512), st.one_of(st.none(), st.integers(8, 512)))
 def test_training_window_is_at_most_the_inference_length(data_len, train_len):
-    raw = {"data": {"max_length": data_len}, "train": {"max_length": train_len}, "tensorrt": {"min_seq": 8}}
+    raw = {"data": {"max_length": data_len}, "train": {"max_length": train_len}, "tensorrt": {"min_seq": 8},
+           "benchmark": {"seq_len": 8}}
     if train_len is None or train_len <= data_len:
         assert parse_params(raw).train.max_length == train_len
     else:
@@ -212,7 +214,7 @@ def test_weight_formats_have_one_definition():
 def test_rules_across_sections_hold_for_files_not_for_params_assembled_in_code():
     assembled = Params(data=DataParams(max_length=64))  # a test's or benchmark's few sections
     assert assembled.train.max_length == 128
-    assert error_keys({"data": {"max_length": 64}}) == {"train.max_length"}
+    assert error_keys({"data": {"max_length": 64}}) == {"train.max_length", "benchmark.seq_len"}
 
 
 def test_a_named_params_file_that_is_missing_is_an_error_not_the_defaults(tmp_path, monkeypatch):
