@@ -625,4 +625,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    from pipeline.core.process_exit import skip_final_collection
+
+    skip_final_collection()
     main()

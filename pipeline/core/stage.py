@@ -202,6 +202,10 @@ def stage_main(name: str, body: StageBody, argv: list[str] | None = None) -> Non
     """Parse `argv` (default: the process's) with `stage_command` and run the stage; a usage error ends with exit
     status 2 and click's message, success returns (so `main([...])` can be called from Python)."""
     doc = getattr(sys.modules.get(body.__module__), "__doc__", None)
+    if argv is None:  # the process's own command line: this stage is the process
+        from pipeline.core.process_exit import skip_final_collection
+
+        skip_final_collection()
     try:
         stage_command(name, body, doc).main(args=argv, prog_name=f"python -m stages.{name}")
     except SystemExit as exc:
