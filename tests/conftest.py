@@ -95,7 +95,12 @@ def pytest_configure(config):
     """Under pytest-xdist the workers share the machine: each (and every process it starts: stages, servers, probes)
     gets its share of the CPUs through `OMP_NUM_THREADS`, which torch reads and the pipeline hands to onnxruntime and
     OpenVINO (`pipeline.core.machine.default_threads`). Without it every worker's thread pools size themselves to the
-    whole machine and spin-wait against each other. A value the caller set is kept."""
+    whole machine and spin-wait against each other. A value the caller set is kept. A worker ends without the
+    interpreter's last garbage collection (`pipeline.core.process_exit`), which the session would wait for."""
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller waits for its process to end
+        from pipeline.core.process_exit import skip_final_collection
+
+        skip_final_collection()
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
     if workers > 1:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
