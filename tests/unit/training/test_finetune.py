@@ -123,6 +123,7 @@ def _write_params(path: Path, **train) -> None:
     raw["model"] = {"source": "tiny", "name": "tiny"}
     raw["data"]["max_length"] = 64
     raw["train"]["max_length"] = None  # the default profile's 128-token window does not fit 64-token splits
+    raw["benchmark"]["seq_len"] = 64  # the batch-1 latency length is at most data.max_length
     raw["train"].update({**TINY_TRAIN, "checkpoint_dir": str(path.parent / "ckpt"), **train})
     path.write_text(yaml.safe_dump(raw))
 

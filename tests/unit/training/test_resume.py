@@ -37,6 +37,7 @@ def _params(d: Path, **train) -> Path:
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())
     raw["model"] = {"source": "tiny", "name": "tiny", "head": "cls"}
     raw["data"]["max_length"] = 64
+    raw["benchmark"]["seq_len"] = 64  # the batch-1 latency length is at most data.max_length
     raw["train"].update({**TRAIN, "checkpoint_dir": str(d / "checkpoints"), **train})
     raw["mlflow"].update({"tracking_uri": f"sqlite:///{d / 'mlflow.db'}", "system_metrics": False})
     d.mkdir(parents=True, exist_ok=True)
