@@ -4,8 +4,9 @@
 Each setting runs in a fresh process, so one's allocations cannot hide the other's peak: random weights of the
 architecture (memory and time do not depend on the values), every review padded to `--seq` tokens, AdamW, `--steps`
 timed steps after `--warmup`. Peak memory is `torch.cuda.max_memory_allocated` on CUDA; on a CPU it is the
-process's peak resident memory (`ru_maxrss`) above what it held once the model and optimizer state existed, i.e.
-what the steps themselves added. Prints a table and writes `benchmarks/results/gradient_checkpointing.json`.
+process's peak resident memory (VmHWM, as the benchmark stage's memory probe reads it) above what it held once the
+model and optimizer state existed, i.e. what the steps themselves added. Prints a table and writes
+`benchmarks/results/gradient_checkpointing.json`.
 
     python -m benchmarks.gradient_checkpointing --model minilm --batch 16 --seq 512
 """
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -24,12 +24,9 @@ from typing import Any
 import torch
 
 from pipeline.core.io import write_json
+from pipeline.evaluation.memory_probe import vm_hwm_mb
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def measure(model_name: str, checkpointing: bool, batch: int, seq: int, steps: int, warmup: int,
@@ -61,7 +58,7 @@ def measure(model_name: str, checkpointing: bool, batch: int, seq: int, steps: i
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated() / 2**20
     else:
-        base = _rss_mb()
+        base = vm_hwm_mb()
     for _ in range(warmup):
         step()
     if device == "cuda":
@@ -72,10 +69,10 @@ def measure(model_name: str, checkpointing: bool, batch: int, seq: int, steps: i
     if device == "cuda":
         torch.cuda.synchronize()
     seconds = (time.perf_counter() - t0) / steps
-    peak = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else _rss_mb()
+    peak = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else vm_hwm_mb()
     return {"gradient_checkpointing": checkpointing, "step_ms": round(1000 * seconds, 1),
             "peak_mb": round(peak, 1), "peak_above_model_and_optimizer_mb": round(peak - base, 1),
-            "memory_measure": "cuda max_memory_allocated" if device == "cuda" else "process peak RSS (ru_maxrss)"}
+            "memory_measure": "cuda max_memory_allocated" if device == "cuda" else "process peak RSS (VmHWM)"}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -45,6 +45,7 @@ import numpy as np
 import pandas as pd
 
 from pipeline.core.io import write_json
+from pipeline.evaluation.latency import percentiles
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -242,9 +243,8 @@ def served(endpoint: Endpoint, texts: list[str], concurrency: int, duration: flo
         "malformed_sent": malformed["sent"],
         "malformed_4xx_pct": 100.0 * malformed["answered_4xx"] / malformed["sent"] if malformed["sent"] else None,
         "requests_per_s": len(latencies) / elapsed,
-        "p50_ms": float(np.percentile(lat, 50)) if len(lat) else None,
-        "p95_ms": float(np.percentile(lat, 95)) if len(lat) else None,
-        "p99_ms": float(np.percentile(lat, 99)) if len(lat) else None,
+        # the benchmark stage's percentiles (p99 only from enough samples to be a tail)
+        **{f"{k}_ms": v for k, v in (percentiles(lat) if len(lat) else dict.fromkeys(("p50", "p95", "p99"))).items()},
         "seconds": elapsed,
         "connections_opened": sum(c.opened for c in connections),
         "reconnects": sum(c.reconnects for c in connections),
