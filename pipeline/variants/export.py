@@ -19,12 +19,12 @@ from pipeline.core.errors import UserError
 from pipeline.core.params import ExportParams, to_dict
 from pipeline.data.tokens import read_tokenized
 from pipeline.modeling import load_finetuned, pad_id
-from pipeline.runtimes.base import Runner, pad_batch
+from pipeline.runtimes.base import Runner, Runtime, pad_batch
 from pipeline.runtimes.catalog import built_by, directories
 from pipeline.runtimes.eager import TorchRunner, logits_module
 from pipeline.runtimes.ort import OrtRunner
 from pipeline.runtimes.record import VariantInfo, building, write_skipped, write_variant
-from pipeline.runtimes.torchscript import TORCHSCRIPT_DEPRECATION, legacy_torchscript
+from pipeline.runtimes.torchscript import TORCHSCRIPT_DEPRECATION, TorchScriptRunner, legacy_torchscript
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,9 @@ def run_export(*, finetuned: Path, tokenized: Path, variants_root: Path, params:
             export_torchscript(graph, work / "model.pt", max_len)
             with legacy_torchscript():
                 runner = TorchRunner(torch.jit.load(str(work / "model.pt")))
-            report["fp32-torchscript"] = _checked(reference, runner, seqs, params, max_len, t0, pad_id(tokenizer))
+            report["fp32-torchscript"] = {**_checked(reference, runner, seqs, params, max_len, t0, pad_id(tokenizer)),
+                                          **served_parity(reference, TorchScriptRunner, "fp32-torchscript", work, seqs,
+                                                          params, pad_id(tokenizer))}
             write_variant(work, VariantInfo.built("fp32-torchscript", {"method": "torch.jit.trace", **readout,
                                                                         "deprecated_api": TORCHSCRIPT_DEPRECATION,
                                                                         **report["fp32-torchscript"]}), finetuned)
@@ -196,11 +198,26 @@ def onnx_variant(name: str, model: Any, graph: Any, readout: dict[str, Any], dir
         t0 = time.perf_counter()
         export_onnx(graph, work / "model.onnx", max_len, params.opset)
         runner = OrtRunner(work / "model.onnx", optimization="disable")
-        checked = _checked(eager_runner(model), runner, seqs, params, max_len, t0, pad_id)
+        reference = eager_runner(model)
+        checked = {**_checked(reference, runner, seqs, params, max_len, t0, pad_id),
+                   **served_parity(reference, OrtRunner, name, work, seqs, params, pad_id)}
         write_variant(work, VariantInfo.built(name, {"method": "torch.onnx.export(dynamo=True)", "opset": params.opset,
                                                      "attention": attention_of(model), **describe(model), **readout,
                                                      **checked}), model_dir)
     return checked
+
+
+def served_parity(reference: Runner, runtime: type[Runtime], name: str, work: Path, seqs: list[np.ndarray],
+                  params: ExportParams, pad_id: int) -> dict[str, float]:
+    """The variant file in `work` loaded by `runtime` as the evaluate stage and both servers load it (its defaults:
+    onnxruntime's graph optimizations on, a TorchScript module frozen and optimized for inference) and checked
+    against `reference` on the same reviews. The parity check of the file as written (`_checked`) covers the
+    exporter; this one covers what is served, whose optimizer passes rewrite the graph again."""
+    p = parity(reference, runtime.load(work, VariantInfo.built(name, {})), seqs, pad_id)
+    if p.max_abs_diff > params.parity_tolerance:
+        raise ExportError(f"parity of {name} as served failed: max |logit diff| {p.max_abs_diff:.2e} > "
+                          f"{params.parity_tolerance:.0e}")
+    return {"served_parity_max_abs_diff": p.max_abs_diff}
 
 
 def _checked(reference: Any, runner: Any, seqs: list[np.ndarray], params: ExportParams, max_len: int,

@@ -4,6 +4,7 @@ the variant directories follow the catalog."""
 
 from __future__ import annotations
 
+import itertools
 import shutil
 from pathlib import Path
 
@@ -195,3 +196,24 @@ def test_every_stage_command_runs_the_project_interpreter():
     each command names `.venv/bin/python` (a bare `python` would be whatever PATH finds, e.g. the system one)."""
     for name, stage in DVC.items():
         assert stage["cmd"].startswith(f".venv/bin/python -m stages.{name} "), (name, stage["cmd"])
+
+
+def _declared_paths(stage: dict) -> set[Path]:
+    """Every path a stage declares: deps, outs, metrics and plots (each entry a path or a one-key mapping)."""
+    entries = [*stage.get("deps", []), *stage.get("outs", []), *stage.get("metrics", []), *stage.get("plots", [])]
+    return {Path(str(next(iter(e)) if isinstance(e, dict) else e)) for e in entries}
+
+
+@pytest.mark.parametrize("stage", sorted(DVC))
+def test_every_path_a_command_is_given_is_declared(stage):
+    """Each path a stage's command names (the value of a `--option`) is declared as one of its deps, outs, metrics or
+    plots, or is the folder declared entries sit in (`--variants-dir models/variants`); the params file is tracked as
+    `params`. A file read or written but not declared would make `dvc repro` skip or keep a stale result."""
+    args = DVC[stage]["cmd"].split()
+    values = [value for option, value in itertools.pairwise(args)
+              if option.startswith("--") and not value.startswith("--")]
+    declared = _declared_paths(DVC[stage])
+    undeclared = [v for v in values if v != "params.yaml"
+                  and not any(_covers(d, Path(v)) or Path(v) in d.parents for d in declared)]
+    assert not undeclared, f"{stage}: {undeclared} are given to the command but not declared in dvc.yaml"
+    assert "params.yaml" not in values or DVC[stage].get("params"), stage

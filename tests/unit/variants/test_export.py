@@ -12,11 +12,13 @@ from pipeline.variants.export import ExportError, Parity, run_export
 from tests.factories import write_tokenized
 
 
-def test_fp32_exports_match_pytorch(built):
+def test_fp32_exports_match_pytorch_as_written_and_as_served(built):
     for name in ("fp32-torchscript", "fp32-onnx"):
         assert built["export"][name]["parity_max_abs_diff"] <= 1e-4
+        assert built["export"][name]["served_parity_max_abs_diff"] <= 1e-4  # optimized / frozen as served
         info = read_variant(built["dirs"][name])
         assert info.dtype == "float32" and info.status == "ok"
+        assert info.params["served_parity_max_abs_diff"] == built["export"][name]["served_parity_max_abs_diff"]
 
 
 def test_every_export_records_the_cls_readout(built):
@@ -32,6 +34,25 @@ def test_parity_failure_stops_export(tmp_path, tiny_model_dir, monkeypatch):
     with pytest.raises(ExportError, match="parity failed"):
         run_export(finetuned=tiny_model_dir, tokenized=tok_dir, variants_root=tmp_path / "variants",
                    params=ExportParams())
+
+
+def test_a_served_form_that_answers_differently_stops_export(tmp_path, tiny_model_dir, monkeypatch):
+    """The file as written can match PyTorch while the runtime's own passes, applied when it is served, change the
+    answers: the export checks the variant loaded as served too, and publishes nothing when that fails."""
+    from pipeline.runtimes.ort import OrtRunner
+
+    real_load = OrtRunner.load.__func__
+
+    def drifting_load(cls, directory, info, threads=None, **options):
+        runner = real_load(cls, directory, info, threads, **options)
+        return lambda ids, mask: runner(ids, mask) + 0.5
+
+    monkeypatch.setattr(OrtRunner, "load", classmethod(drifting_load))
+    tok_dir = write_tokenized(tmp_path / "tok", {"test": 8})
+    with pytest.raises(ExportError, match="parity of fp32-onnx as served failed"):
+        run_export(finetuned=tiny_model_dir, tokenized=tok_dir, variants_root=tmp_path / "variants",
+                   params=ExportParams(parity_samples=4, torchscript=False))
+    assert not (tmp_path / "variants" / "fp32-onnx").exists()
 
 
 def test_a_profile_opting_out_of_torchscript_gets_a_skip_record_with_the_reason(tmp_path, tiny_model_dir):
