@@ -85,7 +85,9 @@ def headline(metrics: Path) -> dict[str, Any]:
 
 
 def _duration(seconds: float) -> str:
-    return f"{seconds:.0f} s" if seconds < 90 else f"{int(seconds // 60)} min {seconds % 60:02.0f} s"
+    """`45 s` under 90 s, else `12 min 05 s`, rounded to whole seconds before it is split (never `25 min 60 s`)."""
+    whole = round(seconds)
+    return f"{whole} s" if whole < 90 else f"{whole // 60} min {whole % 60:02d} s"
 
 
 def render(times: list[StageTime], head: dict[str, Any], total_s: float | None) -> str:

@@ -60,8 +60,9 @@ class OrtRunner:
 
     format: ClassVar[str] = "onnx"
 
-    def __init__(self, path: Path, threads: int | None = None, optimization: str = "all",
+    def __init__(self, path: Path | str, threads: int | None = None, optimization: str = "all",
                  batching: Batching = "auto") -> None:
+        path = Path(path)
         self.session = ort_session(path, threads, optimization)  # first: a file it cannot load is a VariantError
         self.rows_alone = scores_rows_alone(path, batching)
         self.inputs = {i.name for i in self.session.get_inputs()}

@@ -57,3 +57,10 @@ def test_headline_reads_the_served_variant_and_its_speedup(tmp_path):
 def test_headline_of_a_run_without_metrics_is_empty(tmp_path):
     assert headline(tmp_path) == {}
     assert "served variant" not in render([], {}, None)
+
+
+def test_durations_round_to_whole_seconds_before_minutes_are_counted():
+    from pipeline.evaluation.run_summary import _duration
+
+    assert [_duration(s) for s in (0.4, 45.6, 89.4, 89.6, 746.2, 1559.7, 1559.4)] == [
+        "0 s", "46 s", "89 s", "1 min 30 s", "12 min 26 s", "26 min 00 s", "25 min 59 s"]
