@@ -16,12 +16,7 @@ import numpy as np
 from pipeline.core.errors import UserError
 from pipeline.core.machine import WEIGHT_FORMATS
 from pipeline.core.params import QuantizeParams
-from pipeline.variants.calibration import (
-    CALIBRATION_METHODS,
-    TokenCalibrationReader,
-    calibration_options,
-    collect_by_batch,
-)
+from pipeline.variants.calibration import CALIBRATION_METHODS, TokenCalibrationReader, calibration_options
 from pipeline.variants.onnx_census import activation_matmuls, ffn_output_matmuls, head_matmuls, matmul_census
 
 if TYPE_CHECKING:
@@ -86,13 +81,14 @@ def quantize_dynamic_onnx(src: Path, dst: Path, per_channel: bool = True, weight
 
 
 def quantize_static_onnx(src: Path, dst: Path, calibration: Sequence[np.ndarray], method: str,
-                         params: QuantizeParams, dynamic_ffn_output_of: int | None = None) -> None:
+                         params: QuantizeParams, pad_id: int = 0, dynamic_ffn_output_of: int | None = None) -> None:
     """One static QDQ INT8 model (see `quantize_static_onnx_methods`)."""
-    quantize_static_onnx_methods(src, {method: dst}, calibration, params, dynamic_ffn_output_of)
+    quantize_static_onnx_methods(src, {method: dst}, calibration, params, pad_id, dynamic_ffn_output_of)
 
 
 def quantize_static_onnx_methods(src: Path, dsts: dict[str, Path], calibration: Sequence[np.ndarray],
-                                 params: QuantizeParams, dynamic_ffn_output_of: int | None = None) -> None:
+                                 params: QuantizeParams, pad_id: int = 0,
+                                 dynamic_ffn_output_of: int | None = None) -> None:
     """QDQ static INT8, one model per calibration method in `dsts`: uint8 activations with calibrated ranges,
     per-channel weights in the format `params.weights()` resolves to (see `QuantizeParams.weight_format`).
 
@@ -150,14 +146,15 @@ def quantize_static_onnx_methods(src: Path, dsts: dict[str, Path], calibration: 
                 onnx.save(with_types, str(base))
         for method, dst in dsts.items():
             attention = Path(tmp) / f"attention-{method}.onnx"
-            converted = static_int8_attention(base, attention, calibration, method, params)
+            converted = static_int8_attention(base, attention, calibration, method, params, pad_id)
             if converted != fused_attention:  # a fused attention left float would run its Q/K/V product in FP32
                 raise QuantizeError(f"only {converted} of {fused_attention} fused attentions became a static "
                                     f"QAttention ({method})")
             options = calibration_options(method, params, activation_symmetric=False)
             options["extra_options"]["OpTypesToExcludeOutputQuantization"] = ["MatMul", "Gemm"]
             quantize_static(
-                str(attention), str(dst), TokenCalibrationReader(calibration, params.calibration_batch_size, names),
+                str(attention), str(dst), TokenCalibrationReader(calibration, params.calibration_batch_size, names,
+                                                            pad_id),
                 quant_format=QuantFormat.QDQ, per_channel=params.per_channel, activation_type=QuantType.QUInt8,
                 **weight_options(params.weights()),
                 op_types_to_quantize=["MatMul", "Gemm", "Gather"], nodes_to_exclude=excluded, **options,
@@ -173,7 +170,7 @@ def fused_attentions(graph: onnx.GraphProto) -> int:
 
 
 def static_int8_attention(src: Path, dst: Path, calibration: Sequence[np.ndarray], method: str,
-                          params: QuantizeParams) -> int:
+                          params: QuantizeParams, pad_id: int = 0) -> int:
     """Quantize each fused `Attention` of `src` into onnxruntime's `QAttention` with a calibrated (static) input
     scale; returns how many. Everything else is left as it is.
 
@@ -200,8 +197,8 @@ def static_int8_attention(src: Path, dst: Path, calibration: Sequence[np.ndarray
             src, ["Attention"], augmented_model_path=str(Path(tmp) / "augmented.onnx"),
             calibrate_method=options["calibrate_method"],
             extra_options={"percentile": extra["CalibPercentile"]} if "CalibPercentile" in extra else {})
-        collect_by_batch(calibrator, TokenCalibrationReader(calibration, params.calibration_batch_size,
-                                                            {i.name for i in model.graph.input}))
+        calibrator.collect_data(TokenCalibrationReader(calibration, params.calibration_batch_size,
+                                                       {i.name for i in model.graph.input}, pad_id))
         ranges = calibrator.compute_data()
         del calibrator
     weights = weight_options(params.weights())

@@ -19,7 +19,6 @@ import numpy as np
 from pipeline.runtimes.base import pad_batch
 from pipeline.runtimes.eager import logits_module
 from pipeline.runtimes.openvino import compiled_model, inference_precision
-from pipeline.variants.calibration import unpadded_batches
 from pipeline.variants.onnx_int8 import QuantizeError
 
 
@@ -50,9 +49,8 @@ def openvino_model(model: Any, example: tuple[np.ndarray, np.ndarray]) -> Any:
 def quantize_openvino(model: Any, calibration: list[np.ndarray], pad_id: int, batch_size: int,
                       out_dir: Path) -> dict[str, Any]:
     """Write `out_dir/model.xml` (+ `.bin`) from `model` (the inference graph, `pipeline.variants.export.
-    inference_model`) and return what the variant record says of the build. The calibration reviews go in batches
-    of at most `batch_size` reviews of one length, without padding (`pipeline.variants.calibration.
-    unpadded_batches`), as the static ONNX builds calibrate."""
+    inference_model`) and return what the variant record says of the build. The calibration reviews go in
+    length-sorted batches of `batch_size`, each padded to its own longest review."""
     try:
         import nncf
         import openvino as ov
@@ -61,14 +59,14 @@ def quantize_openvino(model: Any, calibration: list[np.ndarray], pad_id: int, ba
     if not calibration:
         raise QuantizeError("int8-openvino needs calibration reviews (quantize.calibration_samples > 0)")
     t0 = time.perf_counter()
-    # the example that fixes the graph's shapes: the longest reviews, padded as a served batch is
-    longest = sorted(calibration, key=len)[-batch_size:]
-    converted = openvino_model(model, pad_batch(longest, pad_id))
+    order = np.argsort([len(s) for s in calibration], kind="stable")
+    batches = [pad_batch([calibration[i] for i in order[b : b + batch_size]], pad_id)
+               for b in range(0, len(order), batch_size)]
+    converted = openvino_model(model, batches[-1])
     names = {p.get_any_name() for p in converted.inputs}
-    batches = [np.stack(batch) for batch in unpadded_batches(calibration, batch_size)]
 
-    def feed(ids: np.ndarray) -> dict[str, np.ndarray]:
-        return {k: v for k, v in (("input_ids", ids), ("attention_mask", np.ones_like(ids))) if k in names}
+    def feed(batch: tuple[np.ndarray, np.ndarray]) -> dict[str, np.ndarray]:
+        return {k: v for k, v in zip(("input_ids", "attention_mask"), batch, strict=True) if k in names}
 
     quantized = nncf.quantize(converted, nncf.Dataset(batches, feed), model_type=nncf.ModelType.TRANSFORMER,
                               subset_size=len(batches))  # NNCF counts dataset items: batches

@@ -243,7 +243,7 @@ def _static_with_selection(inputs: QuantizeInputs) -> dict[str, Any]:
     seqs, labels = val["input_ids"].tolist(), val["label"].to_numpy()
     paths = {method: inputs.tmp / f"static-{method}.onnx" for method in params.calibration_methods}
     src, fusion = inputs.graph_for_quantization()
-    quantize_static_onnx_methods(src, paths, inputs.calibration, params, inputs.ffn_width)
+    quantize_static_onnx_methods(src, paths, inputs.calibration, params, inputs.pad_id, inputs.ffn_width)
     if len(paths) == 1:
         method = next(iter(paths))
         log.info("int8-static calibration %s: the only method configured, no selection pass", method)
@@ -295,7 +295,7 @@ def _qat(inputs: QuantizeInputs, method: str, out: Path) -> dict[str, Any]:
         src, fusion = inputs.tmp / "qat-fp32.onnx", {}
         export_onnx(graph, src, max_length_of(inputs.meta))
     out.mkdir(parents=True, exist_ok=True)
-    quantize_static_onnx(src, out / "model.onnx", inputs.calibration, method, params,
+    quantize_static_onnx(src, out / "model.onnx", inputs.calibration, method, params, inputs.pad_id,
                          inputs.ffn_width)
     linears = "every Linear but the FFN down-projections (quantized per batch)" if inputs.ffn_width else "every Linear"
     return {"method": f"QAT ({FAKE_QUANT_API} on {linears}) + onnxruntime QDQ", "calibration": method,

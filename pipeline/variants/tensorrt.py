@@ -123,7 +123,7 @@ def tensorrt_int8_source(fp32_onnx: Path, int8_static: Path, tokenized: Path, ds
     # The FFN down-projections int8-static quantizes per batch (`quantize.ffn_output_dynamic`) stay float here:
     # TensorRT has no per-batch quantization.
     ffn = int(read_variant(fp32_onnx).params["intermediate_size"]) if q.ffn_output_dynamic else None
-    census = quantize_qdq_for_tensorrt(fp32_onnx / "model.onnx", dst, calibration, method, q, ffn)
+    census = quantize_qdq_for_tensorrt(fp32_onnx / "model.onnx", dst, calibration, method, q, pad_id, ffn)
     val = read_tokenized(tokenized, "val")
     seqs, labels = val["input_ids"].tolist(), val["label"].to_numpy()
     scores = {}

@@ -20,7 +20,7 @@ QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 
 
 def quantize_qdq_for_tensorrt(src: Path, dst: Path, calibration: Sequence[np.ndarray], method: str,
-                              params: QuantizeParams,
+                              params: QuantizeParams, pad_id: int = 0,
                               float_ffn_output_of: int | None = None) -> dict[str, Any]:
     """The INT8 input of a TensorRT engine: a QDQ model in the form TensorRT's explicit quantization accepts.
 
@@ -46,7 +46,7 @@ def quantize_qdq_for_tensorrt(src: Path, dst: Path, calibration: Sequence[np.nda
         keep_float = [*activation_matmuls(graph), *ffn]
         quantize_static(
             str(pre), str(dst),
-            TokenCalibrationReader(calibration, params.calibration_batch_size, {i.name for i in graph.input}),
+            TokenCalibrationReader(calibration, params.calibration_batch_size, {i.name for i in graph.input}, pad_id),
             quant_format=QuantFormat.QDQ, per_channel=True, reduce_range=False,
             activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
             op_types_to_quantize=["MatMul", "Gemm"], nodes_to_exclude=keep_float,
