@@ -34,9 +34,9 @@ P99_MIN_SAMPLES = 100
 
 def percentiles(samples_ms: Sequence[float]) -> dict[str, float | None]:
     """p50/p95/p99 with linear interpolation (numpy's default), in ms; p99 is None under `P99_MIN_SAMPLES`."""
-    if not samples_ms:
+    a = np.asarray(samples_ms, dtype=np.float64)  # a list or an array (`benchmarks.serve_load` passes one)
+    if a.size == 0:
         raise ValueError("no latency samples")
-    a = np.asarray(samples_ms, dtype=np.float64)
     p99 = float(np.percentile(a, 99)) if len(a) >= P99_MIN_SAMPLES else None
     return {"p50": float(np.percentile(a, 50)), "p95": float(np.percentile(a, 95)), "p99": p99}
 

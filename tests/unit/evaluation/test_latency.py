@@ -26,6 +26,10 @@ def test_percentiles_match_definition():
     assert percentiles(list(range(1, 100)))["p99"] is None  # 99 samples: no tail estimate, so none reported
     with pytest.raises(ValueError):
         percentiles([])
+    # an array of samples (as benchmarks.serve_load holds them) gives the same figures; an empty one is refused
+    assert percentiles(np.arange(1, 101, dtype=np.float64)) == p
+    with pytest.raises(ValueError):
+        percentiles(np.array([]))
 
 
 def test_schedule_alternates():
