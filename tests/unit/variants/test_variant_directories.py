@@ -61,18 +61,19 @@ def test_an_export_replaces_the_previous_variants_whole(tmp_path, tiny_model_dir
     root = tmp_path / "variants"
     for name, file in (("fp32-torchscript", "model.pt"), ("fp32-onnx", "model.onnx")):
         earlier_build(root, name, file)
-    real_runner = build.OrtRunner
     checked: list[Path] = []
 
-    def runner(path: Path, **kwargs: object) -> object:
-        assert (root / "fp32-onnx" / "model.onnx").read_bytes() == b"old model"  # not yet replaced
-        checked.append(path)
-        return real_runner(path, **kwargs)
+    class Runner(build.OrtRunner):
+        def __init__(self, path: Path, *args: object, **kwargs: object) -> None:
+            assert (root / "fp32-onnx" / "model.onnx").read_bytes() == b"old model"  # not yet replaced
+            checked.append(Path(path))
+            super().__init__(path, *args, **kwargs)
 
-    monkeypatch.setattr(build, "OrtRunner", runner)
+    monkeypatch.setattr(build, "OrtRunner", Runner)
     run_export(finetuned=tiny_model_dir, tokenized=write_tokenized(tmp_path / "tok", {"test": 8}),
                variants_root=root, params=ExportParams(parity_samples=4, torchscript=False))
-    assert len(checked) == 1 and checked[0].parent.name.startswith(".fp32-onnx.building-")
+    # checked as written and as served, both in the hidden build directory before it replaced the old one
+    assert len(checked) == 2 and all(c.parent.name.startswith(".fp32-onnx.building-") for c in checked)
     onnx_dir, ts_dir = root / "fp32-onnx", root / "fp32-torchscript"
     assert read_variant(onnx_dir).status == "ok" and (onnx_dir / "model.onnx").read_bytes() != b"old model"
     assert read_variant(ts_dir).status == "skipped" and not (ts_dir / "model.pt").exists()
