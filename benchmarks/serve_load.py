@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
 from pipeline.core.io import write_json
@@ -232,8 +231,9 @@ def served(endpoint: Endpoint, texts: list[str], concurrency: int, duration: flo
     elapsed = time.perf_counter() - start
     for c in connections:
         c.close()
-    lat = np.asarray(latencies)
     valid_sent = len(latencies) + sum(valid_errors.values())
+    # the benchmark stage's percentiles (p99 only from enough samples to be a tail); none without an answer
+    tail = percentiles(latencies) if latencies else dict.fromkeys(("p50", "p95", "p99"))
     return {
         "valid_sent": valid_sent,
         "valid_ok": len(latencies),
@@ -243,8 +243,7 @@ def served(endpoint: Endpoint, texts: list[str], concurrency: int, duration: flo
         "malformed_sent": malformed["sent"],
         "malformed_4xx_pct": 100.0 * malformed["answered_4xx"] / malformed["sent"] if malformed["sent"] else None,
         "requests_per_s": len(latencies) / elapsed,
-        # the benchmark stage's percentiles (p99 only from enough samples to be a tail)
-        **{f"{k}_ms": v for k, v in (percentiles(lat) if len(lat) else dict.fromkeys(("p50", "p95", "p99"))).items()},
+        **{f"{k}_ms": v for k, v in tail.items()},
         "seconds": elapsed,
         "connections_opened": sum(c.opened for c in connections),
         "reconnects": sum(c.reconnects for c in connections),

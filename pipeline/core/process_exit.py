@@ -2,8 +2,8 @@
 
 When a Python process exits, after the atexit handlers, the interpreter clears every module and collects the
 garbage of the whole object graph once more. In a stage that has imported torch, transformers, onnxruntime and
-MLflow that graph holds millions of objects, and the collection costs seconds per process (a skipped stage spends
-about as long in it as in its own work), paid by each of the pipeline's stage processes and memory probes.
+MLflow that graph holds millions of objects, and the collection costs seconds per process, after its work is done,
+paid by each of the pipeline's stage processes and memory probes (the measurement: docs/testing.md).
 `gc.freeze()` run as the last atexit handler moves every object into the permanent generation, which collections
 skip; everything else about exiting is unchanged: the atexit handlers (MLflow's flushes, logging's shutdown) have
 run, modules are still cleared and objects freed by reference count (files closed and flushed), threads joined.

@@ -213,18 +213,21 @@ def served_parity(reference: Runner, runtime: type[Runtime], name: str, work: Pa
     onnxruntime's graph optimizations on, a TorchScript module frozen and optimized for inference) and checked
     against `reference` on the same reviews. The parity check of the file as written (`_checked`) covers the
     exporter; this one covers what is served, whose optimizer passes rewrite the graph again."""
-    p = parity(reference, runtime.load(work, VariantInfo.built(name, {})), seqs, pad_id)
-    if p.max_abs_diff > params.parity_tolerance:
-        raise ExportError(f"parity of {name} as served failed: max |logit diff| {p.max_abs_diff:.2e} > "
-                          f"{params.parity_tolerance:.0e}")
+    p = within_tolerance(parity(reference, runtime.load(work, VariantInfo.built(name, {})), seqs, pad_id), params,
+                         f"parity of {name} as served")
     return {"served_parity_max_abs_diff": p.max_abs_diff}
+
+
+def within_tolerance(p: Parity, params: ExportParams, check: str) -> Parity:
+    """`p`, or an `ExportError` naming `check` where its logits are further than `export.parity_tolerance`."""
+    if p.max_abs_diff > params.parity_tolerance:
+        raise ExportError(f"{check} failed: max |logit diff| {p.max_abs_diff:.2e} > {params.parity_tolerance:.0e}")
+    return p
 
 
 def _checked(reference: Any, runner: Any, seqs: list[np.ndarray], params: ExportParams, max_len: int,
              started: float, pad_id: int) -> dict[str, Any]:
-    p = parity(reference, runner, seqs, pad_id)
-    if p.max_abs_diff > params.parity_tolerance:
-        raise ExportError(f"parity failed: max |logit diff| {p.max_abs_diff:.2e} > {params.parity_tolerance:.0e}")
+    p = within_tolerance(parity(reference, runner, seqs, pad_id), params, "parity")
     check_dynamic_shapes(runner, reference, max_len)
     return {"parity_max_abs_diff": p.max_abs_diff, "parity_batch": p.batch,
             "export_seconds": round(time.perf_counter() - started, 2)}
