@@ -85,12 +85,26 @@ def predict_logits(runner: Runner, seqs: Sequence[np.ndarray], batch_size: int =
 
 def _score_concurrently(score: Callable[[int], None], starts: Sequence[int], callers: int) -> None:
     """`score` of every batch start on `callers` threads. The first failed call's exception is raised as soon as it
-    happens, and the batches no thread has started yet are cancelled first: a runner that fails on every batch
-    (a variant that cannot run these inputs) is called about `callers` more times, not once per batch."""
+    happens, and no batch starts after it: a runner that fails on every batch (a variant that cannot run these
+    inputs) is called at most `callers` times, the failed call and those already under way on the other threads.
+    The failing thread itself marks the failure before it takes another batch, so the bound does not depend on how
+    soon this thread is scheduled to see it."""
+    import threading
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
+    failed = threading.Event()
+
+    def score_unless_failed(start: int) -> None:
+        if failed.is_set():
+            return
+        try:
+            score(start)
+        except BaseException:
+            failed.set()
+            raise
+
     with ThreadPoolExecutor(max_workers=callers, thread_name_prefix="score") as pool:
-        futures = [pool.submit(score, start) for start in starts]
+        futures = [pool.submit(score_unless_failed, start) for start in starts]
         try:
             for done in as_completed(futures):
                 done.result()  # re-raises a failed call's exception here
