@@ -16,7 +16,7 @@ from pipeline.core.params import EvaluateParams, PackageParams, Params, TargetsP
 from pipeline.data.tokens import read_tokenized
 from pipeline.runtimes.base import Runtime, predict_logits
 from pipeline.runtimes.catalog import REFERENCE, spec
-from pipeline.runtimes.record import VariantError, read_variant, size_mb, variant_batching
+from pipeline.runtimes.record import VariantError, VariantInfo, read_variant, size_mb, variant_batching
 from pipeline.runtimes.registry import load_runner
 from pipeline.selection import int8_candidates, mcnemar_p, most_accurate, quantization_verdicts
 
@@ -74,7 +74,7 @@ def score_variants(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Pa
             continue
         t0 = time.perf_counter()
         try:
-            runner, callers = runner_for_test_split(directory, params.threads)
+            runner, callers = runner_for_test_split(directory, params.threads, info)
             pred = predict_logits(runner, seqs, params.batch_size, progress=name, callers=callers).argmax(-1)
         except Exception as exc:
             raise VariantError(f"variant {name} failed to run on the test split: {exc}") from exc
@@ -104,16 +104,18 @@ def score_variants(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Pa
 PARALLEL_CALL_FORMATS = ("onnx",)
 
 
-def runner_for_test_split(directory: Path, threads: int | None) -> tuple[Runtime, int]:
+def runner_for_test_split(directory: Path, threads: int | None,
+                          info: VariantInfo | None = None) -> tuple[Runtime, int]:
     """The runner that scores a variant's test split, and how many threads call it at once.
 
     A variant scored one review per call (`batching: rows`: its activation scales span the batch) runs small
     matrix products that a second intra-op thread barely speeds up; where its runtime runs concurrent calls side
     by side (`PARALLEL_CALL_FORMATS`), the same cores score more reviews as that many one-thread calls at once (each
     review is still scored alone, so the logits do not change). Other variants keep one call with every thread."""
+    info = info or read_variant(directory)  # `info`: the record where the caller has read it already
     cores = threads or default_threads() or len(os.sched_getaffinity(0))
-    if (cores < 2 or variant_batching(directory)["served_batching"] != "rows"
-            or read_variant(directory).format not in PARALLEL_CALL_FORMATS):
+    if (cores < 2 or variant_batching(directory, info)["served_batching"] != "rows"
+            or info.format not in PARALLEL_CALL_FORMATS):
         return load_runner(directory, threads), 1
     return load_runner(directory, 1), cores
 

@@ -135,10 +135,10 @@ def size_mb(directory: Path, info: VariantInfo) -> float:
     return total / 1e6
 
 
-def variant_batching(directory: Path) -> dict[str, Any]:
-    """How the variant in `directory` is served (`batching_record`): from its record, or from its model file for
-    a record written before the record carried it."""
-    info = read_variant(directory)
+def variant_batching(directory: Path, info: VariantInfo | None = None) -> dict[str, Any]:
+    """How the variant in `directory` is served (`batching_record`): from its record (`info` where the caller has
+    read it already), or from its model file for a record written before the record carried it."""
+    info = info or read_variant(directory)
     if "served_batching" in info.params:
         return {k: info.params[k] for k in ("served_batching", "served_batching_reason")}
     return batching_record(info.format, model_file(directory, info))
