@@ -163,6 +163,13 @@ class ServedChoice:
     reason: str
 
 
+def _tie_evidence(name: str, entry: Mapping[str, Any], p50_ms: float) -> str:
+    """One tied variant in numbers: its accuracy and batch-1 p50, and the paired test against the most accurate."""
+    return (f"{name} {100 * entry['accuracy']:.2f}% at {p50_ms:.2f} ms, {entry['paired_only_reference_right']} + "
+            f"{entry['paired_only_this_right']} reviews only one of the two gets right, "
+            f"p = {entry['paired_p_value']:.2f}")
+
+
 def choose_variant(variants: Results, params: PackageParams, targets: TargetsParams,
                    benchmark: Results | None = None) -> ServedChoice:
     """`auto`: among the servable INT8 variants within the accuracy budget, the most accurate
@@ -202,8 +209,9 @@ def choose_variant(variants: Results, params: PackageParams, targets: TargetsPar
         return ServedChoice(best, reason)
     fastest = min(tied | {best}, key=lambda n: (timed[n], -ok[n]["accuracy"]))
     if fastest == best:
+        evidence = "; ".join(_tie_evidence(n, ok[n], timed[n]) for n in sorted(tied))
         return ServedChoice(best, f"{reason}, and the fastest at batch 1 ({timed[best]:.2f} ms) of those the test "
-                                  f"set cannot tell apart from it ({', '.join(sorted(tied))})")
+                                  f"set cannot tell apart from it (exact McNemar p >= {TIE_P_VALUE}): {evidence}")
     e = ok[fastest]
     return ServedChoice(fastest, (
         f"fastest at batch 1 ({timed[fastest]:.2f} ms vs {timed[best]:.2f} ms) of the INT8 variants within {budget} pt "
