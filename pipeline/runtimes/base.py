@@ -85,10 +85,10 @@ def predict_logits(runner: Runner, seqs: Sequence[np.ndarray], batch_size: int =
 
 def _score_concurrently(score: Callable[[int], None], starts: Sequence[int], callers: int) -> None:
     """`score` of every batch start on `callers` threads. The first failed call's exception is raised as soon as it
-    happens, and no batch starts after it: a runner that fails on every batch (a variant that cannot run these
-    inputs) is called at most `callers` times, the failed call and those already under way on the other threads.
-    The failing thread itself marks the failure before it takes another batch, so the bound does not depend on how
-    soon this thread is scheduled to see it."""
+    happens, and no batch starts once the failure is marked, which the failing thread does itself before it takes
+    another batch: a runner that fails on every batch (a variant that cannot run these inputs) is called once per
+    thread (the failed call and those already under way on the others), however late this thread sees the
+    failure; only a thread that ends a call in the instant between the failure and its mark can start one more."""
     import threading
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
