@@ -53,7 +53,7 @@ class BenchmarkParams:
     """throughput batch, dynamic padding"""
     warmup: int = Field(5, ge=0)
     """untimed calls per variant at the start and again before each round"""
-    iterations: int = Field(50, ge=1)
+    iterations: int = Field(100, ge=1)
     """latency samples per variant, spread over the rounds (at least one per round)"""
     rounds: int = Field(5, ge=1)
     """A B C ... A B C: drift hits every variant alike"""
