@@ -91,11 +91,30 @@ class Parity:
     batch: int
 
 
+@dataclass(frozen=True)
+class ReferenceBatch:
+    """One padded batch of real reviews and the reference's logits on it, computed once for every parity check
+    of the same export (the file as written and as served)."""
+
+    ids: np.ndarray
+    mask: np.ndarray
+    logits: np.ndarray
+
+    @classmethod
+    def of(cls, reference: Runner, seqs: Sequence[np.ndarray], pad_id: int = 0) -> ReferenceBatch:
+        ids, mask = pad_batch(seqs, pad_id)
+        return cls(ids, mask, reference(ids, mask))
+
+    def parity(self, candidate: Runner) -> Parity:
+        """How far `candidate`'s logits on this batch are from the reference's."""
+        got = candidate(self.ids, self.mask)
+        return Parity(float(np.abs(self.logits - got).max()),
+                      float((self.logits.argmax(-1) == got.argmax(-1)).mean()), len(self.ids))
+
+
 def parity(reference: Runner, candidate: Runner, seqs: Sequence[np.ndarray], pad_id: int = 0) -> Parity:
     """Compare logits on one padded batch of real reviews."""
-    ids, mask = pad_batch(seqs, pad_id)
-    ref, got = reference(ids, mask), candidate(ids, mask)
-    return Parity(float(np.abs(ref - got).max()), float((ref.argmax(-1) == got.argmax(-1)).mean()), len(seqs))
+    return ReferenceBatch.of(reference, seqs, pad_id).parity(candidate)
 
 
 def eager_runner(model: torch.nn.Module) -> Runner:
@@ -163,9 +182,9 @@ def run_export(*, finetuned: Path, tokenized: Path, variants_root: Path, params:
             export_torchscript(graph, work / "model.pt", max_len)
             with legacy_torchscript():
                 runner = TorchRunner(torch.jit.load(str(work / "model.pt")))
-            report["fp32-torchscript"] = {**_checked(reference, runner, seqs, params, max_len, t0, pad_id(tokenizer)),
-                                          **served_parity(reference, TorchScriptRunner, "fp32-torchscript", work, seqs,
-                                                          params, pad_id(tokenizer))}
+            batch = ReferenceBatch.of(reference, seqs, pad_id(tokenizer))
+            report["fp32-torchscript"] = {**_checked(batch, reference, runner, params, max_len, t0),
+                                          **served_parity(batch, TorchScriptRunner, "fp32-torchscript", work, params)}
             write_variant(work, VariantInfo.built("fp32-torchscript", {"method": "torch.jit.trace", **readout,
                                                                         "deprecated_api": TORCHSCRIPT_DEPRECATION,
                                                                         **report["fp32-torchscript"]}), finetuned)
@@ -199,21 +218,22 @@ def onnx_variant(name: str, model: Any, graph: Any, readout: dict[str, Any], dir
         export_onnx(graph, work / "model.onnx", max_len, params.opset)
         runner = OrtRunner(work / "model.onnx", optimization="disable")
         reference = eager_runner(model)
-        checked = {**_checked(reference, runner, seqs, params, max_len, t0, pad_id),
-                   **served_parity(reference, OrtRunner, name, work, seqs, params, pad_id)}
+        batch = ReferenceBatch.of(reference, seqs, pad_id)
+        checked = {**_checked(batch, reference, runner, params, max_len, t0),
+                   **served_parity(batch, OrtRunner, name, work, params)}
         write_variant(work, VariantInfo.built(name, {"method": "torch.onnx.export(dynamo=True)", "opset": params.opset,
                                                      "attention": attention_of(model), **describe(model), **readout,
                                                      **checked}), model_dir)
     return checked
 
 
-def served_parity(reference: Runner, runtime: type[Runtime], name: str, work: Path, seqs: list[np.ndarray],
-                  params: ExportParams, pad_id: int) -> dict[str, float]:
+def served_parity(batch: ReferenceBatch, runtime: type[Runtime], name: str, work: Path,
+                  params: ExportParams) -> dict[str, float]:
     """The variant file in `work` loaded by `runtime` as the evaluate stage and both servers load it (its defaults:
     onnxruntime's graph optimizations on, a TorchScript module frozen and optimized for inference) and checked
-    against `reference` on the same reviews. The parity check of the file as written (`_checked`) covers the
-    exporter; this one covers what is served, whose optimizer passes rewrite the graph again."""
-    p = within_tolerance(parity(reference, runtime.load(work, VariantInfo.built(name, {})), seqs, pad_id), params,
+    against the reference on `batch`. The parity check of the file as written (`_checked`) covers the exporter;
+    this one covers what is served, whose optimizer passes rewrite the graph again."""
+    p = within_tolerance(batch.parity(runtime.load(work, VariantInfo.built(name, {}))), params,
                          f"parity of {name} as served")
     return {"served_parity_max_abs_diff": p.max_abs_diff}
 
@@ -225,9 +245,10 @@ def within_tolerance(p: Parity, params: ExportParams, check: str) -> Parity:
     return p
 
 
-def _checked(reference: Any, runner: Any, seqs: list[np.ndarray], params: ExportParams, max_len: int,
-             started: float, pad_id: int) -> dict[str, Any]:
-    p = within_tolerance(parity(reference, runner, seqs, pad_id), params, "parity")
+def _checked(batch: ReferenceBatch, reference: Runner, runner: Runner, params: ExportParams, max_len: int,
+             started: float) -> dict[str, Any]:
+    """The file as written (`runner`) against the reference on `batch`, then at other batch sizes and lengths."""
+    p = within_tolerance(batch.parity(runner), params, "parity")
     check_dynamic_shapes(runner, reference, max_len)
     return {"parity_max_abs_diff": p.max_abs_diff, "parity_batch": p.batch,
             "export_seconds": round(time.perf_counter() - started, 2)}

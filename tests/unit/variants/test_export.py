@@ -29,7 +29,8 @@ def test_every_export_records_the_cls_readout(built):
 def test_parity_failure_stops_export(tmp_path, tiny_model_dir, monkeypatch):
     import pipeline.variants.export as build
 
-    monkeypatch.setattr(build, "parity", lambda *a, **k: Parity(max_abs_diff=1.0, label_agreement=0.5, batch=1))
+    monkeypatch.setattr(build.ReferenceBatch, "parity",
+                        lambda *a, **k: Parity(max_abs_diff=1.0, label_agreement=0.5, batch=1))
     tok_dir = write_tokenized(tmp_path / "tok", {"test": 8})
     with pytest.raises(ExportError, match="parity failed"):
         run_export(finetuned=tiny_model_dir, tokenized=tok_dir, variants_root=tmp_path / "variants",

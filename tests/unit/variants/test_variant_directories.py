@@ -40,11 +40,11 @@ def test_an_export_failing_after_its_model_file_is_written_leaves_the_previous_v
     before = {name: snapshot(d) for name, d in old.items()}
     written: list[Path] = []
 
-    def failing_parity(reference: object, candidate: object, seqs: object, pad_id: int = 0) -> Parity:
+    def failing_parity(batch: object, candidate: object) -> Parity:
         written.extend(root.glob(".fp32-torchscript.building-*/model.pt"))
         return Parity(max_abs_diff=1.0, label_agreement=0.5, batch=1)
 
-    monkeypatch.setattr(build, "parity", failing_parity)
+    monkeypatch.setattr(build.ReferenceBatch, "parity", failing_parity)
     with pytest.raises(ExportError, match="parity failed"):
         run_export(finetuned=tiny_model_dir, tokenized=write_tokenized(tmp_path / "tok", {"test": 8}),
                    variants_root=root, params=ExportParams(parity_samples=4))
