@@ -185,7 +185,7 @@ def answering_endpoint(server: str, url: str, key_file: Path, text: str, timeout
         time.sleep(1.0)
 
 
-def served(endpoint: Endpoint, texts: list[str], concurrency: int, duration: float, max_requests: int,
+def served(endpoint: Endpoint, texts: list[str], *, concurrency: int, duration: float, max_requests: int,
            malformed_share: float, poison: Sequence[tuple[str, bytes, str]], reuse: bool = True) -> dict[str, Any]:
     """Closed-loop clients, each on its own `Connection`: each sends one request, waits for the answer, sends the
     next. Request number `n` is malformed when `floor(n * share)` steps up, so the share holds exactly over any
@@ -389,10 +389,12 @@ def main(argv: list[str] | None = None) -> None:
     for concurrency in args.concurrency:
         row: dict[str, Any] = {"concurrency": concurrency}
         if args.warmup > 0:
-            warm = served(endpoint, texts, concurrency, args.warmup, args.max_requests, 0.0, poison, reuse)
+            warm = served(endpoint, texts, concurrency=concurrency, duration=args.warmup,
+                          max_requests=args.max_requests, malformed_share=0.0, poison=poison, reuse=reuse)
             row["warmup"] = {"seconds": args.warmup, "requests": warm["valid_sent"], "errors": warm["valid_errors"]}
-        row.update(served(endpoint, texts, concurrency, args.duration, args.max_requests, args.malformed_share,
-                          poison, reuse))
+        row.update(served(endpoint, texts, concurrency=concurrency, duration=args.duration,
+                          max_requests=args.max_requests, malformed_share=args.malformed_share, poison=poison,
+                          reuse=reuse))
         if not args.no_in_process:
             row["in_process_per_s"] = in_process(args.mar, texts, concurrency, batch_size, args.duration)
             row["served_vs_in_process"] = row["requests_per_s"] / row["in_process_per_s"]

@@ -57,8 +57,8 @@ def build(name: str, model_dir: Path, fmt: str, work: Path, tokenized: Path, par
                         read_tokenized(tokenized, "val")["input_ids"].tolist()[:16], pad)
     choice = Choice("quantize.weight_format", fmt, fmt, "set by benchmarks.weight_formats")
     with tempfile.TemporaryDirectory(prefix="weight-formats-") as tmp:
-        built = fused_dynamic_int8(model, name, out, check, params.export.cls_readout, params.quantize.per_channel,
-                                   choice, Path(tmp))
+        built = fused_dynamic_int8(model, name, out, check, cls_readout=params.export.cls_readout,
+                                   per_channel=params.quantize.per_channel, weight_format=choice, tmp=Path(tmp))
     write_variant(out, VariantInfo.built(name, {"method": "benchmarks.weight_formats", **built}), model_dir)
     write_json(stamp, source)
     return out

@@ -89,12 +89,13 @@ def log_variant_model(run: StageRun, name: str, directory: Path, serving: Packag
     from pipeline.deployment.inference import ContractPredictor
 
     tags, model_type = model_labels(name)
-    return log_predictor_model(run, name, directory, ContractPredictor, EXAMPLE_REVIEWS,
-                               {"max_chars": serving.max_chars_per_text, "threads": serving.threads},
-                               runtime_requirements(tags["format"], directory), params, tags, model_type)
+    return log_predictor_model(run, name, directory, ContractPredictor, examples=EXAMPLE_REVIEWS,
+                               model_config={"max_chars": serving.max_chars_per_text, "threads": serving.threads},
+                               requirements=runtime_requirements(tags["format"], directory), params=params, tags=tags,
+                               model_type=model_type)
 
 
-def log_predictor_model(run: StageRun, name: str, directory: Path, predictor: type, examples: Sequence[str],
+def log_predictor_model(run: StageRun, name: str, directory: Path, predictor: type, *, examples: Sequence[str],
                         model_config: Mapping[str, Any], requirements: Sequence[str],
                         params: Mapping[str, Any] | None = None, tags: Mapping[str, Any] | None = None,
                         model_type: str | None = None) -> LoggedModelRef:

@@ -33,7 +33,7 @@ from pipeline.surgery.least_squares import GramAccumulator, obs_select, relative
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BlockNames:
     """Where one architecture keeps the pieces the pruner touches, relative to one encoder layer."""
 
@@ -48,9 +48,9 @@ class BlockNames:
 
 
 # BERT-style encoders (BERT, all-MiniLM, RoBERTa-likes with the same module names). Others fail clearly.
-BERT_NAMES = BlockNames("attention.self.query", "attention.self.key", "attention.self.value",
-                        "attention.output.dense", "attention.output.LayerNorm", "intermediate.dense",
-                        "output.dense", "output.LayerNorm")
+BERT_NAMES = BlockNames(query="attention.self.query", key="attention.self.key", value="attention.self.value",
+                        attention_out="attention.output.dense", attention_norm="attention.output.LayerNorm",
+                        ffn_up="intermediate.dense", ffn_down="output.dense", ffn_norm="output.LayerNorm")
 
 
 def encoder_layers(model: Any) -> list[torch.nn.Module]:

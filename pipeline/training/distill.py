@@ -95,8 +95,9 @@ def distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metrics_p
     log.info("distill: the teacher labels on %s (autocast %s), reading each review's %s", labelling.device,
              labelling.autocast or "none", "training window" if d.teacher_reads == "window" else "whole prepared text")
     labelled_at = time.perf_counter()
-    transfer = transfer_set(teacher, dm.datasets["train"], read_transfer_ids(tokenized_dir), window, d.teacher_reads,
-                            train.eval_batch_size, pad, labelling)
+    transfer = transfer_set(teacher, dm.datasets["train"], read_transfer_ids(tokenized_dir), window=window,
+                            teacher_reads=d.teacher_reads, batch_size=train.eval_batch_size, pad_id=pad,
+                            labelling=labelling)
     labelling_seconds = time.perf_counter() - labelled_at
     dm.datasets["train"] = transfer.dataset()  # setup() keeps a split it already has
     teacher_train_accuracy = float((transfer.teacher_logits[: transfer.labelled].argmax(-1)

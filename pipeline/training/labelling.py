@@ -76,7 +76,7 @@ def teacher_logits(teacher: torch.nn.Module, seqs: list[np.ndarray], batch_size:
                              progress="teacher labels")
 
 
-def transfer_set(teacher: torch.nn.Module, labelled: TokenizedDataset, transfer_ids: list[np.ndarray],
+def transfer_set(teacher: torch.nn.Module, labelled: TokenizedDataset, transfer_ids: list[np.ndarray], *,
                  window: Callable[[np.ndarray], np.ndarray] | None, teacher_reads: str, batch_size: int, pad_id: int,
                  labelling: Labelling) -> TransferSet:
     """The labelled training reviews and the transfer reviews (`NO_LABEL`), each in the student's training window,

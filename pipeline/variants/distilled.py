@@ -51,15 +51,16 @@ def run_distilled_variants(*, student_dir: Path, tokenized: Path, variants_root:
     report: dict[str, Any] = {}
     seqs = read_tokenized(tokenized, "test")["input_ids"].tolist()[: params.export.parity_samples]
     graph, readout = inference_model(model, params.export.cls_readout)
-    report["fp32-distilled"] = onnx_variant("fp32-distilled", model, graph, readout, out["fp32-distilled"],
-                                            student_dir, seqs, params.export, max_len, pad)
+    report["fp32-distilled"] = onnx_variant("fp32-distilled", model, graph=graph, readout=readout,
+                                            directory=out["fp32-distilled"], model_dir=student_dir, seqs=seqs,
+                                            params=params.export, max_len=max_len, pad_id=pad)
 
     started = time.perf_counter()
     check = FusionCheck(eager_runner(model), "the distilled student", int(model.config.num_hidden_layers), max_len,
                         read_tokenized(tokenized, "val")["input_ids"].tolist()[:16], pad)
     with building(out["int8-distilled"]) as work, tempfile.TemporaryDirectory(prefix="distilled-") as tmp:
-        built = fused_dynamic_int8(model, "int8-distilled", work, check, params.export.cls_readout,
-                                   params.quantize.per_channel, weight_format, Path(tmp))
+        built = fused_dynamic_int8(model, "int8-distilled", work, check, cls_readout=params.export.cls_readout,
+                                   per_channel=params.quantize.per_channel, weight_format=weight_format, tmp=Path(tmp))
         report["int8-distilled"] = {
             "method": "distilled student + onnxruntime.quantize_dynamic (int8-dynamic's recipe)", **built,
             "student_layers": int(model.config.num_hidden_layers),

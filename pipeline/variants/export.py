@@ -197,8 +197,9 @@ def run_export(*, finetuned: Path, tokenized: Path, variants_root: Path, params:
     # (`pipeline.variants.fusion`): the quantize stage fuses this file as it is instead of exporting the model again.
     model.set_attn_implementation("eager")
     graph, readout = inference_model(model, params.cls_readout)  # the readout built again, on eager attention
-    report["fp32-onnx"] = onnx_variant("fp32-onnx", model, graph, readout, out_dirs["fp32-onnx"], finetuned, seqs,
-                                       params, max_len, pad_id(tokenizer))
+    report["fp32-onnx"] = onnx_variant("fp32-onnx", model, graph=graph, readout=readout,
+                                       directory=out_dirs["fp32-onnx"], model_dir=finetuned, seqs=seqs, params=params,
+                                       max_len=max_len, pad_id=pad_id(tokenizer))
     return report
 
 
@@ -207,7 +208,7 @@ def attention_of(model: Any) -> str:
     return str(getattr(model.config, "_attn_implementation", None) or "unknown")
 
 
-def onnx_variant(name: str, model: Any, graph: Any, readout: dict[str, Any], directory: Path, model_dir: Path,
+def onnx_variant(name: str, model: Any, *, graph: Any, readout: dict[str, Any], directory: Path, model_dir: Path,
                  seqs: list[np.ndarray], params: ExportParams, max_len: int, pad_id: int) -> dict[str, Any]:
     """An FP32 ONNX variant of `model` (exported from `graph`, its inference form): parity-checked against the
     unchanged model on real reviews, recorded with its architecture and readout; `model_dir` is the HF directory

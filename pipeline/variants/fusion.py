@@ -167,7 +167,7 @@ def fuse_export(raw: Path, readout: dict[str, Any], check: FusionCheck, tmp: Pat
                    "fused_parity_max_abs_diff": p.max_abs_diff}
 
 
-def fused_dynamic_int8(model: Any, name: str, out_dir: Path, check: FusionCheck, cls_readout: bool,
+def fused_dynamic_int8(model: Any, name: str, out_dir: Path, check: FusionCheck, *, cls_readout: bool,
                        per_channel: bool, weight_format: Choice, tmp: Path) -> dict[str, Any]:
     """The `int8-dynamic` recipe for any model of the teacher's family (a pruned or distilled one): exported with
     the [CLS] readout when asked, fused and checked against `check.reference` (`fused_graph`), then dynamic INT8

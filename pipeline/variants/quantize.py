@@ -40,7 +40,7 @@ from pipeline.variants.openvino_int8 import quantize_openvino
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class QuantizeInputs:
     """What every INT8 build of one run shares: the finetuned model's record, its reviews and the choices
     derived once from params and the fp32-onnx record (the static calibration method is chosen on first use, by
@@ -145,10 +145,11 @@ def run_quantize(*, finetuned: Path, fp32_onnx: Path, tokenized: Path, variants_
                "add it there or run a profile that builds it (make run PROFILE=full)")
     with scratch_directory(variants_root, "quantize") as tmp:
         inputs = QuantizeInputs(
-            finetuned, fp32_onnx, model, tokenizer, meta, arch, pad_id(tokenizer), train,
-            read_tokenized(tokenized, "val").iloc[: q.selection_samples], calibration_reviews(train, params),
-            int(arch["intermediate_size"]) if q.ffn_output_dynamic else None,
-            bool(arch.get("cls_readout", False)), params, q, choice, tmp)
+            finetuned=finetuned, fp32_onnx=fp32_onnx, model=model, tokenizer=tokenizer, meta=meta, arch=arch,
+            pad_id=pad_id(tokenizer), train=train, val=read_tokenized(tokenized, "val").iloc[: q.selection_samples],
+            calibration=calibration_reviews(train, params),
+            ffn_width=int(arch["intermediate_size"]) if q.ffn_output_dynamic else None,
+            cls_readout=bool(arch.get("cls_readout", False)), params=params, q=q, choice=choice, tmp=tmp)
         for name, build in BUILDERS.items():
             if name not in q.build:
                 log.warning("%s skipped: %s", name, skipped)

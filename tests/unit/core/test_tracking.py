@@ -199,8 +199,9 @@ def test_a_predictor_model_loads_as_pyfunc_and_answers_like_the_predictor(tmp_pa
     monkeypatch.chdir(tmp_path)
     context = start_tracking(_store(tracking_store(tmp_path / "mlflow.db")), run_id="unit-model")
     with stage_run(context, "evaluate", run_name="fp32-eager") as run:
-        ref = log_predictor_model(run, "fp32-eager", tiny_model_dir, SentimentPredictor, EXAMPLE_REVIEWS,
-                                  {"max_chars": 64, "threads": 1}, runtime_requirements("eager"),
+        ref = log_predictor_model(run, "fp32-eager", tiny_model_dir, SentimentPredictor, examples=EXAMPLE_REVIEWS,
+                                  model_config={"max_chars": 64, "threads": 1},
+                                  requirements=runtime_requirements("eager"),
                                   params={"heads": 12}, tags={"variant": "fp32-eager"}, model_type="eager")
         run.log_metrics({"accuracy": 0.75, "note": "text is skipped"}, model_id=ref.model_id)
     with stage_run(context, "benchmark") as other:

@@ -42,7 +42,7 @@ def test_teacher_reads_the_window_or_the_whole_review_while_the_student_gets_its
         return ids[:8]
 
     teacher = _RecordingTeacher()
-    got = transfer_set(teacher, labelled, [reviews[2]], window, reads, batch_size=2, pad_id=0,
+    got = transfer_set(teacher, labelled, [reviews[2]], window=window, teacher_reads=reads, batch_size=2, pad_id=0,
                        labelling=Labelling("cpu", None))
     assert [len(x) for x in got.input_ids] == [8, 7, 8]  # the student always trains on its window
     assert got.labels.tolist() == [1, 0, NO_LABEL] and (got.labelled, got.unlabelled) == (2, 1)
@@ -50,7 +50,8 @@ def test_teacher_reads_the_window_or_the_whole_review_while_the_student_gets_its
     assert sorted(teacher.read) == sorted(expected)
     assert got.teacher_logits[:, 1].tolist() == expected  # each review's logits are those of its own reading
     with pytest.raises(DistillError, match="teacher_reads"):
-        transfer_set(teacher, labelled, [], window, "summary", 2, 0, Labelling("cpu", None))
+        transfer_set(teacher, labelled, [], window=window, teacher_reads="summary", batch_size=2, pad_id=0,
+                     labelling=Labelling("cpu", None))
     with pytest.raises(ValueError, match="teacher_reads"):
         DistillParams(teacher_reads="summary")
 
