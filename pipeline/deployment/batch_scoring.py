@@ -22,6 +22,7 @@ errors, seconds, rows/s) to stdout, and to `--summary-json` when given.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -50,7 +51,25 @@ if TYPE_CHECKING:
 
 #: The id column added when the input names none.
 ADDED_ID_COLUMN = "row_id"
-@dataclass(frozen=True)
+#: The most rows of one partition unless `--partitions` says otherwise: one task's work stays short (minutes on one
+#: core), so progress advances in small steps and a slow or retried task delays the end by little.
+PARTITION_ROWS = 10_000
+
+
+def default_partitions(rows: int, slots: int) -> int:
+    """How many partitions `rows` rows are dealt into for `slots` tasks running at once: a multiple of `slots`
+    (each wave of tasks keeps every slot busy) with at most `PARTITION_ROWS` rows each, one wave at least."""
+    slots = max(1, slots)
+    return slots * max(1, math.ceil(rows / (slots * PARTITION_ROWS)))
+
+
+def task_slots(spark: SparkSession) -> int:
+    """Tasks Spark runs at once: its default parallelism (the cores of `local[n]`, or the executors' cores) over
+    the cores each task takes (`spark.task.cpus`, `--task-threads`)."""
+    per_task = int(spark.sparkContext.getConf().get("spark.task.cpus", "1"))
+    return max(1, spark.sparkContext.defaultParallelism // max(1, per_task))
+
+@dataclass(frozen=True, kw_only=True)
 class ScoringSummary:
     """What one scoring job did: rows read and written (equal, or the command fails), scored and refused rows,
     the job's wall time (reading, checking, scoring, writing, counting the output) and its rate."""
@@ -181,10 +200,12 @@ def score(spark: SparkSession, input_path: str, output_path: str, model_uri: str
     frame = frame.select(id_column, text_column)
     started = time.perf_counter()
     rows_in = frame.count()  # before any repartitioning: Parquet answers it from the files' footers
-    # Spark reads a file of up to 128 MB as one partition: spread a small input over every core Spark has
-    partitions = partitions or max(frame.rdd.getNumPartitions(), spark.sparkContext.defaultParallelism)
-    if partitions != frame.rdd.getNumPartitions():
-        frame = frame.repartition(partitions)
+    # Spark splits its input by bytes, but a Parquet row group goes whole to the split that holds its middle: a file
+    # of one row group (pandas and pyarrow write up to a million rows in one) reaches a single task however many
+    # splits it has, and a small file is one split. So the rows are always dealt out by count (a round-robin
+    # shuffle, small next to the scoring it spreads): `--partitions`, else `default_partitions`.
+    partitions = partitions or default_partitions(rows_in, task_slots(spark))
+    frame = frame.repartition(partitions)
 
     ship_checks_by_value()
     model_udf = spark_model_udf(spark, model_uri, env_manager)
@@ -192,9 +213,11 @@ def score(spark: SparkSession, input_path: str, output_path: str, model_uri: str
         write_output(scored_frame(frame, model_udf, id_column, text_column, max_chars), output_path, overwrite)
     rows_out, errors = count_output(spark, output_path)
     seconds = time.perf_counter() - started
-    summary = ScoringSummary(input_path, output_path, model_uri, spark.sparkContext.master, id_column, id_added,
-                             partitions, rows_in, rows_out, rows_out - errors, errors, round(seconds, 3),
-                             round(rows_in / seconds, 2) if seconds > 0 else 0.0)
+    summary = ScoringSummary(input=input_path, output=output_path, model_uri=model_uri,
+                             master=spark.sparkContext.master, id_column=id_column, id_added=id_added,
+                             partitions=partitions, rows_in=rows_in, rows_out=rows_out, scored=rows_out - errors,
+                             errors=errors, seconds=round(seconds, 3),
+                             rows_per_s=round(rows_in / seconds, 2) if seconds > 0 else 0.0)
     if rows_out != rows_in:
         raise RowCountMismatch(f"{output_path} holds {rows_out} rows but {input_path} has {rows_in}: rows were lost "
                                "or duplicated")
@@ -226,7 +249,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--format", choices=("auto", "parquet", "csv"), default="auto",
                         help="the input's format (auto: by the name, or the files in a folder)")
     parser.add_argument("--partitions", type=int,
-                        help="split the input into this many partitions (default: at least one per core)")
+                        help="deal the rows into this many partitions (default: a multiple of the tasks Spark "
+                             f"runs at once, at most {PARTITION_ROWS:,} rows each)")
     parser.add_argument("--task-threads", type=int, default=1,
                         help="cores (and model threads) per task; cores / this many partitions score at once")
     parser.add_argument("--batch-rows", type=int, default=BATCH_ROWS, help="texts per predict call (Arrow batch)")

@@ -117,6 +117,32 @@ def alone(model_uri: str, texts: list[str]) -> pd.DataFrame:
     return pd.concat([pyfunc.predict(pd.DataFrame({"text": [t]})) for t in texts], ignore_index=True)
 
 
+@pytest.mark.parametrize("rows, slots, want", [(0, 2, 2), (30, 2, 2), (20_000, 2, 2), (20_001, 2, 4),
+                                               (2_000_000, 64, 256), (5, 0, 1)])
+def test_rows_are_dealt_into_a_multiple_of_the_task_slots_of_at_most_partition_rows_each(rows, slots, want):
+    assert batch_scoring.PARTITION_ROWS == 10_000
+    assert batch_scoring.default_partitions(rows, slots) == want
+
+
+def test_a_one_row_group_file_read_in_many_splits_is_scored_by_every_slot(spark, in_store, tmp_path):
+    """Spark splits a file by bytes and gives a Parquet row group to one split whole: the rows must still be dealt
+    to every slot (before, a file in more splits than slots kept its splits, and one task scored every row)."""
+    texts = [f"review {i}: {'a fine film' if i % 2 else 'a dull film'}, " * 3 for i in range(40)]
+    path = tmp_path / "one-group.parquet"
+    pd.DataFrame({"review_id": range(len(texts)), "text": texts}).to_parquet(path, row_group_size=len(texts))
+    before = spark.conf.get("spark.sql.files.maxPartitionBytes")
+    spark.conf.set("spark.sql.files.maxPartitionBytes", "512")  # many byte splits of the one row group
+    try:
+        assert spark.read.parquet(str(path)).rdd.getNumPartitions() > 2
+        summary = batch_scoring.score(spark, str(path), str(tmp_path / "out"), in_store["uri"],
+                                      id_column="review_id", max_chars=MAX_CHARS)
+    finally:
+        spark.conf.set("spark.sql.files.maxPartitionBytes", before)
+    per_file = [len(pd.read_parquet(part)) for part in sorted((tmp_path / "out").glob("part-*.parquet"))]
+    assert summary.partitions == 2 and summary.rows_out == len(texts)
+    assert sorted(n for n in per_file if n) == [len(texts) // 2] * 2  # dealt evenly, not 40 in one task
+
+
 def assert_same_answers(got: pd.DataFrame, want: pd.DataFrame) -> None:
     assert got["label"].tolist() == want["label"].tolist()
     assert np.allclose(got["score"].astype(float), want["score"].astype(float), rtol=0, atol=1e-4)
