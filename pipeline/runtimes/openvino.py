@@ -6,6 +6,7 @@ on the one stream instead of failing with "Infer Request is busy"."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -19,7 +20,8 @@ from pipeline.runtimes.record import VariantError, VariantInfo, model_file
 
 def compiled_model(model: Path | Any, threads: int | None = None) -> Any:
     """`model` (an IR file, or an `openvino.Model` in memory) compiled for the CPU: `threads` inference threads
-    (None: the `OMP_NUM_THREADS` cap where set, else the plugin's default), LATENCY hint, one stream."""
+    (None: the `OMP_NUM_THREADS` cap where set, else the plugin's default), LATENCY hint, one stream, and no CPU
+    pinning where `pins_cores` says so."""
     from pipeline.core.machine import default_threads
 
     threads = threads or default_threads()
@@ -30,10 +32,23 @@ def compiled_model(model: Path | Any, threads: int | None = None) -> Any:
     config: dict[str, Any] = {"PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1}
     if threads:
         config["INFERENCE_NUM_THREADS"] = threads
+    if not pins_cores(threads):
+        config["ENABLE_CPU_PINNING"] = False
     try:
         return ov.Core().compile_model(str(model) if isinstance(model, Path) else model, "CPU", config)
     except Exception as exc:
         raise VariantError(f"OpenVINO cannot load {model}: {exc}") from exc
+
+
+def pins_cores(threads: int | None) -> bool:
+    """Whether the CPU plugin may pin its inference threads to cores (its default on Linux): not when they are fewer
+    than the CPUs this process may run on. The plugin pins from the first core in every process, blind to the
+    others, so processes that each take part of the machine (Spark's Python workers, one per task, each capped to
+    its task's cores) would all run on core 0: two Spark tasks on two cores scored at the rate of one (both
+    workers' `Cpus_allowed_list` was `0`; docs/serving.md, "Scoring a file or a table"). A process that takes
+    every core (the servers, the stages) keeps the plugin's pinning, as measured."""
+    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return not threads or threads >= available
 
 
 def inference_precision(compiled: Any) -> str:
@@ -81,6 +96,7 @@ class OpenVinoRunner:
         import openvino as ov
 
         return {"runtime": "openvino", "version": ov.__version__, "threads": self.threads,
+                "cpu_pinning": bool(self.compiled.get_property("ENABLE_CPU_PINNING")),
                 "inference_precision": inference_precision(self.compiled),
                 "batching": "rows" if self.rows_alone else "batched",
                 "concurrent_calls": "one infer request per call, pooled"}

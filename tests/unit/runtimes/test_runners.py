@@ -65,6 +65,23 @@ def _identity_onnx(path: Path) -> Path:
     return path
 
 
+def test_openvino_pins_no_cores_in_a_process_that_takes_fewer_threads_than_it_may_use(tmp_path, monkeypatch):
+    """The CPU plugin pins from the first core in every process: processes that each take part of the machine (Spark
+    tasks, pytest-xdist workers, each capped) would all stack on core 0. Pinning stays where a process takes every
+    core it may use, and where no thread count is set (the plugin then takes them all)."""
+    import openvino as ov
+
+    from pipeline.runtimes import openvino as ov_runtime
+
+    monkeypatch.setattr(ov_runtime.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert [ov_runtime.pins_cores(t) for t in (None, 1, 3, 4, 8)] == [True, False, False, True, True]
+    model = ov.convert_model(str(_identity_onnx(tmp_path / "m.onnx")))
+    assert ov_runtime.compiled_model(model, threads=1).get_property("ENABLE_CPU_PINNING") is False
+    runner = ov_runtime.OpenVinoRunner.__new__(ov_runtime.OpenVinoRunner)
+    runner.compiled, runner.threads, runner.rows_alone = ov_runtime.compiled_model(model, threads=2), 2, False
+    assert runner.describe()["cpu_pinning"] is False  # recorded beside the scores and timings
+
+
 def test_a_null_thread_setting_takes_the_omp_cap_in_onnxruntime_and_openvino(tmp_path, monkeypatch):
     """torch reads OMP_NUM_THREADS itself; onnxruntime and OpenVINO are handed it, so one cap holds for all three."""
     import openvino as ov
