@@ -69,6 +69,7 @@ def task_slots(spark: SparkSession) -> int:
     per_task = int(spark.sparkContext.getConf().get("spark.task.cpus", "1"))
     return max(1, spark.sparkContext.defaultParallelism // max(1, per_task))
 
+
 @dataclass(frozen=True, kw_only=True)
 class ScoringSummary:
     """What one scoring job did: rows read and written (equal, or the command fails), scored and refused rows,
