@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
 
     from pipeline.core.io import write_json
-    from pipeline.core.machine import machine_info, thread_tags
+    from pipeline.core.machine import available_cpus, machine_info, thread_tags
     from pipeline.core.params import load_params, resolve_auto
     from pipeline.data.tokens import read_tokenized
     from pipeline.modeling import saved_pad_id
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     asked = load_params(args.params)
     auto = resolve_auto(asked)
     params, precision = auto.apply(asked), auto.precision
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cpus = available_cpus()
     counts = [int(t) for t in args.threads.split(",")] if args.threads else thread_counts(cpus)
     pad = saved_pad_id(args.finetuned)
     test = read_tokenized(args.tokenized, "test")

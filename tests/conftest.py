@@ -103,8 +103,9 @@ def pytest_configure(config):
         skip_final_collection()
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
     if workers > 1:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cpus // workers)))
+        from pipeline.core.machine import available_cpus
+
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, available_cpus() // workers)))
 
 
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: only called where xdist runs the tests

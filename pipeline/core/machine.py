@@ -77,6 +77,12 @@ def decision_tags() -> dict[str, str]:
 THREAD_CAP_ENV = "OMP_NUM_THREADS"
 
 
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, which `taskset` and container cpusets narrow), or the
+    machine's CPU count where the platform has no affinity call."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def default_threads() -> int | None:
     """The intra-op threads of a runtime whose `*.threads` setting is null: `OMP_NUM_THREADS` where it is a positive
     integer, so one cap holds for torch, onnxruntime and OpenVINO alike; else None (each runtime's own default)."""
@@ -89,8 +95,7 @@ def thread_tags() -> dict[str, str]:
     torch's intra-op threads (`torch_thread_tag`), and the tokenizers' parallelism. onnxruntime and OpenVINO use
     `*.threads` where set, else the cap where set (`default_threads`), else their own default (one per physical
     core)."""
-    return {"threads.cpus_available": str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                          else os.cpu_count()),
+    return {"threads.cpus_available": str(available_cpus()),
             "threads.cap": os.environ.get(THREAD_CAP_ENV) or "unset",
             **torch_thread_tag(),
             "threads.tokenizers_parallelism": os.environ.get("TOKENIZERS_PARALLELISM", "unset")}

@@ -6,7 +6,6 @@ on the one stream instead of failing with "Infer Request is busy"."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -47,8 +46,9 @@ def pins_cores(threads: int | None) -> bool:
     its task's cores) would all run on core 0: two Spark tasks on two cores scored at the rate of one (both
     workers' `Cpus_allowed_list` was `0`; docs/serving.md, "Scoring a file or a table"). A process that takes
     every core (the servers, the stages) keeps the plugin's pinning, as measured."""
-    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return not threads or threads >= available
+    from pipeline.core.machine import available_cpus
+
+    return not threads or threads >= available_cpus()
 
 
 def inference_precision(compiled: Any) -> str:

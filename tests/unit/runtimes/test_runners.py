@@ -71,9 +71,10 @@ def test_openvino_pins_no_cores_in_a_process_that_takes_fewer_threads_than_it_ma
     core it may use, and where no thread count is set (the plugin then takes them all)."""
     import openvino as ov
 
+    from pipeline.core import machine
     from pipeline.runtimes import openvino as ov_runtime
 
-    monkeypatch.setattr(ov_runtime.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(machine.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     assert [ov_runtime.pins_cores(t) for t in (None, 1, 3, 4, 8)] == [True, False, False, True, True]
     model = ov.convert_model(str(_identity_onnx(tmp_path / "m.onnx")))
     assert ov_runtime.compiled_model(model, threads=1).get_property("ENABLE_CPU_PINNING") is False
