@@ -219,7 +219,7 @@ def tiny_model_dir(tmp_path_factory, tokenizer) -> Path:
 
 #: The variants `built` holds: every one the export, quantize and tensorrt stages build.
 BUILT_VARIANTS = ["fp32-torchscript", "fp32-onnx", "int8-dynamic", "int8-static", "int8-qat", "int8-openvino",
-                  "tensorrt-fp16", "tensorrt-int8"]
+                  "int8-qat-openvino", "tensorrt-fp16", "tensorrt-int8"]
 
 
 @pytest.fixture(scope="session")
@@ -241,8 +241,8 @@ def built(tmp_path_factory, tiny_model_dir) -> dict[str, Any]:
         export = run_export(finetuned=tiny_model_dir, tokenized=tok_dir, variants_root=root / "variants",
                             params=ExportParams(parity_samples=8, torchscript=True))
         q = QuantizeParams(calibration_samples=32, selection_samples=32, qat_train_samples=32, qat_batch_size=8,
-                           calibration_methods=["minmax", "entropy"],
-                           build=["int8-dynamic", "int8-static", "int8-qat", "int8-openvino"])
+                           qat_openvino_train_samples=32, calibration_methods=["minmax", "entropy"],
+                           build=["int8-dynamic", "int8-static", "int8-qat", "int8-openvino", "int8-qat-openvino"])
         quantize = run_quantize(finetuned=tiny_model_dir, fp32_onnx=dirs["fp32-onnx"], tokenized=tok_dir,
                                 variants_root=root / "variants", choice=weight_format_here(),
                                 params=Params(quantize=q, train=TrainParams(checkpoint_dir=str(root / "ckpt"))))

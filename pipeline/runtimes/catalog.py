@@ -81,6 +81,8 @@ VARIANTS: tuple[VariantSpec, ...] = (
                 "quantization-aware finetune, then the same QDQ conversion as int8-static"),
     VariantSpec("int8-openvino", "openvino", "int8", "int8", "quantize", "model.xml",
                 "OpenVINO IR of the exported graph (torch.export), NNCF post-training INT8 (static activation scales)"),
+    VariantSpec("int8-qat-openvino", "openvino", "int8", "int8", "quantize", "model.xml",
+                "quantization-aware finetune through NNCF's quantizers (int8-openvino's scheme), then OpenVINO IR"),
     VariantSpec("int8-pruned", "onnx", "int8", "pruned", "prune", "model.onnx",
                 "fewer attention heads and FFN neurons (least-squares repaired), then dynamic INT8"),
     VariantSpec("fp32-distilled", "onnx", "float32", "distilled", "distill", "model.onnx",

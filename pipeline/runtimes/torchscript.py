@@ -22,17 +22,25 @@ TORCHSCRIPT_DEPRECATION = (
     "and torch.compile; fp32-torchscript is kept because the project's export formats name TorchScript, and its "
     "deprecation warnings are caught only around these calls (`legacy_torchscript`)"
 )
+#: The other deliberate caller: OpenVINO's PyTorch frontend traces int8-qat-openvino's QAT model with torch.jit.
+QAT_TRACE_DEPRECATION = (
+    "int8-qat-openvino is converted by ov.convert_model through torch.jit.trace (deprecated in the pinned PyTorch): "
+    "NNCF's trained quantizers reach OpenVINO's FakeQuantize only when traced (torch.export stops at their "
+    "data-dependent checks), which is NNCF's documented QAT export"
+)
 
 
 @contextlib.contextmanager
-def legacy_torchscript() -> Iterator[None]:
-    """The one place the project calls deprecated API on purpose: torch.jit for the TorchScript variant.
+def legacy_torchscript(reason: str = TORCHSCRIPT_DEPRECATION) -> Iterator[None]:
+    """The places the project calls torch.jit's deprecated API on purpose, each with its `reason` (the
+    TorchScript variant; OpenVINO's tracing of the QAT model, `QAT_TRACE_DEPRECATION`).
 
     torch.jit's own DeprecationWarnings are caught here (and only here; anywhere else the test suite turns them
     into errors) and the reason is logged once per process."""
-    if not getattr(legacy_torchscript, "logged", False):
-        log.info("%s", TORCHSCRIPT_DEPRECATION)
-        legacy_torchscript.logged = True  # type: ignore[attr-defined]
+    logged: set[str] = legacy_torchscript.__dict__.setdefault("logged", set())
+    if reason not in logged:
+        log.info("%s", reason)
+        logged.add(reason)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.jit")
         yield

@@ -1,12 +1,14 @@
-"""Quantization-aware training's loop: a short Lightning finetune from the FP32 weights with fake quantization
-(`pipeline.surgery.fake_quant`), optionally distilled from a frozen copy of the FP32 model, resumable like the
-other training jobs; `pipeline.variants.quantize` exports and converts the result like `int8-static`."""
+"""Quantization-aware training's loop: a short Lightning finetune from the FP32 weights with fake quantization,
+optionally distilled from a frozen copy of the FP32 model, resumable like the other training jobs. `int8-qat`'s
+fake quantizers are `pipeline.surgery.fake_quant`'s (onnxruntime's scheme; `pipeline.variants.quantize` exports and
+converts the result like `int8-static`); `int8-qat-openvino`'s are NNCF's (`pipeline.variants.openvino_qat`)."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,7 +43,7 @@ def qat_finetune(model: torch.nn.Module, seqs: Sequence[np.ndarray], labels: Seq
                  params: QuantizeParams, seed: int = 0, pad_id: int = 0,
                  skip_in_features: int | None = None, store: CheckpointStore | None = None,
                  plan: ResumePlan | None = None) -> QatResult:
-    """A short finetune with fake quantization, via Lightning, from the FP32 weights.
+    """A short finetune with fake quantization, via Lightning, from the FP32 weights (`int8-qat`).
 
     `params` gives the epochs, batch size, learning rate, the INT8 weight format (`weights()`) and
     `qat_distillation`. Layers the INT8 conversion keeps float (`skip_in_features`) train without fake
@@ -52,13 +54,44 @@ def qat_finetune(model: torch.nn.Module, seqs: Sequence[np.ndarray], labels: Seq
     """
     import copy
 
+    teacher = copy.deepcopy(model).eval().requires_grad_(False) if params.qat_distillation > 0 else None
+    wrapped = add_fake_quant(model, skip_in_features, params.weights())
+    steps, loss = _distilled_finetune(model, teacher, seqs, labels, params, params.qat_lr, seed, pad_id, store, plan)
+    remove_fake_quant(model)
+    model.eval()
+    return QatResult(wrapped, steps, len(seqs) * params.qat_epochs, loss)
+
+
+def fake_quantized_finetune(model: torch.nn.Module, teacher: torch.nn.Module | None, seqs: Sequence[np.ndarray],
+                            labels: Sequence[int], params: QuantizeParams, *, lr: float, seed: int = 0,
+                            pad_id: int = 0, store: CheckpointStore | None = None,
+                            plan: ResumePlan | None = None) -> tuple[int, float]:
+    """The same finetune on a model whose fake quantizers are already in place (`int8-qat-openvino`: NNCF's, put
+    there by `nncf.quantize`), distilled from `teacher` (the FP32 model, frozen; None: labels only) at `lr`, with
+    `params`' epochs, batch size and `qat_distillation`. Both models take `input_ids` and `attention_mask` and
+    return logits (or an output with `.logits`). Returns the steps taken and the final loss; the model is left in
+    eval mode."""
+    steps, loss = _distilled_finetune(model, teacher, seqs, labels, params, lr, seed, pad_id, store, plan)
+    model.eval()
+    return steps, loss
+
+
+def _logits(out: Any) -> torch.Tensor:
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def _distilled_finetune(model: torch.nn.Module, teacher: torch.nn.Module | None, seqs: Sequence[np.ndarray],
+                        labels: Sequence[int], params: QuantizeParams, lr: float, seed: int, pad_id: int,
+                        store: CheckpointStore | None, plan: ResumePlan | None) -> tuple[int, float]:
+    """QAT's Lightning loop: `params.qat_epochs` over `seqs` in length buckets of `params.qat_batch_size`, the loss
+    `distillation_loss` towards `teacher` (cross-entropy alone without one), no validation (the last weights are
+    QAT's), checkpointed to `store` and resumed from `plan`. Returns the steps and the final loss of the whole run,
+    a resumed one's included (the curves travel in every checkpoint)."""
     from torch.utils.data import DataLoader
 
     from pipeline.data.batching import Collator, LengthBucketBatchSampler, LoaderPosition, TokenizedDataset
     from pipeline.training.classifier import SentimentClassifier
 
-    teacher = copy.deepcopy(model).eval().requires_grad_(False) if params.qat_distillation > 0 else None
-    wrapped = add_fake_quant(model, skip_in_features, params.weights())
     train = qat_train_params(params, seed)
     seed_run(train)
     ds = TokenizedDataset(seqs, labels)
@@ -68,23 +101,22 @@ def qat_finetune(model: torch.nn.Module, seqs: Sequence[np.ndarray], labels: Seq
                         collate_fn=Collator(pad_id=pad_id))
 
     class _Distilled(SentimentClassifier):
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            return _logits(self.model(input_ids=input_ids, attention_mask=attention_mask))
+
         def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
             if teacher is None:  # labels only: the plain finetuning step
                 return super().training_step(batch, batch_idx)
             logits = self(batch["input_ids"], batch["attention_mask"])
             with torch.no_grad():
-                target = teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                target = _logits(teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]))
             loss = distillation_loss(logits, target, batch["labels"], params.qat_distillation)
             self.log("train_loss", loss, prog_bar=True, batch_size=len(batch["labels"]))
             return loss
 
-    module = _Distilled(model, lr=params.qat_lr, weight_decay=0.0, warmup_ratio=0.0)
-    # No validation split: the last weights are QAT's. The curves (in every checkpoint) give the final loss of the
-    # whole run, a resumed one's included.
+    module = _Distilled(model, lr=lr, weight_decay=0.0, warmup_ratio=0.0)
     fitted = fit(module, train, store=store, plan=plan, position=position, loader=loader, keep_best=False,
                  model_summary=False)
     if store is not None:
         store.clear()
-    remove_fake_quant(model)
-    model.eval()
-    return QatResult(wrapped, fitted.steps, len(ds) * params.qat_epochs, fitted.curves.final_loss(10))
+    return fitted.steps, fitted.curves.final_loss(10)

@@ -30,13 +30,10 @@ def openvino_model(model: Any, example: tuple[np.ndarray, np.ndarray]) -> Any:
     A copy of `model` is exported with PyTorch's `scaled_dot_product_attention`, which OpenVINO reads as its fused
     `ScaledDotProductAttention` op; eager attention (which the int8-dynamic build leaves the model in, see
     `pipeline.variants.fusion.fused_graph`) reaches OpenVINO as separate MatMuls and a Softmax, and runs slower."""
-    import copy
-
     import openvino as ov
     import torch
 
-    model = copy.deepcopy(model)
-    model.set_attn_implementation("sdpa")
+    model = sdpa_copy(model)
     ids, mask = (torch.from_numpy(np.repeat(np.asarray(a, dtype=np.int64), 2, axis=0)) for a in example)
     dims = {0: torch.export.Dim("batch"),
             1: torch.export.Dim("tokens", max=int(model.config.max_position_embeddings))}
@@ -44,6 +41,27 @@ def openvino_model(model: Any, example: tuple[np.ndarray, np.ndarray]) -> Any:
         exported = torch.export.export(logits_module(model), (ids, mask),
                                        dynamic_shapes={"input_ids": dims, "attention_mask": dims})
     return ov.convert_model(exported)
+
+
+def sdpa_copy(model: Any) -> Any:
+    """A copy of `model` (a Hugging Face classifier) with PyTorch's `scaled_dot_product_attention`, the form
+    OpenVINO reads as its fused `ScaledDotProductAttention` op."""
+    import copy
+
+    model = copy.deepcopy(model)
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+def calibration_batches(calibration: list[np.ndarray], pad_id: int,
+                        batch_size: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The calibration reviews in length-sorted batches of `batch_size`, each padded to its own longest review
+    (NNCF counts dataset items: one item is one batch)."""
+    if not calibration:
+        raise QuantizeError("OpenVINO INT8 needs calibration reviews (quantize.calibration_samples > 0)")
+    order = np.argsort([len(s) for s in calibration], kind="stable")
+    return [pad_batch([calibration[i] for i in order[b : b + batch_size]], pad_id)
+            for b in range(0, len(order), batch_size)]
 
 
 def quantize_openvino(model: Any, calibration: list[np.ndarray], pad_id: int, batch_size: int,
@@ -56,12 +74,8 @@ def quantize_openvino(model: Any, calibration: list[np.ndarray], pad_id: int, ba
         import openvino as ov
     except ImportError as exc:
         raise QuantizeError(f"int8-openvino needs openvino and nncf (requirements.txt): {exc}") from exc
-    if not calibration:
-        raise QuantizeError("int8-openvino needs calibration reviews (quantize.calibration_samples > 0)")
     t0 = time.perf_counter()
-    order = np.argsort([len(s) for s in calibration], kind="stable")
-    batches = [pad_batch([calibration[i] for i in order[b : b + batch_size]], pad_id)
-               for b in range(0, len(order), batch_size)]
+    batches = calibration_batches(calibration, pad_id, batch_size)
     converted = openvino_model(model, batches[-1])
     names = {p.get_any_name() for p in converted.inputs}
 

@@ -1,6 +1,6 @@
 """The `quantize` stage's work: `int8-dynamic` (fused graph, dynamic INT8), `int8-openvino` (OpenVINO IR, NNCF
-static INT8), `int8-static` (QDQ, calibration method chosen on validation reviews) and `int8-qat` (QAT, then the
-same QDQ conversion)."""
+static INT8), `int8-static` (QDQ, calibration method chosen on validation reviews), `int8-qat` (QAT, then the
+same QDQ conversion) and `int8-qat-openvino` (QAT through NNCF's quantizers, then OpenVINO IR)."""
 
 from __future__ import annotations
 
@@ -110,6 +110,20 @@ def _build_qat(inputs: QuantizeInputs, out: Path) -> dict[str, Any]:
     return {**record, **int8_census(out, "int8-qat"), **weight_record(inputs.choice)}
 
 
+def _build_qat_openvino(inputs: QuantizeInputs, out: Path) -> dict[str, Any]:
+    """`int8-qat-openvino` (`pipeline.variants.openvino_qat`): QAT reviews and int8-openvino's calibration."""
+    from pipeline.variants.openvino_int8 import calibration_batches
+    from pipeline.variants.openvino_qat import QatJob, qat_openvino
+
+    model, _, _ = load_finetuned(inputs.finetuned)  # a fresh copy: QAT changes the weights it trains
+    graph, readout = inference_model(model, inputs.params.export.cls_readout)  # the graph int8-openvino converts
+    reviews, labels = _qat_reviews(inputs, inputs.q.qat_openvino_train_samples)
+    job = QatJob(params=inputs.q, train=inputs.params.train, finetuned=inputs.finetuned, pad_id=inputs.pad_id,
+                 calibration=calibration_batches(inputs.calibration, inputs.pad_id, inputs.q.calibration_batch_size),
+                 reviews=reviews, labels=labels, check_reviews=inputs.val["input_ids"].tolist()[:16])
+    return {**qat_openvino(graph, job, out), "calibration_samples": len(inputs.calibration), **readout}
+
+
 #: The quantize stage's builders, one per variant of `quantize.build`, in the order they run (int8-qat reuses the
 #: calibration method int8-static chose). Each writes its files into the directory it is given (`building`'s, which
 #: replaces the variant's directory once the record is in it) and returns its record; `run_quantize` times it and
@@ -119,14 +133,16 @@ BUILDERS: dict[str, Callable[[QuantizeInputs, Path], dict[str, Any]]] = {
     "int8-openvino": _build_openvino,
     "int8-static": _build_static,
     "int8-qat": _build_qat,
+    "int8-qat-openvino": _build_qat_openvino,
 }
 
 
 def run_quantize(*, finetuned: Path, fp32_onnx: Path, tokenized: Path, variants_root: Path,
                  params: Params, choice: Choice) -> dict[str, Any]:
-    """`int8-dynamic`, `int8-openvino`, `int8-static` (calibration method chosen on validation reviews) and
-    `int8-qat`, each when `quantize.build` lists it (the rest are written as skipped with the reason), with INT8
-    weights in the format `choice` (how the stage resolved `quantize.weight_format`)."""
+    """`int8-dynamic`, `int8-openvino`, `int8-static` (calibration method chosen on validation reviews), `int8-qat`
+    and `int8-qat-openvino`, each when `quantize.build` lists it (the rest are written as skipped with the reason),
+    with INT8 weights in the format `choice` (how the stage resolved `quantize.weight_format`; the OpenVINO
+    variants' weights are NNCF's signed 8-bit)."""
     log.info("quantize.weight_format: %s", choice.tag())
     q = dataclasses.replace(params.quantize, weight_format=choice.value)  # every builder below sees the format
     out = directories(variants_root)
@@ -271,15 +287,9 @@ def _qat(inputs: QuantizeInputs, method: str, out: Path) -> dict[str, Any]:
 
     params, train = inputs.q, inputs.params.train
     seed = train.seed
-    window = training_window(inputs.meta, inputs.tokenizer)
-
     model, _, _ = load_finetuned(inputs.finetuned)  # a fresh copy: QAT changes the weights it trains
     model.train()
-    idx = draw_rows(len(inputs.train), params.qat_train_samples, seed + 1)
-    reviews = [inputs.train["input_ids"].iloc[i] for i in idx]
-    if window is not None:
-        reviews = [window(ids) for ids in reviews]
-    labels = inputs.train["label"].to_numpy()[idx]
+    reviews, labels = _qat_reviews(inputs, params.qat_train_samples)
     store = CheckpointStore.for_job(train, "qat")
     settings = {"quantize": to_dict(params), "seed": seed, "ffn_width": inputs.ffn_width,
                 "reviews": token_fingerprint(reviews), "labels": token_fingerprint([labels])}
@@ -306,3 +316,15 @@ def _qat(inputs: QuantizeInputs, method: str, out: Path) -> dict[str, Any]:
             "qat_final_loss": round(result.final_loss, 4), **{f"qat_{k}": v for k, v in plan.record().items()},
             "fake_quant_layers": result.wrapped_layers, "dynamic_ffn_output": inputs.ffn_width is not None,
             "fused_graph": params.optimize_graph, **fusion, **readout}
+
+
+def _qat_reviews(inputs: QuantizeInputs, count: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """`count` training reviews for QAT (drawn with the training seed + 1: the first `n` of a larger draw are the
+    smaller one's), cut to the finetune stage's training window, and their labels."""
+    window = training_window(inputs.meta, inputs.tokenizer)
+    idx = draw_rows(len(inputs.train), count, inputs.params.train.seed + 1)
+    reviews = [inputs.train["input_ids"].iloc[i] for i in idx]
+    if window is not None:
+        reviews = [window(ids) for ids in reviews]
+    return reviews, inputs.train["label"].to_numpy()[idx]
+

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 #: The INT8 variants the default profile builds; the opt-in ones (pruned, the student's) it records as skipped.
-DEFAULT_INT8 = ("int8-dynamic", "int8-openvino", "int8-static", "int8-qat")
+DEFAULT_INT8 = ("int8-dynamic", "int8-openvino", "int8-static", "int8-qat", "int8-qat-openvino")
 OPT_IN = ("int8-pruned", "fp32-distilled", "int8-distilled", "int8-distilled-openvino")
 
 
@@ -30,8 +30,8 @@ def test_repro_outputs_and_metrics(repo):
 def test_variants_metrics(repo):
     v = json.loads((repo / "metrics" / "variants.json").read_text())
     assert set(v) == {"fp32-eager", "fp32-torchscript", "fp32-onnx", "int8-dynamic", "int8-openvino", "int8-static",
-                      "int8-qat", "int8-pruned", "fp32-distilled", "int8-distilled", "int8-distilled-openvino",
-                      "tensorrt-fp16", "tensorrt-int8"}
+                      "int8-qat", "int8-qat-openvino", "int8-pruned", "fp32-distilled", "int8-distilled",
+                      "int8-distilled-openvino", "tensorrt-fp16", "tensorrt-int8"}
     for name in ("fp32-torchscript", "fp32-onnx"):
         assert v[name]["agreement_with_fp32"] == 1.0
         assert v[name]["accuracy"] == v["fp32-eager"]["accuracy"]
@@ -43,7 +43,8 @@ def test_variants_metrics(repo):
     for name in ("int8-dynamic", "int8-static", "int8-openvino"):  # PTQ keeps the FP32 weights' decisions
         assert v[name]["agreement_with_fp32"] > 0.9, (name, v[name])
     # QAT trains further, so it may disagree with FP32 more; it must not lose accuracy badly.
-    assert v["int8-qat"]["accuracy"] > v["fp32-eager"]["accuracy"] - 0.05, v["int8-qat"]
+    for name in ("int8-qat", "int8-qat-openvino"):
+        assert v[name]["accuracy"] > v["fp32-eager"]["accuracy"] - 0.05, v[name]
     # The FP32 row reuses the finetune stage's test logits: the same number, not a second scoring pass.
     finetune = json.loads((repo / "metrics" / "finetune.json").read_text())
     assert v["fp32-eager"]["scored_by"] == "finetune"
@@ -52,6 +53,10 @@ def test_variants_metrics(repo):
     assert qat["qat_max_length"] <= 48  # QAT trains on the finetune window (train.max_length), not 64 tokens
     # a finetuned model's tensors are distinct, so QAT's graph is fp32-onnx's refilled, not a second export
     assert qat["qat_graph"] == "fp32-onnx's graph with the QAT weights" and qat["fused_parity_max_abs_diff"] < 1e-4
+    qat_ov = json.loads((repo / "models" / "variants" / "int8-qat-openvino" / "variant.json").read_text())["params"]
+    assert qat_ov["qat_max_length"] <= 48 and qat_ov["qat_samples"] == 64 and qat_ov["qat_steps"] >= 4
+    # the IR runs what QAT trained: OpenVINO's INT8 kernels against PyTorch's float emulation of them
+    assert qat_ov["parity_same_label"] >= qat_ov["parity_reviews"] - 1 and qat_ov["parity_max_abs_diff"] < 0.5, qat_ov
     import torch
 
     if not torch.cuda.is_available():

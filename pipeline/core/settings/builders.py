@@ -53,6 +53,12 @@ class QuantizeParams:
     qat_distillation: float = Field(1.0, ge=0, le=1)
     """Weight of the KL term to the FP32 model's predictions in the QAT loss (0 = plain cross-entropy on labels):
     QAT should learn to reproduce FP32 under INT8 rounding, not keep training on a few hundred reviews."""
+    qat_openvino_train_samples: int = Field(1500, ge=1)
+    """training reviews for int8-qat-openvino's QAT (its epochs, batch size and distillation are the qat_ keys'):
+    QAT through NNCF's quantizers on int8-qat's 300 reviews moved the test score more than it fixed rounding
+    (docs/tried-and-dropped.md)"""
+    qat_openvino_lr: float = Field(1e-5, ge=0)
+    """int8-qat-openvino's learning rate (0 keeps NNCF's post-training weights and ranges)"""
     ffn_output_dynamic: bool = True
     """Static/QAT quantize each FFN down-projection per batch instead of with a calibrated range: its GELU input has
     outliers that one fixed per-tensor uint8 range handles badly."""
@@ -62,9 +68,10 @@ class QuantizeParams:
     gives wrong products there; s7 and u8 are exact. auto: s8 with VNNI/AMX, else u8
     (`pipeline.core.machine.resolve_weight_format`; the choice is recorded in each variant)."""
     build: list[QuantizeBuild] = Field(
-        default_factory=lambda: ["int8-dynamic", "int8-openvino", "int8-static", "int8-qat"])
+        default_factory=lambda: ["int8-dynamic", "int8-openvino", "int8-static", "int8-qat", "int8-qat-openvino"])
     """The quantize stage's variants to build; the others are written as skipped with the reason. The default profile
-    builds all four (PTQ dynamic, OpenVINO INT8, PTQ static, QAT); a profile may leave some out for speed."""
+    builds all five (PTQ dynamic, OpenVINO INT8, PTQ static, QAT for onnxruntime, QAT through NNCF for OpenVINO); a
+    profile may leave some out for speed."""
 
     def weights(self) -> str:
         """`weight_format` once the stage has resolved `auto` (`ResolvedAuto.weight_format`, put in place with

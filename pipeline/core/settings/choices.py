@@ -30,7 +30,7 @@ CalibrationMethodName = Literal["minmax", "percentile", "entropy"]
 WeightFormat = Literal["s8", "s7", "u8"]
 
 #: The quantize stage's variants (`quantize.build`).
-QuantizeBuild = Literal["int8-dynamic", "int8-static", "int8-qat", "int8-openvino"]
+QuantizeBuild = Literal["int8-dynamic", "int8-static", "int8-qat", "int8-openvino", "int8-qat-openvino"]
 
 #: Which variant `package.variant: auto` serves among those within the accuracy window.
 Prefer = Literal["accuracy", "speed"]

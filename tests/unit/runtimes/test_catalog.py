@@ -28,7 +28,7 @@ def test_kinds_come_from_the_table_not_the_name():
     assert spec("int8-pruned").family == "pruned" and spec("int8-pruned").cpu_int8
     assert spec("tensorrt-int8").quantized and not spec("tensorrt-int8").cpu_int8
     assert {v.name for v in VARIANTS if v.cpu_int8} == {"int8-dynamic", "int8-static", "int8-qat", "int8-openvino",
-                                                      "int8-pruned", "int8-distilled",
+                                                      "int8-qat-openvino", "int8-pruned", "int8-distilled",
                                                       "int8-distilled-openvino"}
     assert spec("fp32-distilled").family == spec("int8-distilled").family == "distilled"
     assert not spec("fp32-distilled").quantized and spec("fp32-distilled").servable

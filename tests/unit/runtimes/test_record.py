@@ -13,7 +13,7 @@ from pipeline.runtimes.registry import load_runner
 
 
 def test_variant_directories_describe_themselves(built):
-    assert len(built["dirs"]) == 8
+    assert len(built["dirs"]) == 9
     for name, d in built["dirs"].items():
         info = json.loads((d / "variant.json").read_text())
         assert info["name"] == name and {"format", "dtype", "params", "status"} <= set(info)

@@ -22,16 +22,17 @@ def test_static_calibration_selected_by_validation(built):
 
 def test_a_profile_opting_out_builds_the_rest_with_one_export_and_records_the_others_as_skipped(
         built, tiny_model_dir, tmp_path, monkeypatch):
-    """The default profile builds all four INT8 variants (PTQ dynamic, OpenVINO, PTQ static, QAT; the `built`
-    fixture). A profile that opts out of some for speed still builds the rest, and each left out is a skipped
-    variant whose reason names the setting that builds it.
+    """The default profile builds all five INT8 variants (PTQ dynamic, OpenVINO, PTQ static, QAT for onnxruntime
+    and for OpenVINO; the `built` fixture). A profile that opts out of some for speed still builds the rest, and
+    each left out is a skipped variant whose reason names the setting that builds it.
 
     Static and QAT start from fp32-onnx fused as the export stage wrote it (in eager attention): the only model
     exported here is QAT's, once. With one calibration method there is nothing to choose: no validation pass is
     spent (no selection scores), and int8-static and int8-qat are both calibrated with that method."""
     import pipeline.variants.fusion as fusion
 
-    assert sorted(QuantizeParams().build) == ["int8-dynamic", "int8-openvino", "int8-qat", "int8-static"]
+    assert sorted(QuantizeParams().build) == ["int8-dynamic", "int8-openvino", "int8-qat", "int8-qat-openvino",
+                                              "int8-static"]
     assert read_variant(built["dirs"]["fp32-onnx"]).params["attention"] == "eager"
     exports = []
     real_export = fusion.export_onnx
@@ -46,7 +47,7 @@ def test_a_profile_opting_out_builds_the_rest_with_one_export_and_records_the_ot
         assert report[name]["calibration"] == "percentile" and report[name]["fused_attention"] >= 1
         assert read_variant(tmp_path / name).status == "ok" and (tmp_path / name / "model.onnx").is_file()
     assert report["int8-static"]["selection_val_accuracy"] == {}
-    for name in ("int8-dynamic", "int8-openvino"):
+    for name in ("int8-dynamic", "int8-openvino", "int8-qat-openvino"):
         info = read_variant(tmp_path / name)
         assert info.status == "skipped" and "quantize.build" in info.reason, name
         assert report[name] == {"status": "skipped", "reason": info.reason}

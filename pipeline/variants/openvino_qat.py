@@ -1,0 +1,158 @@
+"""`int8-qat-openvino`: quantization-aware training through NNCF's own quantizers, OpenVINO's documented QAT flow.
+
+`nncf.quantize` on the PyTorch model (int8-openvino's transformer preset, on the same calibration batches) puts fake
+quantizers where OpenVINO's INT8 kernels will run, with int8-openvino's post-training ranges; a short finetune
+distilled from the FP32 model (`pipeline.training.qat.fake_quantized_finetune`) then trains the weights and the
+quantizers' ranges together; `ov.convert_model` turns each fake quantizer into OpenVINO's INT8 `FakeQuantize`, so
+the variant runs on the kernels int8-openvino runs on. int8-qat's model, trained for onnxruntime's scheme, lost
+that adaptation on the way to OpenVINO (docs/tried-and-dropped.md): QAT has to train through the quantizers of
+the runtime that serves it.
+
+NNCF's fake quantizers run as a PyTorch C++ extension it compiles on first use (cached under
+`~/.cache/torch_extensions`; where no compiler is found NNCF falls back to PyTorch operations, slower, and says so
+in the log)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.core.params import QuantizeParams, TrainParams, to_dict
+from pipeline.runtimes.eager import logits_module
+from pipeline.runtimes.openvino import compiled_model, inference_precision
+from pipeline.variants.onnx_int8 import QuantizeError
+from pipeline.variants.openvino_int8 import sdpa_copy
+
+log = logging.getLogger(__name__)
+
+#: NNCF compiles its CPU extension once per machine, within 60 s by default, and fails the build past that. A
+#: loaded 2-core CPU (a test run beside it) can take longer; the compile is bounded by the compiler anyway.
+EXTENSION_TIMEOUT_ENV = "NNCF_EXTENSION_LOAD_TIMEOUT"
+EXTENSION_TIMEOUT_S = "600"
+
+
+def _tensors(batch: tuple[np.ndarray, np.ndarray]) -> tuple[Any, Any]:
+    import torch
+
+    return tuple(torch.from_numpy(np.asarray(a, dtype=np.int64)) for a in batch)  # type: ignore[return-value]
+
+
+def fake_quantized(model: Any, batches: list[tuple[np.ndarray, np.ndarray]]) -> tuple[Any, Any]:
+    """(NNCF's fake-quantized copy of `model`, the FP32 copy it started from), both positional
+    `(input_ids, attention_mask) -> logits` modules over `sdpa_copy(model)`; `batches` are int8-openvino's
+    calibration batches (`calibration_batches`)."""
+    try:
+        import nncf
+    except ImportError as exc:
+        raise QuantizeError(f"int8-qat-openvino needs nncf (requirements.txt): {exc}") from exc
+    import copy
+
+    os.environ.setdefault(EXTENSION_TIMEOUT_ENV, EXTENSION_TIMEOUT_S)
+    fp32 = logits_module(sdpa_copy(model)).eval()
+    quantized = nncf.quantize(copy.deepcopy(fp32), nncf.Dataset(batches, _tensors),
+                              model_type=nncf.ModelType.TRANSFORMER, subset_size=len(batches))
+    return quantized, fp32.requires_grad_(False)
+
+
+def to_openvino(quantized: Any, example: tuple[np.ndarray, np.ndarray]) -> Any:
+    """The trained fake-quantized module as an OpenVINO model, batch and length dynamic, inputs named as every
+    variant's. `ov.convert_model` traces it with torch.jit (`QAT_TRACE_DEPRECATION` says why), whose tracer
+    warnings are silenced here: the result is checked against the module instead (`parity`)."""
+    import openvino as ov
+    import torch
+
+    from pipeline.runtimes.torchscript import QAT_TRACE_DEPRECATION, legacy_torchscript
+
+    ids, mask = (torch.cat([t, t]) for t in _tensors(example))  # two rows: the batch is not traced as 1
+    dynamic = ov.PartialShape([-1, -1])
+    with torch.no_grad(), legacy_torchscript(QAT_TRACE_DEPRECATION), warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        return ov.convert_model(quantized.eval(), example_input=(ids, mask),
+                                input=[("input_ids", dynamic, ov.Type.i64), ("attention_mask", dynamic, ov.Type.i64)])
+
+
+def parity(quantized: Any, ir: Path, seqs: list[np.ndarray], pad_id: int) -> dict[str, Any]:
+    """How closely the saved IR reproduces the trained fake-quantized module on `seqs`, one review per call:
+    PyTorch emulates INT8 in float, OpenVINO runs INT8 kernels (with its float layers in its own precision), so
+    logits differ by rounding; the labels should not (both are recorded, neither is enforced here: the evaluate
+    stage measures the IR against FP32)."""
+    import torch
+
+    from pipeline.runtimes.base import pad_batch
+
+    request = compiled_model(ir).create_infer_request()
+    diffs, same = [], 0
+    for seq in seqs:
+        ids, mask = pad_batch([seq], pad_id)
+        with torch.no_grad():
+            expected = quantized(*_tensors((ids, mask))).float().numpy()
+        got = np.asarray(request.infer({"input_ids": ids, "attention_mask": mask})[0], dtype=np.float32)
+        diffs.append(float(np.abs(expected - got).max()))
+        same += int(expected.argmax(-1)[0] == got.argmax(-1)[0])
+    return {"parity_reviews": len(seqs), "parity_max_abs_diff": round(max(diffs), 5),
+            "parity_same_label": same}
+
+
+def save_openvino(model: Any, out_dir: Path) -> dict[str, Any]:
+    """Write `out_dir/model.xml` (+ `.bin`) and return what the record says of it (as `quantize_openvino`)."""
+    import nncf
+    import openvino as ov
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ov.save_model(model, str(out_dir / "model.xml"), compress_to_fp16=False)
+    return {"inference_precision_on_build_cpu": inference_precision(compiled_model(out_dir / "model.xml")),
+            "versions": {"openvino": ov.__version__, "nncf": nncf.__version__}}
+
+
+@dataclass(frozen=True, kw_only=True)
+class QatJob:
+    """What one int8-qat-openvino build trains on and with."""
+
+    params: QuantizeParams  # the QAT settings (`qat_openvino_*`, `qat_epochs`, `qat_batch_size`, `qat_distillation`)
+    train: TrainParams  # the seed and where checkpoints go (`checkpoint_dir`, `resume`)
+    finetuned: Path  # the model trained from: a checkpoint of another model's QAT is never resumed
+    pad_id: int
+    calibration: list[tuple[np.ndarray, np.ndarray]]  # int8-openvino's calibration batches
+    reviews: list[np.ndarray]  # QAT's training reviews (in the training window) and their labels
+    labels: np.ndarray
+    check_reviews: list[np.ndarray]  # validation reviews the IR is checked against the trained module on
+
+
+def qat_openvino(graph: Any, job: QatJob, out: Path) -> dict[str, Any]:
+    """Build int8-qat-openvino from `graph` (the finetuned model as int8-openvino converts it, a fresh copy: its
+    weights are trained) into `out` and return its record. The QAT checkpoints and resumes under
+    `train.checkpoint_dir/qat-openvino` like the other training jobs (a resumed run rebuilds the fake-quantized
+    model from the same inputs, then loads the checkpoint into it)."""
+    from pipeline.core.io import token_fingerprint
+    from pipeline.runtimes.torchscript import QAT_TRACE_DEPRECATION
+    from pipeline.training.checkpoints import CheckpointStore
+    from pipeline.training.fingerprint import fingerprint
+    from pipeline.training.qat import fake_quantized_finetune
+
+    q = job.params
+    quantized, fp32 = fake_quantized(graph, job.calibration)
+    store = CheckpointStore.for_job(job.train, "qat-openvino")
+    settings = {"quantize": to_dict(q), "seed": job.train.seed, "reviews": token_fingerprint(job.reviews),
+                "labels": token_fingerprint([job.labels])}
+    plan = store.plan(fingerprint(settings, [job.finetuned]), job.train.resume)
+    steps, loss = fake_quantized_finetune(quantized, fp32 if q.qat_distillation > 0 else None, job.reviews,
+                                          job.labels, q, lr=q.qat_openvino_lr, seed=job.train.seed,
+                                          pad_id=job.pad_id, store=store, plan=plan)
+    record = save_openvino(to_openvino(quantized, job.calibration[-1]), out)
+    check = parity(quantized, out / "model.xml", job.check_reviews, job.pad_id)
+    log.info("int8-qat-openvino: the IR against the trained fake-quantized module on %d validation reviews: "
+             "max |logit diff| %.4g, same label on %d", check["parity_reviews"], check["parity_max_abs_diff"],
+             check["parity_same_label"])
+    return {"method": "QAT through NNCF's quantizers (nncf.quantize on PyTorch, model_type=TRANSFORMER) + "
+                      "ov.convert_model (OpenVINO IR)",
+            **record, "source": "the finetuned model with SDPA attention, as int8-openvino converts it",
+            "calibration_batches": len(job.calibration), "qat_samples": len(job.reviews) * q.qat_epochs,
+            "qat_steps": steps, "qat_epochs": q.qat_epochs, "qat_max_length": max(len(r) for r in job.reviews),
+            "qat_lr": q.qat_openvino_lr, "qat_distillation": q.qat_distillation, "qat_final_loss": round(loss, 4),
+            **{f"qat_{k}": v for k, v in plan.record().items()}, **check, "deprecated_api": QAT_TRACE_DEPRECATION}

@@ -1,0 +1,95 @@
+"""int8-qat-openvino (pipeline/variants/openvino_qat.py): QAT through NNCF's own quantizers, run by OpenVINO."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from pipeline.core.params import QuantizeParams
+from pipeline.modeling import load_finetuned
+from pipeline.runtimes.record import read_variant
+
+
+def _reviews(n: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1000, 2000, size=int(rng.integers(8, 24))) for _ in range(n)]
+
+
+@pytest.fixture
+def quantized(tiny_model_dir):
+    """NNCF's fake-quantized tiny model and its FP32 copy, calibrated on 16 synthetic reviews in batches of 8."""
+    from pipeline.variants.openvino_int8 import calibration_batches
+    from pipeline.variants.openvino_qat import fake_quantized
+
+    model, _, _ = load_finetuned(tiny_model_dir)
+    batches = calibration_batches(_reviews(16), pad_id=0, batch_size=8)
+    return (*fake_quantized(model, batches), batches)
+
+
+def test_the_variant_is_qat_through_nncf_in_openvino_ir(built, tokenizer):
+    """The built variant: OpenVINO IR whose weight products run in INT8 (FakeQuantize nodes as int8-openvino's),
+    trained (steps recorded) from NNCF's quantizers, its IR checked against the trained module, and scored by
+    `load_runner` within INT8 rounding of fp32-onnx."""
+    import openvino as ov
+
+    from pipeline.runtimes.base import predict_logits
+    from pipeline.runtimes.registry import load_runner
+
+    d = built["dirs"]["int8-qat-openvino"]
+    info = read_variant(d)
+    assert info.status == "ok" and info.format == "openvino" and info.file == "model.xml"
+    record = info.params
+    assert "NNCF" in record["method"] and record["qat_samples"] == 32 and record["qat_steps"] >= 4
+    assert record["qat_lr"] == QuantizeParams().qat_openvino_lr and record["cls_readout"] is True
+    assert record["parity_reviews"] == 16 and record["parity_max_abs_diff"] < 1e-2
+    assert record["served_batching"] == "rows"  # static activation scales: one review per call, as int8-openvino
+    ops = [op.get_type_name() for op in ov.Core().read_model(str(d / "model.xml")).get_ops()]
+    assert ops.count("FakeQuantize") >= 2 * 6, sorted(set(ops))
+    seqs = [np.asarray(s) for s in pd.read_parquet(built["tokenized"] / "test.parquet")["input_ids"]]
+    got = predict_logits(load_runner(d, threads=1), seqs, batch_size=8, pad_id=tokenizer.pad_token_id)
+    ref = predict_logits(load_runner(built["dirs"]["fp32-onnx"], threads=1), seqs, batch_size=8,
+                         pad_id=tokenizer.pad_token_id)
+    assert np.abs(got - ref).max() < 1e-2
+
+
+def test_qat_trains_the_weights_and_the_quantizer_ranges(quantized):
+    """At lr 0 nothing moves; at lr > 0 both the model's weights and NNCF's quantizer parameters do (QAT learns
+    the ranges too), and the FP32 teacher stays frozen."""
+    import torch
+
+    from pipeline.training.qat import fake_quantized_finetune
+
+    model, teacher, _ = quantized
+    teacher_before = {k: v.clone() for k, v in teacher.state_dict().items()}
+    rng = np.random.default_rng(1)
+    seqs, labels = _reviews(16, seed=1), [int(x) for x in rng.integers(0, 2, 16)]
+    params = QuantizeParams(qat_epochs=1, qat_batch_size=8)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    steps, _ = fake_quantized_finetune(model, teacher, seqs, labels, params, lr=0.0)
+    assert steps == 2 and all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    fake_quantized_finetune(model, None, seqs, labels, params, lr=1e-2)  # labels only: a loss far from 0
+    moved = {k for k, v in model.state_dict().items() if not torch.equal(before[k], v)}
+    assert any("__nncf_hooks" in k for k in moved), sorted(moved)[:5]
+    assert any("__nncf_hooks" not in k and k.endswith("weight") for k in moved), sorted(moved)[:5]
+    assert all(torch.equal(teacher_before[k], v) for k, v in teacher.state_dict().items())
+
+
+def test_a_checkpoint_loads_into_the_model_rebuilt_on_resume(quantized, tiny_model_dir):
+    """Resuming rebuilds the fake-quantized model from the same inputs and loads the checkpoint into it: the
+    quantizers (NNCF keeps them in a submodule) are part of the state, with the same names."""
+    import torch
+
+    from pipeline.variants.openvino_qat import fake_quantized
+
+    model, _, batches = quantized
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.add_(0.01)  # as if trained
+    model2, _, _ = load_finetuned(tiny_model_dir)
+    rebuilt, _ = fake_quantized(model2, batches)
+    assert rebuilt.load_state_dict(model.state_dict(), strict=True)
+    ids = torch.from_numpy(np.stack([r[:8] for r in _reviews(4, seed=2)]))
+    with torch.no_grad():
+        assert torch.equal(rebuilt(ids, torch.ones_like(ids)), model(ids, torch.ones_like(ids)))
