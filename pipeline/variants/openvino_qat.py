@@ -8,9 +8,9 @@ the variant runs on the kernels int8-openvino runs on. int8-qat's model, trained
 that adaptation on the way to OpenVINO (docs/tried-and-dropped.md): QAT has to train through the quantizers of
 the runtime that serves it.
 
-NNCF's fake quantizers run as a PyTorch C++ extension it compiles on first use (cached under
-`~/.cache/torch_extensions`; where no compiler is found NNCF falls back to PyTorch operations, slower, and says so
-in the log)."""
+NNCF's fake quantizers run as a PyTorch C++ extension it compiles on first use, once per machine and venv (PyTorch's
+JIT extension cache, `~/.cache/torch_extensions`); where no compiler is found NNCF falls back to PyTorch operations,
+slower, and says so in the log."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from pipeline.variants.openvino_int8 import sdpa_copy
 
 log = logging.getLogger(__name__)
 
-#: NNCF compiles its CPU extension once per machine, within 60 s by default, and fails the build past that. A
+#: NNCF compiles its CPU extension once per machine and venv, within 60 s by default, and fails the build past that. A
 #: loaded 2-core CPU (a test run beside it) can take longer; the compile is bounded by the compiler anyway.
 EXTENSION_TIMEOUT_ENV = "NNCF_EXTENSION_LOAD_TIMEOUT"
 EXTENSION_TIMEOUT_S = "600"
