@@ -92,6 +92,44 @@ def speed_verdict(rows: Results, pool: Results, targets: TargetsParams) -> Speed
                         speedup >= targets.min_speedup and bool(eligible), straddles)
 
 
+#: Each QAT variant judged against the post-training variant of the same runtime, which it should at least match in
+#: speed (issue 43: QAT on the runtime that runs INT8 fastest). int8-qat is not: its graph is int8-static's, op for
+#: op, so their speeds differ only by noise (evaluate's `qat_vs_static` compares their accuracy).
+QAT_PAIRS: tuple[tuple[str, str], ...] = (("int8-qat-openvino", "int8-openvino"),)
+
+
+@dataclass(frozen=True)
+class QatVerdict:
+    """A QAT variant against FP32's accuracy and its runtime's post-training variant's speed (`QAT_PAIRS`)."""
+
+    variant: str
+    baseline: str
+    delta_pt: float  # accuracy against FP32 eager, in points
+    max_loss_pt: float
+    b1: float  # the baseline's batch-1 p50 over the variant's: above 1, the variant is faster
+    b32: float  # the variant's batch-32 throughput over the baseline's
+    overlap: bool  # their speed-up intervals over the rounds overlap: another run could order them the other way
+    met: bool
+
+
+def qat_verdicts(rows: Results, targets: TargetsParams) -> list[QatVerdict]:
+    """One verdict per pair of `QAT_PAIRS` whose two rows were measured and scored: within
+    `targets.qat_max_loss_pt` of FP32 and at least as fast as the baseline at batch 1 and 32."""
+    reference = rows.get(REFERENCE, {}).get("accuracy")
+    out = []
+    for name, baseline in QAT_PAIRS:
+        q, b = rows.get(name, {}), rows.get(baseline, {})
+        if reference is None or q.get("status") != "ok" or b.get("status") != "ok" or q.get("accuracy") is None:
+            continue
+        delta = 100 * (q["accuracy"] - reference)
+        b1, b32 = b["p50_ms_b1"] / q["p50_ms_b1"], q["throughput_b32"] / b["throughput_b32"]
+        overlap = all(k in e for e in (q, b) for k in ("speedup_p50_low", "speedup_p50_high")) and (
+            q["speedup_p50_low"] <= b["speedup_p50_high"] and b["speedup_p50_low"] <= q["speedup_p50_high"])
+        out.append(QatVerdict(name, baseline, delta, targets.qat_max_loss_pt, b1, b32, overlap,
+                              -delta <= targets.qat_max_loss_pt and b1 >= 1.0 and b32 >= 1.0))
+    return out
+
+
 def smaller_model_family(name: str) -> str | None:
     """`pruned` or `distilled` when a variant's speed also comes from a smaller model, else None (also for rows
     that are no registered variant)."""

@@ -22,11 +22,12 @@ from pipeline.evaluation.latency import (
     speedup,
     throughput_batches,
 )
-from pipeline.evaluation.report import markdown_table, speedup_sources, target_lines, write_report
+from pipeline.evaluation.report import markdown_table, qat_lines, speedup_sources, target_lines, write_report
 from pipeline.runtimes.base import Runner
 from pipeline.runtimes.catalog import REFERENCE, TIMING_ROWS, directories
 from pipeline.runtimes.record import VARIANT_FILE
 from pipeline.runtimes.registry import load_runner
+from pipeline.selection import qat_verdicts
 
 if TYPE_CHECKING:
     from pipeline.core.parent_run import RunContext
@@ -180,7 +181,7 @@ def run_benchmark_stage(*, finetuned: Path, variants_root: Path, tokenized: Path
     latency_chart(variants, chart)
     pareto_chart(variants, all_params.targets, pareto)
     write_report(result, chart, report, all_params.targets, pareto)
-    for line in target_lines(variants, all_params.targets):
+    for line in (*target_lines(variants, all_params.targets), *qat_lines(variants, all_params.targets)):
         log.info(line.replace("**", ""))
     for name, entry in variants.items():
         with stage_run(run_context, "benchmark", run_name=f"bench-{name}", tags={"variant": name}) as run:
@@ -195,8 +196,11 @@ def run_benchmark_stage(*, finetuned: Path, variants_root: Path, tokenized: Path
                 log.warning("%s: MLflow model %s is not in this tracking store; timings not linked to it",
                             name, model_id)
     log_parent_table(run_context, rows=table_rows(variants, accuracy, run_context.run_id), artifact_file=TABLE_FILE)
-    log_parent_summary(run_context, metrics={f"speedup_source/{s['to']}_vs_{s['from']}": s["factor"]
-                                             for s in speedup_sources(variants)}, tags={})
+    qat = {f"qat/{q.variant}/{k}": value for q in qat_verdicts(variants, all_params.targets)
+           for k, value in (("delta_pt", q.delta_pt), (f"b1_vs_{q.baseline}", q.b1),
+                            (f"b32_vs_{q.baseline}", q.b32), ("met", float(q.met)))}
+    log_parent_summary(run_context, metrics={**{f"speedup_source/{s['to']}_vs_{s['from']}": s["factor"]
+                                                for s in speedup_sources(variants)}, **qat}, tags={})
     for f in (report, chart, pareto, metrics_path):
         log_parent_artifact(run_context, f, artifact_path="comparison")
     return result

@@ -14,7 +14,7 @@ import numpy as np
 from pipeline.core.params import TargetsParams
 from pipeline.evaluation.latency import SPEEDUP_LEVEL
 from pipeline.runtimes.catalog import READOUT_ROW, REFERENCE
-from pipeline.selection import SpeedVerdict, smaller_model_family, speed_verdicts
+from pipeline.selection import QatVerdict, SpeedVerdict, qat_verdicts, smaller_model_family, speed_verdicts
 
 #: The chain of rows that splits the best INT8 student's speed-up into its causes: each step changes one thing.
 SPEEDUP_STEPS = (
@@ -109,6 +109,7 @@ class Report:
     pareto_front: list[str]  # stated with the Pareto chart
     speedup: SpeedupChain | None  # None when fewer than two steps were measured
     targets: list[TargetLine]  # empty when no INT8 variant was measured
+    qat: list[QatVerdict]  # one per QAT variant measured beside its runtime's post-training variant
     machine: Machine
     bf16_row: str | None
     weight_formats: list[str]
@@ -205,6 +206,7 @@ def report_data(result: dict[str, Any], chart: Path, targets: TargetsParams, par
     return Report(settings=settings, rows=report_rows(variants), chart=chart.name,
                   pareto_chart=pareto.name if pareto else None, pareto_front=pareto_front(variants),
                   speedup=speedup_chain(variants), targets=target_verdicts(variants, targets),
+                  qat=qat_verdicts(variants, targets),
                   machine=machine_of(machine), bf16_row=settings.get("bf16_row_choice"), weight_formats=formats,
                   notes=notes)
 
@@ -241,6 +243,11 @@ def markdown_table(variants: dict[str, dict[str, Any]]) -> str:
 def target_lines(variants: dict[str, dict[str, Any]], targets: TargetsParams) -> list[str]:
     """The latency verdicts as the report's plain statements with the numbers, one per line."""
     return part("target_lines", target_verdicts(variants, targets)).splitlines()
+
+
+def qat_lines(variants: dict[str, dict[str, Any]], targets: TargetsParams) -> list[str]:
+    """The QAT verdicts (`pipeline.selection.qat_verdicts`) as the report states them, one per line."""
+    return [part("qat_line", q) for q in qat_verdicts(variants, targets)]
 
 
 def write_report(result: dict[str, Any], chart: Path, path: Path, targets: TargetsParams,

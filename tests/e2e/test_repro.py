@@ -86,6 +86,7 @@ def test_benchmark_report_and_package(repo):
     assert bench["fp32-eager"]["speedup_p50_vs_fp32_eager"] == 1.0
     report = (repo / "reports" / "benchmark" / "variants.md").read_text()
     assert "| int8-static |" in report and "skipped" in report and "## Targets" in report
+    assert "- QAT on its runtime: **int8-qat-openvino**" in report
     assert (repo / "reports" / "benchmark" / "variants_latency.png").stat().st_size > 5000
     assert (repo / "reports" / "benchmark" / "variants_pareto.png").stat().st_size > 5000
     assert "Pareto front" in report
@@ -183,6 +184,10 @@ def test_mlflow_models_alias_summary_and_inputs(repo, tmp_path):
     assert parent.data.metrics["served_p50_ms"] == bench[served]["p50_ms_b1"]
     assert parent.data.metrics["served_speedup"] == bench[served]["speedup_p50_vs_fp32_eager"]
     assert parent.data.metrics["served_accuracy_delta_pt"] == variants[served]["accuracy_delta_pt"]
+    # the QAT target (QAT on OpenVINO against int8-openvino) is judged in every run, in the report and in MLflow
+    qat_b1 = bench["int8-openvino"]["p50_ms_b1"] / bench["int8-qat-openvino"]["p50_ms_b1"]
+    assert parent.data.metrics["qat/int8-qat-openvino/b1_vs_int8-openvino"] == pytest.approx(qat_b1)
+    assert parent.data.metrics["qat/int8-qat-openvino/met"] in (0.0, 1.0)
     table = json.loads(Path(client.download_artifacts(parent.info.run_id, "comparison/benchmark_table.json",
                                                      str(tmp_path))).read_text())  # mlflow.log_table's layout
     rows = [dict(zip(table["columns"], row, strict=True)) for row in table["data"]]

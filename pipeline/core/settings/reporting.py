@@ -82,6 +82,9 @@ class TargetsParams:
     """an INT8 variant counts only within this many points of FP32 test accuracy"""
     min_speedup: float = Field(3.0, gt=0)
     """batch-1 p50 speed-up over FP32 eager an INT8 variant should reach"""
+    qat_max_loss_pt: float = Field(0.2, ge=0)
+    """A QAT variant should stay within this many points of FP32 and run at least as fast as the post-training
+    variant of its runtime, at batch 1 and 32 (`pipeline.selection.QAT_PAIRS`; issue 43)"""
 
 
 @settings_section("package")

@@ -188,3 +188,42 @@ def test_rendered_report_has_the_skipped_row_and_the_target_line(tmp_path):
     assert markdown_table(variants) in text
     assert [f"- {x}" for x in target_lines(variants, TargetsParams())] == [target]
     assert "- ISA: avx2=yes, avx512_vnni=yes" in lines and text.endswith("\n")
+
+
+def _qat_rows(qat_p50: float, qat_b32: float, qat_acc: float, low: float, high: float) -> dict:
+    rows = {"fp32-eager": _row(10.0, 0.9), "int8-openvino": _row(2.5, 0.9),
+            "int8-qat-openvino": {**_row(qat_p50, qat_acc), "throughput_b32": qat_b32}}
+    rows["int8-openvino"].update(speedup_p50_low=3.8, speedup_p50_high=4.2)
+    rows["int8-qat-openvino"].update(speedup_p50_low=low, speedup_p50_high=high)
+    return rows
+
+
+@pytest.mark.parametrize(("p50", "b32", "acc", "met"), [
+    (2.4, 41.0, 0.899, True),     # -0.10 pt, faster at both
+    (2.4, 41.0, 0.897, False),    # -0.30 pt: outside 0.2 pt
+    (2.6, 41.0, 0.9, False),      # slower at batch 1
+    (2.4, 39.0, 0.9, False),      # slower at batch 32 (int8-openvino: 100 / 2.5 = 40 reviews/s)
+])
+def test_qat_on_its_runtime_is_judged_on_accuracy_and_both_speeds(p50, b32, acc, met):
+    from pipeline.selection import qat_verdicts
+
+    (v,) = qat_verdicts(_qat_rows(p50, b32, acc, 4.0, 4.4), TargetsParams())
+    assert (v.variant, v.baseline, v.met, v.max_loss_pt) == ("int8-qat-openvino", "int8-openvino", met, 0.2)
+    assert v.b1 == pytest.approx(2.5 / p50) and v.b32 == pytest.approx(b32 / 40.0)
+    assert v.delta_pt == pytest.approx(100 * (acc - 0.9)) and v.overlap is True  # 4.0-4.4 meets 3.8-4.2
+
+
+def test_no_qat_verdict_without_both_rows_and_the_line_says_when_the_order_could_flip(tmp_path):
+    from pipeline.selection import qat_verdicts
+
+    rows = _qat_rows(2.4, 41.0, 0.899, 4.3, 4.5)
+    assert qat_verdicts({k: v for k, v in rows.items() if k != "int8-openvino"}, TargetsParams()) == []
+    assert qat_verdicts({**rows, "int8-qat-openvino": {"status": "skipped", "reason": "x"}}, TargetsParams()) == []
+    path = tmp_path / "variants.md"
+    write_report(_result(rows), tmp_path / "latency.png", path, TargetsParams())
+    line = ("- QAT on its runtime: **int8-qat-openvino** -0.10 pt vs FP32, 1.04x int8-openvino's speed at batch 1 "
+            "(p50) and 1.02x at batch 32 (throughput) (met: target within 0.2 pt and at least as fast at both).")
+    assert line in path.read_text().splitlines()
+    rows["int8-qat-openvino"].update(speedup_p50_low=4.1)  # now overlapping 3.8-4.2
+    write_report(_result(rows), tmp_path / "latency.png", path, TargetsParams())
+    assert "their speed-up intervals over the rounds overlap" in path.read_text()
