@@ -121,12 +121,12 @@ def qat_verdicts(rows: Results, targets: TargetsParams) -> list[QatVerdict]:
         q, b = rows.get(name, {}), rows.get(baseline, {})
         if reference is None or q.get("status") != "ok" or b.get("status") != "ok" or q.get("accuracy") is None:
             continue
-        delta = 100 * (q["accuracy"] - reference)
+        loss = loss_pt(reference, q["accuracy"])
         b1, b32 = b["p50_ms_b1"] / q["p50_ms_b1"], q["throughput_b32"] / b["throughput_b32"]
         overlap = all(k in e for e in (q, b) for k in ("speedup_p50_low", "speedup_p50_high")) and (
             q["speedup_p50_low"] <= b["speedup_p50_high"] and b["speedup_p50_low"] <= q["speedup_p50_high"])
-        out.append(QatVerdict(name, baseline, delta, targets.qat_max_loss_pt, b1, b32, overlap,
-                              -delta <= targets.qat_max_loss_pt and b1 >= 1.0 and b32 >= 1.0))
+        out.append(QatVerdict(name, baseline, -loss, targets.qat_max_loss_pt, b1, b32, overlap,
+                              loss <= targets.qat_max_loss_pt and b1 >= 1.0 and b32 >= 1.0))
     return out
 
 

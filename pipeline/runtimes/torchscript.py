@@ -29,6 +29,8 @@ QAT_TRACE_DEPRECATION = (
     "data-dependent checks), which is NNCF's documented QAT export"
 )
 
+_LOGGED_REASONS: set[str] = set()  # each reason is logged once per process
+
 
 @contextlib.contextmanager
 def legacy_torchscript(reason: str = TORCHSCRIPT_DEPRECATION) -> Iterator[None]:
@@ -37,10 +39,9 @@ def legacy_torchscript(reason: str = TORCHSCRIPT_DEPRECATION) -> Iterator[None]:
 
     torch.jit's own DeprecationWarnings are caught here (and only here; anywhere else the test suite turns them
     into errors) and the reason is logged once per process."""
-    logged: set[str] = legacy_torchscript.__dict__.setdefault("logged", set())
-    if reason not in logged:
+    if reason not in _LOGGED_REASONS:
         log.info("%s", reason)
-        logged.add(reason)
+        _LOGGED_REASONS.add(reason)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.jit")
         yield

@@ -34,13 +34,22 @@ def openvino_model(model: Any, example: tuple[np.ndarray, np.ndarray]) -> Any:
     import torch
 
     model = sdpa_copy(model)
-    ids, mask = (torch.from_numpy(np.repeat(np.asarray(a, dtype=np.int64), 2, axis=0)) for a in example)
+    ids, mask = two_row_example(example)
     dims = {0: torch.export.Dim("batch"),
             1: torch.export.Dim("tokens", max=int(model.config.max_position_embeddings))}
     with torch.no_grad():
         exported = torch.export.export(logits_module(model), (ids, mask),
                                        dynamic_shapes={"input_ids": dims, "attention_mask": dims})
     return ov.convert_model(exported)
+
+
+def two_row_example(example: tuple[np.ndarray, np.ndarray]) -> tuple[Any, Any]:
+    """`example` (one padded batch) repeated to two rows, as int64 tensors: a conversion traced or exported with it
+    does not specialise the batch dimension to 1."""
+    import torch
+
+    return tuple(torch.from_numpy(np.repeat(np.asarray(a, dtype=np.int64), 2, axis=0))  # type: ignore[return-value]
+                 for a in example)
 
 
 def sdpa_copy(model: Any) -> Any:

@@ -27,7 +27,7 @@ from pipeline.core.params import QuantizeParams, TrainParams, to_dict
 from pipeline.runtimes.eager import logits_module
 from pipeline.runtimes.openvino import compiled_model, inference_precision
 from pipeline.variants.onnx_int8 import QuantizeError
-from pipeline.variants.openvino_int8 import sdpa_copy
+from pipeline.variants.openvino_int8 import sdpa_copy, two_row_example
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def to_openvino(quantized: Any, example: tuple[np.ndarray, np.ndarray]) -> Any:
 
     from pipeline.runtimes.torchscript import QAT_TRACE_DEPRECATION, legacy_torchscript
 
-    ids, mask = (torch.cat([t, t]) for t in _tensors(example))  # two rows: the batch is not traced as 1
+    ids, mask = two_row_example(example)
     dynamic = ov.PartialShape([-1, -1])
     with torch.no_grad(), legacy_torchscript(QAT_TRACE_DEPRECATION), warnings.catch_warnings():
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
@@ -78,25 +78,17 @@ def to_openvino(quantized: Any, example: tuple[np.ndarray, np.ndarray]) -> Any:
 
 
 def parity(quantized: Any, ir: Path, seqs: list[np.ndarray], pad_id: int) -> dict[str, Any]:
-    """How closely the saved IR reproduces the trained fake-quantized module on `seqs`, one review per call:
-    PyTorch emulates INT8 in float, OpenVINO runs INT8 kernels (with its float layers in its own precision), so
-    logits differ by rounding; the labels should not (both are recorded, neither is enforced here: the evaluate
-    stage measures the IR against FP32)."""
-    import torch
+    """How closely the saved IR, run as it is served (`OpenVinoRunner`), reproduces the trained fake-quantized module
+    on one padded batch of `seqs` (`pipeline.variants.export.parity`): PyTorch emulates INT8 in float, OpenVINO
+    runs INT8 kernels (with its float layers in its own precision), so logits differ by rounding; the labels should
+    not (both are recorded, neither is enforced here: the evaluate stage measures the IR against FP32)."""
+    from pipeline.runtimes.eager import TorchRunner
+    from pipeline.runtimes.openvino import OpenVinoRunner
+    from pipeline.variants.export import parity as logits_parity
 
-    from pipeline.runtimes.base import pad_batch
-
-    request = compiled_model(ir).create_infer_request()
-    diffs, same = [], 0
-    for seq in seqs:
-        ids, mask = pad_batch([seq], pad_id)
-        with torch.no_grad():
-            expected = quantized(*_tensors((ids, mask))).float().numpy()
-        got = np.asarray(request.infer({"input_ids": ids, "attention_mask": mask})[0], dtype=np.float32)
-        diffs.append(float(np.abs(expected - got).max()))
-        same += int(expected.argmax(-1)[0] == got.argmax(-1)[0])
-    return {"parity_reviews": len(seqs), "parity_max_abs_diff": round(max(diffs), 5),
-            "parity_same_label": same}
+    p = logits_parity(TorchRunner(quantized.eval()), OpenVinoRunner(ir), seqs, pad_id)
+    return {"parity_batch": p.batch, "parity_max_abs_diff": round(p.max_abs_diff, 5),
+            "parity_label_agreement": p.label_agreement}
 
 
 def save_openvino(model: Any, out_dir: Path) -> dict[str, Any]:
@@ -147,8 +139,8 @@ def qat_openvino(graph: Any, job: QatJob, out: Path) -> dict[str, Any]:
     record = save_openvino(to_openvino(quantized, job.calibration[-1]), out)
     check = parity(quantized, out / "model.xml", job.check_reviews, job.pad_id)
     log.info("int8-qat-openvino: the IR against the trained fake-quantized module on %d validation reviews: "
-             "max |logit diff| %.4g, same label on %d", check["parity_reviews"], check["parity_max_abs_diff"],
-             check["parity_same_label"])
+             "max |logit diff| %.4g, label agreement %.3f", check["parity_batch"], check["parity_max_abs_diff"],
+             check["parity_label_agreement"])
     return {"method": "QAT through NNCF's quantizers (nncf.quantize on PyTorch, model_type=TRANSFORMER) + "
                       "ov.convert_model (OpenVINO IR)",
             **record, "source": "the finetuned model with SDPA attention, as int8-openvino converts it",

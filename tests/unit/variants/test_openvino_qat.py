@@ -42,7 +42,7 @@ def test_the_variant_is_qat_through_nncf_in_openvino_ir(built, tokenizer):
     record = info.params
     assert "NNCF" in record["method"] and record["qat_samples"] == 32 and record["qat_steps"] >= 4
     assert record["qat_lr"] == QuantizeParams().qat_openvino_lr and record["cls_readout"] is True
-    assert record["parity_reviews"] == 16 and record["parity_max_abs_diff"] < 1e-2
+    assert record["parity_batch"] == 16 and record["parity_max_abs_diff"] < 1e-2
     assert record["served_batching"] == "rows"  # static activation scales: one review per call, as int8-openvino
     ops = [op.get_type_name() for op in ov.Core().read_model(str(d / "model.xml")).get_ops()]
     assert ops.count("FakeQuantize") >= 2 * 6, sorted(set(ops))
