@@ -39,7 +39,8 @@ class Fingerprint:
         if saved.data != self.data:
             out.append("input data changed")
         if saved.code != self.code:
-            out.append("training code changed (" + ", ".join(f"pipeline/{c}" for c in TRAINING_CODE) + ")")
+            out.append("training code changed (" + ", ".join(f"pipeline/{c}" for c in TRAINING_CODE)
+                       + " or the job's own modules)")
         return out
 
 
@@ -61,16 +62,18 @@ def digest_paths(paths: Sequence[Path]) -> str:
     return h.hexdigest()
 
 
-def training_code_digest() -> str:
-    """Digest of the training code (`TRAINING_CODE`) as it is on disk."""
+def training_code_digest(code: Sequence[Path] = ()) -> str:
+    """Digest of the training code (`TRAINING_CODE`) and of a job's own modules outside it (`code`) as they are on
+    disk."""
     package = Path(__file__).resolve().parents[1]
-    return digest_paths([package / rel for rel in TRAINING_CODE])
+    return digest_paths([package / rel for rel in TRAINING_CODE] + list(code))
 
 
-def fingerprint(settings: Mapping[str, Any], inputs: Sequence[Path]) -> Fingerprint:
-    """The fingerprint of a job with these settings (JSON-able sections) reading these input files/dirs."""
+def fingerprint(settings: Mapping[str, Any], inputs: Sequence[Path], code: Sequence[Path] = ()) -> Fingerprint:
+    """The fingerprint of a job with these settings (JSON-able sections) reading these input files/dirs, its code
+    the training code and `code` (the modules that build what a QAT job trains, under `pipeline/variants`)."""
     plain = json.loads(json.dumps(settings, default=str))  # tuples, paths ... as a re-read file would have them
-    return Fingerprint(plain, digest_paths(inputs), training_code_digest())
+    return Fingerprint(plain, digest_paths(inputs), training_code_digest(code))
 
 
 def trajectory_settings(train: Mapping[str, Any]) -> dict[str, Any]:

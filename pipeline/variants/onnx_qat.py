@@ -11,7 +11,6 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.core.params import to_dict
 from pipeline.modeling import load_finetuned
 from pipeline.variants.export import eager_runner, export_onnx, inference_model, max_length_of
 from pipeline.variants.fusion import FusionCheck, fuse_export, fused_graph
@@ -21,27 +20,31 @@ from pipeline.variants.quantize_inputs import QuantizeInputs, fusion_check, qat_
 log = logging.getLogger(__name__)
 
 
+#: The checkpoint job of int8-qat's finetune (`train.checkpoint_dir/qat`); the stage clears it once the variant is
+#: published.
+CHECKPOINT_JOB = "qat"
+
+
 def qat_onnx(inputs: QuantizeInputs, method: str, out: Path) -> dict[str, Any]:
     """`int8-qat`: QAT on `params.qat_train_samples` training reviews (in the finetune stage's training window),
     then the static QDQ conversion with the calibration `method` int8-static chose. The QAT finetune checkpoints and
-    resumes under `train.checkpoint_dir/qat` like the other training jobs."""
+    resumes under `train.checkpoint_dir/qat` like the other training jobs (`qat_checkpoints`)."""
     from pipeline.core.io import token_fingerprint
     from pipeline.surgery.fake_quant import FAKE_QUANT_API
-    from pipeline.training.checkpoints import CheckpointStore
-    from pipeline.training.fingerprint import fingerprint
-    from pipeline.training.qat import qat_finetune
+    from pipeline.training.qat import QatRun, qat_checkpoints, qat_finetune
 
     params, train = inputs.q, inputs.params.train
-    seed = train.seed
     model, _, _ = load_finetuned(inputs.finetuned)  # a fresh copy: QAT changes the weights it trains
     model.train()
     reviews, labels = qat_reviews(inputs, params.qat_train_samples)
-    store = CheckpointStore.for_job(train, "qat")
-    settings = {"quantize": to_dict(params), "seed": seed, "ffn_width": inputs.ffn_width,
-                "reviews": token_fingerprint(reviews), "labels": token_fingerprint([labels])}
-    plan = store.plan(fingerprint(settings, [inputs.finetuned]), train.resume)
-    result = qat_finetune(model, reviews, labels, params, seed, inputs.pad_id, inputs.ffn_width, store=store,
-                          plan=plan)
+    settings = {"qat_epochs": params.qat_epochs, "qat_batch_size": params.qat_batch_size, "qat_lr": params.qat_lr,
+                "qat_distillation": params.qat_distillation, "weight_format": params.weight_format,
+                "ffn_width": inputs.ffn_width, "reviews": token_fingerprint(reviews),
+                "labels": token_fingerprint([labels])}
+    store, plan = qat_checkpoints(train, CHECKPOINT_JOB, settings, model, [inputs.finetuned], code=())
+    run = QatRun(reviews=reviews, labels=labels, params=params, lr=params.qat_lr, seed=train.seed,
+                 pad_id=inputs.pad_id, store=store, plan=plan)
+    result = qat_finetune(model, run, inputs.ffn_width)
     graph, readout = inference_model(model, inputs.cls_readout)  # qat_finetune leaves the model in eval mode
     if params.optimize_graph:
         # The same fused graph as int8-static's, checked against the QAT model itself in PyTorch (as the export
@@ -56,12 +59,9 @@ def qat_onnx(inputs: QuantizeInputs, method: str, out: Path) -> dict[str, Any]:
                          inputs.ffn_width)
     linears = "every Linear but the FFN down-projections (quantized per batch)" if inputs.ffn_width else "every Linear"
     return {"method": f"QAT ({FAKE_QUANT_API} on {linears}) + onnxruntime QDQ", "calibration": method,
-            "qat_samples": result.samples, "qat_steps": result.steps, "qat_epochs": params.qat_epochs,
-            "qat_max_length": max(len(ids) for ids in reviews),
-            "qat_lr": params.qat_lr, "qat_distillation": params.qat_distillation,
-            "qat_final_loss": round(result.final_loss, 4), **{f"qat_{k}": v for k, v in plan.record().items()},
-            "fake_quant_layers": result.wrapped_layers, "dynamic_ffn_output": inputs.ffn_width is not None,
-            "fused_graph": params.optimize_graph, **fusion, **readout}
+            **run.record(result.steps, result.final_loss), "fake_quant_layers": result.wrapped_layers,
+            "dynamic_ffn_output": inputs.ffn_width is not None, "fused_graph": params.optimize_graph, **fusion,
+            **readout}
 
 
 def _qat_fused_graph(inputs: QuantizeInputs, model: Any, graph: Any, readout: dict[str, Any],

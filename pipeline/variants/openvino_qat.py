@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.core.params import QuantizeParams, TrainParams, to_dict
+from pipeline.core.params import QuantizeParams, TrainParams
 from pipeline.runtimes.eager import logits_module
 from pipeline.runtimes.openvino import compiled_model, inference_precision
 from pipeline.variants.onnx_int8 import QuantizeError
@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 #: loaded 2-core CPU (a test run beside it) can take longer; the compile is bounded by the compiler anyway.
 EXTENSION_TIMEOUT_ENV = "NNCF_EXTENSION_LOAD_TIMEOUT"
 EXTENSION_TIMEOUT_S = "600"
+#: The checkpoint job of int8-qat-openvino's finetune (`train.checkpoint_dir/qat-openvino`); the stage clears it
+#: once the variant is published.
+CHECKPOINT_JOB = "qat-openvino"
 
 
 def _tensors(batch: tuple[np.ndarray, np.ndarray]) -> tuple[Any, Any]:
@@ -119,23 +122,27 @@ class QatJob:
 def qat_openvino(graph: Any, job: QatJob, out: Path) -> dict[str, Any]:
     """Build int8-qat-openvino from `graph` (the finetuned model as int8-openvino converts it, a fresh copy: its
     weights are trained) into `out` and return its record. The QAT checkpoints and resumes under
-    `train.checkpoint_dir/qat-openvino` like the other training jobs (a resumed run rebuilds the fake-quantized
-    model from the same inputs, then loads the checkpoint into it)."""
+    `train.checkpoint_dir/qat-openvino` like the other training jobs (`qat_checkpoints`: a resumed run rebuilds the
+    fake-quantized model from the same inputs, then loads the checkpoint into it)."""
+    import nncf
+
     from pipeline.core.io import token_fingerprint
     from pipeline.runtimes.torchscript import QAT_TRACE_DEPRECATION
-    from pipeline.training.checkpoints import CheckpointStore
-    from pipeline.training.fingerprint import fingerprint
-    from pipeline.training.qat import fake_quantized_finetune
+    from pipeline.training.qat import QatRun, fake_quantized_finetune, qat_checkpoints
+    from pipeline.variants import export, openvino_int8
 
     q = job.params
     quantized, fp32 = fake_quantized(graph, job.calibration)
-    store = CheckpointStore.for_job(job.train, "qat-openvino")
-    settings = {"quantize": to_dict(q), "seed": job.train.seed, "reviews": token_fingerprint(job.reviews),
-                "labels": token_fingerprint([job.labels])}
-    plan = store.plan(fingerprint(settings, [job.finetuned]), job.train.resume)
-    steps, loss = fake_quantized_finetune(quantized, fp32 if q.qat_distillation > 0 else None, job.reviews,
-                                          job.labels, q, lr=q.qat_openvino_lr, seed=job.train.seed,
-                                          pad_id=job.pad_id, store=store, plan=plan)
+    settings = {"qat_epochs": q.qat_epochs, "qat_batch_size": q.qat_batch_size, "qat_lr": q.qat_openvino_lr,
+                "qat_distillation": q.qat_distillation, "nncf": nncf.__version__,
+                "calibration": token_fingerprint([ids for ids, _ in job.calibration]),
+                "reviews": token_fingerprint(job.reviews), "labels": token_fingerprint([job.labels])}
+    # what builds the model that trains: nncf.quantize's call here, the SDPA copy, the graph int8-openvino converts
+    code = [Path(__file__), Path(openvino_int8.__file__), Path(export.__file__)]
+    store, plan = qat_checkpoints(job.train, CHECKPOINT_JOB, settings, quantized, [job.finetuned], code=code)
+    run = QatRun(reviews=job.reviews, labels=job.labels, params=q, lr=q.qat_openvino_lr, seed=job.train.seed,
+                 pad_id=job.pad_id, store=store, plan=plan)
+    steps, loss = fake_quantized_finetune(quantized, fp32 if q.qat_distillation > 0 else None, run)
     record = save_openvino(to_openvino(quantized, job.calibration[-1]), out)
     check = parity(quantized, out / "model.xml", job.check_reviews, job.pad_id)
     log.info("int8-qat-openvino: the IR against the trained fake-quantized module on %d validation reviews: "
@@ -144,7 +151,5 @@ def qat_openvino(graph: Any, job: QatJob, out: Path) -> dict[str, Any]:
     return {"method": "QAT through NNCF's quantizers (nncf.quantize on PyTorch, model_type=TRANSFORMER) + "
                       "ov.convert_model (OpenVINO IR)",
             **record, "source": "the finetuned model with SDPA attention, as int8-openvino converts it",
-            "calibration_batches": len(job.calibration), "qat_samples": len(job.reviews) * q.qat_epochs,
-            "qat_steps": steps, "qat_epochs": q.qat_epochs, "qat_max_length": max(len(r) for r in job.reviews),
-            "qat_lr": q.qat_openvino_lr, "qat_distillation": q.qat_distillation, "qat_final_loss": round(loss, 4),
-            **{f"qat_{k}": v for k, v in plan.record().items()}, **check, "deprecated_api": QAT_TRACE_DEPRECATION}
+            "calibration_batches": len(job.calibration), **run.record(steps, loss), **check,
+            "deprecated_api": QAT_TRACE_DEPRECATION}

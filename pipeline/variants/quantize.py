@@ -19,11 +19,14 @@ from pipeline.data.tokens import read_tokenized
 from pipeline.modeling import load_finetuned, pad_id
 from pipeline.runtimes.catalog import directories
 from pipeline.runtimes.record import VariantInfo, building, read_variant, write_skipped, write_variant
+from pipeline.training.checkpoints import CheckpointStore
+from pipeline.variants import onnx_qat, openvino_qat
 from pipeline.variants.calibration import calibration_reviews
 from pipeline.variants.export import inference_model
 from pipeline.variants.onnx_int8 import QuantizeError, int8_census, quantize_dynamic_onnx, weight_record
 from pipeline.variants.onnx_qat import qat_onnx
 from pipeline.variants.openvino_int8 import quantize_openvino
+from pipeline.variants.openvino_qat import QatJob, qat_openvino
 from pipeline.variants.quantize_inputs import QuantizeInputs, qat_reviews
 
 log = logging.getLogger(__name__)
@@ -63,7 +66,6 @@ def _build_qat(inputs: QuantizeInputs, out: Path) -> dict[str, Any]:
 def _build_qat_openvino(inputs: QuantizeInputs, out: Path) -> dict[str, Any]:
     """`int8-qat-openvino` (`pipeline.variants.openvino_qat`): QAT reviews and int8-openvino's calibration."""
     from pipeline.variants.openvino_int8 import calibration_batches
-    from pipeline.variants.openvino_qat import QatJob, qat_openvino
 
     model, _, _ = load_finetuned(inputs.finetuned)  # a fresh copy: QAT changes the weights it trains
     graph, readout = inference_model(model, inputs.params.export.cls_readout)  # the graph int8-openvino converts
@@ -85,6 +87,9 @@ BUILDERS: dict[str, Callable[[QuantizeInputs, Path], dict[str, Any]]] = {
     "int8-qat": _build_qat,
     "int8-qat-openvino": _build_qat_openvino,
 }
+#: The variants that train, and their checkpoint jobs (`train.checkpoint_dir/<job>`): kept until the variant's
+#: directory is published, so a build killed after its training, in the conversion, resumes instead of training again.
+CHECKPOINT_JOBS = {"int8-qat": onnx_qat.CHECKPOINT_JOB, "int8-qat-openvino": openvino_qat.CHECKPOINT_JOB}
 
 
 def run_quantize(*, finetuned: Path, fp32_onnx: Path, tokenized: Path, variants_root: Path,
@@ -126,6 +131,8 @@ def run_quantize(*, finetuned: Path, fp32_onnx: Path, tokenized: Path, variants_
                 t0 = time.perf_counter()
                 report[name] = {**build(inputs, work), "build_seconds": round(time.perf_counter() - t0, 2)}
                 write_variant(work, VariantInfo.built(name, report[name]), finetuned)
+            if name in CHECKPOINT_JOBS:  # published: nothing left to resume (a kill before this resumes the QAT)
+                CheckpointStore.for_job(params.train, CHECKPOINT_JOBS[name]).clear()
     return report
 
 

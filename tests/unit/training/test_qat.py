@@ -90,7 +90,7 @@ def test_qat_loss_is_labels_only_or_distilled(tiny_model_dir):
     """distillation 0 trains on cross-entropy (≈ ln 2 for an untrained head); 1 on KL to FP32 (≈ 0 at the start)."""
     import math
 
-    from pipeline.training.qat import qat_finetune
+    from pipeline.training.qat import QatRun, qat_finetune
 
     rng = np.random.default_rng(0)
     seqs = [rng.integers(1000, 2000, size=24) for _ in range(8)]
@@ -98,10 +98,38 @@ def test_qat_loss_is_labels_only_or_distilled(tiny_model_dir):
     losses = {}
     for weight in (0.0, 1.0):
         model, _, _ = load_finetuned(tiny_model_dir)
-        result = qat_finetune(model, seqs, labels,
-                              QuantizeParams(qat_epochs=1, qat_batch_size=4, qat_lr=0.0, qat_distillation=weight,
-                                             weight_format=weight_format_here().value))
+        params = QuantizeParams(qat_epochs=1, qat_batch_size=4, qat_lr=0.0, qat_distillation=weight,
+                                weight_format=weight_format_here().value)
+        result = qat_finetune(model, QatRun(reviews=seqs, labels=labels, params=params, lr=params.qat_lr))
         assert result.steps == 2
         losses[weight] = result.final_loss
     assert abs(losses[0.0] - math.log(2)) < 0.2
     assert 0.0 <= losses[1.0] < 0.05
+
+
+def test_a_qat_checkpoint_resumes_only_for_the_same_trajectory(tmp_path):
+    """`qat_checkpoints` resumes for the same settings, model structure and code, and starts fresh, saying why,
+    when the model about to train has other parameters (a checkpoint of another graph would not load) or the
+    builder's own module changed."""
+    import torch
+
+    from pipeline.core.params import TrainParams
+    from pipeline.training.qat import qat_checkpoints
+
+    train = TrainParams(checkpoint_dir=str(tmp_path / "ckpt"))
+    builder = tmp_path / "builder.py"
+    builder.write_text("# v1\n")
+    settings = {"qat_lr": 1e-5, "reviews": "abc"}
+
+    def plan(model: torch.nn.Module, **changed):
+        store, p = qat_checkpoints(train, "qat-x", {**settings, **changed}, model, [], code=[builder])
+        store.dir.mkdir(parents=True, exist_ok=True)
+        torch.save({}, store.dir / "step=5.ckpt")  # as a periodic checkpoint of that run would be
+        return p
+
+    assert not plan(torch.nn.Linear(4, 2)).resumed
+    assert plan(torch.nn.Linear(4, 2)).step == 5
+    assert "structure" in plan(torch.nn.Linear(4, 3)).reason
+    assert "qat_lr" in plan(torch.nn.Linear(4, 3), qat_lr=2e-5).reason
+    builder.write_text("# v2\n")
+    assert "training code changed" in plan(torch.nn.Linear(4, 3), qat_lr=2e-5).reason

@@ -58,7 +58,7 @@ def test_qat_trains_the_weights_and_the_quantizer_ranges(quantized):
     the ranges too), and the FP32 teacher stays frozen."""
     import torch
 
-    from pipeline.training.qat import fake_quantized_finetune
+    from pipeline.training.qat import QatRun, fake_quantized_finetune
 
     model, teacher, _ = quantized
     teacher_before = {k: v.clone() for k, v in teacher.state_dict().items()}
@@ -66,9 +66,9 @@ def test_qat_trains_the_weights_and_the_quantizer_ranges(quantized):
     seqs, labels = _reviews(16, seed=1), [int(x) for x in rng.integers(0, 2, 16)]
     params = QuantizeParams(qat_epochs=1, qat_batch_size=8)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    steps, _ = fake_quantized_finetune(model, teacher, seqs, labels, params, lr=0.0)
+    steps, _ = fake_quantized_finetune(model, teacher, QatRun(reviews=seqs, labels=labels, params=params, lr=0.0))
     assert steps == 2 and all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    fake_quantized_finetune(model, None, seqs, labels, params, lr=1e-2)  # labels only: a loss far from 0
+    fake_quantized_finetune(model, None, QatRun(reviews=seqs, labels=labels, params=params, lr=1e-2))  # labels only
     moved = {k for k, v in model.state_dict().items() if not torch.equal(before[k], v)}
     assert any("__nncf_hooks" in k for k in moved), sorted(moved)[:5]
     assert any("__nncf_hooks" not in k and k.endswith("weight") for k in moved), sorted(moved)[:5]

@@ -54,6 +54,83 @@ def test_a_profile_opting_out_builds_the_rest_with_one_export_and_records_the_ot
         assert not any((tmp_path / name).glob("model.*"))
 
 
+@pytest.mark.parametrize("variant", ["int8-qat", "int8-qat-openvino"])
+def test_a_training_variants_checkpoints_stay_until_it_is_published(built, tiny_model_dir, tmp_path, monkeypatch,
+                                                                    variant):
+    """The stage removes a QAT variant's checkpoints only once its directory is published: a build that fails
+    after training (as a kill in the conversion would stop it) leaves them for the rerun to resume."""
+    import shutil
+
+    import pipeline.variants.quantize as quantize
+    from pipeline.training.checkpoints import CheckpointStore
+    from pipeline.variants.onnx_int8 import QuantizeError
+
+    train = TrainParams(checkpoint_dir=str(tmp_path / "ckpt"))
+    store = CheckpointStore.for_job(train, quantize.CHECKPOINT_JOBS[variant])
+
+    def trained_then(fail: bool):
+        def build(inputs, out):
+            store.dir.mkdir(parents=True, exist_ok=True)
+            (store.dir / "step=3.ckpt").write_bytes(b"as the training left it")
+            if fail:
+                raise QuantizeError("the conversion was stopped")
+            if variant == "int8-qat":  # its record reads the ONNX file: any valid one will do
+                shutil.copy(built["dirs"]["fp32-onnx"] / "model.onnx", out / "model.onnx")
+            else:
+                (out / "model.xml").write_text("<net/>")
+            return {}
+        return build
+
+    def run() -> None:
+        run_quantize(finetuned=tiny_model_dir, fp32_onnx=built["dirs"]["fp32-onnx"], tokenized=built["tokenized"],
+                     variants_root=tmp_path / "variants", choice=weight_format_here(),
+                     params=Params(quantize=QuantizeParams(build=[variant]), train=train))
+
+    monkeypatch.setitem(quantize.BUILDERS, variant, trained_then(fail=True))
+    with pytest.raises(QuantizeError, match="stopped"):
+        run()
+    assert (store.dir / "step=3.ckpt").is_file()
+    monkeypatch.setitem(quantize.BUILDERS, variant, trained_then(fail=False))
+    run()
+    assert read_variant(tmp_path / "variants" / variant).status == "ok" and not store.dir.exists()
+
+
+@pytest.mark.slow  # two real QAT builds; the stage's ordering is checked in `make test` by the one above
+def test_a_qat_build_killed_after_training_resumes_and_its_checkpoints_go_once_published(
+        built, tiny_model_dir, tmp_path, monkeypatch):
+    """int8-qat's checkpoints outlive its training: a conversion that fails (as a kill would stop it) leaves them,
+    the rerun resumes instead of training again, also with settings QAT does not read changed (`quantize.build`),
+    and they go only once the variant is published."""
+    import pipeline.variants.onnx_qat as onnx_qat
+    from pipeline.training.checkpoints import CheckpointStore
+    from pipeline.variants.onnx_int8 import QuantizeError
+
+    train = TrainParams(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every_n_steps=1)
+    store = CheckpointStore.for_job(train, onnx_qat.CHECKPOINT_JOB)
+
+    def run(build: list[str]) -> dict:
+        params = QuantizeParams(calibration_samples=16, calibration_methods=["percentile"], qat_train_samples=8,
+                                qat_batch_size=4, build=build)
+        return run_quantize(finetuned=tiny_model_dir, fp32_onnx=built["dirs"]["fp32-onnx"],
+                            tokenized=built["tokenized"], variants_root=tmp_path / "variants",
+                            choice=weight_format_here(), params=Params(quantize=params, train=train))
+
+    def killed(*args, **kwargs):
+        raise QuantizeError("the conversion was stopped")
+
+    real = onnx_qat.quantize_static_onnx
+    monkeypatch.setattr(onnx_qat, "quantize_static_onnx", killed)
+    with pytest.raises(QuantizeError, match="stopped"):
+        run(["int8-qat"])
+    assert [step for step, _ in store.checkpoints()] == [2]
+    assert not (tmp_path / "variants" / "int8-qat" / "model.onnx").exists()
+    monkeypatch.setattr(onnx_qat, "quantize_static_onnx", real)
+    report = run(["int8-qat", "int8-dynamic"])["int8-qat"]
+    assert report["qat_resumed"] is True and report["qat_resumed_from_step"] == 2 and report["qat_steps"] == 2
+    assert read_variant(tmp_path / "variants" / "int8-qat").status == "ok"
+    assert not store.dir.exists()
+
+
 def test_an_unknown_build_name_is_a_params_error():
     from pipeline.core.params import ParamsError
 
