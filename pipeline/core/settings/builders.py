@@ -53,10 +53,10 @@ class QuantizeParams:
     qat_distillation: float = Field(1.0, ge=0, le=1)
     """Weight of the KL term to the FP32 model's predictions in the QAT loss (0 = plain cross-entropy on labels):
     QAT should learn to reproduce FP32 under INT8 rounding, not keep training on a few hundred reviews."""
-    qat_openvino_train_samples: int = Field(1500, ge=1)
+    qat_openvino_train_samples: int = Field(750, ge=1)
     """training reviews for int8-qat-openvino's QAT (its epochs, batch size and distillation are the qat_ keys'):
-    QAT through NNCF's quantizers on int8-qat's 300 reviews moved the test score more than it fixed rounding
-    (docs/tried-and-dropped.md)"""
+    750 and 1,500 scored within two test reviews of each other for half the training; int8-qat's 300 reviews (at
+    its lr) moved the test score more than they fixed rounding (docs/variants.md, docs/tried-and-dropped.md)"""
     qat_openvino_lr: float = Field(1e-5, ge=0)
     """int8-qat-openvino's learning rate (0 keeps NNCF's post-training weights and ranges)"""
     ffn_output_dynamic: bool = True
