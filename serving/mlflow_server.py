@@ -574,6 +574,10 @@ def build_app(model_uri: str | None, params_path: Path, max_in_flight: int = MAX
     name, alias = params.mlflow.registered_model_name, params.mlflow.champion_alias
     version, tags = served_version(model_uri, name=name, alias=alias, tracking_uri=store)
     uri = model_uri or f"models:/{name}@{alias}"
+    if (m := re.fullmatch(r"models:/([^/@]+)@([^/]+)", uri)) and version.isdigit():
+        # load the version just resolved, not the alias again: an alias moved in between (a `make run` finishing)
+        # would serve one version under the other's number
+        uri = f"models:/{m[1]}/{version}"
     model = served_model(uri, tracking_uri=store)
     variant = model.variant or tags.get("variant", "unknown")
     log.info("serving %s (version %s, variant %s) from %s", uri, version, variant, store)

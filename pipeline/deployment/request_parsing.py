@@ -4,6 +4,7 @@ server accepts (TorchServe's `text`/`texts`/plain text, MLflow's four JSON forma
 
 from __future__ import annotations
 
+import codecs
 import csv
 import io
 import itertools
@@ -112,6 +113,9 @@ def parse_request(body: Any, limits: Limits, content_type: str | None = None,
     if len(raw) > limits.max_body_bytes:
         raise RequestError(413, f"request body of {len(raw)} bytes exceeds the limit of {limits.max_body_bytes}")
     kind = body_kind(content_type, shapes)
+    # one leading UTF-8 byte-order mark, as Excel's "CSV UTF-8" and Windows tools write, is not part of the body's
+    # text (RFC 8259 lets a JSON parser ignore it; a CSV header would not read "text" with it)
+    raw = raw.removeprefix(codecs.BOM_UTF8)
     if not raw.strip():
         raise RequestError(400, "empty request body; send {\"text\": \"...\"} or a plain-text review"
                            if "text" in shapes else "empty request body; send {\"inputs\": [\"...\"]}")

@@ -112,6 +112,19 @@ def test_building_the_app_reads_the_store_from_params_and_writes_no_environment(
     assert (app.version, app.variant) == (champion["manifest"]["registered_model"]["version"], "fp32-onnx")
 
 
+def test_the_app_loads_the_version_it_resolved_the_alias_to(champion, monkeypatch):
+    """The alias is resolved once: the model loaded is that version (`models:/<name>/<version>`), so an alias
+    moved between the lookup and the download cannot serve one version under another's number."""
+    import serving.mlflow_server as server
+    from pipeline.deployment import mlflow_model
+
+    loaded = []
+    real = mlflow_model.served_model
+    monkeypatch.setattr(mlflow_model, "served_model", lambda uri, **kw: (loaded.append(uri), real(uri, **kw))[1])
+    app = server.build_app(None, champion["params"])
+    assert loaded == [f"models:/imdb-sentiment/{app.version}"]
+
+
 def _get(url: str) -> tuple[int, dict[str, str], bytes]:
     try:
         with urllib.request.urlopen(url, timeout=60) as resp:

@@ -152,6 +152,23 @@ def test_a_media_type_shape_is_not_a_json_key(shapes, key):
         assert err.value.status == 400 and "needs" in err.value.message, err.value.message
 
 
+@pytest.mark.parametrize(("body", "content_type", "shapes"), [
+    (b'{"text": "good film"}', "application/json", TORCHSERVE_SHAPES),
+    (b'{"inputs": ["good film"]}', "application/json", MLFLOW_SHAPES),
+    (b"text\r\ngood film\r\n", "text/csv", MLFLOW_SHAPES),
+    (b"good film", "text/plain", TORCHSERVE_SHAPES)])
+@pytest.mark.parametrize("as_str", [False, True])
+def test_a_leading_byte_order_mark_is_not_part_of_the_body(body, content_type, shapes, as_str):
+    """Excel's "CSV UTF-8" and Windows tools start a body with a UTF-8 byte-order mark: every body kind reads the
+    same with it as without (one mark; a second is text), whether the server hands bytes or decoded text."""
+    marked = b"\xef\xbb\xbf" + body
+    plain = parse_request(body, LIMITS, content_type, shapes)
+    with_mark = parse_request(marked.decode("utf-8") if as_str else marked, LIMITS, content_type, shapes)
+    assert with_mark.texts == plain.texts == ["good film"]
+    with pytest.raises(RequestError, match="empty"):
+        parse_request(b"\xef\xbb\xbf  ", LIMITS, content_type, shapes)
+
+
 def test_content_type_parameters_the_rfcs_allow():
     """An empty parameter (`application/json;`, RFC 9110) and text/csv's `header=present` (RFC 4180) are accepted."""
     assert parse_request(b'{"text": "a"}', LIMITS, "application/json;").texts == ["a"]
