@@ -10,7 +10,6 @@ and runs slower (docs/peers.md has the measurement)."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +82,6 @@ def quantize_openvino(model: Any, calibration: list[np.ndarray], pad_id: int, ba
         import openvino as ov
     except ImportError as exc:
         raise QuantizeError(f"int8-openvino needs openvino and nncf (requirements.txt): {exc}") from exc
-    t0 = time.perf_counter()
     batches = calibration_batches(calibration, pad_id, batch_size)
     converted = openvino_model(model, batches[-1])
     names = {p.get_any_name() for p in converted.inputs}
@@ -95,7 +93,6 @@ def quantize_openvino(model: Any, calibration: list[np.ndarray], pad_id: int, ba
                               subset_size=len(batches))  # NNCF counts dataset items: batches
     out_dir.mkdir(parents=True, exist_ok=True)
     ov.save_model(quantized, str(out_dir / "model.xml"), compress_to_fp16=False)
-    seconds = round(time.perf_counter() - t0, 2)  # the build alone, without the compile below
     # The CPU plugin picks the float layers' precision itself (bf16 where the CPU has native bf16, else f32; no
     # hint is set, so results stay as measured): the record says what the saved IR compiles to on the build CPU,
     # compiled as `OpenVinoRunner` compiles it. Another CPU may differ; the evaluate stage records its own
@@ -105,5 +102,4 @@ def quantize_openvino(model: Any, calibration: list[np.ndarray], pad_id: int, ba
             "inference_precision_on_build_cpu": precision,
             "source": "torch.export of the finetuned model (OpenVINO's PyTorch frontend)",
             "calibration_samples": len(calibration), "calibration_batches": len(batches),
-            "versions": {"openvino": ov.__version__, "nncf": nncf.__version__},
-            "build_seconds": seconds}
+            "versions": {"openvino": ov.__version__, "nncf": nncf.__version__}}
