@@ -117,8 +117,9 @@ def _static_with_selection(inputs: QuantizeInputs) -> dict[str, Any]:
 
 
 def qat_reviews(inputs: QuantizeInputs, count: int) -> tuple[list[np.ndarray], np.ndarray]:
-    """`count` training reviews for QAT (drawn with the training seed + 1: the first `n` of a larger draw are the
-    smaller one's), cut to the finetune stage's training window, and their labels."""
+    """`count` training reviews for QAT (drawn with the training seed + 1: the same count draws the same reviews;
+    draws of different counts overlap by chance only), cut to the finetune stage's training window, and their
+    labels."""
     window = training_window(inputs.meta, inputs.tokenizer)
     idx = draw_rows(len(inputs.train), count, inputs.params.train.seed + 1)
     reviews = [inputs.train["input_ids"].iloc[i] for i in idx]
