@@ -44,9 +44,9 @@ class Verdict:
     met: bool
 
 
-def quantization_verdicts(results: Results, targets: TargetsParams, max_size_share: float = 0.30) -> list[Verdict]:
+def quantization_verdicts(results: Results, targets: TargetsParams) -> list[Verdict]:
     """Evaluate's targets for each built INT8-family variant: accuracy loss within the budget, size at most
-    `max_size_share` of fp32-onnx; and QAT at least as accurate as static INT8 when both were built."""
+    `targets.max_size_share` of fp32-onnx; and QAT at least as accurate as static INT8 when both were built."""
     out: list[Verdict] = []
     reference = results[REFERENCE]["accuracy"]
     fp32_onnx = results.get("fp32-onnx", {}).get("size_mb")
@@ -58,7 +58,7 @@ def quantization_verdicts(results: Results, targets: TargetsParams, max_size_sha
                            within_budget(reference, e["accuracy"], targets)))
         if fp32_onnx:
             share = e["size_mb"] / fp32_onnx
-            out.append(Verdict(name, "size_share", share, max_size_share, share <= max_size_share))
+            out.append(Verdict(name, "size_share", share, targets.max_size_share, share <= targets.max_size_share))
     s, q = results.get("int8-static"), results.get("int8-qat")
     if s and q and s.get("status") == q.get("status") == "ok":
         out.append(Verdict("int8-qat", "qat_vs_static", q["accuracy"], s["accuracy"], q["accuracy"] >= s["accuracy"]))

@@ -136,11 +136,10 @@ def paired_with_most_accurate(results: dict[str, dict[str, Any]], correct: dict[
                              paired_only_this_right=only_this, paired_p_value=round(mcnemar_p(only_best, only_this), 4))
 
 
-def check_targets(results: dict[str, dict[str, Any]], targets: TargetsParams,
-                  max_size_share: float = 0.30) -> list[str]:
+def check_targets(results: dict[str, dict[str, Any]], targets: TargetsParams) -> list[str]:
     """The quantization targets (`pipeline.selection.quantization_verdicts`) as plain sentences for the log."""
     lines = []
-    for v in quantization_verdicts(results, targets, max_size_share):
+    for v in quantization_verdicts(results, targets):
         verdict = "met" if v.met else "MISSED"
         if v.target == "accuracy_loss_pt":
             lines.append(f"{v.variant}: accuracy loss {v.value:.2f} pt vs FP32 ({verdict}: <= {v.bound} pt)")

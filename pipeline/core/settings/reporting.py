@@ -82,6 +82,8 @@ class TargetsParams:
     """an INT8 variant counts only within this many points of FP32 test accuracy"""
     min_speedup: float = Field(3.0, gt=0)
     """batch-1 p50 speed-up over FP32 eager an INT8 variant should reach"""
+    max_size_share: float = Field(0.30, gt=0, le=1)
+    """an INT8 variant's file should be at most this share of fp32-onnx's"""
     qat_max_loss_pt: float = Field(0.2, ge=0)
     """A QAT variant should stay within this many points of FP32 and run at least as fast as the post-training
     variant of its runtime, at batch 1 and 32 (`pipeline.selection.QAT_PAIRS`; issue 43)"""
