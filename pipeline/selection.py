@@ -107,9 +107,11 @@ class QatVerdict:
     delta_pt: float  # accuracy against FP32 eager, in points
     max_loss_pt: float
     b1: float  # the baseline's batch-1 p50 over the variant's: above 1, the variant is faster
+    b1_low: float | None  # the paired bootstrap interval of `b1` over the benchmark's rounds (None: not measured)
+    b1_high: float | None
     b32: float  # the variant's batch-32 throughput over the baseline's
-    overlap: bool  # their speed-up intervals over the rounds overlap: another run could order them the other way
-    met: bool
+    overlap: bool  # the batch-1 order is within noise: another run could order them the other way
+    met: bool  # on the point estimates; `overlap` says when the speed half of it is within noise
 
 
 def qat_verdicts(rows: Results, targets: TargetsParams) -> list[QatVerdict]:
@@ -123,9 +125,13 @@ def qat_verdicts(rows: Results, targets: TargetsParams) -> list[QatVerdict]:
             continue
         loss = loss_pt(reference, q["accuracy"])
         b1, b32 = b["p50_ms_b1"] / q["p50_ms_b1"], q["throughput_b32"] / b["throughput_b32"]
-        overlap = all(k in e for e in (q, b) for k in ("speedup_p50_low", "speedup_p50_high")) and (
-            q["speedup_p50_low"] <= b["speedup_p50_high"] and b["speedup_p50_low"] <= q["speedup_p50_high"])
-        out.append(QatVerdict(name, baseline, -loss, targets.qat_max_loss_pt, b1, b32, overlap,
+        low, high = q.get("qat_b1_low"), q.get("qat_b1_high")
+        if low is not None and high is not None:  # the benchmark's paired interval of this very ratio
+            overlap = low <= 1.0 <= high
+        else:  # rows without it: whether each one's interval against FP32 overlaps the other's
+            overlap = all(k in e for e in (q, b) for k in ("speedup_p50_low", "speedup_p50_high")) and (
+                q["speedup_p50_low"] <= b["speedup_p50_high"] and b["speedup_p50_low"] <= q["speedup_p50_high"])
+        out.append(QatVerdict(name, baseline, -loss, targets.qat_max_loss_pt, b1, low, high, b32, overlap,
                               loss <= targets.qat_max_loss_pt and b1 >= 1.0 and b32 >= 1.0))
     return out
 

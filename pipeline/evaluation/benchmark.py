@@ -27,7 +27,7 @@ from pipeline.runtimes.base import Runner
 from pipeline.runtimes.catalog import REFERENCE, TIMING_ROWS, directories
 from pipeline.runtimes.record import VARIANT_FILE
 from pipeline.runtimes.registry import load_runner
-from pipeline.selection import qat_verdicts
+from pipeline.selection import QAT_PAIRS, qat_verdicts
 
 if TYPE_CHECKING:
     from pipeline.core.parent_run import RunContext
@@ -90,6 +90,11 @@ def run_benchmark(*, finetuned: Path, variant_dirs: dict[str, Path], tokenized: 
             if key in acc:
                 entry[key] = acc[key]
         results[c.name] = entry
+    for name, baseline in QAT_PAIRS:  # a QAT variant against its runtime's post-training one, paired by round
+        if name in results and baseline in results and "p50_ms_b1" in results[name] \
+                and "p50_ms_b1" in results[baseline]:
+            pair = speedup(timings[baseline], timings[name])
+            results[name]["qat_b1_low"], results[name]["qat_b1_high"] = pair.low, pair.high
     return {"variants": results, "machine": machine_info(threads),
             # every batch-1 sample by round, so each speed-up interval can be recomputed (`latency.speedup`)
             "latency_rounds_ms": {name: t["latency_rounds_ms"] for name, t in timings.items()},
@@ -198,7 +203,9 @@ def run_benchmark_stage(*, finetuned: Path, variants_root: Path, tokenized: Path
     log_parent_table(run_context, rows=table_rows(variants, accuracy, run_context.run_id), artifact_file=TABLE_FILE)
     qat = {f"qat/{q.variant}/{k}": value for q in qat_verdicts(variants, all_params.targets)
            for k, value in (("delta_pt", q.delta_pt), (f"b1_vs_{q.baseline}", q.b1),
-                            (f"b32_vs_{q.baseline}", q.b32), ("met", float(q.met)))}
+                            (f"b1_vs_{q.baseline}_low", q.b1_low), (f"b1_vs_{q.baseline}_high", q.b1_high),
+                            (f"b32_vs_{q.baseline}", q.b32), ("met", float(q.met)),
+                            ("within_noise", float(q.overlap))) if value is not None}
     log_parent_summary(run_context, metrics={**{f"speedup_source/{s['to']}_vs_{s['from']}": s["factor"]
                                                 for s in speedup_sources(variants)}, **qat}, tags={})
     for f in (report, chart, pareto, metrics_path):

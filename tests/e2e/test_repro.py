@@ -189,6 +189,9 @@ def test_mlflow_models_alias_summary_and_inputs(repo, tmp_path):
     qat_b1 = bench["int8-openvino"]["p50_ms_b1"] / bench["int8-qat-openvino"]["p50_ms_b1"]
     assert parent.data.metrics["qat/int8-qat-openvino/b1_vs_int8-openvino"] == pytest.approx(qat_b1)
     assert parent.data.metrics["qat/int8-qat-openvino/met"] in (0.0, 1.0)
+    low, high = bench["int8-qat-openvino"]["qat_b1_low"], bench["int8-qat-openvino"]["qat_b1_high"]
+    assert low <= high and parent.data.metrics["qat/int8-qat-openvino/b1_vs_int8-openvino_low"] == low
+    assert parent.data.metrics["qat/int8-qat-openvino/within_noise"] == float(low <= 1.0 <= high)
     table = json.loads(Path(client.download_artifacts(parent.info.run_id, "comparison/benchmark_table.json",
                                                      str(tmp_path))).read_text())  # mlflow.log_table's layout
     rows = [dict(zip(table["columns"], row, strict=True)) for row in table["data"]]

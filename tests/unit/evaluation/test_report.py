@@ -226,4 +226,22 @@ def test_no_qat_verdict_without_both_rows_and_the_line_says_when_the_order_could
     assert line in path.read_text().splitlines()
     rows["int8-qat-openvino"].update(speedup_p50_low=4.1)  # now overlapping 3.8-4.2
     write_report(_result(rows), tmp_path / "latency.png", path, TargetsParams())
-    assert "their speed-up intervals over the rounds overlap" in path.read_text()
+    assert "at batch 1 the two are within noise" in path.read_text() and "(met within noise:" in path.read_text()
+
+
+@pytest.mark.parametrize(("low", "high", "within_noise"), [(0.97, 1.08, True), (1.01, 1.09, False),
+                                                            (0.90, 0.98, False)])
+def test_the_benchmarks_paired_interval_decides_whether_the_qat_order_is_within_noise(tmp_path, low, high,
+                                                                                      within_noise):
+    """With the benchmark's paired interval of the batch-1 ratio itself (`qat_b1_low`/`high`), the order is within
+    noise exactly when that interval holds 1, whatever each row's interval against FP32 says; the line states
+    the interval."""
+    from pipeline.selection import qat_verdicts
+
+    rows = _qat_rows(2.4, 41.0, 0.899, 4.3, 4.5)  # intervals against FP32 apart: the fallback would say resolved
+    rows["int8-qat-openvino"].update(qat_b1_low=low, qat_b1_high=high)
+    (v,) = qat_verdicts(rows, TargetsParams())
+    assert (v.b1_low, v.b1_high, v.overlap, v.met) == (low, high, within_noise, True)
+    path = tmp_path / "variants.md"
+    write_report(_result(rows), tmp_path / "latency.png", path, TargetsParams())
+    assert f"(paired interval over the rounds {low:.2f}-{high:.2f})" in path.read_text()
