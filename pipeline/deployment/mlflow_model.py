@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import shutil
 import sys
 import tempfile
@@ -27,6 +28,8 @@ from pipeline.deployment.protocol import TEXT_COLUMN
 
 if TYPE_CHECKING:
     from pipeline.core.params import PackageParams
+
+log = logging.getLogger(__name__)
 
 #: The columns a served model answers (it reads `pipeline.deployment.protocol.TEXT_COLUMN`, one review per row).
 OUTPUT_COLUMNS = ("label", "score")
@@ -199,6 +202,26 @@ def local_model(model_uri: str, *, tracking_uri: str | None) -> str:
     return download_artifacts(artifact_uri=location, tracking_uri=tracking_uri)
 
 
+def warn_if_code_differs(folder: Path, model_uri: str) -> bool:
+    """Whether the `pipeline/` copy logged with the model at `folder` differs from the `pipeline` package this
+    process runs, logged as a warning when it does. A process that has imported `pipeline` (the server, batch
+    scoring in-process) scores with its own copy: MLflow puts the model's `code_paths` on `sys.path`, which does not
+    replace a package already imported. So a model logged by another commit (a rollback) answers with this
+    checkout's tokenization and runtimes; the `.mar` and `mlflow models serve` run the logged copy."""
+    from pipeline.training.fingerprint import digest_paths
+
+    logged = folder / "code" / "pipeline"
+    if not logged.is_dir():
+        return False
+    running = Path(__file__).resolve().parents[1]
+    if digest_paths([logged]) == digest_paths([running]):
+        return False
+    log.warning("%s was logged with other pipeline/ code than this process runs (%s): it is scored with this "
+                "checkout's code; `make run` logs the model with it, and the .mar or `mlflow models serve` run "
+                "the logged copy", model_uri, running)
+    return True
+
+
 def served_model(model_uri: str, *, tracking_uri: str | None) -> ServedModel:
     """The pyfunc at `model_uri` (in store `tracking_uri`: `local_model`), loaded now by MLflow, with MLflow's own
     scoring server for it (the FastAPI app `mlflow models serve` runs under uvicorn) and `score`: texts in, the
@@ -214,7 +237,9 @@ def served_model(model_uri: str, *, tracking_uri: str | None) -> ServedModel:
     from mlflow.environment_variables import MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT
     from mlflow.pyfunc import scoring_server
 
-    model = mlflow.pyfunc.load_model(local_model(model_uri, tracking_uri=tracking_uri))
+    folder = local_model(model_uri, tracking_uri=tracking_uri)
+    warn_if_code_differs(Path(folder), model_uri)
+    model = mlflow.pyfunc.load_model(folder)
     try:
         python_model = model.unwrap_python_model()
     except Exception:  # a pyfunc of another flavour
