@@ -7,7 +7,7 @@ import contextlib
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +112,26 @@ def token_fingerprint(seqs: Any) -> str:
         digest.update(len(arr).to_bytes(4, "little"))
         digest.update(arr.tobytes())
     return digest.hexdigest()
+
+
+def digest_paths(paths: Sequence[Path]) -> str:
+    """SHA-256 over the files under `paths` (names relative to each path, then contents), caches skipped."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for root in paths:
+        if not root.exists():  # the job's own loading reports a missing input; here it is just part of the digest
+            h.update(f"<missing {root.name}>".encode())
+            continue
+        files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
+        for f in files:
+            if "__pycache__" in f.parts or f.suffix == ".pyc":
+                continue
+            h.update(str(f.relative_to(root) if root.is_dir() else f.name).encode() + b"\0")
+            with f.open("rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(chunk)
+    return h.hexdigest()
 
 
 def write_predictions(path: Path, logits: Any, labels: Any, seqs: Any, **meta: Any) -> None:

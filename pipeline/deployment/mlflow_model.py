@@ -208,7 +208,7 @@ def warn_if_code_differs(folder: Path, model_uri: str) -> bool:
     scoring in-process) scores with its own copy: MLflow puts the model's `code_paths` on `sys.path`, which does not
     replace a package already imported. So a model logged by another commit (a rollback) answers with this
     checkout's tokenization and runtimes; the `.mar` and `mlflow models serve` run the logged copy."""
-    from pipeline.training.fingerprint import digest_paths
+    from pipeline.core.io import digest_paths
 
     logged = folder / "code" / "pipeline"
     if not logged.is_dir():

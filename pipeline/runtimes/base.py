@@ -48,6 +48,14 @@ def pad_batch(seqs: Sequence[np.ndarray], pad_id: int = 0, width: int | None = N
     return ids, mask
 
 
+def length_sorted_batches(seqs: Sequence[np.ndarray], *, batch_size: int,
+                          pad_id: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """`seqs` sorted by length (ties keep their order) in batches of `batch_size`, each padded to its own longest
+    (`pad_batch`): the calibration passes' batches, little padding to run."""
+    order = np.argsort([len(s) for s in seqs], kind="stable")
+    return [pad_batch([seqs[i] for i in order[b : b + batch_size]], pad_id) for b in range(0, len(order), batch_size)]
+
+
 def predict_logits(runner: Runner, seqs: Sequence[np.ndarray], batch_size: int = 64, pad_id: int = 0,
                    progress: str | None = None, callers: int = 1) -> np.ndarray:
     """Logits for token-id arrays in their original order, batched by length to save padding.

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from pipeline.runtimes.base import pad_batch
+from pipeline.runtimes.base import length_sorted_batches
 from pipeline.surgery.errors import PruneError
 from pipeline.surgery.least_squares import GramAccumulator, obs_select, relative_error
 
@@ -258,8 +258,8 @@ def _bar(layers: Sequence[torch.nn.Module], progress: bool) -> Any:
     return tqdm(layers, desc="prune", unit="layer")
 
 
-def calibration_batches(seqs: Sequence[Any], batch_size: int, pad_id: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """`(input_ids, attention_mask)` batches for `prune_encoder`, of similar length (little padding to run)."""
-    ordered = sorted(seqs, key=len)
-    batches = [pad_batch(ordered[i : i + batch_size], pad_id) for i in range(0, len(ordered), batch_size)]
-    return [(torch.from_numpy(ids), torch.from_numpy(mask)) for ids, mask in batches]
+def calibration_batches(seqs: Sequence[Any], *, batch_size: int,
+                        pad_id: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`(input_ids, attention_mask)` tensors for `prune_encoder`, in `length_sorted_batches`."""
+    return [(torch.from_numpy(ids), torch.from_numpy(mask))
+            for ids, mask in length_sorted_batches(seqs, batch_size=batch_size, pad_id=pad_id)]

@@ -73,6 +73,7 @@ def narrow_ffn(student: torch.nn.Module, reviews: list[np.ndarray], ffn_width: i
     """The student with `ffn_width` FFN neurons per layer, chosen and least-squares repaired on 256 training
     reviews as `prune` does (`prune_encoder`); its config's `intermediate_size` follows, so it saves and loads as
     an ordinary HF model. Heads are not narrowed: a BERT config cannot state fewer heads of the same size."""
-    narrowed, report = prune_encoder(student, calibration_batches(reviews[:256], 16, pad), None, ffn_width)
+    batches = calibration_batches(reviews[:256], batch_size=16, pad_id=pad)
+    narrowed, report = prune_encoder(student, batches, None, ffn_width)
     return narrowed, {"ffn_width": report["ffn_width"], "teacher_ffn_width": report["original_ffn_width"],
                       "ffn_rel_error": report["ffn_rel_error"]}

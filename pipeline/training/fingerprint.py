@@ -3,13 +3,13 @@ and a digest of the training code; a checkpoint is resumed only when all three m
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.core.io import digest_paths
 from pipeline.core.params import flatten
 
 #: The code whose change makes an old checkpoint another trajectory (relative to the `pipeline` package).
@@ -42,24 +42,6 @@ class Fingerprint:
             out.append("training code changed (" + ", ".join(f"pipeline/{c}" for c in TRAINING_CODE)
                        + " or the job's own modules)")
         return out
-
-
-def digest_paths(paths: Sequence[Path]) -> str:
-    """SHA-256 over the files under `paths` (names relative to each path, then contents), caches skipped."""
-    h = hashlib.sha256()
-    for root in paths:
-        if not root.exists():  # the job's own loading reports a missing input; here it is just part of the digest
-            h.update(f"<missing {root.name}>".encode())
-            continue
-        files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
-        for f in files:
-            if "__pycache__" in f.parts or f.suffix == ".pyc":
-                continue
-            h.update(str(f.relative_to(root) if root.is_dir() else f.name).encode() + b"\0")
-            with f.open("rb") as fh:
-                for chunk in iter(lambda: fh.read(1 << 20), b""):
-                    h.update(chunk)
-    return h.hexdigest()
 
 
 def training_code_digest(code: Sequence[Path] = ()) -> str:

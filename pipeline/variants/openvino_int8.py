@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.runtimes.base import pad_batch
+from pipeline.runtimes.base import length_sorted_batches
 from pipeline.runtimes.eager import logits_module
 from pipeline.runtimes.openvino import compiled_model, inference_precision
 from pipeline.variants.onnx_int8 import QuantizeError
@@ -61,15 +61,13 @@ def sdpa_copy(model: Any) -> Any:
     return model
 
 
-def calibration_batches(calibration: list[np.ndarray], pad_id: int,
+def calibration_batches(calibration: list[np.ndarray], *, pad_id: int,
                         batch_size: int) -> list[tuple[np.ndarray, np.ndarray]]:
     """The calibration reviews in length-sorted batches of `batch_size`, each padded to its own longest review
     (NNCF counts dataset items: one item is one batch)."""
     if not calibration:
         raise QuantizeError("OpenVINO INT8 needs calibration reviews (quantize.calibration_samples > 0)")
-    order = np.argsort([len(s) for s in calibration], kind="stable")
-    return [pad_batch([calibration[i] for i in order[b : b + batch_size]], pad_id)
-            for b in range(0, len(order), batch_size)]
+    return length_sorted_batches(calibration, batch_size=batch_size, pad_id=pad_id)
 
 
 def quantize_openvino(model: Any, calibration: list[np.ndarray], pad_id: int, batch_size: int,
@@ -82,7 +80,7 @@ def quantize_openvino(model: Any, calibration: list[np.ndarray], pad_id: int, ba
         import openvino as ov
     except ImportError as exc:
         raise QuantizeError(f"int8-openvino needs openvino and nncf (requirements.txt): {exc}") from exc
-    batches = calibration_batches(calibration, pad_id, batch_size)
+    batches = calibration_batches(calibration, pad_id=pad_id, batch_size=batch_size)
     converted = openvino_model(model, batches[-1])
     names = {p.get_any_name() for p in converted.inputs}
 

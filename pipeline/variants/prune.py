@@ -46,7 +46,7 @@ def run_prune(*, finetuned: Path, tokenized: Path, variants_root: Path, all_para
     seed = all_params.train.seed + 2
     seqs = [train["input_ids"].iloc[i] for i in draw_rows(len(train), params.calibration_samples, seed)]
     seqs = [window(s) for s in seqs] if window is not None else seqs
-    batches = calibration_batches(seqs, params.calibration_batch_size, pad)
+    batches = calibration_batches(seqs, batch_size=params.calibration_batch_size, pad_id=pad)
     student, report = prune_encoder(model, batches, params.heads, params.ffn_width, params.damp)
 
     with building(out) as work, tempfile.TemporaryDirectory(prefix="prune-") as tmp:

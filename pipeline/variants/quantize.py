@@ -71,7 +71,8 @@ def _build_qat_openvino(inputs: QuantizeInputs, out: Path) -> dict[str, Any]:
     graph, readout = inference_model(model, inputs.params.export.cls_readout)  # the graph int8-openvino converts
     reviews, labels = qat_reviews(inputs, inputs.q.qat_openvino_train_samples)
     job = QatJob(params=inputs.q, train=inputs.params.train, finetuned=inputs.finetuned, pad_id=inputs.pad_id,
-                 calibration=calibration_batches(inputs.calibration, inputs.pad_id, inputs.q.calibration_batch_size),
+                 calibration=calibration_batches(inputs.calibration, pad_id=inputs.pad_id,
+                                             batch_size=inputs.q.calibration_batch_size),
                  reviews=reviews, labels=labels, check_reviews=inputs.val["input_ids"].tolist()[:16])
     return {**qat_openvino(graph, job, out), "calibration_samples": len(inputs.calibration), **readout}
 

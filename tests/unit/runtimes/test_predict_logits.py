@@ -1,5 +1,6 @@
 """Unit: `predict_logits` stops at a runner's first failure: queued batches are not scored after it (with one caller
-or many), the error reaches the caller, and the progress bar is closed either way."""
+or many), the error reaches the caller, and the progress bar is closed either way; `length_sorted_batches`, the
+calibration passes' batching."""
 
 from __future__ import annotations
 
@@ -75,3 +76,16 @@ def test_every_batch_is_scored_once_when_none_fails():
     assert sum(calls) == 23 and len(calls) == 6
     np.testing.assert_array_equal(logits[:, 1], [len(s) for s in seqs])  # each row in its original place
     np.testing.assert_array_equal(logits[:, 0], [s.sum() for s in seqs])
+
+
+def test_length_sorted_batches_pad_each_batch_to_its_own_longest_and_keep_ties_in_order():
+    """The calibration passes' batches: every review once, shortest first (ties in their given order), each batch
+    padded only to its own longest review, the mask marking the real tokens."""
+    from pipeline.runtimes.base import length_sorted_batches
+
+    seqs = [np.full(n, i + 10) for i, n in enumerate([5, 2, 7, 2, 3])]
+    batches = length_sorted_batches(seqs, batch_size=2, pad_id=0)
+    assert [ids.shape for ids, _ in batches] == [(2, 2), (2, 5), (1, 7)]
+    assert [int(ids[j, 0]) for ids, _ in batches for j in range(len(ids))] == [11, 13, 14, 10, 12]  # 2, 2, 3, 5, 7
+    ids, mask = batches[1]
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]] and ids[0, 3:].tolist() == [0, 0]
