@@ -68,6 +68,7 @@ from pipeline.deployment.coalescing import MAX_BATCH_TEXTS, take_oldest
 from pipeline.deployment.protocol import (
     MLFLOW_SHAPES,
     REQUEST_ID_HEADER,
+    SCORE_DECIMALS,
     VARIANT_HEADER,
     VERSION_HEADER,
     Limits,
@@ -315,7 +316,9 @@ class ContractMiddleware:
             self.metrics.in_flight.dec()
         if status != 200:
             return await self._failed(send, status, rid)
-        await self._send(send, 200, json.dumps({"predictions": predictions}).encode(), "application/json", rid)
+        answer = [{**p, "score": round(float(p["score"]), SCORE_DECIMALS)} if isinstance(p, dict) and "score" in p
+                  else p for p in predictions or []]  # as TorchServe's handler answers it (`format_predictions`)
+        await self._send(send, 200, json.dumps({"predictions": answer}).encode(), "application/json", rid)
         return Outcome(200, None, len(parsed.texts))
 
     async def _overloaded(self, send: Send, rid: str) -> Outcome:
@@ -573,14 +576,14 @@ def build_app(model_uri: str | None, params_path: Path, max_in_flight: int = MAX
     store = tracking_uri(params.mlflow)
     name, alias = params.mlflow.registered_model_name, params.mlflow.champion_alias
     version, tags = served_version(model_uri, name=name, alias=alias, tracking_uri=store)
-    uri = model_uri or f"models:/{name}@{alias}"
+    requested = uri = model_uri or f"models:/{name}@{alias}"
     if (m := re.fullmatch(r"models:/([^/@]+)@([^/]+)", uri)) and version.isdigit():
         # load the version just resolved, not the alias again: an alias moved in between (a `make run` finishing)
         # would serve one version under the other's number
         uri = f"models:/{m[1]}/{version}"
     model = served_model(uri, tracking_uri=store)
     variant = model.variant or tags.get("variant", "unknown")
-    log.info("serving %s (version %s, variant %s) from %s", uri, version, variant, store)
+    log.info("serving %s (%s, version %s, variant %s) from %s", requested, uri, version, variant, store)
     limits = Limits.from_config(vars(params.package))
     return ContractMiddleware(model.app, model.score, limits, version, variant, Metrics(version, variant),
                               timeout_s=model.timeout_s, max_in_flight=max_in_flight, body_timeout_s=body_timeout_s)

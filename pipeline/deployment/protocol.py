@@ -40,6 +40,8 @@ JSON_MEDIA_TYPES = ("application/json",)
 #: surrogates, private use, unassigned, separators and combining marks with no base.
 INVISIBLE_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zs", "Zl", "Zp", "Mn", "Me"})
 TEXT_COLUMN = "text"
+#: Decimals of the score both servers answer (a probability: a sixth decimal is below any model's noise).
+SCORE_DECIMALS = 6
 
 #: Request shapes: TorchServe's own and the four JSON formats plus CSV that MLflow's scoring server takes.
 TORCHSERVE_SHAPES = frozenset({"text", "texts", "plain"})
@@ -151,7 +153,7 @@ def check_text(value: Any, where: str, max_chars: int | None = None) -> str:
 
 def format_predictions(predictions: Sequence[Any], is_list: bool, model: str) -> Any:
     """`{"label", "score", "model"}` per text; a list when the request sent a list."""
-    items = [{"label": p.label, "score": round(float(p.score), 6), "model": model} for p in predictions]
+    items = [{"label": p.label, "score": round(float(p.score), SCORE_DECIMALS), "model": model} for p in predictions]
     return items if is_list else items[0]
 
 

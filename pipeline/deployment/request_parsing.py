@@ -124,7 +124,9 @@ def parse_request(body: Any, limits: Limits, content_type: str | None = None,
     except UnicodeDecodeError as exc:
         raise RequestError(400, f"request body is not valid UTF-8 (byte {exc.start})") from None
     if kind == "json":
-        return _from_payload(_checked_tree(decode_json(raw), limits, decoded_by_server=False), limits, shapes)
+        tree = _checked_tree(decode_json(raw), limits, decoded_by_server=False)
+        refuse_repeated_keys(raw)
+        return _from_payload(tree, limits, shapes)
     if kind == "csv":
         return ParsedRequest(check_texts(_csv_column(text, limits), limits, "row"), "csv")
     return ParsedRequest([check_text(text, "body", limits.max_chars_per_text)], "plain")
@@ -137,6 +139,22 @@ def decode_json(raw: bytes) -> Any:
     except orjson.JSONDecodeError as exc:
         # orjson's message names the problem and its position; it quotes no input
         raise RequestError(400, f"invalid JSON: {exc}") from None
+
+
+def refuse_repeated_keys(raw: bytes) -> None:
+    """Refuse (400) a JSON body with an object that names one key twice: parsers disagree on which value counts
+    (orjson and Python's json take the last, others the first), so a proxy, filter or audit log in front could read
+    another review than the one scored. Call it once `_checked_tree` has accepted the body: Python's parser, which
+    reports every key, recurses once per nesting level, and the tree is known to be shallow and small by then."""
+    import json
+
+    def distinct_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out = dict(pairs)
+        if len(out) != len(pairs):
+            raise RequestError(400, "a JSON object names the same key twice; send each key once")
+        return out
+
+    json.loads(raw, object_pairs_hook=distinct_keys)
 
 
 def _checked_tree(payload: Any, limits: Limits, decoded_by_server: bool) -> Any:

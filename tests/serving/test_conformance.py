@@ -27,6 +27,7 @@ from pipeline.deployment.inference import SentimentPredictor
 from pipeline.deployment.protocol import (
     MLFLOW_SHAPES,
     REQUEST_ID_HEADER,
+    SCORE_DECIMALS,
     TORCHSERVE_SHAPES,
     VARIANT_HEADER,
     VERSION_HEADER,
@@ -145,6 +146,8 @@ HOSTILE: list[tuple[str, Callable[[Endpoint], bytes], str | None, int, str]] = [
     ("multipart type made of the input", lambda e: _body(e, ["a"]), f"multipart/{MARKER}", 415, "(multipart)"),
     ("a thousand empty arrays", lambda e: _raw(e, b"[" + b",".join([b"[]"] * 1000) + b"]"), JSON, 413,
      "values"),
+    ("a key named twice", lambda e: _body(e, ["a fine film"])[:-1] + b", " + _body(e, [MARKER])[1:], JSON, 400,
+     "same key twice"),
 ]
 
 
@@ -209,6 +212,7 @@ def test_every_valid_shape_gets_a_label_per_text_like_the_predictor(endpoint, pr
         got = endpoint.labels(answer)
         assert [g[0] for g in got] == [w.label for w in want], shape
         assert [g[1] for g in got] == pytest.approx([w.score for w in want], abs=1e-5), shape
+        assert all(round(g[1], SCORE_DECIMALS) == g[1] for g in got), (shape, got)  # both servers: 6 decimals
 
 
 def test_only_the_documented_method_scores(endpoint, request):

@@ -422,3 +422,16 @@ def test_limits_come_whole_from_the_package_params_or_not_at_all():
     partial = {k: v for k, v in package.items() if k != "max_json_depth"}
     with pytest.raises(ValueError, match="max_json_depth"):
         Limits.from_config(partial)
+
+
+@pytest.mark.parametrize("body", [b'{"text": "good", "text": "bad"}', b'{"texts": ["a"], "texts": ["b"]}',
+                                  b'{"inputs": {"text": ["a"], "text": ["b"]}}',
+                                  b'{"dataframe_records": [{"text": "a"}, {"text": "b", "text": "c"}]}'])
+def test_a_key_named_twice_anywhere_is_refused_whichever_value_would_win(body):
+    """Parsers disagree on a repeated key (first or last value wins), so a body that repeats one, at any level, is
+    a 400 on both servers rather than a review a proxy in front may read differently."""
+    shapes = MLFLOW_SHAPES if b"inputs" in body or b"dataframe" in body else TORCHSERVE_SHAPES
+    with pytest.raises(RequestError, match="same key twice") as err:
+        parse_request(body, LIMITS, "application/json", shapes)
+    assert err.value.status == 400
+    assert parse_request(b'{"text": "good"}', LIMITS, "application/json").texts == ["good"]
