@@ -21,7 +21,9 @@ middleware holds the contract of `pipeline.deployment.protocol` instead, and ski
   is the server's (a model failure is 500, never MLflow's own 400 "unexpected error while evaluating the model"),
   more than `--max-in-flight` requests at once are answered 503 with `Retry-After`, a scoring call past MLflow's
   request timeout (`MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT`) 504; no error body ever quotes the input;
-- slow clients hold nothing for long (a slow-HTTP "slowloris" client cannot take the server): a connection whose
+- slow clients hold nothing for long (one slow-HTTP "slowloris" connection holds nothing past its deadlines; many
+  at once can fill `--limit-concurrency`, whose extra connections get a JSON 503 with `Retry-After` and are closed,
+  so a per-client connection cap belongs to the proxy in front, docs/serving.md): a connection whose
   request line and headers have not all arrived within `--header-timeout` seconds of its opening (or of its last
   answer) is closed, with a 408 if a request had begun (`request_deadline_protocol`: uvicorn has no such timeout,
   and ASGI code only runs once the headers are in), and a body not complete within `--body-timeout` seconds is
@@ -605,7 +607,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-in-flight", type=int, default=MAX_IN_FLIGHT,
                         help="scoring requests answered at once; one more is answered 503 with Retry-After")
     parser.add_argument("--limit-concurrency", type=int, default=256,
-                        help="connections plus tasks at once (above --max-in-flight); uvicorn answers 503 beyond")
+                        help="connections open at once (above --max-in-flight); one more is answered 503 with "
+                             "Retry-After and closed")
     parser.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT_S,
                         help="seconds a connection may take to send a request's line and headers (408 and closed)")
     parser.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S,
@@ -625,9 +628,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"serving {app.variant} (version {app.version}) at http://{args.host}:{args.port}/invocations; "
           f"logs in {args.log_dir / 'mlflow_server.log'}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port,
-                http=request_deadline_protocol(args.header_timeout, args.send_timeout),
-                h11_max_incomplete_event_size=H11_MAX_HEADER_BYTES,
-                limit_concurrency=args.limit_concurrency, timeout_keep_alive=5, server_header=False,
+                http=request_deadline_protocol(args.header_timeout, args.send_timeout, args.limit_concurrency,
+                                               [(VERSION_HEADER, app.version), (VARIANT_HEADER, app.variant)]),
+                h11_max_incomplete_event_size=H11_MAX_HEADER_BYTES, timeout_keep_alive=5, server_header=False,
                 log_config=config)
 
 

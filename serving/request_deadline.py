@@ -42,10 +42,31 @@ HEADERS_TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: appl
                             + _TIMEOUT_BODY)
 
 
-def request_deadline_protocol(headers_timeout_s: float, send_timeout_s: float) -> type[asyncio.Protocol]:
+#: `Retry-After` of the 503 a connection over the limit gets (as the middleware's overload answer).
+RETRY_AFTER_S = 1
+
+
+def over_limit_response(max_connections: int, headers: list[tuple[str, str]]) -> bytes:
+    """The 503 a connection past `max_connections` gets before anything of its request is read: the contract's
+    JSON error, `Retry-After` and `headers` (the served model's), the connection closed after it."""
+    body = json.dumps({"error": f"the server holds its limit of {max_connections} connections; retry after "
+                                f"{RETRY_AFTER_S} s", "status": 503}).encode()
+    lines = [b"HTTP/1.1 503 Service Unavailable", b"content-type: application/json",
+             f"retry-after: {RETRY_AFTER_S}".encode(), f"content-length: {len(body)}".encode(),
+             *(f"{k}: {v}".encode() for k, v in headers), b"connection: close"]
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body
+
+
+def request_deadline_protocol(headers_timeout_s: float, send_timeout_s: float, max_connections: int | None = None,
+                              refusal_headers: list[tuple[str, str]] | None = None) -> type[asyncio.Protocol]:
     """uvicorn's h11 protocol class with a `headers_timeout_s` deadline on each request's line and headers and a
     `send_timeout_s` one on a client that stopped reading, for `uvicorn.run(app, http=...)` (uvicorn's own options,
-    such as `h11_max_incomplete_event_size`, still apply)."""
+    such as `h11_max_incomplete_event_size`, still apply).
+
+    With `max_connections`, a connection that opens while that many are open gets `over_limit_response` (with
+    `refusal_headers`) and is closed at once: uvicorn's own `limit_concurrency` answers a plain-text 503 without
+    `Retry-After` and only once a request's headers are in (leave it unset with this)."""
+    refusal = over_limit_response(max_connections, refusal_headers or []) if max_connections else b""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -61,7 +82,13 @@ def request_deadline_protocol(headers_timeout_s: float, send_timeout_s: float) -
         send_deadline: asyncio.TimerHandle | None = None  # armed while the transport's send buffer is full
 
         def connection_made(self, transport: Any) -> None:
-            super().connection_made(transport)
+            super().connection_made(transport)  # counted in the server's connections from here
+            if max_connections and len(self.connections) > max_connections:
+                log.warning("refusing the connection of %s: %d connections open, the limit (503)", self._peer(),
+                            len(self.connections) - 1)
+                transport.write(refusal)
+                transport.close()
+                return
             self._arm()
 
         def data_received(self, data: bytes) -> None:

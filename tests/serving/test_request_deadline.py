@@ -2,7 +2,7 @@
 on a real uvicorn server (in a thread, on a free loopback port, a trivial ASGI app): slow-HTTP clients that send
 nothing, or headers a byte at a time, lose their connection at the deadline (a 408 to the one that began a
 request); a request sent in time is answered, and so is the next one on the same connection, whose deadline
-starts again after the answer."""
+starts again after the answer; a connection past the server's limit gets the contract's 503 at once."""
 
 from __future__ import annotations
 
@@ -45,13 +45,14 @@ async def hello(scope: dict[str, Any], receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": b"ok"})
 
 
-@pytest.fixture(scope="module")
-def port() -> Iterator[int]:
+@contextlib.contextmanager
+def serving(protocol: type[asyncio.Protocol]) -> Iterator[int]:
+    """`hello` under uvicorn with `protocol`, in a thread, on a free loopback port; stopped afterwards."""
     import uvicorn
 
     port = free_port()
-    config = uvicorn.Config(hello, host="127.0.0.1", port=port, http=request_deadline_protocol(DEADLINE_S, DEADLINE_S),
-                            lifespan="off", log_level="warning", timeout_keep_alive=30)
+    config = uvicorn.Config(hello, host="127.0.0.1", port=port, http=protocol, lifespan="off", log_level="warning",
+                            timeout_keep_alive=30)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -59,9 +60,17 @@ def port() -> Iterator[int]:
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.02)
     assert server.started
-    yield port
-    server.should_exit = True
-    thread.join(10)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def port() -> Iterator[int]:
+    with serving(request_deadline_protocol(DEADLINE_S, DEADLINE_S)) as port:
+        yield port
 
 
 def connect(port: int) -> socket.socket:
@@ -197,3 +206,29 @@ def test_bad_bytes_after_an_early_answer_close_the_connection_without_an_error(p
         data, waited = read_until_closed(sock)
     assert data == b"" and waited < DEADLINE_S + 5
     assert not [r for r in caplog.records if "data_received" in r.getMessage() or r.levelno >= logging.ERROR]
+
+
+def test_a_connection_past_the_limit_gets_the_contracts_503_at_once_and_a_freed_slot_serves_again():
+    """Idle connections fill the limit (as slow clients would until their deadline): the next connection gets a
+    JSON 503 with `Retry-After` and the served model's headers before it sends anything, and is closed; once one
+    of the idle ones goes, a request is answered again."""
+    import json
+
+    protocol = request_deadline_protocol(30.0, 30.0, max_connections=3, refusal_headers=[("X-Model-Version", "7")])
+    with serving(protocol) as port:
+        idle = [connect(port) for _ in range(3)]
+        time.sleep(0.2)  # the server has taken all three
+        with connect(port) as sock:
+            data, _ = read_until_closed(sock)
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503 ") and b"retry-after: 1" in head and b"X-Model-Version: 7" in head
+        assert json.loads(body) == {"error": "the server holds its limit of 3 connections; retry after 1 s",
+                                    "status": 503}
+        idle.pop().close()
+        time.sleep(0.2)
+        with connect(port) as sock:
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n")
+            data, _ = read_until_closed(sock)
+        assert data.startswith(b"HTTP/1.1 200 ") and data.endswith(b"ok")
+        for sock in idle:
+            sock.close()
