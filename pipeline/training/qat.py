@@ -67,7 +67,12 @@ def qat_checkpoints(train: TrainParams, job: str, settings: Mapping[str, Any], m
     (the training code and the builder's own modules, `code`). Settings the job does not read (another variant's,
     `quantize.build`) leave a checkpoint valid. The caller clears the store once its variant is published."""
     store = CheckpointStore.for_job(train, job)
-    structure = sorted((name, list(t.shape)) for name, t in model.state_dict().items())
+    import hashlib
+    import json
+
+    shapes = sorted((name, list(t.shape)) for name, t in model.state_dict().items())
+    # a digest, not the list: the reason a fresh start gives names what changed in one short line
+    structure = hashlib.sha256(json.dumps(shapes).encode()).hexdigest()[:16]
     current = fingerprint({**settings, "seed": train.seed, "structure": structure}, inputs, code=code)
     return store, store.plan(current, train.resume)
 
