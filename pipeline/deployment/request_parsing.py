@@ -154,7 +154,12 @@ def refuse_repeated_keys(raw: bytes) -> None:
             raise RequestError(400, "a JSON object names the same key twice; send each key once")
         return out
 
-    json.loads(raw, object_pairs_hook=distinct_keys)
+    try:
+        json.loads(raw, object_pairs_hook=distinct_keys)
+    except RequestError:
+        raise
+    except (ValueError, RecursionError):  # orjson accepted it; should Python's parser not, say so, never a 500
+        raise RequestError(400, "invalid JSON") from None
 
 
 def _checked_tree(payload: Any, limits: Limits, decoded_by_server: bool) -> Any:
