@@ -209,22 +209,20 @@ def champion(tmp_path_factory, tiny_model_dir, built, tracking_store):
         stop_server(proc)
 
 
-@pytest.fixture(scope="session")
-def proxy(tmp_path_factory, server):
-    """`serving/nginx.conf` as the Docker image runs it, in front of the session's TorchServe (only the listen
-    port, the upstream and the pid/temp paths rewritten); skipped where no nginx is installed."""
-    import shutil
+@contextlib.contextmanager
+def nginx_in_front(upstream_port: int, work: Path) -> Iterator[str]:
+    """`serving/nginx.conf` as the Docker image runs it, in front of `upstream_port` (only the listen ports, the
+    upstream and the pid/temp paths rewritten, under `work`); its URL. Skipped where no nginx is installed."""
     import socket
 
     nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").is_file() else None)
     if nginx is None:
         pytest.skip("nginx is not installed here (the Docker image installs it)")
-    work = tmp_path_factory.mktemp("nginx")
-    port = free_port()
+    port, hop = free_port(), free_port()
     conf = (ROOT / "serving" / "nginx.conf").read_text()
     conf = re.sub(r"listen 8080;", f"listen 127.0.0.1:{port};", conf)
-    conf = re.sub(r"server 127\.0\.0\.1:8079;", f"server 127.0.0.1:{server.ports['inference']};", conf)
-    conf = conf.replace("/tmp/", f"{work}/")
+    conf = re.sub(r"server 127\.0\.0\.1:8079;", f"server 127.0.0.1:{upstream_port};", conf)
+    conf = conf.replace("127.0.0.1:8078", f"127.0.0.1:{hop}").replace("/tmp/", f"{work}/")
     (work / "nginx.conf").write_text(conf)
     proc = subprocess.Popen([nginx, "-c", str(work / "nginx.conf"), "-g", "daemon off;"], cwd=work,
                             stdout=subprocess.DEVNULL, stderr=(work / "nginx.log").open("wb"),
@@ -242,6 +240,13 @@ def proxy(tmp_path_factory, server):
         yield f"http://127.0.0.1:{port}"
     finally:
         stop_server(proc)
+
+
+@pytest.fixture(scope="session")
+def proxy(tmp_path_factory, server):
+    """`serving/nginx.conf` in front of the session's TorchServe (`nginx_in_front`)."""
+    with nginx_in_front(server.ports["inference"], tmp_path_factory.mktemp("nginx")) as url:
+        yield url
 
 
 def default_served_variant() -> str:

@@ -72,10 +72,16 @@ def test_the_image_puts_the_proxy_in_front_and_keeps_torchserve_on_loopback():
     conf = (ROOT / "serving" / "nginx.conf").read_text()
     assert re.search(r"listen 8080;", conf) and re.search(r"server 127\.0\.0\.1:8079;", conf)
     assert any("inference_address=http://127.0.0.1:8079" in rest for word, rest in ins if word == "RUN")
-    blocks = re.split(r"\n\s*location ", conf)[1:]
+    servers = re.split(r"\n    server \{", conf)[1:]
+    public = [block for block in servers if "listen 8080;" in block]
+    assert len(public) == 1
+    blocks = re.split(r"\n\s*location ", public[0])[1:]
     proxied = [block.split("{", 1)[0].strip() for block in blocks if "proxy_pass" in block]
     assert proxied == ["= /predictions/sentiment"]  # the only path that reaches TorchServe
     assert "if ($request_method != POST)" in blocks[0] and "return 405" in blocks[0]
+    # the hop that rewrites TorchServe's own 503 listens on loopback only, on a port the image does not expose
+    listens = [re.findall(r"^\s*listen (\S+);", block, re.M) for block in servers if "listen 8080;" not in block]
+    assert listens == [["127.0.0.1:8078"]] and "8078" not in next(rest for word, rest in ins if word == "EXPOSE")
 
 
 def test_torchserve_logs_are_files_that_append_and_rotate():
