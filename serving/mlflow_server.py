@@ -318,8 +318,10 @@ class ContractMiddleware:
             self.metrics.in_flight.dec()
         if status != 200:
             return await self._failed(send, status, rid)
-        answer = [{**p, "score": round(float(p["score"]), SCORE_DECIMALS)} if isinstance(p, dict) and "score" in p
-                  else p for p in predictions or []]  # as TorchServe's handler answers it (`format_predictions`)
+        answer = [{**p, "score": round(float(p["score"]), SCORE_DECIMALS)}
+                  if isinstance(p, dict) and isinstance(p.get("score"), int | float) else p
+                  for p in predictions or []]  # as TorchServe's handler answers (`format_predictions`); another
+        # pyfunc's records pass as it answers them
         await self._send(send, 200, json.dumps({"predictions": answer}).encode(), "application/json", rid)
         return Outcome(200, None, len(parsed.texts))
 
