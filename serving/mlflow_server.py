@@ -78,7 +78,7 @@ from pipeline.deployment.protocol import (
     error_body,
 )
 from pipeline.deployment.request_parsing import parse_request
-from serving.request_deadline import request_deadline_protocol
+from serving.request_deadline import RETRY_AFTER_S, request_deadline_protocol
 
 log = logging.getLogger("serving.mlflow_server")
 
@@ -123,8 +123,6 @@ SEND_TIMEOUT_S = 30.0
 #: Bodies larger than this are parsed and checked in a worker thread instead of on the event loop.
 PARSE_INLINE_BYTES = 64 * 1024
 CLOSE = (b"connection", b"close")
-#: Seconds a client is asked to wait after a 503 (overloaded).
-RETRY_AFTER_S = 1
 #: Scoring requests answered at once (`--max-in-flight`); one more is a 503 with Retry-After.
 MAX_IN_FLIGHT = 64
 

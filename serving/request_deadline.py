@@ -42,7 +42,8 @@ HEADERS_TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: appl
                             + _TIMEOUT_BODY)
 
 
-#: `Retry-After` of the 503 a connection over the limit gets (as the middleware's overload answer).
+#: Seconds a client is asked to wait after a 503: a connection over the limit here, and the MLflow server's
+#: overload answer.
 RETRY_AFTER_S = 1
 
 

@@ -30,7 +30,6 @@ class QatResult:
 
     wrapped_layers: int
     steps: int
-    samples: int
     final_loss: float
 
 
@@ -102,7 +101,7 @@ def qat_finetune(model: torch.nn.Module, run: QatRun, skip_in_features: int | No
     steps, loss = _distilled_finetune(model, teacher, run)
     remove_fake_quant(model)
     model.eval()
-    return QatResult(wrapped, steps, len(run.reviews) * run.params.qat_epochs, loss)
+    return QatResult(wrapped, steps, loss)
 
 
 def fake_quantized_finetune(model: torch.nn.Module, teacher: torch.nn.Module | None, run: QatRun) -> tuple[int, float]:
