@@ -9,6 +9,10 @@ from typing import Any
 
 from pipeline.core.parent_run import client_for
 
+#: The error codes of a registry that answered and has no such alias or model (an unknown alias is
+#: INVALID_PARAMETER_VALUE, an unknown model RESOURCE_DOES_NOT_EXIST); every other error is the store's.
+NOT_SET = ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE")
+
 
 def set_alias(name: str, alias: str, version: str, *, tracking_uri: str) -> None:
     """Point `models:/<name>@<alias>` at `version` (moved from whichever version held it)."""
@@ -16,24 +20,27 @@ def set_alias(name: str, alias: str, version: str, *, tracking_uri: str) -> None
 
 
 def alias_version(name: str, alias: str, *, tracking_uri: str) -> str | None:
-    """The version `models:/<name>@<alias>` points at, or None when the alias is not set."""
-    from mlflow.exceptions import MlflowException
-
+    """The version `models:/<name>@<alias>` points at, or None when the alias (or the model) is not set; any other
+    failure to read the registry (a tracking server down, a refused login) is raised as MLflow raised it."""
     try:
-        return str(client_for(tracking_uri).get_model_version_by_alias(name, alias).version)
-    except MlflowException:
+        return registered_version(name, alias, tracking_uri=tracking_uri)[0]
+    except LookupError:
         return None
 
 
 def registered_version(name: str, alias: str, *, tracking_uri: str) -> tuple[str, dict[str, str]]:
     """The version `models:/<name>@<alias>` points at and that version's tags (the package stage writes
-    `variant` there); `LookupError` when the alias is not set."""
+    `variant` there). `LookupError` when the registry answers that the alias or the model is not there; any other
+    `MlflowException` (the store unreachable, a refused login, a schema MLflow cannot read) is raised as it is, so
+    that it is not reported as a missing champion."""
     from mlflow.exceptions import MlflowException
 
     try:
         version = client_for(tracking_uri).get_model_version_by_alias(name, alias)
     except MlflowException as exc:
-        raise LookupError(f"models:/{name}@{alias} is not set in {tracking_uri}") from exc
+        if exc.error_code not in NOT_SET:
+            raise
+        raise LookupError(f"models:/{name}@{alias} is not set in {tracking_uri} ({exc.message})") from exc
     return str(version.version), dict(version.tags or {})
 
 

@@ -1,0 +1,44 @@
+"""The registry lookups tell "no such alias" from "the store could not answer"."""
+
+from __future__ import annotations
+
+import pytest
+from mlflow.exceptions import MlflowException
+from mlflow.protos import databricks_pb2
+
+from pipeline.core import model_registry
+
+
+class _Client:
+    def __init__(self, error: MlflowException) -> None:
+        self.error = error
+
+    def get_model_version_by_alias(self, name: str, alias: str) -> None:
+        raise self.error
+
+
+@pytest.mark.parametrize("code", ["RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"])
+def test_an_alias_the_registry_does_not_have_is_not_set(monkeypatch, code):
+    error = MlflowException("not found", error_code=getattr(databricks_pb2, code))
+    monkeypatch.setattr(model_registry, "client_for", lambda uri: _Client(error))
+    with pytest.raises(LookupError, match=r"models:/m@champion is not set in sqlite:///x.db \(not found\)"):
+        model_registry.registered_version("m", "champion", tracking_uri="sqlite:///x.db")
+    assert model_registry.alias_version("m", "champion", tracking_uri="sqlite:///x.db") is None
+
+
+@pytest.mark.parametrize("code", ["INTERNAL_ERROR", "PERMISSION_DENIED", "TEMPORARILY_UNAVAILABLE"])
+def test_a_store_that_fails_is_not_reported_as_a_missing_champion(monkeypatch, code):
+    """A tracking server down or refusing is raised as MLflow raised it: neither "run make run" nor an unset
+    previous champion (the package stage records `previous_champion_version`)."""
+    error = MlflowException("API request failed: connection refused",
+                            error_code=getattr(databricks_pb2, code))
+    monkeypatch.setattr(model_registry, "client_for", lambda uri: _Client(error))
+    for lookup in (model_registry.registered_version, model_registry.alias_version):
+        with pytest.raises(MlflowException, match="connection refused"):
+            lookup("m", "champion", tracking_uri="http://127.0.0.1:9")
+
+
+def test_a_real_store_without_the_model_says_not_set(tmp_path):
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    with pytest.raises(LookupError, match="is not set"):
+        model_registry.registered_version("absent", "champion", tracking_uri=store)
