@@ -23,7 +23,7 @@ import torch
 
 from pipeline.core.io import write_json
 from pipeline.core.params import DataParams, ModelParams, TrainParams
-from pipeline.data.imdb import clean_text
+from pipeline.data.cleaning import clean_text
 from pipeline.data.tokens import tokenize_frame
 from pipeline.modeling import load_model, load_tokenizer, pad_id
 from pipeline.runtimes.base import predict_logits

@@ -49,7 +49,7 @@ import torch
 from pipeline.core.io import replaced_on_success, write_json
 from pipeline.core.machine import machine_info, resolve_precision
 from pipeline.core.params import DataParams, ModelParams, TrainParams
-from pipeline.data.imdb import clean_text
+from pipeline.data.cleaning import clean_text
 from pipeline.data.tokens import tokenize_frame
 from pipeline.modeling import ID2LABEL, LABEL2ID, load_tokenizer
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pandas as pd
 
 from pipeline.core.errors import UserError
 from pipeline.core.params import DataParams
+from pipeline.data.cleaning import clean_text
 
 log = logging.getLogger(__name__)
 
@@ -29,12 +29,6 @@ TRANSFER = "transfer"
 
 
 LABELS = {0: "negative", 1: "positive"}
-
-
-_BR = re.compile(r"<br\s*/?>", flags=re.IGNORECASE)
-
-
-_SPACES = re.compile(r"\s+")
 
 
 class DataSourceError(UserError):
@@ -111,11 +105,6 @@ def _load_aclimdb(directory: Path) -> pd.DataFrame:
 
 
 # ------------------------------------------------------------------------------ cleaning & split
-def clean_text(text: str) -> str:
-    """Drop the `<br />` markup IMDB reviews carry and collapse whitespace."""
-    return _SPACES.sub(" ", _BR.sub(" ", text)).strip()
-
-
 @dataclass(frozen=True)
 class SplitReport:
     """What preparing the splits did, for metrics and MLflow."""

@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from pipeline.core.params import DataParams
-from pipeline.data.imdb import clean_text
+from pipeline.data.cleaning import clean_text
 
 
 # ---------------------------------------------------------------------------------- tokenization

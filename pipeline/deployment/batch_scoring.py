@@ -149,9 +149,11 @@ def ship_checks_by_value() -> None:
     the project to run them: on a cluster only the model carries the project's code."""
     from pyspark import cloudpickle
 
+    from pipeline.data import cleaning
     from pipeline.deployment import protocol
 
     cloudpickle.register_pickle_by_value(protocol)
+    cloudpickle.register_pickle_by_value(cleaning)  # the contract's checks clean a text as the model reads it
     if __name__ != "__main__":  # run as a script, this module is __main__, which cloudpickle ships by value anyway
         cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

@@ -9,8 +9,9 @@ request shapes its clients know (`TORCHSERVE_SHAPES`, `MLFLOW_SHAPES`); everythi
 - Limits (`package.*` params, carried by the archive's serving.json and the MLflow launcher): `max_body_bytes`
   (413), `max_texts` rows (413), `max_chars_per_text` per text (413), `max_json_depth` (400).
 - JSON is parsed by orjson: NaN/Infinity, numbers beyond a double, lone surrogates and invalid UTF-8 are 400.
-- Every text must be a string with at least one visible character: null, numbers, objects, blank text and text
-  made only of zero-width, bidi or control characters are 400, named by where they are (`texts[3]`).
+- Every text must be a string with at least one visible character once cleaned as the model reads it: null,
+  numbers, objects, blank text, text made only of zero-width, bidi, control or replacement (U+FFFD) characters and
+  text that is only `<br />` markup are 400, named by where they are (`texts[3]`).
 - Errors are `{"error": message, "status": code, "request_id": id}`: messages name what was wrong (type,
   position, size, limit), are at most `MAX_ERROR_CHARS` long and never quote the input. A 4xx is the caller's
   mistake; a failure of the model or the server is a 5xx (500; 503 with `Retry-After` when overloaded), logged
@@ -26,10 +27,13 @@ per-request isolation `pipeline.deployment.batch_answers` (`answer_batch`).
 from __future__ import annotations
 
 import math
+import numbers
 import unicodedata
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Protocol
+
+from pipeline.data.cleaning import clean_text
 
 # Largest integer a JSON number may hold: what still fits a double, the same bound orjson enforces on bodies
 # it parses, applied to JSON the server decoded itself (Python's json turns any digit string into an int).
@@ -39,6 +43,8 @@ JSON_MEDIA_TYPES = ("application/json",)
 #: Unicode categories that draw nothing: controls, format characters (zero-width, bidi marks and isolates),
 #: surrogates, private use, unassigned, separators and combining marks with no base.
 INVISIBLE_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zs", "Zl", "Zp", "Mn", "Me"})
+#: What a decoder writes for bytes it cannot read; the tokenizer drops it, so it holds no text either.
+REPLACEMENT_CHARACTER = "\ufffd"
 TEXT_COLUMN = "text"
 #: Decimals of the score both servers answer (a probability: a sixth decimal is below any model's noise).
 SCORE_DECIMALS = 6
@@ -117,8 +123,21 @@ class Scorer(Protocol):
 
 
 def json_type(value: Any) -> str:
+    """What `value` is, in JSON's words (numpy's numbers are numbers; pandas' and numpy's missing values null)."""
     names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
-    return names.get(type(value), "a number" if isinstance(value, int | float) else type(value).__name__)
+    if type(value) in names:
+        return names[type(value)]
+    if is_missing(value):
+        return "null"
+    return "a number" if isinstance(value, numbers.Number) else type(value).__name__
+
+
+def is_missing(value: Any) -> bool:
+    """True for the ways a missing cell reaches a predictor: None, a float NaN of any width (how pandas writes a
+    null in a float column), and pandas' `NA` and `NaT` (named here, so this module imports no pandas)."""
+    if value is None or type(value).__name__ in ("NAType", "NaTType"):
+        return True
+    return isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral) and math.isnan(value)
 
 
 def check_texts(values: Sequence[Any], limits: Limits, where: str) -> list[str]:
@@ -134,8 +153,6 @@ def check_text(value: Any, where: str, max_chars: int | None = None) -> str:
     """`value` if it is a string holding a visible character, of at most `max_chars` characters (no length limit
     when None: the model itself cuts long texts); else `RequestError`."""
     if not isinstance(value, str):
-        if isinstance(value, float) and math.isnan(value):  # how pandas writes a missing cell (null, empty)
-            raise RequestError(400, f"{where} must be a string, got null")
         raise RequestError(400, f"{where} must be a string, got {json_type(value)}")
     if max_chars is not None and len(value) > max_chars:
         raise RequestError(413, f"{where} has {len(value)} characters, more than the limit of {max_chars}")
@@ -145,10 +162,18 @@ def check_text(value: Any, where: str, max_chars: int | None = None) -> str:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:  # JSON decoded by the server may hold "\ud800"; no tokenizer takes it
         raise RequestError(400, f"{where} holds a lone UTF-16 surrogate at character {exc.start}") from None
-    if all(unicodedata.category(ch) in INVISIBLE_CATEGORIES for ch in value):
-        raise RequestError(400, f"{where} holds no visible character (only zero-width, bidi, control or "
-                                "combining characters)")
+    if not has_visible(value):
+        raise RequestError(400, f"{where} holds no visible character (only zero-width, bidi, control, combining or "
+                                "replacement characters)")
+    if "<" in value and not has_visible(clean_text(value)):  # what the model reads: `<br />` markup dropped
+        raise RequestError(400, f"{where} holds nothing but line-break markup (<br />): no text to score")
     return value
+
+
+def has_visible(text: str) -> bool:
+    """True when `text` holds a character that draws something and that the tokenizer keeps: U+FFFD, which
+    decoding writes for bytes that are not UTF-8 and BERT's tokenizers drop, counts as invisible."""
+    return any(ch != REPLACEMENT_CHARACTER and unicodedata.category(ch) not in INVISIBLE_CATEGORIES for ch in text)
 
 
 def format_predictions(predictions: Sequence[Any], is_list: bool, model: str) -> Any:

@@ -116,6 +116,8 @@ HOSTILE: list[tuple[str, Callable[[Endpoint], bytes], str | None, int, str]] = [
     ("blank text", lambda e: _body(e, ["  \t\n "]), JSON, 400, "whitespace only"),
     ("invisible text", lambda e: _body(e, ["\u200b\u200e\u202e\u2066\u0007\ufeff"]), JSON, 400,
      "no visible character"),
+    ("replacement characters only", lambda e: _body(e, ["\ufffd \ufffd\u200b"]), JSON, 400, "no visible character"),
+    ("line-break markup only", lambda e: _body(e, ["<br /><BR>\n<br/> "]), JSON, 400, "line-break markup"),
     ("empty list", lambda e: _body(e, []), JSON, 400, "no texts"),
     ("too many rows", lambda e: _body(e, [MARKER] * (LIMITS.max_texts + 1)), JSON, 413, "exceed the maximum"),
     ("too long a text", lambda e: _body(e, [MARKER + "x" * LIMITS.max_chars_per_text]), JSON, 413,

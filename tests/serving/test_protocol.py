@@ -5,23 +5,27 @@ decoded itself) and mixes of valid and hostile requests, plus the poison payload
 from __future__ import annotations
 
 import json
-import unicodedata
+import math
 from dataclasses import dataclass
 
+import numpy as np
+import pandas as pd
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pipeline.data.cleaning import clean_text
 from pipeline.deployment.batch_answers import answer_batch
 from pipeline.deployment.inference import SentimentPredictor
 from pipeline.deployment.protocol import (
-    INVISIBLE_CATEGORIES,
     MAX_ERROR_CHARS,
     MLFLOW_SHAPES,
     NON_JSON_SHAPES,
     TORCHSERVE_SHAPES,
     Limits,
     RequestError,
+    check_text,
+    has_visible,
 )
 from pipeline.deployment.request_parsing import is_json_media_type, parse_request
 from serving.handler import SentimentHandler
@@ -308,8 +312,7 @@ class FakeScorer:
 
 
 valid_texts = st.text(min_size=1, max_size=40).filter(
-    lambda t: any(unicodedata.category(c) not in INVISIBLE_CATEGORIES for c in t) and "BOOM" not in t
-    and "POISON" not in t)
+    lambda t: has_visible(clean_text(t)) and "BOOM" not in t and "POISON" not in t)
 valid_requests = st.one_of(
     valid_texts.map(lambda t: (json.dumps({"text": t}).encode(), "application/json")),
     st.lists(valid_texts, min_size=1, max_size=4).map(lambda ts: ({"texts": ts}, "application/json")),
@@ -435,3 +438,30 @@ def test_a_key_named_twice_anywhere_is_refused_whichever_value_would_win(body):
         parse_request(body, LIMITS, "application/json", shapes)
     assert err.value.status == 400
     assert parse_request(b'{"text": "good"}', LIMITS, "application/json").texts == ["good"]
+
+
+@pytest.mark.parametrize("value", [None, math.nan, np.float32("nan"), np.float16("nan"), pd.NA, pd.NaT],
+                         ids=["None", "nan", "float32-nan", "float16-nan", "pd.NA", "pd.NaT"])
+def test_every_missing_cell_is_called_null(value):
+    """However pandas or numpy writes a missing cell, the error says null (not `NAType` or `float32`)."""
+    with pytest.raises(RequestError, match=r"text\[0\] must be a string, got null$"):
+        check_text(value, "text[0]")
+
+
+@pytest.mark.parametrize("value, kind", [(np.int64(5), "a number"), (np.float32(0.5), "a number"), (7, "a number"),
+                                         (b"bytes", "bytes"), ({"a": 1}, "an object")])
+def test_numpy_numbers_are_numbers(value, kind):
+    with pytest.raises(RequestError, match=f"got {kind}$"):
+        check_text(value, "text[0]")
+
+
+@pytest.mark.parametrize("text", ["<br />", "<br/><BR>\n<br >", " \ufffd ", "\ufffd<br />\u200b"])
+def test_a_text_with_nothing_left_to_score_once_cleaned_is_refused(text):
+    """What the model reads is the cleaned text (`pipeline.data.cleaning`): markup or U+FFFD alone is no review."""
+    with pytest.raises(RequestError, match=r"no visible character|line-break markup"):
+        check_text(text, "text[0]")
+
+
+@pytest.mark.parametrize("text", ["<br />great film", "a <b>fine</b> film", "<3", "caf\ufffd ok", "<br>é"])
+def test_a_text_with_something_left_once_cleaned_passes(text):
+    assert check_text(text, "text[0]") == text

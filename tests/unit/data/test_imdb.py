@@ -6,7 +6,8 @@ import pandas as pd
 import pytest
 
 from pipeline.core.params import DataParams
-from pipeline.data.imdb import DataSourceError, DataValidationError, clean_text, load_imdb, make_splits, validate_splits
+from pipeline.data.cleaning import clean_text
+from pipeline.data.imdb import DataSourceError, DataValidationError, load_imdb, make_splits, validate_splits
 from tests.factories import synthetic_reviews
 
 

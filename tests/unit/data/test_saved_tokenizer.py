@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.data.imdb import clean_text
+from pipeline.data.cleaning import clean_text
 from pipeline.data.saved_tokenizer import TOKENIZER_FILE, SavedTokenizer
 from pipeline.data.tokens import encode_texts
 from pipeline.modeling import load_saved_tokenizer

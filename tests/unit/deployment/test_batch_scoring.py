@@ -25,6 +25,8 @@ BAD_TEXTS = {
     "empty": ("", "empty or whitespace only"),
     "blank": ("   \t ", "empty or whitespace only"),
     "invisible": ("\u200b\u202e\u2066", "no visible character"),
+    "replacement characters": ("\ufffd\ufffd", "no visible character"),
+    "markup only": ("<br /><br />", "line-break markup"),
     "over-long": ("x" * (MAX_CHARS + 1), f"more than the limit of {MAX_CHARS}"),
 }
 

@@ -48,7 +48,8 @@ def test_the_pyfunc_predictor_refuses_what_is_not_a_review_and_scores_any_number
     texts = ["great wonderful film", "awful boring film"]
     assert [(p.label, p.score) for p in checked.predict(texts)] == [(p.label, p.score) for p in plain.predict(texts)]
     for values, needle in (([None], r"text\[0\] must be a string, got null"), (["ok", math.nan], r"text\[1\].*null"),
-                           ([5], "got a number"), (["  "], "whitespace"), (["\u200b\u202e"], "no visible character")):
+                           ([5], "got a number"), (["  "], "whitespace"), (["\u200b\u202e"], "no visible character"),
+                           (["ok", "\ufffd"], r"text\[1\] holds no visible"), (["<br/><BR >"], "line-break markup")):
         with pytest.raises(RequestError, match=needle):
             checked.predict(values)
     assert checked.predict([]) == []
