@@ -159,8 +159,10 @@ def predictor_model_class() -> type:
             if TEXT_COLUMN not in model_input.columns:
                 raise ValueError(f"input needs a column named {TEXT_COLUMN!r}")
             predictions = self.predictor.predict(model_input[TEXT_COLUMN].tolist())
+            # the caller's index, so the answers join back onto the rows they came from (`df.join(predict(df))`)
             return pd.DataFrame({"label": [p.label for p in predictions],
-                                 "score": [float(p.score) for p in predictions]}, columns=list(OUTPUT_COLUMNS))
+                                 "score": [float(p.score) for p in predictions]}, columns=list(OUTPUT_COLUMNS),
+                                index=model_input.index)
 
     return PredictorModel
 

@@ -125,6 +125,10 @@ def test_every_built_variant_is_an_mlflow_model_with_its_scores(built, tiny_mode
     corpus = [f"{t} #{i}" for i in range(150) for t in texts]  # 300 rows: more than a request may hold
     scored = loaded.predict(pd.DataFrame({"text": corpus}))
     assert len(scored) == 300 and scored["label"].tolist() == [p.label for p in want] * 150
+    frame = pd.DataFrame({"text": texts * 2}, index=[10, 3, "x", 0])  # the caller's index is the answers'
+    joined = frame.join(loaded.predict(frame))
+    assert joined["label"].tolist() == [p.label for p in want] * 2 and joined["score"].notna().all()
+    assert loaded.predict(frame.set_axis([5, 5, 5, 5])).index.tolist() == [5, 5, 5, 5]  # duplicates too
 
 
 def test_concurrent_callers_score_every_batch_once_with_the_same_logits():
