@@ -35,6 +35,9 @@ from pipeline.core.io import write_json
 from pipeline.deployment.protocol import TEXT_COLUMN, RequestError, check_text
 from pipeline.deployment.spark_io import (
     BATCH_ROWS,
+    MALFORMED_ROW,
+    check_input,
+    check_output,
     count_output,
     input_format,
     progress_lines,
@@ -51,6 +54,13 @@ if TYPE_CHECKING:
 
 #: The id column added when the input names none.
 ADDED_ID_COLUMN = "row_id"
+#: The output's columns beside the id.
+OUTPUT_COLUMNS = ("label", "score", "error")
+#: What the id, the text and the model's answer are called inside the job (the input's own names may hold dots).
+ID, TEXT, ANSWER = "_scoring_id", "_scoring_text", "_scoring_answer"
+#: The error of a CSV row whose fields do not match the header's (`spark_io.read_csv_input`).
+MALFORMED_MESSAGE = ("malformed CSV row: its fields do not match the header's columns (an unquoted comma or quote "
+                     "in a field?); not scored")
 #: The most rows of one partition unless `--partitions` says otherwise: one task's work stays short (minutes on one
 #: core), so progress advances in small steps and a slow or retried task delays the end by little.
 PARTITION_ROWS = 10_000
@@ -118,30 +128,34 @@ def type_error(where: str, dtype: DataType) -> str:
     return f"{where} must be a string, got {kind}"
 
 
-def error_column(frame: DataFrame, text_column: str, max_chars: int) -> Column:
-    """The `error` column: the contract's message for a refused text, null for a text to score. A string column is
-    checked value by value in a pandas UDF (the contract's own `check_text`); a column of another type refuses every
-    row (null: "got null")."""
+def error_column(frame: DataFrame, column: str, max_chars: int, where: str) -> Column:
+    """The `error` column: the contract's message for a refused text, null for a text to score, naming the text
+    column `where` (`column` is its name in `frame`). A string column is checked value by value in a pandas UDF
+    (the contract's own `check_text`); a column of another type refuses every row (null: "got null"); a CSV row
+    whose fields do not match the header's (`spark_io.MALFORMED_ROW`) is refused whatever its text."""
     from pyspark.sql import functions as F
     from pyspark.sql.types import StringType
 
-    text = F.col(text_column)
-    dtype = frame.schema[text_column].dataType
+    text = F.col(column)
+    dtype = frame.schema[column].dataType
     if not isinstance(dtype, StringType):
-        return (F.when(text.isNull(), F.lit(f"{text_column} must be a string, got null"))
-                .otherwise(F.lit(type_error(text_column, dtype))))
+        checked = (F.when(text.isNull(), F.lit(f"{where} must be a string, got null"))
+                   .otherwise(F.lit(type_error(where, dtype))))
+    else:
+        import pandas as pd
 
-    import pandas as pd
+        def check(values: pd.Series) -> pd.Series:
+            return text_errors(values, where, max_chars)
 
-    def check(values: pd.Series) -> pd.Series:
-        return text_errors(values, text_column, max_chars)
-
-    # Spark reads a pandas UDF's kind from its hints, which this module's `from __future__ import annotations` leaves
-    # as strings: give it the classes
-    check.__annotations__ = {"values": pd.Series, "return": pd.Series}
-    # marked nondeterministic only to steer the optimizer: it then computes the column once per row where it is
-    # selected, instead of inlining the call again into each filter on `error` and into the projection above it
-    return F.pandas_udf(check, "string").asNondeterministic()(text)
+        # Spark reads a pandas UDF's kind from its hints, which this module's `from __future__ import annotations`
+        # leaves as strings: give it the classes
+        check.__annotations__ = {"values": pd.Series, "return": pd.Series}
+        # marked nondeterministic only to steer the optimizer: it then computes the column once per row where it is
+        # selected, instead of inlining the call again into each filter on `error` and into the projection above it
+        checked = F.pandas_udf(check, "string").asNondeterministic()(text)
+    if MALFORMED_ROW not in frame.columns:
+        return checked
+    return F.when(F.col(MALFORMED_ROW).isNotNull(), F.lit(MALFORMED_MESSAGE)).otherwise(checked)
 
 
 def ship_checks_by_value() -> None:
@@ -158,23 +172,38 @@ def ship_checks_by_value() -> None:
         cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
-def scored_frame(frame: DataFrame, model_udf: Any, id_column: str, text_column: str, max_chars: int) -> DataFrame:
-    """`id_column`, `label`, `score`, `error` for every row of `frame`: rows the contract refuses carry the error and
-    no label or score, and never reach the model (they are filtered out of the rows the UDF scores, not scored and
-    discarded), so one bad row cannot fail the batch it would have been in."""
+def scored_frame(frame: DataFrame, model_udf: Any, max_chars: int, text_column: str) -> DataFrame:
+    """`ID`, `label`, `score`, `error` for every row of `frame` (columns `ID` and `TEXT`, and `MALFORMED_ROW` for a
+    CSV input; `text_column` is the input's name for the texts, which the errors name): rows the contract refuses
+    carry the error and no label or score, and never reach the model (they are filtered out of the rows the UDF
+    scores, not scored and discarded), so one bad row cannot fail the batch it would have been in."""
     from pyspark.sql import functions as F
     from pyspark.sql.types import StringType
 
-    checked = frame.select(id_column, text_column, error_column(frame, text_column, max_chars).alias("error"))
+    checked = frame.select(ID, TEXT, error_column(frame, TEXT, max_chars, text_column).alias("error"))
     refused = checked.where(F.col("error").isNotNull()).select(
-        id_column, F.lit(None).cast("string").alias("label"), F.lit(None).cast("double").alias("score"), "error")
-    if not isinstance(frame.schema[text_column].dataType, StringType):
+        ID, F.lit(None).cast("string").alias("label"), F.lit(None).cast("double").alias("score"), "error")
+    if not isinstance(frame.schema[TEXT].dataType, StringType):
         return refused  # nothing in a column of another type is a review
     # the UDF's struct is a column first and split after, so Spark calls the model once per row, not once per field
-    answer = model_udf(F.struct(F.col(text_column).alias(TEXT_COLUMN))).alias("answer")
-    scored = (checked.where(F.col("error").isNull()).select(id_column, answer, "error")
-              .select(id_column, "answer.label", "answer.score", "error"))
+    answer = model_udf(F.struct(F.col(TEXT).alias(TEXT_COLUMN))).alias(ANSWER)
+    scored = (checked.where(F.col("error").isNull()).select(ID, answer, "error")
+              .select(ID, f"{ANSWER}.label", f"{ANSWER}.score", "error"))
     return scored.unionByName(refused)
+
+
+def check_columns(id_column: str | None, text_column: str) -> None:
+    """`ValueError` for an id column named like an answer's column (the output would hold two)."""
+    if id_column in OUTPUT_COLUMNS:
+        raise ValueError(f"--id-column {id_column!r} is the name of an output column ({', '.join(OUTPUT_COLUMNS)}): "
+                         "rename it in the input")
+    if not text_column:
+        raise ValueError("--text-column is empty")
+
+
+def quoted(name: str) -> str:
+    """`name` as a Spark column reference that means that column alone (a dot would reach into a struct)."""
+    return "`" + name.replace("`", "``") + "`"
 
 
 def score(spark: SparkSession, input_path: str, output_path: str, model_uri: str, *, max_chars: int,
@@ -182,13 +211,18 @@ def score(spark: SparkSession, input_path: str, output_path: str, model_uri: str
           partitions: int | None = None, env_manager: str = "local", overwrite: bool = False) -> ScoringSummary:
     """Score `input_path` into `output_path` with the model at `model_uri` on `spark`, refusing texts over
     `max_chars` characters (`package.max_chars_per_text`, as the servers do); raises `RowCountMismatch` when the
-    output's row count is not the input's, `ValueError` for a missing column."""
+    output's row count is not the input's, `ValueError` for a missing column or an input or output refused by
+    `spark_io.check_input`/`check_output` (checked first, before Spark reads anything)."""
     from pyspark.sql import functions as F
 
     from pipeline.deployment.mlflow_model import spark_model_udf
 
     input_path, output_path = spark_path(input_path), spark_path(output_path)
-    frame = read_input(spark, input_path, input_format(input_path, input_fmt))
+    check_columns(id_column, text_column)
+    check_output(input_path, output_path, overwrite)
+    fmt = input_format(input_path, input_fmt)
+    check_input(input_path, fmt)
+    frame = read_input(spark, input_path, fmt)
     for name, what in ((text_column, "--text-column"), (id_column, "--id-column")):
         if name is not None and name not in frame.columns:
             raise ValueError(f"{input_path} has no column {name!r} ({what}); its columns: {', '.join(frame.columns)}")
@@ -200,7 +234,9 @@ def score(spark: SparkSession, input_path: str, output_path: str, model_uri: str
         frame = frame.withColumn(id_column, F.monotonically_increasing_id())
         print(f"no --id-column: added {id_column!r} (Spark's monotonically_increasing_id: unique and increasing "
               "through the input as read, not consecutive)", file=sys.stderr)
-    frame = frame.select(id_column, text_column)
+    # the two columns under names of this module's, so any input name works (dots, backticks, "answer", "error")
+    kept = [F.col(quoted(id_column)).alias(ID), F.col(quoted(text_column)).alias(TEXT)]
+    frame = frame.select(*kept, *([MALFORMED_ROW] if MALFORMED_ROW in frame.columns else []))
     started = time.perf_counter()
     rows_in = frame.count()  # before any repartitioning: Parquet answers it from the files' footers
     # Spark splits its input by bytes, but a Parquet row group goes whole to the split that holds its middle: a file
@@ -213,7 +249,8 @@ def score(spark: SparkSession, input_path: str, output_path: str, model_uri: str
     ship_checks_by_value()
     model_udf = spark_model_udf(spark, model_uri, env_manager)
     with progress_lines(spark):
-        write_output(scored_frame(frame, model_udf, id_column, text_column, max_chars), output_path, overwrite)
+        answers = scored_frame(frame, model_udf, max_chars, text_column).withColumnRenamed(ID, id_column)
+        write_output(answers, output_path, overwrite)
     rows_out, errors = count_output(spark, output_path)
     seconds = time.perf_counter() - started
     summary = ScoringSummary(input=input_path, output=output_path, model_uri=model_uri,
@@ -240,6 +277,51 @@ def default_model_uri(params_path: Path) -> tuple[str, int, str]:
             params.package.max_chars_per_text, store)
 
 
+def positive_int(value: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
+
+
+def check_task_threads(master: str, task_threads: int) -> None:
+    """`ValueError` when a local master has fewer cores than one task takes (Spark would fail at start-up)."""
+    import re
+
+    match = re.fullmatch(r"local(?:\[(\*|\d+)(?:,\s*\d+)?\])?", master.strip())
+    if match is None:
+        return  # a cluster: its executors' cores are its own
+    from pipeline.core.machine import available_cpus
+
+    cores = 1 if match[1] is None else available_cpus() if match[1] == "*" else int(match[1])  # "local": one core
+    if task_threads > cores:
+        raise ValueError(f"--task-threads {task_threads} is more than the {cores} core(s) of --master {master}")
+
+
+def check_model(model_uri: str, champion: str, store: str) -> None:
+    """Exit with one line, before Spark starts, when the model cannot be found: the champion not registered yet
+    (run `make run`), or a `--model-uri` that MLflow cannot resolve, instead of MLflow's traceback from inside
+    `spark_udf`."""
+    from mlflow.exceptions import MlflowException
+
+    from pipeline.core.model_registry import registered_version
+
+    try:
+        if model_uri == champion:
+            registered_version(*champion.removeprefix("models:/").split("@"), tracking_uri=store)
+        else:
+            import mlflow
+
+            mlflow.models.get_model_info(model_uri)
+    except LookupError as exc:
+        raise SystemExit(f"{exc}: run `make run` first (its package stage registers the champion) or pass "
+                         "--model-uri") from None
+    except (MlflowException, OSError) as exc:
+        raise SystemExit(f"the model {model_uri} cannot be read (tracking store {store}): "
+                         f"{getattr(exc, 'message', exc)}") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     """Score the input; print the summary; exit 1 when the output's row count is not the input's."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -251,34 +333,40 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--master", default="local[*]", help="Spark's master URL, passed unchanged")
     parser.add_argument("--format", choices=("auto", "parquet", "csv"), default="auto",
                         help="the input's format (auto: by the name, or the files in a folder)")
-    parser.add_argument("--partitions", type=int,
+    parser.add_argument("--partitions", type=positive_int,
                         help="deal the rows into this many partitions (default: a multiple of the tasks Spark "
                              f"runs at once, at most {PARTITION_ROWS:,} rows each)")
-    parser.add_argument("--task-threads", type=int, default=1,
+    parser.add_argument("--task-threads", type=positive_int, default=1,
                         help="cores (and model threads) per task; cores / this many partitions score at once")
-    parser.add_argument("--batch-rows", type=int, default=BATCH_ROWS, help="texts per predict call (Arrow batch)")
+    parser.add_argument("--batch-rows", type=positive_int, default=BATCH_ROWS,
+                        help="texts per predict call (Arrow batch)")
     parser.add_argument("--env-manager", default="local", choices=("local", "virtualenv", "uv", "conda"),
                         help="local: the executors' own Python; else MLflow rebuilds the model's environment")
     parser.add_argument("--params", type=Path, default=Path("params.yaml"),
                         help="the registry entry (mlflow.*) and the text limit (package.max_chars_per_text)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing output (only a folder an earlier run wrote)")
     parser.add_argument("--summary-json", type=Path, help="also write the summary here as JSON")
     args = parser.parse_args(argv)
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one bar per model file, on every copy
+
+    from pipeline.core.params import ParamsError
 
     try:
         champion, max_chars, store = default_model_uri(args.params)
     except FileNotFoundError as exc:  # a --params that is not there
         raise SystemExit(str(exc)) from None
+    except ParamsError as exc:
+        raise SystemExit(f"{args.params}: {exc}") from None
     model_uri = args.model_uri or champion
-    if args.model_uri is None:  # say so before Spark starts, instead of MLflow's traceback from inside spark_udf
-        from pipeline.core.model_registry import registered_version
-
-        try:
-            registered_version(*champion.removeprefix("models:/").split("@"), tracking_uri=store)
-        except LookupError as exc:
-            raise SystemExit(f"{exc}: run `make run` first (its package stage registers the champion) or pass "
-                             "--model-uri") from None
+    try:  # what can be checked before Spark starts (its start, the model's load and a pass over the input)
+        check_columns(args.id_column, args.text_column)
+        check_output(spark_path(args.input), spark_path(args.output), args.overwrite)
+        check_input(spark_path(args.input), input_format(spark_path(args.input), args.format))
+        check_task_threads(args.master, args.task_threads)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    check_model(model_uri, champion, store)
     try:  # a caller's running session (a notebook's, a test's) is used and left running
         with session_for(args.master, args.task_threads, args.batch_rows) as spark:
             summary = score(spark, args.input, args.output, model_uri, id_column=args.id_column,

@@ -222,3 +222,131 @@ def test_the_command_scores_a_csv_with_the_champion_into_a_csv(spark, model, tmp
         batch_scoring.main(["--input", str(csv), "--output", "again.csv", "--text-column", "body"])
     assert refused.value.code == 1 and "has no column 'body'" in capsys.readouterr().err
     assert not (tmp_path / "again.csv").exists()
+
+
+def test_an_output_that_would_destroy_data_is_refused_before_spark_starts(tmp_path):
+    """Spark's overwrite deletes the output first: never the input, a folder holding it, or files it did not write."""
+    reviews = tmp_path / "in" / "reviews.csv"
+    reviews.parent.mkdir()
+    reviews.write_text("text\nfine\n")
+    check = spark_io.check_output
+    for out in (reviews, reviews.parent, tmp_path, reviews.parent / "scored"):  # itself, above it, inside its folder
+        with pytest.raises(ValueError, match="is the input, holds it or lies inside it"):
+            check(str(reviews.parent if out == reviews.parent / "scored" else reviews), str(out), True)
+    with pytest.raises(ValueError, match="is the input"):
+        check("s3a://bucket/reviews/", "s3a://bucket/reviews", True)
+    check(str(reviews), str(tmp_path / "new.csv"), False)  # not there yet: fine
+
+    earlier = tmp_path / "scored"
+    earlier.mkdir()
+    for name in ("part-00000-x.snappy.parquet", ".part-00000-x.snappy.parquet.crc", "_SUCCESS"):
+        (earlier / name).write_text("")
+    with pytest.raises(ValueError, match="exists: pass --overwrite"):
+        check(str(reviews), str(earlier), False)
+    check(str(reviews), str(earlier), True)  # an earlier output: replaced
+    (tmp_path / "empty").mkdir()
+    check(str(reviews), str(tmp_path / "empty"), True)
+
+    mine = tmp_path / "mine"
+    (mine / "keep").mkdir(parents=True)
+    (mine / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"holds keep, notes\.txt, which Spark did not write"):
+        check(str(reviews), str(mine), True)
+    (tmp_path / "a-file.csv").write_text("x")
+    with pytest.raises(ValueError, match="not a folder Spark wrote"):
+        check(str(reviews), str(tmp_path / "a-file.csv"), True)
+    assert (mine / "notes.txt").read_text() == "mine" and reviews.read_text() == "text\nfine\n"
+
+
+def test_a_folder_is_read_as_the_one_format_its_own_files_have(tmp_path):
+    mixed, nested, partitioned = tmp_path / "mixed", tmp_path / "nested", tmp_path / "partitioned"
+    for folder in (mixed, nested / "sub", partitioned / "year=2024"):
+        folder.mkdir(parents=True)
+    (mixed / "a.csv").write_text("text\nfine\n")
+    (mixed / "README.txt").write_text("not data\n")
+    assert spark_io.input_format(str(mixed)) == "csv"  # the README is skipped when read (`read_input`)
+    pd.DataFrame({"text": ["fine"]}).to_parquet(mixed / "b.parquet")
+    with pytest.raises(ValueError, match="both CSV and Parquet"):
+        spark_io.input_format(str(mixed))
+    assert spark_io.input_format(str(mixed), "parquet") == "parquet"
+    (nested / "sub" / "a.csv").write_text("text\nfine\n")
+    with pytest.raises(ValueError, match=r"no \.csv or \.parquet file directly in it"):
+        spark_io.input_format(str(nested))
+    pd.DataFrame({"text": ["fine"]}).to_parquet(partitioned / "year=2024" / "part-0.parquet")
+    assert spark_io.input_format(str(partitioned)) == "parquet"
+
+
+def test_an_input_spark_would_misread_is_refused_with_the_reason(tmp_path):
+    latin1 = tmp_path / "latin1.csv"
+    latin1.write_bytes("id,text\nr1,café très bien\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1.csv is not UTF-8 \(byte 14: "):
+        spark_io.check_input(str(latin1), "csv")
+    with pytest.raises(ValueError, match=r"is not UTF-8 \(byte 2100000"):  # found past the first chunk too
+        big = tmp_path / "big.csv"
+        big.write_bytes(b"text\n" + b"a fine film\n" * 174_999 + b"x" * 7 + b"\xe9\n")
+        spark_io.check_utf8(big, chunk_bytes=1 << 16)
+    pq = tmp_path / "reviews.parquet"
+    pd.DataFrame({"text": ["fine"]}).to_parquet(pq)
+    with pytest.raises(ValueError, match="is a Parquet file, but is read as csv: pass --format parquet"):
+        spark_io.check_input(str(pq), "csv")
+    with pytest.raises(ValueError, match="is not a Parquet file, but is read as parquet: pass --format csv"):
+        spark_io.check_input(str(latin1), "parquet")
+    with pytest.raises(ValueError, match="does not exist"):
+        spark_io.check_input(str(tmp_path / "nowhere.csv"), "csv")
+    spark_io.check_input(str(pq), "parquet")
+    spark_io.check_input("s3a://bucket/reviews/", "parquet")  # another file system: Spark's to check
+
+
+def test_arguments_spark_would_fail_on_late_are_refused_first():
+    with pytest.raises(ValueError, match="more than the 2 core"):
+        batch_scoring.check_task_threads("local[2]", 3)
+    with pytest.raises(ValueError, match="more than the 1 core"):
+        batch_scoring.check_task_threads("local", 2)
+    batch_scoring.check_task_threads("local[4, 2]", 4)
+    batch_scoring.check_task_threads("spark://head:7077", 64)  # a cluster's cores are its own
+    for name in ("label", "score", "error"):
+        with pytest.raises(ValueError, match="name of an output column"):
+            batch_scoring.check_columns(name, "text")
+    batch_scoring.check_columns("answer", "review.text")
+    with pytest.raises(SystemExit):
+        batch_scoring.main(["--input", "x.csv", "--output", "y", "--partitions", "0"])
+
+
+def test_malformed_rows_dotted_names_and_padded_ids_come_out_whole(spark, in_store, tmp_path):
+    """A row an unquoted comma split (or one missing a field) is answered with an error, not scored from what
+    Spark kept of it; a text column named with a dot and an id column named like the job's internals work; ids
+    keep their spaces in a CSV output."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "reviews.csv").write_text('answer,review.text\nr1,great film, loved the cast\n r2 ,"a dull, slow film"\n'
+                                        'r3\nr4,"a fine film"\n')
+    (folder / "README.txt").write_text("answer,review.text\nnot,data\n")
+    summary = batch_scoring.score(spark, str(folder), str(tmp_path / "out.csv"), in_store["uri"], max_chars=MAX_CHARS,
+                                  id_column="answer", text_column="review.text")
+    assert (summary.rows_in, summary.rows_out, summary.errors) == (4, 4, 2)
+    parts = sorted((tmp_path / "out.csv").glob("part-*.csv"))
+    out = pd.concat([pd.read_csv(p, dtype=str, keep_default_na=False) for p in parts]).set_index("answer")
+    assert sorted(out.index) == [" r2 ", "r1", "r3", "r4"]
+    assert out.loc["r1", "error"] == out.loc["r3", "error"] == batch_scoring.MALFORMED_MESSAGE
+    assert out.loc["r1", "label"] == "" and out.loc[" r2 ", "error"] == "" and out.loc["r4", "label"] != ""
+    assert_same_answers(out.loc[[" r2 ", "r4"]].reset_index(), alone(in_store["uri"], ["a dull, slow film",
+                                                                                        "a fine film"]))
+
+
+def test_the_command_says_what_is_wrong_in_one_line_before_spark_starts(model, tmp_path, monkeypatch):
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"mlflow": {"tracking_uri": model["store"].tracking_uri}}))
+    (tmp_path / "in.csv").write_text("text\na fine film\n")
+    (tmp_path / "scored").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(spark_io, "spark_session", lambda *a, **k: pytest.fail("Spark started"))
+    base = ["--input", "in.csv", "--params", "params.yaml"]
+    for extra, message in ((["--output", "scored"], "scored exists: pass --overwrite"),
+                           (["--output", "in.csv", "--overwrite"], "is the input"),
+                           (["--output", "new", "--model-uri", "models:/nope@x"], "models:/nope@x cannot be read"),
+                           (["--output", "new", "--id-column", "score"], "name of an output column")):
+        with pytest.raises(SystemExit) as stopped:
+            batch_scoring.main(base + extra)
+        assert message in str(stopped.value.code)
+    (tmp_path / "bad.yaml").write_text("mlflow: {tracking_uri: 5, nope: 1}\n")
+    with pytest.raises(SystemExit, match=r"bad\.yaml"):
+        batch_scoring.main(["--input", "in.csv", "--output", "new", "--params", "bad.yaml"])
