@@ -14,8 +14,11 @@ refuses (`pipeline.deployment.protocol.check_text`: null, not a string, empty or
 character, longer than `package.max_chars_per_text`) gets the contract's message in `error` and no label or score;
 it is checked before the model sees it, so one bad row never fails a batch and the job goes on. Without
 `--id-column` a `row_id` column is added (Spark's `monotonically_increasing_id`: unique and increasing through the
-input as read, not consecutive). At the end the output is read back and counted: a row count other than the
-input's fails the command (exit 1). Progress lines go to stderr while Spark works; the summary (rows, scored,
+input as read, not consecutive). A CSV row whose fields do not match the header's is answered `malformed CSV
+row`. Before Spark starts, the command refuses an output that would destroy data (the input, a folder holding it,
+anything but an earlier output under `--overwrite`) and an input Spark would misread (not UTF-8, the other format,
+a folder of two formats): `spark_io.check_output`, `check_input`. At the end the output is read back and counted:
+a row count other than the input's fails the command (exit 1). Progress lines go to stderr while Spark works; the summary (rows, scored,
 errors, seconds, rows/s) to stdout, and to `--summary-json` when given.
 """
 
