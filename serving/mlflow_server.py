@@ -58,7 +58,9 @@ import concurrent.futures
 import json
 import logging
 import logging.config
+import queue
 import re
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -210,6 +212,37 @@ def request_id(scope: Scope) -> str:
     return uuid.uuid4().hex
 
 
+class ModelThread:
+    """One daemon thread that runs the model's calls in the order they are submitted, each answered through its
+    `Future`. Not a `ThreadPoolExecutor`: Python joins that pool's threads at exit, so a scoring call that hangs
+    (the case a 504 answers) would keep a stopped server's process alive until it is killed; a daemon thread ends
+    with the process."""
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue[tuple[concurrent.futures.Future[Any], Callable[[], Any]]] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="model", daemon=True)
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+        """`fn(*args)` on the model's thread (started on the first call)."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._calls.put((future, lambda: fn(*args)))
+        with self._lock:
+            if not self._thread.is_alive():
+                self._thread.start()
+        return future
+
+    def _run(self) -> None:
+        while True:
+            future, call = self._calls.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(call())
+            except BaseException as exc:  # the caller's to judge: it answers 500 and logs it
+                future.set_exception(exc)
+
+
 @dataclass
 class ContractMiddleware:
     """ASGI middleware holding the request contract in front of MLflow's scoring app (see the module doc).
@@ -228,17 +261,16 @@ class ContractMiddleware:
     timeout_s: float  # seconds one scoring call may take before its requests are answered 504 (MLflow's timeout)
     max_in_flight: int = MAX_IN_FLIGHT
     body_timeout_s: float = BODY_TIMEOUT_S
-    _in_flight: int = 0
-    _queue: list[_Pending] = field(default_factory=list)
-    _drainer: asyncio.Task[None] | None = None
-    _readiness: asyncio.Task[tuple[int, list[Any], str]] | None = None
+    _in_flight: int = field(default=0, init=False)
+    _queue: list[_Pending] = field(default_factory=list, init=False)
+    _drainer: asyncio.Task[None] | None = field(default=None, init=False)
+    _readiness: asyncio.Task[tuple[int, list[Any], str]] | None = field(default=None, init=False)
     #: The model's own thread: every call runs there, one at a time (the drainer sends one batch at a time anyway),
     #: so a call that hangs holds this thread, never the event loop's default pool that parses large bodies.
-    _model_thread: concurrent.futures.ThreadPoolExecutor = field(
-        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model"))
+    _model_thread: ModelThread = field(default_factory=ModelThread, init=False)
     #: A call that timed out and is still running: until it ends, new calls are answered 503 at once instead of
     #: queueing behind it (the thread cannot be stopped).
-    _timed_out: concurrent.futures.Future[Any] | None = None
+    _timed_out: concurrent.futures.Future[Any] | None = field(default=None, init=False)
 
     def model_headers(self, rid: str | None = None) -> list[tuple[bytes, bytes]]:
         headers = [(VERSION_HEADER.lower().encode(), self.version.encode()),

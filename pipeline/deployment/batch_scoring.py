@@ -18,8 +18,8 @@ input as read, not consecutive). A CSV row whose fields do not match the header'
 row`. Before Spark starts, the command refuses an output that would destroy data (the input, a folder holding it,
 anything but an earlier output under `--overwrite`) and an input Spark would misread (not UTF-8, the other format,
 a folder of two formats): `spark_io.check_output`, `check_input`. At the end the output is read back and counted:
-a row count other than the input's fails the command (exit 1). Progress lines go to stderr while Spark works; the summary (rows, scored,
-errors, seconds, rows/s) to stdout, and to `--summary-json` when given.
+a row count other than the input's fails the command (exit 1). Progress lines go to stderr while Spark works;
+the summary (rows, scored, errors, seconds, rows/s) to stdout, and to `--summary-json` when given.
 """
 
 from __future__ import annotations

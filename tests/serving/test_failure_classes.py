@@ -408,3 +408,23 @@ def test_a_large_body_is_checked_off_the_event_loop_and_answered(served, monkeyp
         status, _, answer = asyncio.run(call(app, body))
         assert status == 200 and json.loads(answer)["predictions"][0]["label"] == "positive"
     assert threads[0] == threading.main_thread().name and threads[1] != threading.main_thread().name
+
+
+def test_a_scoring_call_that_never_returns_does_not_keep_a_stopped_server_alive(tmp_path):
+    """The model's thread is a daemon: a process whose main thread ends exits though a call still runs there
+    (a `ThreadPoolExecutor`'s worker is joined at exit, so a hung call kept the process until it was killed)."""
+    import subprocess
+    import sys
+
+    script = ("import threading, time\n"
+              "from serving.mlflow_server import ModelThread\n"
+              "started = threading.Event()\n"
+              "pool = ModelThread()\n"
+              "first = pool.submit(lambda: 6 * 7)\n"
+              "assert first.result(timeout=10) == 42\n"
+              "pool.submit(lambda: (started.set(), time.sleep(600)))\n"
+              "assert started.wait(10)\n"
+              "print('main ends', flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=factories.ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and "main ends" in done.stdout, done.stderr[-2000:]

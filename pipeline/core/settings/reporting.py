@@ -105,7 +105,8 @@ class PackageParams:
     max_chars_per_text: int = Field(20_000, ge=64)
     """a longer text is refused (413) by both servers; above every IMDB review, so every served review tokenizes
     exactly as in training"""
-    max_json_depth: int = Field(8, ge=2)
-    """deepest nesting of JSON arrays/objects in a body (a valid request, {"texts": [...]}, needs 2); deeper: 400"""
+    max_json_depth: int = Field(8, ge=4)
+    """deepest nesting of JSON arrays/objects in a body; deeper: 400. Valid requests need 2 (TorchServe's
+    {"texts": [...]}) to 4 (MLflow's {"dataframe_split": {"data": [[...]]}}), so less than 4 is refused"""
     threads: Threads = None
     """intra-op threads per worker (null = the OMP_NUM_THREADS cap where set, else the runtime's default)"""

@@ -76,6 +76,7 @@ def error_keys(raw: dict) -> set[str]:
         ({"mlflow": {"champion_alias": ""}}, "mlflow.champion_alias"),
         ({"package": {"prefer": "size"}}, "package.prefer"),
         ({"package": {"max_json_depth": 1}}, "package.max_json_depth"),
+        ({"package": {"max_json_depth": 3}}, "package.max_json_depth"),  # MLflow's dataframe_split needs 4
     ],
 )
 def test_a_bad_value_is_refused_naming_its_key(raw, key):
