@@ -17,11 +17,16 @@ import lightning as L
 import numpy as np
 
 from pipeline.training.curve_files import MetricSink, write_curves
+from pipeline.training.resume import steps_after
 
 
 class CurveRecorder(L.Callback):
     """Training curves for DVC plots (`write`) and MLflow (`sink`), plus the training throughput with validation
     time excluded.
+
+    One training row per optimizer step, stamped with the step it completed: with `train.grad_accum` > 1 its loss
+    is the mean over that step's accumulation window (the micro-batches whose gradients the step applied), so the
+    curve and `final_loss` count steps, not micro-batches.
 
     The curves are part of every checkpoint (`state_dict`), and the MLflow points come from them (`sink`, rank 0,
     sent every `flush_every` points): a resumed run first sends the checkpoint's curves again, so its MLflow run
@@ -37,6 +42,7 @@ class CurveRecorder(L.Callback):
         self.flush_every = flush_every
         self._pending: list[tuple[int, dict[str, float]]] = []
         self._t: float | None = None
+        self._window: list[float] = []  # the losses of the micro-batches since the last optimizer step
 
     def state_dict(self) -> dict[str, Any]:
         return {"train_rows": self.train_rows, "val_rows": self.val_rows, "samples": self.samples,
@@ -48,6 +54,10 @@ class CurveRecorder(L.Callback):
         self.samples, self.tokens = int(state_dict["samples"]), int(state_dict["tokens"])
         self.train_seconds = float(state_dict["train_seconds"])
         self._pending = [_point(r) for r in sorted(self.train_rows + self.val_rows, key=lambda r: r["step"])]
+        self._window = []
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._window = []  # Lightning steps on the epoch's last batch: no window spans two epochs
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -59,10 +69,18 @@ class CurveRecorder(L.Callback):
             self.train_seconds += time.perf_counter() - self._t
         self.samples += len(batch["labels"]) * trainer.world_size
         self.tokens += int(batch["attention_mask"].sum()) * trainer.world_size
+        if not trainer.is_global_zero:
+            return
         loss = trainer.callback_metrics.get("train_loss")
-        if trainer.is_global_zero and loss is not None:
+        if loss is not None:
+            self._window.append(float(loss))
+        # Between two optimizer steps `global_step` has not moved yet: a row there would repeat the previous step's
+        # number (step 0 before the first update) with a micro-batch's loss.
+        if steps_after(trainer, batch_idx) and self._window:
             lr = trainer.optimizers[0].param_groups[0]["lr"]
-            self._add(self.train_rows, {"step": trainer.global_step, "train_loss": float(loss), "lr": lr})
+            self._add(self.train_rows, {"step": trainer.global_step, "train_loss": float(np.mean(self._window)),
+                                        "lr": lr})
+            self._window = []
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking or not trainer.is_global_zero:
@@ -99,8 +117,8 @@ class CurveRecorder(L.Callback):
         return self.tokens / self.train_seconds if self.train_seconds else 0.0
 
     def final_loss(self, last: int = 10) -> float:
-        """The mean training loss of the `last` steps (0 before any step): where a run ended, less noisy than
-        one batch."""
+        """The mean training loss of the `last` optimizer steps (0 before any step; each step's loss is its
+        accumulation window's mean): where a run ended, less noisy than one batch."""
         losses = [row["train_loss"] for row in self.train_rows[-last:]]
         return float(np.mean(losses)) if losses else 0.0
 
