@@ -48,7 +48,8 @@ def build(name: str, model_dir: Path, fmt: str, work: Path, tokenized: Path, par
     out = work / fmt / name
     stamp = work / fmt / f"{name}.built_from.json"
     source = {"model": str(model_dir.resolve()), "mtime": (model_dir / "model.safetensors").stat().st_mtime,
-              "cls_readout": params.export.cls_readout, "per_channel": params.quantize.per_channel}
+              "cls_readout": params.export.cls_readout, "opset": params.export.opset,
+              "per_channel": params.quantize.per_channel}
     if stamp.is_file() and read_json(stamp) == source and (out / "model.onnx").is_file():
         return out
     model, tokenizer, meta = load_finetuned(model_dir)
@@ -57,7 +58,7 @@ def build(name: str, model_dir: Path, fmt: str, work: Path, tokenized: Path, par
                         read_tokenized(tokenized, "val")["input_ids"].tolist()[:16], pad)
     choice = Choice("quantize.weight_format", fmt, fmt, "set by benchmarks.weight_formats")
     with tempfile.TemporaryDirectory(prefix="weight-formats-") as tmp:
-        built = fused_dynamic_int8(model, name, out, check, cls_readout=params.export.cls_readout,
+        built = fused_dynamic_int8(model, name, out, check, export=params.export,
                                    per_channel=params.quantize.per_channel, weight_format=choice, tmp=Path(tmp))
     write_variant(out, VariantInfo.built(name, {"method": "benchmarks.weight_formats", **built}), model_dir)
     write_json(stamp, source)

@@ -59,7 +59,7 @@ def run_distilled_variants(*, student_dir: Path, tokenized: Path, variants_root:
     check = FusionCheck(eager_runner(model), "the distilled student", int(model.config.num_hidden_layers), max_len,
                         read_tokenized(tokenized, "val")["input_ids"].tolist()[:16], pad)
     with building(out["int8-distilled"]) as work, tempfile.TemporaryDirectory(prefix="distilled-") as tmp:
-        built = fused_dynamic_int8(model, "int8-distilled", work, check, cls_readout=params.export.cls_readout,
+        built = fused_dynamic_int8(model, "int8-distilled", work, check, export=params.export,
                                    per_channel=params.quantize.per_channel, weight_format=weight_format, tmp=Path(tmp))
         report["int8-distilled"] = {
             "method": "distilled student + onnxruntime.quantize_dynamic (int8-dynamic's recipe)", **built,

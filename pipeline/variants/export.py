@@ -61,8 +61,9 @@ def export_torchscript(model: torch.nn.Module, path: Path, max_length: int) -> N
         traced.save(str(path))
 
 
-def export_onnx(model: torch.nn.Module, path: Path, max_length: int, opset: int = 18) -> None:
-    """ONNX via the torch.export-based exporter with dynamic batch/sequence dims, then `onnx.checker`."""
+def export_onnx(model: torch.nn.Module, path: Path, max_length: int, opset: int) -> None:
+    """ONNX via the torch.export-based exporter with dynamic batch/sequence dims, then `onnx.checker`. `opset` is
+    `export.opset` for every ONNX file the pipeline exports (fp32-onnx and each graph the INT8 builders export)."""
     import onnx
 
     model.eval()

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pipeline.core.params import ExportParams
 from pipeline.runtimes.base import Runner
 from pipeline.runtimes.ort import OrtRunner
 from pipeline.variants.export import export_onnx, inference_model, parity
@@ -130,9 +131,10 @@ class FusionCheck:
     pad_id: int
 
 
-def fused_graph(model: Any, cls_readout: bool, check: FusionCheck, tmp: Path) -> tuple[Path, dict[str, Any]]:
+def fused_graph(model: Any, cls_readout: bool, check: FusionCheck, tmp: Path, *,
+                opset: int) -> tuple[Path, dict[str, Any]]:
     """Export `model` (with the [CLS] readout when asked and possible, see `inference_model`) with the
-    torch.export-based exporter in eager attention, then `fuse_export` it.
+    torch.export-based exporter in eager attention at `opset` (`export.opset`), then `fuse_export` it.
 
     The model is exported with eager attention (and left switched to it: pass one you own): the exporter's
     decomposition of `scaled_dot_product_attention` keeps a no-op Reshape for single-head layers (a pruned model)
@@ -141,7 +143,7 @@ def fused_graph(model: Any, cls_readout: bool, check: FusionCheck, tmp: Path) ->
     model.set_attn_implementation("eager")
     graph, readout = inference_model(model, cls_readout)
     raw = tmp / "for-fusion.onnx"
-    export_onnx(graph, raw, check.max_length)
+    export_onnx(graph, raw, check.max_length, opset)
     return fuse_export(raw, readout, check, tmp)
 
 
@@ -167,12 +169,13 @@ def fuse_export(raw: Path, readout: dict[str, Any], check: FusionCheck, tmp: Pat
                    "fused_parity_max_abs_diff": p.max_abs_diff}
 
 
-def fused_dynamic_int8(model: Any, name: str, out_dir: Path, check: FusionCheck, *, cls_readout: bool,
+def fused_dynamic_int8(model: Any, name: str, out_dir: Path, check: FusionCheck, *, export: ExportParams,
                        per_channel: bool, weight_format: Choice, tmp: Path) -> dict[str, Any]:
-    """The `int8-dynamic` recipe for any model of the teacher's family (a pruned or distilled one): exported with
-    the [CLS] readout when asked, fused and checked against `check.reference` (`fused_graph`), then dynamic INT8
-    with per-channel weights in the CPU's `weight_format` choice. Returns what goes into the variant's record."""
-    fused, fusion = fused_graph(model, cls_readout, check, tmp)
+    """The `int8-dynamic` recipe for any model of the teacher's family (a pruned or distilled one): exported as
+    `export` asks (the [CLS] readout, the opset), fused and checked against `check.reference` (`fused_graph`), then
+    dynamic INT8 with per-channel weights in the CPU's `weight_format` choice. Returns what goes into the variant's
+    record."""
+    fused, fusion = fused_graph(model, export.cls_readout, check, tmp, opset=export.opset)
     out_dir.mkdir(parents=True, exist_ok=True)
     quantize_dynamic_onnx(fused, out_dir / "model.onnx", per_channel, str(weight_format.value))
     return {"per_channel": per_channel, **weight_record(weight_format), **fusion, **int8_census(out_dir, name)}

@@ -53,7 +53,7 @@ def qat_onnx(inputs: QuantizeInputs, method: str, out: Path) -> dict[str, Any]:
                                        fusion_check(inputs, eager_runner(model), "the QAT model (PyTorch)"))
     else:
         src, fusion = inputs.tmp / "qat-fp32.onnx", {}
-        export_onnx(graph, src, max_length_of(inputs.meta))
+        export_onnx(graph, src, max_length_of(inputs.meta), inputs.params.export.opset)
     out.mkdir(parents=True, exist_ok=True)
     quantize_static_onnx(src, out / "model.onnx", inputs.calibration, method, params, inputs.pad_id,
                          inputs.ffn_width)
@@ -85,7 +85,7 @@ def _qat_fused_graph(inputs: QuantizeInputs, model: Any, graph: Any, readout: di
                 return src, {**fusion, "qat_graph": "fp32-onnx's graph with the QAT weights"}
             except QuantizeError as exc:
                 log.warning("the refilled QAT graph failed its check (%s): exporting the QAT model instead", exc)
-    src, fusion = fused_graph(model, inputs.cls_readout, check, tmp)
+    src, fusion = fused_graph(model, inputs.cls_readout, check, tmp, opset=inputs.params.export.opset)
     return src, {**fusion, "qat_graph": "exported from the QAT model"}
 
 

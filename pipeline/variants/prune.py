@@ -52,7 +52,7 @@ def run_prune(*, finetuned: Path, tokenized: Path, variants_root: Path, all_para
     with building(out) as work, tempfile.TemporaryDirectory(prefix="prune-") as tmp:
         check = FusionCheck(eager_runner(student), "the pruned model", int(model.config.num_hidden_layers),
                             max_length_of(meta), read_tokenized(tokenized, "val")["input_ids"].tolist()[:16], pad)
-        built = fused_dynamic_int8(student, name, work, check, cls_readout=all_params.export.cls_readout,
+        built = fused_dynamic_int8(student, name, work, check, export=all_params.export,
                                    per_channel=quantize.per_channel, weight_format=weight_format, tmp=Path(tmp))
         info = {"method": "structured pruning (OBS selection + least-squares repair) + onnxruntime.quantize_dynamic",
                 **to_dict(params), **built, **report,

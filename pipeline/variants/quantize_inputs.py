@@ -78,7 +78,7 @@ def _graph_for_quantization(inputs: QuantizeInputs) -> tuple[Path, dict[str, Any
     if inputs.arch.get("attention") == "eager":
         readout = {k: inputs.arch[k] for k in ("cls_readout", "cls_readout_reason") if k in inputs.arch}
         return fuse_export(fp32, readout, check, inputs.tmp)
-    return fused_graph(inputs.model, inputs.cls_readout, check, inputs.tmp)
+    return fused_graph(inputs.model, inputs.cls_readout, check, inputs.tmp, opset=inputs.params.export.opset)
 
 
 def fusion_check(inputs: QuantizeInputs, reference: Runner, reference_name: str) -> FusionCheck:

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline.core.params import ExportParams
 from pipeline.modeling import load_finetuned
 from pipeline.runtimes.base import pad_batch
 from pipeline.runtimes.ort import OrtRunner
@@ -24,7 +25,7 @@ def _batch() -> tuple[np.ndarray, np.ndarray]:
 def test_onnx_export_from_cuda_matches_cuda_eager(tmp_path, tiny_model_dir):
     model, _tok, _meta = load_finetuned(tiny_model_dir)
     model = model.cuda()
-    export_onnx(model, tmp_path / "model.onnx", max_length=64)
+    export_onnx(model, tmp_path / "model.onnx", max_length=64, opset=ExportParams().opset)
     ids, mask = _batch()
     reference = eager_runner(model)(ids, mask)
     got = OrtRunner(tmp_path / "model.onnx")(ids, mask)

@@ -17,6 +17,8 @@ class ExportParams:
     """FP32 TorchScript and ONNX exports and their parity check against PyTorch."""
 
     opset: int = Field(18, ge=17)
+    """the ONNX opset of every graph the pipeline exports: fp32-onnx here, and those the quantize, prune and distill
+    stages export to fuse and quantize"""
     parity_samples: int = Field(16, ge=1)
     """real test reviews compared logit by logit with PyTorch"""
     parity_tolerance: float = Field(1e-4, gt=0)

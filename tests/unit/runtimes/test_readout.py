@@ -100,12 +100,13 @@ def test_readout_onnx_fuses_the_other_layers_and_keeps_parity(tmp_path, attn):
     initializer (128 wide: over the rewriter's default constant-folding size), and the logits are unchanged."""
     import onnx
 
+    from pipeline.core.params import ExportParams
     from pipeline.runtimes.ort import OrtRunner
     from pipeline.variants.export import export_onnx
     from pipeline.variants.fusion import optimize_for_quantization
 
     model = _tiny(attn, layers=3, hidden=128)
-    export_onnx(cls_readout(model), tmp_path / "raw.onnx", 64)
+    export_onnx(cls_readout(model), tmp_path / "raw.onnx", 64, ExportParams().opset)
     counts = optimize_for_quantization(tmp_path / "raw.onnx", tmp_path / "fused.onnx")
     assert counts["Attention"] == 2
     graph = onnx.load(str(tmp_path / "fused.onnx")).graph

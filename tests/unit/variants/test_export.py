@@ -88,4 +88,4 @@ def test_a_graph_the_onnx_checker_rejects_is_an_export_error(tmp_path, monkeypat
     monkeypatch.setattr(torch.onnx, "export", lambda *a, **k: Program())
     monkeypatch.setattr(onnx.checker, "check_model", rejects)
     with pytest.raises(ExportError, match="ONNX export failed: ValidationError: Field 'type'"):
-        build.export_onnx(torch.nn.Identity(), tmp_path / "model.onnx", max_length=16)
+        build.export_onnx(torch.nn.Identity(), tmp_path / "model.onnx", max_length=16, opset=18)

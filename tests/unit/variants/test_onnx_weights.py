@@ -39,7 +39,7 @@ def test_an_exported_graph_refilled_with_moved_weights_answers_like_the_moved_mo
 
     move()
     graph, _ = inference_model(model, ExportParams().cls_readout)
-    export_onnx(graph, tmp_path / "fp32.onnx", max_length_of(meta))
+    export_onnx(graph, tmp_path / "fp32.onnx", max_length_of(meta), ExportParams().opset)
     before = _tensors(graph)
     move()
     graph, _ = inference_model(model, ExportParams().cls_readout)

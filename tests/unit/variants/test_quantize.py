@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from pipeline.core.params import Params, QuantizeParams, TrainParams
+from pipeline.core.params import ExportParams, Params, QuantizeParams, TrainParams
 from pipeline.runtimes.record import read_variant
 from pipeline.variants.quantize import run_quantize
 from tests.factories import product_weights, weight_format_here
@@ -28,21 +28,31 @@ def test_a_profile_opting_out_builds_the_rest_with_one_export_and_records_the_ot
 
     Static and QAT start from fp32-onnx fused as the export stage wrote it (in eager attention): the only model
     exported here is QAT's, once. With one calibration method there is nothing to choose: no validation pass is
-    spent (no selection scores), and int8-static and int8-qat are both calibrated with that method."""
+    spent (no selection scores), and int8-static and int8-qat are both calibrated with that method. That export is
+    at `export.opset` (17 here, the default 18)."""
+    import onnx
+
     import pipeline.variants.fusion as fusion
 
     assert sorted(QuantizeParams().build) == ["int8-dynamic", "int8-openvino", "int8-qat", "int8-qat-openvino",
                                               "int8-static"]
     assert read_variant(built["dirs"]["fp32-onnx"]).params["attention"] == "eager"
-    exports = []
+    exports, opsets = [], []
     real_export = fusion.export_onnx
-    monkeypatch.setattr(fusion, "export_onnx", lambda *a, **k: (exports.append(a[1]), real_export(*a, **k)))
+
+    def export(*args: object, **kwargs: object) -> None:
+        exports.append(args[1])
+        real_export(*args, **kwargs)
+        opsets.append({o.domain: o.version for o in onnx.load(args[1]).opset_import}[""])
+
+    monkeypatch.setattr(fusion, "export_onnx", export)
     params = QuantizeParams(calibration_samples=16, calibration_methods=["percentile"], qat_train_samples=8,
                             qat_batch_size=8, build=["int8-static", "int8-qat"])
     report = run_quantize(finetuned=tiny_model_dir, fp32_onnx=built["dirs"]["fp32-onnx"], tokenized=built["tokenized"],
                           variants_root=tmp_path, choice=weight_format_here(),
-                          params=Params(quantize=params, train=TrainParams(checkpoint_dir=str(tmp_path / "ckpt"))))
-    assert len(exports) == 1, exports
+                          params=Params(quantize=params, train=TrainParams(checkpoint_dir=str(tmp_path / "ckpt")),
+                                        export=ExportParams(opset=17)))
+    assert len(exports) == 1 and opsets == [17], exports
     for name in ("int8-static", "int8-qat"):
         assert report[name]["calibration"] == "percentile" and report[name]["fused_attention"] >= 1
         assert read_variant(tmp_path / name).status == "ok" and (tmp_path / name / "model.onnx").is_file()
