@@ -44,7 +44,7 @@ from benchmarks.peer_runtimes import (
     specs,
 )
 from pipeline.core.io import read_json, write_json
-from pipeline.core.machine import isa_record, machine_info
+from pipeline.core.machine import isa_record, machine_info, resolved_threads
 from pipeline.core.params import Params, TargetsParams, load_params
 from pipeline.evaluation.latency import (
     latency_inputs,
@@ -434,7 +434,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     for name in ("params", "finetuned", "student", "variants_root", "tokenized"):  # the probes run in ROOT
         setattr(args, name, getattr(args, name).resolve())
     if args.threads is None:
-        args.threads = load_params(args.params).benchmark.threads or os.cpu_count() or 1
+        args.threads = resolved_threads(load_params(args.params).benchmark.threads)  # as the benchmark stage
     if args.rss_probe:
         rss_probe(args)
         return None

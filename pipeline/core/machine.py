@@ -90,6 +90,14 @@ def default_threads() -> int | None:
     return int(raw) if raw.isdigit() and int(raw) > 0 else None
 
 
+def resolved_threads(setting: int | None) -> int:
+    """The intra-op threads a `*.threads` setting stands for where a count is needed (the benchmark's runtimes and
+    record, evaluate's concurrent callers): the setting where set, else the `OMP_NUM_THREADS` cap where set, else
+    every CPU this process may run on (`available_cpus`: a `taskset` or container cpuset narrows it, where
+    `os.cpu_count` would still count the whole machine)."""
+    return setting or default_threads() or available_cpus()
+
+
 def thread_tags() -> dict[str, str]:
     """The threading a stage starts with, as MLflow tags: the CPUs this process may use, the `OMP_NUM_THREADS` cap,
     torch's intra-op threads (`torch_thread_tag`), and the tokenizers' parallelism. onnxruntime and OpenVINO use

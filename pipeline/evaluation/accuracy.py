@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pipeline.core.io import read_predictions
-from pipeline.core.machine import available_cpus, default_threads
+from pipeline.core.machine import resolved_threads
 from pipeline.core.params import EvaluateParams, PackageParams, Params, TargetsParams, flatten
 from pipeline.data.tokens import read_tokenized
 from pipeline.runtimes.base import Runtime, predict_logits
@@ -112,7 +112,7 @@ def runner_for_test_split(directory: Path, threads: int | None,
     by side (`PARALLEL_CALL_FORMATS`), the same cores score more reviews as that many one-thread calls at once (each
     review is still scored alone, so the logits do not change). Other variants keep one call with every thread."""
     info = info or read_variant(directory)  # `info`: the record where the caller has read it already
-    cores = threads or default_threads() or available_cpus()
+    cores = resolved_threads(threads)
     if (cores < 2 or variant_batching(directory, info)["served_batching"] != "rows"
             or info.format not in PARALLEL_CALL_FORMATS):
         return load_runner(directory, threads), 1

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.core.io import read_json, write_json
-from pipeline.core.machine import Choice, default_threads, machine_info
+from pipeline.core.machine import Choice, machine_info, resolved_threads
 from pipeline.core.params import BenchmarkParams, Params, to_dict
 from pipeline.evaluation.charts import latency_chart, pareto_chart, plot_rows
 from pipeline.evaluation.latency import (
@@ -43,7 +42,7 @@ def run_benchmark(*, finetuned: Path, variant_dirs: dict[str, Path], tokenized: 
 
     from pipeline.data.tokens import read_tokenized
 
-    threads = params.threads or default_threads() or os.cpu_count() or 1
+    threads = resolved_threads(params.threads)
     import torch
 
     torch.set_num_threads(threads)

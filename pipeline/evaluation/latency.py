@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.core.machine import available_cpus
 from pipeline.core.params import BenchmarkParams
 from pipeline.evaluation import memory_probe
 from pipeline.runtimes.base import Runner, pad_batch
@@ -202,7 +202,7 @@ def peak_rss_of_each(probes: dict[str, tuple[Path, dict[str, Any]]], batch: tupl
     single-threaded import of its runtime."""
     from concurrent.futures import ThreadPoolExecutor
 
-    workers = max(1, min(len(probes), os.cpu_count() or 1))
+    workers = max(1, min(len(probes), available_cpus()))
     with ThreadPoolExecutor(max_workers=workers) as pool:
         futures = {name: pool.submit(peak_rss_mb, d, options, batch, threads) for name, (d, options) in probes.items()}
         return {name: future.result() for name, future in futures.items()}

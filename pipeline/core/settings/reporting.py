@@ -61,7 +61,8 @@ class BenchmarkParams:
     throughput_batches: int = Field(1, ge=1)
     """batches per round, median over the rounds"""
     threads: Threads = None
-    """null = the OMP_NUM_THREADS cap where set, else all logical CPUs; recorded in the report"""
+    """null = the OMP_NUM_THREADS cap where set, else every CPU this process may run on (its affinity mask, which
+    taskset and container cpusets narrow); recorded in the report"""
     bf16_row: bool | Auto = "auto"
     """FP32 weights under bf16 autocast; auto: only on a CPU with native bf16 (emulated bf16 is far slower)"""
     memory: bool = True

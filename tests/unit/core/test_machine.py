@@ -18,6 +18,7 @@ from pipeline.core.machine import (
     resolve_distill,
     resolve_precision,
     resolve_weight_format,
+    resolved_threads,
     thread_tags,
 )
 
@@ -142,6 +143,18 @@ def test_the_omp_cap_is_read_only_where_it_is_a_positive_count(monkeypatch, valu
         monkeypatch.setenv("OMP_NUM_THREADS", value)
     assert default_threads() == expected
     assert thread_tags()["threads.cap"] == (value or "unset")
+
+
+def test_a_null_thread_setting_counts_the_cpus_this_process_may_use(monkeypatch):
+    """Null and no OMP cap: the affinity mask's CPUs (a `taskset` or container cpuset), not the machine's count."""
+    from pipeline.core import machine
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(machine.os, "sched_getaffinity", lambda pid: {2, 5, 7})
+    monkeypatch.setattr(machine.os, "cpu_count", lambda: 64)
+    assert resolved_threads(None) == 3 and resolved_threads(8) == 8
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert resolved_threads(None) == 2
 
 
 def test_resolving_auto_on_a_cpu_accelerator_does_not_import_torch():

@@ -151,6 +151,30 @@ def test_the_bf16_row_is_timed_exactly_when_the_choice_asks(tiny_model_dir, toke
         assert row["p50_ms_b1"] > 0 and row["throughput_b32"] > 0 and row["speedup_p50_low"] > 0, row
 
 
+def test_a_null_benchmark_thread_setting_uses_the_cpus_this_process_may_run_on(tiny_model_dir, tokenized_dir,
+                                                                                monkeypatch):
+    """`benchmark.threads: null` without an OMP cap times with one thread per CPU of the affinity mask (a `taskset`
+    or container cpuset), not one per CPU of the machine, and records that count."""
+    import torch
+
+    from pipeline.core import machine
+    from pipeline.core.machine import Choice
+    from pipeline.evaluation.benchmark import run_benchmark
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(machine.os, "sched_getaffinity", lambda pid: {0})
+    monkeypatch.setattr(machine.os, "cpu_count", lambda: 64)
+    params = BenchmarkParams(seq_len=16, batch_size=4, warmup=1, iterations=1, rounds=1, latency_reviews=1,
+                             memory=False)
+    before = torch.get_num_threads()
+    try:
+        result = run_benchmark(finetuned=tiny_model_dir, variant_dirs={}, tokenized=tokenized_dir, params=params,
+                               bf16=Choice("benchmark.bf16_row", False, False, "set explicitly"))
+        assert result["machine"]["threads_used"] == 1 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_each_variants_memory_is_read_from_a_process_of_its_own(built, tmp_path):
     """`peak_rss_of_each`: one probe process per variant (`pipeline.evaluation.memory_probe`), which loads only the
     runtime it needs: an ONNX variant's probe imports no torch, so it peaks below the eager model's."""
