@@ -110,8 +110,8 @@ class QatVerdict:
     b1_low: float | None  # the paired bootstrap interval of `b1` over the benchmark's rounds (None: not measured)
     b1_high: float | None
     b32: float  # the variant's batch-32 throughput over the baseline's
-    overlap: bool  # the batch-1 order is within noise: another run could order them the other way
-    met: bool  # on the point estimates; `overlap` says when the speed half of it is within noise
+    within_noise: bool  # the batch-1 order is within noise: another run could order them the other way
+    met: bool  # on the point estimates; `within_noise` says when the speed half of it is within noise
 
 
 def qat_verdicts(rows: Results, targets: TargetsParams) -> list[QatVerdict]:
@@ -127,11 +127,11 @@ def qat_verdicts(rows: Results, targets: TargetsParams) -> list[QatVerdict]:
         b1, b32 = b["p50_ms_b1"] / q["p50_ms_b1"], q["throughput_b32"] / b["throughput_b32"]
         low, high = q.get("qat_b1_low"), q.get("qat_b1_high")
         if low is not None and high is not None:  # the benchmark's paired interval of this very ratio
-            overlap = low <= 1.0 <= high
+            within_noise = low <= 1.0 <= high
         else:  # rows without it: whether each one's interval against FP32 overlaps the other's
-            overlap = all(k in e for e in (q, b) for k in ("speedup_p50_low", "speedup_p50_high")) and (
+            within_noise = all(k in e for e in (q, b) for k in ("speedup_p50_low", "speedup_p50_high")) and (
                 q["speedup_p50_low"] <= b["speedup_p50_high"] and b["speedup_p50_low"] <= q["speedup_p50_high"])
-        out.append(QatVerdict(name, baseline, -loss, targets.qat_max_loss_pt, b1, low, high, b32, overlap,
+        out.append(QatVerdict(name, baseline, -loss, targets.qat_max_loss_pt, b1, low, high, b32, within_noise,
                               loss <= targets.qat_max_loss_pt and b1 >= 1.0 and b32 >= 1.0))
     return out
 

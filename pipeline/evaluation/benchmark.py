@@ -203,7 +203,7 @@ def run_benchmark_stage(*, finetuned: Path, variants_root: Path, tokenized: Path
            for k, value in (("delta_pt", q.delta_pt), (f"b1_vs_{q.baseline}", q.b1),
                             (f"b1_vs_{q.baseline}_low", q.b1_low), (f"b1_vs_{q.baseline}_high", q.b1_high),
                             (f"b32_vs_{q.baseline}", q.b32), ("met", float(q.met)),
-                            ("within_noise", float(q.overlap))) if value is not None}
+                            ("within_noise", float(q.within_noise))) if value is not None}
     log_parent_summary(run_context, metrics={**{f"speedup_source/{s['to']}_vs_{s['from']}": s["factor"]
                                                 for s in speedup_sources(variants)}, **qat}, tags={})
     for f in (report, chart, pareto, metrics_path):

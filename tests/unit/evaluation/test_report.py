@@ -210,7 +210,7 @@ def test_qat_on_its_runtime_is_judged_on_accuracy_and_both_speeds(p50, b32, acc,
     (v,) = qat_verdicts(_qat_rows(p50, b32, acc, 4.0, 4.4), TargetsParams())
     assert (v.variant, v.baseline, v.met, v.max_loss_pt) == ("int8-qat-openvino", "int8-openvino", met, 0.2)
     assert v.b1 == pytest.approx(2.5 / p50) and v.b32 == pytest.approx(b32 / 40.0)
-    assert v.delta_pt == pytest.approx(100 * (acc - 0.9)) and v.overlap is True  # 4.0-4.4 meets 3.8-4.2
+    assert v.delta_pt == pytest.approx(100 * (acc - 0.9)) and v.within_noise is True  # 4.0-4.4 meets 3.8-4.2
 
 
 def test_no_qat_verdict_without_both_rows_and_the_line_says_when_the_order_could_flip(tmp_path):
@@ -241,7 +241,7 @@ def test_the_benchmarks_paired_interval_decides_whether_the_qat_order_is_within_
     rows = _qat_rows(2.4, 41.0, 0.899, 4.3, 4.5)  # intervals against FP32 apart: the fallback would say resolved
     rows["int8-qat-openvino"].update(qat_b1_low=low, qat_b1_high=high)
     (v,) = qat_verdicts(rows, TargetsParams())
-    assert (v.b1_low, v.b1_high, v.overlap, v.met) == (low, high, within_noise, True)
+    assert (v.b1_low, v.b1_high, v.within_noise, v.met) == (low, high, within_noise, True)
     path = tmp_path / "variants.md"
     write_report(_result(rows), tmp_path / "latency.png", path, TargetsParams())
     assert f"(paired interval over the rounds {low:.2f}-{high:.2f})" in path.read_text()
