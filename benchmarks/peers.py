@@ -10,10 +10,11 @@ agreement with the same model's FP32 eager labels), p50/p95 at batch 1 and `benc
 (to the first answer). Timings use the benchmark stage's machinery (`pipeline.evaluation.latency.measure`: warm-up,
 alternating rounds, a bootstrap 90 % interval of each p50 speed-up over FP32 eager by whole rounds).
 
-It then says, for batch 1 and for batch 32, whether the fastest peer within `targets.max_accuracy_loss_pt` of
-FP32 beats the fastest of the pipeline's variants within it (by how much, with the paired interval), and how
-much of the CPU's measured INT8 GEMM peak (`benchmarks/results/int8_gemm_ceiling.json`) the fastest variant
-uses at batch 32. `--ort-tuning` adds rows of the pipeline's INT8 variants under other onnxruntime settings.
+It then says, for batch 1 and for `benchmark.batch_size`, whether the fastest peer within
+`targets.max_accuracy_loss_pt` of FP32 beats the fastest of the pipeline's variants within it (by how much, with the
+paired interval), and how much of the CPU's measured INT8 GEMM peak (`benchmarks/results/int8_gemm_ceiling.json`)
+the fastest variant uses at that batch size. `--ort-tuning` adds rows of the pipeline's INT8 variants under other
+onnxruntime settings.
 Prints a table; writes `benchmarks/results/peers.json` and `peers.png` beside it.
 
     python -m benchmarks.peers [--models teacher,student --rounds 8 --iterations 160 --throughput-batches 2]
@@ -209,8 +210,8 @@ def weight_gemm_flops(config: dict[str, Any], tokens: int, cls_readout: bool) ->
 def ceiling_fraction(row: dict[str, Any], config: dict[str, Any], tp_batches: list[tuple[np.ndarray, ...]],
                      ceiling_file: Path) -> dict[str, Any] | None:
     """Share of the CPU's measured INT8 GEMM peak (the fastest bare `MatMulInteger` product of the ceiling
-    measurement, in FLOP/s) that `row` reaches at batch 32: its weight-product FLOPs per review (real tokens of
-    the same batches) times its reviews/s."""
+    measurement, in FLOP/s) that `row` reaches at `benchmark.batch_size`: its weight-product FLOPs per review (real
+    tokens of the same batches) times its reviews/s."""
     if not ceiling_file.is_file():
         return None
     ceiling = read_json(ceiling_file)
@@ -236,9 +237,9 @@ def ceiling_fraction(row: dict[str, Any], config: dict[str, Any], tp_batches: li
 
 
 def verdicts(rows: list[dict[str, Any]], targets: TargetsParams) -> list[dict[str, Any]]:
-    """At batch 1 (p50) and batch 32 (reviews/s): the fastest of our rows and the fastest peer, each within the
-    accuracy budget against the teacher's FP32 eager accuracy (`pipeline.selection.within_budget`), and which wins by
-    how much. Batch 1 carries the paired bootstrap interval of p50(ours) / p50(peer) by rounds."""
+    """At batch 1 (p50) and `benchmark.batch_size` (reviews/s): the fastest of our rows and the fastest peer, each
+    within the accuracy budget against the teacher's FP32 eager accuracy (`pipeline.selection.within_budget`), and
+    which wins by how much. Batch 1 carries the paired bootstrap interval of p50(ours) / p50(peer) by rounds."""
     ref = next(r for r in rows if r["name"] == REFERENCE_ROW)
     ok = [r for r in rows if r["status"] == "ok" and r.get("accuracy") is not None
           and within_budget(ref["accuracy"], r["accuracy"], targets)]
@@ -261,8 +262,9 @@ def verdicts(rows: list[dict[str, Any]], targets: TargetsParams) -> list[dict[st
     return out
 
 
-def chart(rows: list[dict[str, Any]], path: Path, title: str) -> None:
-    """p50 at batch 1 and reviews/s at batch 32 per row, the pipeline's rows in green, accuracy in the labels."""
+def chart(rows: list[dict[str, Any]], path: Path, title: str, batch_size: int) -> None:
+    """p50 at batch 1 and reviews/s at `batch_size` (`benchmark.batch_size`) per row, the pipeline's rows in green,
+    accuracy in the labels."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -282,7 +284,7 @@ def chart(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     axes[1].barh(y, [r["reviews_per_s_b32"] for r in ok], color=colors)
     axes[1].set_yticks(y, [])
     axes[1].invert_yaxis()
-    axes[1].set_xlabel("reviews/s at batch 32 (higher is better)")
+    axes[1].set_xlabel(f"reviews/s at batch {batch_size} (higher is better)")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -290,10 +292,10 @@ def chart(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    """The printed table: one line per row, skipped rows with their reason."""
+def table(rows: list[dict[str, Any]], batch_size: int) -> str:
+    """The printed table: one line per row, skipped rows with their reason; reviews/s at `batch_size`."""
     head = (f"{'row':<46}{'acc %':>7}{'agree':>7}{'p50 ms':>8}{'p95 ms':>8}{'x eager (90 %)':>19}"
-            f"{'rev/s@32':>9}{'RSS MB':>8}{'build s':>8}")
+            f"{f'rev/s@{batch_size}':>9}{'RSS MB':>8}{'build s':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         name = r["name"] + (" *" if r["ours"] else "")
@@ -450,8 +452,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     write_json(args.out, result)
     title = (f"{result['machine']['cpu']}, {args.threads} threads, {result['date_utc']} UTC, load "
              f"{result['machine']['loadavg_start'][0]:.1f}-{result['machine']['loadavg_end'][0]:.1f}; green: pipeline")
-    chart(result["rows"], args.out.with_suffix(".png"), title)
-    print(f"\n{title}\n" + table(result["rows"]))
+    batch_size = result["settings"]["batch_size"]
+    chart(result["rows"], args.out.with_suffix(".png"), title, batch_size)
+    print(f"\n{title}\n" + table(result["rows"], batch_size))
     for v in result["verdicts"]:
         extra = f" (90 % interval {v['interval'][0]:.2f}-{v['interval'][1]:.2f})" if "interval" in v else ""
         print(f"{v['metric']}: best ours {v['best_ours']} {v['best_ours_value']:.2f}, best peer {v['best_peer']} "
@@ -461,9 +464,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         print(f"INT8 ceiling: not stated: {result['int8_ceiling']['skipped']}")
     elif result["int8_ceiling"]:
         c = result["int8_ceiling"]
-        print(f"INT8 ceiling: {c['row']} at batch 32 does {c['achieved_gflops']:.1f} GFLOP/s of weight products, "
-              f"{100 * c['fraction_of_peak']:.1f} % of the measured INT8 GEMM peak {c['peak_int8_gflops']:.1f} "
-              f"GFLOP/s ({c['peak_product']})")
+        print(f"INT8 ceiling: {c['row']} at batch {batch_size} does {c['achieved_gflops']:.1f} GFLOP/s of weight "
+              f"products, {100 * c['fraction_of_peak']:.1f} % of the measured INT8 GEMM peak "
+              f"{c['peak_int8_gflops']:.1f} GFLOP/s ({c['peak_product']})")
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return result
 

@@ -109,14 +109,15 @@ class QatVerdict:
     b1: float  # the baseline's batch-1 p50 over the variant's: above 1, the variant is faster
     b1_low: float | None  # the paired bootstrap interval of `b1` over the benchmark's rounds (None: not measured)
     b1_high: float | None
-    b32: float  # the variant's batch-32 throughput over the baseline's
+    batched: float  # the variant's throughput at the benchmark's batch size over the baseline's
     within_noise: bool  # the batch-1 order is within noise: another run could order them the other way
     met: bool  # on the point estimates; `within_noise` says when the speed half of it is within noise
 
 
 def qat_verdicts(rows: Results, targets: TargetsParams) -> list[QatVerdict]:
     """One verdict per pair of `QAT_PAIRS` whose two rows were measured and scored: within
-    `targets.qat_max_loss_pt` of FP32 and at least as fast as the baseline at batch 1 and 32."""
+    `targets.qat_max_loss_pt` of FP32 and at least as fast as the baseline at batch 1 and at the benchmark's batch
+    (`benchmark.batch_size`, whose throughput is in `throughput_b32`)."""
     reference = rows.get(REFERENCE, {}).get("accuracy")
     out = []
     for name, baseline in QAT_PAIRS:
@@ -124,15 +125,15 @@ def qat_verdicts(rows: Results, targets: TargetsParams) -> list[QatVerdict]:
         if reference is None or q.get("status") != "ok" or b.get("status") != "ok" or q.get("accuracy") is None:
             continue
         loss = loss_pt(reference, q["accuracy"])
-        b1, b32 = b["p50_ms_b1"] / q["p50_ms_b1"], q["throughput_b32"] / b["throughput_b32"]
+        b1, batched = b["p50_ms_b1"] / q["p50_ms_b1"], q["throughput_b32"] / b["throughput_b32"]
         low, high = q.get("qat_b1_low"), q.get("qat_b1_high")
         if low is not None and high is not None:  # the benchmark's paired interval of this very ratio
             within_noise = low <= 1.0 <= high
         else:  # rows without it: whether each one's interval against FP32 overlaps the other's
             within_noise = all(k in e for e in (q, b) for k in ("speedup_p50_low", "speedup_p50_high")) and (
                 q["speedup_p50_low"] <= b["speedup_p50_high"] and b["speedup_p50_low"] <= q["speedup_p50_high"])
-        out.append(QatVerdict(name, baseline, -loss, targets.qat_max_loss_pt, b1, low, high, b32, within_noise,
-                              loss <= targets.qat_max_loss_pt and b1 >= 1.0 and b32 >= 1.0))
+        out.append(QatVerdict(name, baseline, -loss, targets.qat_max_loss_pt, b1, low, high, batched, within_noise,
+                              loss <= targets.qat_max_loss_pt and b1 >= 1.0 and batched >= 1.0))
     return out
 
 

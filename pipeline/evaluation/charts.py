@@ -21,8 +21,9 @@ def speedup_interval_text(entry: dict[str, Any]) -> str:
     return f" ({entry['speedup_p50_low']:.2f}-{entry['speedup_p50_high']:.2f})"
 
 
-def latency_chart(variants: dict[str, dict[str, Any]], path: Path) -> None:
-    """p50/p95 batch-1 latency and batch throughput per variant, FP32 eager first."""
+def latency_chart(variants: dict[str, dict[str, Any]], path: Path, batch_size: int) -> None:
+    """p50/p95 batch-1 latency and throughput at `batch_size` (`benchmark.batch_size`) per variant, FP32 eager
+    first."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -47,7 +48,7 @@ def latency_chart(variants: dict[str, dict[str, Any]], path: Path) -> None:
     axes[1].barh(y, tput, color="#55a868")
     axes[1].set_yticks(y, [])
     axes[1].invert_yaxis()
-    axes[1].set_xlabel("throughput, batch 32 (reviews/s, higher is better)")
+    axes[1].set_xlabel(f"throughput, batch {batch_size} (reviews/s, higher is better)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)

@@ -174,6 +174,8 @@ def measure(runners: dict[str, Runner], lat_inputs: list[tuple[np.ndarray, ...]]
     out = {}
     for name in names:
         pct = percentiles([x for samples in lat[name] for x in samples])
+        # `throughput_b32` is measured at `params.batch_size` (32 by default); the key keeps its name for the metrics
+        # files, stored results and MLflow history that read it, and every label shows the batch size itself.
         out[name] = {"p50_ms_b1": pct["p50"], "p95_ms_b1": pct["p95"], "p99_ms_b1": pct["p99"],
                      "throughput_b32": float(np.median(tp[name])),
                      "latency_samples": sum(len(samples) for samples in lat[name]), "latency_rounds_ms": lat[name]}

@@ -49,7 +49,7 @@ class Row:
     p50_ms: float | None = None
     p95_ms: float | None = None
     p99_ms: float | None = None
-    throughput_b32: float | None = None
+    throughput: float | None = None  # reviews/s at the benchmark's batch size
     peak_rss_mb: float | None = None
     speedup: float | None = None  # batch-1 p50 over FP32 eager's
     interval: Interval | None = None
@@ -151,7 +151,7 @@ def report_rows(variants: dict[str, dict[str, Any]]) -> list[Row]:
         rows.append(Row(name, "ok", readout=bool(e.get("cls_readout")),
                         accuracy_pct=None if acc is None else 100 * acc, size_mb=e.get("size_mb"),
                         p50_ms=e["p50_ms_b1"], p95_ms=e["p95_ms_b1"], p99_ms=e["p99_ms_b1"],
-                        throughput_b32=e["throughput_b32"], peak_rss_mb=e.get("peak_rss_mb"),
+                        throughput=e["throughput_b32"], peak_rss_mb=e.get("peak_rss_mb"),
                         speedup=e["speedup_p50_vs_fp32_eager"], interval=interval_of(e)))
     return rows
 
@@ -235,9 +235,10 @@ def part(macro: str, *args: Any) -> str:
     return str(getattr(environment().get_template("parts.md.j2").module, macro)(*args))
 
 
-def markdown_table(variants: dict[str, dict[str, Any]]) -> str:
-    """The comparison as a Markdown table (skipped rows say why), as the report prints it."""
-    return part("table", report_rows(variants))
+def markdown_table(variants: dict[str, dict[str, Any]], batch_size: int) -> str:
+    """The comparison as a Markdown table (skipped rows say why), as the report prints it; `batch_size`: the
+    throughput's batch (`benchmark.batch_size`), named in its column."""
+    return part("table", report_rows(variants), batch_size)
 
 
 def target_lines(variants: dict[str, dict[str, Any]], targets: TargetsParams) -> list[str]:
@@ -245,9 +246,10 @@ def target_lines(variants: dict[str, dict[str, Any]], targets: TargetsParams) ->
     return part("target_lines", target_verdicts(variants, targets)).splitlines()
 
 
-def qat_lines(variants: dict[str, dict[str, Any]], targets: TargetsParams) -> list[str]:
-    """The QAT verdicts (`pipeline.selection.qat_verdicts`) as the report states them, one per line."""
-    return [part("qat_line", q) for q in qat_verdicts(variants, targets)]
+def qat_lines(variants: dict[str, dict[str, Any]], targets: TargetsParams, batch_size: int) -> list[str]:
+    """The QAT verdicts (`pipeline.selection.qat_verdicts`) as the report states them, one per line; `batch_size`:
+    the throughput's batch (`benchmark.batch_size`)."""
+    return [part("qat_line", q, batch_size) for q in qat_verdicts(variants, targets)]
 
 
 def write_report(result: dict[str, Any], chart: Path, path: Path, targets: TargetsParams,

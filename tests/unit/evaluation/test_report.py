@@ -6,13 +6,14 @@ from __future__ import annotations
 import pytest
 
 from pipeline.core.params import TargetsParams
-from pipeline.evaluation.charts import pareto_chart
+from pipeline.evaluation.charts import latency_chart, pareto_chart
 from pipeline.evaluation.latency import SPEEDUP_LEVEL
 from pipeline.evaluation.report import (
     Interval,
     Row,
     markdown_table,
     pareto_front,
+    qat_lines,
     report_data,
     report_rows,
     speedup_chain,
@@ -185,7 +186,7 @@ def test_rendered_report_has_the_skipped_row_and_the_target_line(tmp_path):
               "**2.86x** FP32 eager (90 % interval over the rounds 2.60-3.10x: it straddles 3.0x, so this verdict "
               "could go the other way in another run), -0.20 pt accuracy (MISSED: target >= 3.0x within 0.5 pt).")
     assert lines[lines.index("## Targets") + 2] == target
-    assert markdown_table(variants) in text
+    assert markdown_table(variants, 32) in text
     assert [f"- {x}" for x in target_lines(variants, TargetsParams())] == [target]
     assert "- ISA: avx2=yes, avx512_vnni=yes" in lines and text.endswith("\n")
 
@@ -209,7 +210,7 @@ def test_qat_on_its_runtime_is_judged_on_accuracy_and_both_speeds(p50, b32, acc,
 
     (v,) = qat_verdicts(_qat_rows(p50, b32, acc, 4.0, 4.4), TargetsParams())
     assert (v.variant, v.baseline, v.met, v.max_loss_pt) == ("int8-qat-openvino", "int8-openvino", met, 0.2)
-    assert v.b1 == pytest.approx(2.5 / p50) and v.b32 == pytest.approx(b32 / 40.0)
+    assert v.b1 == pytest.approx(2.5 / p50) and v.batched == pytest.approx(b32 / 40.0)
     assert v.delta_pt == pytest.approx(100 * (acc - 0.9)) and v.within_noise is True  # 4.0-4.4 meets 3.8-4.2
 
 
@@ -245,3 +246,22 @@ def test_the_benchmarks_paired_interval_decides_whether_the_qat_order_is_within_
     path = tmp_path / "variants.md"
     write_report(_result(rows), tmp_path / "latency.png", path, TargetsParams())
     assert f"(paired interval over the rounds {low:.2f}-{high:.2f})" in path.read_text()
+
+
+def test_the_report_chart_and_log_lines_name_the_benchmarks_batch_size(tmp_path, monkeypatch):
+    """Throughput is measured at `benchmark.batch_size`: a run at 16 says 16 in the table, the QAT line (report and
+    log) and the latency chart, not the default's 32."""
+    from matplotlib.figure import Figure
+
+    rows = _qat_rows(2.4, 41.0, 0.899, 4.3, 4.5)
+    result = {**_result(rows), "settings": {**SETTINGS, "batch_size": 16}}
+    write_report(result, tmp_path / "latency.png", tmp_path / "variants.md", TargetsParams())
+    text = (tmp_path / "variants.md").read_text()
+    assert "| reviews/s @16 |" in text and "at batch 16 (throughput)" in text
+    assert "@32" not in text and "batch 32" not in text
+    assert "| reviews/s @16 |" in markdown_table(rows, 16)
+    assert all("at batch 16 (throughput)" in line for line in qat_lines(rows, TargetsParams(), 16))
+    labels = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, path, **kw: labels.extend(a.get_xlabel() for a in fig.axes))
+    latency_chart(rows, tmp_path / "latency.png", 16)
+    assert "throughput, batch 16 (reviews/s, higher is better)" in labels
