@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.core.errors import UserError
 from pipeline.core.machine import available_cpus
 from pipeline.core.params import BenchmarkParams
 from pipeline.evaluation import memory_probe
@@ -25,6 +26,11 @@ log = logging.getLogger(__name__)
 
 
 SPEEDUP_LEVEL = 0.9  # the speed-up interval's coverage (`speedup_interval`)
+
+
+class BenchmarkInputError(UserError, ValueError):
+    """The test split cannot feed the benchmark as its settings ask (no review as long as `benchmark.seq_len`, fewer
+    reviews than one batch of `benchmark.batch_size`); the message names the settings to change."""
 
 
 #: Fewest samples a p99 is reported from: below it the 99th percentile is an interpolation between the largest
@@ -123,14 +129,20 @@ def latency_inputs(seqs: Sequence[np.ndarray], seq_len: int, count: int, pad_id:
     full = [s[:seq_len] for s in seqs if len(s) >= seq_len][:count]
     if not full:
         longest = max((len(s) for s in seqs), default=0)
-        raise ValueError(f"benchmark.seq_len is {seq_len} tokens, but the longest test review has {longest}: "
-                         "lower benchmark.seq_len to at most the reviews' length")
+        raise BenchmarkInputError(f"benchmark.seq_len is {seq_len} tokens, but the longest test review has {longest}: "
+                                  "lower benchmark.seq_len to at most the reviews' length")
     return [pad_batch([s], pad_id, seq_len) for s in full]
 
 
 def throughput_batches(seqs: Sequence[np.ndarray], batch: int, n_batches: int,
                        pad_id: int) -> list[tuple[np.ndarray, ...]]:
-    """Batches of real reviews in test-split order, each padded to its own longest review."""
+    """Batches of real reviews in test-split order, each padded to its own longest review: the first `n_batches`
+    full batches of `batch` reviews, fewer where the split holds fewer (`measure` times those it gets), and an
+    error naming the settings where it holds less than one (every throughput figure is at `batch` reviews)."""
+    if len(seqs) < batch:
+        raise BenchmarkInputError(f"benchmark.batch_size is {batch} reviews, but the test split has {len(seqs)} "
+                                  "(data.test_subsample): lower benchmark.batch_size to at most the split's size or "
+                                  "raise data.test_subsample")
     return [pad_batch(list(seqs[i * batch : (i + 1) * batch]), pad_id) for i in range(n_batches)
             if len(seqs[i * batch : (i + 1) * batch]) == batch]
 

@@ -120,6 +120,24 @@ def test_throughput_batches_use_dynamic_padding():
     assert [b[0].shape for b in batches] == [(2, 8), (2, 19)]
 
 
+def test_a_test_split_smaller_than_one_throughput_batch_names_the_settings(tiny_model_dir, tokenized_dir):
+    """Fewer test reviews than `benchmark.batch_size` leave no full batch to time: an error that names both
+    settings, before any variant is loaded, instead of an IndexError from the first batch (`measure`, memory)."""
+    from pipeline.core.errors import UserError
+    from pipeline.core.machine import Choice
+    from pipeline.evaluation.benchmark import run_benchmark
+
+    seqs = [np.arange(1, n) for n in (5, 9, 20)]
+    with pytest.raises(UserError, match=r"benchmark\.batch_size is 4 reviews, but the test split has 3 "
+                                        r"\(data.test_subsample\)"):
+        throughput_batches(seqs, 4, 1, 0)
+    params = BenchmarkParams(seq_len=16, batch_size=64, warmup=1, iterations=1, rounds=1, latency_reviews=1,
+                             threads=1)  # tokenized_dir's test split: 32 reviews
+    with pytest.raises(UserError, match=r"benchmark\.batch_size is 64 reviews, but the test split has 32"):
+        run_benchmark(finetuned=tiny_model_dir, variant_dirs={}, tokenized=tokenized_dir, params=params,
+                      bf16=Choice("benchmark.bf16_row", False, False, "set explicitly"))
+
+
 def test_speedup_is_the_reference_p50_over_the_rows_with_the_paired_interval():
     ref = {"p50_ms_b1": 10.0, "latency_rounds_ms": [[10.0, 10.0], [9.0, 11.0], [10.0, 10.0]]}
     row = {"p50_ms_b1": 5.0, "latency_rounds_ms": [[5.0, 5.0], [4.5, 5.5], [5.0, 5.0]]}
