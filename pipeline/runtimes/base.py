@@ -48,11 +48,18 @@ def pad_batch(seqs: Sequence[np.ndarray], pad_id: int = 0, width: int | None = N
     return ids, mask
 
 
+def length_order(seqs: Sequence[np.ndarray]) -> np.ndarray:
+    """The indices of `seqs` from shortest to longest, reviews of one length in their given order (a stable sort:
+    numpy's default sort orders ties differently across versions and CPUs, and the batches, so the calibration
+    ranges and padded shapes built from them, would follow)."""
+    return np.argsort([len(s) for s in seqs], kind="stable")
+
+
 def length_sorted_batches(seqs: Sequence[np.ndarray], *, batch_size: int,
                           pad_id: int) -> list[tuple[np.ndarray, np.ndarray]]:
     """`seqs` sorted by length (ties keep their order) in batches of `batch_size`, each padded to its own longest
     (`pad_batch`): the calibration passes' batches, little padding to run."""
-    order = np.argsort([len(s) for s in seqs], kind="stable")
+    order = length_order(seqs)
     return [pad_batch([seqs[i] for i in order[b : b + batch_size]], pad_id) for b in range(0, len(order), batch_size)]
 
 
@@ -63,7 +70,7 @@ def predict_logits(runner: Runner, seqs: Sequence[np.ndarray], batch_size: int =
     `callers` > 1: that many threads call `runner` at once, each on its own batches (a runner must be safe to call
     concurrently, as every runtime here is). Each batch is scored by exactly one call, so the logits are those of
     one caller; only the wall time changes."""
-    order = np.argsort([len(s) for s in seqs], kind="stable")
+    order = length_order(seqs)
     out = np.zeros((len(seqs), 2), dtype=np.float32)
     starts = list(range(0, len(order), batch_size))
     bar = None

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pipeline.core.params import Params, QuantizeParams
-from pipeline.runtimes.base import pad_batch
+from pipeline.runtimes.base import length_order, pad_batch
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -19,10 +19,11 @@ CALIBRATION_METHODS = ("minmax", "percentile", "entropy")
 
 
 class TokenCalibrationReader:
-    """onnxruntime `CalibrationDataReader` over real, length-sorted review batches."""
+    """onnxruntime `CalibrationDataReader` over real, length-sorted review batches (`length_order`, the order every
+    length-sorted pass uses), all padded to the longest review."""
 
     def __init__(self, seqs: Sequence[np.ndarray], batch_size: int, input_names: set[str], pad_id: int = 0) -> None:
-        order = np.argsort([len(s) for s in seqs])
+        order = length_order(seqs)
         self.batches = [[seqs[i] for i in order[b : b + batch_size]] for b in range(0, len(order), batch_size)]
         self.input_names = input_names
         self.pad_id = pad_id
