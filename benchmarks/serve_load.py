@@ -17,9 +17,8 @@ up to `batch_size` texts, without waiting for more, so the ratio isolates what t
 to loopback only, bounded in time and count, each client on one kept-open HTTP/1.1 connection as pooled clients
 use them (`--new-connection-per-request` for one TCP connection per request). Each level starts with `--warmup`
 seconds of valid requests at its concurrency that are not counted (recorded per row): before TorchServe's JIT was
-limited to C1, a freshly started TorchServe served its first concurrency-1 level at 0.64 of in-process and the
-same level run again after the others at 0.79-0.80 (2026-11-26, Zen 3; docs/serving.md#concurrency-1-on-torchserve).
-Prints a table and writes
+limited to C1, a freshly started TorchServe served its first concurrency-1 level well below the same level run
+again after the others (docs/serving.md#concurrency-1-on-torchserve). Prints a table and writes
 `benchmarks/results/serve_load-<server>.json` (with the CPU, its ISA flags and the server's batching settings).
 """
 

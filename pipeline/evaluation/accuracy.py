@@ -98,8 +98,8 @@ def score_variants(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Pa
 
 
 #: Formats whose runner runs calls from several threads at the same time (an onnxruntime session does). OpenVINO's
-#: runner serves them one at a time on its one stream, so callers would only take turns on one thread: an INT8 IR
-#: scored by rows did 14.3 reviews/s as two one-thread callers against 22.3 as one two-thread caller (Zen 3).
+#: runner serves them one at a time on its one stream, so callers would only take turns on one thread, and one caller
+#: with every thread scores an INT8 IR by rows faster (docs/batch-invariance.md#openvino-int8-too).
 PARALLEL_CALL_FORMATS = ("onnx",)
 
 

@@ -26,7 +26,7 @@ PER_TENSOR_DYNAMIC_OPS = ("DynamicQuantizeLinear", "DynamicQuantizeMatMul", "Dyn
 #: Ops of an OpenVINO IR that quantize an activation with a scale calibrated once (NNCF's static INT8). Static scales
 #: span no batch, but the float kernels between them are picked by the batch's shape (another blocking, another order
 #: of summation): a float difference of one rounding can move an activation across a quantization step, and that
-#: step reaches the score (measured in docs/batch-invariance.md: up to 1.3e-4 on an AVX2 CPU in batches of 32).
+#: step reaches the score (docs/batch-invariance.md#openvino-int8-too: past the scoring contract on an AVX2 CPU).
 STATIC_QUANTIZE_IR_OPS = ("FakeQuantize",)
 
 #: How a runner scores a padded batch: `batched` in one call, `rows` one unpadded review per call, `auto` rows

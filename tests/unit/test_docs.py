@@ -295,6 +295,21 @@ def test_front_pages_stay_short() -> None:
         assert any(line.strip().startswith(command) for line in head), command
 
 
+#: How a measurement shows itself in source text: the CPU it ran on, the day, a rate or a tolerance figure "on" a CPU.
+MEASUREMENT = re.compile(r"\bZen ?\d\b|\b20\d\d-\d\d-\d\d\b|\d+(\.\d+)? reviews/s\b|\de-\d+ on an? ")
+
+
+def test_source_comments_keep_the_why_and_leave_the_figures_to_the_docs() -> None:
+    """House rule: a comment or docstring says why, and points to docs/ (or RESULTS) for what was measured; a
+    figure copied into the code goes stale where no measurement updates it."""
+    sources = [*sorted((ROOT / "pipeline").rglob("*.py")), *sorted((ROOT / "stages").glob("*.py")),
+               *sorted((ROOT / "benchmarks").glob("*.py"))]
+    found = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+             for path in sources for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+             if MEASUREMENT.search(line)]
+    assert not found, "\n".join(found)
+
+
 def documented_commands() -> list[tuple[str, list[str]]]:
     return [
         (page.name, tokens)
