@@ -161,11 +161,12 @@ def log_variant_runs(results: dict[str, dict[str, Any]], *, variant_dirs: dict[s
     LoggedModel per built variant with its scores linked to it, so the experiment's models view lines the
     variants up.
 
-    Every deployable variant (the ONNX and TorchScript ones) is logged as a pyfunc model around
-    `SentimentPredictor` with its directory (model file, tokenizer, label map, record), cutting texts and
-    using threads as the served `.mar` does (`serving`). A deployable variant larger than
-    `params.artifact_max_mb`, the FP32 reference (its weights are the finetune run's artifacts) and variants
-    only a GPU runs are logged as external models: their metrics line up, their files stay where they are.
+    Every servable variant (`spec(name).servable`: the torchscript, onnx and openvino formats, which the serving
+    handler runs on CPU) is logged with its directory (model file, tokenizer, label map, record) as a pyfunc model
+    around `ContractPredictor` (`pipeline.deployment.mlflow_model.log_variant_model`), which checks and cuts texts
+    and uses threads as the served `.mar` does (`serving`). A servable variant larger than
+    `params.artifact_max_mb`, the FP32 reference (its weights are the finetune run's artifacts) and variants only a
+    GPU runs (tensorrt) are logged as external models: their metrics line up, their files stay where they are.
     Each entry of `results` gains the model's id and URI (`model_id`, `model_uri`, `model_files`)."""
     from pipeline.core.tracking import stage_run
     from pipeline.deployment.mlflow_model import log_variant_model, model_labels

@@ -189,3 +189,20 @@ def test_rows_are_scored_by_parallel_callers_only_where_the_runtime_runs_calls_s
     assert callers == 1 and runner.rows_alone and runner.threads == 2
     assert runner_for_test_split(dirs["fp32-onnx"], threads=2)[1] == 1
     assert runner_for_test_split(dirs["int8-dynamic"], threads=1)[1] == 1
+
+
+def test_log_variant_runs_names_the_formats_and_the_predictor_it_logs():
+    """Its docstring says what the code does: every format `servable` admits (OpenVINO included) is logged around
+    the predictor `log_variant_model` wraps (once documented as ONNX and TorchScript around SentimentPredictor)."""
+    import inspect
+    import re
+
+    from pipeline.deployment import mlflow_model
+    from pipeline.evaluation.accuracy import log_variant_runs
+    from pipeline.runtimes.catalog import VARIANTS
+
+    doc = inspect.getdoc(log_variant_runs) or ""
+    servable = {v.format for v in VARIANTS if v.servable}
+    assert servable == {"torchscript", "onnx", "openvino"} and all(fmt in doc for fmt in servable)
+    wrapped = re.search(r"import (\w+Predictor)", inspect.getsource(mlflow_model.log_variant_model))
+    assert wrapped is not None and f"`{wrapped.group(1)}`" in doc
