@@ -36,33 +36,8 @@ def score_variants(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Pa
     """
     test = read_tokenized(tokenized, "test")
     seqs, labels = test["input_ids"].tolist(), test["label"].to_numpy()
-    results: dict[str, dict[str, Any]] = {}
-
-    t0 = time.perf_counter()
-    ref_logits, scored_by, seconds = None, "evaluate", 0.0
-    if reference_predictions is not None:
-        try:
-            logits, saved = read_predictions(reference_predictions, seqs, labels)
-        except (FileNotFoundError, ValueError) as exc:
-            raise VariantError(str(exc)) from exc
-        if saved.get("batch_size") == params.batch_size:  # same batches and padding: the same logits
-            ref_logits, scored_by, seconds = logits, "finetune", float(saved.get("seconds", 0.0))
-            log.info("%s: test logits reused from %s (scored by the finetune stage)", REFERENCE,
-                     reference_predictions)
-        else:
-            log.info("%s: %s was scored in batches of %s, evaluate uses %d: scoring FP32 again", REFERENCE,
-                     reference_predictions, saved.get("batch_size"), params.batch_size)
-    if ref_logits is None:
-        ref_logits = predict_logits(load_runner(finetuned, params.threads), seqs, params.batch_size,
-                                    progress=REFERENCE)
-        seconds = time.perf_counter() - t0
-    ref_pred = ref_logits.argmax(-1)
-    results[REFERENCE] = {
-        "status": "ok", "reason": "", "format": "pytorch", "dtype": "float32",
-        "accuracy": float((ref_pred == labels).mean()), "agreement_with_fp32": 1.0,
-        "size_mb": round((finetuned / "model.safetensors").stat().st_size / 1e6, 3),
-        "eval_seconds": round(seconds, 2), "test_samples": len(labels), "scored_by": scored_by,
-    }
+    reference, ref_pred = reference_row(finetuned, seqs, labels, params, reference_predictions)
+    results: dict[str, dict[str, Any]] = {REFERENCE: reference}
     correct: dict[str, np.ndarray] = {}
     for name, directory in variant_dirs.items():
         info = read_variant(directory)
@@ -95,6 +70,39 @@ def score_variants(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Pa
             entry["accuracy_delta_pt"] = round(100 * (entry["accuracy"] - fp32), 3)
     paired_with_most_accurate(results, correct, targets or TargetsParams())
     return results
+
+
+def reference_row(finetuned: Path, seqs: list[np.ndarray], labels: np.ndarray, params: EvaluateParams,
+                  reference_predictions: Path | None) -> tuple[dict[str, Any], np.ndarray]:
+    """The FP32 PyTorch reference's entry and its predicted labels on the test split (`seqs`, `labels`): from the
+    finetune stage's test logits (`reference_predictions`) where they were scored in batches of `params.batch_size`
+    (the same batches and padding, so the same logits), else scored here. Either way `scored_by` names the stage."""
+    t0 = time.perf_counter()
+    ref_logits, scored_by, seconds = None, "evaluate", 0.0
+    if reference_predictions is not None:
+        try:
+            logits, saved = read_predictions(reference_predictions, seqs, labels)
+        except (FileNotFoundError, ValueError) as exc:
+            raise VariantError(str(exc)) from exc
+        if saved.get("batch_size") == params.batch_size:  # same batches and padding: the same logits
+            ref_logits, scored_by, seconds = logits, "finetune", float(saved.get("seconds", 0.0))
+            log.info("%s: test logits reused from %s (scored by the finetune stage)", REFERENCE,
+                     reference_predictions)
+        else:
+            log.info("%s: %s was scored in batches of %s, evaluate uses %d: scoring FP32 again", REFERENCE,
+                     reference_predictions, saved.get("batch_size"), params.batch_size)
+    if ref_logits is None:
+        ref_logits = predict_logits(load_runner(finetuned, params.threads), seqs, params.batch_size,
+                                    progress=REFERENCE)
+        seconds = time.perf_counter() - t0
+    ref_pred = ref_logits.argmax(-1)
+    entry: dict[str, Any] = {
+        "status": "ok", "reason": "", "format": "pytorch", "dtype": "float32",
+        "accuracy": float((ref_pred == labels).mean()), "agreement_with_fp32": 1.0,
+        "size_mb": round((finetuned / "model.safetensors").stat().st_size / 1e6, 3),
+        "eval_seconds": round(seconds, 2), "test_samples": len(labels), "scored_by": scored_by,
+    }
+    return entry, ref_pred
 
 
 #: Formats whose runner runs calls from several threads at the same time (an onnxruntime session does). OpenVINO's

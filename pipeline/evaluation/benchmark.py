@@ -14,6 +14,7 @@ from pipeline.core.machine import Choice, machine_info, resolved_threads
 from pipeline.core.params import BenchmarkParams, Params, to_dict
 from pipeline.evaluation.charts import latency_chart, pareto_chart, plot_rows
 from pipeline.evaluation.latency import (
+    Candidate,
     candidates,
     latency_inputs,
     measure,
@@ -69,30 +70,7 @@ def run_benchmark(*, finetuned: Path, variant_dirs: dict[str, Path], tokenized: 
     ok = [c for c in cands if c.status == "ok"]
     rss = peak_rss_of_each({c.name: (c.directory, c.options) for c in ok}, tp_batches[0], threads) \
         if params.memory else {}
-    results: dict[str, Any] = {}
-    ref = timings[REFERENCE]
-    for c in cands:
-        entry: dict[str, Any] = {"status": c.status, "reason": c.reason}
-        if c.status == "ok":
-            entry["cls_readout"] = c.cls_readout
-            if c.weight_format is not None:
-                entry["weight_format"] = c.weight_format
-            gain = speedup(ref, timings[c.name])
-            entry.update({k: v for k, v in timings[c.name].items() if k != "latency_rounds_ms"})
-            entry["speedup_p50_vs_fp32_eager"] = gain.p50
-            if c.name != REFERENCE:
-                entry["speedup_p50_low"], entry["speedup_p50_high"] = gain.low, gain.high
-            if c.name in rss:
-                entry["peak_rss_mb"] = rss[c.name]
-        acc = (accuracy or {}).get(c.name, {})  # the timing rows of the reference's weights have none of their own
-        for key in ("accuracy", "size_mb", "agreement_with_fp32"):
-            if key in acc:
-                entry[key] = acc[key]
-        results[c.name] = entry
-    for name, baseline in QAT_PAIRS:  # a QAT variant against its runtime's post-training one, paired by round
-        if name in timings and baseline in timings:
-            pair = speedup(timings[baseline], timings[name])
-            results[name]["qat_b1_low"], results[name]["qat_b1_high"] = pair.low, pair.high
+    results = result_rows(cands, timings, rss, accuracy or {})
     return {"variants": results, "machine": machine_info(threads),
             # every batch-1 sample by round, so each speed-up interval can be recomputed (`latency.speedup`)
             "latency_rounds_ms": {name: t["latency_rounds_ms"] for name, t in timings.items()},
@@ -101,6 +79,44 @@ def run_benchmark(*, finetuned: Path, variant_dirs: dict[str, Path], tokenized: 
                          "latency_samples": timings[REFERENCE]["latency_samples"],  # as `measure` took them
                          "latency_inputs": len(lat_inputs),
                          "bf16_row_choice": bf16.tag()}}
+
+
+def result_rows(cands: list[Candidate], timings: dict[str, dict[str, Any]], rss: dict[str, float],
+                accuracy: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The benchmark's row of every candidate, in their order: status and reason; a measured one's timings (the
+    latency samples by round left to the result's own key), speed-up over the reference with its interval, peak RSS
+    where probed; the accuracy, size and agreement evaluate recorded (`accuracy`); and each QAT variant's paired
+    batch-1 interval against its runtime's post-training variant (`QAT_PAIRS`) where both were timed."""
+    results: dict[str, dict[str, Any]] = {}
+    for c in cands:
+        entry: dict[str, Any] = {"status": c.status, "reason": c.reason}
+        if c.status == "ok":
+            entry.update(_measured(c, timings, rss))
+        acc = accuracy.get(c.name, {})  # the timing rows of the reference's weights have none of their own
+        for key in ("accuracy", "size_mb", "agreement_with_fp32"):
+            if key in acc:
+                entry[key] = acc[key]
+        results[c.name] = entry
+    for name, baseline in QAT_PAIRS:  # a QAT variant against its runtime's post-training one, paired by round
+        if name in timings and baseline in timings:
+            pair = speedup(timings[baseline], timings[name])
+            results[name]["qat_b1_low"], results[name]["qat_b1_high"] = pair.low, pair.high
+    return results
+
+
+def _measured(c: Candidate, timings: dict[str, dict[str, Any]], rss: dict[str, float]) -> dict[str, Any]:
+    """What a measured candidate's row holds beyond its status: readout, weight format, timings, speed-up, RSS."""
+    entry: dict[str, Any] = {"cls_readout": c.cls_readout}
+    if c.weight_format is not None:
+        entry["weight_format"] = c.weight_format
+    gain = speedup(timings[REFERENCE], timings[c.name])
+    entry.update({k: v for k, v in timings[c.name].items() if k != "latency_rounds_ms"})
+    entry["speedup_p50_vs_fp32_eager"] = gain.p50
+    if c.name != REFERENCE:
+        entry["speedup_p50_low"], entry["speedup_p50_high"] = gain.low, gain.high
+    if c.name in rss:
+        entry["peak_rss_mb"] = rss[c.name]
+    return entry
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -206,3 +206,18 @@ def test_log_variant_runs_names_the_formats_and_the_predictor_it_logs():
     assert servable == {"torchscript", "onnx", "openvino"} and all(fmt in doc for fmt in servable)
     wrapped = re.search(r"import (\w+Predictor)", inspect.getsource(mlflow_model.log_variant_model))
     assert wrapped is not None and f"`{wrapped.group(1)}`" in doc
+
+
+def test_the_reference_row_scores_the_fp32_model_where_no_finetune_logits_are_given(built, tiny_model_dir):
+    """`reference_row` (the FP32 block of `score_variants`): the entry `score_variants` records for FP32 eager, and
+    the labels every variant's agreement is counted against."""
+    from pipeline.evaluation.accuracy import reference_row
+
+    test = read_tokenized(built["tokenized"], "test")
+    seqs, labels = test["input_ids"].tolist(), test["label"].to_numpy()
+    entry, predicted = reference_row(tiny_model_dir, seqs, labels, EvaluateParams(batch_size=16), None)
+    assert predicted.shape == labels.shape and entry["accuracy"] == float((predicted == labels).mean())
+    assert (entry["scored_by"], entry["test_samples"], entry["agreement_with_fp32"]) == ("evaluate", len(labels), 1.0)
+    scored = score_variants(tiny_model_dir, {}, built["tokenized"], EvaluateParams(batch_size=16))["fp32-eager"]
+    assert {k: v for k, v in scored.items() if k != "eval_seconds"} == {
+        **{k: v for k, v in entry.items() if k != "eval_seconds"}, "accuracy_delta_pt": 0.0}

@@ -204,3 +204,32 @@ def test_each_variants_memory_is_read_from_a_process_of_its_own(built, tmp_path)
     assert rss["int8-dynamic"] < rss["fp32-torchscript"]  # no torch in the ONNX Runtime probe
     with pytest.raises(RuntimeError, match="memory probe failed"):
         peak_rss_mb(tmp_path, {}, batch, 1)
+
+
+def test_result_rows_hold_each_candidates_timings_scores_and_the_qat_pair(tmp_path):
+    """`result_rows` (the row assembly of `run_benchmark`): skipped rows keep their reason, measured ones their
+    timings (the samples by round stay out), speed-up over FP32 eager with its interval (none for the reference
+    itself), peak RSS where probed and evaluate's scores; the QAT variant its paired interval against its runtime's
+    post-training variant."""
+    from pipeline.evaluation.benchmark import result_rows
+    from pipeline.evaluation.latency import Candidate
+
+    def timed(p50: float) -> dict:
+        return {"p50_ms_b1": p50, "p95_ms_b1": p50, "p99_ms_b1": None, "throughput_b32": 100 / p50,
+                "latency_samples": 4, "latency_rounds_ms": [[p50, p50], [p50, p50]]}
+
+    cands = [Candidate("fp32-eager", tmp_path, {}), Candidate("int8-openvino", tmp_path, {}, weight_format="s8"),
+             Candidate("int8-qat-openvino", tmp_path, {}),
+             Candidate("int8-static", tmp_path, {}, "skipped", "not built")]
+    timings = {"fp32-eager": timed(10.0), "int8-openvino": timed(2.5), "int8-qat-openvino": timed(2.0)}
+    rows = result_rows(cands, timings, {"int8-openvino": 300.0},
+                       {"int8-openvino": {"accuracy": 0.9, "size_mb": 20.0, "model_id": "m-1"}})
+    assert list(rows) == ["fp32-eager", "int8-openvino", "int8-qat-openvino", "int8-static"]
+    assert rows["int8-static"] == {"status": "skipped", "reason": "not built"}
+    assert rows["fp32-eager"]["speedup_p50_vs_fp32_eager"] == 1.0 and "speedup_p50_low" not in rows["fp32-eager"]
+    openvino = rows["int8-openvino"]
+    assert (openvino["speedup_p50_vs_fp32_eager"], openvino["speedup_p50_low"], openvino["weight_format"]) == (
+        4.0, 4.0, "s8")
+    assert (openvino["peak_rss_mb"], openvino["accuracy"], openvino["size_mb"]) == (300.0, 0.9, 20.0)
+    assert "latency_rounds_ms" not in openvino and "model_id" not in openvino and "qat_b1_low" not in openvino
+    assert rows["int8-qat-openvino"]["qat_b1_low"] == rows["int8-qat-openvino"]["qat_b1_high"] == 1.25
