@@ -651,20 +651,20 @@ def main(argv: list[str] | None = None) -> None:
     args.log_dir.mkdir(parents=True, exist_ok=True)
     config = log_config(args.log_dir, args.log_max_bytes, args.log_backups)
     logging.config.dictConfig(config)
-    from mlflow.exceptions import MlflowException
-
+    from pipeline.core.model_registry import StoreError, store_errors
     from pipeline.core.params import ParamsError
 
     try:
-        app = build_app(args.model_uri, args.params, args.max_in_flight, args.body_timeout)
+        with store_errors():
+            app = build_app(args.model_uri, args.params, args.max_in_flight, args.body_timeout)
     except LookupError as exc:  # no champion yet: say what to do instead of a traceback
         raise SystemExit(f"{exc}: run `make run` first (its package stage registers and aliases the model)") from None
     except FileNotFoundError as exc:  # a --params that is not there
         raise SystemExit(str(exc)) from None
     except ParamsError as exc:  # a --params that is not valid
         raise SystemExit(f"{args.params}: {exc}") from None
-    except MlflowException as exc:  # the store unreachable or refusing, a version or model it does not have
-        raise SystemExit(f"the model to serve could not be read from the tracking store: {exc.message}") from None
+    except StoreError as exc:  # the store unreachable or refusing, a version or model it does not have
+        raise SystemExit(f"the model to serve could not be read from the tracking store: {exc}") from None
     print(f"serving {app.variant} (version {app.version}) at http://{args.host}:{args.port}/invocations; "
           f"logs in {args.log_dir / 'mlflow_server.log'}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port,

@@ -5,6 +5,8 @@ for it, so none depends on, or changes, MLflow's process-wide tracking URI."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from pipeline.core.parent_run import client_for
@@ -12,6 +14,31 @@ from pipeline.core.parent_run import client_for
 #: The error codes of a registry that answered and has no such alias or model (an unknown alias is
 #: INVALID_PARAMETER_VALUE, an unknown model RESOURCE_DOES_NOT_EXIST); every other error is the store's.
 NOT_SET = ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE")
+
+
+class StoreError(RuntimeError):
+    """The tracking store could not give what was asked (unreachable, refused, no such model or version), with
+    MLflow's message: what the commands report without importing MLflow themselves."""
+
+
+@contextlib.contextmanager
+def store_errors() -> Iterator[None]:
+    """MLflow's failures in the block raised as `StoreError` (a `LookupError` from `registered_version` passes)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        yield
+    except MlflowException as exc:
+        raise StoreError(exc.message) from exc
+
+
+def check_model_uri(model_uri: str) -> None:
+    """`StoreError` (or `OSError` for a path that is not there) when MLflow cannot resolve `model_uri`; reads only
+    the model's MLmodel file, in MLflow's process-wide store."""
+    import mlflow
+
+    with store_errors():
+        mlflow.models.get_model_info(model_uri)
 
 
 def set_alias(name: str, alias: str, version: str, *, tracking_uri: str) -> None:

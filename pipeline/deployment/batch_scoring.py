@@ -33,16 +33,22 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-# The contract's checks are plain Python (no third-party import): Spark ships them to the executors by value
 from pipeline.core.io import write_json
-from pipeline.deployment.protocol import TEXT_COLUMN, RequestError, check_text
+from pipeline.deployment.batch_inputs import (
+    MALFORMED_ROW,
+    check_columns,
+    check_input,
+    check_model,
+    check_output,
+    check_task_threads,
+    error_column,
+    input_format,
+    ship_checks_by_value,
+)
+from pipeline.deployment.protocol import TEXT_COLUMN
 from pipeline.deployment.spark_io import (
     BATCH_ROWS,
-    MALFORMED_ROW,
-    check_input,
-    check_output,
     count_output,
-    input_format,
     progress_lines,
     read_input,
     session_for,
@@ -51,19 +57,12 @@ from pipeline.deployment.spark_io import (
 )
 
 if TYPE_CHECKING:
-    import pandas as pd
-    from pyspark.sql import Column, DataFrame, SparkSession
-    from pyspark.sql.types import DataType
+    from pyspark.sql import DataFrame, SparkSession
 
 #: The id column added when the input names none.
 ADDED_ID_COLUMN = "row_id"
-#: The output's columns beside the id.
-OUTPUT_COLUMNS = ("label", "score", "error")
 #: What the id, the text and the model's answer are called inside the job (the input's own names may hold dots).
 ID, TEXT, ANSWER = "_scoring_id", "_scoring_text", "_scoring_answer"
-#: The error of a CSV row whose fields do not match the header's (`spark_io.read_csv_input`).
-MALFORMED_MESSAGE = ("malformed CSV row: its fields do not match the header's columns (an unquoted comma or quote "
-                     "in a field?); not scored")
 #: The most rows of one partition unless `--partitions` says otherwise: one task's work stays short (minutes on one
 #: core), so progress advances in small steps and a slow or retried task delays the end by little.
 PARTITION_ROWS = 10_000
@@ -107,74 +106,6 @@ class RowCountMismatch(RuntimeError):
     """The output holds another number of rows than the input: rows were lost or duplicated."""
 
 
-def text_errors(values: pd.Series, where: str, max_chars: int) -> pd.Series:
-    """The contract's refusal of each value (`check_text` with `max_chars` characters at most), or None where the
-    value is a review the model may score. Runs in Spark's Python workers, one Arrow batch at a time."""
-    import pandas as pd
-
-    def error(value: Any) -> str | None:
-        try:
-            check_text(value, where, max_chars)
-        except RequestError as exc:
-            return exc.message
-        return None
-
-    return pd.Series([error(v) for v in values], index=values.index, dtype=object)
-
-
-def type_error(where: str, dtype: DataType) -> str:
-    """The contract's message for a text column Spark typed as something else (every value of it is refused)."""
-    from pyspark.sql.types import BooleanType, NumericType
-
-    kind = ("a number" if isinstance(dtype, NumericType) else "a boolean" if isinstance(dtype, BooleanType)
-            else dtype.simpleString())
-    return f"{where} must be a string, got {kind}"
-
-
-def error_column(frame: DataFrame, column: str, max_chars: int, where: str) -> Column:
-    """The `error` column: the contract's message for a refused text, null for a text to score, naming the text
-    column `where` (`column` is its name in `frame`). A string column is checked value by value in a pandas UDF
-    (the contract's own `check_text`); a column of another type refuses every row (null: "got null"); a CSV row
-    whose fields do not match the header's (`spark_io.MALFORMED_ROW`) is refused whatever its text."""
-    from pyspark.sql import functions as F
-    from pyspark.sql.types import StringType
-
-    text = F.col(column)
-    dtype = frame.schema[column].dataType
-    if not isinstance(dtype, StringType):
-        checked = (F.when(text.isNull(), F.lit(f"{where} must be a string, got null"))
-                   .otherwise(F.lit(type_error(where, dtype))))
-    else:
-        import pandas as pd
-
-        def check(values: pd.Series) -> pd.Series:
-            return text_errors(values, where, max_chars)
-
-        # Spark reads a pandas UDF's kind from its hints, which this module's `from __future__ import annotations`
-        # leaves as strings: give it the classes
-        check.__annotations__ = {"values": pd.Series, "return": pd.Series}
-        # marked nondeterministic only to steer the optimizer: it then computes the column once per row where it is
-        # selected, instead of inlining the call again into each filter on `error` and into the projection above it
-        checked = F.pandas_udf(check, "string").asNondeterministic()(text)
-    if MALFORMED_ROW not in frame.columns:
-        return checked
-    return F.when(F.col(MALFORMED_ROW).isNotNull(), F.lit(MALFORMED_MESSAGE)).otherwise(checked)
-
-
-def ship_checks_by_value() -> None:
-    """Let Spark pickle the row checks (this module and the contract's) by value, so the executors need no copy of
-    the project to run them: on a cluster only the model carries the project's code."""
-    from pyspark import cloudpickle
-
-    from pipeline.data import cleaning
-    from pipeline.deployment import protocol
-
-    cloudpickle.register_pickle_by_value(protocol)
-    cloudpickle.register_pickle_by_value(cleaning)  # the contract's checks clean a text as the model reads it
-    if __name__ != "__main__":  # run as a script, this module is __main__, which cloudpickle ships by value anyway
-        cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-
 def scored_frame(frame: DataFrame, model_udf: Any, max_chars: int, text_column: str) -> DataFrame:
     """`ID`, `label`, `score`, `error` for every row of `frame` (columns `ID` and `TEXT`, and `MALFORMED_ROW` for a
     CSV input; `text_column` is the input's name for the texts, which the errors name): rows the contract refuses
@@ -193,15 +124,6 @@ def scored_frame(frame: DataFrame, model_udf: Any, max_chars: int, text_column: 
     scored = (checked.where(F.col("error").isNull()).select(ID, answer, "error")
               .select(ID, f"{ANSWER}.label", f"{ANSWER}.score", "error"))
     return scored.unionByName(refused)
-
-
-def check_columns(id_column: str | None, text_column: str) -> None:
-    """`ValueError` for an id column named like an answer's column (the output would hold two)."""
-    if id_column in OUTPUT_COLUMNS:
-        raise ValueError(f"--id-column {id_column!r} is the name of an output column ({', '.join(OUTPUT_COLUMNS)}): "
-                         "rename it in the input")
-    if not text_column:
-        raise ValueError("--text-column is empty")
 
 
 def quoted(name: str) -> str:
@@ -286,43 +208,6 @@ def positive_int(value: str) -> int:
     if number < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
     return number
-
-
-def check_task_threads(master: str, task_threads: int) -> None:
-    """`ValueError` when a local master has fewer cores than one task takes (Spark would fail at start-up)."""
-    import re
-
-    match = re.fullmatch(r"local(?:\[(\*|\d+)(?:,\s*\d+)?\])?", master.strip())
-    if match is None:
-        return  # a cluster: its executors' cores are its own
-    from pipeline.core.machine import available_cpus
-
-    cores = 1 if match[1] is None else available_cpus() if match[1] == "*" else int(match[1])  # "local": one core
-    if task_threads > cores:
-        raise ValueError(f"--task-threads {task_threads} is more than the {cores} core(s) of --master {master}")
-
-
-def check_model(model_uri: str, champion: str, store: str) -> None:
-    """Exit with one line, before Spark starts, when the model cannot be found: the champion not registered yet
-    (run `make run`), or a `--model-uri` that MLflow cannot resolve, instead of MLflow's traceback from inside
-    `spark_udf`."""
-    from mlflow.exceptions import MlflowException
-
-    from pipeline.core.model_registry import registered_version
-
-    try:
-        if model_uri == champion:
-            registered_version(*champion.removeprefix("models:/").split("@"), tracking_uri=store)
-        else:
-            import mlflow
-
-            mlflow.models.get_model_info(model_uri)
-    except LookupError as exc:
-        raise SystemExit(f"{exc}: run `make run` first (its package stage registers the champion) or pass "
-                         "--model-uri") from None
-    except (MlflowException, OSError) as exc:
-        raise SystemExit(f"the model {model_uri} cannot be read (tracking store {store}): "
-                         f"{getattr(exc, 'message', exc)}") from None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -14,7 +14,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
-from urllib.parse import unquote, urlparse
+
+from pipeline.deployment.batch_inputs import MALFORMED_ROW, SUFFIXES, local_path, read_files
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -24,12 +25,9 @@ if TYPE_CHECKING:
 BATCH_ROWS = 2048
 #: Seconds between two progress lines.
 PROGRESS_EVERY_S = 10.0
-#: The input formats by file suffix, and each format's suffixes as a Hadoop glob (Spark's `pathGlobFilter`).
-FORMAT_OF_SUFFIX = {".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
-SUFFIXES = {"csv": (".csv",), "parquet": (".parquet", ".pq")}
+#: Each input format's file suffixes as a Hadoop glob (Spark's `pathGlobFilter`).
 SPARK_GLOB = {"csv": "*.{csv,CSV}", "parquet": "*.{parquet,pq,PARQUET,PQ}"}
-#: The column a CSV row whose fields do not match the header keeps its line in (`read_csv_input`).
-MALFORMED_ROW = "_malformed_row"
+
 
 
 def spark_path(path: str) -> str:
@@ -38,113 +36,6 @@ def spark_path(path: str) -> str:
     if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", path):
         return path
     return str(Path(path).absolute())
-
-
-def local_path(path: str) -> Path | None:
-    """The local file `path` names (a plain path, or a `file:` URI), None on another file system (`s3a://`, ...)."""
-    if path.startswith("file:"):
-        return Path(unquote(urlparse(path).path))
-    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", path):
-        return None
-    return Path(path)
-
-
-def read_files(folder: Path) -> list[Path]:
-    """The files directly in `folder` that Spark reads: not in subfolders, not hidden (`.name`) and not its own
-    bookkeeping (`_SUCCESS`, `_committed_*`)."""
-    return sorted(f for f in folder.iterdir() if f.is_file() and not f.name.startswith(("_", ".")))
-
-
-def input_format(path: str, fmt: str = "auto") -> str:
-    """"parquet" or "csv": `fmt` when given, else by the name (`.csv`, `.parquet`/`.pq`), and for a local folder by
-    the files directly in it (`read_files`): CSV files, Parquet files, or only subfolders (Parquet's `key=value`
-    layout). A folder of both formats, or of neither, is a `ValueError`: Spark would read every file as one format."""
-    if fmt != "auto":
-        return fmt
-    lowered = path.lower().rstrip("/")
-    if lowered.endswith(".csv"):
-        return "csv"
-    if lowered.endswith((".parquet", ".pq")):
-        return "parquet"
-    folder = local_path(path)
-    if folder is None or not folder.is_dir():
-        return "parquet"
-    files = read_files(folder)
-    kinds = {kind for f in files if (kind := FORMAT_OF_SUFFIX.get(f.suffix.lower()))}
-    if len(kinds) > 1:
-        raise ValueError(f"{path} holds both CSV and Parquet files: pass --format to read one kind (the other is "
-                         "skipped), or give each its own folder")
-    if kinds:
-        return kinds.pop()
-    if files or not any(d.is_dir() and "=" in d.name for d in folder.iterdir()):  # `key=value`: Parquet's layout
-        raise ValueError(f"{path} holds no .csv or .parquet file directly in it (Spark reads a folder's own files, "
-                         "not its subfolders'; Parquet's key=value subfolders excepted)")
-    return "parquet"
-
-
-def check_input(path: str, fmt: str) -> None:
-    """Refuse, before Spark starts, a local input that Spark would read wrongly or fail on late: a path that is not
-    there, a file of the other format (Parquet files begin with `PAR1`), and a CSV file that is not UTF-8 (Spark
-    would score its undecodable bytes as U+FFFD, silently). Inputs on other file systems are Spark's to check."""
-    local = local_path(path)
-    if local is None:
-        return
-    if not local.exists():
-        raise ValueError(f"{path} does not exist")
-    files = [f for f in read_files(local) if f.suffix.lower() in SUFFIXES[fmt]] if local.is_dir() else [local]
-    for file in files:
-        with file.open("rb") as f:
-            parquet = f.read(4) == b"PAR1"
-        if parquet != (fmt == "parquet"):
-            raise ValueError(f"{file} is {'a Parquet' if parquet else 'not a Parquet'} file, but is read as {fmt}: "
-                             "pass --format " + ("parquet" if parquet else "csv"))
-        if fmt == "csv":
-            check_utf8(file)
-
-
-def check_utf8(file: Path, chunk_bytes: int = 1 << 20) -> None:
-    """`ValueError` naming the byte offset where `file` stops being UTF-8 (read in chunks: any size)."""
-    import codecs
-
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    offset = 0
-    with file.open("rb") as f:
-        while True:
-            chunk = f.read(chunk_bytes)
-            try:
-                decoder.decode(chunk, final=not chunk)
-            except UnicodeDecodeError as exc:
-                raise ValueError(f"{file} is not UTF-8 (byte {offset + exc.start}: {exc.reason}): save it as UTF-8 "
-                                 "(Spark would score the bytes it cannot read as U+FFFD)") from None
-            if not chunk:
-                return
-            offset += len(chunk)
-
-
-def check_output(input_path: str, output_path: str, overwrite: bool) -> None:
-    """Refuse, before Spark starts, an output that would destroy data or fail late: the input itself, a folder
-    holding the input or inside an input folder, an output that exists without `overwrite`, and, with it, anything
-    but an earlier output of Spark's (a folder with `_SUCCESS`, or only part files and Spark's bookkeeping): Spark's
-    overwrite deletes whatever is there first. Paths on other file systems are compared by name only."""
-    out, inp = local_path(output_path), local_path(input_path)
-    if out is None or inp is None:
-        if output_path.rstrip("/") == input_path.rstrip("/"):
-            raise ValueError(f"the output {output_path} is the input: write the answers elsewhere")
-        return
-    out, inp = out.resolve(), inp.resolve()
-    if out == inp or out in inp.parents or (inp.is_dir() and inp in out.parents):
-        raise ValueError(f"the output {output_path} is the input, holds it or lies inside it: write the answers "
-                         "elsewhere (Spark's overwrite deletes the output before it writes)")
-    if not out.exists() and not out.is_symlink():
-        return
-    if not overwrite:
-        raise ValueError(f"{output_path} exists: pass --overwrite to replace it (an earlier output of this command)")
-    if not out.is_dir() or out.is_symlink():
-        raise ValueError(f"{output_path} is not a folder Spark wrote: refusing to replace it with --overwrite")
-    foreign = [e.name for e in out.iterdir() if not (e.is_file() and e.name.startswith(("part-", "_", ".")))]
-    if foreign and not (out / "_SUCCESS").is_file():
-        raise ValueError(f"{output_path} holds {', '.join(sorted(foreign)[:3])}{' ...' if len(foreign) > 3 else ''}, "
-                         "which Spark did not write: refusing to delete it with --overwrite")
 
 
 def output_format(path: str) -> str:

@@ -42,3 +42,13 @@ def test_a_real_store_without_the_model_says_not_set(tmp_path):
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     with pytest.raises(LookupError, match="is not set"):
         model_registry.registered_version("absent", "champion", tracking_uri=store)
+
+
+def test_store_errors_carry_mlflows_message_and_let_a_missing_alias_pass(monkeypatch):
+    with pytest.raises(model_registry.StoreError, match=r"^boom$"):
+        with model_registry.store_errors():
+            raise MlflowException("boom")
+    with pytest.raises(LookupError), model_registry.store_errors():
+        raise LookupError("not set")
+    with pytest.raises(model_registry.StoreError):
+        model_registry.check_model_uri("models:/absent-model@champion")

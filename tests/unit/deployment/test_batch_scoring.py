@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from pipeline.core.params import MlflowParams, PackageParams
-from pipeline.deployment import batch_scoring, spark_io
+from pipeline.deployment import batch_inputs, batch_scoring, spark_io
 from pipeline.deployment.protocol import RequestError, check_text
 
 MAX_CHARS = PackageParams().max_chars_per_text
@@ -34,7 +34,7 @@ BAD_TEXTS = {
 def test_the_row_check_is_the_contracts_check_text():
     """No Spark: the per-batch check answers what `check_text` (with the text limit) raises, None for a review."""
     values = pd.Series(["a fine film", None, math.nan, "  ", "\u200b", "y" * 13, "y" * 12, "42"])
-    got = batch_scoring.text_errors(values, "text", 12).tolist()
+    got = batch_inputs.text_errors(values, "text", 12).tolist()
     for value, error in zip(values, got, strict=True):
         try:
             check_text(value, "text", 12)
@@ -47,8 +47,8 @@ def test_the_row_check_is_the_contracts_check_text():
 @pytest.mark.parametrize("path, fmt", [("a.csv", "csv"), ("a.CSV/", "csv"), ("a.parquet", "parquet"),
                                        ("b.pq", "parquet"), ("s3a://bucket/reviews/", "parquet")])
 def test_the_format_follows_the_name(path, fmt):
-    assert spark_io.input_format(path) == fmt
-    assert spark_io.input_format(path, "csv") == "csv"
+    assert batch_inputs.input_format(path) == fmt
+    assert batch_inputs.input_format(path, "csv") == "csv"
 
 
 def test_local_paths_reach_spark_absolute_and_uris_unchanged(tmp_path, monkeypatch):
@@ -61,7 +61,7 @@ def test_local_paths_reach_spark_absolute_and_uris_unchanged(tmp_path, monkeypat
 def test_a_folder_of_csv_files_is_read_as_csv(tmp_path):
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "part-1.csv").write_text("text\nfine\n")
-    assert spark_io.input_format(str(tmp_path / "in")) == "csv"
+    assert batch_inputs.input_format(str(tmp_path / "in")) == "csv"
     assert spark_io.output_format(str(tmp_path / "scored.csv")) == "csv"
     assert spark_io.output_format(str(tmp_path / "scored")) == "parquet"
 
@@ -229,7 +229,7 @@ def test_an_output_that_would_destroy_data_is_refused_before_spark_starts(tmp_pa
     reviews = tmp_path / "in" / "reviews.csv"
     reviews.parent.mkdir()
     reviews.write_text("text\nfine\n")
-    check = spark_io.check_output
+    check = batch_inputs.check_output
     for out in (reviews, reviews.parent, tmp_path, reviews.parent / "scored"):  # itself, above it, inside its folder
         with pytest.raises(ValueError, match="is the input, holds it or lies inside it"):
             check(str(reviews.parent if out == reviews.parent / "scored" else reviews), str(out), True)
@@ -264,50 +264,50 @@ def test_a_folder_is_read_as_the_one_format_its_own_files_have(tmp_path):
         folder.mkdir(parents=True)
     (mixed / "a.csv").write_text("text\nfine\n")
     (mixed / "README.txt").write_text("not data\n")
-    assert spark_io.input_format(str(mixed)) == "csv"  # the README is skipped when read (`read_input`)
+    assert batch_inputs.input_format(str(mixed)) == "csv"  # the README is skipped when read (`read_input`)
     pd.DataFrame({"text": ["fine"]}).to_parquet(mixed / "b.parquet")
     with pytest.raises(ValueError, match="both CSV and Parquet"):
-        spark_io.input_format(str(mixed))
-    assert spark_io.input_format(str(mixed), "parquet") == "parquet"
+        batch_inputs.input_format(str(mixed))
+    assert batch_inputs.input_format(str(mixed), "parquet") == "parquet"
     (nested / "sub" / "a.csv").write_text("text\nfine\n")
     with pytest.raises(ValueError, match=r"no \.csv or \.parquet file directly in it"):
-        spark_io.input_format(str(nested))
+        batch_inputs.input_format(str(nested))
     pd.DataFrame({"text": ["fine"]}).to_parquet(partitioned / "year=2024" / "part-0.parquet")
-    assert spark_io.input_format(str(partitioned)) == "parquet"
+    assert batch_inputs.input_format(str(partitioned)) == "parquet"
 
 
 def test_an_input_spark_would_misread_is_refused_with_the_reason(tmp_path):
     latin1 = tmp_path / "latin1.csv"
     latin1.write_bytes("id,text\nr1,café très bien\n".encode("latin-1"))
     with pytest.raises(ValueError, match=r"latin1.csv is not UTF-8 \(byte 14: "):
-        spark_io.check_input(str(latin1), "csv")
+        batch_inputs.check_input(str(latin1), "csv")
     with pytest.raises(ValueError, match=r"is not UTF-8 \(byte 2100000"):  # found past the first chunk too
         big = tmp_path / "big.csv"
         big.write_bytes(b"text\n" + b"a fine film\n" * 174_999 + b"x" * 7 + b"\xe9\n")
-        spark_io.check_utf8(big, chunk_bytes=1 << 16)
+        batch_inputs.check_utf8(big, chunk_bytes=1 << 16)
     pq = tmp_path / "reviews.parquet"
     pd.DataFrame({"text": ["fine"]}).to_parquet(pq)
     with pytest.raises(ValueError, match="is a Parquet file, but is read as csv: pass --format parquet"):
-        spark_io.check_input(str(pq), "csv")
+        batch_inputs.check_input(str(pq), "csv")
     with pytest.raises(ValueError, match="is not a Parquet file, but is read as parquet: pass --format csv"):
-        spark_io.check_input(str(latin1), "parquet")
+        batch_inputs.check_input(str(latin1), "parquet")
     with pytest.raises(ValueError, match="does not exist"):
-        spark_io.check_input(str(tmp_path / "nowhere.csv"), "csv")
-    spark_io.check_input(str(pq), "parquet")
-    spark_io.check_input("s3a://bucket/reviews/", "parquet")  # another file system: Spark's to check
+        batch_inputs.check_input(str(tmp_path / "nowhere.csv"), "csv")
+    batch_inputs.check_input(str(pq), "parquet")
+    batch_inputs.check_input("s3a://bucket/reviews/", "parquet")  # another file system: Spark's to check
 
 
 def test_arguments_spark_would_fail_on_late_are_refused_first():
     with pytest.raises(ValueError, match="more than the 2 core"):
-        batch_scoring.check_task_threads("local[2]", 3)
+        batch_inputs.check_task_threads("local[2]", 3)
     with pytest.raises(ValueError, match="more than the 1 core"):
-        batch_scoring.check_task_threads("local", 2)
-    batch_scoring.check_task_threads("local[4, 2]", 4)
-    batch_scoring.check_task_threads("spark://head:7077", 64)  # a cluster's cores are its own
+        batch_inputs.check_task_threads("local", 2)
+    batch_inputs.check_task_threads("local[4, 2]", 4)
+    batch_inputs.check_task_threads("spark://head:7077", 64)  # a cluster's cores are its own
     for name in ("label", "score", "error"):
         with pytest.raises(ValueError, match="name of an output column"):
-            batch_scoring.check_columns(name, "text")
-    batch_scoring.check_columns("answer", "review.text")
+            batch_inputs.check_columns(name, "text")
+    batch_inputs.check_columns("answer", "review.text")
     with pytest.raises(SystemExit):
         batch_scoring.main(["--input", "x.csv", "--output", "y", "--partitions", "0"])
 
@@ -327,7 +327,7 @@ def test_malformed_rows_dotted_names_and_padded_ids_come_out_whole(spark, in_sto
     parts = sorted((tmp_path / "out.csv").glob("part-*.csv"))
     out = pd.concat([pd.read_csv(p, dtype=str, keep_default_na=False) for p in parts]).set_index("answer")
     assert sorted(out.index) == [" r2 ", "r1", "r3", "r4"]
-    assert out.loc["r1", "error"] == out.loc["r3", "error"] == batch_scoring.MALFORMED_MESSAGE
+    assert out.loc["r1", "error"] == out.loc["r3", "error"] == batch_inputs.MALFORMED_MESSAGE
     assert out.loc["r1", "label"] == "" and out.loc[" r2 ", "error"] == "" and out.loc["r4", "label"] != ""
     assert_same_answers(out.loc[[" r2 ", "r4"]].reset_index(), alone(in_store["uri"], ["a dull, slow film",
                                                                                         "a fine film"]))

@@ -1,0 +1,250 @@
+"""What batch scoring (`pipeline.deployment.batch_scoring`) accepts, checked before Spark starts, so that a mistake
+costs one line instead of a traceback after Spark's start, the model's load and a pass over the input, and no
+data is destroyed or misread: the input (there, one format, UTF-8), the output (never the input or a folder of
+the user's), the columns, the cores a task takes and the model; and each row's text, checked on Spark's
+executors with the contract's own `check_text` (`error_column`)."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote, urlparse
+
+# The rows' checks are plain Python (no third-party import): Spark ships them to the executors by value
+from pipeline.deployment.protocol import RequestError, check_text
+
+if TYPE_CHECKING:
+    import pandas as pd
+    from pyspark.sql import Column, DataFrame
+    from pyspark.sql.types import DataType
+
+#: The column a CSV row whose fields do not match the header keeps its line in (`read_csv_input`).
+MALFORMED_ROW = "_malformed_row"
+#: The error of a CSV row whose fields do not match the header's (`spark_io.read_csv_input`).
+MALFORMED_MESSAGE = ("malformed CSV row: its fields do not match the header's columns (an unquoted comma or quote "
+                     "in a field?); not scored")
+#: The input formats by file suffix, and each format's suffixes.
+FORMAT_OF_SUFFIX = {".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
+SUFFIXES = {"csv": (".csv",), "parquet": (".parquet", ".pq")}
+#: The output's columns beside the id.
+OUTPUT_COLUMNS = ("label", "score", "error")
+
+
+def local_path(path: str) -> Path | None:
+    """The local file `path` names (a plain path, or a `file:` URI), None on another file system (`s3a://`, ...)."""
+    if path.startswith("file:"):
+        return Path(unquote(urlparse(path).path))
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", path):
+        return None
+    return Path(path)
+
+
+def read_files(folder: Path) -> list[Path]:
+    """The files directly in `folder` that Spark reads: not in subfolders, not hidden (`.name`) and not its own
+    bookkeeping (`_SUCCESS`, `_committed_*`)."""
+    return sorted(f for f in folder.iterdir() if f.is_file() and not f.name.startswith(("_", ".")))
+
+
+def input_format(path: str, fmt: str = "auto") -> str:
+    """"parquet" or "csv": `fmt` when given, else by the name (`.csv`, `.parquet`/`.pq`), and for a local folder by
+    the files directly in it (`read_files`): CSV files, Parquet files, or only subfolders (Parquet's `key=value`
+    layout). A folder of both formats, or of neither, is a `ValueError`: Spark would read every file as one format."""
+    if fmt != "auto":
+        return fmt
+    lowered = path.lower().rstrip("/")
+    if lowered.endswith(".csv"):
+        return "csv"
+    if lowered.endswith((".parquet", ".pq")):
+        return "parquet"
+    folder = local_path(path)
+    if folder is None or not folder.is_dir():
+        return "parquet"
+    files = read_files(folder)
+    kinds = {kind for f in files if (kind := FORMAT_OF_SUFFIX.get(f.suffix.lower()))}
+    if len(kinds) > 1:
+        raise ValueError(f"{path} holds both CSV and Parquet files: pass --format to read one kind (the other is "
+                         "skipped), or give each its own folder")
+    if kinds:
+        return kinds.pop()
+    if files or not any(d.is_dir() and "=" in d.name for d in folder.iterdir()):  # `key=value`: Parquet's layout
+        raise ValueError(f"{path} holds no .csv or .parquet file directly in it (Spark reads a folder's own files, "
+                         "not its subfolders'; Parquet's key=value subfolders excepted)")
+    return "parquet"
+
+
+def check_input(path: str, fmt: str) -> None:
+    """Refuse, before Spark starts, a local input that Spark would read wrongly or fail on late: a path that is not
+    there, a file of the other format (Parquet files begin with `PAR1`), and a CSV file that is not UTF-8 (Spark
+    would score its undecodable bytes as U+FFFD, silently). Inputs on other file systems are Spark's to check."""
+    local = local_path(path)
+    if local is None:
+        return
+    if not local.exists():
+        raise ValueError(f"{path} does not exist")
+    files = [f for f in read_files(local) if f.suffix.lower() in SUFFIXES[fmt]] if local.is_dir() else [local]
+    for file in files:
+        with file.open("rb") as f:
+            parquet = f.read(4) == b"PAR1"
+        if parquet != (fmt == "parquet"):
+            raise ValueError(f"{file} is {'a Parquet' if parquet else 'not a Parquet'} file, but is read as {fmt}: "
+                             "pass --format " + ("parquet" if parquet else "csv"))
+        if fmt == "csv":
+            check_utf8(file)
+
+
+def check_utf8(file: Path, chunk_bytes: int = 1 << 20) -> None:
+    """`ValueError` naming the byte offset where `file` stops being UTF-8 (read in chunks: any size)."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with file.open("rb") as f:
+        while True:
+            chunk = f.read(chunk_bytes)
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{file} is not UTF-8 (byte {offset + exc.start}: {exc.reason}): save it as UTF-8 "
+                                 "(Spark would score the bytes it cannot read as U+FFFD)") from None
+            if not chunk:
+                return
+            offset += len(chunk)
+
+
+def check_output(input_path: str, output_path: str, overwrite: bool) -> None:
+    """Refuse, before Spark starts, an output that would destroy data or fail late: the input itself, a folder
+    holding the input or inside an input folder, an output that exists without `overwrite`, and, with it, anything
+    but an earlier output of Spark's (a folder with `_SUCCESS`, or only part files and Spark's bookkeeping): Spark's
+    overwrite deletes whatever is there first. Paths on other file systems are compared by name only."""
+    out, inp = local_path(output_path), local_path(input_path)
+    if out is None or inp is None:
+        if output_path.rstrip("/") == input_path.rstrip("/"):
+            raise ValueError(f"the output {output_path} is the input: write the answers elsewhere")
+        return
+    out, inp = out.resolve(), inp.resolve()
+    if out == inp or out in inp.parents or (inp.is_dir() and inp in out.parents):
+        raise ValueError(f"the output {output_path} is the input, holds it or lies inside it: write the answers "
+                         "elsewhere (Spark's overwrite deletes the output before it writes)")
+    if not out.exists() and not out.is_symlink():
+        return
+    if not overwrite:
+        raise ValueError(f"{output_path} exists: pass --overwrite to replace it (an earlier output of this command)")
+    if not out.is_dir() or out.is_symlink():
+        raise ValueError(f"{output_path} is not a folder Spark wrote: refusing to replace it with --overwrite")
+    foreign = [e.name for e in out.iterdir() if not (e.is_file() and e.name.startswith(("part-", "_", ".")))]
+    if foreign and not (out / "_SUCCESS").is_file():
+        raise ValueError(f"{output_path} holds {', '.join(sorted(foreign)[:3])}{' ...' if len(foreign) > 3 else ''}, "
+                         "which Spark did not write: refusing to delete it with --overwrite")
+
+
+def check_columns(id_column: str | None, text_column: str) -> None:
+    """`ValueError` for an id column named like an answer's column (the output would hold two)."""
+    if id_column in OUTPUT_COLUMNS:
+        raise ValueError(f"--id-column {id_column!r} is the name of an output column ({', '.join(OUTPUT_COLUMNS)}): "
+                         "rename it in the input")
+    if not text_column:
+        raise ValueError("--text-column is empty")
+
+
+def check_task_threads(master: str, task_threads: int) -> None:
+    """`ValueError` when a local master has fewer cores than one task takes (Spark would fail at start-up)."""
+    import re
+
+    match = re.fullmatch(r"local(?:\[(\*|\d+)(?:,\s*\d+)?\])?", master.strip())
+    if match is None:
+        return  # a cluster: its executors' cores are its own
+    from pipeline.core.machine import available_cpus
+
+    cores = 1 if match[1] is None else available_cpus() if match[1] == "*" else int(match[1])  # "local": one core
+    if task_threads > cores:
+        raise ValueError(f"--task-threads {task_threads} is more than the {cores} core(s) of --master {master}")
+
+
+def check_model(model_uri: str, champion: str, store: str) -> None:
+    """Exit with one line, before Spark starts, when the model cannot be found: the champion not registered yet
+    (run `make run`), or a `--model-uri` that MLflow cannot resolve, instead of MLflow's traceback from inside
+    `spark_udf`."""
+    from pipeline.core.model_registry import StoreError, check_model_uri, registered_version, store_errors
+
+    try:
+        if model_uri == champion:
+            with store_errors():
+                registered_version(*champion.removeprefix("models:/").split("@"), tracking_uri=store)
+        else:
+            check_model_uri(model_uri)
+    except LookupError as exc:
+        raise SystemExit(f"{exc}: run `make run` first (its package stage registers the champion) or pass "
+                         "--model-uri") from None
+    except (StoreError, OSError) as exc:
+        raise SystemExit(f"the model {model_uri} cannot be read (tracking store {store}): {exc}") from None
+
+
+
+
+def text_errors(values: pd.Series, where: str, max_chars: int) -> pd.Series:
+    """The contract's refusal of each value (`check_text` with `max_chars` characters at most), or None where the
+    value is a review the model may score. Runs in Spark's Python workers, one Arrow batch at a time."""
+    import pandas as pd
+
+    def error(value: Any) -> str | None:
+        try:
+            check_text(value, where, max_chars)
+        except RequestError as exc:
+            return exc.message
+        return None
+
+    return pd.Series([error(v) for v in values], index=values.index, dtype=object)
+
+
+def type_error(where: str, dtype: DataType) -> str:
+    """The contract's message for a text column Spark typed as something else (every value of it is refused)."""
+    from pyspark.sql.types import BooleanType, NumericType
+
+    kind = ("a number" if isinstance(dtype, NumericType) else "a boolean" if isinstance(dtype, BooleanType)
+            else dtype.simpleString())
+    return f"{where} must be a string, got {kind}"
+
+
+def error_column(frame: DataFrame, column: str, max_chars: int, where: str) -> Column:
+    """The `error` column: the contract's message for a refused text, null for a text to score, naming the text
+    column `where` (`column` is its name in `frame`). A string column is checked value by value in a pandas UDF
+    (the contract's own `check_text`); a column of another type refuses every row (null: "got null"); a CSV row
+    whose fields do not match the header's (`spark_io.MALFORMED_ROW`) is refused whatever its text."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import StringType
+
+    text = F.col(column)
+    dtype = frame.schema[column].dataType
+    if not isinstance(dtype, StringType):
+        checked = (F.when(text.isNull(), F.lit(f"{where} must be a string, got null"))
+                   .otherwise(F.lit(type_error(where, dtype))))
+    else:
+        import pandas as pd
+
+        def check(values: pd.Series) -> pd.Series:
+            return text_errors(values, where, max_chars)
+
+        # Spark reads a pandas UDF's kind from its hints, which this module's `from __future__ import annotations`
+        # leaves as strings: give it the classes
+        check.__annotations__ = {"values": pd.Series, "return": pd.Series}
+        # marked nondeterministic only to steer the optimizer: it then computes the column once per row where it is
+        # selected, instead of inlining the call again into each filter on `error` and into the projection above it
+        checked = F.pandas_udf(check, "string").asNondeterministic()(text)
+    if MALFORMED_ROW not in frame.columns:
+        return checked
+    return F.when(F.col(MALFORMED_ROW).isNotNull(), F.lit(MALFORMED_MESSAGE)).otherwise(checked)
+
+
+def ship_checks_by_value() -> None:
+    """Let Spark pickle the row checks (this module and the contract's) by value, so the executors need no copy of
+    the project to run them: on a cluster only the model carries the project's code."""
+    from pyspark import cloudpickle
+
+    from pipeline.data import cleaning
+    from pipeline.deployment import protocol
+
+    cloudpickle.register_pickle_by_value(protocol)
+    cloudpickle.register_pickle_by_value(cleaning)  # the contract's checks clean a text as the model reads it
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
