@@ -211,7 +211,7 @@ def error_column(frame: DataFrame, column: str, max_chars: int, where: str) -> C
     """The `error` column: the contract's message for a refused text, null for a text to score, naming the text
     column `where` (`column` is its name in `frame`). A string column is checked value by value in a pandas UDF
     (the contract's own `check_text`); a column of another type refuses every row (null: "got null"); a CSV row
-    whose fields do not match the header's (`spark_io.MALFORMED_ROW`) is refused whatever its text."""
+    whose fields do not match the header's (`MALFORMED_ROW`) is refused whatever its text."""
     from pyspark.sql import functions as F
     from pyspark.sql.types import StringType
 

@@ -17,7 +17,7 @@ it is checked before the model sees it, so one bad row never fails a batch and t
 input as read, not consecutive). A CSV row whose fields do not match the header's is answered `malformed CSV
 row`. Before Spark starts, the command refuses an output that would destroy data (the input, a folder holding it,
 anything but an earlier output under `--overwrite`) and an input Spark would misread (not UTF-8, the other format,
-a folder of two formats): `spark_io.check_output`, `check_input`. At the end the output is read back and counted:
+a folder of two formats): `batch_inputs.check_output`, `check_input`. At the end the output is read back and counted:
 a row count other than the input's fails the command (exit 1). Progress lines go to stderr while Spark works;
 the summary (rows, scored, errors, seconds, rows/s) to stdout, and to `--summary-json` when given.
 """
@@ -137,7 +137,7 @@ def score(spark: SparkSession, input_path: str, output_path: str, model_uri: str
     """Score `input_path` into `output_path` with the model at `model_uri` on `spark`, refusing texts over
     `max_chars` characters (`package.max_chars_per_text`, as the servers do); raises `RowCountMismatch` when the
     output's row count is not the input's, `ValueError` for a missing column or an input or output refused by
-    `spark_io.check_input`/`check_output` (checked first, before Spark reads anything)."""
+    `batch_inputs.check_input`/`check_output` (checked first, before Spark reads anything)."""
     from pyspark.sql import functions as F
 
     from pipeline.deployment.mlflow_model import spark_model_udf
