@@ -6,11 +6,14 @@ executors with the contract's own `check_text` (`error_column`)."""
 
 from __future__ import annotations
 
+import bz2
+import gzip
+import lzma
+import os
 import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import unquote, urlparse
 
 # The rows' checks are plain Python (no third-party import): Spark ships them to the executors by value
 from pipeline.deployment.protocol import RequestError, check_text
@@ -25,20 +28,39 @@ MALFORMED_ROW = "_malformed_row"
 #: The error of a CSV row whose fields do not match the header's (`spark_io.read_csv_input`).
 MALFORMED_MESSAGE = ("malformed CSV row: its fields do not match the header's columns (an unquoted comma or quote "
                      "in a field?); not scored")
-#: The input formats by file suffix, and each format's suffixes.
+#: The input formats by file suffix; a compression suffix after it (`.csv.gz`) counts as the format's, as Spark
+#: reads it.
 FORMAT_OF_SUFFIX = {".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
-SUFFIXES = {"csv": (".csv",), "parquet": (".parquet", ".pq")}
+COMPRESSION_SUFFIXES = (".gz", ".bz2", ".deflate", ".lz4", ".zst", ".snappy", ".xz")
+#: How Python reads the compressed files Spark reads, for the checks of `check_input`.
+DECOMPRESSORS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
+#: What Spark leaves in an output folder besides its part files: a job's staging, as a killed job leaves it.
+SPARK_WORK_DIRS = ("_temporary", ".spark-staging-")
 #: The output's columns beside the id.
 OUTPUT_COLUMNS = ("label", "score", "error")
 
 
-def local_path(path: str) -> Path | None:
-    """The local file `path` names (a plain path, or a `file:` URI), None on another file system (`s3a://`, ...)."""
+def local_path(path: str, *, local_master: bool = True) -> Path | None:
+    """The local file `path` names (a plain path, or a `file:` URI taken as Hadoop takes it: no unquoting), None
+    where the checks cannot look: another file system (`s3a://`, `hdfs://`), a glob (`reviews/*.csv`, which Spark
+    expands itself) and, on a cluster (`local_master` False), a plain path, which names the cluster's default file
+    system."""
     if path.startswith("file:"):
-        return Path(unquote(urlparse(path).path))
-    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", path):
+        rest = path.removeprefix("file:")
+        if rest.startswith("//"):  # `file:///d/x`, or `file://host/d/x` with an authority
+            rest = rest[2:] if rest[2:].startswith("/") else "/" + rest[2:].partition("/")[2]
+        return Path(rest)
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", path) or any(ch in path for ch in "*?[{") or not local_master:
         return None
     return Path(path)
+
+
+def format_of(file: Path) -> str | None:
+    """"csv" or "parquet" by the file's suffix, a compression suffix after it allowed (`a.csv.gz`); None otherwise."""
+    suffixes = [s.lower() for s in file.suffixes]
+    while suffixes and suffixes[-1] in COMPRESSION_SUFFIXES:
+        suffixes.pop()
+    return FORMAT_OF_SUFFIX.get(suffixes[-1]) if suffixes else None
 
 
 def read_files(folder: Path) -> list[Path]:
@@ -47,96 +69,134 @@ def read_files(folder: Path) -> list[Path]:
     return sorted(f for f in folder.iterdir() if f.is_file() and not f.name.startswith(("_", ".")))
 
 
-def input_format(path: str, fmt: str = "auto") -> str:
-    """"parquet" or "csv": `fmt` when given, else by the name (`.csv`, `.parquet`/`.pq`), and for a local folder by
-    the files directly in it (`read_files`): CSV files, Parquet files, or only subfolders (Parquet's `key=value`
-    layout). A folder of both formats, or of neither, is a `ValueError`: Spark would read every file as one format."""
+def files_to_read(folder: Path, fmt: str) -> list[Path] | None:
+    """The files of `folder` Spark is given for format `fmt`: those named as that format (a README beside them is
+    not read as data), or None (the folder as it is) where no file is so named (Hive's suffix-less part files, or
+    Parquet's `key=value` subfolders)."""
+    named = [f for f in read_files(folder) if format_of(f) == fmt]
+    return named or None
+
+
+def input_format(path: str, fmt: str = "auto", *, local_master: bool = True) -> str:
+    """"parquet" or "csv": `fmt` when given, else by the name (`.csv`, `.parquet`/`.pq`, compressed or not), and
+    for a local folder by the files directly in it (`read_files`), or else by the first file in its `key=value`
+    subfolders (a partitioned dataset). A folder of both formats, or of neither, is a `ValueError`: Spark would read
+    every file as one format."""
     if fmt != "auto":
         return fmt
-    lowered = path.lower().rstrip("/")
-    if lowered.endswith(".csv"):
-        return "csv"
-    if lowered.endswith((".parquet", ".pq")):
-        return "parquet"
-    folder = local_path(path)
+    named = format_of(Path(path.rstrip("/")))
+    if named is not None:
+        return named
+    folder = local_path(path, local_master=local_master)
     if folder is None or not folder.is_dir():
         return "parquet"
     files = read_files(folder)
-    kinds = {kind for f in files if (kind := FORMAT_OF_SUFFIX.get(f.suffix.lower()))}
+    kinds = {kind for f in files if (kind := format_of(f))}
     if len(kinds) > 1:
         raise ValueError(f"{path} holds both CSV and Parquet files: pass --format to read one kind (the other is "
                          "skipped), or give each its own folder")
     if kinds:
         return kinds.pop()
-    if files or not any(d.is_dir() and "=" in d.name for d in folder.iterdir()):  # `key=value`: Parquet's layout
+    partitions = [d for d in folder.iterdir() if d.is_dir() and "=" in d.name]
+    below = next((kind for d in partitions for f in sorted(d.rglob("*")) if f.is_file() and (kind := format_of(f))),
+                 None)
+    if files or not partitions:
         raise ValueError(f"{path} holds no .csv or .parquet file directly in it (Spark reads a folder's own files, "
-                         "not its subfolders'; Parquet's key=value subfolders excepted)")
-    return "parquet"
+                         "not its subfolders', except key=value subfolders): pass --format, or name the files")
+    return below or "parquet"
 
 
-def check_input(path: str, fmt: str) -> None:
+def check_input(path: str, fmt: str, *, local_master: bool = True) -> None:
     """Refuse, before Spark starts, a local input that Spark would read wrongly or fail on late: a path that is not
     there, a file of the other format (Parquet files begin with `PAR1`), and a CSV file that is not UTF-8 (Spark
-    would score its undecodable bytes as U+FFFD, silently). Inputs on other file systems are Spark's to check."""
-    local = local_path(path)
+    would score its undecodable bytes as U+FFFD, silently). Inputs the checks cannot look at (`local_path`) are
+    Spark's to check; a compressed file is checked after decompression where Python reads the codec (gzip, bzip2,
+    xz), else left to Spark."""
+    local = local_path(path, local_master=local_master)
     if local is None:
         return
     if not local.exists():
         raise ValueError(f"{path} does not exist")
-    files = [f for f in read_files(local) if f.suffix.lower() in SUFFIXES[fmt]] if local.is_dir() else [local]
+    files = (files_to_read(local, fmt) or read_files(local)) if local.is_dir() else [local]
     for file in files:
-        with file.open("rb") as f:
+        opener = DECOMPRESSORS.get(file.suffix.lower())
+        if opener is None and file.suffix.lower() in COMPRESSION_SUFFIXES:
+            continue
+        with (opener or open)(file, "rb") as f:
             parquet = f.read(4) == b"PAR1"
         if parquet != (fmt == "parquet"):
             raise ValueError(f"{file} is {'a Parquet' if parquet else 'not a Parquet'} file, but is read as {fmt}: "
                              "pass --format " + ("parquet" if parquet else "csv"))
         if fmt == "csv":
-            check_utf8(file)
+            check_utf8(file, opener=opener)
 
 
-def check_utf8(file: Path, chunk_bytes: int = 1 << 20) -> None:
-    """`ValueError` naming the byte offset where `file` stops being UTF-8 (read in chunks: any size)."""
+def check_utf8(file: Path, chunk_bytes: int = 1 << 20, opener: Any = None) -> None:
+    """`ValueError` naming the byte offset where `file` (decompressed by `opener`, e.g. `gzip.open`, where given)
+    stops being UTF-8; read in chunks, so of any size."""
     import codecs
 
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset = 0
-    with file.open("rb") as f:
+    with (opener or open)(file, "rb") as f:
         while True:
             chunk = f.read(chunk_bytes)
+            pending = len(decoder.getstate()[0])  # the previous chunk's unfinished character starts this far back
             try:
                 decoder.decode(chunk, final=not chunk)
             except UnicodeDecodeError as exc:
-                raise ValueError(f"{file} is not UTF-8 (byte {offset + exc.start}: {exc.reason}): save it as UTF-8 "
-                                 "(Spark would score the bytes it cannot read as U+FFFD)") from None
+                raise ValueError(f"{file} is not UTF-8 (byte {offset - pending + exc.start}: {exc.reason}): save it "
+                                 "as UTF-8 (Spark would score the bytes it cannot read as U+FFFD)") from None
             if not chunk:
                 return
             offset += len(chunk)
 
 
-def check_output(input_path: str, output_path: str, overwrite: bool) -> None:
+def check_output(input_path: str, output_path: str, overwrite: bool, *, local_master: bool = True) -> None:
     """Refuse, before Spark starts, an output that would destroy data or fail late: the input itself, a folder
     holding the input or inside an input folder, an output that exists without `overwrite`, and, with it, anything
-    but an earlier output of Spark's (a folder with `_SUCCESS`, or only part files and Spark's bookkeeping): Spark's
-    overwrite deletes whatever is there first. Paths on other file systems are compared by name only."""
-    out, inp = local_path(output_path), local_path(input_path)
+    but an earlier output of Spark's (a folder with `_SUCCESS`, or only part files, Spark's bookkeeping and a killed
+    job's staging): Spark's overwrite deletes whatever is there first. Local paths are compared as files (the same
+    folder by another name, a symlink or a bind mount is the same); paths the checks cannot look at by name."""
+    out, inp = local_path(output_path, local_master=local_master), local_path(input_path, local_master=local_master)
     if out is None or inp is None:
-        if output_path.rstrip("/") == input_path.rstrip("/"):
-            raise ValueError(f"the output {output_path} is the input: write the answers elsewhere")
+        a, b = (_uri_path(p) + "/" for p in (output_path, input_path))
+        if a.startswith(b) or b.startswith(a):
+            raise ValueError(f"the output {output_path} is the input, holds it or lies inside it: write the answers "
+                             "elsewhere (Spark's overwrite deletes the output before it writes)")
         return
-    out, inp = out.resolve(), inp.resolve()
-    if out == inp or out in inp.parents or (inp.is_dir() and inp in out.parents):
+    if _holds(out, inp) or (inp.is_dir() and _holds(inp, out)):
         raise ValueError(f"the output {output_path} is the input, holds it or lies inside it: write the answers "
                          "elsewhere (Spark's overwrite deletes the output before it writes)")
     if not out.exists() and not out.is_symlink():
         return
     if not overwrite:
         raise ValueError(f"{output_path} exists: pass --overwrite to replace it (an earlier output of this command)")
-    if not out.is_dir() or out.is_symlink():
+    if out.is_symlink() or not out.is_dir():
         raise ValueError(f"{output_path} is not a folder Spark wrote: refusing to replace it with --overwrite")
-    foreign = [e.name for e in out.iterdir() if not (e.is_file() and e.name.startswith(("part-", "_", ".")))]
+    foreign = [e.name for e in out.iterdir() if not e.name.startswith(SPARK_WORK_DIRS)
+               and not (e.is_file() and e.name.startswith(("part-", "_", ".")))]
     if foreign and not (out / "_SUCCESS").is_file():
         raise ValueError(f"{output_path} holds {', '.join(sorted(foreign)[:3])}{' ...' if len(foreign) > 3 else ''}, "
                          "which Spark did not write: refusing to delete it with --overwrite")
+
+
+def _holds(folder: Path, path: Path) -> bool:
+    """True when `path` is `folder` or lies inside it, by name once resolved or as the same file (`samefile`: another
+    spelling on a case-insensitive file system, a bind mount)."""
+    folder, path = folder.resolve(), path.resolve()
+    if folder == path or folder in path.parents:
+        return True
+    if not folder.exists():
+        return False
+    return any(p.exists() and os.path.samefile(p, folder) for p in (path, *path.parents))
+
+
+def _uri_path(uri: str) -> str:
+    """`uri` for comparing by name: no trailing slash, no doubled slashes after the scheme's."""
+    scheme, sep, rest = uri.partition("://")
+    rest = re.sub(r"/{2,}", "/", rest if sep else scheme).rstrip("/")
+    return f"{scheme}://{rest}" if sep else rest
 
 
 def check_columns(id_column: str | None, text_column: str) -> None:

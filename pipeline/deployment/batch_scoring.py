@@ -143,10 +143,11 @@ def score(spark: SparkSession, input_path: str, output_path: str, model_uri: str
     from pipeline.deployment.mlflow_model import spark_model_udf
 
     input_path, output_path = spark_path(input_path), spark_path(output_path)
+    local_master = spark.sparkContext.master.startswith("local")
     check_columns(id_column, text_column)
-    check_output(input_path, output_path, overwrite)
-    fmt = input_format(input_path, input_fmt)
-    check_input(input_path, fmt)
+    check_output(input_path, output_path, overwrite, local_master=local_master)
+    fmt = input_format(input_path, input_fmt, local_master=local_master)
+    check_input(input_path, fmt, local_master=local_master)
     frame = read_input(spark, input_path, fmt)
     for name, what in ((text_column, "--text-column"), (id_column, "--id-column")):
         if name is not None and name not in frame.columns:
@@ -248,9 +249,11 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"{args.params}: {exc}") from None
     model_uri = args.model_uri or champion
     try:  # what can be checked before Spark starts (its start, the model's load and a pass over the input)
+        local_master = args.master.startswith("local")
+        inp, out = spark_path(args.input), spark_path(args.output)
         check_columns(args.id_column, args.text_column)
-        check_output(spark_path(args.input), spark_path(args.output), args.overwrite)
-        check_input(spark_path(args.input), input_format(spark_path(args.input), args.format))
+        check_output(inp, out, args.overwrite, local_master=local_master)
+        check_input(inp, input_format(inp, args.format, local_master=local_master), local_master=local_master)
         check_task_threads(args.master, args.task_threads)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.deployment.batch_inputs import MALFORMED_ROW, SUFFIXES, local_path, read_files
+from pipeline.deployment.batch_inputs import MALFORMED_ROW, files_to_read, local_path, read_files
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -25,8 +25,6 @@ if TYPE_CHECKING:
 BATCH_ROWS = 2048
 #: Seconds between two progress lines.
 PROGRESS_EVERY_S = 10.0
-#: Each input format's file suffixes as a Hadoop glob (Spark's `pathGlobFilter`).
-SPARK_GLOB = {"csv": "*.{csv,CSV}", "parquet": "*.{parquet,pq,PARQUET,PQ}"}
 
 
 
@@ -44,36 +42,34 @@ def output_format(path: str) -> str:
 
 
 def read_input(spark: SparkSession, path: str, fmt: str) -> DataFrame:
-    """The input as Spark reads it, in partitions: of a local folder, only its files of format `fmt` (a README
-    beside the data is not read as data). CSV: `read_csv_input`."""
-    local = local_path(path)
-    glob = SPARK_GLOB[fmt] if local is not None and local.is_dir() else None
-    if glob is not None:
-        skipped = [f.name for f in read_files(local) if f.suffix.lower() not in SUFFIXES[fmt]]  # type: ignore[arg-type]
+    """The input as Spark reads it, in partitions: of a local folder, only its files named as format `fmt` where
+    any is (`batch_inputs.files_to_read`: a README beside the data is not read as data). CSV: `read_csv_input`."""
+    local = local_path(path, local_master=spark.sparkContext.master.startswith("local"))
+    files = files_to_read(local, fmt) if local is not None and local.is_dir() else None
+    paths: list[str] = [str(f) for f in files] if files else [path]
+    if files is not None and local is not None:
+        skipped = [f.name for f in read_files(local) if f not in files]
         if skipped:
             print(f"reading only the {fmt} files of {path}; skipped: {', '.join(skipped[:5])}"
                   f"{' ...' if len(skipped) > 5 else ''}", file=sys.stderr)
     if fmt == "csv":
-        return read_csv_input(spark, path, glob)
-    reader = spark.read if glob is None else spark.read.option("pathGlobFilter", glob)
-    return reader.parquet(path)
+        return read_csv_input(spark, paths)
+    return spark.read.parquet(*paths)
 
 
-def read_csv_input(spark: SparkSession, path: str, glob: str | None = None) -> DataFrame:
-    """A CSV input with `MALFORMED_ROW`: every column a string (a review "42" stays the text "42"), quoted fields
-    may span lines and hold doubled quotes (RFC 4180), an empty field is null; a row whose fields do not match the
-    header's (an unquoted comma splits a review) keeps its line in `MALFORMED_ROW` instead of being padded or cut
-    silently (Spark's PERMISSIVE mode), so it can be answered with an error."""
+def read_csv_input(spark: SparkSession, paths: list[str]) -> DataFrame:
+    """A CSV input (files or folders) with `MALFORMED_ROW`: every column a string (a review "42" stays the text
+    "42"), quoted fields may span lines and hold doubled quotes (RFC 4180), an empty field is null; a row whose
+    fields do not match the header's (an unquoted comma splits a review) keeps its line in `MALFORMED_ROW` instead of
+    being padded or cut silently (Spark's PERMISSIVE mode), so it can be answered with an error."""
     from pyspark.sql.types import StringType, StructField, StructType
 
     options = {"header": True, "multiLine": True, "escape": '"'}
-    if glob is not None:
-        options["pathGlobFilter"] = glob
-    columns = spark.read.csv(path, **options).columns  # the header's names, as Spark reads them
+    columns = spark.read.csv(paths, **options).columns  # the header's names, as Spark reads them
     if MALFORMED_ROW in columns:
-        raise ValueError(f"{path} has a column named {MALFORMED_ROW!r}, which batch scoring uses itself")
+        raise ValueError(f"{', '.join(paths)} has a column named {MALFORMED_ROW!r}, which batch scoring uses itself")
     schema = StructType([StructField(c, StringType()) for c in [*columns, MALFORMED_ROW]])
-    return spark.read.csv(path, schema=schema, mode="PERMISSIVE", columnNameOfCorruptRecord=MALFORMED_ROW,
+    return spark.read.csv(paths, schema=schema, mode="PERMISSIVE", columnNameOfCorruptRecord=MALFORMED_ROW,
                           **options)
 
 

@@ -5,9 +5,11 @@ this process, every bad row must come out with the contract's error and no label
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import signal
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -321,12 +323,15 @@ def test_malformed_rows_dotted_names_and_padded_ids_come_out_whole(spark, in_sto
     (folder / "reviews.csv").write_text('answer,review.text\nr1,great film, loved the cast\n r2 ,"a dull, slow film"\n'
                                         'r3\nr4,"a fine film"\n')
     (folder / "README.txt").write_text("answer,review.text\nnot,data\n")
+    with gzip.open(folder / "more.csv.gz", "wt", encoding="utf-8") as f:  # compressed, as Spark writes CSV parts
+        f.write("answer,review.text\nr5,a fine film\n")
     summary = batch_scoring.score(spark, str(folder), str(tmp_path / "out.csv"), in_store["uri"], max_chars=MAX_CHARS,
                                   id_column="answer", text_column="review.text")
-    assert (summary.rows_in, summary.rows_out, summary.errors) == (4, 4, 2)
+    assert (summary.rows_in, summary.rows_out, summary.errors) == (5, 5, 2)
     parts = sorted((tmp_path / "out.csv").glob("part-*.csv"))
     out = pd.concat([pd.read_csv(p, dtype=str, keep_default_na=False) for p in parts]).set_index("answer")
-    assert sorted(out.index) == [" r2 ", "r1", "r3", "r4"]
+    assert sorted(out.index) == [" r2 ", "r1", "r3", "r4", "r5"]
+    assert out.loc["r5", "label"] == out.loc["r4", "label"]
     assert out.loc["r1", "error"] == out.loc["r3", "error"] == batch_inputs.MALFORMED_MESSAGE
     assert out.loc["r1", "label"] == "" and out.loc[" r2 ", "error"] == "" and out.loc["r4", "label"] != ""
     assert_same_answers(out.loc[[" r2 ", "r4"]].reset_index(), alone(in_store["uri"], ["a dull, slow film",
@@ -350,3 +355,67 @@ def test_the_command_says_what_is_wrong_in_one_line_before_spark_starts(model, t
     (tmp_path / "bad.yaml").write_text("mlflow: {tracking_uri: 5, nope: 1}\n")
     with pytest.raises(SystemExit, match=r"bad\.yaml"):
         batch_scoring.main(["--input", "in.csv", "--output", "new", "--params", "bad.yaml"])
+
+
+def test_what_the_checks_cannot_see_on_disk_is_left_to_spark_and_compared_by_name(tmp_path):
+    """Globs, other file systems and a cluster's plain paths are not looked up locally; output and input on them
+    are still compared by name, and an output holding the input is refused there too."""
+    for inp, out in (("hdfs://nn/data/in/r.parquet", "hdfs://nn/data"), ("s3a://b/data/in/", "s3a://b//data/"),
+                     ("s3a://b/data", "s3a://b/data/in/scored"), ("/data/in", "/data")):
+        with pytest.raises(ValueError, match="is the input, holds it or lies inside it"):
+            batch_inputs.check_output(inp, out, True, local_master=False)
+    batch_inputs.check_output("s3a://b/data/in", "s3a://b/data/out", True)
+    batch_inputs.check_input(str(tmp_path / "g" / "*.parquet"), "parquet")  # Spark expands the glob itself
+    batch_inputs.check_input("/nowhere/reviews.parquet", "parquet", local_master=False)  # the cluster's file system
+    assert batch_inputs.local_path("file:///d/p%20q#x") == Path("/d/p%20q#x")  # as Hadoop reads it: no unquoting
+    assert batch_inputs.local_path("file://host/d/x") == Path("/d/x")
+
+
+def test_symlinks_staging_and_other_spellings_of_the_input_are_caught(tmp_path):
+    reviews = tmp_path / "in"
+    reviews.mkdir()
+    pd.DataFrame({"text": ["fine"]}).to_parquet(reviews / "part-0.parquet")
+    (tmp_path / "alias").symlink_to(reviews)
+    with pytest.raises(ValueError, match="is the input"):
+        batch_inputs.check_output(str(reviews), str(tmp_path / "alias"), True)
+    earlier = tmp_path / "earlier"
+    (earlier / "_temporary" / "0").mkdir(parents=True)  # a killed job's staging: still Spark's own output
+    (earlier / "part-00000-x.parquet").write_text("")
+    batch_inputs.check_output(str(reviews), str(earlier), True)
+    (tmp_path / "link").symlink_to(earlier)
+    with pytest.raises(ValueError, match="not a folder Spark wrote"):
+        batch_inputs.check_output(str(reviews), str(tmp_path / "link"), True)
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    with pytest.raises(ValueError, match="exists: pass --overwrite"):
+        batch_inputs.check_output(str(reviews), str(tmp_path / "dangling"), False)
+
+
+def test_compressed_partitioned_and_suffixless_inputs_are_read_as_spark_reads_them(tmp_path):
+    gz = tmp_path / "one.csv.gz"
+    with gzip.open(gz, "wt", encoding="utf-8") as f:
+        f.write("text\na fine film\n")
+    assert batch_inputs.input_format(str(gz)) == "csv"
+    batch_inputs.check_input(str(gz), "csv")
+    bad = tmp_path / "latin1.csv.gz"
+    with gzip.open(bad, "wb") as f:
+        f.write("text\ncafé\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"not UTF-8 \(byte 8"):
+        batch_inputs.check_input(str(bad), "csv")
+    partitioned = tmp_path / "by-year"
+    (partitioned / "year=2024").mkdir(parents=True)
+    (partitioned / "year=2024" / "part-0.csv").write_text("text\nfine\n")
+    assert batch_inputs.input_format(str(partitioned)) == "csv"
+    hive = tmp_path / "hive"
+    hive.mkdir()
+    pd.DataFrame({"text": ["fine"]}).to_parquet(hive / "000000_0")
+    with pytest.raises(ValueError, match="pass --format"):
+        batch_inputs.input_format(str(hive))
+    batch_inputs.check_input(str(hive), "parquet")  # with --format parquet: every file read, each checked
+    assert batch_inputs.files_to_read(hive, "parquet") is None
+
+
+def test_the_utf8_offset_is_exact_across_chunks(tmp_path):
+    split = tmp_path / "split.csv"
+    split.write_bytes(b"a" * 15 + b"\xc3(" + b"b" * 20)
+    with pytest.raises(ValueError, match=r"\(byte 15: "):
+        batch_inputs.check_utf8(split, chunk_bytes=16)
