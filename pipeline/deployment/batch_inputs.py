@@ -98,12 +98,11 @@ def input_format(path: str, fmt: str = "auto", *, local_master: bool = True) -> 
     if kinds:
         return kinds.pop()
     partitions = [d for d in folder.iterdir() if d.is_dir() and "=" in d.name]
-    below = next((kind for d in partitions for f in sorted(d.rglob("*")) if f.is_file() and (kind := format_of(f))),
-                 None)
     if files or not partitions:
         raise ValueError(f"{path} holds no .csv or .parquet file directly in it (Spark reads a folder's own files, "
                          "not its subfolders', except key=value subfolders): pass --format, or name the files")
-    return below or "parquet"
+    below = (kind for d in partitions for f in sorted(d.rglob("*")) if f.is_file() and (kind := format_of(f)))
+    return next(below, "parquet")
 
 
 def check_input(path: str, fmt: str, *, local_master: bool = True) -> None:
@@ -129,6 +128,14 @@ def check_input(path: str, fmt: str, *, local_master: bool = True) -> None:
                              "pass --format " + ("parquet" if parquet else "csv"))
         if fmt == "csv":
             check_utf8(file, opener=opener)
+
+
+def check_paths(input_path: str, output_path: str, *, fmt: str, overwrite: bool, local_master: bool) -> str:
+    """The input's format (`input_format`) once the output (`check_output`) and the input (`check_input`) passed."""
+    check_output(input_path, output_path, overwrite, local_master=local_master)
+    fmt = input_format(input_path, fmt, local_master=local_master)
+    check_input(input_path, fmt, local_master=local_master)
+    return fmt
 
 
 def check_utf8(file: Path, chunk_bytes: int = 1 << 20, opener: Any = None) -> None:
@@ -161,13 +168,14 @@ def check_output(input_path: str, output_path: str, overwrite: bool, *, local_ma
     out, inp = local_path(output_path, local_master=local_master), local_path(input_path, local_master=local_master)
     if out is None or inp is None:
         a, b = (_uri_path(p) + "/" for p in (output_path, input_path))
-        if a.startswith(b) or b.startswith(a):
-            raise ValueError(f"the output {output_path} is the input, holds it or lies inside it: write the answers "
-                             "elsewhere (Spark's overwrite deletes the output before it writes)")
-        return
-    if _holds(out, inp) or (inp.is_dir() and _holds(inp, out)):
+        overlaps = a.startswith(b) or b.startswith(a)
+    else:
+        overlaps = _holds(out, inp) or (inp.is_dir() and _holds(inp, out))
+    if overlaps:
         raise ValueError(f"the output {output_path} is the input, holds it or lies inside it: write the answers "
                          "elsewhere (Spark's overwrite deletes the output before it writes)")
+    if out is None or inp is None:
+        return
     if not out.exists() and not out.is_symlink():
         return
     if not overwrite:
@@ -210,8 +218,6 @@ def check_columns(id_column: str | None, text_column: str) -> None:
 
 def check_task_threads(master: str, task_threads: int) -> None:
     """`ValueError` when a local master has fewer cores than one task takes (Spark would fail at start-up)."""
-    import re
-
     match = re.fullmatch(r"local(?:\[(\*|\d+)(?:,\s*\d+)?\])?", master.strip())
     if match is None:
         return  # a cluster: its executors' cores are its own
@@ -239,8 +245,6 @@ def check_model(model_uri: str, champion: str, store: str) -> None:
                          "--model-uri") from None
     except (StoreError, OSError) as exc:
         raise SystemExit(f"the model {model_uri} cannot be read (tracking store {store}): {exc}") from None
-
-
 
 
 def text_errors(values: pd.Series, where: str, max_chars: int) -> pd.Series:

@@ -37,12 +37,10 @@ from pipeline.core.io import write_json
 from pipeline.deployment.batch_inputs import (
     MALFORMED_ROW,
     check_columns,
-    check_input,
     check_model,
-    check_output,
+    check_paths,
     check_task_threads,
     error_column,
-    input_format,
     ship_checks_by_value,
 )
 from pipeline.deployment.protocol import TEXT_COLUMN
@@ -133,21 +131,22 @@ def quoted(name: str) -> str:
 
 def score(spark: SparkSession, input_path: str, output_path: str, model_uri: str, *, max_chars: int,
           id_column: str | None = None, text_column: str = "text", input_fmt: str = "auto",
-          partitions: int | None = None, env_manager: str = "local", overwrite: bool = False) -> ScoringSummary:
+          partitions: int | None = None, env_manager: str = "local", overwrite: bool = False,
+          paths_checked: bool = False) -> ScoringSummary:
     """Score `input_path` into `output_path` with the model at `model_uri` on `spark`, refusing texts over
     `max_chars` characters (`package.max_chars_per_text`, as the servers do); raises `RowCountMismatch` when the
     output's row count is not the input's, `ValueError` for a missing column or an input or output refused by
-    `batch_inputs.check_input`/`check_output` (checked first, before Spark reads anything)."""
+    `batch_inputs.check_paths` (checked first, before Spark reads anything; `paths_checked`: the caller has, with
+    `input_fmt` the format it resolved, so a CSV is not read through a second time)."""
     from pyspark.sql import functions as F
 
     from pipeline.deployment.mlflow_model import spark_model_udf
 
     input_path, output_path = spark_path(input_path), spark_path(output_path)
-    local_master = spark.sparkContext.master.startswith("local")
     check_columns(id_column, text_column)
-    check_output(input_path, output_path, overwrite, local_master=local_master)
-    fmt = input_format(input_path, input_fmt, local_master=local_master)
-    check_input(input_path, fmt, local_master=local_master)
+    fmt = input_fmt if paths_checked else check_paths(
+        input_path, output_path, fmt=input_fmt, overwrite=overwrite,
+        local_master=spark.sparkContext.master.startswith("local"))
     frame = read_input(spark, input_path, fmt)
     for name, what in ((text_column, "--text-column"), (id_column, "--id-column")):
         if name is not None and name not in frame.columns:
@@ -249,11 +248,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"{args.params}: {exc}") from None
     model_uri = args.model_uri or champion
     try:  # what can be checked before Spark starts (its start, the model's load and a pass over the input)
-        local_master = args.master.startswith("local")
-        inp, out = spark_path(args.input), spark_path(args.output)
         check_columns(args.id_column, args.text_column)
-        check_output(inp, out, args.overwrite, local_master=local_master)
-        check_input(inp, input_format(inp, args.format, local_master=local_master), local_master=local_master)
+        fmt = check_paths(spark_path(args.input), spark_path(args.output), fmt=args.format, overwrite=args.overwrite,
+                          local_master=args.master.startswith("local"))
         check_task_threads(args.master, args.task_threads)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
@@ -261,8 +258,9 @@ def main(argv: list[str] | None = None) -> None:
     try:  # a caller's running session (a notebook's, a test's) is used and left running
         with session_for(args.master, args.task_threads, args.batch_rows) as spark:
             summary = score(spark, args.input, args.output, model_uri, id_column=args.id_column,
-                            text_column=args.text_column, max_chars=max_chars, input_fmt=args.format,
-                            partitions=args.partitions, env_manager=args.env_manager, overwrite=args.overwrite)
+                            text_column=args.text_column, max_chars=max_chars, input_fmt=fmt,
+                            partitions=args.partitions, env_manager=args.env_manager, overwrite=args.overwrite,
+                            paths_checked=True)
     except (RowCountMismatch, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(1) from None

@@ -25,7 +25,9 @@ if TYPE_CHECKING:
 BATCH_ROWS = 2048
 #: Seconds between two progress lines.
 PROGRESS_EVERY_S = 10.0
-
+#: How every CSV here is read, the input and the written answers alike: a header row, quoted fields that may span
+#: lines and hold doubled quotes (RFC 4180).
+CSV_READ = {"header": True, "multiLine": True, "escape": '"'}
 
 
 def spark_path(path: str) -> str:
@@ -46,8 +48,8 @@ def read_input(spark: SparkSession, path: str, fmt: str) -> DataFrame:
     any is (`batch_inputs.files_to_read`: a README beside the data is not read as data). CSV: `read_csv_input`."""
     local = local_path(path, local_master=spark.sparkContext.master.startswith("local"))
     files = files_to_read(local, fmt) if local is not None and local.is_dir() else None
-    paths: list[str] = [str(f) for f in files] if files else [path]
-    if files is not None and local is not None:
+    paths = [str(f) for f in files] if files else [path]
+    if local is not None and files:
         skipped = [f.name for f in read_files(local) if f not in files]
         if skipped:
             print(f"reading only the {fmt} files of {path}; skipped: {', '.join(skipped[:5])}"
@@ -64,19 +66,18 @@ def read_csv_input(spark: SparkSession, paths: list[str]) -> DataFrame:
     being padded or cut silently (Spark's PERMISSIVE mode), so it can be answered with an error."""
     from pyspark.sql.types import StringType, StructField, StructType
 
-    options = {"header": True, "multiLine": True, "escape": '"'}
-    columns = spark.read.csv(paths, **options).columns  # the header's names, as Spark reads them
+    columns = spark.read.csv(paths, **CSV_READ).columns  # the header's names, as Spark reads them
     if MALFORMED_ROW in columns:
         raise ValueError(f"{', '.join(paths)} has a column named {MALFORMED_ROW!r}, which batch scoring uses itself")
     schema = StructType([StructField(c, StringType()) for c in [*columns, MALFORMED_ROW]])
     return spark.read.csv(paths, schema=schema, mode="PERMISSIVE", columnNameOfCorruptRecord=MALFORMED_ROW,
-                          **options)
+                          **CSV_READ)
 
 
 def read_csv(spark: SparkSession, path: str) -> DataFrame:
     """The written CSV answers as `count_output` reads them back: the options of the input's reading, so a field the
     writer quoted across lines (an id or review holding a newline) is one row when it is counted back too."""
-    return spark.read.csv(path, header=True, multiLine=True, escape='"')
+    return spark.read.csv(path, **CSV_READ)
 
 
 def write_output(frame: DataFrame, path: str, overwrite: bool) -> None:
