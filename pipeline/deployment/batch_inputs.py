@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 # The rows' checks are plain Python (no third-party import): Spark ships them to the executors by value
+from pipeline.deployment.csv_text import check_csv_text
 from pipeline.deployment.protocol import RequestError, check_text
 
 if TYPE_CHECKING:
@@ -107,10 +108,10 @@ def input_format(path: str, fmt: str = "auto", *, local_master: bool = True) -> 
 
 def check_input(path: str, fmt: str, *, local_master: bool = True) -> None:
     """Refuse, before Spark starts, a local input that Spark would read wrongly or fail on late: a path that is not
-    there, a file of the other format (Parquet files begin with `PAR1`), and a CSV file that is not UTF-8 (Spark
-    would score its undecodable bytes as U+FFFD, silently). Inputs the checks cannot look at (`local_path`) are
-    Spark's to check; a compressed file is checked after decompression where Python reads the codec (gzip, bzip2,
-    xz), else left to Spark."""
+    there, a file of the other format (Parquet files begin with `PAR1`), and a CSV file Spark would misread silently
+    (`csv_text.check_csv_text`: not UTF-8, or a quoted field that never closes). Inputs the checks cannot look at
+    (`local_path`) are Spark's to check; a compressed file is checked after decompression where Python reads the
+    codec (gzip, bzip2, xz), else left to Spark."""
     local = local_path(path, local_master=local_master)
     if local is None:
         return
@@ -127,7 +128,7 @@ def check_input(path: str, fmt: str, *, local_master: bool = True) -> None:
             raise ValueError(f"{file} is {'a Parquet' if parquet else 'not a Parquet'} file, but is read as {fmt}: "
                              "pass --format " + ("parquet" if parquet else "csv"))
         if fmt == "csv":
-            check_utf8(file, opener=opener)
+            check_csv_text(file, opener=opener)
 
 
 def check_paths(input_path: str, output_path: str, *, fmt: str, overwrite: bool, local_master: bool) -> str:
@@ -136,27 +137,6 @@ def check_paths(input_path: str, output_path: str, *, fmt: str, overwrite: bool,
     fmt = input_format(input_path, fmt, local_master=local_master)
     check_input(input_path, fmt, local_master=local_master)
     return fmt
-
-
-def check_utf8(file: Path, chunk_bytes: int = 1 << 20, opener: Any = None) -> None:
-    """`ValueError` naming the byte offset where `file` (decompressed by `opener`, e.g. `gzip.open`, where given)
-    stops being UTF-8; read in chunks, so of any size."""
-    import codecs
-
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    offset = 0
-    with (opener or open)(file, "rb") as f:
-        while True:
-            chunk = f.read(chunk_bytes)
-            pending = len(decoder.getstate()[0])  # the previous chunk's unfinished character starts this far back
-            try:
-                decoder.decode(chunk, final=not chunk)
-            except UnicodeDecodeError as exc:
-                raise ValueError(f"{file} is not UTF-8 (byte {offset - pending + exc.start}: {exc.reason}): save it "
-                                 "as UTF-8 (Spark would score the bytes it cannot read as U+FFFD)") from None
-            if not chunk:
-                return
-            offset += len(chunk)
 
 
 def check_output(input_path: str, output_path: str, overwrite: bool, *, local_master: bool = True) -> None:

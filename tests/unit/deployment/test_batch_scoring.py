@@ -5,7 +5,9 @@ this process, every bad row must come out with the contract's error and no label
 
 from __future__ import annotations
 
+import csv
 import gzip
+import io
 import json
 import math
 import signal
@@ -17,8 +19,9 @@ import pytest
 import yaml
 
 from pipeline.core.params import MlflowParams, PackageParams
-from pipeline.deployment import batch_inputs, batch_scoring, spark_io
+from pipeline.deployment import batch_inputs, batch_scoring, csv_text, spark_io
 from pipeline.deployment.protocol import RequestError, check_text
+from tests.unit.deployment.test_csv_text import CASES
 
 MAX_CHARS = PackageParams().max_chars_per_text
 #: Rows the contract refuses (text column of strings): what each one's error must say.
@@ -286,7 +289,7 @@ def test_an_input_spark_would_misread_is_refused_with_the_reason(tmp_path):
     with pytest.raises(ValueError, match=r"is not UTF-8 \(byte 2100000"):  # found past the first chunk too
         big = tmp_path / "big.csv"
         big.write_bytes(b"text\n" + b"a fine film\n" * 174_999 + b"x" * 7 + b"\xe9\n")
-        batch_inputs.check_utf8(big, chunk_bytes=1 << 16)
+        csv_text.check_csv_text(big, chunk_bytes=1 << 16)
     pq = tmp_path / "reviews.parquet"
     pd.DataFrame({"text": ["fine"]}).to_parquet(pq)
     with pytest.raises(ValueError, match="is a Parquet file, but is read as csv: pass --format parquet"):
@@ -336,6 +339,19 @@ def test_malformed_rows_dotted_names_and_padded_ids_come_out_whole(spark, in_sto
     assert out.loc["r1", "label"] == "" and out.loc[" r2 ", "error"] == "" and out.loc["r4", "label"] != ""
     assert_same_answers(out.loc[[" r2 ", "r4"]].reset_index(), alone(in_store["uri"], ["a dull, slow film",
                                                                                         "a fine film"]))
+
+
+def test_spark_reads_an_open_quote_as_the_rest_of_the_file(spark, tmp_path):
+    """Why `csv_text` refuses an open quote before Spark starts: Spark reads the rows below it as one review's text
+    (no malformed row, no error), and reads every file the check lets through as the rows a CSV reader finds."""
+    for i, (text, line) in enumerate(CASES.values()):
+        path = tmp_path / f"case{i}.csv"
+        path.write_text(text, newline="")
+        got = spark_io.read_input(spark, spark_io.spark_path(str(path)), "csv").collect()
+        if line is None:
+            assert len(got) == len(list(csv.reader(io.StringIO(text, newline="")))) - 1, text
+        elif text.startswith("id,text\nr1,\"abc"):
+            assert [(r["id"], r["text"]) for r in got] == [("r1", "abc\nr2,def\nr3,ghi\n")]
 
 
 def test_the_command_says_what_is_wrong_in_one_line_before_spark_starts(model, tmp_path, monkeypatch):
@@ -412,10 +428,3 @@ def test_compressed_partitioned_and_suffixless_inputs_are_read_as_spark_reads_th
         batch_inputs.input_format(str(hive))
     batch_inputs.check_input(str(hive), "parquet")  # with --format parquet: every file read, each checked
     assert batch_inputs.files_to_read(hive, "parquet") is None
-
-
-def test_the_utf8_offset_is_exact_across_chunks(tmp_path):
-    split = tmp_path / "split.csv"
-    split.write_bytes(b"a" * 15 + b"\xc3(" + b"b" * 20)
-    with pytest.raises(ValueError, match=r"\(byte 15: "):
-        batch_inputs.check_utf8(split, chunk_bytes=16)
