@@ -20,11 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pandas as pd  # at module level: MLflow resolves the predictor model's `pd.DataFrame` hints against it
 
 from pipeline.core.parent_run import TAG_LIMIT, client_for, text_values
 from pipeline.core.tracking import PARAM_LIMIT, LoggedModelRef, StageRun
-from pipeline.deployment.protocol import TEXT_COLUMN
+from pipeline.deployment.protocol import TEXT_COLUMN, RequestError
 
 if TYPE_CHECKING:
     from pipeline.core.params import PackageParams
@@ -158,7 +159,14 @@ def predictor_model_class() -> type:
                     params: dict[str, Any] | None = None) -> pd.DataFrame:
             if TEXT_COLUMN not in model_input.columns:
                 raise ValueError(f"input needs a column named {TEXT_COLUMN!r}")
-            predictions = self.predictor.predict(model_input[TEXT_COLUMN].tolist())
+            texts = model_input[TEXT_COLUMN].tolist()
+            if len(texts) == 1 and isinstance(texts[0], list | tuple | np.ndarray):
+                # MLflow reads a dict whose values are lists of strings as one row (a transformers pipeline's list
+                # input), so `{"text": [...]}` reaches here as a single row holding the list
+                raise RequestError(400, f"{TEXT_COLUMN}[0] must be a string, got a list: MLflow reads a dict of "
+                                        f"lists as one row; pass pd.DataFrame({{{TEXT_COLUMN!r}: [...]}}) to score "
+                                        "many texts")
+            predictions = self.predictor.predict(texts)
             # the caller's index, so the answers join back onto the rows they came from (`df.join(predict(df))`)
             return pd.DataFrame({"label": [p.label for p in predictions],
                                  "score": [float(p.score) for p in predictions]}, columns=list(OUTPUT_COLUMNS),

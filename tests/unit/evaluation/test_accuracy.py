@@ -10,6 +10,7 @@ import pytest
 from pipeline.core.io import write_predictions
 from pipeline.core.params import EvaluateParams, TargetsParams
 from pipeline.data.tokens import read_tokenized
+from pipeline.deployment.protocol import RequestError
 from pipeline.evaluation.accuracy import check_targets, score_variants
 from pipeline.runtimes.base import predict_logits
 from pipeline.runtimes.record import VariantError
@@ -129,6 +130,8 @@ def test_every_built_variant_is_an_mlflow_model_with_its_scores(built, tiny_mode
     joined = frame.join(loaded.predict(frame))
     assert joined["label"].tolist() == [p.label for p in want] * 2 and joined["score"].notna().all()
     assert loaded.predict(frame.set_axis([5, 5, 5, 5])).index.tolist() == [5, 5, 5, 5]  # duplicates too
+    with pytest.raises(RequestError, match=r"text\[0\] must be a string, got a list: MLflow reads a dict of lists"):
+        loaded.predict({"text": texts})  # MLflow's one row holding a list, not two rows
 
 
 def test_concurrent_callers_score_every_batch_once_with_the_same_logits():
