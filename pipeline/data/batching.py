@@ -89,6 +89,19 @@ class LoaderPosition:
         return done
 
 
+class EpochCounter:
+    """The epoch a batch sampler is in. Lightning advances samplers by calling `set_epoch` on a loader's `sampler` and
+    on its `batch_sampler.sampler`, never on the batch sampler itself: a batch sampler that holds no index sampler
+    keeps this as its `sampler`, or every epoch would repeat the first one's order (and a resumed epoch would skip
+    by the wrong epoch's position)."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+
 class LengthBucketBatchSampler(Sampler[list[int]]):
     """Batches of similar length, in shuffled order, optionally sharded across DDP ranks.
 
@@ -99,6 +112,8 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
 
     An epoch's order depends only on (seed, epoch), so a resumed run rebuilds it and, through `position`, skips the
     batches the interrupted run had already trained; `len()` stays the whole epoch's, as Lightning's loop expects.
+    The epoch is read when the first batch is drawn, not when the iterator is made: Lightning makes a resumed run's
+    first iterator before it sets that epoch.
     """
 
     def __init__(self, lengths: Sequence[int], batch_size: int, pool_batches: int = 50, shuffle: bool = True,
@@ -117,11 +132,15 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
         self.rank = rank
         self.drop_last = drop_last
         self.position = position
-        self.epoch = 0
+        self.sampler = EpochCounter()
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Called by Lightning each epoch so every epoch gets a new (but reproducible) order."""
-        self.epoch = epoch
+        """Every epoch gets a new (but reproducible) order; Lightning sets it through `sampler` (`EpochCounter`)."""
+        self.sampler.set_epoch(epoch)
 
     def _all_batches(self) -> list[list[int]]:
         rng = np.random.default_rng(self.seed + self.epoch)
@@ -143,7 +162,7 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         skip = self.position.take(self.epoch) if self.position is not None else 0
-        return iter(self._all_batches()[skip:])
+        yield from self._all_batches()[skip:]
 
     def __len__(self) -> int:
         return len(self._all_batches())

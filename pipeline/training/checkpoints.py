@@ -19,7 +19,7 @@ from pipeline.core.io import replaced_on_success, write_json
 from pipeline.data.batching import LoaderPosition
 from pipeline.training.elastic import is_rank_zero
 from pipeline.training.fingerprint import Fingerprint
-from pipeline.training.resume import ResumableTraining
+from pipeline.training.resume import PeriodicCheckpoint, ResumableTraining
 
 if TYPE_CHECKING:
     from pipeline.core.tracking import StageRun
@@ -135,13 +135,9 @@ class CheckpointStore:
 
     def callbacks(self, position: LoaderPosition | None = None) -> list[L.Callback]:
         """Periodic checkpoints (if `every_n_steps`) and the resume/signal handling, for a Trainer's callbacks."""
-        from lightning.pytorch.callbacks import ModelCheckpoint
-
         out: list[L.Callback] = [ResumableTraining(self.dir, position)]
         if self.every_n_steps:
-            out.insert(0, ModelCheckpoint(dirpath=str(self.dir / "periodic"), filename="{step}", monitor=None,
-                                          save_top_k=1, every_n_train_steps=self.every_n_steps,
-                                          save_on_train_epoch_end=False, enable_version_counter=False))
+            out.insert(0, PeriodicCheckpoint(self.dir / "periodic", self.every_n_steps))
         return out
 
     def _read_fingerprint(self) -> Fingerprint | None:

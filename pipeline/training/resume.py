@@ -152,8 +152,16 @@ class ResumableTraining(L.Callback):
             stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
         # Between two optimizer steps (`train.grad_accum` > 1) the accumulated gradients are in `.grad`, which no
         # checkpoint holds, while `batches_done` would count their batches: the resumed run would skip them. The
-        # stop waits for the batch that steps (every rank reaches it at the same batch).
-        if stop and steps_after(trainer, batch_idx):
+        # stop waits for the batch that steps (every rank reaches it at the same batch), and past a validation
+        # that follows it (`validates_after`): the epoch's end, or the next batch that steps.
+        if stop and steps_after(trainer, batch_idx) and not validates_after(trainer, batch_idx):
+            self._stop(trainer)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        stop = self.requested is not None
+        if trainer.world_size > 1:
+            stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
+        if stop and trainer.current_epoch + 1 < (trainer.max_epochs or 0):  # the last epoch's: `on_train_end`
             self._stop(trainer)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -188,6 +196,60 @@ def steps_after(trainer: L.Trainer, batch_idx: int) -> bool:
         return True
     return (trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
             or batch_idx + 1 >= trainer.num_training_batches)
+
+
+def validates_after(trainer: L.Trainer, batch_idx: int) -> bool:
+    """Whether Lightning validates right after batch `batch_idx` of the epoch (its rule for a loader with a length:
+    the epoch's last batch, or every `val_check_batch` batches, in the epochs `check_val_every_n_epoch` picks).
+
+    A checkpoint must not be written there, between the batch and its validation: Lightning resumes such a
+    checkpoint past the validation, which then never runs (the best checkpoint misses it, and a run resumed at an
+    epoch's end keeps the best of the epochs before). Where this says yes wrongly, a save only waits one batch."""
+    if not trainer.enable_validation:
+        return False
+    every = trainer.check_val_every_n_epoch
+    if every is not None and (trainer.current_epoch + 1) % every:
+        return False
+    if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch or batch_idx + 1 >= trainer.num_training_batches:
+        return True
+    interval = trainer.val_check_batch
+    return interval is not None and interval != float("inf") and (batch_idx + 1) % int(interval) == 0
+
+
+class PeriodicCheckpoint(L.Callback):
+    """A resumable checkpoint every `every_n_steps` optimizer steps, `directory/step=N.ckpt` (the one before it
+    removed), written where a resumed run continues exactly: after the batch that reached the step, or, where
+    validation follows that batch (`validates_after`), once the validation and the best checkpoint's save have run
+    (at the epoch's end, or after the next batch that steps). Lightning's `ModelCheckpoint(every_n_train_steps)`
+    writes between the batch and its validation."""
+
+    def __init__(self, directory: Path, every_n_steps: int) -> None:
+        if every_n_steps < 1:
+            raise ValueError("every_n_steps must be >= 1")
+        self.directory = Path(directory)
+        self.every_n_steps = every_n_steps
+        self.due = False  # a step was reached whose checkpoint waits for a validation
+        self.saved_step = -1
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        step = trainer.global_step
+        self.due = self.due or (step > 0 and step % self.every_n_steps == 0 and step != self.saved_step)
+        if self.due and steps_after(trainer, batch_idx) and not validates_after(trainer, batch_idx):
+            self._save(trainer)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.due:
+            self._save(trainer)
+
+    def _save(self, trainer: L.Trainer) -> None:
+        self.due, self.saved_step = False, trainer.global_step
+        path = self.directory / f"step={trainer.global_step}.ckpt"
+        trainer.save_checkpoint(path)  # every rank takes part; rank 0 writes
+        if trainer.is_global_zero:
+            for older in self.directory.glob("step=*.ckpt"):
+                if older != path:
+                    older.unlink(missing_ok=True)
 
 
 def rescale_batch_progress(checkpoint: dict[str, Any], shift: int) -> None:

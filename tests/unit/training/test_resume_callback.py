@@ -103,6 +103,7 @@ def _fake_trainer(accumulate: int, batches: int, is_last_batch: bool = False) ->
     progress = SimpleNamespace(is_last_batch=is_last_batch, current=SimpleNamespace(processed=0))
     return SimpleNamespace(accumulate_grad_batches=accumulate, num_training_batches=batches, world_size=1,
                            global_step=7, is_global_zero=True, current_epoch=0, saved=saved,
+                           enable_validation=False,  # a job that does not validate (QAT): no validation to wait for
                            fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)),
                            save_checkpoint=saved.append)
 
