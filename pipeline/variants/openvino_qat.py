@@ -57,10 +57,31 @@ def fake_quantized(model: Any, batches: list[tuple[np.ndarray, np.ndarray]]) -> 
     import copy
 
     os.environ.setdefault(EXTENSION_TIMEOUT_ENV, EXTENSION_TIMEOUT_S)
+    load_quantizer_extension()
     fp32 = logits_module(sdpa_copy(model)).eval()
     quantized = nncf.quantize(copy.deepcopy(fp32), nncf.Dataset(batches, _tensors),
                               model_type=nncf.ModelType.TRANSFORMER, subset_size=len(batches))
     return quantized, fp32.requires_grad_(False)
+
+
+def load_quantizer_extension() -> None:
+    """Compile (once per machine and venv) or load NNCF's CPU quantizer extension, first removing the build lock a
+    killed build left. PyTorch's build lock is a file (`<build dir>/lock`) that other builds wait on until it is
+    gone, and a build killed mid-compile never removes it: every later run would wait until NNCF's timeout and fail
+    (NNCF's FAQ: "importing anything from nncf.torch hangs"). The builds of this project take an `flock` first,
+    which the OS releases when its holder dies, so under it a lock file is one no live build of ours holds."""
+    import fcntl
+
+    from nncf.torch.quantization.extensions import QuantizedFunctionsCPU, QuantizedFunctionsCPULoader
+
+    build_dir = Path(QuantizedFunctionsCPULoader.get_build_dir())
+    with (build_dir / "pipeline-build.lock").open("w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            log.warning("removing %s, the build lock of a killed build of NNCF's extension", stale)
+            stale.unlink(missing_ok=True)
+        QuantizedFunctionsCPU.get("Quantize_forward")  # builds or loads it now, under the lock
 
 
 def to_openvino(quantized: Any, example: tuple[np.ndarray, np.ndarray]) -> Any:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -93,3 +95,29 @@ def test_a_checkpoint_loads_into_the_model_rebuilt_on_resume(quantized, tiny_mod
     ids = torch.from_numpy(np.stack([r[:8] for r in _reviews(4, seed=2)]))
     with torch.no_grad():
         assert torch.equal(rebuilt(ids, torch.ones_like(ids)), model(ids, torch.ones_like(ids)))
+
+
+def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next(tmp_path):
+    """PyTorch's extension build lock, as a SIGKILL'd compile leaves it: the next process removes it and loads the
+    extension (before, it waited on the file until NNCF's timeout, on every run). The check runs in a new process,
+    as the quantize stage does, with NNCF's timeout cut to a minute so a regression fails rather than hangs."""
+    import fcntl
+    import os
+    import subprocess
+    import sys
+
+    from nncf.torch.quantization.extensions import QuantizedFunctionsCPULoader
+
+    from tests.factories import ROOT
+
+    build_dir = Path(QuantizedFunctionsCPULoader.get_build_dir())
+    with (build_dir / "pipeline-build.lock").open("w") as guard:  # no build of ours is running meanwhile
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        (build_dir / "lock").touch()
+    code = "from pipeline.variants.openvino_qat import load_quantizer_extension; load_quantizer_extension()"
+    env = {**os.environ, "NNCF_EXTENSION_LOAD_TIMEOUT": "60", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "the build lock of a killed build" in done.stderr
+    assert not (build_dir / "lock").exists()
