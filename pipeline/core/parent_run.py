@@ -124,6 +124,44 @@ def resolve_run_context(params: MlflowParams, *, run_id: str) -> RunContext:
     return RunContext(run_id=run_id, parent_run_id=parent, tracking_uri=store, experiment_id=experiment)
 
 
+HOST_TAG, PID_TAG = "pipeline.host", "pipeline.pid"
+
+
+def process_tags() -> dict[str, str]:
+    """Which process a stage run belongs to, so a later stage can tell a run whose process died."""
+    import os
+    import socket
+
+    return {HOST_TAG: socket.gethostname(), PID_TAG: str(os.getpid())}
+
+
+def close_orphaned_runs(context: RunContext) -> list[str]:
+    """End as KILLED the stage runs that a killed process left RUNNING: on this host, with a process id no process
+    has any more (a SIGKILL runs no handler, so nothing else would ever end them; a training job's resume also
+    links its interrupted run, `StageRun.close_interrupted`). Returns their ids."""
+    import os
+
+    from mlflow.entities import RunStatus
+
+    client = context.client()
+    host = process_tags()[HOST_TAG]
+    found = client.search_runs([context.experiment_id], max_results=200, filter_string=(
+        f"attributes.status = 'RUNNING' and tags.`{ROLE_TAG}` = 'stage' and tags.`{HOST_TAG}` = '{host}'"))
+    closed = []
+    for run in found:
+        try:
+            os.kill(int(run.data.tags.get(PID_TAG, "")), 0)
+            continue  # its process is there (a stage running beside this one, or a reused id: left alone)
+        except ProcessLookupError:
+            pass
+        except (ValueError, PermissionError):
+            continue
+        client.set_tag(run.info.run_id, "pipeline.closed_as_orphan_by", context.run_id)
+        client.set_terminated(run.info.run_id, RunStatus.to_string(RunStatus.KILLED))
+        closed.append(run.info.run_id)
+    return closed
+
+
 def start_tracking(params: MlflowParams, *, run_id: str) -> RunContext:
     """A stage process's MLflow, set up once where the stage starts: its `RunContext` (`resolve_run_context`), and
     MLflow's fluent API, which opens the stage's own runs and logs its models and datasets, pointed at the same
@@ -133,6 +171,7 @@ def start_tracking(params: MlflowParams, *, run_id: str) -> RunContext:
 
     context = resolve_run_context(params, run_id=run_id)
     mlflow.set_tracking_uri(context.tracking_uri)
+    close_orphaned_runs(context)
     return context
 
 

@@ -25,6 +25,7 @@ from pipeline.core.parent_run import (
     RunContext,
     flatten_numbers,
     log_batch,
+    process_tags,
     text_values,
 )
 from pipeline.core.run_id import git_commit
@@ -199,7 +200,7 @@ def stage_run(context: RunContext, stage: str, *, run_name: str | None = None,
 
     all_tags = {RUN_ID_TAG: context.run_id, ROLE_TAG: "stage", "pipeline.stage": stage,
                 "git.commit": git_commit(), "mlflow.parentRunId": context.parent_run_id, **decision_tags(),
-                **thread_tags(), **(tags or {})}
+                **thread_tags(), **process_tags(), **(tags or {})}
     with mlflow.start_run(experiment_id=context.experiment_id, run_name=run_name or stage, tags=all_tags,
                           log_system_metrics=True if system_metrics else None) as run:
         try:

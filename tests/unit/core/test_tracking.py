@@ -115,8 +115,9 @@ def busy_stage(stage: StageContext, report: Annotated[Path, typer.Option(help="a
 
 
 def test_a_stage_process_looks_its_parent_run_up_once_and_points_mlflow_once(tmp_path, monkeypatch, tracking_store):
-    """However many runs and parent-run writes a stage makes, its process searches the store for the parent once
-    and sets MLflow's tracking URI once (where the stage starts), and never sets an experiment globally."""
+    """However many runs and parent-run writes a stage makes, its process searches the store twice, for the parent
+    and for runs a killed stage left RUNNING, and sets MLflow's tracking URI once (where the stage starts), and
+    never sets an experiment globally."""
     from pipeline.core.stage import stage_main
 
     monkeypatch.chdir(tmp_path)
@@ -142,7 +143,7 @@ def test_a_stage_process_looks_its_parent_run_up_once_and_points_mlflow_once(tmp
     monkeypatch.setattr(mlflow, "set_tracking_uri", counted_set_uri)
     monkeypatch.setattr(mlflow, "set_experiment", no_set_experiment)
     stage_main("busy", busy_stage, ["--params", "params.yaml", "--report", "report.md"])
-    assert calls == {"search_runs": 1, "set_tracking_uri": 1, "set_experiment": 0}
+    assert calls == {"search_runs": 2, "set_tracking_uri": 1, "set_experiment": 0}
 
     client = mlflow.MlflowClient(tracking_uri=store)
     experiment = client.get_experiment_by_name("unit-once")
@@ -153,6 +154,30 @@ def test_a_stage_process_looks_its_parent_run_up_once_and_points_mlflow_once(tmp
     assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parents[0].info.run_id}
     assert parents[0].data.tags["served_variant"] == "a"
     assert len(client.list_artifacts(parents[0].info.run_id, "comparison")) == 2  # report.md and the table
+
+
+def test_a_stage_run_whose_process_died_is_ended_killed_by_the_next_stage_process(tmp_path, monkeypatch,
+                                                                                     tracking_store):
+    """A SIGKILL'd stage leaves its run RUNNING; the next stage process on the host ends it KILLED, naming itself,
+    and leaves alone a RUNNING run whose process is alive (a stage running beside it)."""
+    import subprocess
+    import sys
+
+    monkeypatch.chdir(tmp_path)
+    params = _store(tracking_store(tmp_path / "mlflow.db"))
+    context = start_tracking(params, run_id="unit-orphan-1")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    runs = {}
+    for name, pid in (("killed", dead.stdout.strip()), ("alive", str(os.getpid()))):
+        with stage_run(context, name) as run:
+            runs[name] = run.run_id
+        client = context.client()
+        client.set_tag(run.run_id, "pipeline.pid", pid)
+        client.update_run(run.run_id, status="RUNNING")  # as a process killed inside the stage leaves it
+    later = start_tracking(params, run_id="unit-orphan-2")
+    killed, alive = (later.client().get_run(runs[n]) for n in ("killed", "alive"))
+    assert killed.info.status == "KILLED" and killed.data.tags["pipeline.closed_as_orphan_by"] == "unit-orphan-2"
+    assert alive.info.status == "RUNNING"
 
 
 def test_one_run_id_is_one_parent_run_and_another_run_id_another(tmp_path, monkeypatch, tracking_store):
