@@ -28,6 +28,7 @@ from pipeline.training.curve_files import MetricSink
 from pipeline.training.curves import CurveRecorder
 
 if TYPE_CHECKING:
+    from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader
 
     from pipeline.core.machine import Choice
@@ -116,6 +117,18 @@ class Fitted:
         return int(self.trainer.global_step)
 
 
+def best_checkpoint(directory: Path) -> ModelCheckpoint:
+    """The best checkpoint by validation accuracy, saved as soon as each validation ends. Lightning's default for one
+    validation an epoch is to save at the epoch's end instead, after the resume point written there
+    (`PeriodicCheckpoint`, a stop signal's), which would then not hold that epoch's score: a run resumed from it
+    would forget the epoch, and keep a later, worse one as its best."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    return ModelCheckpoint(dirpath=str(directory), monitor="val_acc", mode="max", save_top_k=1,
+                           filename="best-{step}-{val_acc:.4f}", enable_version_counter=False,
+                           save_on_train_epoch_end=False)
+
+
 def fit(module: L.LightningModule, params: TrainParams, *, store: CheckpointStore | None, plan: ResumePlan | None,
         position: LoaderPosition, datamodule: IMDBDataModule | None = None, loader: DataLoader | None = None,
         sink: MetricSink | None = None, keep_best: bool = True, profiler_dir: Path | None = None,
@@ -126,16 +139,13 @@ def fit(module: L.LightningModule, params: TrainParams, *, store: CheckpointStor
     training `position` in the epoch with them). `keep_best` validates and keeps the best checkpoint by validation
     accuracy in the store's `best/`, and loads it back into `module` on rank 0 once training ends; without it the
     job runs no validation and keeps its last weights (QAT). `sink` receives the curves' points (MLflow)."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
     curves = CurveRecorder(sink=sink)
     callbacks: list[L.Callback] = [curves, *(store.callbacks(position) if store is not None else [])]
     best: ModelCheckpoint | None = None
     if keep_best:
         if store is None:
             raise ValueError("keeping the best checkpoint needs the job's CheckpointStore")
-        best = ModelCheckpoint(dirpath=str(store.best_dir), monitor="val_acc", mode="max", save_top_k=1,
-                               filename="best-{step}-{val_acc:.4f}", enable_version_counter=False)
+        best = best_checkpoint(store.best_dir)
         callbacks.insert(0, best)
     with tempfile.TemporaryDirectory(prefix="fit-") as tmp:
         trainer = build_trainer(params, Path(tmp), callbacks, profiler_dir=profiler_dir, validate=keep_best,

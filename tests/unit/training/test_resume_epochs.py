@@ -7,6 +7,7 @@ past the first skipped by the wrong position (a resume at an epoch's end trained
 
 from __future__ import annotations
 
+import re
 import signal
 from pathlib import Path
 from typing import Any
@@ -14,14 +15,24 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from pipeline.data.batching import LengthBucketBatchSampler, LoaderPosition
+from pipeline.training.loop import best_checkpoint
 from pipeline.training.resume import PeriodicCheckpoint, Preempted, ResumableTraining
 from tests.unit.training.test_resume_callback import REVIEWS, Linear, _data
 
 EPOCHS, BATCHES = 3, REVIEWS // 2
+#: The validation score at each step that validates: the best is the first epoch's, so a resumed run that forgot
+#: a validation it had run would keep a later, worse one.
+SCORES = {6: 0.6, 12: 0.9, 18: 0.3, 24: 0.5, 30: 0.4, 36: 0.7}
+
+
+class Scored(Linear):
+    """Validates with a score set by the step (`SCORES`): which checkpoint is best does not depend on the data."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_acc", torch.tensor(SCORES[self.trainer.global_step]))
 
 
 class Killed(Exception):
@@ -56,29 +67,29 @@ class Record(L.Callback):
 
 
 def fit(directory: Path, record: Record, *, every: int = 0, validate_every: float = 1.0,
-        ckpt: Path | None = None) -> int:
-    """The job's callbacks as `pipeline.training.loop.fit` builds them; returns the steps trained in all."""
+        ckpt: Path | None = None) -> tuple[int, str]:
+    """The job's callbacks as `pipeline.training.loop.fit` builds them; returns the steps trained in all and the
+    best checkpoint's name."""
     position = LoaderPosition()
     resumable = ResumableTraining(directory, position, signals=())
     record.resumable = resumable
+    best = best_checkpoint(directory / "best")
     callbacks: list[L.Callback] = [
-        ModelCheckpoint(dirpath=str(directory / "best"), monitor="val_acc", mode="max", save_top_k=1,
-                        filename="best-{step}", enable_version_counter=False),
-        *([PeriodicCheckpoint(directory / "periodic", every)] if every else []), resumable, record]
+        best, *([PeriodicCheckpoint(directory / "periodic", every)] if every else []), resumable, record]
     sampler = LengthBucketBatchSampler([4] * REVIEWS, 2, pool_batches=2, seed=1, position=position)
     trainer = L.Trainer(max_epochs=EPOCHS, val_check_interval=validate_every, accelerator="cpu", devices=1,
                         callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, use_distributed_sampler=False, default_root_dir=str(directory))
     try:
-        trainer.fit(Linear(), train_dataloaders=DataLoader(_data(), batch_sampler=sampler),
+        trainer.fit(Scored(), train_dataloaders=DataLoader(_data(), batch_sampler=sampler),
                     val_dataloaders=DataLoader(_data(), batch_size=8), ckpt_path=str(ckpt) if ckpt else None)
     except (Killed, Preempted):
         pass
-    return trainer.global_step
+    return trainer.global_step, Path(best.best_model_path).name
 
 
 def newest(directory: Path) -> Path:
-    found = sorted(directory.rglob("*.ckpt"), key=lambda p: int(p.stem.rsplit("=", 1)[1]))
+    found = sorted(directory.rglob("*.ckpt"), key=lambda p: int(re.search(r"step=(\d+)", p.name).group(1)))
     assert found, f"no checkpoint in {directory}"
     return found[-1]
 
@@ -109,13 +120,15 @@ SCENARIOS = {
 def test_a_resumed_run_trains_and_validates_as_an_uninterrupted_one(tmp_path, name):
     every, validate_every, kill_at, in_validation, signal_at = SCENARIOS[name]
     whole = Record()
-    assert fit(tmp_path / "whole", whole, validate_every=validate_every) == EPOCHS * BATCHES
+    steps, best = fit(tmp_path / "whole", whole, validate_every=validate_every)
+    assert steps == EPOCHS * BATCHES and best.startswith("best-step=12-")
     first = Record(kill_at, in_validation, signal_at)
     fit(tmp_path / "run", first, every=every, validate_every=validate_every)
     ckpt = newest(tmp_path / "run")
     step = int(torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"])
     resumed = Record()
-    assert fit(tmp_path / "run", resumed, every=every, validate_every=validate_every, ckpt=ckpt) == EPOCHS * BATCHES
+    assert fit(tmp_path / "run", resumed, every=every, validate_every=validate_every, ckpt=ckpt) == (
+        EPOCHS * BATCHES, best)  # the same best checkpoint: no validation forgotten
     assert whole.batches[:step] + resumed.batches == whole.batches  # the same batches, in the same order
     assert [s for s in first.validated if s <= step] + resumed.validated == whole.validated
 
