@@ -87,9 +87,12 @@ class CheckpointStore:
         return self.dir / "best"
 
     def checkpoints(self) -> list[tuple[int, Path]]:
-        """Intact checkpoint files, newest step first (a torch checkpoint is a zip: a cut-off one is not)."""
+        """Intact resume points (periodic and preempted checkpoints), newest step first (a torch checkpoint is a zip:
+        a cut-off one is not). Not `best/`: the best checkpoint is written where the validation ends, which at an
+        epoch's end is not a point a run resumes from exactly (`resume.PeriodicCheckpoint`)."""
         found = []
-        for p in self.dir.rglob("*.ckpt") if self.dir.is_dir() else []:
+        candidates = [*self.dir.glob("periodic/*.ckpt"), *self.dir.glob("preempt-*.ckpt")] if self.dir.is_dir() else []
+        for p in candidates:
             m = _STEP.search(p.name)
             if m and zipfile.is_zipfile(p):
                 found.append((int(m.group(1)), p))

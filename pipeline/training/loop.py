@@ -118,10 +118,10 @@ class Fitted:
 
 
 def best_checkpoint(directory: Path) -> ModelCheckpoint:
-    """The best checkpoint by validation accuracy, saved as soon as each validation ends. Lightning's default for one
-    validation an epoch is to save at the epoch's end instead, after the resume point written there
-    (`PeriodicCheckpoint`, a stop signal's), which would then not hold that epoch's score: a run resumed from it
-    would forget the epoch, and keep a later, worse one as its best."""
+    """The best checkpoint by validation accuracy, saved as soon as each validation ends (Lightning's default for one
+    validation an epoch is the epoch's end), so every resume point written after a validation
+    (`resume.PeriodicCheckpoint`, a stop signal's) holds its score: a run resumed there, which does not validate
+    again, never keeps a later, worse epoch as its best."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     return ModelCheckpoint(dirpath=str(directory), monitor="val_acc", mode="max", save_top_k=1,

@@ -153,15 +153,9 @@ class ResumableTraining(L.Callback):
         # Between two optimizer steps (`train.grad_accum` > 1) the accumulated gradients are in `.grad`, which no
         # checkpoint holds, while `batches_done` would count their batches: the resumed run would skip them. The
         # stop waits for the batch that steps (every rank reaches it at the same batch), and past a validation
-        # that follows it (`validates_after`): the epoch's end, or the next batch that steps.
+        # that follows it (`validates_after`): to the next batch that steps, the next epoch's first at an epoch's
+        # end (`PeriodicCheckpoint` says why not the epoch's end itself), or the training's end.
         if stop and steps_after(trainer, batch_idx) and not validates_after(trainer, batch_idx):
-            self._stop(trainer)
-
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        stop = self.requested is not None
-        if trainer.world_size > 1:
-            stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
-        if stop and trainer.current_epoch + 1 < (trainer.max_epochs or 0):  # the last epoch's: `on_train_end`
             self._stop(trainer)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -219,9 +213,11 @@ def validates_after(trainer: L.Trainer, batch_idx: int) -> bool:
 class PeriodicCheckpoint(L.Callback):
     """A resumable checkpoint every `every_n_steps` optimizer steps, `directory/step=N.ckpt` (the one before it
     removed), written where a resumed run continues exactly: after the batch that reached the step, or, where
-    validation follows that batch (`validates_after`), once the validation and the best checkpoint's save have run
-    (at the epoch's end, or after the next batch that steps). Lightning's `ModelCheckpoint(every_n_train_steps)`
-    writes between the batch and its validation."""
+    validation follows that batch (`validates_after`), after the next batch that steps, so past the validation and
+    the best checkpoint's save. Lightning's `ModelCheckpoint(every_n_train_steps)` writes between the batch and its
+    validation. Not at an epoch's end either: the next epoch's loader draws its seed from the RNG the checkpoint
+    holds after that point, so a run resumed there would train the next epoch with other dropout; after the next
+    epoch's first batch, both runs have drawn it. (At the training's end nothing is left to resume.)"""
 
     def __init__(self, directory: Path, every_n_steps: int) -> None:
         if every_n_steps < 1:
@@ -236,10 +232,6 @@ class PeriodicCheckpoint(L.Callback):
         step = trainer.global_step
         self.due = self.due or (step > 0 and step % self.every_n_steps == 0 and step != self.saved_step)
         if self.due and steps_after(trainer, batch_idx) and not validates_after(trainer, batch_idx):
-            self._save(trainer)
-
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.due:
             self._save(trainer)
 
     def _save(self, trainer: L.Trainer) -> None:

@@ -123,8 +123,8 @@ def test_a_qat_checkpoint_resumes_only_for_the_same_trajectory(tmp_path):
 
     def plan(model: torch.nn.Module, **changed):
         store, p = qat_checkpoints(train, "qat-x", {**settings, **changed}, model, [], code=[builder])
-        store.dir.mkdir(parents=True, exist_ok=True)
-        torch.save({}, store.dir / "step=5.ckpt")  # as a periodic checkpoint of that run would be
+        (store.dir / "periodic").mkdir(parents=True, exist_ok=True)
+        torch.save({}, store.dir / "periodic" / "step=5.ckpt")  # as a periodic checkpoint of that run would be
         return p
 
     assert not plan(torch.nn.Linear(4, 2)).resumed

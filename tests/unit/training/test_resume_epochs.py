@@ -7,7 +7,6 @@ past the first skipped by the wrong position (a resume at an epoch's end trained
 
 from __future__ import annotations
 
-import re
 import signal
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from pipeline.data.batching import LengthBucketBatchSampler, LoaderPosition
+from pipeline.training.checkpoints import CheckpointStore
 from pipeline.training.loop import best_checkpoint
 from pipeline.training.resume import PeriodicCheckpoint, Preempted, ResumableTraining
 from tests.unit.training.test_resume_callback import REVIEWS, Linear, _data
@@ -56,7 +56,8 @@ class Record(L.Callback):
             raise Killed
         if trainer.global_step == self.signal_at and self.resumable is not None:
             self.resumable.requested = int(signal.SIGTERM)
-        self.batches.append(round(float(batch[0].sum()), 4))
+        # the batch, and a draw from the RNG the step would take its dropout from (restored on resume)
+        self.batches.append((round(float(batch[0].sum()), 4), round(float(torch.rand(())), 6)))
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.global_step == self.kill_at and self.in_validation:
@@ -70,6 +71,7 @@ def fit(directory: Path, record: Record, *, every: int = 0, validate_every: floa
         ckpt: Path | None = None) -> tuple[int, str]:
     """The job's callbacks as `pipeline.training.loop.fit` builds them; returns the steps trained in all and the
     best checkpoint's name."""
+    L.seed_everything(0, verbose=False)  # as `loop.seed_run`: a resumed run then restores the saved streams
     position = LoaderPosition()
     resumable = ResumableTraining(directory, position, signals=())
     record.resumable = resumable
@@ -88,10 +90,13 @@ def fit(directory: Path, record: Record, *, every: int = 0, validate_every: floa
     return trainer.global_step, Path(best.best_model_path).name
 
 
-def newest(directory: Path) -> Path:
-    found = sorted(directory.rglob("*.ckpt"), key=lambda p: int(re.search(r"step=(\d+)", p.name).group(1)))
-    assert found, f"no checkpoint in {directory}"
-    return found[-1]
+def resume_point(directory: Path) -> tuple[Path | None, int]:
+    """Where the job's store resumes from (`CheckpointStore.checkpoints`), and its step; (None, 0): a fresh start."""
+    found = CheckpointStore(directory.parent, directory.name).checkpoints()
+    if not found:
+        return None, 0
+    _, path = found[0]
+    return path, int(torch.load(path, map_location="cpu", weights_only=True)["global_step"])
 
 
 def test_every_epoch_is_shuffled_anew(tmp_path):
@@ -106,14 +111,18 @@ def test_every_epoch_is_shuffled_anew(tmp_path):
 SCENARIOS = {
     # name: (periodic every, validations per epoch, kill at step, kill in its validation, SIGTERM at step)
     "periodic, mid second epoch": (6, 1.0, 20, False, None),
-    "periodic at an epoch's last batch (written after its validation)": (12, 1.0, 13, False, None),
+    "periodic at an epoch's last batch (written after the next batch)": (12, 1.0, 14, False, None),
     "killed in the validation after the periodic step": (12, 1.0, 24, True, None),
-    "best, at the first epoch's validation": (0, 1.0, 13, False, None),
+    "only a best checkpoint (no resume point: a fresh start)": (0, 1.0, 13, False, None),
     "periodic at a mid-epoch validation": (6, 0.5, 7, False, None),
     "stop signal at the first epoch's last batch": (0, 1.0, None, False, 11),
     "stop signal mid second epoch": (0, 1.0, None, False, 16),
     "stop signal at the last batch of all": (0, 1.0, None, False, EPOCHS * BATCHES - 1),
 }
+
+
+#: Scenarios that leave no resume point: the best checkpoint, written where a validation ends, is not one.
+FRESH = {"only a best checkpoint (no resume point: a fresh start)"}
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
@@ -124,16 +133,20 @@ def test_a_resumed_run_trains_and_validates_as_an_uninterrupted_one(tmp_path, na
     assert steps == EPOCHS * BATCHES and best.startswith("best-step=12-")
     first = Record(kill_at, in_validation, signal_at)
     fit(tmp_path / "run", first, every=every, validate_every=validate_every)
-    ckpt = newest(tmp_path / "run")
-    step = int(torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"])
+    ckpt, step = resume_point(tmp_path / "run")
+    assert (ckpt is None) == (name in FRESH)
     resumed = Record()
     assert fit(tmp_path / "run", resumed, every=every, validate_every=validate_every, ckpt=ckpt) == (
         EPOCHS * BATCHES, best)  # the same best checkpoint: no validation forgotten
-    assert whole.batches[:step] + resumed.batches == whole.batches  # the same batches, in the same order
+    assert whole.batches[:step] + resumed.batches == whole.batches  # the same batches and draws, in order
     assert [s for s in first.validated if s <= step] + resumed.validated == whole.validated
 
 
-def test_no_periodic_checkpoint_sits_between_a_batch_and_its_validation(tmp_path):
-    """Killed in the validation of an epoch's last step, the run has no checkpoint of that step yet."""
-    fit(tmp_path, Record(kill_at=BATCHES, in_validation=True), every=BATCHES)
-    assert not (tmp_path / "periodic").exists() or not list((tmp_path / "periodic").glob("*.ckpt"))
+def test_no_resume_point_sits_between_a_batch_and_its_validation_or_at_an_epochs_end(tmp_path):
+    """The periodic checkpoint of an epoch's last step is written after the next epoch's first batch: killed in
+    the validation, or at the start of that batch, the run has none yet."""
+    for kill_at, in_validation in ((BATCHES, True), (BATCHES, False)):
+        fit(tmp_path / str(in_validation), Record(kill_at=kill_at, in_validation=in_validation), every=BATCHES)
+        assert resume_point(tmp_path / str(in_validation)) == (None, 0)
+    fit(tmp_path / "later", Record(kill_at=BATCHES + 2), every=BATCHES)
+    assert resume_point(tmp_path / "later")[1] == BATCHES + 1
