@@ -155,7 +155,7 @@ class ResumableTraining(L.Callback):
         # stop waits for the batch that steps (every rank reaches it at the same batch), and past a validation
         # that follows it (`validates_after`): to the next batch that steps, the next epoch's first at an epoch's
         # end (`PeriodicCheckpoint` says why not the epoch's end itself), or the training's end.
-        if stop and steps_after(trainer, batch_idx) and not validates_after(trainer, batch_idx):
+        if stop and resumes_exactly_after(trainer, batch_idx):
             self._stop(trainer)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -186,10 +186,12 @@ def steps_after(trainer: L.Trainer, batch_idx: int) -> bool:
     """Whether the optimizer steps after batch `batch_idx` of the epoch (Lightning's own rule): the batch completes
     an accumulation window of `accumulate_grad_batches`, or it is the epoch's last, where Lightning steps on a
     partial window. (`batch_idx` counts from the epoch's start, a resumed run's included.)"""
-    if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
-        return True
-    return (trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
-            or batch_idx + 1 >= trainer.num_training_batches)
+    return (batch_idx + 1) % trainer.accumulate_grad_batches == 0 or ends_epoch(trainer, batch_idx)
+
+
+def ends_epoch(trainer: L.Trainer, batch_idx: int) -> bool:
+    """Whether batch `batch_idx` is the epoch's last: the loader said so, or the epoch's length is reached."""
+    return trainer.fit_loop.epoch_loop.batch_progress.is_last_batch or batch_idx + 1 >= trainer.num_training_batches
 
 
 def validates_after(trainer: L.Trainer, batch_idx: int) -> bool:
@@ -204,10 +206,17 @@ def validates_after(trainer: L.Trainer, batch_idx: int) -> bool:
     every = trainer.check_val_every_n_epoch
     if every is not None and (trainer.current_epoch + 1) % every:
         return False
-    if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch or batch_idx + 1 >= trainer.num_training_batches:
+    if ends_epoch(trainer, batch_idx):
         return True
     interval = trainer.val_check_batch
     return interval is not None and interval != float("inf") and (batch_idx + 1) % int(interval) == 0
+
+
+def resumes_exactly_after(trainer: L.Trainer, batch_idx: int) -> bool:
+    """Whether a checkpoint written after batch `batch_idx` is one a resumed run continues exactly from: the optimizer
+    has stepped (`steps_after`) and no validation follows (`validates_after`). Periodic checkpoints and a stop
+    signal's are written only there."""
+    return steps_after(trainer, batch_idx) and not validates_after(trainer, batch_idx)
 
 
 class PeriodicCheckpoint(L.Callback):
@@ -231,7 +240,7 @@ class PeriodicCheckpoint(L.Callback):
                            batch_idx: int) -> None:
         step = trainer.global_step
         self.due = self.due or (step > 0 and step % self.every_n_steps == 0 and step != self.saved_step)
-        if self.due and steps_after(trainer, batch_idx) and not validates_after(trainer, batch_idx):
+        if self.due and resumes_exactly_after(trainer, batch_idx):
             self._save(trainer)
 
     def _save(self, trainer: L.Trainer) -> None:
