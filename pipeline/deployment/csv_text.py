@@ -9,7 +9,7 @@ import codecs
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 #: The characters that move the quoting state: a quote, the field separator and the record separator.
 _SPECIAL = re.compile(r'[",\n]')
@@ -56,7 +56,7 @@ class QuoteState:
         return self.quoted_since if self.quote_at is None else None
 
 
-def check_csv_text(file: Path, chunk_bytes: int = 1 << 20, opener: Callable[..., IO[bytes]] | Any = None) -> None:
+def check_csv_text(file: Path, chunk_bytes: int = 1 << 20, opener: Callable[..., IO[bytes]] | None = None) -> None:
     """`ValueError` where `file` (decompressed by `opener`, e.g. `gzip.open`, where given) is not UTF-8 (naming the
     byte offset) or ends inside a quoted field (naming the line it opened on)."""
     decoder = codecs.getincrementaldecoder("utf-8")()
