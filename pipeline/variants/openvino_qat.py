@@ -61,7 +61,63 @@ def fake_quantized(model: Any, batches: list[tuple[np.ndarray, np.ndarray]]) -> 
     fp32 = logits_module(sdpa_copy(model)).eval()
     quantized = nncf.quantize(copy.deepcopy(fp32), nncf.Dataset(batches, _tensors),
                               model_type=nncf.ModelType.TRANSFORMER, subset_size=len(batches))
+    shared = share_duplicate_quantizers(quantized, batches[0])
+    log.info("int8-qat-openvino: %d of NNCF's quantizers duplicated another on the same tensor; they share it now",
+             shared)
     return quantized, fp32.requires_grad_(False)
+
+
+def _quantizer_slots(quantized: Any) -> list[tuple[Any, str, str, Any]]:
+    """(hook store, key, index, quantizer) of every NNCF quantizer hooked into `quantized`, in hook order."""
+    from nncf.torch.quantization.layers import BaseQuantizer
+
+    hooks = quantized.get_submodule("__nncf_hooks")
+    return [(store, key, idx, module) for store in (hooks.pre_hooks, hooks.post_hooks)
+            for key, group in store.items() for idx, module in group.items() if isinstance(module, BaseQuantizer)]
+
+
+def shared_quantizers(quantized: Any) -> int:
+    """How many of `quantized`'s quantizer slots hold a quantizer an earlier slot holds too."""
+    slots = _quantizer_slots(quantized)
+    return len(slots) - len({id(module) for *_, module in slots})
+
+
+def share_duplicate_quantizers(quantized: Any, batch: tuple[np.ndarray, np.ndarray]) -> int:
+    """Make every NNCF quantizer that duplicates another (the same input tensor on `batch`, the same calibrated
+    state) that same module, and return how many slots now share one.
+
+    Why: on PyTorch, SmoothQuant scales the input of each linear layer in that layer's own hook, so a tensor several
+    layers read (a layer norm's output, read by query, key and value) gets one fake quantizer per reader. They
+    start equal and OpenVINO merges equal ones into one `FakeQuantize`, but QAT trains each apart, and the IR then
+    quantizes that activation once per reader, with no INT8 input the projections share. int8-openvino's graph
+    (NNCF on OpenVINO IR) has one quantizer there; one shared module gives QAT's IR the same structure, its range
+    trained from every reader's gradient."""
+    import torch
+
+    slots = _quantizer_slots(quantized)
+    seen: dict[int, Any] = {}
+    handles = [module.register_forward_pre_hook(
+        lambda mod, args: seen.setdefault(id(mod), args[0].detach().clone())) for *_, module in slots]
+    try:
+        with torch.no_grad():
+            quantized(*_tensors(batch))
+    finally:
+        for handle in handles:
+            handle.remove()
+
+    def same(a: Any, b: Any) -> bool:
+        x, y, sa, sb = seen.get(id(a)), seen.get(id(b)), a.state_dict(), b.state_dict()
+        return (x is not None and y is not None and x.shape == y.shape and torch.equal(x, y) and sa.keys() == sb.keys()
+                and all(torch.equal(sa[k], sb[k]) for k in sa))
+
+    owners: list[Any] = []
+    for store, key, idx, module in slots:
+        owner = next((o for o in owners if o is module or same(o, module)), None)
+        if owner is None:
+            owners.append(module)
+        elif owner is not module:
+            store[key][idx] = owner
+    return shared_quantizers(quantized)
 
 
 def load_quantizer_extension() -> None:
@@ -172,5 +228,6 @@ def qat_openvino(graph: Any, job: QatJob, out: Path) -> dict[str, Any]:
     return {"method": "QAT through NNCF's quantizers (nncf.quantize on PyTorch, model_type=TRANSFORMER) + "
                       "ov.convert_model (OpenVINO IR)",
             **record, "source": "the finetuned model with SDPA attention, as int8-openvino converts it",
-            "calibration_batches": len(job.calibration), **run.record(steps, loss), **check,
+            "calibration_batches": len(job.calibration), "shared_quantizers": shared_quantizers(quantized),
+            **run.record(steps, loss), **check,
             "deprecated_api": QAT_TRACE_DEPRECATION}

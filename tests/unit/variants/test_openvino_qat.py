@@ -46,6 +46,9 @@ def test_the_variant_is_qat_through_nncf_in_openvino_ir(built, tokenizer):
     assert record["qat_lr"] == QuantizeParams().qat_openvino_lr and record["cls_readout"] is True
     assert record["parity_batch"] == 16 and record["parity_max_abs_diff"] < 1e-2
     assert record["served_batching"] == "rows"  # static activation scales: one review per call, as int8-openvino
+    # one quantizer read by query, key and value in the first layer, by key and value in the last (its query reads
+    # only [CLS]: cls_readout)
+    assert record["shared_quantizers"] == 2 + 1
     ops = [op.get_type_name() for op in ov.Core().read_model(str(d / "model.xml")).get_ops()]
     assert ops.count("FakeQuantize") >= 2 * 6, sorted(set(ops))
     seqs = [np.asarray(s) for s in pd.read_parquet(built["tokenized"] / "test.parquet")["input_ids"]]
@@ -75,6 +78,36 @@ def test_qat_trains_the_weights_and_the_quantizer_ranges(quantized):
     assert any("__nncf_hooks" in k for k in moved), sorted(moved)[:5]
     assert any("__nncf_hooks" not in k and k.endswith("weight") for k in moved), sorted(moved)[:5]
     assert all(torch.equal(teacher_before[k], v) for k, v in teacher.state_dict().items())
+
+
+def test_qat_keeps_one_quantizer_per_tensor_as_int8_openvino(quantized):
+    """Query, key and value read one tensor: NNCF on PyTorch hooks a quantizer per reader, which QAT would train
+    apart into one `FakeQuantize` per reader in the IR. They share one module, so training keeps the IR's
+    quantizers as they were before it (and the model's answers unchanged by the sharing itself)."""
+    import collections
+
+    import torch
+
+    from pipeline.training.qat import QatRun, fake_quantized_finetune
+    from pipeline.variants.openvino_qat import share_duplicate_quantizers, shared_quantizers, to_openvino
+
+    model, _, batches = quantized
+    shared = shared_quantizers(model)
+    assert shared >= 2 * 2, shared  # two layers, key and value share query's quantizer at least
+    assert share_duplicate_quantizers(model, batches[0]) == shared  # nothing left to share
+
+    def fake_quantizers() -> collections.Counter[str]:
+        ops = to_openvino(model, batches[-1]).get_ops()
+        return collections.Counter(op.get_type_name() for op in ops)["FakeQuantize"]
+
+    before = fake_quantizers()
+    rng = np.random.default_rng(1)
+    seqs, labels = _reviews(16, seed=1), [int(x) for x in rng.integers(0, 2, 16)]
+    fake_quantized_finetune(model, None, QatRun(reviews=seqs, labels=labels,
+                                                params=QuantizeParams(qat_epochs=1, qat_batch_size=8), lr=1e-2))
+    assert shared_quantizers(model) == shared and fake_quantizers() == before
+    ids = torch.from_numpy(np.stack([r[:8] for r in _reviews(4, seed=2)]))
+    assert torch.isfinite(model(ids, torch.ones_like(ids))).all()
 
 
 def test_a_checkpoint_loads_into_the_model_rebuilt_on_resume(quantized, tiny_model_dir):
