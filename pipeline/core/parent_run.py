@@ -125,6 +125,8 @@ def resolve_run_context(params: MlflowParams, *, run_id: str) -> RunContext:
 
 
 HOST_TAG, PID_TAG = "pipeline.host", "pipeline.pid"
+#: On a registered model version: the stage run that registered it (`StageRun.registering`).
+VERSION_RUN_TAG = "pipeline.stage_run_id"
 
 
 def process_tags() -> dict[str, str]:
@@ -138,7 +140,8 @@ def process_tags() -> dict[str, str]:
 def close_orphaned_runs(context: RunContext) -> list[str]:
     """End as KILLED the stage runs that a killed process left RUNNING: on this host, with a process id no process
     has any more (a SIGKILL runs no handler, so nothing else would ever end them; a training job's resume also
-    links its interrupted run, `StageRun.close_interrupted`). Returns their ids."""
+    links its interrupted run, `StageRun.close_interrupted`), and delete the registered versions such a run
+    left that no alias names (`drop_unfinished_versions`). Returns the runs' ids."""
     import os
 
     from mlflow.entities import RunStatus
@@ -158,8 +161,22 @@ def close_orphaned_runs(context: RunContext) -> list[str]:
             continue
         client.set_tag(run.info.run_id, "pipeline.closed_as_orphan_by", context.run_id)
         client.set_terminated(run.info.run_id, RunStatus.to_string(RunStatus.KILLED))
+        drop_unfinished_versions(client, run.info.run_id)
         closed.append(run.info.run_id)
     return closed
+
+
+def drop_unfinished_versions(client: MlflowClient, stage_run_id: str) -> list[tuple[str, str]]:
+    """Delete the registered model versions that stage run `stage_run_id` registered (`VERSION_RUN_TAG`) and no
+    alias names: versions whose packaging did not finish, which `models:/<name>/latest` would otherwise resolve
+    to. Returns them as (name, version)."""
+    dropped = []
+    for found in client.search_model_versions(f"tags.`{VERSION_RUN_TAG}` = '{stage_run_id}'"):
+        # the search leaves `aliases` empty: the version itself says whether an alias names it
+        if not client.get_model_version(found.name, found.version).aliases:
+            client.delete_model_version(found.name, found.version)
+            dropped.append((found.name, str(found.version)))
+    return dropped
 
 
 def start_tracking(params: MlflowParams, *, run_id: str) -> RunContext:

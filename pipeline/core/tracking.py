@@ -9,6 +9,7 @@ the stages call `StageRun`'s methods and the functions below, so a change of MLf
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from pipeline.core.parent_run import (
     ROLE_TAG,
     RUN_ID_TAG,
     TAG_LIMIT,
+    VERSION_RUN_TAG,
     RunContext,
     flatten_numbers,
     log_batch,
@@ -29,6 +31,8 @@ from pipeline.core.parent_run import (
     text_values,
 )
 from pipeline.core.run_id import git_commit
+
+log = logging.getLogger(__name__)
 
 PARAM_LIMIT = 500  # params longer than this (nested dicts and lists) are cut, their files hold the whole value
 
@@ -171,9 +175,15 @@ class StageRun:
             model_type=model_type)
         return LoggedModelRef(model.model_id, f"models:/{model.model_id}", files=False)
 
-    def register(self, name: str, model_uri: str, description: str, tags: Mapping[str, Any] | None = None) -> str:
-        """A new version of registered model `name` from `model_uri` (`models:/<model_id>`); returns its
-        number. Versions are only ever added: re-running the pipeline keeps every earlier one."""
+    @contextlib.contextmanager
+    def registering(self, name: str, model_uri: str, description: str,
+                    tags: Mapping[str, Any] | None = None) -> Iterator[str]:
+        """A new version of registered model `name` from `model_uri` (`models:/<model_id>`), its number yielded to
+        the body that finishes it (builds what serves it, moves an alias to it). A version outlives its body only
+        when the body completes or an alias names it: one whose body fails or is stopped is deleted, so that
+        `models:/<name>/latest` never names a version whose packaging did not finish. A SIGKILL runs no handler;
+        the version carries this run's id (`VERSION_RUN_TAG`), and the next stage to start deletes it with the
+        run (`close_orphaned_runs`). Finished versions are only ever added: re-running keeps every earlier one."""
         import mlflow
         from mlflow.exceptions import MlflowException
 
@@ -183,9 +193,20 @@ class StageRun:
         except MlflowException as exc:
             if exc.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise
-        version = mlflow.register_model(model_uri, name, tags=text_values(tags or {}, TAG_LIMIT))
-        self.set_tags({"registered_model_version": version.version})
-        return str(version.version)
+        version = mlflow.register_model(model_uri, name,
+                                        tags=text_values({**(tags or {}), VERSION_RUN_TAG: self.run_id}, TAG_LIMIT))
+        number = str(version.version)
+        try:
+            yield number
+        except BaseException:
+            try:
+                if not client.get_model_version(name, number).aliases:
+                    client.delete_model_version(name, number)
+                    log.warning("deleted version %s of %s: its packaging did not finish", number, name)
+            except MlflowException as exc:  # the store failed too: the stage's own error is the one to report
+                log.warning("version %s of %s is left without an alias (%s)", number, name, exc.message)
+            raise
+        self.set_tags({"registered_model_version": number})
 
 
 @contextlib.contextmanager

@@ -107,8 +107,9 @@ def run_package_stage(*, variants_root: Path, variants_metrics: Path, benchmark_
 
     The evaluate stage logged every variant as an MLflow model (its id is in `metrics/variants.json`); when that
     model is not in this tracking store or holds no files (logged as external above `evaluate.artifact_max_mb`)
-    the variant is logged again here, since the registered, served model must carry its files. Versions are
-    only added, never deleted; the alias moves only once the archive that serves its version is built."""
+    the variant is logged again here, since the registered, served model must carry its files. Finished
+    versions are only added, never deleted; the alias moves only once the archive that serves its version is
+    built, and a version whose archive or alias failed is deleted again (`StageRun.registering`)."""
     from pipeline.core.io import read_json
     from pipeline.core.model_registry import alias_version, model_with_files, set_alias
     from pipeline.core.params import to_dict
@@ -133,15 +134,15 @@ def run_package_stage(*, variants_root: Path, variants_metrics: Path, benchmark_
             model_id = log_variant_model(run, choice.name, variant_dir, params.package,
                                            {"variant": choice.name}).model_id
         previous = alias_version(name, alias, tracking_uri=store)
-        version = run.register(name, f"models:/{model_id}", "IMDB sentiment classifier: the variant the pipeline "
-                               f"packages and serves (alias @{alias})",
-                               {"variant": choice.name, "choice_reason": choice.reason,
-                                "pipeline.run_id": run_context.run_id, "git.commit": git_commit()})
-        registry = {"name": name, "version": version, "alias": alias, "uri": f"models:/{name}@{alias}",
-                    "version_uri": f"models:/{name}/{version}", "model_id": model_id,
-                    "previous_champion_version": previous}
-        config = build_archive(variant_dir, choice, registry, params.package, mar)
-        set_alias(name, alias, version, tracking_uri=store)
+        with run.registering(name, f"models:/{model_id}", "IMDB sentiment classifier: the variant the pipeline "
+                             f"packages and serves (alias @{alias})",
+                             {"variant": choice.name, "choice_reason": choice.reason,
+                              "pipeline.run_id": run_context.run_id, "git.commit": git_commit()}) as version:
+            registry = {"name": name, "version": version, "alias": alias, "uri": f"models:/{name}@{alias}",
+                        "version_uri": f"models:/{name}/{version}", "model_id": model_id,
+                        "previous_champion_version": previous}
+            config = build_archive(variant_dir, choice, registry, params.package, mar)
+            set_alias(name, alias, version, tracking_uri=store)
         log.info("%s@%s -> version %s (was %s)", name, alias, version, previous or "unset")
         manifest = {**config, "mar": str(mar), "mar_size_mb": round(mar.stat().st_size / 1e6, 3)}
         write_json(manifest_path, manifest)

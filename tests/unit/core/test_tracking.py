@@ -23,6 +23,7 @@ from pipeline.core.params import MlflowParams, Params
 from pipeline.core.parent_run import (
     EXPERIMENT_KIND,
     EXPERIMENT_KIND_TAG,
+    VERSION_RUN_TAG,
     log_parent_artifact,
     log_parent_summary,
     log_parent_table,
@@ -159,7 +160,9 @@ def test_a_stage_process_looks_its_parent_run_up_once_and_points_mlflow_once(tmp
 def test_a_stage_run_whose_process_died_is_ended_killed_by_the_next_stage_process(tmp_path, monkeypatch,
                                                                                      tracking_store):
     """A SIGKILL'd stage leaves its run RUNNING; the next stage process on the host ends it KILLED, naming itself,
-    and leaves alone a RUNNING run whose process is alive (a stage running beside it)."""
+    and deletes the registered version the dead run left without an alias (a package stage killed before its
+    alias moved; one the alias reached stays), and leaves alone a RUNNING run whose process is alive (a stage
+    running beside it) and its version."""
     import subprocess
     import sys
 
@@ -167,10 +170,15 @@ def test_a_stage_run_whose_process_died_is_ended_killed_by_the_next_stage_proces
     params = _store(tracking_store(tmp_path / "mlflow.db"))
     context = start_tracking(params, run_id="unit-orphan-1")
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    runs = {}
+    runs, versions = {}, {}
     for name, pid in (("killed", dead.stdout.strip()), ("alive", str(os.getpid()))):
         with stage_run(context, name) as run:
             runs[name] = run.run_id
+            ref = run.log_external_model(name, tmp_path)
+            # what a kill inside `StageRun.registering` leaves: versions of the run, the newest without an alias
+            versions[name] = [str(mlflow.register_model(ref.uri, "reg", tags={VERSION_RUN_TAG: run.run_id}).version)
+                              for _ in range(2)]
+            set_alias("reg", name, versions[name][0], tracking_uri=params.tracking_uri)
         client = context.client()
         client.set_tag(run.run_id, "pipeline.pid", pid)
         client.update_run(run.run_id, status="RUNNING")  # as a process killed inside the stage leaves it
@@ -178,6 +186,8 @@ def test_a_stage_run_whose_process_died_is_ended_killed_by_the_next_stage_proces
     killed, alive = (later.client().get_run(runs[n]) for n in ("killed", "alive"))
     assert killed.info.status == "KILLED" and killed.data.tags["pipeline.closed_as_orphan_by"] == "unit-orphan-2"
     assert alive.info.status == "RUNNING"
+    left = sorted(str(v.version) for v in later.client().search_model_versions("name = 'reg'"))
+    assert left == sorted([versions["killed"][0], *versions["alive"]]), (left, versions)
 
 
 def test_one_run_id_is_one_parent_run_and_another_run_id_another(tmp_path, monkeypatch, tracking_store):
@@ -263,19 +273,49 @@ def test_registering_adds_versions_and_the_alias_moves(tmp_path, monkeypatch, ti
     params = _store(tracking_store(tmp_path / "mlflow.db"))
     store = params.tracking_uri
     context = start_tracking(params, run_id="unit-registry")
-    versions = []
+    versions, runs = [], []
     for round_ in range(2):
         with stage_run(context, "package") as run:
+            runs.append(run.run_id)
             ref = run.log_external_model(f"m{round_}", tiny_model_dir)
             assert alias_version("reg", "champion", tracking_uri=store) == (versions[-1] if versions else None)
-            versions.append(run.register("reg", ref.uri, "unit", {"round": round_}))
-            set_alias("reg", "champion", versions[-1], tracking_uri=store)
+            with run.registering("reg", ref.uri, "unit", {"round": round_}) as version:
+                set_alias("reg", "champion", version, tracking_uri=store)
+            versions.append(version)
     assert versions == ["1", "2"] and alias_version("reg", "champion", tracking_uri=store) == "2"
     client = mlflow.MlflowClient()
     assert sorted(str(v.version) for v in client.search_model_versions("name = 'reg'")) == ["1", "2"]
-    assert client.get_model_version("reg", "1").tags == {"round": "0"}
+    assert client.get_model_version("reg", "1").tags == {"round": "0", VERSION_RUN_TAG: runs[0]}
+    assert client.get_run(runs[1]).data.tags["registered_model_version"] == "2"
     external = client.get_logged_model(ref.model_id)
     assert not ref.files and external.tags["artifact_pointer"] == str(tiny_model_dir.resolve())
+
+
+def test_a_version_whose_packaging_fails_is_deleted_unless_an_alias_names_it(tmp_path, monkeypatch, tiny_model_dir,
+                                                                            tracking_store):
+    """`models:/reg/latest` resolves to the newest version: one registered by a package stage that then failed or
+    was stopped (its archive, its alias) is deleted, so it never names an unfinished one. A version the alias
+    reached before the failure is kept; so is every finished one."""
+    monkeypatch.chdir(tmp_path)
+    params = _store(tracking_store(tmp_path / "mlflow.db"))
+    store = params.tracking_uri
+    context = start_tracking(params, run_id="unit-registry-failed")
+    client = context.client()
+    with stage_run(context, "package") as run:
+        ref = run.log_external_model("m", tiny_model_dir)
+        with run.registering("reg", ref.uri, "unit") as done:
+            set_alias("reg", "champion", done, tracking_uri=store)
+        for stop in (RuntimeError("the archive failed"), KeyboardInterrupt()):
+            with pytest.raises(type(stop)), run.registering("reg", ref.uri, "unit") as failed:
+                raise stop
+            with pytest.raises(mlflow.exceptions.MlflowException) as gone:
+                client.get_model_version("reg", failed)
+            assert gone.value.error_code == "RESOURCE_DOES_NOT_EXIST"
+        with pytest.raises(RuntimeError), run.registering("reg", ref.uri, "unit") as aliased:
+            set_alias("reg", "champion", aliased, tracking_uri=store)
+            raise RuntimeError("the manifest failed")
+    assert sorted(str(v.version) for v in client.search_model_versions("name = 'reg'")) == [done, aliased]
+    assert alias_version("reg", "champion", tracking_uri=store) == aliased
 
 
 def test_parent_run_carries_the_summary_and_the_table(tmp_path, monkeypatch, tracking_store):

@@ -14,6 +14,7 @@ from pipeline.core.io import write_json
 from pipeline.core.model_registry import alias_version
 from pipeline.core.params import EvaluateParams, MlflowParams, PackageParams, Params, TargetsParams
 from pipeline.core.parent_run import start_tracking
+from pipeline.deployment import archive as archive_module
 from pipeline.deployment.archive import archive_code, run_package_stage, serving_summary
 from pipeline.deployment.inference import SentimentPredictor
 from pipeline.evaluation.accuracy import log_variant_runs, score_variants
@@ -80,6 +81,17 @@ def test_package_registers_versions_and_moves_the_champion_alias(built, tiny_mod
     relogged = client.get_logged_model(second["registered_model"]["model_id"])
     assert relogged.name == "fp32-onnx" and relogged.model_id != "m-gone"
     assert mlflow.get_run(relogged.source_run_id).data.tags["pipeline.stage"] == "package"
+
+    # A third whose archive fails: the version it registered is deleted again and the alias stays, so
+    # `models:/imdb-sentiment/latest` still names a version that was packaged.
+    def fails(*args: object, **kwargs: object) -> None:
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(archive_module, "build_archive", fails)
+    with pytest.raises(OSError, match="no space"):
+        package(Params(mlflow=tracking), "third")
+    assert sorted(str(v.version) for v in client.search_model_versions("name = 'imdb-sentiment'")) == ["1", "2"]
+    assert alias_version("imdb-sentiment", "champion", tracking_uri=store) == "2"
     texts = ["a great film", "an awful film", "fine"]
     got = mlflow.pyfunc.load_model("models:/imdb-sentiment@champion").predict(pd.DataFrame({"text": texts}))
     want = SentimentPredictor(dirs["fp32-onnx"]).predict(texts)
