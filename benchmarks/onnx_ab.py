@@ -1,15 +1,18 @@
-"""A/B latency of ONNX files in one process: onnxruntime alone, alternating A B A B ...
+"""A/B latency of ONNX files (onnxruntime) and OpenVINO IR files (`.xml`) in one process, alternating A B A B ...
 
 The pipeline benchmark's ratios hang on a PyTorch FP32 reference whose latency drifts between runs on a shared
 machine; two graphs that differ by a few per cent (e.g. with and without `export.cls_readout`) are compared
-more cleanly here. Prints p10/p50/mean per file and writes `benchmarks/results/onnx_ab.json`.
+more cleanly here. Each file runs as the pipeline runs it: an onnxruntime session as `ort_session` sets it up,
+an IR compiled as `OpenVinoRunner` compiles it. Prints p10/p50/mean per file and writes
+`benchmarks/results/onnx_ab.json`, with the CPU and its ISA flags.
 
-`--op-profile N` then runs each file N more times in a session of its own with onnxruntime's profiler on (after
-the timing, so it does not disturb it) and prints where a run's time goes by operator type, after onnxruntime's
-graph fusions: kernel microseconds and kernels per run, per file side by side.
+`--op-profile N` (ONNX files) then runs each file N more times in a session of its own with onnxruntime's profiler
+on (after the timing, so it does not disturb it) and prints where a run's time goes by operator type, after
+onnxruntime's graph fusions: kernel microseconds and kernels per run, per file side by side.
 
     python -m benchmarks.onnx_ab OLD/model.onnx models/variants/int8-dynamic/model.onnx [--rounds 30]
     python -m benchmarks.onnx_ab models/variants/int8-{dynamic,static}/model.onnx --rounds 5 --op-profile 50
+    python -m benchmarks.onnx_ab models/variants/int8-{openvino,qat-openvino}/model.xml
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import os
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +87,18 @@ def print_op_profiles(profiles: dict[str, dict[str, Any]]) -> None:
     print("| **whole run (median)** | " + " | ".join(f"{profiles[n]['run_us_median']:.0f}" for n in names) + " |")
 
 
+def batch1_call(path: Path, threads: int) -> Callable[[dict[str, np.ndarray]], Any]:
+    """A call that runs `path` on a feed: an OpenVINO IR (`.xml`) compiled as `OpenVinoRunner` compiles it, else an
+    onnxruntime session as the pipeline sets one up."""
+    if path.suffix == ".xml":
+        from pipeline.runtimes.openvino import compiled_model
+
+        request = compiled_model(path, threads).create_infer_request()
+        return request.infer
+    session = ort_session(path, threads)
+    return lambda feed: session.run(None, feed)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Time each file at batch 1 on the same input, in alternating blocks (sessions set up as the benchmark's)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -96,24 +112,29 @@ def main(argv: list[str] | None = None) -> None:
                         help="then profile N runs of each file by operator type (onnxruntime's profiler)")
     args = parser.parse_args(argv)
 
-    sessions = [ort_session(m, args.threads) for m in args.models]
+    if args.op_profile and any(m.suffix == ".xml" for m in args.models):
+        parser.error("--op-profile reads onnxruntime's profiler: ONNX files only")
+    sessions = [batch1_call(m, args.threads) for m in args.models]
     ids = np.random.default_rng(0).integers(1000, 2000, (1, args.seq_len)).astype(np.int64)
     feed = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
     for s in sessions:
         for _ in range(10):
-            s.run(None, feed)
+            s(feed)
     times: list[list[float]] = [[] for _ in sessions]
     for _ in range(args.rounds):
         for i, s in enumerate(sessions):
             for _ in range(args.block):
                 t0 = time.perf_counter()
-                s.run(None, feed)
+                s(feed)
                 times[i].append(1000 * (time.perf_counter() - t0))
     rows = {str(m): {"p10_ms": float(np.percentile(t, 10)), "p50_ms": float(np.median(t)),
                      "mean_ms": float(np.mean(t)), "runs": len(t)} for m, t in zip(args.models, times, strict=True)}
     profiles = ({str(m): op_profile(m, feed, args.threads, args.op_profile) for m in args.models}
                 if args.op_profile else {})
-    write_json(args.out, {"seq_len": args.seq_len, "threads": args.threads, "models": rows,
+    from pipeline.core.machine import machine_info
+
+    write_json(args.out, {"machine": machine_info(args.threads), "seq_len": args.seq_len, "threads": args.threads,
+                          "models": rows,
                           **({"op_profiles": profiles} if profiles else {})})
     print("| model | p10 ms | p50 ms | mean ms |\n|---|---:|---:|---:|")
     for m, r in rows.items():

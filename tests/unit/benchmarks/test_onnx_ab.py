@@ -44,3 +44,21 @@ def test_the_command_writes_timings_and_profiles_for_each_file(two_op_graph, tmp
     assert set(result["models"]) == set(result["op_profiles"]) == {str(two_op_graph)}
     assert result["models"][str(two_op_graph)]["runs"] == 2
     assert "| Add |" in capsys.readouterr().out
+
+
+def test_an_openvino_ir_is_timed_beside_the_onnx_file_and_the_cpu_recorded(two_op_graph, tmp_path):
+    """The same graph as OpenVINO IR: both files timed in one command, the machine (CPU, ISA flags) in the result;
+    the operator profile, onnxruntime's, is refused for an IR rather than run on something else."""
+    import openvino as ov
+
+    ir = tmp_path / "model.xml"
+    ov.save_model(ov.convert_model(str(two_op_graph)), str(ir))
+    out = tmp_path / "ab.json"
+    main([str(two_op_graph), str(ir), "--seq-len", "8", "--rounds", "2", "--block", "2", "--threads", "1",
+          "--out", str(out)])
+    result = read_json(out)
+    assert {m: r["runs"] for m, r in result["models"].items()} == {str(two_op_graph): 4, str(ir): 4}
+    assert result["machine"]["cpu"] and "avx2" in result["machine"]["isa"]
+    with pytest.raises(SystemExit):
+        main([str(ir), "--op-profile", "3", "--out", str(tmp_path / "no.json")])
+    assert not (tmp_path / "no.json").exists()
