@@ -107,8 +107,8 @@ def share_duplicate_quantizers(quantized: Any, batch: tuple[np.ndarray, np.ndarr
 
     def same(a: Any, b: Any) -> bool:
         x, y, sa, sb = seen.get(id(a)), seen.get(id(b)), a.state_dict(), b.state_dict()
-        return (x is not None and y is not None and x.shape == y.shape and torch.equal(x, y) and sa.keys() == sb.keys()
-                and all(torch.equal(sa[k], sb[k]) for k in sa))
+        return (type(a) is type(b) and x is not None and y is not None and x.shape == y.shape and torch.equal(x, y)
+                and sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa))
 
     owners: list[Any] = []
     for store, key, idx, module in slots:
