@@ -25,6 +25,7 @@ from tests.factories import (
     AVX2_ONLY_FLAGS,
     IMDB_DIR,
     ROOT,
+    link_venv,
     migrated_tracking_store,
     shared_across_workers,
     weight_format_here,
@@ -303,7 +304,7 @@ def repro_copy(d: Path, profile: Path, extra: dict[str, Any] | None = None,
            "PIPELINE_RUN_ID": "e2e-test",
            "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
            "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t", **(extra_env or {})}
-    (d / ".venv").symlink_to(Path(sys.prefix))  # the stages run .venv/bin/python (dvc.yaml), this test's venv
+    link_venv(d)  # the stages run .venv/bin/python (dvc.yaml): this test's venv
     for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "copy"]):
         subprocess.run(cmd, cwd=d, env=env, check=True)
     proc = subprocess.run([str(Path(sys.executable).parent / "dvc"), "repro"], cwd=d, env=env,

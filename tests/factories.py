@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import shutil
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -47,6 +49,23 @@ def shared_across_workers(base: Path, name: str, build: Callable[[Path], None]) 
             build(directory)
             (directory / ".complete").touch()
     return directory
+
+
+def link_venv(project: Path) -> Path:
+    """`project/.venv` for a copy of the project to run this test session's venv through: `bin/python*` are scripts
+    that exec this venv's interpreter, every other `bin/` entry (dvc, mlflow: scripts whose first line names that
+    interpreter) a link to it. A symlink to the venv itself would work too, but Python would see the venv under the
+    copy's path, and NNCF's extension (whose compile command holds the venv's paths) would be built again for it."""
+    real = Path(sys.prefix) / "bin"
+    bin_dir = project / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    for entry in real.iterdir():
+        if entry.name.startswith("python"):
+            (bin_dir / entry.name).write_text(f'#!/bin/sh\nexec {shlex.quote(str(entry))} "$@"\n')
+            (bin_dir / entry.name).chmod(0o755)
+        else:
+            (bin_dir / entry.name).symlink_to(entry)
+    return project / ".venv"
 
 
 def migrated_tracking_store(directory: Path) -> None:

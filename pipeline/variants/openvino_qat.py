@@ -14,9 +14,11 @@ slower, and says so in the log."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,8 @@ log = logging.getLogger(__name__)
 #: loaded 2-core CPU (a test run beside it) can take longer; the compile is bounded by the compiler anyway.
 EXTENSION_TIMEOUT_ENV = "NNCF_EXTENSION_LOAD_TIMEOUT"
 EXTENSION_TIMEOUT_S = "600"
+#: PyTorch's setting for where JIT-compiled extensions are built.
+TORCH_EXTENSIONS_ENV = "TORCH_EXTENSIONS_DIR"
 #: The checkpoint job of int8-qat-openvino's finetune (`train.checkpoint_dir/qat-openvino`); the stage clears it
 #: once the variant is published.
 CHECKPOINT_JOB = "qat-openvino"
@@ -125,19 +129,64 @@ def load_quantizer_extension() -> None:
     killed build left. PyTorch's build lock is a file (`<build dir>/lock`) that other builds wait on until it is
     gone, and a build killed mid-compile never removes it: every later run would wait until NNCF's timeout and fail
     (NNCF's FAQ: "importing anything from nncf.torch hangs"). The builds of this project take an `flock` first,
-    which the OS releases when its holder dies, so under it a lock file is one no live build of ours holds."""
+    which the OS releases when its holder dies, so under it a lock file is one no live build of ours holds.
+
+    The build goes to a directory of this venv's own (`extension_build_root`): PyTorch keeps one build per
+    extension name and rebuilds whenever the compile command changes, and the command holds the venv's paths, so
+    two venvs (two checkouts, or a test's copy reaching the venv through a symlink) sharing the default directory
+    would rebuild it for each other on every switch."""
     import fcntl
 
-    from nncf.torch.quantization.extensions import QuantizedFunctionsCPU, QuantizedFunctionsCPULoader
+    from nncf.torch.quantization.extensions import QuantizedFunctionsCPU
 
-    build_dir = Path(QuantizedFunctionsCPULoader.get_build_dir())
-    with (build_dir / "pipeline-build.lock").open("w") as guard:
+    build_dir = extension_build_dir()
+    with (build_dir / "pipeline-build.lock").open("w") as guard, _extension_root(extension_build_root()):
         fcntl.flock(guard, fcntl.LOCK_EX)
         stale = build_dir / "lock"
         if stale.exists():
             log.warning("removing %s, the build lock of a killed build of NNCF's extension", stale)
             stale.unlink(missing_ok=True)
         QuantizedFunctionsCPU.get("Quantize_forward")  # builds or loads it now, under the lock
+
+
+def extension_build_dir() -> Path:
+    """The folder NNCF builds its CPU extension in for this venv (created if missing)."""
+    from nncf.torch.quantization.extensions import QuantizedFunctionsCPULoader
+
+    with _extension_root(extension_build_root()):
+        return Path(QuantizedFunctionsCPULoader.get_build_dir())
+
+
+def extension_build_root() -> Path:
+    """Where this venv's NNCF extension is built: PyTorch's extension root (`TORCH_EXTENSIONS_DIR`, else its
+    default under `~/.cache/torch_extensions`), in a folder named for the paths PyTorch's compile command holds
+    (PyTorch's and NNCF's installed locations, as this interpreter sees them, and Python's headers)."""
+    import hashlib
+    import sysconfig
+
+    import nncf
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    base = Path(os.environ.get(TORCH_EXTENSIONS_ENV) or get_default_build_root())
+    paths = (Path(torch.__file__).parent, Path(nncf.__file__).parent, sysconfig.get_paths()["include"])
+    key = hashlib.sha256("\n".join(map(str, paths)).encode()).hexdigest()[:12]
+    return base / f"venv-{key}"
+
+
+@contextlib.contextmanager
+def _extension_root(root: Path) -> Iterator[None]:
+    """`TORCH_EXTENSIONS_DIR` set to `root` inside the block (NNCF reads it when it builds or loads), as it was
+    after."""
+    before = os.environ.get(TORCH_EXTENSIONS_ENV)
+    os.environ[TORCH_EXTENSIONS_ENV] = str(root)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(TORCH_EXTENSIONS_ENV, None)
+        else:
+            os.environ[TORCH_EXTENSIONS_ENV] = before
 
 
 def to_openvino(quantized: Any, example: tuple[np.ndarray, np.ndarray]) -> Any:

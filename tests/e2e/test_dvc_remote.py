@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.factories import ROOT
+from tests.factories import ROOT, link_venv
 
 PAGE = ROOT / "docs" / "past-one-machine.md"
 #: The remote's URL in the page; the test runs the same commands with a local folder in its place.
@@ -75,7 +75,7 @@ def colleague(repo: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
            "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
     outputs = {command: run(command.replace(S3_URL, str(remote)), repo, env) for command in AUTHOR}
     run(f"git clone -q {repo} {clone}", work, env)  # the page's `git clone GIT_URL`
-    (clone / ".venv").symlink_to(Path(sys.prefix))  # the page's `make venv`
+    link_venv(clone)  # the page's `make venv`
     outputs |= {command: run(command, clone, env) for command in COLLEAGUE}
     return {"clone": clone, "remote": remote, "out": outputs}
 

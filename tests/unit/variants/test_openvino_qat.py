@@ -139,11 +139,10 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next(tmp_path):
     import subprocess
     import sys
 
-    from nncf.torch.quantization.extensions import QuantizedFunctionsCPULoader
-
+    from pipeline.variants.openvino_qat import extension_build_dir
     from tests.factories import ROOT
 
-    build_dir = Path(QuantizedFunctionsCPULoader.get_build_dir())
+    build_dir = extension_build_dir()
     with (build_dir / "pipeline-build.lock").open("w") as guard:  # no build of ours is running meanwhile
         fcntl.flock(guard, fcntl.LOCK_EX)
         (build_dir / "lock").touch()
@@ -154,3 +153,33 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "the build lock of a killed build" in done.stderr
     assert not (build_dir / "lock").exists()
+
+
+def test_each_venv_path_keeps_its_own_extension_build(tmp_path, monkeypatch):
+    """PyTorch rebuilds an extension whenever its compile command changes, and the command holds the venv's paths:
+    the same venv reached through another path (a symlink, as a second checkout's venv would be) gets a build
+    folder of its own under `TORCH_EXTENSIONS_DIR` instead of rebuilding the first one's, and loading leaves
+    `TORCH_EXTENSIONS_DIR` as it was after NNCF loaded from that folder."""
+    import os
+    import subprocess
+    import sys
+
+    from pipeline.variants.openvino_qat import extension_build_root, load_quantizer_extension
+    from tests.factories import ROOT
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    here = extension_build_root()
+    assert here.parent == tmp_path / "ext" and here == extension_build_root()
+    (tmp_path / "venv-link").symlink_to(sys.prefix)
+    code = "from pipeline.variants.openvino_qat import extension_build_root; print(extension_build_root())"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    seen = {subprocess.run([str(python), "-c", code], env=env, capture_output=True, text=True, check=True,
+                           timeout=120).stdout.strip()
+            for python in (Path(sys.prefix) / "bin/python", tmp_path / "venv-link/bin/python")}
+    assert str(here) in seen and len(seen) == 2, seen
+    from nncf.torch.quantization.extensions import QuantizedFunctionsCPU
+
+    loaded_in: list[str] = []  # where NNCF is asked to build or load (not built here: a compile costs half a minute)
+    monkeypatch.setattr(QuantizedFunctionsCPU, "get", lambda name: loaded_in.append(os.environ["TORCH_EXTENSIONS_DIR"]))
+    load_quantizer_extension()
+    assert loaded_in == [str(here)] and os.environ["TORCH_EXTENSIONS_DIR"] == str(tmp_path / "ext")
