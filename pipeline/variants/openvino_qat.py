@@ -8,9 +8,10 @@ the variant runs on the kernels int8-openvino runs on. int8-qat's model, trained
 that adaptation on the way to OpenVINO (docs/tried-and-dropped.md): QAT has to train through the quantizers of
 the runtime that serves it.
 
-NNCF's fake quantizers run as a PyTorch C++ extension it compiles on first use, once per machine and venv (PyTorch's
-JIT extension cache, `~/.cache/torch_extensions`); where no compiler is found NNCF falls back to PyTorch operations,
-slower, and says so in the log."""
+NNCF's fake quantizers run as a PyTorch C++ extension it compiles on first use, once per machine and venv (in the
+venv's own folder under PyTorch's extension root, `~/.cache/torch_extensions` unless `TORCH_EXTENSIONS_DIR` says
+otherwise: `extension_build_root`); where no compiler is found NNCF falls back to PyTorch operations, slower, and
+says so in the log."""
 
 from __future__ import annotations
 
