@@ -180,10 +180,11 @@ class StageRun:
                     tags: Mapping[str, Any] | None = None) -> Iterator[str]:
         """A new version of registered model `name` from `model_uri` (`models:/<model_id>`), its number yielded to
         the body that finishes it (builds what serves it, moves an alias to it). A version outlives its body only
-        when the body completes or an alias names it: one whose body fails or is stopped is deleted, so that
-        `models:/<name>/latest` never names a version whose packaging did not finish. A SIGKILL runs no handler;
-        the version carries this run's id (`VERSION_RUN_TAG`), and the next stage to start deletes it with the
-        run (`close_orphaned_runs`). Finished versions are only ever added: re-running keeps every earlier one."""
+        when the body completes or an alias names it: one whose body raises (an error, Ctrl-C) is deleted, so that
+        `models:/<name>/latest` never names a version whose packaging did not finish. A stage killed by a signal
+        (SIGTERM, SIGKILL) runs no handler here; the version carries this run's id (`VERSION_RUN_TAG`), and the next
+        stage process to start deletes it with the run (`close_orphaned_runs`). Finished versions are only ever
+        added: re-running keeps every earlier one."""
         import mlflow
         from mlflow.exceptions import MlflowException
 
