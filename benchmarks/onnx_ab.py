@@ -93,8 +93,9 @@ def batch1_call(path: Path, threads: int) -> Callable[[dict[str, np.ndarray]], A
     if path.suffix == ".xml":
         from pipeline.runtimes.openvino import compiled_model
 
-        request = compiled_model(path, threads).create_infer_request()
-        return request.infer
+        compiled = compiled_model(path, threads)
+        request, names = compiled.create_infer_request(), {i.get_any_name() for i in compiled.inputs}
+        return lambda feed: request.infer({k: v for k, v in feed.items() if k in names})  # as `OpenVinoRunner` feeds
     session = ort_session(path, threads)
     return lambda feed: session.run(None, feed)
 

@@ -12,6 +12,7 @@ own run is `pipeline.core.tracking`'s."""
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from pipeline.core.run_id import git_commit
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
+
+log = logging.getLogger(__name__)
 
 RUN_ID_TAG = "pipeline.run_id"
 ROLE_TAG = "pipeline.role"
@@ -125,8 +128,9 @@ def resolve_run_context(params: MlflowParams, *, run_id: str) -> RunContext:
 
 
 HOST_TAG, PID_TAG = "pipeline.host", "pipeline.pid"
-#: On a registered model version: the stage run that registered it (`StageRun.registering`).
-VERSION_RUN_TAG = "pipeline.stage_run_id"
+#: On a registered model version: the stage run that registered it, and (once that run finished packaging it)
+#: that it was finished (`StageRun.registering`).
+VERSION_RUN_TAG, VERSION_DONE_TAG = "pipeline.stage_run_id", "pipeline.packaged"
 
 
 def process_tags() -> dict[str, str]:
@@ -167,15 +171,23 @@ def close_orphaned_runs(context: RunContext) -> list[str]:
 
 
 def drop_unfinished_versions(client: MlflowClient, stage_run_id: str) -> list[tuple[str, str]]:
-    """Delete the registered model versions that stage run `stage_run_id` registered (`VERSION_RUN_TAG`) and no
-    alias names: versions whose packaging did not finish, which `models:/<name>/latest` would otherwise resolve
-    to. Returns them as (name, version)."""
+    """Delete the registered model versions that stage run `stage_run_id` registered (`VERSION_RUN_TAG`) and neither
+    finished (`VERSION_DONE_TAG`) nor has an alias on: versions whose packaging did not finish, which
+    `models:/<name>/latest` would otherwise resolve to. A finished version stays whatever happened to its alias
+    since. Best effort: a registry that refuses is logged, not raised (the stage starting is not its business).
+    Returns the deleted ones as (name, version)."""
+    from mlflow.exceptions import MlflowException
+
     dropped = []
-    for found in client.search_model_versions(f"tags.`{VERSION_RUN_TAG}` = '{stage_run_id}'"):
-        # the search leaves `aliases` empty: the version itself says whether an alias names it
-        if not client.get_model_version(found.name, found.version).aliases:
-            client.delete_model_version(found.name, found.version)
-            dropped.append((found.name, str(found.version)))
+    try:
+        for found in client.search_model_versions(f"tags.`{VERSION_RUN_TAG}` = '{stage_run_id}'"):
+            # the search leaves `aliases` empty: the version itself says whether an alias names it
+            version = client.get_model_version(found.name, found.version)
+            if VERSION_DONE_TAG not in (version.tags or {}) and not version.aliases:
+                client.delete_model_version(found.name, found.version)
+                dropped.append((found.name, str(found.version)))
+    except MlflowException as exc:
+        log.warning("the unfinished versions of stage run %s are left (%s)", stage_run_id, exc.message)
     return dropped
 
 

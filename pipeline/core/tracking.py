@@ -23,6 +23,7 @@ from pipeline.core.parent_run import (
     ROLE_TAG,
     RUN_ID_TAG,
     TAG_LIMIT,
+    VERSION_DONE_TAG,
     VERSION_RUN_TAG,
     RunContext,
     flatten_numbers,
@@ -184,7 +185,7 @@ class StageRun:
         `models:/<name>/latest` never names a version whose packaging did not finish. A stage killed by a signal
         (SIGTERM, SIGKILL) runs no handler here; the version carries this run's id (`VERSION_RUN_TAG`), and the next
         stage process to start deletes it with the run (`close_orphaned_runs`). Finished versions are only ever
-        added: re-running keeps every earlier one."""
+        added (`VERSION_DONE_TAG` says so): re-running keeps every earlier one."""
         import mlflow
         from mlflow.exceptions import MlflowException
 
@@ -207,6 +208,7 @@ class StageRun:
             except MlflowException as exc:  # the store failed too: the stage's own error is the one to report
                 log.warning("version %s of %s is left without an alias (%s)", number, name, exc.message)
             raise
+        client.set_model_version_tag(name, number, VERSION_DONE_TAG, "true")
         self.set_tags({"registered_model_version": number})
 
 

@@ -88,8 +88,8 @@ def shared_quantizers(quantized: Any) -> int:
 
 
 def share_duplicate_quantizers(quantized: Any, batch: tuple[np.ndarray, np.ndarray]) -> int:
-    """Make every NNCF quantizer that duplicates another (the same input tensor on `batch`, the same calibrated
-    state) that same module, and return how many slots now share one.
+    """Make every NNCF quantizer that duplicates another (an input equal to the other's on `batch`, the same class
+    and calibrated state) that same module, and return how many slots now share one.
 
     Why: on PyTorch, SmoothQuant scales the input of each linear layer in that layer's own hook, so a tensor several
     layers read (a layer norm's output, read by query, key and value) gets one fake quantizer per reader. They
@@ -101,8 +101,12 @@ def share_duplicate_quantizers(quantized: Any, batch: tuple[np.ndarray, np.ndarr
 
     slots = _quantizer_slots(quantized)
     seen: dict[int, Any] = {}
-    handles = [module.register_forward_pre_hook(
-        lambda mod, args: seen.setdefault(id(mod), args[0].detach().clone())) for *_, module in slots]
+
+    def record(mod: Any, args: tuple[Any, ...]) -> None:  # returns None: a pre-hook's return value replaces the input
+        if id(mod) not in seen:
+            seen[id(mod)] = args[0].detach().clone()
+
+    handles = [module.register_forward_pre_hook(record) for module in {id(m): m for *_, m in slots}.values()]
     try:
         with torch.no_grad():
             quantized(*_tensors(batch))

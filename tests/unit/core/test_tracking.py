@@ -23,6 +23,7 @@ from pipeline.core.params import MlflowParams, Params
 from pipeline.core.parent_run import (
     EXPERIMENT_KIND,
     EXPERIMENT_KIND_TAG,
+    VERSION_DONE_TAG,
     VERSION_RUN_TAG,
     log_parent_artifact,
     log_parent_summary,
@@ -160,9 +161,9 @@ def test_a_stage_process_looks_its_parent_run_up_once_and_points_mlflow_once(tmp
 def test_a_stage_run_whose_process_died_is_ended_killed_by_the_next_stage_process(tmp_path, monkeypatch,
                                                                                      tracking_store):
     """A SIGKILL'd stage leaves its run RUNNING; the next stage process on the host ends it KILLED, naming itself,
-    and deletes the registered version the dead run left without an alias (a package stage killed before its
-    alias moved; one the alias reached stays), and leaves alone a RUNNING run whose process is alive (a stage
-    running beside it) and its version."""
+    and deletes the registered version the dead run left unfinished and without an alias (a package stage killed
+    before its alias moved; one the alias reached stays, and so does one it finished), and leaves alone a RUNNING
+    run whose process is alive (a stage running beside it) and its versions."""
     import subprocess
     import sys
 
@@ -175,10 +176,13 @@ def test_a_stage_run_whose_process_died_is_ended_killed_by_the_next_stage_proces
         with stage_run(context, name) as run:
             runs[name] = run.run_id
             ref = run.log_external_model(name, tmp_path)
-            # what a kill inside `StageRun.registering` leaves: versions of the run, the newest without an alias
-            versions[name] = [str(mlflow.register_model(ref.uri, "reg", tags={VERSION_RUN_TAG: run.run_id}).version)
-                              for _ in range(2)]
-            set_alias("reg", name, versions[name][0], tracking_uri=params.tracking_uri)
+            # what a kill inside `StageRun.registering` leaves: versions of the run, the newest without an alias;
+            # before it, one it finished whose alias another run has moved on since
+            tags = {VERSION_RUN_TAG: run.run_id}
+            done = mlflow.register_model(ref.uri, "reg", tags={**tags, VERSION_DONE_TAG: "true"})
+            versions[name] = [str(done.version),
+                              *(str(mlflow.register_model(ref.uri, "reg", tags=tags).version) for _ in range(2))]
+            set_alias("reg", name, versions[name][1], tracking_uri=params.tracking_uri)
         client = context.client()
         client.set_tag(run.run_id, "pipeline.pid", pid)
         client.update_run(run.run_id, status="RUNNING")  # as a process killed inside the stage leaves it
@@ -187,7 +191,7 @@ def test_a_stage_run_whose_process_died_is_ended_killed_by_the_next_stage_proces
     assert killed.info.status == "KILLED" and killed.data.tags["pipeline.closed_as_orphan_by"] == "unit-orphan-2"
     assert alive.info.status == "RUNNING"
     left = sorted(str(v.version) for v in later.client().search_model_versions("name = 'reg'"))
-    assert left == sorted([versions["killed"][0], *versions["alive"]]), (left, versions)
+    assert left == sorted([*versions["killed"][:2], *versions["alive"]]), (left, versions)
 
 
 def test_one_run_id_is_one_parent_run_and_another_run_id_another(tmp_path, monkeypatch, tracking_store):
@@ -285,7 +289,8 @@ def test_registering_adds_versions_and_the_alias_moves(tmp_path, monkeypatch, ti
     assert versions == ["1", "2"] and alias_version("reg", "champion", tracking_uri=store) == "2"
     client = mlflow.MlflowClient()
     assert sorted(str(v.version) for v in client.search_model_versions("name = 'reg'")) == ["1", "2"]
-    assert client.get_model_version("reg", "1").tags == {"round": "0", VERSION_RUN_TAG: runs[0]}
+    done = {VERSION_RUN_TAG: runs[0], VERSION_DONE_TAG: "true"}
+    assert client.get_model_version("reg", "1").tags == {"round": "0", **done}
     assert client.get_run(runs[1]).data.tags["registered_model_version"] == "2"
     external = client.get_logged_model(ref.model_id)
     assert not ref.files and external.tags["artifact_pointer"] == str(tiny_model_dir.resolve())

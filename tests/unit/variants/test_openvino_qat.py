@@ -85,16 +85,26 @@ def test_qat_keeps_one_quantizer_per_tensor_as_int8_openvino(quantized):
     apart into one `FakeQuantize` per reader in the IR. They share one module, so training keeps the IR's
     quantizers as they were before it (and the model's answers unchanged by the sharing itself)."""
     import collections
+    import copy
 
+    import nncf
     import torch
 
     from pipeline.training.qat import QatRun, fake_quantized_finetune
-    from pipeline.variants.openvino_qat import share_duplicate_quantizers, shared_quantizers, to_openvino
+    from pipeline.variants.openvino_qat import _tensors, share_duplicate_quantizers, shared_quantizers, to_openvino
 
-    model, _, batches = quantized
+    model, teacher, batches = quantized
     shared = shared_quantizers(model)
     assert shared >= 2 * 2, shared  # two layers, key and value share query's quantizer at least
     assert share_duplicate_quantizers(model, batches[0]) == shared  # nothing left to share
+    # the sharing itself changes no answer: NNCF's own model, before and after
+    split = nncf.quantize(copy.deepcopy(teacher), nncf.Dataset(batches, _tensors), subset_size=len(batches),
+                          model_type=nncf.ModelType.TRANSFORMER)
+    ids = torch.from_numpy(np.stack([r[:8] for r in _reviews(4, seed=3)]))
+    with torch.no_grad():
+        before = split(ids, torch.ones_like(ids))
+        assert shared_quantizers(split) == 0 and share_duplicate_quantizers(split, batches[0]) == shared
+        assert torch.equal(split(ids, torch.ones_like(ids)), before)
 
     def fake_quantizers() -> collections.Counter[str]:
         ops = to_openvino(model, batches[-1]).get_ops()
