@@ -181,14 +181,21 @@ def drop_unfinished_versions(client: MlflowClient, stage_run_id: str) -> list[tu
     dropped = []
     try:
         for found in client.search_model_versions(f"tags.`{VERSION_RUN_TAG}` = '{stage_run_id}'"):
-            # the search leaves `aliases` empty: the version itself says whether an alias names it
-            version = client.get_model_version(found.name, found.version)
-            if VERSION_DONE_TAG not in (version.tags or {}) and not version.aliases:
-                client.delete_model_version(found.name, found.version)
+            if drop_if_unfinished(client, found.name, str(found.version)):
                 dropped.append((found.name, str(found.version)))
     except MlflowException as exc:
         log.warning("the unfinished versions of stage run %s are left (%s)", stage_run_id, exc.message)
     return dropped
+
+
+def drop_if_unfinished(client: MlflowClient, name: str, version: str) -> bool:
+    """Delete version `version` of registered model `name` if its packaging did not finish (no `VERSION_DONE_TAG`)
+    and no alias names it; returns whether it did. (A version search leaves `aliases` empty: the version is read.)"""
+    found = client.get_model_version(name, version)
+    if VERSION_DONE_TAG in (found.tags or {}) or found.aliases:
+        return False
+    client.delete_model_version(name, version)
+    return True
 
 
 def start_tracking(params: MlflowParams, *, run_id: str) -> RunContext:

@@ -26,6 +26,7 @@ from pipeline.core.parent_run import (
     VERSION_DONE_TAG,
     VERSION_RUN_TAG,
     RunContext,
+    drop_if_unfinished,
     flatten_numbers,
     log_batch,
     process_tags,
@@ -202,8 +203,7 @@ class StageRun:
             yield number
         except BaseException:
             try:
-                if not client.get_model_version(name, number).aliases:
-                    client.delete_model_version(name, number)
+                if drop_if_unfinished(client, name, number):
                     log.warning("deleted version %s of %s: its packaging did not finish", number, name)
             except MlflowException as exc:  # the store failed too: the stage's own error is the one to report
                 log.warning("version %s of %s is left without an alias (%s)", number, name, exc.message)
