@@ -58,8 +58,9 @@ def directory_replaced_on_success(final_dir: Path, complete_when: str) -> Iterat
 
     The swap is two renames: the old directory aside (`.<name>.replaced-<pid>`), then the new one into place,
     then the old one removed. Between the two renames `final_dir` does not exist, so a reader then finds nothing,
-    never a record beside files it does not describe; a process killed there leaves both hidden directories for
-    the next build to remove. Removing the old directory instead of renaming it aside would widen that window to
+    never a record beside files it does not describe; a build stopped there by an exception (Ctrl-C, SIGTERM)
+    puts the old one back, and a process killed outright leaves both hidden directories for the next build to
+    remove. Removing the old directory instead of renaming it aside would widen that window to
     a whole `rmtree`, and a kill during it would leave part of the old version in place."""
     final_dir.parent.mkdir(parents=True, exist_ok=True)
     for stale in stale_builds(final_dir):
@@ -73,13 +74,12 @@ def directory_replaced_on_success(final_dir: Path, complete_when: str) -> Iterat
             raise IncompleteDirectory(f"the build of {final_dir} wrote no {complete_when}")
         if os.path.lexists(final_dir):
             os.replace(final_dir, old)
-        try:
-            os.replace(work, final_dir)
-        except OSError:
-            if os.path.lexists(old):  # put the previous version back rather than leave none
-                os.replace(old, final_dir)
-            raise
+        os.replace(work, final_dir)
     finally:
+        if os.path.lexists(old) and not os.path.lexists(final_dir):
+            # the swap stopped halfway (a failed rename, Ctrl-C or SIGTERM between the two): the previous version
+            # goes back rather than none
+            os.replace(old, final_dir)
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(old, ignore_errors=True)
 

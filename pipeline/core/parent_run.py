@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
+from pipeline.core import process_identity
 from pipeline.core.errors import UserError
 from pipeline.core.machine import decision_tags
 from pipeline.core.params import MlflowParams, flatten
@@ -127,42 +128,28 @@ def resolve_run_context(params: MlflowParams, *, run_id: str) -> RunContext:
     return RunContext(run_id=run_id, parent_run_id=parent, tracking_uri=store, experiment_id=experiment)
 
 
-HOST_TAG, PID_TAG = "pipeline.host", "pipeline.pid"
 #: On a registered model version: the stage run that registered it, and (once that run finished packaging it)
 #: that it was finished (`StageRun.registering`).
 VERSION_RUN_TAG, VERSION_DONE_TAG = "pipeline.stage_run_id", "pipeline.packaged"
 
 
-def process_tags() -> dict[str, str]:
-    """Which process a stage run belongs to, so a later stage can tell a run whose process died."""
-    import os
-    import socket
-
-    return {HOST_TAG: socket.gethostname(), PID_TAG: str(os.getpid())}
-
-
 def close_orphaned_runs(context: RunContext) -> list[str]:
     """End as KILLED the stage runs that a killed process left RUNNING: on this host, with a process id no process
-    has any more (a SIGKILL runs no handler, so nothing else would ever end them; a training job's resume also
-    links its interrupted run, `StageRun.close_interrupted`), and delete the registered versions such a run
+    has any more, told by `pipeline.core.process_identity.has_ended` (a SIGKILL runs no handler, so nothing else
+    would ever end them; a training job's resume also links its interrupted run, `StageRun.close_interrupted`),
+    and delete the registered versions such a run
     left that no alias names (`drop_unfinished_versions`). Returns the runs' ids."""
-    import os
-
     from mlflow.entities import RunStatus
 
     client = context.client()
-    host = process_tags()[HOST_TAG]
+    host_tag = process_identity.HOST_TAG
+    host = process_identity.current()[host_tag]
     found = client.search_runs([context.experiment_id], max_results=200, filter_string=(
-        f"attributes.status = 'RUNNING' and tags.`{ROLE_TAG}` = 'stage' and tags.`{HOST_TAG}` = '{host}'"))
+        f"attributes.status = 'RUNNING' and tags.`{ROLE_TAG}` = 'stage' and tags.`{host_tag}` = '{host}'"))
     closed = []
     for run in found:
-        try:
-            os.kill(int(run.data.tags.get(PID_TAG, "")), 0)
-            continue  # its process is there (a stage running beside this one, or a reused id: left alone)
-        except ProcessLookupError:
-            pass
-        except (ValueError, PermissionError):
-            continue
+        if not process_identity.has_ended(run.data.tags):
+            continue  # its process may be there (a stage running beside this one, another container): left alone
         client.set_tag(run.info.run_id, "pipeline.closed_as_orphan_by", context.run_id)
         client.set_terminated(run.info.run_id, RunStatus.to_string(RunStatus.KILLED))
         drop_unfinished_versions(client, run.info.run_id)

@@ -4,12 +4,15 @@ progress lines and its wall time, and known failures turned into clean exits."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
+import signal
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -18,6 +21,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 from pipeline.core.errors import UserError
 
 if TYPE_CHECKING:
+    from types import FrameType
+
     import click
 
     from pipeline.core.params import Params, ResolvedAuto
@@ -87,14 +92,15 @@ def what_it_does() -> str:
 def run_stage(*, name: str, body: Callable[[], None], run_id: str) -> None:
     """Run a stage body between two progress lines (what it does; how long it took, or how it failed), its time
     logged under pipeline execution `run_id`; a user error (`USER_FAILURES`) ends the process with exit 2 and one
-    clear line."""
+    clear line. SIGTERM stops the body as Ctrl-C does (`sigterm_stops_the_body`)."""
     setup_logging()
     log = logging.getLogger("pipeline.stage")
     started = time.perf_counter()
     log.info("==> %s: %s", name, what_it_does() or "started")
     outcome = "failed"
     try:
-        body()
+        with sigterm_stops_the_body():
+            body()
         outcome = "done"
     except USER_FAILURES as exc:
         print(f"error: stage '{name}' failed: {exc}", file=sys.stderr)
@@ -108,6 +114,35 @@ def run_stage(*, name: str, body: Callable[[], None], run_id: str) -> None:
         seconds = time.perf_counter() - started
         log.info("<== %s %s in %.1f s", name, outcome, seconds)
         record_stage_time(name, outcome=outcome, seconds=seconds, run_id=run_id)
+
+
+#: The exit status of a process stopped by SIGTERM, as a shell reports one it killed (128 + the signal's number).
+SIGTERM_STATUS = 128 + int(signal.SIGTERM)
+
+
+def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(SIGTERM_STATUS)
+
+
+@contextlib.contextmanager
+def sigterm_stops_the_body() -> Iterator[None]:
+    """SIGTERM (what `kill`, a scheduler's preemption, `docker stop` or a CI timeout send first) raises
+    `SystemExit(143)` in the stage, as Ctrl-C raises `KeyboardInterrupt`: the stage's `finally` blocks and context
+    managers run, so its MLflow run ends KILLED (`pipeline.core.tracking.stage_run`), a registered version whose
+    packaging did not finish is deleted (`StageRun.registering`) and temporary files are removed, instead of the
+    process vanishing with all of that left to the next stage. The outputs are safe either way: they are written to
+    a temporary name and renamed into place (`pipeline.core.io`). Installed only where SIGTERM still has its
+    default action, on the main thread; a handler set inside the body (training's checkpoint-then-stop,
+    `pipeline.training.resume`) takes over while it is set."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
+        yield
+        return
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 #: Where each stage process appends its wall time (`make run`'s summary reads it); a log, not a DVC output.

@@ -17,6 +17,7 @@ from typing import Any
 
 import pandas as pd
 
+from pipeline.core import process_identity
 from pipeline.core.machine import decision_tags, thread_tags, torch_thread_tag
 from pipeline.core.params import Params, flatten
 from pipeline.core.parent_run import (
@@ -27,9 +28,9 @@ from pipeline.core.parent_run import (
     VERSION_RUN_TAG,
     RunContext,
     drop_if_unfinished,
+    drop_unfinished_versions,
     flatten_numbers,
     log_batch,
-    process_tags,
     text_values,
 )
 from pipeline.core.run_id import git_commit
@@ -183,10 +184,11 @@ class StageRun:
         """A new version of registered model `name` from `model_uri` (`models:/<model_id>`), its number yielded to
         the body that finishes it (builds what serves it, moves an alias to it). A version outlives its body only
         when the body completes or an alias names it: one whose body raises (an error, Ctrl-C) is deleted, so that
-        `models:/<name>/latest` never names a version whose packaging did not finish. A stage killed by a signal
-        (SIGTERM, SIGKILL) runs no handler here; the version carries this run's id (`VERSION_RUN_TAG`), and the next
-        stage process to start deletes it with the run (`close_orphaned_runs`). Finished versions are only ever
-        added (`VERSION_DONE_TAG` says so): re-running keeps every earlier one."""
+        `models:/<name>/latest` never names a version whose packaging did not finish; so is one created by a
+        registration stopped midway. SIGTERM stops a stage as Ctrl-C does (`pipeline.core.stage.run_stage`); a
+        stage killed outright (SIGKILL) runs no handler here, but the version carries this run's id
+        (`VERSION_RUN_TAG`), and the next stage process to start deletes it with the run (`close_orphaned_runs`).
+        Finished versions are only ever added (`VERSION_DONE_TAG` says so): re-running keeps every earlier one."""
         import mlflow
         from mlflow.exceptions import MlflowException
 
@@ -196,8 +198,12 @@ class StageRun:
         except MlflowException as exc:
             if exc.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise
-        version = mlflow.register_model(model_uri, name,
-                                        tags=text_values({**(tags or {}), VERSION_RUN_TAG: self.run_id}, TAG_LIMIT))
+        try:
+            version = mlflow.register_model(
+                model_uri, name, tags=text_values({**(tags or {}), VERSION_RUN_TAG: self.run_id}, TAG_LIMIT))
+        except BaseException:  # stopped inside the call (Ctrl-C, SIGTERM): the store may have created the version
+            drop_unfinished_versions(client, self.run_id)
+            raise
         number = str(version.version)
         try:
             yield number
@@ -224,7 +230,7 @@ def stage_run(context: RunContext, stage: str, *, run_name: str | None = None,
 
     all_tags = {RUN_ID_TAG: context.run_id, ROLE_TAG: "stage", "pipeline.stage": stage,
                 "git.commit": git_commit(), "mlflow.parentRunId": context.parent_run_id, **decision_tags(),
-                **thread_tags(), **process_tags(), **(tags or {})}
+                **thread_tags(), **process_identity.current(), **(tags or {})}
     with mlflow.start_run(experiment_id=context.experiment_id, run_name=run_name or stage, tags=all_tags,
                           log_system_metrics=True if system_metrics else None) as run:
         try:

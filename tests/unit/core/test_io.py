@@ -13,6 +13,7 @@ import textwrap
 import numpy as np
 import pytest
 
+from pipeline.core import io
 from pipeline.core.io import read_json, read_predictions, replaced_on_success, write_json, write_predictions
 from tests.factories import ROOT
 
@@ -49,6 +50,30 @@ def test_a_writer_killed_mid_write_leaves_the_previous_file_whole(tmp_path):
     # the killed writer's temporary file may stay (hidden, never read as the file; DVC removes a stage's outputs
     # before running it again)
     assert all(name.startswith(".benchmark.json.") and name.endswith(".tmp") for name in leftovers), leftovers
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, SystemExit, OSError])
+def test_a_directory_swap_stopped_between_its_two_renames_puts_the_previous_version_back(tmp_path, monkeypatch,
+                                                                                         stop):
+    """The old directory goes aside, then the new one into place: Ctrl-C, SIGTERM (`SystemExit`, as stages turn it)
+    or a failed rename in between leaves the previous version whole where readers look, and no hidden leftovers."""
+    final = tmp_path / "variants" / "int8-openvino"
+    final.mkdir(parents=True)
+    (final / "record.json").write_text('{"version": 1}')
+    real, renames = os.replace, []
+
+    def second_rename_stopped(src, dst):
+        renames.append((src, dst))
+        if len(renames) == 2:
+            raise stop()
+        real(src, dst)
+
+    monkeypatch.setattr(io.os, "replace", second_rename_stopped)
+    with pytest.raises(stop), io.directory_replaced_on_success(final, "record.json") as work:
+        (work / "record.json").write_text('{"version": 2}')
+    assert len(renames) >= 2 and renames[0] == (final, renames[0][1])
+    assert read_json(final / "record.json") == {"version": 1}
+    assert sorted(p.name for p in final.parent.iterdir()) == ["int8-openvino"]
 
 
 def test_written_json_and_predictions_read_back(tmp_path):

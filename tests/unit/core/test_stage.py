@@ -261,3 +261,71 @@ def test_a_body_that_ends_the_process_with_status_0_is_done(tmp_path, monkeypatc
     ran = {t.stage: t.status for t in stage_times(log, "unit-exit-0")}
     assert ran["finetune"] == "ran"
     assert {t.stage: t.status for t in stage_times(log, "unit-exit-143")}["finetune"] == "stopped (exit 143)"
+
+
+def test_sigterm_stops_a_stage_as_ctrl_c_does_so_its_cleanup_runs(tmp_path):
+    """`kill`, a scheduler's preemption or `docker stop` send SIGTERM: the stage's `finally` blocks run (its MLflow
+    run ends KILLED, an unfinished registered version is deleted: `tests/unit/core/test_tracking.py`), it logs
+    "stopped (exit 143)" and exits 143, as a shell reports a process SIGTERM killed."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    from tests.factories import ROOT
+
+    log, started, cleaned = tmp_path / "stages.jsonl", tmp_path / "started", tmp_path / "cleaned"
+    script = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(ROOT)!r})
+        from pathlib import Path
+        from pipeline.core.stage import run_stage
+
+        def body():
+            try:
+                Path({str(started)!r}).touch()
+                time.sleep(60)
+            finally:
+                Path({str(cleaned)!r}).touch()
+
+        run_stage(name="package", body=body, run_id="unit-sigterm")
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "PIPELINE_STAGE_LOG": str(log)},
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err
+    assert cleaned.exists()
+    assert [json.loads(line)["outcome"] for line in log.read_text().splitlines()] == ["stopped (exit 143)"]
+
+
+def test_a_sigterm_handler_already_set_is_left_to_do_its_job(tmp_path, monkeypatch):
+    """Where SIGTERM already has a handler (a launcher's, a test runner's), the stage leaves it in place, and
+    restores the default action after a body it stopped."""
+    import signal
+
+    from pipeline.core.stage import run_stage
+
+    monkeypatch.setenv("PIPELINE_STAGE_LOG", str(tmp_path / "stages.jsonl"))
+    seen = []
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        def own(signum: int, frame: object) -> None:
+            pass
+
+        signal.signal(signal.SIGTERM, own)
+        run_stage(name="demo", body=lambda: seen.append(signal.getsignal(signal.SIGTERM)), run_id="unit-own-handler")
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        run_stage(name="demo", body=lambda: seen.append(signal.getsignal(signal.SIGTERM)), run_id="unit-default")
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert seen[0] is own and seen[1] not in (own, signal.SIG_DFL)

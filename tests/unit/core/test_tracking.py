@@ -350,3 +350,78 @@ def test_a_logged_dataset_has_a_digest_of_its_content(tmp_path, monkeypatch, tra
     by_name = {i.dataset.name: i for i in inputs}
     assert by_name["imdb-train"].dataset.digest == first and by_name["imdb-test"].dataset.digest == second
     assert {t.value for t in by_name["imdb-train"].tags if t.key == "mlflow.data.context"} == {"training"}
+
+
+def test_a_package_stage_stopped_by_sigterm_ends_killed_and_leaves_no_unfinished_version(tmp_path, tiny_model_dir,
+                                                                                          tracking_store):
+    """SIGTERM while the package stage finishes a registered version (`docker stop`, a scheduler): the stage's own
+    cleanup runs (`pipeline.core.stage.sigterm_stops_the_body`), so its run ends KILLED at once and the version is
+    deleted, not left for whichever stage process starts next."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    store = tracking_store(tmp_path / "mlflow.db")
+    started = tmp_path / "registered"
+    script = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(ROOT)!r})
+        from pathlib import Path
+        from pipeline.core.params import MlflowParams
+        from pipeline.core.parent_run import start_tracking
+        from pipeline.core.stage import run_stage
+        from pipeline.core.tracking import stage_run
+
+        def body():
+            context = start_tracking(MlflowParams(tracking_uri={store!r}, experiment="unit"), run_id="unit-term")
+            with stage_run(context, "package") as run:
+                ref = run.log_external_model("m", Path({str(tiny_model_dir)!r}))
+                with run.registering("reg", ref.uri, "unit"):
+                    Path({str(started)!r}).touch()
+                    time.sleep(120)
+
+        run_stage(name="package", body=body, run_id="unit-term")
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PIPELINE_STAGE_LOG": str(tmp_path / "stages.jsonl")})
+    try:
+        deadline = time.monotonic() + 120
+        while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert started.exists(), proc.stderr.read() if proc.poll() is not None else "no version registered in 120 s"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err[-3000:]
+    client = mlflow.MlflowClient(store)
+    [run] = client.search_runs([client.get_experiment_by_name("unit").experiment_id],
+                               filter_string="tags.`pipeline.stage` = 'package'")
+    assert run.info.status == "KILLED"
+    assert client.search_model_versions("name = 'reg'") == []
+
+
+def test_a_registration_stopped_inside_the_registry_call_leaves_no_version(tmp_path, monkeypatch, tiny_model_dir,
+                                                                          tracking_store):
+    """Ctrl-C (or SIGTERM) can arrive after the store created the version but before `register_model` returned its
+    number: the version, found by its run's tag, is deleted too."""
+    monkeypatch.chdir(tmp_path)
+    params = _store(tracking_store(tmp_path / "mlflow.db"))
+    context = start_tracking(params, run_id="unit-registry-interrupted")
+    real = mlflow.register_model
+
+    def created_then_interrupted(*args, **kwargs):
+        real(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    with stage_run(context, "package") as run:
+        ref = run.log_external_model("m", tiny_model_dir)
+        with run.registering("reg", ref.uri, "unit") as done:
+            pass
+        monkeypatch.setattr(mlflow, "register_model", created_then_interrupted)
+        with pytest.raises(KeyboardInterrupt), run.registering("reg", ref.uri, "unit"):
+            pass
+        monkeypatch.setattr(mlflow, "register_model", real)
+    assert [str(v.version) for v in context.client().search_model_versions("name = 'reg'")] == [done]
