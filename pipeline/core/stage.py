@@ -121,6 +121,7 @@ SIGTERM_STATUS = 128 + int(signal.SIGTERM)
 
 
 def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM during the cleanup ends the process at once
     raise SystemExit(SIGTERM_STATUS)
 
 
@@ -133,7 +134,8 @@ def sigterm_stops_the_body() -> Iterator[None]:
     process vanishing with all of that left to the next stage. The outputs are safe either way: they are written to
     a temporary name and renamed into place (`pipeline.core.io`). Installed only where SIGTERM still has its
     default action, on the main thread; a handler set inside the body (training's checkpoint-then-stop,
-    `pipeline.training.resume`) takes over while it is set."""
+    `pipeline.training.resume`) takes over while it is set. A second SIGTERM, during the cleanup, ends the
+    process at once."""
     if (threading.current_thread() is not threading.main_thread()
             or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
         yield

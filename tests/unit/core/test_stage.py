@@ -263,12 +263,9 @@ def test_a_body_that_ends_the_process_with_status_0_is_done(tmp_path, monkeypatc
     assert {t.stage: t.status for t in stage_times(log, "unit-exit-143")}["finetune"] == "stopped (exit 143)"
 
 
-def test_sigterm_stops_a_stage_as_ctrl_c_does_so_its_cleanup_runs(tmp_path):
-    """`kill`, a scheduler's preemption or `docker stop` send SIGTERM: the stage's `finally` blocks run (its MLflow
-    run ends KILLED, an unfinished registered version is deleted: `tests/unit/core/test_tracking.py`), it logs
-    "stopped (exit 143)" and exits 143, as a shell reports a process SIGTERM killed."""
-    import json
-    import signal
+def _stage_process(tmp_path: Path, cleanup_seconds: float) -> tuple[Any, Path, Path, Path]:
+    """A stage process whose body waits for a signal, and whose cleanup (`finally`) marks a file, then takes
+    `cleanup_seconds`; started once the body runs."""
     import subprocess
     import sys
     import textwrap
@@ -289,15 +286,27 @@ def test_sigterm_stops_a_stage_as_ctrl_c_does_so_its_cleanup_runs(tmp_path):
                 time.sleep(60)
             finally:
                 Path({str(cleaned)!r}).touch()
+                time.sleep({cleanup_seconds})
 
         run_stage(name="package", body=body, run_id="unit-sigterm")
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "PIPELINE_STAGE_LOG": str(log)},
                             stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return proc, log, started, cleaned
+
+
+def test_sigterm_stops_a_stage_as_ctrl_c_does_so_its_cleanup_runs(tmp_path):
+    """`kill`, a scheduler's preemption or `docker stop` send SIGTERM: the stage's `finally` blocks run (its MLflow
+    run ends KILLED, an unfinished registered version is deleted: `tests/unit/core/test_tracking.py`), it logs
+    "stopped (exit 143)" and exits 143, as a shell reports a process SIGTERM killed."""
+    import json
+    import signal
+
+    proc, log, _, cleaned = _stage_process(tmp_path, cleanup_seconds=0)
     try:
-        deadline = time.monotonic() + 60
-        while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
     finally:
@@ -305,6 +314,25 @@ def test_sigterm_stops_a_stage_as_ctrl_c_does_so_its_cleanup_runs(tmp_path):
     assert proc.returncode == 143, err
     assert cleaned.exists()
     assert [json.loads(line)["outcome"] for line in log.read_text().splitlines()] == ["stopped (exit 143)"]
+
+
+def test_a_second_sigterm_ends_a_stage_whose_cleanup_hangs(tmp_path):
+    """The first SIGTERM starts the cleanup; a second one ends the process at once, as a second Ctrl-C would be
+    expected to (the next stage process then closes its run: `pipeline.core.process_identity`)."""
+    import signal
+    import time
+
+    proc, _, _, cleaned = _stage_process(tmp_path, cleanup_seconds=60)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while not cleaned.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGTERM
 
 
 def test_a_sigterm_handler_already_set_is_left_to_do_its_job(tmp_path, monkeypatch):
