@@ -98,6 +98,10 @@ def speed_verdict(rows: Results, pool: Results, targets: TargetsParams) -> Speed
 QAT_PAIRS: tuple[tuple[str, str], ...] = (("int8-qat-openvino", "int8-openvino"),)
 
 
+#: How many paired standard errors either side of an accuracy difference still count as noise (a 95 % interval).
+NOISE_Z = 1.96
+
+
 @dataclass(frozen=True)
 class QatVerdict:
     """A QAT variant against FP32's accuracy and its runtime's post-training variant's speed (`QAT_PAIRS`)."""
@@ -111,13 +115,18 @@ class QatVerdict:
     b1_high: float | None
     batched: float  # the variant's throughput at the benchmark's batch size over the baseline's
     within_noise: bool  # the batch-1 order is within noise: another run could order them the other way
-    met: bool  # on the point estimates; `within_noise` says when the speed half of it is within noise
+    met: bool  # on the point estimates; `within_noise` and `accuracy_within_noise` say which half is within noise
+    delta_se_pt: float | None = None  # the paired standard error of `delta_pt` (None: not recorded)
+    accuracy_within_noise: bool = False  # the loss bound lies inside `delta_pt`'s 95 % interval (`NOISE_Z`)
 
 
 def qat_verdicts(rows: Results, targets: TargetsParams) -> list[QatVerdict]:
     """One verdict per pair of `QAT_PAIRS` whose two rows were measured and scored: within
     `targets.qat_max_loss_pt` of FP32 and at least as fast as the baseline at batch 1 and at the benchmark's batch
-    (`benchmark.batch_size`, whose throughput is in `throughput_b32`)."""
+    (`benchmark.batch_size`, whose throughput is in `throughput_b32`). The accuracy half is within noise where the
+    bound lies inside the 95 % interval of the paired difference (`accuracy_delta_se_pt`, evaluate's): on 1,500
+    test reviews one standard error is about 0.2 point, so a verdict on a 0.2-point bound is then the test set's
+    draw, and the report says so."""
     reference = rows.get(REFERENCE, {}).get("accuracy")
     out = []
     for name, baseline in QAT_PAIRS:
@@ -132,8 +141,10 @@ def qat_verdicts(rows: Results, targets: TargetsParams) -> list[QatVerdict]:
         else:  # rows without it: whether each one's interval against FP32 overlaps the other's
             within_noise = all(k in e for e in (q, b) for k in ("speedup_p50_low", "speedup_p50_high")) and (
                 q["speedup_p50_low"] <= b["speedup_p50_high"] and b["speedup_p50_low"] <= q["speedup_p50_high"])
-        out.append(QatVerdict(name, baseline, -loss, targets.qat_max_loss_pt, b1, low, high, batched, within_noise,
-                              loss <= targets.qat_max_loss_pt and b1 >= 1.0 and batched >= 1.0))
+        se = q.get("accuracy_delta_se_pt")  # `0.0 - loss` below: a loss of 0.0 is +0.00, never -0.00
+        accuracy_noise = se is not None and abs(loss - targets.qat_max_loss_pt) <= NOISE_Z * se
+        out.append(QatVerdict(name, baseline, 0.0 - loss, targets.qat_max_loss_pt, b1, low, high, batched, within_noise,
+                              loss <= targets.qat_max_loss_pt and b1 >= 1.0 and batched >= 1.0, se, accuracy_noise))
     return out
 
 

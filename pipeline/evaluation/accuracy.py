@@ -56,6 +56,7 @@ def score_variants(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Pa
         correct[name] = pred == labels
         entry.update(
             accuracy=float((pred == labels).mean()),
+            accuracy_delta_se_pt=paired_se_pt(correct[name], ref_pred == labels),
             agreement_with_fp32=float((pred == ref_pred).mean()),
             size_mb=round(size_mb(directory, info), 3),
             eval_seconds=round(time.perf_counter() - t0, 2),
@@ -70,6 +71,14 @@ def score_variants(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Pa
             entry["accuracy_delta_pt"] = round(100 * (entry["accuracy"] - fp32), 3)
     paired_with_most_accurate(results, correct, targets or TargetsParams())
     return results
+
+
+def paired_se_pt(correct: np.ndarray, reference_correct: np.ndarray) -> float:
+    """The standard error, in points, of an accuracy difference to the reference on the same reviews (per review:
+    +1 where only this one is right, -1 where only the reference is, 0 elsewhere): the scale on which a difference
+    of a few reviews is read. 0 when the two never disagree, or with fewer than two reviews."""
+    diff = correct.astype(float) - reference_correct.astype(float)
+    return round(100 * float(diff.std(ddof=1)) / float(np.sqrt(len(diff))), 4) if len(diff) > 1 else 0.0
 
 
 def reference_row(finetuned: Path, seqs: list[np.ndarray], labels: np.ndarray, params: EvaluateParams,
@@ -160,7 +169,7 @@ def check_targets(results: dict[str, dict[str, Any]], targets: TargetsParams) ->
 
 
 #: The scores linked to each variant's MLflow model (the benchmark stage adds its timings).
-MODEL_METRICS = ("accuracy", "accuracy_delta_pt", "agreement_with_fp32", "size_mb")
+MODEL_METRICS = ("accuracy", "accuracy_delta_pt", "accuracy_delta_se_pt", "agreement_with_fp32", "size_mb")
 
 
 def log_variant_runs(results: dict[str, dict[str, Any]], *, variant_dirs: dict[str, Path], finetuned: Path,

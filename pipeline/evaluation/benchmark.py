@@ -85,7 +85,8 @@ def result_rows(cands: list[Candidate], timings: dict[str, dict[str, Any]], rss:
                 accuracy: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """The benchmark's row of every candidate, in their order: status and reason; a measured one's timings (the
     latency samples by round left to the result's own key), speed-up over the reference with its interval, peak RSS
-    where probed; the accuracy, size and agreement evaluate recorded (`accuracy`); and each QAT variant's paired
+    where probed; the accuracy (and its paired standard error against FP32), size and agreement evaluate recorded
+    (`accuracy`); and each QAT variant's paired
     batch-1 interval against its runtime's post-training variant (`QAT_PAIRS`) where both were timed."""
     results: dict[str, dict[str, Any]] = {}
     for c in cands:
@@ -93,7 +94,7 @@ def result_rows(cands: list[Candidate], timings: dict[str, dict[str, Any]], rss:
         if c.status == "ok":
             entry.update(_measured(c, timings, rss))
         acc = accuracy.get(c.name, {})  # the timing rows of the reference's weights have none of their own
-        for key in ("accuracy", "size_mb", "agreement_with_fp32"):
+        for key in ("accuracy", "accuracy_delta_se_pt", "size_mb", "agreement_with_fp32"):
             if key in acc:
                 entry[key] = acc[key]
         results[c.name] = entry
@@ -222,7 +223,8 @@ def run_benchmark_stage(*, finetuned: Path, variants_root: Path, tokenized: Path
            for k, value in (("delta_pt", q.delta_pt), (f"b1_vs_{q.baseline}", q.b1),
                             (f"b1_vs_{q.baseline}_low", q.b1_low), (f"b1_vs_{q.baseline}_high", q.b1_high),
                             (f"b32_vs_{q.baseline}", q.batched), ("met", float(q.met)),
-                            ("within_noise", float(q.within_noise))) if value is not None}
+                            ("within_noise", float(q.within_noise)), ("delta_se_pt", q.delta_se_pt),
+                            ("accuracy_within_noise", float(q.accuracy_within_noise))) if value is not None}
     log_parent_summary(run_context, metrics={**{f"speedup_source/{s['to']}_vs_{s['from']}": s["factor"]
                                                 for s in speedup_sources(variants)}, **qat}, tags={})
     for f in (report, chart, pareto, metrics_path):

@@ -265,3 +265,28 @@ def test_the_report_chart_and_log_lines_name_the_benchmarks_batch_size(tmp_path,
     monkeypatch.setattr(Figure, "savefig", lambda fig, path, **kw: labels.extend(a.get_xlabel() for a in fig.axes))
     latency_chart(rows, tmp_path / "latency.png", 16)
     assert "throughput, batch 16 (reviews/s, higher is better)" in labels
+
+
+@pytest.mark.parametrize(("acc", "se", "noise", "met"), [
+    (0.8973, 0.17, True, False),    # -0.27 ± 0.17 pt: the 0.2-pt bound is inside -0.27 ± 0.33
+    (0.8950, 0.12, False, False),   # -0.50 ± 0.12 pt: resolved, missed
+    (0.9000, 0.05, False, True),    # 0.00 ± 0.05 pt: resolved, met
+    (0.8990, 0.17, True, True),     # -0.10 ± 0.17 pt: met, but the test set could not have told
+])
+def test_the_qat_accuracy_half_is_within_noise_where_the_bound_is_inside_its_95_percent_interval(tmp_path, acc, se,
+                                                                                                  noise, met):
+    """Evaluate's paired standard error of the difference to FP32 (`accuracy_delta_se_pt`) says whether the test set
+    can tell the QAT variant's loss from the bound: where it cannot, the line says so and the verdict is "within
+    noise", whichever way the point estimate falls."""
+    from pipeline.selection import qat_verdicts
+
+    rows = _qat_rows(2.4, 41.0, acc, 4.3, 4.5)
+    rows["int8-qat-openvino"].update(accuracy_delta_se_pt=se, qat_b1_low=1.01, qat_b1_high=1.09)  # speed: resolved
+    (v,) = qat_verdicts(rows, TargetsParams())
+    assert (v.delta_se_pt, v.accuracy_within_noise, v.met, v.within_noise) == (se, noise, met, False)
+    path = tmp_path / "variants.md"
+    write_report(_result(rows), tmp_path / "latency.png", path, TargetsParams())
+    text = path.read_text()
+    assert f"{100 * (acc - 0.9):+.2f} ± {se:.2f} pt vs FP32 (paired standard error)" in text
+    assert ("the 0.2-pt bound inside its 95 % interval" in text) is noise
+    assert f"({'met' if met else 'MISSED'}{' within noise' if noise else ''}: target" in text
