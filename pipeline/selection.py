@@ -119,6 +119,18 @@ class QatVerdict:
     delta_se_pt: float | None = None  # the paired standard error of `delta_pt` (None: not recorded)
     accuracy_within_noise: bool = False  # the loss bound lies inside `delta_pt`'s 95 % interval (`NOISE_Z`)
 
+    @property
+    def could_flip(self) -> bool:
+        """Whether another run (or another test set) could give the other verdict: a met target whose accuracy or
+        batch-1 half is within noise; a missed one whose every failing half is (the batch-32 ratio has no interval,
+        so a miss there counts as resolved)."""
+        if self.met:
+            return self.accuracy_within_noise or self.within_noise
+        accuracy_ok = -self.delta_pt <= self.max_loss_pt
+        speed_ok = self.b1 >= 1.0 and self.batched >= 1.0
+        return ((accuracy_ok or self.accuracy_within_noise)
+                and (speed_ok or (self.batched >= 1.0 and self.within_noise)))
+
 
 def qat_verdicts(rows: Results, targets: TargetsParams) -> list[QatVerdict]:
     """One verdict per pair of `QAT_PAIRS` whose two rows were measured and scored: within

@@ -143,7 +143,9 @@ def close_orphaned_runs(context: RunContext) -> list[str]:
 
     client = context.client()
     host_tag = process_identity.HOST_TAG
-    host = process_identity.current()[host_tag]
+    host = process_identity.current().get(host_tag)
+    if not host:
+        return []  # no host name to tell this machine's runs by
     found = client.search_runs([context.experiment_id], max_results=200, filter_string=(
         f"attributes.status = 'RUNNING' and tags.`{ROLE_TAG}` = 'stage' and tags.`{host_tag}` = '{host}'"))
     closed = []
@@ -157,17 +159,20 @@ def close_orphaned_runs(context: RunContext) -> list[str]:
     return closed
 
 
-def drop_unfinished_versions(client: MlflowClient, stage_run_id: str) -> list[tuple[str, str]]:
+def drop_unfinished_versions(client: MlflowClient, stage_run_id: str,
+                             name: str | None = None) -> list[tuple[str, str]]:
     """Delete the registered model versions that stage run `stage_run_id` registered (`VERSION_RUN_TAG`) and neither
     finished (`VERSION_DONE_TAG`) nor has an alias on: versions whose packaging did not finish, which
     `models:/<name>/latest` would otherwise resolve to. A finished version stays whatever happened to its alias
     since. Best effort: a registry that refuses is logged, not raised (the stage starting is not its business).
-    Returns the deleted ones as (name, version)."""
+    With `name`, of that registered model only. Returns the deleted ones as (name, version)."""
     from mlflow.exceptions import MlflowException
 
     dropped = []
     try:
         for found in client.search_model_versions(f"tags.`{VERSION_RUN_TAG}` = '{stage_run_id}'"):
+            if name is not None and found.name != name:
+                continue
             if drop_if_unfinished(client, found.name, str(found.version)):
                 dropped.append((found.name, str(found.version)))
     except MlflowException as exc:

@@ -2,14 +2,24 @@
 
 A stage killed by SIGKILL (or by the machine going down) leaves its MLflow run RUNNING; the next stage process ends
 such runs (`pipeline.core.parent_run.close_orphaned_runs`) once it is sure their process is gone. A host name and a
-process id alone are not sure: containers can share a host name (`--hostname`, host networking) while each numbers
-its processes from 1 in its own pid namespace, and after a reboot, or once ids wrap around, another process can
-hold the dead one's id. So a run also records the kernel's boot id, its pid namespace and its process's start time
-(Linux's `/proc`; elsewhere they are empty and the check falls back to host name and id):
+process id alone are not sure: machines and containers can share a host name (default cloud images, CI runners,
+`--hostname`, host networking) while each numbers its processes on its own, and after a reboot, or once ids wrap
+around, another process can hold the dead one's id. So a run also records the kernel's boot id, the machine id
+(`/etc/machine-id`), its pid namespace and its process's start time (Linux; elsewhere they are missing, and the
+check falls back to host name and id):
 
-- another boot of this machine: the process has ended;
-- another pid namespace: its process ids mean nothing here, so nothing is concluded (the run is left alone);
-- no process with that id, or one that started at another time (the id was reused): the process has ended.
+- the same machine (same machine id) booted since: the process has ended;
+- another boot id without the same machine id (another machine with this host name, as far as anyone can tell):
+  nothing is concluded, the run is left alone;
+- another pid namespace (another container): its process ids mean nothing here, nothing is concluded;
+- same boot and namespace, and no process with that id, or one that started at another time (the id was reused):
+  the process has ended.
+
+What stays uncertain is left alone: a run whose process cannot be proven dead stays RUNNING (and its unfinished
+registered version stays) rather than a live stage elsewhere losing its run. Runs of containers, each in a pid
+namespace of its own, are therefore closed only by a later stage in the same container; images that bake in one
+machine id and share a host name across machines defeat the reboot rule (systemd asks images to ship the file
+empty).
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from pathlib import Path
 
 HOST_TAG, PID_TAG = "pipeline.host", "pipeline.pid"
 BOOT_TAG, PID_NAMESPACE_TAG, STARTED_TAG = "pipeline.boot_id", "pipeline.pid_namespace", "pipeline.process_started"
+MACHINE_TAG = "pipeline.machine_id"
 
 
 def _read(path: str) -> str:
@@ -33,6 +44,11 @@ def _read(path: str) -> str:
 def boot_id() -> str:
     """The kernel's id of this boot (Linux; empty elsewhere)."""
     return _read("/proc/sys/kernel/random/boot_id")
+
+
+def machine_id() -> str:
+    """This machine's id (`/etc/machine-id`, systemd's; D-Bus's copy where that is missing; empty elsewhere)."""
+    return _read("/etc/machine-id") or _read("/var/lib/dbus/machine-id")
 
 
 def pid_namespace() -> str:
@@ -55,7 +71,7 @@ def start_time(pid: int) -> str:
 def current() -> dict[str, str]:
     """This process's identity as run tags (those this system cannot tell left out)."""
     pid = os.getpid()
-    tags = {HOST_TAG: socket.gethostname(), PID_TAG: str(pid), BOOT_TAG: boot_id(),
+    tags = {HOST_TAG: socket.gethostname(), PID_TAG: str(pid), BOOT_TAG: boot_id(), MACHINE_TAG: machine_id(),
             PID_NAMESPACE_TAG: pid_namespace(), STARTED_TAG: start_time(pid)}
     return {key: value for key, value in tags.items() if value}
 
@@ -67,13 +83,17 @@ def _differ(tags: Mapping[str, str], here: Mapping[str, str], key: str) -> bool:
 
 def has_ended(tags: Mapping[str, str]) -> bool:
     """Whether the process that wrote identity `tags` (`current()`) has certainly ended. False whenever this process
-    cannot tell: another host, another pid namespace, an id it may not signal, tags it cannot read. Tags written
-    before the boot, namespace and start time were recorded are judged by host and id alone."""
+    cannot tell: another host, another machine or container with this host name, an id it may not signal, tags it
+    cannot read, a run tagged without the boot id where this system has one (written by older code or another OS).
+    On Windows always False (`os.kill(pid, 0)` would send a Ctrl-C event there, not probe)."""
     here = current()
-    if tags.get(HOST_TAG) != here.get(HOST_TAG):
+    if os.name == "nt" or not here.get(HOST_TAG) or tags.get(HOST_TAG) != here[HOST_TAG]:
         return False
+    if here.get(BOOT_TAG) and not tags.get(BOOT_TAG):
+        return False  # no boot id to tell this machine from another one with the same host name
     if _differ(tags, here, BOOT_TAG):
-        return True  # the machine rebooted since: no process of that boot runs
+        # this machine rebooted since (no process of that boot runs), or another machine: only the machine id tells
+        return bool(tags.get(MACHINE_TAG)) and tags.get(MACHINE_TAG) == here.get(MACHINE_TAG)
     if _differ(tags, here, PID_NAMESPACE_TAG):
         return False  # a process in another namespace (another container): its id says nothing here
     try:

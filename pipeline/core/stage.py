@@ -120,9 +120,21 @@ def run_stage(*, name: str, body: Callable[[], None], run_id: str) -> None:
 SIGTERM_STATUS = 128 + int(signal.SIGTERM)
 
 
-def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM during the cleanup ends the process at once
-    raise SystemExit(SIGTERM_STATUS)
+class _ExitOnSigterm:
+    """The handler: the first SIGTERM raises `SystemExit(SIGTERM_STATUS)`; any later one ends the process at once
+    with SIGTERM's default action. It remembers that it fired, rather than only resetting the handler, because code
+    that saved it while the body ran (Lightning's signal connector, training's `ResumableTraining`) puts it back
+    during the cleanup."""
+
+    def __init__(self) -> None:
+        self.fired = False
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if self.fired:
+            os.kill(os.getpid(), signal.SIGTERM)  # the default action now: the process ends here
+        self.fired = True
+        raise SystemExit(SIGTERM_STATUS)
 
 
 @contextlib.contextmanager
@@ -134,13 +146,15 @@ def sigterm_stops_the_body() -> Iterator[None]:
     process vanishing with all of that left to the next stage. The outputs are safe either way: they are written to
     a temporary name and renamed into place (`pipeline.core.io`). Installed only where SIGTERM still has its
     default action, on the main thread; a handler set inside the body (training's checkpoint-then-stop,
-    `pipeline.training.resume`) takes over while it is set. A second SIGTERM, during the cleanup, ends the
-    process at once."""
+    `pipeline.training.resume`) takes over while it is set; a torchrun launcher passes it on to its agent
+    (`pipeline.training.elastic.launch`). A second SIGTERM, during the cleanup, ends the process at once. Python
+    runs the handler between bytecodes, so a stage inside a long native call (an ONNX Runtime run, an OpenVINO
+    compile) stops when that call returns."""
     if (threading.current_thread() is not threading.main_thread()
             or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
         yield
         return
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGTERM, _ExitOnSigterm())
     try:
         yield
     finally:

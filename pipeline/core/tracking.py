@@ -202,7 +202,8 @@ class StageRun:
             version = mlflow.register_model(
                 model_uri, name, tags=text_values({**(tags or {}), VERSION_RUN_TAG: self.run_id}, TAG_LIMIT))
         except BaseException:  # stopped inside the call (Ctrl-C, SIGTERM): the store may have created the version
-            drop_unfinished_versions(client, self.run_id)
+            with contextlib.suppress(Exception):  # the stop (or the registry's error) is what to report
+                drop_unfinished_versions(client, self.run_id, name=name)
             raise
         number = str(version.version)
         try:

@@ -74,11 +74,17 @@ def score_variants(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Pa
 
 
 def paired_se_pt(correct: np.ndarray, reference_correct: np.ndarray) -> float:
-    """The standard error, in points, of an accuracy difference to the reference on the same reviews (per review:
-    +1 where only this one is right, -1 where only the reference is, 0 elsewhere): the scale on which a difference
-    of a few reviews is read. 0 when the two never disagree, or with fewer than two reviews."""
-    diff = correct.astype(float) - reference_correct.astype(float)
-    return round(100 * float(diff.std(ddof=1)) / float(np.sqrt(len(diff))), 4) if len(diff) > 1 else 0.0
+    """The standard error, in points, of an accuracy difference to the reference on the same reviews: it comes from
+    the reviews only one of the two gets right (`b` only the reference, `c` only this one). Agresti and Min's
+    adjustment (half a review added to each cell of the paired 2x2 table) keeps it honest where few or no reviews
+    disagree: no disagreement in 1,500 reviews is about 0.07 pt, not a certainty. 0 for an empty split."""
+    n = len(correct)
+    if n == 0:
+        return 0.0
+    b = float((reference_correct & ~correct).sum()) + 0.5
+    c = float((correct & ~reference_correct).sum()) + 0.5
+    m = n + 2.0
+    return round(100 * float(np.sqrt(max(b + c - (c - b) ** 2 / m, 0.0))) / m, 4)
 
 
 def reference_row(finetuned: Path, seqs: list[np.ndarray], labels: np.ndarray, params: EvaluateParams,

@@ -224,7 +224,8 @@ def run_benchmark_stage(*, finetuned: Path, variants_root: Path, tokenized: Path
                             (f"b1_vs_{q.baseline}_low", q.b1_low), (f"b1_vs_{q.baseline}_high", q.b1_high),
                             (f"b32_vs_{q.baseline}", q.batched), ("met", float(q.met)),
                             ("within_noise", float(q.within_noise)), ("delta_se_pt", q.delta_se_pt),
-                            ("accuracy_within_noise", float(q.accuracy_within_noise))) if value is not None}
+                            ("accuracy_within_noise", float(q.accuracy_within_noise)),
+                            ("could_flip", float(q.could_flip))) if value is not None}
     log_parent_summary(run_context, metrics={**{f"speedup_source/{s['to']}_vs_{s['from']}": s["factor"]
                                                 for s in speedup_sources(variants)}, **qat}, tags={})
     for f in (report, chart, pareto, metrics_path):

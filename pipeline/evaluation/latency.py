@@ -217,6 +217,12 @@ def peak_rss_of_each(probes: dict[str, tuple[Path, dict[str, Any]]], batch: tupl
     from concurrent.futures import ThreadPoolExecutor
 
     workers = max(1, min(len(probes), available_cpus()))
-    with ThreadPoolExecutor(max_workers=workers) as pool:
+    pool = ThreadPoolExecutor(max_workers=workers)
+    try:
         futures = {name: pool.submit(peak_rss_mb, d, options, batch, threads) for name, (d, options) in probes.items()}
-        return {name: future.result() for name, future in futures.items()}
+        peaks = {name: future.result() for name, future in futures.items()}
+    except BaseException:  # a failed probe, Ctrl-C, SIGTERM: the probes not started yet are not started
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
+    return peaks

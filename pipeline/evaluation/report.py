@@ -4,6 +4,7 @@ its notes) and `templates/variants.md.j2` renders them as markdown; the charts a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -212,8 +213,14 @@ def report_data(result: dict[str, Any], chart: Path, targets: TargetsParams, par
 
 
 def number(value: float | None, spec: str) -> str:
-    """A table cell's number in `spec`, or – where it is unknown."""
-    return "–" if value is None else format(value, spec)
+    """A table cell's number in `spec`, or – where it is unknown; a value that rounds to zero is never signed
+    negative (-0.004 at `+.2f` is +0.00, not -0.00)."""
+    if value is None:
+        return "–"
+    text = format(value, spec)
+    if text.startswith("-") and math.isfinite(value) and not any(ch in "123456789" for ch in text):
+        text = format(0.0, spec)
+    return text
 
 
 def environment() -> jinja2.Environment:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -59,4 +60,28 @@ def launch(train: TrainParams, program: Sequence[str]) -> int:
     finished, non-zero when it failed more than `max_restarts` times)."""
     cmd = torchrun_command(train, program)
     log.info("elastic launch: %s", " ".join(cmd))
-    return subprocess.run(cmd, env=launch_env(os.environ), check=False).returncode
+    agent = subprocess.Popen(cmd, env=launch_env(os.environ))
+    try:
+        return agent.wait()
+    except BaseException:  # Ctrl-C, or SIGTERM turned into SystemExit by `run_stage`, while the group trains
+        stop_agent(agent)
+        raise
+
+
+#: How long a stopped launcher waits for torchrun's agent to stop its workers (each writes its checkpoint after its
+#: next optimizer step, `pipeline.training.resume`) before it kills the agent.
+STOP_GRACE_S = 120.0
+
+
+def stop_agent(agent: subprocess.Popen[bytes], grace_s: float = STOP_GRACE_S) -> int:
+    """SIGTERM to torchrun's agent, which passes it on to its workers: they checkpoint and stop, and the agent exits.
+    Killing the agent instead (what `subprocess.run` does on an exception) would leave its workers, which run in
+    sessions of their own, training with no one to stop them. Killed only after `grace_s`; returns its status."""
+    if agent.poll() is None:
+        agent.send_signal(signal.SIGTERM)
+    try:
+        return agent.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        log.warning("torchrun's agent did not stop within %.0f s of SIGTERM: killed", grace_s)
+        agent.kill()
+        return agent.wait()

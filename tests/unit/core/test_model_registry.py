@@ -44,7 +44,8 @@ def test_a_real_store_without_the_model_says_not_set(tmp_path):
         model_registry.registered_version("absent", "champion", tracking_uri=store)
 
 
-def test_store_errors_carry_mlflows_message_and_let_a_missing_alias_pass(monkeypatch):
+def test_store_errors_carry_mlflows_message_and_let_a_missing_alias_pass(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # the URI names no store: MLflow's default one (./mlflow.db) is made here
     with pytest.raises(model_registry.StoreError, match=r"^boom$"):
         with model_registry.store_errors():
             raise MlflowException("boom")

@@ -264,8 +264,9 @@ def test_a_body_that_ends_the_process_with_status_0_is_done(tmp_path, monkeypatc
 
 
 def _stage_process(tmp_path: Path, cleanup_seconds: float) -> tuple[Any, Path, Path, Path]:
-    """A stage process whose body waits for a signal, and whose cleanup (`finally`) marks a file, then takes
-    `cleanup_seconds`; started once the body runs."""
+    """A stage process whose body waits for a signal, and whose cleanup (`finally`) puts back the SIGTERM handler it
+    saw when it started (as Lightning's signal connector and training's resume callback do when they tear down),
+    marks a file, then takes `cleanup_seconds`; started once the body runs."""
     import subprocess
     import sys
     import textwrap
@@ -275,16 +276,18 @@ def _stage_process(tmp_path: Path, cleanup_seconds: float) -> tuple[Any, Path, P
 
     log, started, cleaned = tmp_path / "stages.jsonl", tmp_path / "started", tmp_path / "cleaned"
     script = textwrap.dedent(f"""
-        import sys, time
+        import signal, sys, time
         sys.path.insert(0, {str(ROOT)!r})
         from pathlib import Path
         from pipeline.core.stage import run_stage
 
         def body():
+            saved = signal.getsignal(signal.SIGTERM)
             try:
                 Path({str(started)!r}).touch()
                 time.sleep(60)
             finally:
+                signal.signal(signal.SIGTERM, saved)
                 Path({str(cleaned)!r}).touch()
                 time.sleep({cleanup_seconds})
 
@@ -318,7 +321,8 @@ def test_sigterm_stops_a_stage_as_ctrl_c_does_so_its_cleanup_runs(tmp_path):
 
 def test_a_second_sigterm_ends_a_stage_whose_cleanup_hangs(tmp_path):
     """The first SIGTERM starts the cleanup; a second one ends the process at once, as a second Ctrl-C would be
-    expected to (the next stage process then closes its run: `pipeline.core.process_identity`)."""
+    expected to (the next stage process then closes its run: `pipeline.core.process_identity`), even where the
+    cleanup put the stage's handler back."""
     import signal
     import time
 

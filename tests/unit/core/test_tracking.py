@@ -384,18 +384,20 @@ def test_a_package_stage_stopped_by_sigterm_ends_killed_and_leaves_no_unfinished
 
         run_stage(name="package", body=body, run_id="unit-term")
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PIPELINE_STAGE_LOG": str(tmp_path / "stages.jsonl")})
+    err_file = tmp_path / "stderr.txt"  # a file, not a pipe nobody reads while waiting: MLflow logs a lot
+    with err_file.open("w") as err:
+        proc = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path, stderr=err,
+                                env={**os.environ, "PIPELINE_STAGE_LOG": str(tmp_path / "stages.jsonl")})
     try:
         deadline = time.monotonic() + 120
         while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert started.exists(), proc.stderr.read() if proc.poll() is not None else "no version registered in 120 s"
+        assert started.exists(), err_file.read_text()[-3000:]
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=120)
+        proc.wait(timeout=120)
     finally:
         proc.kill()
-    assert proc.returncode == 143, err[-3000:]
+    assert proc.returncode == 143, err_file.read_text()[-3000:]
     client = mlflow.MlflowClient(store)
     [run] = client.search_runs([client.get_experiment_by_name("unit").experiment_id],
                                filter_string="tags.`pipeline.stage` = 'package'")

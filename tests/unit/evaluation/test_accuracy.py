@@ -33,9 +33,11 @@ def test_scores_and_sizes(built, tiny_model_dir):
         assert results[name]["agreement_with_fp32"] == float((int8 == fp32).mean()), name
         assert results[name]["agreement_with_fp32"] >= 0.9, (name, results[name])  # 1.0 measured
         labels = read_tokenized(built["tokenized"], "test")["label"].to_numpy()
-        diff = (int8 == labels).astype(float) - (fp32 == labels).astype(float)
-        assert results[name]["accuracy_delta_se_pt"] == pytest.approx(100 * diff.std(ddof=1) / np.sqrt(len(diff)),
-                                                                      abs=1e-4)
+        only_fp32 = int(((fp32 == labels) & (int8 != labels)).sum()) + 0.5
+        only_int8 = int(((int8 == labels) & (fp32 != labels)).sum()) + 0.5
+        m = len(labels) + 2
+        se = 100 * np.sqrt(only_fp32 + only_int8 - (only_int8 - only_fp32) ** 2 / m) / m
+        assert results[name]["accuracy_delta_se_pt"] == pytest.approx(se, abs=1e-4), name
     assert results["tensorrt-fp16"]["status"] == "skipped"
     # each INT8 candidate is paired with the most accurate one on the same reviews (the package stage's tie rule)
     from pipeline.selection import int8_candidates, mcnemar_p, most_accurate
@@ -52,19 +54,24 @@ def test_scores_and_sizes(built, tiny_model_dir):
     assert any("int8-static" in line for line in lines)
 
 
-def test_the_paired_standard_error_moves_only_with_the_reviews_the_two_disagree_on():
-    """The standard error of a paired difference comes from the reviews the two disagree on: none, 0; four that
-    only the reference gets right in 1,500 (-0.27 pt), about 0.13 pt; one review, no error to speak of."""
+def test_the_paired_standard_error_comes_from_the_disagreements_and_is_never_zero():
+    """From the reviews only one of the two gets right, with Agresti and Min's half review per cell: four reviews
+    that only FP32 gets right in 1,500 (-0.27 pt) give about 0.15 pt; no disagreement still leaves about one
+    review's worth (0.07 pt), not a certainty; more disagreements, more error."""
     from pipeline.evaluation.accuracy import paired_se_pt
 
     reference = np.ones(1500, dtype=bool)
-    same = paired_se_pt(reference.copy(), reference)
     this = reference.copy()
-    this[:4] = False  # the 4 reviews only FP32 gets right: -0.27 pt
-    assert same == 0.0
-    expected = 100 * np.std(this.astype(float) - 1.0, ddof=1) / np.sqrt(1500)
-    assert paired_se_pt(this, reference) == pytest.approx(expected, abs=1e-4) and 0.13 < expected < 0.14
-    assert paired_se_pt(np.array([True]), np.array([False])) == 0.0
+    this[:4] = False
+    assert paired_se_pt(this, reference) == pytest.approx(100 * np.sqrt(5 - 16 / 1502) / 1502, abs=1e-4)
+    assert 0.14 < paired_se_pt(this, reference) < 0.15
+    assert paired_se_pt(reference.copy(), reference) == pytest.approx(100 / 1502, abs=1e-4)
+    swapped = this.copy()
+    swapped[4:8] = False
+    reference_wrong = reference.copy()
+    reference_wrong[8:12] = False
+    assert paired_se_pt(swapped, reference_wrong) > paired_se_pt(this, reference)
+    assert paired_se_pt(np.array([], dtype=bool), np.array([], dtype=bool)) == 0.0
 
 
 def test_reference_row_reuses_the_finetune_logits_only_for_the_same_split(built, tiny_model_dir, tmp_path):

@@ -290,3 +290,32 @@ def test_the_qat_accuracy_half_is_within_noise_where_the_bound_is_inside_its_95_
     assert f"{100 * (acc - 0.9):+.2f} ± {se:.2f} pt vs FP32 (paired standard error)" in text
     assert ("the 0.2-pt bound inside its 95 % interval" in text) is noise
     assert f"({'met' if met else 'MISSED'}{' within noise' if noise else ''}: target" in text
+
+
+@pytest.mark.parametrize(("p50", "b32", "acc", "se", "b1_interval", "verdict"), [
+    (2.6, 41.0, 0.8973, 0.17, (0.90, 0.99), "MISSED"),  # accuracy within noise, but clearly slower at batch 1
+    (2.6, 41.0, 0.8973, 0.17, (0.93, 1.02), "MISSED within noise"),  # both failing halves within noise
+    (2.4, 39.0, 0.9000, 0.05, (1.01, 1.09), "MISSED"),  # slower at batch 32: no interval, so resolved
+    (2.4, 41.0, 0.8950, 0.12, (0.97, 1.08), "MISSED"),  # speed within noise, accuracy clearly missed
+])
+def test_a_missed_qat_target_is_within_noise_only_where_every_failing_half_is(tmp_path, p50, b32, acc, se,
+                                                                                b1_interval, verdict):
+    from pipeline.selection import qat_verdicts
+
+    rows = _qat_rows(p50, b32, acc, 4.3, 4.5)
+    rows["int8-qat-openvino"].update(accuracy_delta_se_pt=se, qat_b1_low=b1_interval[0], qat_b1_high=b1_interval[1])
+    (v,) = qat_verdicts(rows, TargetsParams())
+    assert not v.met and v.could_flip == (verdict == "MISSED within noise")
+    path = tmp_path / "variants.md"
+    write_report(_result(rows), tmp_path / "latency.png", path, TargetsParams())
+    assert f"({verdict}: target" in path.read_text()
+
+
+def test_a_number_that_rounds_to_zero_is_never_signed_negative():
+    """A one-review loss on 24,000 reviews (-0.004 pt) reads +0.00, not -0.00; real negatives, infinities and
+    unknowns keep their form."""
+    from pipeline.evaluation.report import number
+
+    assert number(-0.004, "+.2f") == "+0.00" and number(-0.0, ".2f") == "0.00"
+    assert number(-0.01, "+.2f") == "-0.01" and number(-10.0, ".1f") == "-10.0"
+    assert number(float("-inf"), ".2f") == "-inf" and number(None, ".2f") == "–"

@@ -191,3 +191,51 @@ def test_the_torchrun_launcher_stage_is_done_when_its_group_finished(tmp_path, t
     assert launched and launched[0][:2] == ["-m", "stages.finetune"]
     logged = [json.loads(line) for line in (tmp_path / "stages.jsonl").read_text().splitlines()]
     assert [(e["stage"], e["outcome"]) for e in logged] == [("finetune", outcome)]
+
+
+def test_a_stopped_torchrun_launcher_passes_sigterm_to_its_agent_instead_of_killing_it(tmp_path):
+    """SIGTERM to the stage process that waits for torchrun: the agent gets SIGTERM (it passes it on to its workers,
+    which checkpoint and stop) and the launcher waits for it, then exits 143. `subprocess.run` would SIGKILL the
+    agent and leave its workers, in sessions of their own, training. A stand-in agent records the signal."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    from tests.factories import ROOT
+
+    started, stopped = tmp_path / "agent-started", tmp_path / "agent-stopped"
+    agent = textwrap.dedent(f"""
+        import signal, sys, time
+        from pathlib import Path
+        def stop(signum, frame):
+            time.sleep(0.5)  # the workers' checkpoint
+            Path({str(stopped)!r}).write_text(signal.Signals(signum).name)
+            sys.exit(143)
+        signal.signal(signal.SIGTERM, stop)
+        Path({str(started)!r}).touch()
+        time.sleep(60)
+    """)
+    launcher = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT)!r})
+        from pipeline.core.params import TrainParams
+        from pipeline.core.stage import run_stage
+        from pipeline.training import elastic
+        elastic.torchrun_command = lambda train, program: [sys.executable, "-c", {agent!r}]
+        run_stage(name="finetune", body=lambda: elastic.launch(TrainParams(), []), run_id="unit-launcher")
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", launcher], cwd=tmp_path, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "PIPELINE_STAGE_LOG": str(tmp_path / "stages.jsonl")})
+    try:
+        deadline = time.monotonic() + 120
+        while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert started.exists()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143
+    assert stopped.read_text() == "SIGTERM"  # written before the launcher exited: it waited for the agent
