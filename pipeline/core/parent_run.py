@@ -143,14 +143,15 @@ def close_orphaned_runs(context: RunContext) -> list[str]:
 
     client = context.client()
     host_tag = process_identity.HOST_TAG
-    host = process_identity.current().get(host_tag)
+    here = process_identity.current()
+    host = here.get(host_tag)
     if not host:
         return []  # no host name to tell this machine's runs by
     found = client.search_runs([context.experiment_id], max_results=200, filter_string=(
         f"attributes.status = 'RUNNING' and tags.`{ROLE_TAG}` = 'stage' and tags.`{host_tag}` = '{host}'"))
     closed = []
     for run in found:
-        if not process_identity.has_ended(run.data.tags):
+        if not process_identity.has_ended(run.data.tags, here):
             continue  # its process may be there (a stage running beside this one, another container): left alone
         client.set_tag(run.info.run_id, "pipeline.closed_as_orphan_by", context.run_id)
         client.set_terminated(run.info.run_id, RunStatus.to_string(RunStatus.KILLED))

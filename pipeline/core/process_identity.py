@@ -81,12 +81,13 @@ def _differ(tags: Mapping[str, str], here: Mapping[str, str], key: str) -> bool:
     return bool(tags.get(key)) and bool(here.get(key)) and tags[key] != here[key]
 
 
-def has_ended(tags: Mapping[str, str]) -> bool:
+def has_ended(tags: Mapping[str, str], here: Mapping[str, str] | None = None) -> bool:
     """Whether the process that wrote identity `tags` (`current()`) has certainly ended. False whenever this process
     cannot tell: another host, another machine or container with this host name, an id it may not signal, tags it
     cannot read, a run tagged without the boot id where this system has one (written by older code or another OS).
-    On Windows always False (`os.kill(pid, 0)` would send a Ctrl-C event there, not probe)."""
-    here = current()
+    On Windows always False (`os.kill(pid, 0)` would send a Ctrl-C event there, not probe). `here`: this process's
+    `current()`, where the caller judges several runs and has read it once."""
+    here = current() if here is None else here
     if os.name == "nt" or not here.get(HOST_TAG) or tags.get(HOST_TAG) != here[HOST_TAG]:
         return False
     if here.get(BOOT_TAG) and not tags.get(BOOT_TAG):

@@ -144,8 +144,9 @@ def load_quantizer_extension() -> None:
 
     from nncf.torch.quantization.extensions import QuantizedFunctionsCPU
 
-    build_dir = extension_build_dir()
-    with (build_dir / "pipeline-build.lock").open("w") as guard, _extension_root(extension_build_root()):
+    root = extension_build_root()
+    build_dir = extension_build_dir(root)
+    with (build_dir / "pipeline-build.lock").open("w") as guard, _extension_root(root):
         fcntl.flock(guard, fcntl.LOCK_EX)
         stale = build_dir / "lock"
         if stale.exists():
@@ -154,11 +155,12 @@ def load_quantizer_extension() -> None:
         QuantizedFunctionsCPU.get("Quantize_forward")  # builds or loads it now, under the lock
 
 
-def extension_build_dir() -> Path:
-    """The folder NNCF builds its CPU extension in for this venv (created if missing)."""
+def extension_build_dir(root: Path | None = None) -> Path:
+    """The folder NNCF builds its CPU extension in for this venv (created if missing), under `root`
+    (`extension_build_root()` unless the caller has it)."""
     from nncf.torch.quantization.extensions import QuantizedFunctionsCPULoader
 
-    with _extension_root(extension_build_root()):
+    with _extension_root(extension_build_root() if root is None else root):
         return Path(QuantizedFunctionsCPULoader.get_build_dir())
 
 
