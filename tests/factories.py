@@ -138,6 +138,17 @@ def read_until_closed(sock: socket.socket) -> tuple[bytes, float]:
     return data, time.monotonic() - start
 
 
+def wait_for_file(path: Path, proc: Any = None, timeout_s: float = 60.0) -> bool:
+    """Wait until `path` exists (a marker a subprocess writes once it has reached a point), `proc` (a `Popen`) has
+    exited, or `timeout_s` passed; returns whether the file is there."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not path.exists() and (proc is None or proc.poll() is None) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return path.exists()
+
+
 def free_port() -> int:
     """A TCP port on the loopback interface that nothing listens on right now, drawn at random below the kernel's
     ephemeral range. A port the kernel picks itself (bind to 0) lies inside that range, where every outgoing

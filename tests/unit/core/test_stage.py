@@ -270,9 +270,8 @@ def _stage_process(tmp_path: Path, cleanup_seconds: float) -> tuple[Any, Path, P
     import subprocess
     import sys
     import textwrap
-    import time
 
-    from tests.factories import ROOT
+    from tests.factories import ROOT, wait_for_file
 
     log, started, cleaned = tmp_path / "stages.jsonl", tmp_path / "started", tmp_path / "cleaned"
     script = textwrap.dedent(f"""
@@ -295,9 +294,7 @@ def _stage_process(tmp_path: Path, cleanup_seconds: float) -> tuple[Any, Path, P
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "PIPELINE_STAGE_LOG": str(log)},
                             stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for_file(started, proc)
     return proc, log, started, cleaned
 
 
@@ -324,14 +321,13 @@ def test_a_second_sigterm_ends_a_stage_whose_cleanup_hangs(tmp_path):
     expected to (the next stage process then closes its run: `pipeline.core.process_identity`), even where the
     cleanup put the stage's handler back."""
     import signal
-    import time
+
+    from tests.factories import wait_for_file
 
     proc, _, _, cleaned = _stage_process(tmp_path, cleanup_seconds=60)
     try:
         proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 60
-        while not cleaned.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for_file(cleaned)
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=30)
     finally:

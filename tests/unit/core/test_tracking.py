@@ -34,7 +34,7 @@ from pipeline.core.parent_run import (
 )
 from pipeline.core.stage import StageContext
 from pipeline.core.tracking import stage_run, tracked_stage
-from tests.factories import ROOT
+from tests.factories import ROOT, wait_for_file
 
 TRACKING = ROOT / "pipeline" / "core" / "tracking.py"
 PARENT_RUN = ROOT / "pipeline" / "core" / "parent_run.py"
@@ -361,7 +361,6 @@ def test_a_package_stage_stopped_by_sigterm_ends_killed_and_leaves_no_unfinished
     import subprocess
     import sys
     import textwrap
-    import time
 
     store = tracking_store(tmp_path / "mlflow.db")
     started = tmp_path / "registered"
@@ -389,10 +388,7 @@ def test_a_package_stage_stopped_by_sigterm_ends_killed_and_leaves_no_unfinished
         proc = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path, stderr=err,
                                 env={**os.environ, "PIPELINE_STAGE_LOG": str(tmp_path / "stages.jsonl")})
     try:
-        deadline = time.monotonic() + 120
-        while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert started.exists(), err_file.read_text()[-3000:]
+        assert wait_for_file(started, proc, 120), err_file.read_text()[-3000:]
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
     finally:

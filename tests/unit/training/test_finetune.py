@@ -14,7 +14,7 @@ import yaml
 from pipeline.core.params import DataParams, ModelParams, Params, TrainParams, resolve_auto
 from pipeline.modeling import load_finetuned
 from pipeline.training.finetune import FinetuneOutputs, finetune
-from tests.factories import ROOT
+from tests.factories import ROOT, wait_for_file
 
 TINY_TRAIN = {"epochs": 4, "batch_size": 8, "eval_batch_size": 16, "lr": 3e-3, "accelerator": "cpu",
               "val_checks_per_epoch": 2, "warmup_ratio": 0.0,
@@ -201,7 +201,6 @@ def test_a_stopped_torchrun_launcher_passes_sigterm_to_its_agent_instead_of_kill
     import subprocess
     import sys
     import textwrap
-    import time
 
     from tests.factories import ROOT
 
@@ -229,10 +228,7 @@ def test_a_stopped_torchrun_launcher_passes_sigterm_to_its_agent_instead_of_kill
     proc = subprocess.Popen([sys.executable, "-c", launcher], cwd=tmp_path, stderr=subprocess.DEVNULL,
                             env={**os.environ, "PIPELINE_STAGE_LOG": str(tmp_path / "stages.jsonl")})
     try:
-        deadline = time.monotonic() + 120
-        while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert started.exists()
+        assert wait_for_file(started, proc, 120)
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
     finally:
