@@ -36,6 +36,7 @@ from pipeline.core.machine import machine_info
 from pipeline.core.params import DataParams, read_params, section
 from pipeline.data.imdb import TRANSFER, load_imdb, make_splits
 from pipeline.data.tokens import encode_texts
+from pipeline.evaluation.accuracy import paired_se_pt
 from pipeline.modeling import load_finetuned, pad_id
 from pipeline.runtimes.base import predict_logits
 from pipeline.runtimes.eager import TorchRunner, logits_module
@@ -144,11 +145,11 @@ def main(argv: list[str] | None = None) -> None:
 
 def paired_difference(pred: np.ndarray, reference: np.ndarray, labels: np.ndarray) -> dict[str, float]:
     """Accuracy of `pred`, its difference to `reference` on the same reviews and that difference's standard
-    error (paired: only reviews where the two disagree move it)."""
-    diff = (pred == labels).astype(float) - (reference == labels).astype(float)
-    n = len(labels)
-    return {"accuracy": float((pred == labels).mean()), "delta": float(diff.mean()),
-            "delta_std_error": float(diff.std(ddof=1) / math.sqrt(n)) if n > 1 else float("nan"),
+    error: evaluate's paired one (`paired_se_pt`, only reviews where the two disagree move it), as a fraction."""
+    correct, reference_correct = pred == labels, reference == labels
+    return {"accuracy": float(correct.mean()),
+            "delta": float(correct.astype(float).mean() - reference_correct.astype(float).mean()),
+            "delta_std_error": paired_se_pt(correct, reference_correct) / 100,
             "agreement": float((pred == reference).mean())}
 
 

@@ -97,14 +97,24 @@ def speed_verdict(rows: Results, pool: Results, targets: TargetsParams) -> Speed
 #: op, so their speeds differ only by noise (evaluate's `qat_vs_static` compares their accuracy).
 QAT_PAIRS: tuple[tuple[str, str], ...] = (("int8-qat-openvino", "int8-openvino"),)
 
+#: The onnxruntime recipes with calibrated (static) activation scales against the one that computes them per batch
+#: (issue 43: static PTQ and QAT should be at least as fast as int8-dynamic at batch 1, within the accuracy budget).
+STATIC_PAIRS: tuple[tuple[str, str], ...] = (("int8-static", "int8-dynamic"), ("int8-qat", "int8-dynamic"))
+
+#: Every pair whose batch-1 ratio the benchmark measures paired by round (`b1_vs_baseline_low`/`_high` on the first
+#: one's row); each variant is the first of at most one pair.
+SPEED_PAIRS: tuple[tuple[str, str], ...] = QAT_PAIRS + STATIC_PAIRS
+
 
 #: How many paired standard errors either side of an accuracy difference still count as noise (a 95 % interval).
 NOISE_Z = 1.96
 
 
 @dataclass(frozen=True)
-class QatVerdict:
-    """A QAT variant against FP32's accuracy and its runtime's post-training variant's speed (`QAT_PAIRS`)."""
+class PairVerdict:
+    """A variant against FP32's accuracy and a baseline variant's speed (a pair of `SPEED_PAIRS`): within
+    `max_loss_pt` of FP32 and at least as fast as the baseline at batch 1 and, where `batched` was judged, at the
+    benchmark's batch size."""
 
     variant: str
     baseline: str
@@ -113,7 +123,8 @@ class QatVerdict:
     b1: float  # the baseline's batch-1 p50 over the variant's: above 1, the variant is faster
     b1_low: float | None  # the paired bootstrap interval of `b1` over the benchmark's rounds (None: not measured)
     b1_high: float | None
-    batched: float  # the variant's throughput at the benchmark's batch size over the baseline's
+    batched: float | None  # the variant's throughput at the benchmark's batch size over the baseline's (None: not
+    # part of this target)
     within_noise: bool  # the batch-1 order is within noise: another run could order them the other way
     met: bool  # on the point estimates; `within_noise` and `accuracy_within_noise` say which half is within noise
     delta_se_pt: float | None = None  # the paired standard error of `delta_pt` (None: not recorded)
@@ -122,42 +133,56 @@ class QatVerdict:
     @property
     def could_flip(self) -> bool:
         """Whether another run (or another test set) could give the other verdict: a met target whose accuracy or
-        batch-1 half is within noise; a missed one whose every failing half is (the batch-32 ratio has no interval,
+        batch-1 half is within noise; a missed one whose every failing half is (the batched ratio has no interval,
         so a miss there counts as resolved)."""
         if self.met:
             return self.accuracy_within_noise or self.within_noise
         accuracy_ok = -self.delta_pt <= self.max_loss_pt
-        speed_ok = self.b1 >= 1.0 and self.batched >= 1.0
-        return ((accuracy_ok or self.accuracy_within_noise)
-                and (speed_ok or (self.batched >= 1.0 and self.within_noise)))
+        batched_ok = self.batched is None or self.batched >= 1.0
+        return (accuracy_ok or self.accuracy_within_noise) and batched_ok and (self.b1 >= 1.0 or self.within_noise)
 
 
-def qat_verdicts(rows: Results, targets: TargetsParams) -> list[QatVerdict]:
-    """One verdict per pair of `QAT_PAIRS` whose two rows were measured and scored: within
-    `targets.qat_max_loss_pt` of FP32 and at least as fast as the baseline at batch 1 and at the benchmark's batch
+def pair_verdicts(rows: Results, pairs: tuple[tuple[str, str], ...], max_loss_pt: float,
+                  batched: bool) -> list[PairVerdict]:
+    """One verdict per pair of `pairs` whose two rows were measured and the first one scored: within `max_loss_pt`
+    of FP32 and at least as fast as the baseline at batch 1 and, with `batched`, at the benchmark's batch
     (`benchmark.batch_size`, whose throughput is in `throughput_b32`). The accuracy half is within noise where the
     bound lies inside the 95 % interval of the paired difference (`accuracy_delta_se_pt`, evaluate's): on 1,500
     test reviews one standard error is about 0.2 point, so a verdict on a 0.2-point bound is then the test set's
     draw, and the report says so."""
     reference = rows.get(REFERENCE, {}).get("accuracy")
     out = []
-    for name, baseline in QAT_PAIRS:
+    for name, baseline in pairs:
         q, b = rows.get(name, {}), rows.get(baseline, {})
         if reference is None or q.get("status") != "ok" or b.get("status") != "ok" or q.get("accuracy") is None:
             continue
         loss = loss_pt(reference, q["accuracy"])
-        b1, batched = b["p50_ms_b1"] / q["p50_ms_b1"], q["throughput_b32"] / b["throughput_b32"]
-        low, high = q.get("qat_b1_low"), q.get("qat_b1_high")
+        b1 = b["p50_ms_b1"] / q["p50_ms_b1"]
+        ratio = q["throughput_b32"] / b["throughput_b32"] if batched else None
+        low, high = q.get("b1_vs_baseline_low"), q.get("b1_vs_baseline_high")
         if low is not None and high is not None:  # the benchmark's paired interval of this very ratio
             within_noise = low <= 1.0 <= high
         else:  # rows without it: whether each one's interval against FP32 overlaps the other's
             within_noise = all(k in e for e in (q, b) for k in ("speedup_p50_low", "speedup_p50_high")) and (
                 q["speedup_p50_low"] <= b["speedup_p50_high"] and b["speedup_p50_low"] <= q["speedup_p50_high"])
         se = q.get("accuracy_delta_se_pt")  # `0.0 - loss` below: a loss of 0.0 is +0.00, never -0.00
-        accuracy_noise = se is not None and abs(loss - targets.qat_max_loss_pt) <= NOISE_Z * se
-        out.append(QatVerdict(name, baseline, 0.0 - loss, targets.qat_max_loss_pt, b1, low, high, batched, within_noise,
-                              loss <= targets.qat_max_loss_pt and b1 >= 1.0 and batched >= 1.0, se, accuracy_noise))
+        accuracy_noise = se is not None and abs(loss - max_loss_pt) <= NOISE_Z * se
+        met = loss <= max_loss_pt and b1 >= 1.0 and (ratio is None or ratio >= 1.0)
+        out.append(PairVerdict(name, baseline, 0.0 - loss, max_loss_pt, b1, low, high, ratio, within_noise, met, se,
+                               accuracy_noise))
     return out
+
+
+def qat_verdicts(rows: Results, targets: TargetsParams) -> list[PairVerdict]:
+    """Each QAT variant of `QAT_PAIRS` within `targets.qat_max_loss_pt` of FP32 and at least as fast as its
+    runtime's post-training variant at batch 1 and at the benchmark's batch."""
+    return pair_verdicts(rows, QAT_PAIRS, targets.qat_max_loss_pt, batched=True)
+
+
+def static_verdicts(rows: Results, targets: TargetsParams) -> list[PairVerdict]:
+    """Each static-scale recipe of `STATIC_PAIRS` within the accuracy budget (`targets.max_accuracy_loss_pt`) and
+    at least as fast as int8-dynamic at batch 1."""
+    return pair_verdicts(rows, STATIC_PAIRS, targets.max_accuracy_loss_pt, batched=False)
 
 
 def smaller_model_family(name: str) -> str | None:

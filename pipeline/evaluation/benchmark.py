@@ -22,12 +22,12 @@ from pipeline.evaluation.latency import (
     speedup,
     throughput_batches,
 )
-from pipeline.evaluation.report import markdown_table, qat_lines, speedup_sources, target_lines, write_report
+from pipeline.evaluation.report import markdown_table, pair_lines, speedup_sources, target_lines, write_report
 from pipeline.runtimes.base import Runner
 from pipeline.runtimes.catalog import REFERENCE, TIMING_ROWS, directories
 from pipeline.runtimes.record import VARIANT_FILE
 from pipeline.runtimes.registry import load_runner
-from pipeline.selection import QAT_PAIRS, qat_verdicts
+from pipeline.selection import SPEED_PAIRS, PairVerdict, qat_verdicts, static_verdicts
 
 if TYPE_CHECKING:
     from pipeline.core.parent_run import RunContext
@@ -86,8 +86,8 @@ def result_rows(cands: list[Candidate], timings: dict[str, dict[str, Any]], rss:
     """The benchmark's row of every candidate, in their order: status and reason; a measured one's timings (the
     latency samples by round left to the result's own key), speed-up over the reference with its interval, peak RSS
     where probed; the accuracy (and its paired standard error against FP32), size and agreement evaluate recorded
-    (`accuracy`); and each QAT variant's paired
-    batch-1 interval against its runtime's post-training variant (`QAT_PAIRS`) where both were timed."""
+    (`accuracy`); and the paired batch-1 interval of each pair of `SPEED_PAIRS` whose two variants were timed (a
+    QAT variant against its runtime's post-training one, a static-scale recipe against int8-dynamic)."""
     results: dict[str, dict[str, Any]] = {}
     for c in cands:
         entry: dict[str, Any] = {"status": c.status, "reason": c.reason}
@@ -98,10 +98,10 @@ def result_rows(cands: list[Candidate], timings: dict[str, dict[str, Any]], rss:
             if key in acc:
                 entry[key] = acc[key]
         results[c.name] = entry
-    for name, baseline in QAT_PAIRS:  # a QAT variant against its runtime's post-training one, paired by round
+    for name, baseline in SPEED_PAIRS:  # paired by round, as each row's speed-up over FP32 eager
         if name in timings and baseline in timings:
             pair = speedup(timings[baseline], timings[name])
-            results[name]["qat_b1_low"], results[name]["qat_b1_high"] = pair.low, pair.high
+            results[name]["b1_vs_baseline_low"], results[name]["b1_vs_baseline_high"] = pair.low, pair.high
     return results
 
 
@@ -203,7 +203,7 @@ def run_benchmark_stage(*, finetuned: Path, variants_root: Path, tokenized: Path
     pareto_chart(variants, all_params.targets, pareto)
     write_report(result, chart, report, all_params.targets, pareto)
     for line in (*target_lines(variants, all_params.targets),
-                 *qat_lines(variants, all_params.targets, params.batch_size)):
+                 *pair_lines(variants, all_params.targets, params.batch_size)):
         log.info(line.replace("**", ""))
     for name, entry in variants.items():
         with stage_run(run_context, "benchmark", run_name=f"bench-{name}", tags={"variant": name}) as run:
@@ -218,19 +218,26 @@ def run_benchmark_stage(*, finetuned: Path, variants_root: Path, tokenized: Path
                 log.warning("%s: MLflow model %s is not in this tracking store; timings not linked to it",
                             name, model_id)
     log_parent_table(run_context, rows=table_rows(variants, accuracy, run_context.run_id), artifact_file=TABLE_FILE)
-    # `b32_vs_*`: the throughput ratio at `benchmark.batch_size`, named after `throughput_b32`
-    qat = {f"qat/{q.variant}/{k}": value for q in qat_verdicts(variants, all_params.targets)
-           for k, value in (("delta_pt", q.delta_pt), (f"b1_vs_{q.baseline}", q.b1),
-                            (f"b1_vs_{q.baseline}_low", q.b1_low), (f"b1_vs_{q.baseline}_high", q.b1_high),
-                            (f"b32_vs_{q.baseline}", q.batched), ("met", float(q.met)),
-                            ("within_noise", float(q.within_noise)), ("delta_se_pt", q.delta_se_pt),
-                            ("accuracy_within_noise", float(q.accuracy_within_noise)),
-                            ("could_flip", float(q.could_flip))) if value is not None}
+    pairs = {**pair_metrics("qat", qat_verdicts(variants, all_params.targets)),
+             **pair_metrics("static", static_verdicts(variants, all_params.targets))}
     log_parent_summary(run_context, metrics={**{f"speedup_source/{s['to']}_vs_{s['from']}": s["factor"]
-                                                for s in speedup_sources(variants)}, **qat}, tags={})
+                                                for s in speedup_sources(variants)}, **pairs}, tags={})
     for f in (report, chart, pareto, metrics_path):
         log_parent_artifact(run_context, f, artifact_path="comparison")
     return result
+
+
+def pair_metrics(prefix: str, verdicts: list[PairVerdict]) -> dict[str, float]:
+    """The parent run's metrics of each verdict, `<prefix>/<variant>/<what>`: the accuracy difference and its
+    standard error, the batch-1 ratio to the baseline with its paired interval, the throughput ratio where judged
+    (`b32_vs_*`, named after `throughput_b32`) and the verdict's flags."""
+    return {f"{prefix}/{q.variant}/{k}": value for q in verdicts
+            for k, value in (("delta_pt", q.delta_pt), (f"b1_vs_{q.baseline}", q.b1),
+                             (f"b1_vs_{q.baseline}_low", q.b1_low), (f"b1_vs_{q.baseline}_high", q.b1_high),
+                             (f"b32_vs_{q.baseline}", q.batched), ("met", float(q.met)),
+                             ("within_noise", float(q.within_noise)), ("delta_se_pt", q.delta_se_pt),
+                             ("accuracy_within_noise", float(q.accuracy_within_noise)),
+                             ("could_flip", float(q.could_flip))) if value is not None}
 
 
 if __name__ == "__main__":

@@ -15,7 +15,14 @@ import numpy as np
 from pipeline.core.params import TargetsParams
 from pipeline.evaluation.latency import SPEEDUP_LEVEL
 from pipeline.runtimes.catalog import READOUT_ROW, REFERENCE
-from pipeline.selection import QatVerdict, SpeedVerdict, qat_verdicts, smaller_model_family, speed_verdicts
+from pipeline.selection import (
+    PairVerdict,
+    SpeedVerdict,
+    qat_verdicts,
+    smaller_model_family,
+    speed_verdicts,
+    static_verdicts,
+)
 
 #: The chain of rows that splits the best INT8 student's speed-up into its causes: each step changes one thing.
 SPEEDUP_STEPS = (
@@ -110,7 +117,8 @@ class Report:
     pareto_front: list[str]  # stated with the Pareto chart
     speedup: SpeedupChain | None  # None when fewer than two steps were measured
     targets: list[TargetLine]  # empty when no INT8 variant was measured
-    qat: list[QatVerdict]  # one per QAT variant measured beside its runtime's post-training variant
+    qat: list[PairVerdict]  # one per QAT variant measured beside its runtime's post-training variant
+    static: list[PairVerdict]  # one per static-scale onnxruntime recipe measured beside int8-dynamic
     machine: Machine
     bf16_row: str | None
     weight_formats: list[str]
@@ -207,7 +215,7 @@ def report_data(result: dict[str, Any], chart: Path, targets: TargetsParams, par
     return Report(settings=settings, rows=report_rows(variants), chart=chart.name,
                   pareto_chart=pareto.name if pareto else None, pareto_front=pareto_front(variants),
                   speedup=speedup_chain(variants), targets=target_verdicts(variants, targets),
-                  qat=qat_verdicts(variants, targets),
+                  qat=qat_verdicts(variants, targets), static=static_verdicts(variants, targets),
                   machine=machine_of(machine), bf16_row=settings.get("bf16_row_choice"), weight_formats=formats,
                   notes=notes)
 
@@ -253,10 +261,11 @@ def target_lines(variants: dict[str, dict[str, Any]], targets: TargetsParams) ->
     return part("target_lines", target_verdicts(variants, targets)).splitlines()
 
 
-def qat_lines(variants: dict[str, dict[str, Any]], targets: TargetsParams, batch_size: int) -> list[str]:
-    """The QAT verdicts (`pipeline.selection.qat_verdicts`) as the report states them, one per line; `batch_size`:
-    the throughput's batch (`benchmark.batch_size`)."""
-    return [part("qat_line", q, batch_size) for q in qat_verdicts(variants, targets)]
+def pair_lines(variants: dict[str, dict[str, Any]], targets: TargetsParams, batch_size: int) -> list[str]:
+    """The QAT and static-scale verdicts (`pipeline.selection.qat_verdicts`, `static_verdicts`) as the report states
+    them, one per line; `batch_size`: the throughput's batch (`benchmark.batch_size`)."""
+    return [*(part("qat_line", q, batch_size) for q in qat_verdicts(variants, targets)),
+            *(part("static_line", v) for v in static_verdicts(variants, targets))]
 
 
 def write_report(result: dict[str, Any], chart: Path, path: Path, targets: TargetsParams,

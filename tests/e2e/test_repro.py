@@ -88,6 +88,8 @@ def test_benchmark_report_and_package(repo):
     report = (repo / "reports" / "benchmark" / "variants.md").read_text()
     assert "| int8-static |" in report and "skipped" in report and "## Targets" in report
     assert "- QAT on its runtime: **int8-qat-openvino**" in report
+    for name in ("int8-static", "int8-qat"):  # issue 43: static scales at least as fast as int8-dynamic at batch 1
+        assert f"- Static scales against per-batch ones: **{name}**" in report
     assert (repo / "reports" / "benchmark" / "variants_latency.png").stat().st_size > 5000
     assert (repo / "reports" / "benchmark" / "variants_pareto.png").stat().st_size > 5000
     assert "Pareto front" in report
@@ -189,9 +191,14 @@ def test_mlflow_models_alias_summary_and_inputs(repo, tmp_path):
     qat_b1 = bench["int8-openvino"]["p50_ms_b1"] / bench["int8-qat-openvino"]["p50_ms_b1"]
     assert parent.data.metrics["qat/int8-qat-openvino/b1_vs_int8-openvino"] == pytest.approx(qat_b1)
     assert parent.data.metrics["qat/int8-qat-openvino/met"] in (0.0, 1.0)
-    low, high = bench["int8-qat-openvino"]["qat_b1_low"], bench["int8-qat-openvino"]["qat_b1_high"]
+    low, high = bench["int8-qat-openvino"]["b1_vs_baseline_low"], bench["int8-qat-openvino"]["b1_vs_baseline_high"]
     assert low <= high and parent.data.metrics["qat/int8-qat-openvino/b1_vs_int8-openvino_low"] == low
     assert parent.data.metrics["qat/int8-qat-openvino/within_noise"] == float(low <= 1.0 <= high)
+    for name in ("int8-static", "int8-qat"):  # and each static-scale recipe against int8-dynamic, at batch 1 only
+        b1 = bench["int8-dynamic"]["p50_ms_b1"] / bench[name]["p50_ms_b1"]
+        assert parent.data.metrics[f"static/{name}/b1_vs_int8-dynamic"] == pytest.approx(b1)
+        assert parent.data.metrics[f"static/{name}/b1_vs_int8-dynamic_high"] == bench[name]["b1_vs_baseline_high"]
+        assert f"static/{name}/b32_vs_int8-dynamic" not in parent.data.metrics
     table = json.loads(Path(client.download_artifacts(parent.info.run_id, "comparison/benchmark_table.json",
                                                      str(tmp_path))).read_text())  # mlflow.log_table's layout
     rows = [dict(zip(table["columns"], row, strict=True)) for row in table["data"]]

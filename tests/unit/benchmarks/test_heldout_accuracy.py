@@ -39,6 +39,10 @@ def test_paired_difference_counts_only_disagreements():
     pred = np.array([1, 1, 0, 0, 0, 0, 1, 1])     # 6/8 right: one gained, one lost
     r = paired_difference(pred, ref, labels)
     assert r["accuracy"] == 0.75 and r["delta"] == 0.0 and r["agreement"] == 0.75
-    assert r["delta_std_error"] == pytest.approx(np.std([0, 0, 0, 0, -1, 0, 1, 0], ddof=1) / np.sqrt(8))
+    # evaluate's Agresti-Min paired error: one review each way, plus half a review in each of the four cells
+    b = c = 1 + 0.5
+    assert r["delta_std_error"] == pytest.approx(np.sqrt(b + c - (c - b) ** 2 / 10) / 10, abs=1e-6)
+    same = paired_difference(ref, ref, labels)     # no disagreement is not certainty
+    assert same["delta"] == 0.0 and same["delta_std_error"] > 0
     worse = paired_difference(np.array([0, 1, 0, 0, 1, 0, 0, 1]), ref, labels)
     assert worse["delta"] == -0.125

@@ -206,11 +206,11 @@ def test_each_variants_memory_is_read_from_a_process_of_its_own(built, tmp_path)
         peak_rss_mb(tmp_path, {}, batch, 1)
 
 
-def test_result_rows_hold_each_candidates_timings_scores_and_the_qat_pair(tmp_path):
+def test_result_rows_hold_each_candidates_timings_scores_and_the_speed_pairs(tmp_path):
     """`result_rows` (the row assembly of `run_benchmark`): skipped rows keep their reason, measured ones their
     timings (the samples by round stay out), speed-up over FP32 eager with its interval (none for the reference
     itself), peak RSS where probed and evaluate's scores; the QAT variant its paired interval against its runtime's
-    post-training variant."""
+    post-training variant, a static-scale recipe against int8-dynamic (and only where both were timed)."""
     from pipeline.evaluation.benchmark import result_rows
     from pipeline.evaluation.latency import Candidate
 
@@ -219,17 +219,20 @@ def test_result_rows_hold_each_candidates_timings_scores_and_the_qat_pair(tmp_pa
                 "latency_samples": 4, "latency_rounds_ms": [[p50, p50], [p50, p50]]}
 
     cands = [Candidate("fp32-eager", tmp_path, {}), Candidate("int8-openvino", tmp_path, {}, weight_format="s8"),
-             Candidate("int8-qat-openvino", tmp_path, {}),
-             Candidate("int8-static", tmp_path, {}, "skipped", "not built")]
-    timings = {"fp32-eager": timed(10.0), "int8-openvino": timed(2.5), "int8-qat-openvino": timed(2.0)}
+             Candidate("int8-qat-openvino", tmp_path, {}), Candidate("int8-dynamic", tmp_path, {}),
+             Candidate("int8-qat", tmp_path, {}), Candidate("int8-static", tmp_path, {}, "skipped", "not built")]
+    timings = {"fp32-eager": timed(10.0), "int8-openvino": timed(2.5), "int8-qat-openvino": timed(2.0),
+               "int8-dynamic": timed(4.0), "int8-qat": timed(5.0)}
     rows = result_rows(cands, timings, {"int8-openvino": 300.0},
                        {"int8-openvino": {"accuracy": 0.9, "size_mb": 20.0, "model_id": "m-1"}})
-    assert list(rows) == ["fp32-eager", "int8-openvino", "int8-qat-openvino", "int8-static"]
+    assert list(rows) == ["fp32-eager", "int8-openvino", "int8-qat-openvino", "int8-dynamic", "int8-qat", "int8-static"]
     assert rows["int8-static"] == {"status": "skipped", "reason": "not built"}
     assert rows["fp32-eager"]["speedup_p50_vs_fp32_eager"] == 1.0 and "speedup_p50_low" not in rows["fp32-eager"]
     openvino = rows["int8-openvino"]
     assert (openvino["speedup_p50_vs_fp32_eager"], openvino["speedup_p50_low"], openvino["weight_format"]) == (
         4.0, 4.0, "s8")
     assert (openvino["peak_rss_mb"], openvino["accuracy"], openvino["size_mb"]) == (300.0, 0.9, 20.0)
-    assert "latency_rounds_ms" not in openvino and "model_id" not in openvino and "qat_b1_low" not in openvino
-    assert rows["int8-qat-openvino"]["qat_b1_low"] == rows["int8-qat-openvino"]["qat_b1_high"] == 1.25
+    assert "latency_rounds_ms" not in openvino and "model_id" not in openvino and "b1_vs_baseline_low" not in openvino
+    assert rows["int8-qat-openvino"]["b1_vs_baseline_low"] == rows["int8-qat-openvino"]["b1_vs_baseline_high"] == 1.25
+    assert rows["int8-qat"]["b1_vs_baseline_low"] == rows["int8-qat"]["b1_vs_baseline_high"] == 0.8  # vs int8-dynamic
+    assert "b1_vs_baseline_low" not in rows["int8-dynamic"] and "b1_vs_baseline_low" not in rows["int8-static"]

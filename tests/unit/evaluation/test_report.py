@@ -12,8 +12,8 @@ from pipeline.evaluation.report import (
     Interval,
     Row,
     markdown_table,
+    pair_lines,
     pareto_front,
-    qat_lines,
     report_data,
     report_rows,
     speedup_chain,
@@ -234,13 +234,13 @@ def test_no_qat_verdict_without_both_rows_and_the_line_says_when_the_order_could
                                                             (0.90, 0.98, False)])
 def test_the_benchmarks_paired_interval_decides_whether_the_qat_order_is_within_noise(tmp_path, low, high,
                                                                                       within_noise):
-    """With the benchmark's paired interval of the batch-1 ratio itself (`qat_b1_low`/`high`), the order is within
-    noise exactly when that interval holds 1, whatever each row's interval against FP32 says; the line states
-    the interval."""
+    """With the benchmark's paired interval of the batch-1 ratio itself (`b1_vs_baseline_low`/`high`), the order is
+    within noise exactly when that interval holds 1, whatever each row's interval against FP32 says; the line
+    states the interval."""
     from pipeline.selection import qat_verdicts
 
     rows = _qat_rows(2.4, 41.0, 0.899, 4.3, 4.5)  # intervals against FP32 apart: the fallback would say resolved
-    rows["int8-qat-openvino"].update(qat_b1_low=low, qat_b1_high=high)
+    rows["int8-qat-openvino"].update(b1_vs_baseline_low=low, b1_vs_baseline_high=high)
     (v,) = qat_verdicts(rows, TargetsParams())
     assert (v.b1_low, v.b1_high, v.within_noise, v.met) == (low, high, within_noise, True)
     path = tmp_path / "variants.md"
@@ -260,7 +260,7 @@ def test_the_report_chart_and_log_lines_name_the_benchmarks_batch_size(tmp_path,
     assert "| reviews/s @16 |" in text and "at batch 16 (throughput)" in text
     assert "@32" not in text and "batch 32" not in text
     assert "| reviews/s @16 |" in markdown_table(rows, 16)
-    assert all("at batch 16 (throughput)" in line for line in qat_lines(rows, TargetsParams(), 16))
+    assert all("at batch 16 (throughput)" in line for line in pair_lines(rows, TargetsParams(), 16))
     labels = []
     monkeypatch.setattr(Figure, "savefig", lambda fig, path, **kw: labels.extend(a.get_xlabel() for a in fig.axes))
     latency_chart(rows, tmp_path / "latency.png", 16)
@@ -281,7 +281,8 @@ def test_the_qat_accuracy_half_is_within_noise_where_the_bound_is_inside_its_95_
     from pipeline.selection import qat_verdicts
 
     rows = _qat_rows(2.4, 41.0, acc, 4.3, 4.5)
-    rows["int8-qat-openvino"].update(accuracy_delta_se_pt=se, qat_b1_low=1.01, qat_b1_high=1.09)  # speed: resolved
+    rows["int8-qat-openvino"].update(accuracy_delta_se_pt=se, b1_vs_baseline_low=1.01,  # speed: resolved
+                                     b1_vs_baseline_high=1.09)
     (v,) = qat_verdicts(rows, TargetsParams())
     assert (v.delta_se_pt, v.accuracy_within_noise, v.met, v.within_noise) == (se, noise, met, False)
     path = tmp_path / "variants.md"
@@ -303,12 +304,43 @@ def test_a_missed_qat_target_is_within_noise_only_where_every_failing_half_is(tm
     from pipeline.selection import qat_verdicts
 
     rows = _qat_rows(p50, b32, acc, 4.3, 4.5)
-    rows["int8-qat-openvino"].update(accuracy_delta_se_pt=se, qat_b1_low=b1_interval[0], qat_b1_high=b1_interval[1])
+    rows["int8-qat-openvino"].update(accuracy_delta_se_pt=se, b1_vs_baseline_low=b1_interval[0],
+                                     b1_vs_baseline_high=b1_interval[1])
     (v,) = qat_verdicts(rows, TargetsParams())
     assert not v.met and v.could_flip == (verdict == "MISSED within noise")
     path = tmp_path / "variants.md"
     write_report(_result(rows), tmp_path / "latency.png", path, TargetsParams())
     assert f"({verdict}: target" in path.read_text()
+
+
+@pytest.mark.parametrize(("p50", "acc", "interval", "verdict"), [
+    (3.9, 0.897, (1.01, 1.06), "met"),                   # faster, -0.30 pt: inside the 0.5-pt budget
+    (4.1, 0.897, (0.95, 1.02), "MISSED within noise"),   # slower at batch 1, but the rounds could order them otherwise
+    (4.6, 0.897, (0.84, 0.90), "MISSED"),                # clearly slower
+    (3.9, 0.890, (1.01, 1.06), "MISSED"),                # faster, but 1.00 pt lost
+])
+def test_static_scales_are_judged_against_int8_dynamic_at_batch_1_within_the_accuracy_budget(tmp_path, p50, acc,
+                                                                                               interval, verdict):
+    """Issue 43: int8-static and int8-qat within `targets.max_accuracy_loss_pt` of FP32 and at least as fast as
+    int8-dynamic at batch 1; the benchmark's paired interval of that ratio says whether the order could flip.
+    Nothing is said at batch 32 (not part of this target), nor for a recipe whose baseline was not measured."""
+    from pipeline.selection import static_verdicts
+
+    rows = {"fp32-eager": _row(10.0, 0.9), "int8-dynamic": _row(4.0, 0.8967),
+            "int8-static": {**_row(p50, acc), "b1_vs_baseline_low": interval[0], "b1_vs_baseline_high": interval[1]},
+            "int8-qat": {"status": "skipped", "reason": "not built"}}
+    (v,) = static_verdicts(rows, TargetsParams())
+    assert (v.variant, v.baseline, v.max_loss_pt, v.batched) == ("int8-static", "int8-dynamic", 0.5, None)
+    assert v.b1 == pytest.approx(4.0 / p50) and v.met is (verdict == "met")
+    assert static_verdicts({k: e for k, e in rows.items() if k != "int8-dynamic"}, TargetsParams()) == []
+    path = tmp_path / "variants.md"
+    write_report(_result(rows), tmp_path / "latency.png", path, TargetsParams())
+    (line,) = [x for x in path.read_text().splitlines() if x.startswith("- Static scales")]
+    assert line.startswith(f"- Static scales against per-batch ones: **int8-static** {100 * (acc - 0.9):+.2f} pt "
+                           f"vs FP32, {4.0 / p50:.2f}x int8-dynamic's speed at batch 1 (p50) (paired interval over "
+                           f"the rounds {interval[0]:.2f}-{interval[1]:.2f})")
+    assert line.endswith(f"({verdict}: target within 0.5 pt and at least as fast at batch 1).")
+    assert "throughput" not in line and pair_lines(rows, TargetsParams(), 32) == [line.removeprefix("- ")]
 
 
 def test_a_number_that_rounds_to_zero_is_never_signed_negative():
