@@ -51,7 +51,7 @@ class SentimentHandler:
         from pipeline.deployment.protocol import REQUEST_ID_HEADER, SERVER_ERROR, Answer
 
         log.info("batch of %d requests", len(data))  # what TorchServe's server-side batching handed over
-        requests = [_body_and_type(request, context, idx) for idx, request in enumerate(data)]
+        requests = [_raw_request(request, context, idx) for idx, request in enumerate(data)]
         ids = [_request_id(context, idx) for idx in range(len(data))]
         try:
             answers = answer_batch(requests, self.predictor, self.limits, self.model_label, ids)
@@ -76,24 +76,27 @@ def _request_id(context: Any, idx: int) -> str:
     return str(rid) if rid else uuid.uuid4().hex
 
 
-def _body_and_type(request: Any, context: Any, idx: int) -> tuple[Any, str | None]:
-    """The request body (TorchServe names it `body` or `data`) and its declared content type, if any.
+def _raw_request(request: Any, context: Any, idx: int) -> Any:
+    """The request body (TorchServe names it `body` or `data`) with its declared content type and content coding,
+    if any (a `RawRequest`).
 
     A form-encoded body never arrives whole: TorchServe splits it into form fields, so the request holds
     neither `body` nor `data`, and the request's own Content-Type header says why (answered 415)."""
+    from pipeline.deployment.request_parsing import RawRequest
+
     if not isinstance(request, dict):
-        return None, None
+        return RawRequest(None)
     name = "body" if request.get("body") is not None else "data"
     try:
         headers = context.get_all_request_header(idx) or {}
     except Exception:  # no headers for this request: the protocol answers 415 (no Content-Type)
         headers = {}
+    sent = {str(k).lower(): v for k, v in headers.items() if str(k).lower() in ("content-type", "content-encoding")}
     # the request's own header, parameters (charset) included; TorchServe's per-input copy drops them
-    sent = next((v for k, v in headers.items() if str(k).lower() == "content-type"), None)
     declared = headers.get(name)
-    content_type = sent if sent is not None else (declared.get("content-type") if isinstance(declared, dict)
-                                                  else None)
-    return request.get(name), content_type
+    content_type = sent.get("content-type") if "content-type" in sent else (
+        declared.get("content-type") if isinstance(declared, dict) else None)
+    return RawRequest(request.get(name), content_type, sent.get("content-encoding"))
 
 
 def _set_status(context: Any, idx: int, answer: Any, headers: dict[str, str]) -> None:

@@ -55,6 +55,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import functools
 import json
 import logging
 import logging.config
@@ -102,7 +103,7 @@ READY_TEXT = "readiness probe: a fine film"
 #: Error kinds by status, for `/metrics`: 4xx are the caller's, 5xx the server's (`side` label).
 ERROR_KINDS = {400: "invalid_input", 404: "not_found", 405: "method_not_allowed", 408: "request_timeout",
                413: "too_large", 414: "uri_too_long", 415: "unsupported_media_type", 431: "headers_too_large",
-               500: "server_error", 503: "overloaded", 504: "timeout"}
+               417: "expectation_failed", 500: "server_error", 503: "overloaded", 504: "timeout"}
 #: The kind of a 503 while the model is still busy with a call that timed out, and of a failed `/ready`.
 MODEL_BUSY = "model_busy"
 NOT_READY = "not_ready"
@@ -125,6 +126,8 @@ SEND_TIMEOUT_S = 30.0
 #: Bodies larger than this are parsed and checked in a worker thread instead of on the event loop.
 PARSE_INLINE_BYTES = 64 * 1024
 CLOSE = (b"connection", b"close")
+#: Headers a request may send once only (lower-case, as uvicorn hands them over); a repeat is a 400.
+SINGLE_HEADERS = frozenset({b"content-type", b"content-encoding"})
 #: Scoring requests answered at once (`--max-in-flight`); one more is a 503 with Retry-After.
 MAX_IN_FLIGHT = 64
 
@@ -161,6 +164,13 @@ class Metrics:
             self.errors.labels(kind, "server" if status >= 500 else "client").inc()
         elif outcome.texts:
             self.texts.inc(outcome.texts)
+
+    def refused(self, status: int, kind: str) -> None:
+        """An answer the connection's protocol gave before any request reached the app (`request_deadline_protocol`:
+        a 408 for headers too slow, a 400 for bytes that are no request, a 503 past the connection limit): counted
+        under path and method `other`, with no latency (no request was timed)."""
+        self.requests.labels("other", "other", str(status)).inc()
+        self.errors.labels(kind, "server" if status >= 500 else "client").inc()
 
     def exposition(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -303,12 +313,22 @@ class ContractMiddleware:
         if header_bytes > MAX_HEADER_BYTES:
             return await self._error(send, RequestError(431, f"request headers of {header_bytes} bytes exceed "
                                                              f"the limit of {MAX_HEADER_BYTES}"), rid)
+        if not (scope.get("raw_path") or path.encode()).startswith(b"/"):  # `%2Finvocations`, `*`: not a path
+            return await self._error(send, RequestError(400, "the request target must be a path beginning with /"),
+                                     rid, [CLOSE])
         allowed = ROUTES.get(path)
         if allowed is None:
             return await self._error(send, RequestError(404, "no such path; scoring is POST /invocations"), rid)
-        if method != allowed:
+        if method != allowed and not (method == "HEAD" and allowed == "GET"):  # HEAD wherever GET (RFC 9110 9.3.2)
+            methods = f"{allowed}, HEAD" if allowed == "GET" else allowed
             return await self._error(send, RequestError(405, f"method not allowed on this path; use {allowed}"),
-                                     rid, [(b"allow", allowed.encode())])
+                                     rid, [(b"allow", methods.encode())])
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        if (expect := headers.get("expect", "").strip().lower()) and expect != "100-continue":
+            return await self._error(send, RequestError(417, "the only expectation this server meets is "
+                                                             "100-continue"), rid, [CLOSE])
+        if method == "HEAD":
+            return await self._head(scope, receive, send, rid)
         if path == "/metrics":
             body, content_type = self.metrics.exposition()
             await self._send(send, 200, body, content_type, rid)
@@ -319,7 +339,13 @@ class ContractMiddleware:
             return await self._forward(scope, b"", send, rid)
         if self._in_flight >= self.max_in_flight:  # refused before its body is read
             return await self._overloaded(send, rid)
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        if repeated := sorted({k for k, _ in scope.get("headers", [])
+                               if sum(name == k for name, _ in scope["headers"]) > 1} & SINGLE_HEADERS):
+            # two Content-Types (or codings): a proxy in front may have read the first while this server would read
+            # the last, so the body would be checked as one thing and scored as another
+            names = " and ".join(k.decode("latin-1").title() for k in repeated)
+            return await self._error(send, RequestError(400, f"{names} sent more than once: send it once"), rid,
+                                     [CLOSE])
         if "content-length" in headers and "transfer-encoding" in headers:
             # two framings (h11 reads the chunks, the length would size the body): a request-smuggling shape that no
             # honest client sends; answered and closed, its body unread
@@ -327,10 +353,10 @@ class ContractMiddleware:
                                                              "one of them"), rid, [CLOSE])
         try:
             body = await self._body(headers, receive)
-            request = (body, self.limits, headers.get("content-type"), MLFLOW_SHAPES)
+            request = functools.partial(parse_request, body, self.limits, headers.get("content-type"), MLFLOW_SHAPES,
+                                        content_encoding=headers.get("content-encoding"))
             # a large body's checks take a while: in a thread, so the event loop goes on serving the others
-            parsed = (parse_request(*request) if len(body) <= PARSE_INLINE_BYTES
-                      else await asyncio.to_thread(parse_request, *request))
+            parsed = request() if len(body) <= PARSE_INLINE_BYTES else await asyncio.to_thread(request)
         except RequestError as err:
             # a 408's body, and a 413's that the client waits to be invited to send, are not read
             close = err.status == 408 or (err.status == 413 and expects_continue(headers))
@@ -510,6 +536,16 @@ class ContractMiddleware:
         await send({"type": "http.response.body", "body": answer, "more_body": False})
         return Outcome(200)
 
+    async def _head(self, scope: Scope, receive: Receive, send: Send, rid: str) -> Outcome:
+        """A HEAD request: what its GET would answer, headers only (uvicorn sends no body for HEAD)."""
+        async def headers_only(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                await send(message)
+            elif not message.get("more_body", False):
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        return await self._answer({**scope, "method": "GET"}, receive, headers_only, rid)
+
     async def _ready(self, send: Send, rid: str) -> int:
         """200 with the model when one review goes through the pyfunc, else 503. Probes that arrive while a probe's
         review is being scored share that call: a flood of `/ready` costs one scoring at a time, not one each."""
@@ -669,7 +705,8 @@ def main(argv: list[str] | None = None) -> None:
           f"logs in {args.log_dir / 'mlflow_server.log'}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port,
                 http=request_deadline_protocol(args.header_timeout, args.send_timeout, args.limit_concurrency,
-                                               [(VERSION_HEADER, app.version), (VARIANT_HEADER, app.variant)]),
+                                               [(VERSION_HEADER, app.version), (VARIANT_HEADER, app.variant)],
+                                               on_refusal=app.metrics.refused),
                 h11_max_incomplete_event_size=H11_MAX_HEADER_BYTES, timeout_keep_alive=5, server_header=False,
                 log_config=config)
 

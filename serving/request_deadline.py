@@ -23,6 +23,14 @@ scoring slot) for as long as it kept the connection open. When the transport ask
 full), a timer of `send_timeout_s` starts; when the client has not read enough to resume writing by then, the
 connection is dropped (`abort`: a plain close would wait for the unread buffer to drain first), and the app's
 pending send returns.
+
+Two costs of a request are bounded below the app as well. A body is read in at most `max_body_pieces` pieces (h11's
+data events: a chunk of a chunked body, or what one read of the socket delivered): each costs the event loop a
+few microseconds whatever its size, so a 1 MB body sent as a million 1-byte chunks held the loop, and every other
+client, for seconds; past the budget the request is answered 400 and the connection closed. And what uvicorn would
+answer in plain text (a request h11 cannot parse: a bad Content-Length, a bad chunk size, no Host) is the
+contract's JSON 400 with a request id and the model's headers. `on_refusal(status, kind)` is told of every answer
+given here (the server's `/metrics` counts them with the app's).
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger(__name__)  # a child of "serving", which the server logs to its file
@@ -58,22 +68,63 @@ def over_limit_response(max_connections: int, headers: list[tuple[str, str]]) ->
     return b"\r\n".join(lines) + b"\r\n\r\n" + body
 
 
+#: Pieces (h11 data events) a request's body may arrive in; a 1 MB body in 1,448-byte TCP segments is about 700.
+MAX_BODY_PIECES = 4096
+#: The 400 for bytes that are not an HTTP/1.1 request h11 can read: it names no part of them.
+MALFORMED = "malformed HTTP request: its request line, headers or body framing could not be read"
+
+
 def request_deadline_protocol(headers_timeout_s: float, send_timeout_s: float, max_connections: int | None = None,
-                              refusal_headers: list[tuple[str, str]] | None = None) -> type[asyncio.Protocol]:
-    """uvicorn's h11 protocol class with a `headers_timeout_s` deadline on each request's line and headers and a
-    `send_timeout_s` one on a client that stopped reading, for `uvicorn.run(app, http=...)` (uvicorn's own options,
-    such as `h11_max_incomplete_event_size`, still apply).
+                              refusal_headers: list[tuple[str, str]] | None = None,
+                              max_body_pieces: int = MAX_BODY_PIECES,
+                              on_refusal: Callable[[int, str], None] | None = None) -> type[asyncio.Protocol]:
+    """uvicorn's h11 protocol class with a `headers_timeout_s` deadline on each request's line and headers, a
+    `send_timeout_s` one on a client that stopped reading and a budget of `max_body_pieces` pieces per request body,
+    for `uvicorn.run(app, http=...)` (uvicorn's own options, such as `h11_max_incomplete_event_size`, still apply).
 
     With `max_connections`, a connection that opens while that many are open gets `over_limit_response` (with
     `refusal_headers`) and is closed at once: uvicorn's own `limit_concurrency` answers a plain-text 503 without
-    `Retry-After` and only once a request's headers are in (leave it unset with this)."""
+    `Retry-After` and only once a request's headers are in (leave it unset with this). `refusal_headers` also go
+    out with the 400 for a request h11 cannot read; `on_refusal(status, kind)` hears of each of these answers."""
     refusal = over_limit_response(max_connections, refusal_headers or []) if max_connections else b""
     import h11
+    from h11._connection import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE  # what uvicorn's own protocol falls back to
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
+    def refused(status: int, kind: str) -> None:
+        if on_refusal is not None:
+            on_refusal(status, kind)
+
+    class TooManyPieces(h11.RemoteProtocolError):
+        """A request body past `max_body_pieces` pieces."""
+
+    class PieceBudget(h11.Connection):
+        """h11's server connection that counts each request's body pieces and stops at `max_body_pieces`."""
+
+        pieces = 0
+        over_budget = False  # the last error was the budget's (uvicorn's 400 for it is told nothing else)
+
+        def next_event(self) -> Any:
+            event = super().next_event()
+            if isinstance(event, h11.Request):
+                self.pieces = 0
+            elif isinstance(event, h11.Data):
+                self.pieces += 1
+                if self.pieces > max_body_pieces:
+                    self.over_budget = True
+                    raise TooManyPieces(f"request body in more than {max_body_pieces} pieces")
+            return event
+
     class RequestDeadlineProtocol(H11Protocol):
-        """`H11Protocol` whose connections must deliver each request's headers within `headers_timeout_s`, and
-        read their answers at least every `send_timeout_s` once the send buffer is full."""
+        """`H11Protocol` whose connections must deliver each request's headers within `headers_timeout_s` and its
+        body in at most `max_body_pieces` pieces, and read their answers at least every `send_timeout_s` once the
+        send buffer is full."""
+
+        def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+            super().__init__(config, *args, **kwargs)
+            size = config.h11_max_incomplete_event_size
+            self.conn: PieceBudget = PieceBudget(h11.SERVER,
+                                                 DEFAULT_MAX_INCOMPLETE_EVENT_SIZE if size is None else size)
 
         deadline: asyncio.TimerHandle | None = None
         request_begun = False  # bytes of a request arrived since the deadline was armed
@@ -89,8 +140,33 @@ def request_deadline_protocol(headers_timeout_s: float, send_timeout_s: float, m
                             len(self.connections) - 1)
                 transport.write(refusal)
                 transport.close()
+                refused(503, "connection_limit")
                 return
             self._arm()
+
+        def send_400_response(self, msg: str) -> None:
+            """The contract's JSON 400 where uvicorn would answer plain text (`msg`, uvicorn's, is not used): for
+            bytes h11 cannot read as a request, or a body past its piece budget. The connection is closed after it,
+            and without it where an answer is already on its way (nothing more can be framed there)."""
+            over_budget = self.conn.over_budget
+            rid = uuid.uuid4().hex
+            why = (f"the request body came in more than {max_body_pieces} pieces (chunks or reads): send it with "
+                   "Content-Length, or in larger chunks") if over_budget else MALFORMED
+            body = json.dumps({"error": why, "status": 400, "request_id": rid}).encode()
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                       (b"x-request-id", rid.encode()),
+                       *((k.lower().encode(), v.encode()) for k, v in refusal_headers or []), (b"connection", b"close")]
+            try:
+                answer = [self.conn.send(h11.Response(status_code=400, headers=headers, reason=b"Bad Request")),
+                          self.conn.send(h11.Data(data=body)), self.conn.send(h11.EndOfMessage())]
+            except h11.LocalProtocolError:
+                answer = []
+            if answer:
+                log.warning("request %s from %s: %s (400)", rid, self._peer(), why)
+                refused(400, "too_many_pieces" if over_budget else "malformed_http")
+                for part in answer:
+                    self.transport.write(part or b"")
+            self.transport.close()
 
         def data_received(self, data: bytes) -> None:
             self.request_begun = self.request_begun or bool(data)
@@ -178,6 +254,7 @@ def request_deadline_protocol(headers_timeout_s: float, send_timeout_s: float, m
                             self._peer(), headers_timeout_s)
                 if self.cycle is None or self.cycle.response_complete:  # nothing of an answer is on its way
                     self.transport.write(HEADERS_TIMEOUT_RESPONSE)
+                    refused(408, "request_timeout")
             self.transport.close()
 
     return RequestDeadlineProtocol

@@ -18,14 +18,14 @@ from pipeline.deployment.protocol import (
     error_body,
     format_predictions,
 )
-from pipeline.deployment.request_parsing import parse_request
+from pipeline.deployment.request_parsing import RawRequest, parse_request
 
 log = logging.getLogger(__name__)
 
 
-def answer_batch(requests: Sequence[tuple[Any, str | None]], scorer: Scorer, limits: Limits,
+def answer_batch(requests: Sequence[RawRequest], scorer: Scorer, limits: Limits,
                  model: str, request_ids: Sequence[str] | None = None) -> list[Answer]:
-    """One answer per `(body, content_type)`, in order; never raises for a request's sake.
+    """One answer per request, in order; never raises for a request's sake.
 
     Each request is parsed, checked and tokenized on its own; the survivors' token ids are scored in one
     batch; if that batch fails, each survivor is scored alone so one text that breaks the model fails only
@@ -37,13 +37,14 @@ def answer_batch(requests: Sequence[tuple[Any, str | None]], scorer: Scorer, lim
             for a, rid in zip(answers, ids, strict=True)]
 
 
-def _answers(requests: Sequence[tuple[Any, str | None]], scorer: Scorer, limits: Limits, model: str,
+def _answers(requests: Sequence[RawRequest], scorer: Scorer, limits: Limits, model: str,
              ids: Sequence[str]) -> list[Answer]:
     answers: list[Answer | None] = [None] * len(requests)
     survivors: list[tuple[int, ParsedRequest, list[Any]]] = []
-    for idx, (body, content_type) in enumerate(requests):
+    for idx, request in enumerate(requests):
         try:
-            parsed = parse_request(body, limits, content_type)
+            parsed = parse_request(request.body, limits, request.content_type,
+                                   content_encoding=request.content_encoding)
             encoded = scorer.encode(parsed.texts)
             if len(encoded) != len(parsed.texts):
                 raise RuntimeError(f"tokenizer returned {len(encoded)} sequences for {len(parsed.texts)} texts")

@@ -10,8 +10,8 @@ request shapes its clients know (`TORCHSERVE_SHAPES`, `MLFLOW_SHAPES`); everythi
   (413), `max_texts` rows (413), `max_chars_per_text` per text (413), `max_json_depth` (400).
 - JSON is parsed by orjson: NaN/Infinity, numbers beyond a double, lone surrogates and invalid UTF-8 are 400.
 - Every text must be a string with at least one visible character once cleaned as the model reads it: null,
-  numbers, objects, blank text, text made only of zero-width, bidi, control or replacement (U+FFFD) characters and
-  text that is only `<br />` markup are 400, named by where they are (`texts[3]`).
+  numbers, objects, blank text, text made only of zero-width, bidi, control, blank filler or replacement (U+FFFD)
+  characters and text that is only `<br />` markup are 400, named by where they are (`texts[3]`).
 - Errors are `{"error": message, "status": code, "request_id": id}`: messages name what was wrong (type,
   position, size, limit), are at most `MAX_ERROR_CHARS` long and never quote the input. A 4xx is the caller's
   mistake; a failure of the model or the server is a 5xx (500; 503 with `Retry-After` when overloaded), logged
@@ -45,6 +45,10 @@ JSON_MEDIA_TYPES = ("application/json",)
 INVISIBLE_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zs", "Zl", "Zp", "Mn", "Me"})
 #: What a decoder writes for bytes it cannot read; the tokenizer drops it, so it holds no text either.
 REPLACEMENT_CHARACTER = "\ufffd"
+#: Characters of a drawing category that render as nothing: the Hangul fillers (letters, Lo, but Unicode's
+#: Default_Ignorable_Code_Point: fonts draw them blank) and the Braille pattern with no dots. A text of only these
+#: (or of them and invisible categories) holds nothing to read.
+BLANK_CHARACTERS = frozenset("\u115f\u1160\u3164\uffa0\u2800")
 TEXT_COLUMN = "text"
 #: Decimals of the score both servers answer (a probability: a sixth decimal is below any model's noise).
 SCORE_DECIMALS = 6
@@ -163,8 +167,8 @@ def check_text(value: Any, where: str, max_chars: int | None = None) -> str:
     except UnicodeEncodeError as exc:  # JSON decoded by the server may hold "\ud800"; no tokenizer takes it
         raise RequestError(400, f"{where} holds a lone UTF-16 surrogate at character {exc.start}") from None
     if not has_visible(value):
-        raise RequestError(400, f"{where} holds no visible character (only zero-width, bidi, control, combining or "
-                                "replacement characters)")
+        raise RequestError(400, f"{where} holds no visible character (only zero-width, bidi, control, combining, "
+                                "blank filler or replacement characters)")
     if "<" in value and not has_visible(clean_text(value)):  # what the model reads: `<br />` markup dropped
         raise RequestError(400, f"{where} holds nothing but line-break markup (<br />): no text to score")
     return value
@@ -173,7 +177,8 @@ def check_text(value: Any, where: str, max_chars: int | None = None) -> str:
 def has_visible(text: str) -> bool:
     """True when `text` holds a character that draws something and that the tokenizer keeps: U+FFFD, which
     decoding writes for bytes that are not UTF-8 and BERT's tokenizers drop, counts as invisible."""
-    return any(ch != REPLACEMENT_CHARACTER and unicodedata.category(ch) not in INVISIBLE_CATEGORIES for ch in text)
+    return any(ch != REPLACEMENT_CHARACTER and ch not in BLANK_CHARACTERS
+               and unicodedata.category(ch) not in INVISIBLE_CATEGORIES for ch in text)
 
 
 def format_predictions(predictions: Sequence[Any], is_list: bool, model: str) -> Any:

@@ -9,7 +9,7 @@ import csv
 import io
 import itertools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -30,7 +30,8 @@ from pipeline.deployment.protocol import (
 
 
 def media_type(content_type: str | None) -> tuple[str, dict[str, str]]:
-    """`(type, parameters)` of a Content-Type header, lower-cased; `("", {})` when absent or blank."""
+    """`(type, parameters)` of a Content-Type header, lower-cased; `("", {})` when absent or blank, and `("", ...)`
+    when only parameters were sent."""
     if not content_type or not content_type.strip():
         return "", {}
     media, *params = content_type.split(";")
@@ -54,7 +55,9 @@ def body_kind(content_type: str | None, shapes: frozenset[str]) -> str:
     accepted = ["application/json"] + (["text/plain"] if "plain" in shapes else []) + \
         (["text/csv"] if "csv" in shapes else [])
     if not media:
-        raise RequestError(415, f"no Content-Type header; send one of {', '.join(accepted)}")
+        said = "no Content-Type header" if not params and not (content_type or "").strip() else \
+            "a Content-Type with no media type"
+        raise RequestError(415, f"{said}; send one of {', '.join(accepted)}")
     if media == "application/x-www-form-urlencoded" or media.startswith("multipart/"):
         form = media if media in ("application/x-www-form-urlencoded", "multipart/form-data") else "multipart"
         raise RequestError(415, f"a form-encoded body ({form}) is not accepted: send the JSON itself with "
@@ -94,14 +97,40 @@ JSON_VALUES_PER_TEXT = 4
 JSON_FRAME_VALUES = 16
 
 
+class RawRequest(NamedTuple):
+    """One request as a server hands it over: its body and the headers that say how to read it."""
+
+    body: Any
+    content_type: str | None = None
+    content_encoding: str | None = None
+
+
+def check_content_encoding(content_encoding: str | None) -> None:
+    """`RequestError(415)` unless the body is sent as it is (no Content-Encoding, or `identity`): neither server
+    decompresses, and a compressed body read as text would be refused for the wrong reason (not UTF-8), or a plain
+    one labelled compressed scored as though the label were not there (RFC 9110 8.4.1: 415 for a coding the server
+    does not take)."""
+    codings = [c.strip().lower() for c in (content_encoding or "").split(",") if c.strip()]
+    if any(c != "identity" for c in codings):
+        shown = " and ".join(sorted({c for c in codings if c in NAMED_CODINGS})) or "this Content-Encoding"
+        raise RequestError(415, f"a compressed body ({shown}) is not accepted: send it uncompressed, without a "
+                                "Content-Encoding header")
+
+
+#: Content codings a 415 names (others are "this Content-Encoding"): the registered ones clients send.
+NAMED_CODINGS = frozenset({"gzip", "x-gzip", "deflate", "br", "zstd", "compress", "x-compress"})
+
+
 def parse_request(body: Any, limits: Limits, content_type: str | None = None,
-                  shapes: frozenset[str] = TORCHSERVE_SHAPES) -> ParsedRequest:
+                  shapes: frozenset[str] = TORCHSERVE_SHAPES, content_encoding: str | None = None) -> ParsedRequest:
     """Turn one request body into texts, or raise `RequestError` (and nothing else).
 
     `body` is what the server hands over: bytes (the normal case: serving/config.properties turns
     TorchServe's own decoding off; MLflow's launcher passes the raw body), a str (a text body the server
     decoded) or JSON the server already decoded (dict, list or scalar). The same limits hold for each:
-    already-decoded JSON is walked without recursion and its encoded size estimated."""
+    already-decoded JSON is walked without recursion and its encoded size estimated. A body sent with a content
+    coding (`content_encoding`, other than identity) is refused, whatever the server made of it."""
+    check_content_encoding(content_encoding)
     if isinstance(body, bytes | bytearray | memoryview):
         raw = bytes(body)
     elif isinstance(body, str):
@@ -256,6 +285,12 @@ def _split_column(value: Any) -> list[Any]:
         raise RequestError(400, f"\"dataframe_split\" needs \"columns\": [\"{TEXT_COLUMN}\"] (one column, "
                                 f"\"{TEXT_COLUMN}\")")
     rows = _list(value.get("data"), "dataframe_split.data", "a list of one-item rows")
+    if "index" in value:  # pandas refuses an index whose length is not the data's; so does the contract
+        index = _list(value["index"], "dataframe_split.index", "a list with one label per row")
+        if len(index) != len(rows):
+            raise RequestError(400, f"dataframe_split.index has {len(index)} labels for {len(rows)} rows")
+        if any(isinstance(label, dict | list) for label in index):
+            raise RequestError(400, "dataframe_split.index labels must be strings or numbers")
     for i, row in enumerate(rows):
         if not isinstance(row, list) or len(row) != 1:
             raise RequestError(400, f"dataframe_split.data[{i}] must be a one-item list [text], got "
@@ -296,8 +331,20 @@ def _csv_column(text: str, limits: Limits) -> list[str]:
     # It is process-wide state: only ever raised, so concurrent requests never lower it under one another.
     if csv.field_size_limit() < limits.max_body_bytes:
         csv.field_size_limit(limits.max_body_bytes)
+    # a blank line is no row (as Spark's CSV reader and batch scoring have it); at most `MAX_BLANK_CSV_LINES` of
+    # them are skipped, so a body of a million newlines costs no more than a valid one
+    blank = 0
+
+    def counted_blank(row: list[str]) -> bool:
+        nonlocal blank
+        blank += not row
+        if blank > MAX_BLANK_CSV_LINES:
+            raise RequestError(400, f"CSV body holds more than {MAX_BLANK_CSV_LINES} blank lines")
+        return not row
+
+    reader = csv.reader(io.StringIO(text, newline=""), strict=True)
     try:
-        rows = list(itertools.islice(csv.reader(io.StringIO(text, newline=""), strict=True), limits.max_texts + 2))
+        rows = list(itertools.islice(itertools.filterfalse(counted_blank, reader), limits.max_texts + 2))
     except csv.Error as exc:
         raise RequestError(400, f"invalid CSV: {exc}") from None
     if len(rows) > limits.max_texts + 1:
@@ -305,7 +352,13 @@ def _csv_column(text: str, limits: Limits) -> list[str]:
                                 f"{limits.max_texts} per request")
     if not rows or rows[0] != [TEXT_COLUMN]:
         raise RequestError(400, f"CSV body needs a header row with one column, \"{TEXT_COLUMN}\"")
+    if len(rows) == 1:
+        raise RequestError(400, f"CSV body has its header row, \"{TEXT_COLUMN}\", and no rows to score")
     for i, row in enumerate(rows[1:]):
         if len(row) != 1:
             raise RequestError(400, f"CSV row {i} has {len(row)} fields; one ({TEXT_COLUMN}) is expected")
     return [row[0] for row in rows[1:]]
+
+
+#: Blank lines a CSV body may hold (between rows or at its end); more is a 400.
+MAX_BLANK_CSV_LINES = 1024

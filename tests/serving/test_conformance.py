@@ -56,10 +56,11 @@ class Endpoint:
     version: str
 
     def post(self, body: bytes, content_type: str | None = JSON, method: str = "POST",
-             path: str | None = None) -> tuple[int, dict[str, str], bytes]:
+             path: str | None = None, extra: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
         """One request with exactly these headers (urllib would add a form-encoded Content-Type of its own)."""
         url = urllib.parse.urlsplit(self.url)
         headers = {"Content-Type": content_type} if content_type is not None else {}
+        headers.update(extra or {})
         if self.key:
             headers["Authorization"] = f"Bearer {self.key}"
         conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
@@ -117,6 +118,8 @@ HOSTILE: list[tuple[str, Callable[[Endpoint], bytes], str | None, int, str]] = [
     ("invisible text", lambda e: _body(e, ["\u200b\u200e\u202e\u2066\u0007\ufeff"]), JSON, 400,
      "no visible character"),
     ("replacement characters only", lambda e: _body(e, ["\ufffd \ufffd\u200b"]), JSON, 400, "no visible character"),
+    ("blank filler characters only", lambda e: _body(e, ["\u3164\u115f \u2800\uffa0"]), JSON, 400,
+     "no visible character"),
     ("line-break markup only", lambda e: _body(e, ["<br /><BR>\n<br/> "]), JSON, 400, "line-break markup"),
     ("empty list", lambda e: _body(e, []), JSON, 400, "no texts"),
     ("too many rows", lambda e: _body(e, [MARKER] * (LIMITS.max_texts + 1)), JSON, 413, "exceed the maximum"),
@@ -182,6 +185,21 @@ def test_a_hostile_body_gets_its_4xx_and_the_next_valid_request_its_labels(endpo
     ok, headers, answer = endpoint.post(_body(endpoint, ["a fine film after a bad request"]))
     assert ok == 200, answer
     assert _names_the_model(endpoint, headers)
+
+
+@pytest.mark.parametrize("coding", ["gzip", "br", "identity"])
+def test_a_body_with_a_content_coding_is_a_415_on_both_servers(endpoint, coding):
+    """Neither server decompresses, and both are told the request's Content-Encoding: a gzip body is refused as
+    compressed (not as invalid UTF-8), a plain body labelled compressed is not scored, `identity` is no coding."""
+    import gzip
+
+    body = _body(endpoint, ["a wonderful film"])
+    for sent in (body, gzip.compress(body)) if coding != "identity" else (body,):
+        status, headers, answer = endpoint.post(sent, JSON, extra={"Content-Encoding": coding})
+        if coding == "identity":
+            assert status == 200 and endpoint.labels(answer), answer[:300]
+        else:
+            _check_error(endpoint, status, headers, answer, 415, f"compressed body ({coding})")
 
 
 TEXTS = ["A wonderful, moving film; the cast is superb.", "NA", "素晴らしい映画でした 😀",

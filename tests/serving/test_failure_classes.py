@@ -396,9 +396,9 @@ def test_a_large_body_is_checked_off_the_event_loop_and_answered(served, monkeyp
     threads: list[str] = []
     parse = mlflow_server.parse_request
 
-    def recording(*args: Any) -> Any:
+    def recording(*args: Any, **kwargs: Any) -> Any:
         threads.append(threading.current_thread().name)
-        return parse(*args)
+        return parse(*args, **kwargs)
 
     monkeypatch.setattr(mlflow_server, "parse_request", recording)
     app = middleware(served)

@@ -189,6 +189,62 @@ def test_slow_clients_are_cut_at_the_servers_timeouts(champion):
     assert limit * 0.8 <= waited < limit + 5
 
 
+def _raw(url: str, request: bytes) -> tuple[bytes, dict[str, str], bytes]:
+    """Send `request` as it is on a fresh connection (headers http.client would not send twice, a target it would
+    not write) and read the answer to the end: its status line, headers and body."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(request)
+        data, _ = read_until_closed(sock)
+    head, _, body = data.partition(b"\r\n\r\n")
+    status, *lines = head.split(b"\r\n")
+    return status, {k.decode().lower(): v.decode().strip() for k, _, v in (x.partition(b":") for x in lines)}, body
+
+
+def test_requests_the_contract_cannot_read_one_way_are_refused_before_scoring(champion):
+    """Two Content-Types (a proxy may read the first, this server the last: the body checked as one thing and scored
+    as another), an expectation other than 100-continue, a target that is no path, and bytes that are no request
+    are each refused with the contract's JSON error and its request id, the connection closed; `/metrics` counts
+    the last one too, although no request reached the app."""
+    url = champion["url"]
+    before = _get(f"{url}/metrics")[2].decode()
+    body = b"text\nawful boring film\n"
+    cases = [
+        (b"POST /invocations HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Type: text/csv\r\n"
+         b"Content-Length: %d\r\n\r\n%s" % (len(body), body), b"400", "Content-Type sent more than once"),
+        (b"POST /invocations HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Encoding: br\r\n"
+         b"Content-Encoding: identity\r\nContent-Length: 2\r\n\r\n{}", b"400", "Content-Encoding sent more"),
+        (b"POST /invocations HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nExpect: 200-ok\r\n"
+         b"Content-Length: 2\r\n\r\n{}", b"417", "100-continue"),
+        (b"POST %2Finvocations HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: 20\r\n\r\n"
+         b'{"inputs": ["fine"]}', b"400", "must be a path"),
+        (b"POST /invocations HTTP/1.1\r\nHost: t\r\nContent-Length: 1x\r\n\r\n", b"400", "malformed HTTP request"),
+    ]
+    for request, status, needle in cases:
+        line, headers, answer = _raw(url, request)
+        error = json.loads(answer)
+        assert line.split(b" ")[1] == status and needle in error["error"], (request[:60], line, error)
+        assert headers["x-request-id"] == error["request_id"] and headers["connection"] == "close"
+        assert headers["x-model-variant"] == "fp32-onnx"
+    after = _get(f"{url}/metrics")[2].decode()
+    labels = {"kind": "malformed_http", "side": "client"}
+    assert _metric(after, "sentiment_request_errors_total", **labels) - \
+        _metric(before, "sentiment_request_errors_total", **labels) == 1
+
+
+def test_head_is_answered_wherever_get_is(champion):
+    """HEAD gets what GET would, headers only (RFC 9110: a server that answers GET answers HEAD); `Allow` says so
+    where neither is the method."""
+    for path in ("/ping", "/health", "/version", "/ready"):
+        line, headers, answer = _raw(champion["url"], f"HEAD {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n"
+                                                      "\r\n".encode())
+        assert line.startswith(b"HTTP/1.1 200 ") and answer == b"", (path, line, answer)
+        assert headers["x-model-variant"] == "fp32-onnx" and headers["x-request-id"]
+    line, headers, _ = _raw(champion["url"], b"PUT /ping HTTP/1.1\r\nHost: t\r\nContent-Length: 0\r\n"
+                                             b"Connection: close\r\n\r\n")
+    assert line.startswith(b"HTTP/1.1 405 ") and headers["allow"] == "GET, HEAD"
+
+
 def test_the_launchers_log_appends_across_restarts_and_rotates(tmp_path):
     import logging
     import logging.config

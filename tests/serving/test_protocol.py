@@ -27,7 +27,7 @@ from pipeline.deployment.protocol import (
     check_text,
     has_visible,
 )
-from pipeline.deployment.request_parsing import is_json_media_type, parse_request
+from pipeline.deployment.request_parsing import RawRequest, is_json_media_type, parse_request
 from serving.handler import SentimentHandler
 from tests import factories
 
@@ -137,6 +137,18 @@ def test_valid_bodies_in_every_form():
         (b"text\n" + b"a\n" * 5, "text/csv", MLFLOW_SHAPES, 413, "maximum of 4"),
         (b"text\na\n", "text/csv; header=absent", MLFLOW_SHAPES, 415, "header=absent"),
         (b'{"text": "a"}', "application/json; q=1", TORCHSERVE_SHAPES, 415, "other than charset"),
+        (b'{"text": "a"}', "; charset=utf-8", TORCHSERVE_SHAPES, 415, "a Content-Type with no media type"),
+        (b"text\n", "text/csv", MLFLOW_SHAPES, 400, "no rows to score"),
+        (b"text\n\n\n", "text/csv", MLFLOW_SHAPES, 400, "no rows to score"),
+        (b"text\n" + b"\n" * 1025 + b"a\n", "text/csv", MLFLOW_SHAPES, 400, "more than 1024 blank lines"),
+        ('{"text": "\u3164\u115f\u2800 \u200b"}'.encode(), "application/json", TORCHSERVE_SHAPES, 400,
+         "no visible character"),
+        (b'{"dataframe_split": {"columns": ["text"], "data": [["a"]], "index": [0, 1, 2]}}', "application/json",
+         MLFLOW_SHAPES, 400, "3 labels for 1 rows"),
+        (b'{"dataframe_split": {"columns": ["text"], "data": [["a"]], "index": "0"}}', "application/json",
+         MLFLOW_SHAPES, 400, "\"dataframe_split.index\" must be a list"),
+        (b'{"dataframe_split": {"columns": ["text"], "data": [["a"]], "index": [{}]}}', "application/json",
+         MLFLOW_SHAPES, 400, "strings or numbers"),
     ],
 )
 def test_the_contracts_refusals_name_the_problem(body, content_type, shapes, status, needle):
@@ -215,6 +227,35 @@ def test_a_body_of_more_values_than_any_request_holds_is_refused_before_it_is_wa
         with pytest.raises(RequestError) as err:
             parse_request(body, limits, "application/json", MLFLOW_SHAPES)
         assert err.value.status == 413 and "values" in err.value.message
+
+
+@pytest.mark.parametrize("newline", [b"\n", b"\r\n"])
+def test_a_blank_csv_line_is_no_row(newline):
+    """As Spark's CSV reader (batch scoring) has it: blank lines between rows and at the end are skipped, and do not
+    count towards `max_texts`; a line of spaces is a row (a blank text, refused)."""
+    rows = [b"text", b"a good film", b"", b"a bad film", b"", b""]
+    parsed = parse_request(newline.join(rows) + newline, LIMITS, "text/csv", MLFLOW_SHAPES)
+    assert parsed.texts == ["a good film", "a bad film"]
+    four = newline.join([b"text"] + [b"", b"x"] * 4 + [b""] * 3)
+    assert parse_request(four, LIMITS, "text/csv", MLFLOW_SHAPES).texts == ["x"] * 4  # LIMITS.max_texts
+    with pytest.raises(RequestError, match=r"row\[1\] is empty or whitespace only"):
+        parse_request(newline.join([b"text", b"a", b"  "]), LIMITS, "text/csv", MLFLOW_SHAPES)
+
+
+@pytest.mark.parametrize(("encoding", "needle"), [("gzip", "(gzip)"), ("br", "(br)"), ("GZIP, identity", "(gzip)"),
+                                                  ("x-secret-coding", "(this Content-Encoding)")])
+def test_a_body_with_a_content_coding_is_refused_never_read_as_text(encoding, needle):
+    """Neither server decompresses: a compressed body is a 415 that says so (not "not valid UTF-8"), and a plain one
+    labelled compressed is not scored as if the label were not there; `identity` is no coding at all."""
+    import gzip
+
+    body = b'{"text": "a wonderful film"}'
+    for sent in (body, gzip.compress(body)):
+        with pytest.raises(RequestError) as err:
+            parse_request(sent, LIMITS, "application/json", content_encoding=encoding)
+        assert err.value.status == 415 and needle in err.value.message and "secret" not in err.value.message
+    assert parse_request(body, LIMITS, "application/json", content_encoding=" Identity ").texts == ["a wonderful film"]
+    assert parse_request(body, LIMITS, "application/json", content_encoding="").texts == ["a wonderful film"]
 
 
 def test_a_csv_body_is_read_no_further_than_one_row_past_the_limit():
@@ -322,13 +363,16 @@ hostile_requests = st.one_of(
     st.sampled_from(POISON),
     st.binary(max_size=60).map(lambda b: (b"\xff" + b, None)),
     json_values.filter(lambda v: not isinstance(v, dict)).map(lambda v: (v, "application/json")),
+    # a valid body labelled compressed: neither server decompresses, so it is refused (415), never scored
+    st.tuples(valid_requests, st.sampled_from(["gzip", "br", "deflate, identity", "x-custom"])).map(
+        lambda pair: (*pair[0], pair[1])),
 )
 
 
 @FEW
 @given(requests=st.lists(st.tuples(st.booleans(), valid_requests, hostile_requests), min_size=1, max_size=8))
 def test_a_mixed_batch_gets_one_answer_per_request_and_every_valid_one_a_label(requests):
-    batch = [valid if is_valid else hostile for is_valid, valid, hostile in requests]
+    batch = [RawRequest(*(valid if is_valid else hostile)) for is_valid, valid, hostile in requests]
     answers = answer_batch(batch, FakeScorer(), LIMITS, "m")
     assert len(answers) == len(batch)
     for (is_valid, _, _), answer in zip(requests, answers, strict=True):
@@ -345,7 +389,7 @@ def test_a_request_that_breaks_the_model_fails_alone():
     json_type = "application/json"
     batch = [(b'{"text": "fine"}', json_type), (b'{"texts": ["ok", "POISON here"]}', json_type),
              (b"BOOM", "text/plain"), (b'{"text": "also fine"}', json_type)]
-    answers = answer_batch(batch, scorer, LIMITS, "m")
+    answers = answer_batch([RawRequest(*r) for r in batch], scorer, LIMITS, "m")
     assert [a.status for a in answers] == [200, 500, 500, 200]
     assert "internal error" in answers[1].body["error"] and answers[2].body["status"] == 500
     assert scorer.batches == [4, 1, 2, 1]  # one batch of every survivor's text, then each request alone
@@ -355,13 +399,15 @@ def test_a_request_that_breaks_the_model_fails_alone():
 class Context:
     """What the handler uses of TorchServe's context."""
 
-    def __init__(self, content_types: list[str | None]) -> None:
+    def __init__(self, content_types: list[str | None], content_encodings: list[str | None] | None = None) -> None:
         self.content_types = content_types
+        self.content_encodings = content_encodings or [None] * len(content_types)
         self.statuses: dict[int, int] = {}
         self.types: dict[int, str] = {}
 
     def get_all_request_header(self, idx: int) -> dict[str, object]:
-        return {"body": {"content-type": self.content_types[idx]}, "Content-Type": self.content_types[idx]}
+        coding = {"Content-Encoding": self.content_encodings[idx]} if self.content_encodings[idx] else {}
+        return {"body": {"content-type": self.content_types[idx]}, "Content-Type": self.content_types[idx], **coding}
 
     def set_response_header(self, idx: int, key: str, value: str) -> None:
         pass
@@ -386,9 +432,9 @@ def handler(tiny_model_dir):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(requests=st.lists(st.tuples(st.booleans(), valid_requests, hostile_requests), min_size=1, max_size=8))
 def test_the_real_handler_answers_each_request_of_a_hostile_batch(handler, requests):
-    batch = [valid if is_valid else hostile for is_valid, valid, hostile in requests]
-    context = Context([content_type for _, content_type in batch])
-    answers = [json.loads(a) for a in handler.handle([{"body": body} for body, _ in batch], context)]
+    batch = [RawRequest(*(valid if is_valid else hostile)) for is_valid, valid, hostile in requests]
+    context = Context([r.content_type for r in batch], [r.content_encoding for r in batch])
+    answers = [json.loads(a) for a in handler.handle([{"body": r.body} for r in batch], context)]
     assert len(answers) == len(batch) and set(context.statuses) == set(range(len(batch)))
     assert set(context.types.values()) == {"application/json"}
     for idx, (is_valid, _, _) in enumerate(requests):

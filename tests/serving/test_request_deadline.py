@@ -29,7 +29,7 @@ big_sent = threading.Event()
 
 async def hello(scope: dict[str, Any], receive: Any, send: Any) -> None:
     """Answers "ok" at once without reading any body; on `/slow` after `DEADLINE_S`, on `/slower` after twice
-    that; `/big` answers `BIG` bytes."""
+    that; `/big` answers `BIG` bytes; `/read` reads the body and answers its length."""
     if scope["type"] != "http":
         return
     if scope["path"] == "/big":
@@ -38,6 +38,16 @@ async def hello(scope: dict[str, Any], receive: Any, send: Any) -> None:
         for left in range(BIG, 0, -len(chunk)):  # in parts: each waits for the buffer to drain, as an app's do
             await send({"type": "http.response.body", "body": chunk, "more_body": left > len(chunk)})
         big_sent.set()
+        return
+    if scope["path"] == "/read":  # reads the whole body first, then answers its length
+        size, more = 0, True
+        while more:
+            message = await receive()
+            size, more = size + len(message.get("body", b"")), message.get("more_body", False)
+        answer = str(size).encode()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(len(answer)).encode())]})
+        await send({"type": "http.response.body", "body": answer})
         return
     if scope["path"] in ("/slow", "/slower"):
         await asyncio.sleep(DEADLINE_S * (2 if scope["path"] == "/slower" else 1))
@@ -119,9 +129,9 @@ def test_requests_in_time_are_answered_and_a_kept_connection_gets_a_new_deadline
     assert data == b"" and waited < DEADLINE_S + 5
 
 
-def read_answer(sock: socket.socket) -> bytes:
+def read_answer(sock: socket.socket, body: bytes = b"ok") -> bytes:
     answer = b""
-    while not answer.endswith(b"\r\n\r\nok"):  # the head and the body may come in two reads
+    while not answer.endswith(b"\r\n\r\n" + body):  # the head and the body may come in two reads
         answer += sock.recv(4096) or b"(closed)"
         assert not answer.endswith(b"(closed)"), answer
     return answer
@@ -232,3 +242,71 @@ def test_a_connection_past_the_limit_gets_the_contracts_503_at_once_and_a_freed_
         assert data.startswith(b"HTTP/1.1 200 ") and data.endswith(b"ok")
         for sock in idle:
             sock.close()
+
+
+def chunked(pieces: list[bytes]) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
+
+
+def test_a_body_past_its_piece_budget_gets_the_contracts_400_and_the_connection_closed():
+    """A body in more chunks than `max_body_pieces` (each costs the event loop the same whatever its size): the
+    contract's JSON 400 with a request id and the model's headers, the connection closed, the refusal reported;
+    bodies within the budget are read whole, and the count starts again with each request of a connection."""
+    import json
+
+    told: list[tuple[int, str]] = []
+    protocol = request_deadline_protocol(30.0, 30.0, refusal_headers=[("X-Model-Version", "7")], max_body_pieces=50,
+                                         on_refusal=lambda status, kind: told.append((status, kind)))
+    head = b"POST /read HTTP/1.1\r\nHost: test\r\nTransfer-Encoding: chunked\r\n\r\n"
+    with serving(protocol) as port:
+        with connect(port) as sock:  # two requests of 40 one-byte chunks each on one connection
+            for _ in range(2):
+                sock.sendall(head + chunked([b"x"] * 40))
+                assert read_answer(sock, b"40").startswith(b"HTTP/1.1 200 ")
+        with connect(port) as sock:
+            sock.sendall(head + chunked([b"x"] * 200))
+            data, _ = read_until_closed(sock)
+    head_out, _, body = data.partition(b"\r\n\r\n")
+    answer = json.loads(body)
+    assert head_out.startswith(b"HTTP/1.1 400 ") and b"x-model-version: 7" in head_out.lower()
+    assert answer["status"] == 400 and "more than 50 pieces" in answer["error"]
+    assert f"x-request-id: {answer['request_id']}".encode() in head_out.lower()
+    assert told == [(400, "too_many_pieces")]
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"POST /read HTTP/1.1\r\nHost: test\r\nContent-Length: 1x\r\n\r\n",       # a length that is no number
+    b"POST /read HTTP/1.1\r\nContent-Length: 1\r\n\r\nx",                      # no Host
+    b"POST /read HTTP/1.1\r\nHost: test\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",  # a bad chunk size
+    b"GET / HTTP/1.1\r\nHost: test\r\nBad header\r\n\r\n",                    # a header with no colon
+])
+def test_bytes_that_are_no_request_get_the_contracts_json_400_not_plain_text(request_bytes):
+    """What uvicorn answers in plain text ("Invalid HTTP request received.") is the contract's JSON error with a
+    request id and the model's headers, naming none of the bytes sent; the refusal is reported."""
+    import json
+
+    told: list[tuple[int, str]] = []
+    protocol = request_deadline_protocol(30.0, 30.0, refusal_headers=[("X-Model-Version", "7")],
+                                         on_refusal=lambda status, kind: told.append((status, kind)))
+    with serving(protocol) as port, connect(port) as sock:
+        sock.sendall(request_bytes)
+        data, _ = read_until_closed(sock)
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and b"application/json" in head and b"x-model-version: 7" in head.lower()
+    answer = json.loads(body)
+    assert answer["error"].startswith("malformed HTTP request") and answer["status"] == 400
+    assert f"x-request-id: {answer['request_id']}".encode() in head.lower()
+    assert told == [(400, "malformed_http")]
+
+
+def test_the_408_and_the_connection_limits_503_are_reported():
+    told: list[tuple[int, str]] = []
+    protocol = request_deadline_protocol(DEADLINE_S, 30.0, max_connections=1,
+                                         on_refusal=lambda status, kind: told.append((status, kind)))
+    with serving(protocol) as port, connect(port) as first:
+        first.sendall(b"GET / HT")
+        time.sleep(0.2)
+        with connect(port) as second:
+            assert read_until_closed(second)[0].startswith(b"HTTP/1.1 503 ")
+        assert read_until_closed(first)[0].startswith(b"HTTP/1.1 408 ")
+    assert told == [(503, "connection_limit"), (408, "request_timeout")]
