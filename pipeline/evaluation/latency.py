@@ -152,9 +152,10 @@ def measure(runners: dict[str, Runner], lat_inputs: list[tuple[np.ndarray, ...]]
             progress: Callable[[str], None] | None = None) -> dict[str, dict[str, Any]]:
     """Warm up each runner, then alternate rounds of batch-1 latency and batch-N throughput.
 
-    Every round starts with `params.warmup` untimed calls as well: right after another variant ran, the first
-    calls are slower than the steady state (evicted caches, idle threads), and with few timed calls per round
-    they would be a sizeable share of the samples, inflating p95 and nudging p50.
+    Every round starts with `params.settle_s` seconds idle and `params.warmup` untimed calls: right after another
+    variant ran, its runtime's threads go on spinning for a while and the caches hold its weights, so the first
+    calls are slower than the steady state, and with few timed calls per round they would be a sizeable share of
+    the samples, inflating p95 and nudging p50.
     Each row keeps its latency samples by round (`latency_rounds_ms`) for `speedup_interval`."""
     names = list(runners)
     for name in names:
@@ -168,7 +169,10 @@ def measure(runners: dict[str, Runner], lat_inputs: list[tuple[np.ndarray, ...]]
         run = runners[name]
         lat[name].append([])
         first = (r // len(names)) * per_round  # by round: every variant is timed on the same reviews in a round
-        for i in range(params.warmup):  # the first calls after another variant ran are cold (caches, threads)
+        # the previous variant's idle threads spin on: calls made meanwhile share the cores with them (warm-up calls
+        # alone did not wait them out: onnxruntime after onnxruntime ran its first 3-4 timed calls twice as slow)
+        time.sleep(params.settle_s)
+        for i in range(params.warmup):  # the first calls after another variant ran are cold (caches)
             run(*lat_inputs[(first + i) % len(lat_inputs)])
         for i in range(per_round):
             ids, mask = lat_inputs[(first + i) % len(lat_inputs)]

@@ -53,6 +53,9 @@ class BenchmarkParams:
     """throughput batch, dynamic padding"""
     warmup: int = Field(5, ge=0)
     """untimed calls per variant at the start and again before each round"""
+    settle_s: float = Field(0.05, ge=0)
+    """seconds idle before each variant's round: the previous variant's runtime threads spin for a while after its
+    last call, and on a 2-core machine they take a core from the next variant's first calls (docs/benchmarks.md)"""
     iterations: int = Field(100, ge=1)
     """latency samples per variant, spread over the rounds (at least one per round)"""
     rounds: int = Field(5, ge=1)

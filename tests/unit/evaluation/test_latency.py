@@ -64,6 +64,23 @@ def test_measure_alternates_and_counts():
         assert [len(r) for r in out[name]["latency_rounds_ms"]] == [2, 2, 2]  # by round, for the interval
 
 
+def test_each_round_of_a_variant_waits_settle_s_before_its_warm_up(monkeypatch):
+    """The previous variant's idle runtime threads spin on after its last call: each visit waits
+    `benchmark.settle_s` with no call in flight, then warms up, then is timed."""
+    import pipeline.evaluation.latency as latency
+
+    events: list = []
+    monkeypatch.setattr(latency.time, "sleep", lambda s: events.append(("sleep", s)))
+    runners = {n: Recorder(n, events) for n in ("a", "b")}
+    lat = [(np.zeros((1, 16), np.int64), np.ones((1, 16), np.int64))] * 3
+    tp = [(np.zeros((4, 16), np.int64), np.ones((4, 16), np.int64))]
+    measure(runners, lat, tp, BenchmarkParams(warmup=1, iterations=2, rounds=2, settle_s=0.07))
+    visits = events[2 * (1 + 1):]  # after the first warm-up: 1 latency + 1 throughput call per runner
+    # a visit: the pause, 1 warm-up call, 1 timed call, 1 throughput batch
+    assert [e[0] for e in visits] == ["sleep", "a", "a", "a", "sleep", "b", "b", "b"] * 2
+    assert {s for kind, s in visits if kind == "sleep"} == {0.07}
+
+
 def test_every_variant_is_timed_on_the_same_reviews_in_a_round():
     seen: dict[str, list[list[int]]] = {"a": [], "b": [], "c": []}
 
