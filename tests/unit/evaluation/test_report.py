@@ -222,7 +222,7 @@ def test_no_qat_verdict_without_both_rows_and_the_line_says_when_the_order_could
     assert qat_verdicts({**rows, "int8-qat-openvino": {"status": "skipped", "reason": "x"}}, TargetsParams()) == []
     path = tmp_path / "variants.md"
     write_report(_result(rows), tmp_path / "latency.png", path, TargetsParams())
-    line = ("- QAT on its runtime: **int8-qat-openvino** -0.10 pt vs FP32, 1.04x int8-openvino's speed at batch 1 "
+    line = ("- QAT on its runtime: **int8-qat-openvino** -0.10 pt vs FP32, 1.042x int8-openvino's speed at batch 1 "
             "(p50) and 1.02x at batch 32 (throughput) (met: target within 0.2 pt and at least as fast at both).")
     assert line in path.read_text().splitlines()
     rows["int8-qat-openvino"].update(speedup_p50_low=4.1)  # now overlapping 3.8-4.2
@@ -245,7 +245,7 @@ def test_the_benchmarks_paired_interval_decides_whether_the_qat_order_is_within_
     assert (v.b1_low, v.b1_high, v.within_noise, v.met) == (low, high, within_noise, True)
     path = tmp_path / "variants.md"
     write_report(_result(rows), tmp_path / "latency.png", path, TargetsParams())
-    assert f"(paired interval over the rounds {low:.2f}-{high:.2f})" in path.read_text()
+    assert f"(paired interval over the rounds {low:.3f}-{high:.3f})" in path.read_text()
 
 
 def test_the_report_chart_and_log_lines_name_the_benchmarks_batch_size(tmp_path, monkeypatch):
@@ -337,8 +337,8 @@ def test_static_scales_are_judged_against_int8_dynamic_at_batch_1_within_the_acc
     write_report(_result(rows), tmp_path / "latency.png", path, TargetsParams())
     (line,) = [x for x in path.read_text().splitlines() if x.startswith("- Static scales")]
     assert line.startswith(f"- Static scales against per-batch ones: **int8-static** {100 * (acc - 0.9):+.2f} pt "
-                           f"vs FP32, {4.0 / p50:.2f}x int8-dynamic's speed at batch 1 (p50) (paired interval over "
-                           f"the rounds {interval[0]:.2f}-{interval[1]:.2f})")
+                           f"vs FP32, {4.0 / p50:.3f}x int8-dynamic's speed at batch 1 (p50) (paired interval over "
+                           f"the rounds {interval[0]:.3f}-{interval[1]:.3f})")
     assert line.endswith(f"({verdict}: target within 0.5 pt and at least as fast at batch 1).")
     assert "throughput" not in line and pair_lines(rows, TargetsParams(), 32) == [line.removeprefix("- ")]
 
