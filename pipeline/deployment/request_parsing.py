@@ -1,6 +1,7 @@
-"""Reading a request body under the endpoint's contract (`pipeline.deployment.protocol`): the media type, JSON
-decoded by orjson and checked (depth, number size, NaN), and the texts taken from each request shape either
-server accepts (TorchServe's `text`/`texts`/plain text, MLflow's four JSON formats and CSV)."""
+"""Reading a request body under the endpoint's contract (`pipeline.deployment.protocol`): the media type and content
+coding its headers declare (`pipeline.deployment.media_types`), JSON decoded by orjson and checked (depth, number
+size, NaN), and the texts taken from each request shape either server accepts (TorchServe's `text`/`texts`/plain
+text, MLflow's four JSON formats and CSV)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from typing import Any, NamedTuple
 
 import orjson
 
+from pipeline.deployment.media_types import body_kind, check_content_encoding
 from pipeline.deployment.protocol import (
-    JSON_MEDIA_TYPES,
     MAX_INT_BITS,
     MLFLOW_JSON_SHAPES,
     NON_JSON_SHAPES,
@@ -28,68 +29,6 @@ from pipeline.deployment.protocol import (
     json_type,
 )
 
-
-def media_type(content_type: str | None) -> tuple[str, dict[str, str]]:
-    """`(type, parameters)` of a Content-Type header, lower-cased; `("", {})` when absent or blank, and `("", ...)`
-    when only parameters were sent."""
-    if not content_type or not content_type.strip():
-        return "", {}
-    media, *params = content_type.split(";")
-    parsed = {}
-    for param in params:
-        key, _, value = param.partition("=")
-        if key.strip():  # an empty parameter (`application/json;`) is allowed by RFC 9110 and means nothing
-            parsed[key.strip().lower()] = value.strip().strip('"').lower()
-    return media.strip().lower(), parsed
-
-
-def is_json_media_type(content_type: str | None) -> bool:
-    """`application/json` or a `+json` suffix type, parameters (charset) ignored."""
-    media, _ = media_type(content_type)
-    return media in JSON_MEDIA_TYPES or media.endswith("+json")
-
-
-def body_kind(content_type: str | None, shapes: frozenset[str]) -> str:
-    """`json`, `plain` or `csv` for a declared Content-Type this endpoint takes; else `RequestError(415)`."""
-    media, params = media_type(content_type)
-    accepted = ["application/json"] + (["text/plain"] if "plain" in shapes else []) + \
-        (["text/csv"] if "csv" in shapes else [])
-    if not media:
-        said = "no Content-Type header" if not params and not (content_type or "").strip() else \
-            "a Content-Type with no media type"
-        raise RequestError(415, f"{said}; send one of {', '.join(accepted)}")
-    if media == "application/x-www-form-urlencoded" or media.startswith("multipart/"):
-        form = media if media in ("application/x-www-form-urlencoded", "multipart/form-data") else "multipart"
-        raise RequestError(415, f"a form-encoded body ({form}) is not accepted: send the JSON itself with "
-                                "'Content-Type: application/json' (curl -d sends form encoding unless told -H)")
-    charset = params.get("charset", "utf-8")
-    if charset not in ("utf-8", "utf8"):
-        raise RequestError(415, "only charset=utf-8 is accepted")
-    allowed = {"charset", "header"} if media == "text/csv" else {"charset"}  # text/csv's header: RFC 4180
-    if set(params) - allowed:
-        raise RequestError(415, f"Content-Type parameters other than {' and '.join(sorted(allowed))} are not "
-                                "accepted")
-    if params.get("header", "present") != "present":
-        raise RequestError(415, f"text/csv with header={params['header']} is not accepted: the body needs a "
-                                f"header row, \"{TEXT_COLUMN}\"")
-    if is_json_media_type(media):
-        return "json"
-    if media == "text/plain" and "plain" in shapes:
-        return "plain"
-    if media == "text/csv" and "csv" in shapes:
-        return "csv"
-    # named only when it is a well-known type: the header is the client's text, and no error quotes the input
-    shown = f"Content-Type {media}" if media in NAMED_MEDIA_TYPES else "this Content-Type"
-    raise RequestError(415, f"{shown} is not accepted; send one of {', '.join(accepted)}")
-
-
-#: Media types a 415 names (others are "this Content-Type"): what clients commonly send by mistake.
-NAMED_MEDIA_TYPES = frozenset({
-    "application/xml", "text/xml", "text/html", "application/octet-stream", "application/x-ndjson",
-    "application/jsonl", "application/msgpack", "application/x-msgpack", "application/x-protobuf",
-    "application/yaml", "text/yaml", "application/x-yaml", "text/tab-separated-values", "text/plain", "text/csv",
-    "application/gzip", "application/zip", "application/parquet", "application/vnd.apache.parquet",
-})
 #: JSON values (objects, arrays, strings, numbers) a request may hold per text it may hold, plus a few for its
 #: frame: the largest valid shape, `dataframe_split` with an index, holds 3 a text (its row, its text, its index)
 #: and 7 more. A body that parses to more is refused before it is walked, so a megabyte of `[]` costs one parse.
@@ -103,22 +42,6 @@ class RawRequest(NamedTuple):
     body: Any
     content_type: str | None = None
     content_encoding: str | None = None
-
-
-def check_content_encoding(content_encoding: str | None) -> None:
-    """`RequestError(415)` unless the body is sent as it is (no Content-Encoding, or `identity`): neither server
-    decompresses, and a compressed body read as text would be refused for the wrong reason (not UTF-8), or a plain
-    one labelled compressed scored as though the label were not there (RFC 9110 8.4.1: 415 for a coding the server
-    does not take)."""
-    codings = [c.strip().lower() for c in (content_encoding or "").split(",") if c.strip()]
-    if any(c != "identity" for c in codings):
-        shown = " and ".join(sorted({c for c in codings if c in NAMED_CODINGS})) or "this Content-Encoding"
-        raise RequestError(415, f"a compressed body ({shown}) is not accepted: send it uncompressed, without a "
-                                "Content-Encoding header")
-
-
-#: Content codings a 415 names (others are "this Content-Encoding"): the registered ones clients send.
-NAMED_CODINGS = frozenset({"gzip", "x-gzip", "deflate", "br", "zstd", "compress", "x-compress"})
 
 
 def parse_request(body: Any, limits: Limits, content_type: str | None = None,

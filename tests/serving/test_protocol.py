@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from pipeline.data.cleaning import clean_text
 from pipeline.deployment.batch_answers import answer_batch
 from pipeline.deployment.inference import SentimentPredictor
+from pipeline.deployment.media_types import is_json_media_type
 from pipeline.deployment.protocol import (
     MAX_ERROR_CHARS,
     MLFLOW_SHAPES,
@@ -27,7 +28,7 @@ from pipeline.deployment.protocol import (
     check_text,
     has_visible,
 )
-from pipeline.deployment.request_parsing import RawRequest, is_json_media_type, parse_request
+from pipeline.deployment.request_parsing import RawRequest, parse_request
 from serving.handler import SentimentHandler
 from tests import factories
 
