@@ -1,0 +1,98 @@
+"""Review 25: failing tests for defects found in the serving hardening diff (00b3c40..HEAD)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+from serving.mlflow_server import ContractMiddleware, Metrics
+from serving.request_deadline import request_deadline_protocol
+from tests import factories
+from tests.factories import free_port, read_until_closed
+
+
+def _middleware(metrics: Metrics) -> ContractMiddleware:
+    return ContractMiddleware(None, lambda texts: [{"label": "positive", "score": 0.9}] * len(texts),
+                              factories.limits(max_texts=4), "3", "test-variant", metrics, timeout_s=10.0)
+
+
+@contextmanager
+def _serving(app: Any, protocol: type[asyncio.Protocol]) -> Iterator[int]:
+    import uvicorn
+
+    port = free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, http=protocol, lifespan="off", log_level="warning")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.started
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def _count(metrics: Metrics, name: str) -> float:
+    return sum(s.value for m in metrics.registry.collect() for s in m.samples
+               if s.name == name and s.labels.get("status", "4").startswith("4") and s.value)
+
+
+def _chunked(pieces: list[bytes]) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
+
+
+@pytest.mark.parametrize("tail", [
+    _chunked([b"x"] * 200),                 # past the piece budget (50 here)
+    b"1\r\nx\r\n" * 3 + b"zz\r\n",         # a bad chunk size mid-body: h11 cannot read it
+])
+def test_a_body_refused_by_the_protocol_mid_upload_is_counted_once(tail):
+    """The protocol answers its JSON 400 and counts it (`Metrics.refused`); the app, still waiting for the body,
+    then sees `http.disconnect` and records its own 400 ("the client closed the connection"), a request the client
+    never abandoned: one request, two 400s in `/metrics`."""
+    metrics = Metrics("3", "test-variant")
+    protocol = request_deadline_protocol(30.0, 30.0, max_body_pieces=50, on_refusal=metrics.refused)
+    head = (b"POST /invocations HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n")
+    with _serving(_middleware(metrics), protocol) as port:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(head + tail)
+            data, _ = read_until_closed(sock)
+        assert data.startswith(b"HTTP/1.1 400 ")
+        time.sleep(0.5)  # the app's task ends once it hears of the disconnect
+        requests, errors = _count(metrics, "sentiment_requests_total"), _count(metrics, "sentiment_request_errors_total")
+    assert (requests, errors) == (1, 1), (requests, errors)
+
+
+def test_the_repeated_header_check_is_not_quadratic_in_the_header_count():
+    """`repeated` in `ContractMiddleware._answer` scans every header once per header: ~1,600 one-letter headers
+    (8 KB, under MAX_HEADER_BYTES, so not a 431) cost the event loop ~50 ms per request, on a 2-core box."""
+    metrics = Metrics("3", "test-variant")
+    app = _middleware(metrics)
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"20")] + [(b"a", b"")] * 1620
+    scope = {"type": "http", "method": "POST", "path": "/invocations", "raw_path": b"/invocations",
+             "query_string": b"", "headers": headers, "http_version": "1.1"}
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b'{"inputs": ["fine"]}', "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    async def timed() -> float:
+        start = time.perf_counter()
+        await app._answer(scope, receive, send, "r")
+        return time.perf_counter() - start
+
+    elapsed = min(asyncio.run(timed()) for _ in range(3))
+    assert elapsed < 0.015, f"{elapsed * 1e3:.1f} ms for one request with {len(headers)} headers"
