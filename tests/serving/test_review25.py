@@ -70,7 +70,8 @@ def test_a_body_refused_by_the_protocol_mid_upload_is_counted_once(tail):
             data, _ = read_until_closed(sock)
         assert data.startswith(b"HTTP/1.1 400 ")
         time.sleep(0.5)  # the app's task ends once it hears of the disconnect
-        requests, errors = _count(metrics, "sentiment_requests_total"), _count(metrics, "sentiment_request_errors_total")
+        requests = _count(metrics, "sentiment_requests_total")
+        errors = _count(metrics, "sentiment_request_errors_total")
     assert (requests, errors) == (1, 1), (requests, errors)
 
 
