@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import concurrent.futures
 import functools
 import json
@@ -81,7 +82,7 @@ from pipeline.deployment.protocol import (
     error_body,
 )
 from pipeline.deployment.request_parsing import parse_request
-from serving.request_deadline import RETRY_AFTER_S, request_deadline_protocol
+from serving.request_deadline import PROTOCOL_REFUSED, RETRY_AFTER_S, request_deadline_protocol
 
 log = logging.getLogger("serving.mlflow_server")
 
@@ -300,6 +301,8 @@ class ContractMiddleware:
             outcome = Outcome(500, "server_error")
             await self._json(send, 500, {"error": "internal error while answering this request (logged on "
                                                   "the server)", "status": 500, "request_id": rid}, rid)
+        if (scope.get("state") or {}).get(PROTOCOL_REFUSED):
+            return  # the connection's protocol answered this request itself (a 400 mid-body) and counted it
         self.metrics.observe(scope.get("path", ""), scope.get("method", ""), outcome, time.perf_counter() - start)
 
     async def _answer(self, scope: Scope, receive: Receive, send: Send, rid: str) -> Outcome:
@@ -339,8 +342,8 @@ class ContractMiddleware:
             return await self._forward(scope, b"", send, rid)
         if self._in_flight >= self.max_in_flight:  # refused before its body is read
             return await self._overloaded(send, rid)
-        if repeated := sorted({k for k, _ in scope.get("headers", [])
-                               if sum(name == k for name, _ in scope["headers"]) > 1} & SINGLE_HEADERS):
+        counts = collections.Counter(k for k, _ in scope.get("headers", []) if k in SINGLE_HEADERS)
+        if repeated := sorted(k for k, n in counts.items() if n > 1):
             # two Content-Types (or codings): a proxy in front may have read the first while this server would read
             # the last, so the body would be checked as one thing and scored as another
             names = " and ".join(k.decode("latin-1").title() for k in repeated)

@@ -70,6 +70,9 @@ def over_limit_response(max_connections: int, headers: list[tuple[str, str]]) ->
 
 #: Pieces (h11 data events) a request's body may arrive in; a 1 MB body in 1,448-byte TCP segments is about 700.
 MAX_BODY_PIECES = 4096
+#: Key of a request's ASGI `scope["state"]` set when the protocol answered that request itself (its body past the
+#: piece budget, or unreadable): the app, which then hears only `http.disconnect`, must not count it again.
+PROTOCOL_REFUSED = "request_deadline.refused"
 #: The 400 for bytes that are not an HTTP/1.1 request h11 can read: it names no part of them.
 MALFORMED = "malformed HTTP request: its request line, headers or body framing could not be read"
 
@@ -164,6 +167,8 @@ def request_deadline_protocol(headers_timeout_s: float, send_timeout_s: float, m
             if answer:
                 log.warning("request %s from %s: %s (400)", rid, self._peer(), why)
                 refused(400, "too_many_pieces" if over_budget else "malformed_http")
+                if self.cycle is not None and not self.cycle.response_complete:  # a request the app is reading
+                    self.cycle.scope.setdefault("state", {})[PROTOCOL_REFUSED] = True
                 for part in answer:
                     self.transport.write(part or b"")
             self.transport.close()
