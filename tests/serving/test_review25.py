@@ -97,3 +97,45 @@ def test_the_repeated_header_check_is_not_quadratic_in_the_header_count():
 
     elapsed = min(asyncio.run(timed()) for _ in range(3))
     assert elapsed < 0.015, f"{elapsed * 1e3:.1f} ms for one request with {len(headers)} headers"
+
+
+def test_dataframe_split_with_a_null_index_is_accepted_as_mlflow_accepts_it():
+    """MLflow's own parser builds `pd.DataFrame(index=decoded.get("index"), ...)`: `"index": null` is the default
+    index there. The contract's new index check refuses it (400 "must be a list"), a body MLflow's server scores."""
+    from pipeline.deployment.protocol import MLFLOW_SHAPES
+    from pipeline.deployment.request_parsing import parse_request
+
+    body = b'{"dataframe_split": {"columns": ["text"], "data": [["a fine film"]], "index": null}}'
+    assert parse_request(body, factories.limits(), "application/json", MLFLOW_SHAPES).texts == ["a fine film"]
+
+
+def test_an_oversized_content_length_upload_in_full_segments_gets_its_413_not_the_piece_budgets_400():
+    """A client that declares a 2 MB Content-Length (over the 1 MB limit, under DISCARD_BODY_BYTES, no Expect) and
+    sends it in full-size TCP segments, as any upload over a real network arrives: the middleware reads and drops
+    the rest for up to 2 s before its 413, but the body's pieces (one per socket read) pass the budget first, and
+    the client gets a 400 telling it to "send it with Content-Length" (it did), the connection reset mid-upload.
+    Pieces of 1,448 bytes are no event-loop attack (that is 1-byte pieces); here the budget is 200 so the test
+    needs only ~300 reads."""
+    metrics = Metrics("3", "test-variant")
+    protocol = request_deadline_protocol(30.0, 30.0, max_body_pieces=200, on_refusal=metrics.refused)
+    size = 2_000_000
+    with _serving(_middleware(metrics), protocol) as port:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with sock:
+            sock.sendall(b"POST /invocations HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % size)
+            sent = 0
+            try:
+                while sent < size:
+                    sent += sock.send(b"x" * min(1448, size - sent))
+                    time.sleep(0.0005)  # one segment a read, as a 20-30 Mbit/s link delivers them
+            except OSError:
+                pass
+            data = b""
+            try:
+                while b"\r\n\r\n" not in data and (chunk := sock.recv(4096)):
+                    data += chunk
+            except OSError:
+                pass
+    assert data.startswith(b"HTTP/1.1 413 "), data[:200]
