@@ -70,6 +70,8 @@ def over_limit_response(max_connections: int, headers: list[tuple[str, str]]) ->
 
 #: Pieces (h11 data events) a request's body may arrive in; a 1 MB body in 1,448-byte TCP segments is about 700.
 MAX_BODY_PIECES = 4096
+#: Average bytes a piece must carry once a body is past `max_body_pieces` (a TCP segment carries ~1,448).
+MIN_PIECE_BYTES = 256
 #: Key of a request's ASGI `scope["state"]` set when the protocol answered that request itself (its body past the
 #: piece budget, or unreadable): the app, which then hears only `http.disconnect`, must not count it again.
 PROTOCOL_REFUSED = "request_deadline.refused"
@@ -105,15 +107,18 @@ def request_deadline_protocol(headers_timeout_s: float, send_timeout_s: float, m
         """h11's server connection that counts each request's body pieces and stops at `max_body_pieces`."""
 
         pieces = 0
+        piece_bytes = 0
         over_budget = False  # the last error was the budget's (uvicorn's 400 for it is told nothing else)
 
         def next_event(self) -> Any:
             event = super().next_event()
             if isinstance(event, h11.Request):
-                self.pieces = 0
+                self.pieces = self.piece_bytes = 0
             elif isinstance(event, h11.Data):
                 self.pieces += 1
-                if self.pieces > max_body_pieces:
+                self.piece_bytes += len(event.data)
+                # what costs the loop is many tiny pieces; a large body in full TCP segments is not refused here
+                if self.pieces > max_body_pieces and self.piece_bytes < self.pieces * MIN_PIECE_BYTES:
                     self.over_budget = True
                     raise TooManyPieces(f"request body in more than {max_body_pieces} pieces")
             return event
