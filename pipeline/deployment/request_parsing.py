@@ -208,7 +208,7 @@ def _split_column(value: Any) -> list[Any]:
         raise RequestError(400, f"\"dataframe_split\" needs \"columns\": [\"{TEXT_COLUMN}\"] (one column, "
                                 f"\"{TEXT_COLUMN}\")")
     rows = _list(value.get("data"), "dataframe_split.data", "a list of one-item rows")
-    if "index" in value:  # pandas refuses an index whose length is not the data's; so does the contract
+    if value.get("index") is not None:  # null: the default index, as MLflow reads it; a list: one label a row
         index = _list(value["index"], "dataframe_split.index", "a list with one label per row")
         if len(index) != len(rows):
             raise RequestError(400, f"dataframe_split.index has {len(index)} labels for {len(rows)} rows")
