@@ -24,10 +24,12 @@ full), a timer of `send_timeout_s` starts; when the client has not read enough t
 connection is dropped (`abort`: a plain close would wait for the unread buffer to drain first), and the app's
 pending send returns.
 
-Two costs of a request are bounded below the app as well. A body is read in at most `max_body_pieces` pieces (h11's
-data events: a chunk of a chunked body, or what one read of the socket delivered): each costs the event loop a
-few microseconds whatever its size, so a 1 MB body sent as a million 1-byte chunks held the loop, and every other
-client, for seconds; past the budget the request is answered 400 and the connection closed. And what uvicorn would
+Two costs of a request are bounded below the app as well. A body's pieces (h11's data events: a chunk of a chunked
+body, or what one read of the socket delivered) each cost the event loop a few microseconds whatever their size, so
+a 1 MB body sent as a million 1-byte chunks held the loop, and every other client, for seconds. Past
+`max_body_pieces` pieces, a body whose pieces average under `MIN_PIECE_BYTES` is answered 400 and the connection
+closed: the loop's cost is then bounded per byte received, and an upload in ordinary TCP segments (about 1,448
+bytes each), however large, is never refused here (a body over the limit gets the app's 413). And what uvicorn would
 answer in plain text (a request h11 cannot parse: a bad Content-Length, a bad chunk size, no Host) is the
 contract's JSON 400 with a request id and the model's headers. `on_refusal(status, kind)` is told of every answer
 given here (the server's `/metrics` counts them with the app's).
@@ -70,7 +72,7 @@ def over_limit_response(max_connections: int, headers: list[tuple[str, str]]) ->
 
 #: Pieces (h11 data events) a request's body may arrive in; a 1 MB body in 1,448-byte TCP segments is about 700.
 MAX_BODY_PIECES = 4096
-#: Average bytes a piece must carry once a body is past `max_body_pieces` (a TCP segment carries ~1,448).
+#: Average bytes a piece must carry once a body is past `max_body_pieces` (a full TCP segment carries ~1,448).
 MIN_PIECE_BYTES = 256
 #: Key of a request's ASGI `scope["state"]` set when the protocol answered that request itself (its body past the
 #: piece budget, or unreadable): the app, which then hears only `http.disconnect`, must not count it again.
@@ -158,8 +160,8 @@ def request_deadline_protocol(headers_timeout_s: float, send_timeout_s: float, m
             and without it where an answer is already on its way (nothing more can be framed there)."""
             over_budget = self.conn.over_budget
             rid = uuid.uuid4().hex
-            why = (f"the request body came in more than {max_body_pieces} pieces (chunks or reads): send it with "
-                   "Content-Length, or in larger chunks") if over_budget else MALFORMED
+            why = (f"the request body came in more than {max_body_pieces} pieces (chunks or reads) of under "
+                   f"{MIN_PIECE_BYTES} bytes on average: send it in larger chunks") if over_budget else MALFORMED
             body = json.dumps({"error": why, "status": 400, "request_id": rid}).encode()
             headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                        (b"x-request-id", rid.encode()),

@@ -112,6 +112,9 @@ def test_valid_bodies_in_every_form():
         assert parsed.texts == rows and parsed.shape == key
     csv_body = b'text\na\n"b, ""quoted""\nline"\n'
     assert parse_request(csv_body, LIMITS, "text/csv", MLFLOW_SHAPES).texts == rows
+    for index in ("null", '["r1", 2]'):  # null is the default index, as MLflow's own parser reads it
+        body = b'{"dataframe_split": {"columns": ["text"], "data": [["a"], ["b"]], "index": %s}}' % index.encode()
+        assert parse_request(body, LIMITS, json_type, MLFLOW_SHAPES).texts == ["a", "b"]
 
 
 @pytest.mark.parametrize(
