@@ -86,8 +86,9 @@ def request_deadline_protocol(headers_timeout_s: float, send_timeout_s: float, m
                               max_body_pieces: int = MAX_BODY_PIECES,
                               on_refusal: Callable[[int, str], None] | None = None) -> type[asyncio.Protocol]:
     """uvicorn's h11 protocol class with a `headers_timeout_s` deadline on each request's line and headers, a
-    `send_timeout_s` one on a client that stopped reading and a budget of `max_body_pieces` pieces per request body,
-    for `uvicorn.run(app, http=...)` (uvicorn's own options, such as `h11_max_incomplete_event_size`, still apply).
+    `send_timeout_s` one on a client that stopped reading and a budget of `max_body_pieces` small pieces per request
+    body (see the module doc), for `uvicorn.run(app, http=...)` (uvicorn's own options, such as
+    `h11_max_incomplete_event_size`, still apply).
 
     With `max_connections`, a connection that opens while that many are open gets `over_limit_response` (with
     `refusal_headers`) and is closed at once: uvicorn's own `limit_concurrency` answers a plain-text 503 without
@@ -103,10 +104,11 @@ def request_deadline_protocol(headers_timeout_s: float, send_timeout_s: float, m
             on_refusal(status, kind)
 
     class TooManyPieces(h11.RemoteProtocolError):
-        """A request body past `max_body_pieces` pieces."""
+        """A request body past `max_body_pieces` pieces that average under `MIN_PIECE_BYTES`."""
 
     class PieceBudget(h11.Connection):
-        """h11's server connection that counts each request's body pieces and stops at `max_body_pieces`."""
+        """h11's server connection that counts each request's body pieces and their bytes, and stops a body past
+        `max_body_pieces` pieces whose pieces average under `MIN_PIECE_BYTES`."""
 
         pieces = 0
         piece_bytes = 0
@@ -122,13 +124,13 @@ def request_deadline_protocol(headers_timeout_s: float, send_timeout_s: float, m
                 # what costs the loop is many tiny pieces; a large body in full TCP segments is not refused here
                 if self.pieces > max_body_pieces and self.piece_bytes < self.pieces * MIN_PIECE_BYTES:
                     self.over_budget = True
-                    raise TooManyPieces(f"request body in more than {max_body_pieces} pieces")
+                    raise TooManyPieces(f"request body in more than {max_body_pieces} small pieces")
             return event
 
     class RequestDeadlineProtocol(H11Protocol):
         """`H11Protocol` whose connections must deliver each request's headers within `headers_timeout_s` and its
-        body in at most `max_body_pieces` pieces, and read their answers at least every `send_timeout_s` once the
-        send buffer is full."""
+        body in pieces that stay within the budget (`PieceBudget`), and read their answers at least every
+        `send_timeout_s` once the send buffer is full."""
 
         def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
             super().__init__(config, *args, **kwargs)
