@@ -178,6 +178,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextmanager
+def uvicorn_in_thread(app: Any, protocol: Any, **config: Any) -> Iterator[int]:
+    """`app` under uvicorn with the HTTP `protocol` class (`serving.request_deadline`'s), in a thread, on a free
+    loopback port (yielded); `config`: more `uvicorn.Config` options. Stopped afterwards."""
+    import threading
+    import time
+
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, http=protocol, lifespan="off",
+                                           log_level="warning", **config))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.started
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def chunked_body(pieces: list[bytes]) -> bytes:
+    """`pieces` as the chunks of an HTTP/1.1 chunked body, with its last (empty) chunk."""
+    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
+
+
 def start_server(cmd: list[str], env: dict[str, str], cwd: Path, ready_url: str, log: Path,
                  timeout: float = 180):
     """Start `cmd` in a process group of its own (so `stop_server` ends it and every worker it spawned) and wait

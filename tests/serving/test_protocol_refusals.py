@@ -4,20 +4,15 @@ an upload over the body limit sent in ordinary TCP segments gets its 413, not th
 
 from __future__ import annotations
 
-import asyncio
 import socket
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
 
 import pytest
 
 from serving.mlflow_server import ContractMiddleware, Metrics
 from serving.request_deadline import request_deadline_protocol
 from tests import factories
-from tests.factories import free_port, read_until_closed
+from tests.factories import chunked_body, read_until_closed, uvicorn_in_thread
 
 
 def _middleware(metrics: Metrics) -> ContractMiddleware:
@@ -25,37 +20,13 @@ def _middleware(metrics: Metrics) -> ContractMiddleware:
                               factories.limits(max_texts=4), "3", "test-variant", metrics, timeout_s=10.0)
 
 
-@contextmanager
-def _serving(app: Any, protocol: type[asyncio.Protocol]) -> Iterator[int]:
-    import uvicorn
-
-    port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, http=protocol, lifespan="off", log_level="warning")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.started
-    try:
-        yield port
-    finally:
-        server.should_exit = True
-        thread.join(10)
-
-
 def _count(metrics: Metrics, name: str) -> float:
     return sum(s.value for m in metrics.registry.collect() for s in m.samples
                if s.name == name and s.labels.get("status", "4").startswith("4") and s.value)
 
 
-def _chunked(pieces: list[bytes]) -> bytes:
-    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
-
-
 @pytest.mark.parametrize("tail", [
-    _chunked([b"x"] * 200),                 # past the piece budget (50 here)
+    chunked_body([b"x"] * 200),                 # past the piece budget (50 here)
     b"1\r\nx\r\n" * 3 + b"zz\r\n",         # a bad chunk size mid-body: h11 cannot read it
 ])
 def test_a_body_refused_by_the_protocol_mid_upload_is_counted_once(tail):
@@ -66,7 +37,7 @@ def test_a_body_refused_by_the_protocol_mid_upload_is_counted_once(tail):
     protocol = request_deadline_protocol(30.0, 30.0, max_body_pieces=50, on_refusal=metrics.refused)
     head = (b"POST /invocations HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
             b"Transfer-Encoding: chunked\r\n\r\n")
-    with _serving(_middleware(metrics), protocol) as port:
+    with uvicorn_in_thread(_middleware(metrics), protocol) as port:
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
             sock.sendall(head + tail)
             data, _ = read_until_closed(sock)
@@ -87,7 +58,7 @@ def test_an_oversized_content_length_upload_in_full_segments_gets_its_413_not_th
     metrics = Metrics("3", "test-variant")
     protocol = request_deadline_protocol(30.0, 30.0, max_body_pieces=200, on_refusal=metrics.refused)
     size = 2_000_000
-    with _serving(_middleware(metrics), protocol) as port:
+    with uvicorn_in_thread(_middleware(metrics), protocol) as port:
         sock = socket.create_connection(("127.0.0.1", port), timeout=10)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with sock:

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from serving.request_deadline import HEADERS_TIMEOUT_RESPONSE, request_deadline_protocol
-from tests.factories import free_port, read_until_closed
+from tests.factories import chunked_body, read_until_closed, uvicorn_in_thread
 
 DEADLINE_S = 0.6
 #: `/big`'s answer: far more than a socket's send and receive buffers hold together.
@@ -55,26 +55,9 @@ async def hello(scope: dict[str, Any], receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": b"ok"})
 
 
-@contextlib.contextmanager
-def serving(protocol: type[asyncio.Protocol]) -> Iterator[int]:
+def serving(protocol: type[asyncio.Protocol]) -> contextlib.AbstractContextManager[int]:
     """`hello` under uvicorn with `protocol`, in a thread, on a free loopback port; stopped afterwards."""
-    import uvicorn
-
-    port = free_port()
-    config = uvicorn.Config(hello, host="127.0.0.1", port=port, http=protocol, lifespan="off", log_level="warning",
-                            timeout_keep_alive=30)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.started
-    try:
-        yield port
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    return uvicorn_in_thread(hello, protocol, timeout_keep_alive=30)
 
 
 @pytest.fixture(scope="module")
@@ -244,10 +227,6 @@ def test_a_connection_past_the_limit_gets_the_contracts_503_at_once_and_a_freed_
             sock.close()
 
 
-def chunked(pieces: list[bytes]) -> bytes:
-    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
-
-
 def test_a_body_past_its_piece_budget_gets_the_contracts_400_and_the_connection_closed():
     """A body in more chunks than `max_body_pieces` (each costs the event loop the same whatever its size): the
     contract's JSON 400 with a request id and the model's headers, the connection closed, the refusal reported;
@@ -261,10 +240,10 @@ def test_a_body_past_its_piece_budget_gets_the_contracts_400_and_the_connection_
     with serving(protocol) as port:
         with connect(port) as sock:  # two requests of 40 one-byte chunks each on one connection
             for _ in range(2):
-                sock.sendall(head + chunked([b"x"] * 40))
+                sock.sendall(head + chunked_body([b"x"] * 40))
                 assert read_answer(sock, b"40").startswith(b"HTTP/1.1 200 ")
         with connect(port) as sock:
-            sock.sendall(head + chunked([b"x"] * 200))
+            sock.sendall(head + chunked_body([b"x"] * 200))
             data, _ = read_until_closed(sock)
     head_out, _, body = data.partition(b"\r\n\r\n")
     answer = json.loads(body)
