@@ -167,9 +167,10 @@ class Metrics:
             self.texts.inc(outcome.texts)
 
     def refused(self, status: int, kind: str) -> None:
-        """An answer the connection's protocol gave before any request reached the app (`request_deadline_protocol`:
-        a 408 for headers too slow, a 400 for bytes that are no request, a 503 past the connection limit): counted
-        under path and method `other`, with no latency (no request was timed)."""
+        """An answer the connection's protocol gave itself (`request_deadline_protocol`: a 408 for headers too slow, a
+        400 for bytes that are no request or for a body in too many small pieces, a 503 past the connection limit):
+        counted under path and method `other`, with no latency; a request the app had begun to read is then not
+        counted by the app (`PROTOCOL_REFUSED`)."""
         self.requests.labels("other", "other", str(status)).inc()
         self.errors.labels(kind, "server" if status >= 500 else "client").inc()
 
@@ -330,8 +331,8 @@ class ContractMiddleware:
         if (expect := headers.get("expect", "").strip().lower()) and expect != "100-continue":
             return await self._error(send, RequestError(417, "the only expectation this server meets is "
                                                              "100-continue"), rid, [CLOSE])
-        if method == "HEAD":
-            return await self._head(scope, receive, send, rid)
+        if method == "HEAD":  # answered as its GET, headers only
+            scope, send = {**scope, "method": "GET"}, headers_only(send)
         if path == "/metrics":
             body, content_type = self.metrics.exposition()
             await self._send(send, 200, body, content_type, rid)
@@ -539,16 +540,6 @@ class ContractMiddleware:
         await send({"type": "http.response.body", "body": answer, "more_body": False})
         return Outcome(200)
 
-    async def _head(self, scope: Scope, receive: Receive, send: Send, rid: str) -> Outcome:
-        """A HEAD request: what its GET would answer, headers only (uvicorn sends no body for HEAD)."""
-        async def headers_only(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                await send(message)
-            elif not message.get("more_body", False):
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-        return await self._answer({**scope, "method": "GET"}, receive, headers_only, rid)
-
     async def _ready(self, send: Send, rid: str) -> int:
         """200 with the model when one review goes through the pyfunc, else 503. Probes that arrive while a probe's
         review is being scored share that call: a flood of `/ready` costs one scoring at a time, not one each."""
@@ -577,6 +568,17 @@ class ContractMiddleware:
                    *self.model_headers(rid), *(extra or [])]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def headers_only(send: Send) -> Send:
+    """`send` for a HEAD request: the answer's start as it is, its body empty (uvicorn sends none for HEAD)."""
+    async def headers_only_send(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            await send(message)
+        elif not message.get("more_body", False):
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    return headers_only_send
 
 
 def expects_continue(headers: dict[str, str]) -> bool:
