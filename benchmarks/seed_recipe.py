@@ -19,6 +19,7 @@ timed, and the clock is read after a CUDA synchronisation at both ends.
   length it has not seen (docs/training.md): `pipeline-recipe-eager-pad64` pads buckets to multiples of 64
   (8 lengths instead of 64), `pipeline-recipe-eager-no-cudnn-sdpa` turns PyTorch's cuDNN attention backend off
   for its row, so SDPA picks another fused kernel; `pipeline-recipe-pad64` is the compiled recipe padded to 64.
+- `+cudagraphs` rows (CUDA): torch.compile's `reduce-overhead` mode, which replays each shape's recorded CUDA graph.
 
 `--profile-steps N` records N steps of each row after its warm-up with torch.profiler and writes the op tables
 (by device and host time, plus the CUDA allocator's counters) beside `--out`; a profiled row's rate is slower.
@@ -59,6 +60,7 @@ BLOG_BATCH = 12
 BLOG_LR = 5e-5
 SEQ = 512
 NO_CUDNN_SDPA = "pipeline-recipe-eager-no-cudnn-sdpa"  # the row run with PyTorch's cuDNN attention backend off
+CUDAGRAPHS = {"compile_mode": "reduce-overhead"}  # torch.compile's mode that records and replays CUDA graphs
 
 
 def build_model(name: str, weights: str) -> Any:
@@ -104,9 +106,8 @@ class StepClock:
             self.sync()
             self.graphs_at_start = compiled_graphs()
             if self.profile_steps:
-                activities = [torch.profiler.ProfilerActivity.CPU]
-                if self.device == "cuda":
-                    activities.append(torch.profiler.ProfilerActivity.CUDA)
+                kinds = torch.profiler.ProfilerActivity
+                activities = [kinds.CPU, kinds.CUDA] if self.device == "cuda" else [kinds.CPU]
                 self._profiler = torch.profiler.profile(activities=activities)
                 self._profiler.__enter__()
             self.start = time.perf_counter()
@@ -155,24 +156,23 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def plain_loop(model: Any, ids: list[np.ndarray], labels: np.ndarray, steps: int, clock: StepClock) -> None:
-    """The blog's loop: fp32, every review padded to 512 tokens, Adam at 5e-5."""
+def plain_loop(model: Any, ids: list[np.ndarray], labels: np.ndarray, steps: int, clock: StepClock, batch: int) -> None:
+    """The blog's loop: fp32, every review padded to 512 tokens, Adam at 5e-5, `batch` reviews a step."""
     from pipeline.runtimes.base import pad_batch
 
     model.to(clock.device).train()
     opt = torch.optim.Adam(model.parameters(), lr=BLOG_LR)
     for step in range(steps):
-        idx = range(step * BLOG_BATCH, (step + 1) * BLOG_BATCH)
+        idx = range(step * batch, (step + 1) * batch)
         input_ids, mask = pad_batch([ids[i] for i in idx], width=SEQ)
-        batch = {"input_ids": torch.from_numpy(input_ids).to(clock.device),
-                 "attention_mask": torch.from_numpy(mask).to(clock.device),
-                 "labels": torch.from_numpy(labels[list(idx)]).to(clock.device)}
+        arrays = {"input_ids": input_ids, "attention_mask": mask, "labels": labels[list(idx)]}
+        tensors = {key: torch.from_numpy(value).to(clock.device) for key, value in arrays.items()}
         clock.before(step)
-        loss = model(**batch).loss
+        loss = model(**tensors).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        clock.after(step, batch)
+        clock.after(step, tensors)
     clock.stop()
 
 
@@ -220,6 +220,8 @@ def runs(compile_ok: bool, device: str, cpu_precision: str = "32-true") -> list[
         rows.append((f"lightning-{half}+compile", {"precision": half, "compile": True}))
         if cuda and torch.cuda.is_bf16_supported():
             rows.append(("lightning-bf16-mixed+compile", {"precision": "bf16-mixed", "compile": True}))
+        if cuda:  # CUDA graphs: each recorded shape replays without the host launching every kernel again
+            rows.append((f"lightning-{half}+cudagraphs", {"precision": half, "compile": True, **CUDAGRAPHS}))
     recipe = {"precision": half, "bucketing": True, "pad_to_multiple_of": 8, "attention_dropout": 0.0}
     # one name per configuration, whatever `--no-compile` says: `--rows pipeline-recipe-eager` always finds it
     rows.append(("pipeline-recipe-eager", {**recipe, "compile": False}))
@@ -229,7 +231,8 @@ def runs(compile_ok: bool, device: str, cpu_precision: str = "32-true") -> list[
     if compile_ok:
         rows.append(("pipeline-recipe", {**recipe, "compile": True}))
         if cuda:
-            rows.append(("pipeline-recipe-pad64", {**recipe, "compile": True, "pad_to_multiple_of": 64}))
+            pad64 = {**recipe, "compile": True, "pad_to_multiple_of": 64}
+            rows += [("pipeline-recipe-pad64", pad64), ("pipeline-recipe-pad64+cudagraphs", {**pad64, **CUDAGRAPHS})]
     return rows
 
 
@@ -243,6 +246,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--weights", choices=["random", "hub"], default="random")
     parser.add_argument("--steps", type=int, default=300, help="timed optimizer steps per row")
     parser.add_argument("--warmup", type=int, default=30, help="untimed steps first (compilation happens here)")
+    parser.add_argument("--batch", type=int, default=BLOG_BATCH, help="reviews a step (the blog's 12; the stage's 16)")
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--rows", default="", help="comma-separated subset of row names (an unknown one is an error)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/seed_recipe.json")
@@ -253,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
     total = args.warmup + args.steps
 
     frame = pd.read_parquet(args.imdb_dir / "train.parquet")[["text", "label"]]
-    frame = frame.sample(n=total * BLOG_BATCH, random_state=0).reset_index(drop=True)
+    frame = frame.sample(n=total * args.batch, random_state=0).reset_index(drop=True)
     frame["text"] = frame["text"].map(clean_text)
     tok = load_tokenizer(ModelParams())  # the BERT uncased vocabulary both architectures use
     data = DataParams(max_length=SEQ, truncation="head")
@@ -267,8 +271,8 @@ def main(argv: list[str] | None = None) -> None:
         tokenized = Path(tmp)
         tokens.to_parquet(tokenized / "train.parquet")
         for split in ("val", "test"):
-            tokens.iloc[:BLOG_BATCH].to_parquet(tokenized / f"{split}.parquet")
-        base = TrainParams(epochs=1, batch_size=BLOG_BATCH, lr=BLOG_LR, warmup_ratio=0.0, accelerator=device,
+            tokens.iloc[:args.batch].to_parquet(tokenized / f"{split}.parquet")
+        base = TrainParams(epochs=1, batch_size=args.batch, lr=BLOG_LR, warmup_ratio=0.0, accelerator=device,
                            bucketing=False, pad_to_multiple_of=SEQ, attention_dropout=None, max_length=None,
                            val_checks_per_epoch=1)
         plan: list[tuple[str, dict[str, Any] | None]] = [("plain-fp32", None)]
@@ -284,17 +288,15 @@ def main(argv: list[str] | None = None) -> None:
             clock = StepClock(args.warmup, device, args.profile_steps,
                               args.out.with_name(f"{args.out.stem}-{name}-profile.txt"))
             cudnn_sdpa = name != NO_CUDNN_SDPA
-            if device == "cuda":
-                torch.backends.cuda.enable_cudnn_sdp(cudnn_sdpa)
+            torch.backends.cuda.enable_cudnn_sdp(cudnn_sdpa)  # a flag only, on a CPU
             started = time.perf_counter()
             try:
                 if overrides is None:
-                    plain_loop(model, ids, labels, total, clock)
+                    plain_loop(model, ids, labels, total, clock, args.batch)
                 else:
                     lightning_run(model, tokenized, TrainParams(**{**base.__dict__, **overrides}), clock)
             finally:
-                if device == "cuda":
-                    torch.backends.cuda.enable_cudnn_sdp(True)
+                torch.backends.cuda.enable_cudnn_sdp(True)
             rate = clock.samples / clock.seconds
             results[name] = {
                 "samples_per_s": rate, "tokens_per_s": clock.tokens / clock.seconds, "timed_steps": clock.steps,
@@ -305,19 +307,18 @@ def main(argv: list[str] | None = None) -> None:
             }
             print(f"{name}: {rate:.1f} samples/s", flush=True)
             del model
-            if device == "cuda":
-                torch.cuda.empty_cache()
+            torch.cuda.empty_cache()  # nothing to do where CUDA never started
 
     ref = results.get("plain-fp32", next(iter(results.values())))["samples_per_s"]
     gpu = torch.cuda.get_device_name(0) if device == "cuda" else None
     out = {
         "model": args.model, "weights": args.weights, "device": device, "gpu": gpu, "torch": torch.__version__,
-        "batch_size": BLOG_BATCH, "max_length": SEQ, "warmup_steps": args.warmup, "timed_steps": args.steps,
+        "batch_size": args.batch, "max_length": SEQ, "warmup_steps": args.warmup, "timed_steps": args.steps,
         "machine": machine_info(torch.get_num_threads()), "rows": results,
         "note": "minutes = the blog's 3 epochs x 35,000 reviews at the measured rate (a projection, not a run)",
     }
     write_json(args.out, out)  # written whole: an interrupted run leaves the previous file
-    print(f"\n{args.model} ({args.weights} weights) on {gpu or 'CPU'}, batch {BLOG_BATCH}, {args.steps} timed steps")
+    print(f"\n{args.model} ({args.weights} weights) on {gpu or 'CPU'}, batch {args.batch}, {args.steps} timed steps")
     print(f"{'row':<32}{'samples/s':>11}{'vs plain':>10}{'3-epoch min*':>14}")
     for name, r in results.items():
         print(f"{name:<32}{r['samples_per_s']:>11.1f}{r['samples_per_s'] / ref:>9.2f}x"

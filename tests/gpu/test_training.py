@@ -71,10 +71,13 @@ def test_amp_finetune_learns_and_saves_fp32_on_cuda(tmp_path, tokenized_dir):
     assert {p.dtype for p in model.parameters()} == {torch.float32}
 
 
-def test_compiled_training_on_cuda_learns(tmp_path, tokenized_dir):
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_compiled_training_on_cuda_learns(tmp_path, tokenized_dir, mode):
+    """Compiled training learns, also in `reduce-overhead` mode, whose CUDA graphs replay each recorded shape (the
+    seed recipe's fastest rows on a GPU; a replay that reused stale inputs or outputs would not learn)."""
     torch._dynamo.reset()
     out = tmp_path / "out"
-    params = TrainParams(**{**CUDA_TRAIN, "precision": "16-mixed", "compile": True,
+    params = TrainParams(**{**CUDA_TRAIN, "precision": "16-mixed", "compile": True, "compile_mode": mode,
                             "checkpoint_dir": str(tmp_path / "ckpt")})  # not the checkout's ./checkpoints
     all_params = Params(data=DataParams(max_length=64), model=ModelParams(source="tiny"), train=params)
     outputs = FinetuneOutputs(out / "model", out / "metrics.json", out / "plots", out / "reports")

@@ -35,3 +35,13 @@ def test_a_cpu_times_half_precision_only_where_it_is_native(cpu_precision, half_
     rows = dict(runs(False, "cpu", cpu_precision))
     assert [name for name in rows if name.startswith("lightning-") and name != "lightning-32-true"] == half_rows
     assert rows["pipeline-recipe-eager"]["precision"] == cpu_precision
+
+
+def test_cuda_graph_rows_replay_the_fixed_and_the_padded_to_64_shapes_on_cuda_only():
+    """`+cudagraphs` rows are their compiled twins in torch.compile's `reduce-overhead` mode, nothing else changed."""
+    cuda = dict(runs(True, "cuda"))
+    for twin in ("lightning-16-mixed+compile", "pipeline-recipe-pad64"):
+        graphs = cuda[twin.replace("+compile", "") + "+cudagraphs"]
+        assert graphs == {**cuda[twin], "compile_mode": "reduce-overhead"}
+    assert not [name for name, _ in runs(True, "cpu") if "cudagraphs" in name]
+    assert not [name for name, _ in runs(False, "cuda") if "cudagraphs" in name]  # nothing compiles without compile
