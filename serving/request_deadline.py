@@ -40,34 +40,41 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import uuid
 from collections.abc import Callable
 from typing import Any
 
+from serving.request_ids import new_request_id, request_id
+
 log = logging.getLogger(__name__)  # a child of "serving", which the server logs to its file
-
-#: The 408 sent when the headers did not arrive in time. No request was parsed, so h11 cannot frame an answer (and
-#: there is no request id to name): the bytes are written as they are, and the connection closed after them.
-_TIMEOUT_BODY = json.dumps({"error": "the request line and headers did not arrive in time", "status": 408}).encode()
-HEADERS_TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-                            b"content-length: " + str(len(_TIMEOUT_BODY)).encode() + b"\r\nconnection: close\r\n\r\n"
-                            + _TIMEOUT_BODY)
-
 
 #: Seconds a client is asked to wait after a 503: a connection over the limit here, and the MLflow server's
 #: overload answer.
 RETRY_AFTER_S = 1
+#: Seconds a connection refused at the limit stays half-open after its 503, its bytes read and dropped: closing a
+#: socket with unread bytes sends a reset, and a client that sent its request at once could lose the 503 to it.
+REFUSAL_LINGER_S = 1.0
 
 
-def over_limit_response(max_connections: int, headers: list[tuple[str, str]]) -> bytes:
-    """The 503 a connection past `max_connections` gets before anything of its request is read: the contract's
-    JSON error, `Retry-After` and `headers` (the served model's), the connection closed after it."""
-    body = json.dumps({"error": f"the server holds its limit of {max_connections} connections; retry after "
-                                f"{RETRY_AFTER_S} s", "status": 503}).encode()
-    lines = [b"HTTP/1.1 503 Service Unavailable", b"content-type: application/json",
-             f"retry-after: {RETRY_AFTER_S}".encode(), f"content-length: {len(body)}".encode(),
-             *(f"{k}: {v}".encode() for k, v in headers), b"connection: close"]
+def raw_response(status: str, error: str, headers: list[tuple[str, str]], rid: str) -> bytes:
+    """An answer written as bytes where h11 has no request to frame one for (headers too slow, a connection past the
+    limit): the contract's JSON error `{"error", "status", "request_id"}` with `headers` (the served model's) and
+    `X-Request-Id`, the connection closed after it."""
+    code = int(status.split()[0])
+    body = json.dumps({"error": error, "status": code, "request_id": rid}).encode()
+    lines = [f"HTTP/1.1 {status}".encode(), b"content-type: application/json", f"content-length: {len(body)}".encode(),
+             *(f"{k.lower()}: {v}".encode() for k, v in [*headers, ("x-request-id", rid)]), b"connection: close"]
     return b"\r\n".join(lines) + b"\r\n\r\n" + body
+
+
+def over_limit_response(max_connections: int, headers: list[tuple[str, str]], rid: str) -> bytes:
+    """The 503 a connection past `max_connections` gets before anything of its request is read, with `Retry-After`."""
+    return raw_response("503 Service Unavailable", f"the server holds its limit of {max_connections} connections; "
+                        f"retry after {RETRY_AFTER_S} s", [("retry-after", str(RETRY_AFTER_S)), *headers], rid)
+
+
+def headers_timeout_response(headers: list[tuple[str, str]], rid: str) -> bytes:
+    """The 408 for a request whose line and headers did not arrive in time."""
+    return raw_response("408 Request Timeout", "the request line and headers did not arrive in time", headers, rid)
 
 
 #: Pieces (h11 data events) a request's body may arrive in; a 1 MB body in 1,448-byte TCP segments is about 700.
@@ -93,8 +100,10 @@ def request_deadline_protocol(headers_timeout_s: float, send_timeout_s: float, m
     With `max_connections`, a connection that opens while that many are open gets `over_limit_response` (with
     `refusal_headers`) and is closed at once: uvicorn's own `limit_concurrency` answers a plain-text 503 without
     `Retry-After` and only once a request's headers are in (leave it unset with this). `refusal_headers` also go
-    out with the 400 for a request h11 cannot read; `on_refusal(status, kind)` hears of each of these answers."""
-    refusal = over_limit_response(max_connections, refusal_headers or []) if max_connections else b""
+    out with the 400 for a request h11 cannot read and the 408 for headers too slow; `on_refusal(status, kind)` hears
+    of each of these answers. Every one of them names a request id: the request's (`serving.request_ids`, as the app
+    names it) where its headers were read, else a new one."""
+    answer_headers = refusal_headers or []
     import h11
     from h11._connection import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE  # what uvicorn's own protocol falls back to
     from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -144,30 +153,43 @@ def request_deadline_protocol(headers_timeout_s: float, send_timeout_s: float, m
         # is on the next request's headers
         lingering_for: Any = None
         send_deadline: asyncio.TimerHandle | None = None  # armed while the transport's send buffer is full
+        refusing = False  # refused at the connection limit: what arrives is dropped until the connection closes
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)  # counted in the server's connections from here
             if max_connections and len(self.connections) > max_connections:
-                log.warning("refusing the connection of %s: %d connections open, the limit (503)", self._peer(),
-                            len(self.connections) - 1)
-                transport.write(refusal)
-                transport.close()
+                rid = new_request_id()
+                log.warning("request %s: refusing the connection of %s: %d connections open, the limit (503)", rid,
+                            self._peer(), len(self.connections) - 1)
+                self.refusing = True
+                transport.write(over_limit_response(max_connections, answer_headers, rid))
+                if transport.can_write_eof():  # half-closed: the 503 goes out, what the client sent is read
+                    transport.write_eof()
+                    self.loop.call_later(REFUSAL_LINGER_S, transport.close)
+                else:
+                    transport.close()
                 refused(503, "connection_limit")
                 return
             self._arm()
+
+        def eof_received(self) -> bool | None:
+            if self.refusing:
+                self.transport.close()
+            return super().eof_received()
 
         def send_400_response(self, msg: str) -> None:
             """The contract's JSON 400 where uvicorn would answer plain text (`msg`, uvicorn's, is not used): for
             bytes h11 cannot read as a request, or a body past its piece budget. The connection is closed after it,
             and without it where an answer is already on its way (nothing more can be framed there)."""
             over_budget = self.conn.over_budget
-            rid = uuid.uuid4().hex
+            reading = self.cycle is not None and not self.cycle.response_complete  # a request the app is reading
+            rid = request_id(self.cycle.scope) if reading else new_request_id()
             why = (f"the request body came in more than {max_body_pieces} pieces (chunks or reads) of under "
                    f"{MIN_PIECE_BYTES} bytes on average: send it in larger chunks") if over_budget else MALFORMED
             body = json.dumps({"error": why, "status": 400, "request_id": rid}).encode()
             headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                        (b"x-request-id", rid.encode()),
-                       *((k.lower().encode(), v.encode()) for k, v in refusal_headers or []), (b"connection", b"close")]
+                       *((k.lower().encode(), v.encode()) for k, v in answer_headers), (b"connection", b"close")]
             try:
                 answer = [self.conn.send(h11.Response(status_code=400, headers=headers, reason=b"Bad Request")),
                           self.conn.send(h11.Data(data=body)), self.conn.send(h11.EndOfMessage())]
@@ -176,13 +198,15 @@ def request_deadline_protocol(headers_timeout_s: float, send_timeout_s: float, m
             if answer:
                 log.warning("request %s from %s: %s (400)", rid, self._peer(), why)
                 refused(400, "too_many_pieces" if over_budget else "malformed_http")
-                if self.cycle is not None and not self.cycle.response_complete:  # a request the app is reading
+                if reading:
                     self.cycle.scope.setdefault("state", {})[PROTOCOL_REFUSED] = True
                 for part in answer:
                     self.transport.write(part or b"")
             self.transport.close()
 
         def data_received(self, data: bytes) -> None:
+            if self.refusing:
+                return  # read and dropped: the 503 has gone out
             self.request_begun = self.request_begun or bool(data)
             try:
                 super().data_received(data)
@@ -264,10 +288,11 @@ def request_deadline_protocol(headers_timeout_s: float, send_timeout_s: float, m
             if self.conn.their_state is not h11.IDLE:
                 return
             if self.request_begun:
-                log.warning("closing the connection of %s: no complete request line and headers within %g s",
-                            self._peer(), headers_timeout_s)
+                rid = new_request_id()
+                log.warning("request %s: closing the connection of %s: no complete request line and headers "
+                            "within %g s", rid, self._peer(), headers_timeout_s)
                 if self.cycle is None or self.cycle.response_complete:  # nothing of an answer is on its way
-                    self.transport.write(HEADERS_TIMEOUT_RESPONSE)
+                    self.transport.write(headers_timeout_response(answer_headers, rid))
                     refused(408, "request_timeout")
             self.transport.close()
 

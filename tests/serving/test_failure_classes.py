@@ -1,4 +1,4 @@
-"""Serving: whose fault a failure is. `serving.mlflow_server.ContractMiddleware` over a real saved pyfunc that
+"""Serving: whose fault a failure is. `serving.contract_middleware.ContractMiddleware` over a real saved pyfunc that
 fails (`pipeline.deployment.mlflow_model.served_model`: MLflow's scoring app and the pyfunc's `predict`): the
 contract had accepted the request, so a model that raised is a 500 (MLflow's own app says 400 "unexpected error
 while evaluating the model") with a request id, the log names it, and `/metrics` counts a server-side
@@ -20,8 +20,9 @@ import pandas as pd
 import pytest
 
 from pipeline.deployment.mlflow_model import ServedModel, served_model
-from serving import mlflow_server
-from serving.mlflow_server import ContractMiddleware, Metrics
+from serving import contract_middleware, request_bodies
+from serving.contract_middleware import ContractMiddleware
+from serving.endpoint_metrics import Metrics
 from tests import factories
 
 
@@ -50,7 +51,7 @@ def served(tmp_path_factory) -> ServedModel:
 
 def middleware(served: ServedModel, score: Callable[[list[str]], list[Any]] | None = None, max_in_flight: int = 64,
                timeout_s: float | None = None,
-               body_timeout_s: float = mlflow_server.BODY_TIMEOUT_S) -> ContractMiddleware:
+               body_timeout_s: float = contract_middleware.BODY_TIMEOUT_S) -> ContractMiddleware:
     return ContractMiddleware(served.app, score or served.score, factories.limits(max_texts=4), "3", "test-variant",
                               Metrics("3", "test-variant"), timeout_s=timeout_s or served.timeout_s,
                               max_in_flight=max_in_flight, body_timeout_s=body_timeout_s)
@@ -100,7 +101,7 @@ def test_a_model_failure_is_a_500_with_a_request_id_logged_and_counted_as_the_se
     app = middleware(served)
     ok = asyncio.run(call(app, json.dumps({"inputs": ["fine"]}).encode()))
     assert ok[0] == 200 and len(ok[1]["x-request-id"]) == 32
-    with caplog.at_level(logging.ERROR, logger="serving.mlflow_server"):
+    with caplog.at_level(logging.ERROR, logger="serving"):
         status, headers, body = asyncio.run(call(app, json.dumps({"inputs": ["fine", "boom"]}).encode(),
                                                  {"X-Request-Id": "client-id-42"}))
     assert status == 500, body
@@ -179,18 +180,25 @@ def test_a_scoring_call_past_the_timeout_is_a_504_and_the_server_goes_on(served,
         return served.score(texts)
 
     app = middleware(served, slow, timeout_s=0.2)
-    with caplog.at_level(logging.ERROR, logger="serving.mlflow_server"):
+    with caplog.at_level(logging.WARNING, logger="serving"):
         status, headers, body = asyncio.run(call(app, json.dumps({"inputs": ["slow"]}).encode()))
     assert status == 504 and json.loads(body)["request_id"] == headers["x-request-id"], body
     assert any(headers["x-request-id"] in r.getMessage() and "timed out" in r.getMessage() for r in caplog.records)
     assert metric(app, "sentiment_request_errors_total", kind="timeout", side="server") == 1
     # while the timed-out call still runs (a thread cannot be stopped), nothing queues behind it: 503 at once
     t0 = time.perf_counter()
-    busy = asyncio.run(call(app, json.dumps({"inputs": ["fine"]}).encode()))
-    ready = asyncio.run(call(app, b"", path="/ready", method="GET"))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="serving"):
+        busy = asyncio.run(call(app, json.dumps({"inputs": ["fine"]}).encode()))
+        ready = asyncio.run(call(app, b"", path="/ready", method="GET"))
     assert time.perf_counter() - t0 < 0.2 and not stuck.is_set()
+    # a 503 while the model is busy is no model failure: a warning, not an error that says the model failed
+    assert caplog.records and not [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert busy[0] == 503 and busy[1]["retry-after"] == "1" and "busy" in json.loads(busy[2])["error"], busy
-    assert ready[0] == 503 and json.loads(ready[2])["status"] == "not ready", ready
+    not_ready = json.loads(ready[2])  # the contract's error, with the served model and Retry-After
+    assert ready[0] == 503 and ready[1]["retry-after"] == "1" and not_ready["status"] == 503, ready
+    assert not_ready["error"].startswith("the model is not ready") and not_ready["variant"] == "test-variant"
+    assert not_ready["request_id"] == ready[1]["x-request-id"]
     assert metric(app, "sentiment_request_errors_total", kind="model_busy", side="server") == 1
     assert metric(app, "sentiment_request_errors_total", kind="not_ready", side="server") == 1
     assert metric(app, "sentiment_request_errors_total", kind="overloaded") == 0  # neither is load shedding
@@ -304,7 +312,7 @@ def test_uploads_still_arriving_take_no_scoring_slot(served):
 
 def test_a_refused_body_trickled_without_end_is_not_waited_for(served, monkeypatch):
     """A 413's body is read and dropped for at most `DISCARD_WAIT_S` in all, however the client paces it."""
-    monkeypatch.setattr(mlflow_server, "DISCARD_WAIT_S", 0.3)
+    monkeypatch.setattr(request_bodies, "DISCARD_WAIT_S", 0.3)
     app = middleware(served)
 
     async def trickle() -> dict[str, Any]:
@@ -394,16 +402,16 @@ def test_a_large_body_is_checked_off_the_event_loop_and_answered(served, monkeyp
     """A body over `PARSE_INLINE_BYTES` is parsed and checked in a worker thread (a megabyte of JSON takes the
     checks a while, during which the event loop would serve no one); a small one on the loop, as before."""
     threads: list[str] = []
-    parse = mlflow_server.parse_request
+    parse = contract_middleware.parse_request
 
     def recording(*args: Any, **kwargs: Any) -> Any:
         threads.append(threading.current_thread().name)
         return parse(*args, **kwargs)
 
-    monkeypatch.setattr(mlflow_server, "parse_request", recording)
+    monkeypatch.setattr(contract_middleware, "parse_request", recording)
     app = middleware(served)
     small = json.dumps({"inputs": ["fine"]}).encode()
-    large = small[:-1] + b" " * (mlflow_server.PARSE_INLINE_BYTES + 1) + b"}"
+    large = small[:-1] + b" " * (contract_middleware.PARSE_INLINE_BYTES + 1) + b"}"
     for body in (small, large):
         status, _, answer = asyncio.run(call(app, body))
         assert status == 200 and json.loads(answer)["predictions"][0]["label"] == "positive"
@@ -417,7 +425,7 @@ def test_a_scoring_call_that_never_returns_does_not_keep_a_stopped_server_alive(
     import sys
 
     script = ("import threading, time\n"
-              "from serving.mlflow_server import ModelThread\n"
+              "from serving.scoring_queue import ModelThread\n"
               "started = threading.Event()\n"
               "pool = ModelThread()\n"
               "first = pool.submit(lambda: 6 * 7)\n"
@@ -428,3 +436,44 @@ def test_a_scoring_call_that_never_returns_does_not_keep_a_stopped_server_alive(
     done = subprocess.run([sys.executable, "-c", script], cwd=factories.ROOT, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0 and "main ends" in done.stdout, done.stderr[-2000:]
+
+
+def test_a_readiness_probe_queues_with_the_requests_and_fails_none_of_them(served):
+    """`/ready` scores its review in the queue the requests' batches go through: a probe that arrives while a batch is
+    scoring waits its turn, and no call is timed while it waits for another (before, the probe went straight to the
+    model beside the batches, and whichever waited behind the other ran out its timeout: a 503 to the probe, a 504
+    to the next request, with no call slower than the timeout)."""
+    def slow(texts: list[str]) -> list[Any]:
+        time.sleep(0.3)
+        return served.score(texts)
+
+    app = middleware(served, slow, timeout_s=0.5)
+
+    async def scenario() -> list[tuple[int, dict[str, str], bytes]]:
+        async def later(delay: float, **kwargs: Any) -> tuple[int, dict[str, str], bytes]:
+            await asyncio.sleep(delay)
+            return await call(app, **kwargs)
+
+        body = json.dumps({"inputs": ["fine"]}).encode()
+        return await asyncio.gather(call(app, body), later(0.05, body=b"", path="/ready", method="GET"),
+                                    later(0.1, body=body))
+
+    first, ready, second = asyncio.run(scenario())
+    assert (first[0], ready[0], second[0]) == (200, 200, 200), (first, ready, second)
+    assert json.loads(ready[2])["status"] == "ready"
+    assert metric(app, "sentiment_request_errors_total", kind="timeout", side="server") == 0
+
+
+def test_a_client_that_hangs_up_mid_body_is_counted_as_gone_not_as_invalid_input(served):
+    """A client that closed the connection before its body was in gets no answer to read: `/metrics` counts it as
+    `client_closed` (nginx's 499), not as a malformed request."""
+    app = middleware(served)
+    parts = iter([{"type": "http.request", "body": b'{"inputs": ["fi', "more_body": True}, {"type": "http.disconnect"}])
+
+    async def hang_up() -> dict[str, Any]:
+        return next(parts)
+
+    status, _, _ = asyncio.run(call(app, b"", receive=hang_up))
+    assert status == 400
+    assert metric(app, "sentiment_request_errors_total", kind="client_closed", side="client") == 1
+    assert metric(app, "sentiment_request_errors_total", kind="invalid_input") == 0

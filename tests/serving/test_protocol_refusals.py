@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from serving.mlflow_server import ContractMiddleware, Metrics
+from serving.contract_middleware import ContractMiddleware
+from serving.endpoint_metrics import Metrics
 from serving.request_deadline import request_deadline_protocol
 from tests import factories
 from tests.factories import chunked_body, read_until_closed, uvicorn_in_thread

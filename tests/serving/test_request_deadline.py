@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from serving.request_deadline import HEADERS_TIMEOUT_RESPONSE, request_deadline_protocol
+from serving.request_deadline import request_deadline_protocol
 from tests.factories import chunked_body, read_until_closed, uvicorn_in_thread
 
 DEADLINE_S = 0.6
@@ -95,7 +95,22 @@ def test_headers_sent_a_byte_at_a_time_get_a_408_and_the_connection_closed(port)
     with connect(port) as sock:
         sock.sendall(REQUEST[:10])
         data, _ = read_until_closed(sock)
-    assert data == HEADERS_TIMEOUT_RESPONSE and data.startswith(b"HTTP/1.1 408 ")
+    answer = contract_error(data, 408)
+    assert answer["error"] == "the request line and headers did not arrive in time"
+
+
+def contract_error(data: bytes, status: int, headers: tuple[bytes, ...] = ()) -> dict[str, Any]:
+    """The contract's JSON error in the raw answer `data`: `status` in the status line and the body, a request id in
+    the body and `X-Request-Id`, the connection closed, and each of `headers` (lower-case) in the head."""
+    import json
+
+    head, _, body = data.partition(b"\r\n\r\n")
+    answer = json.loads(body)
+    lines = head.lower().split(b"\r\n")
+    assert lines[0].startswith(f"http/1.1 {status} ".encode()) and answer["status"] == status, data
+    assert f"x-request-id: {answer['request_id']}".encode() in lines and b"connection: close" in lines, data
+    assert all(h in lines for h in headers) and b"content-type: application/json" in lines, data
+    return answer
 
 
 def test_requests_in_time_are_answered_and_a_kept_connection_gets_a_new_deadline(port):
@@ -205,18 +220,19 @@ def test_a_connection_past_the_limit_gets_the_contracts_503_at_once_and_a_freed_
     """Idle connections fill the limit (as slow clients would until their deadline): the next connection gets a
     JSON 503 with `Retry-After` and the served model's headers before it sends anything, and is closed; once one
     of the idle ones goes, a request is answered again."""
-    import json
-
     protocol = request_deadline_protocol(30.0, 30.0, max_connections=3, refusal_headers=[("X-Model-Version", "7")])
     with serving(protocol) as port:
         idle = [connect(port) for _ in range(3)]
         time.sleep(0.2)  # the server has taken all three
         with connect(port) as sock:
             data, _ = read_until_closed(sock)
-        head, _, body = data.partition(b"\r\n\r\n")
-        assert head.startswith(b"HTTP/1.1 503 ") and b"retry-after: 1" in head and b"X-Model-Version: 7" in head
-        assert json.loads(body) == {"error": "the server holds its limit of 3 connections; retry after 1 s",
-                                    "status": 503}
+        answer = contract_error(data, 503, (b"retry-after: 1", b"x-model-version: 7"))
+        assert answer["error"] == "the server holds its limit of 3 connections; retry after 1 s"
+        with connect(port) as sock:  # a client that sends its request at once still reads the 503, not a reset
+            sock.sendall(b"POST / HTTP/1.1\r\nHost: test\r\nContent-Length: 5000\r\n\r\n" + b"x" * 5000)
+            time.sleep(0.2)  # the server has answered and closed its side before the client reads
+            data, _ = read_until_closed(sock)
+        contract_error(data, 503, (b"retry-after: 1",))
         idle.pop().close()
         time.sleep(0.2)
         with connect(port) as sock:
@@ -231,7 +247,6 @@ def test_a_body_past_its_piece_budget_gets_the_contracts_400_and_the_connection_
     """A body in more chunks than `max_body_pieces` (each costs the event loop the same whatever its size): the
     contract's JSON 400 with a request id and the model's headers, the connection closed, the refusal reported;
     bodies within the budget are read whole, and the count starts again with each request of a connection."""
-    import json
 
     told: list[tuple[int, str]] = []
     protocol = request_deadline_protocol(30.0, 30.0, refusal_headers=[("X-Model-Version", "7")], max_body_pieces=50,
@@ -245,12 +260,14 @@ def test_a_body_past_its_piece_budget_gets_the_contracts_400_and_the_connection_
         with connect(port) as sock:
             sock.sendall(head + chunked_body([b"x"] * 200))
             data, _ = read_until_closed(sock)
-    head_out, _, body = data.partition(b"\r\n\r\n")
-    answer = json.loads(body)
-    assert head_out.startswith(b"HTTP/1.1 400 ") and b"x-model-version: 7" in head_out.lower()
-    assert answer["status"] == 400 and "more than 50 pieces" in answer["error"]
-    assert f"x-request-id: {answer['request_id']}".encode() in head_out.lower()
-    assert told == [(400, "too_many_pieces")]
+        with connect(port) as sock:  # the refusal names the request by the id its client sent
+            sock.sendall(head.replace(b"Host: test", b"Host: test\r\nX-Request-Id: client-abc")
+                         + chunked_body([b"x"] * 200))
+            named, _ = read_until_closed(sock)
+    answer = contract_error(data, 400, (b"x-model-version: 7",))
+    assert "more than 50 pieces" in answer["error"] and len(answer["request_id"]) == 32
+    assert contract_error(named, 400)["request_id"] == "client-abc"
+    assert told == [(400, "too_many_pieces")] * 2
 
 
 @pytest.mark.parametrize("request_bytes", [

@@ -1,0 +1,63 @@
+"""What a request's line and headers alone decide, before its body (`refusal`): the MLflow server's routes and the
+limits on its URL and headers (`serving.contract_middleware` answers what this finds)."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import MutableMapping
+from typing import Any
+
+from pipeline.deployment.protocol import RequestError
+
+Scope = MutableMapping[str, Any]
+Headers = list[tuple[bytes, bytes]]
+
+INVOCATIONS = "/invocations"
+#: Paths and the methods answered on them; everything else is 404 (unknown path) or 405 (other method).
+ROUTES = {INVOCATIONS: "POST", "/ping": "GET", "/health": "GET", "/version": "GET", "/ready": "GET",
+          "/metrics": "GET"}
+MAX_URL_BYTES = 2048
+MAX_HEADER_BYTES = 8192
+CLOSE = (b"connection", b"close")
+#: Headers a request may send once only (lower-case, as uvicorn hands them over); a repeat is a 400.
+SINGLE_HEADERS = frozenset({b"content-type", b"content-encoding"})
+
+
+def refusal(scope: Scope) -> tuple[RequestError, Headers | None] | None:
+    """What is wrong with a request before its body, from its line and headers alone, with the answer's extra
+    headers: its URL or headers too large (414, 431), a target that is no path (400), an unknown path (404), another
+    method (405), an expectation other than 100-continue (417), a header sent twice that must be sent once or two
+    framings (400). None: nothing."""
+    path, method = scope.get("path", ""), scope.get("method", "")
+    raw_path = scope.get("raw_path") or path.encode()
+    url_bytes = len(raw_path) + len(scope.get("query_string") or b"")
+    if url_bytes > MAX_URL_BYTES:
+        return RequestError(414, f"URL of {url_bytes} bytes exceeds the limit of {MAX_URL_BYTES}"), None
+    raw_headers: Headers = scope.get("headers", [])
+    header_bytes = sum(len(k) + len(v) + 4 for k, v in raw_headers)
+    if header_bytes > MAX_HEADER_BYTES:
+        return RequestError(431, f"request headers of {header_bytes} bytes exceed the limit of "
+                                 f"{MAX_HEADER_BYTES}"), None
+    if not raw_path.startswith(b"/"):  # `%2Finvocations`, `*`: not a path
+        return RequestError(400, "the request target must be a path beginning with /"), [CLOSE]
+    allowed = ROUTES.get(path)
+    if allowed is None:
+        return RequestError(404, "no such path; scoring is POST /invocations"), None
+    if method != allowed and not (method == "HEAD" and allowed == "GET"):  # HEAD wherever GET (RFC 9110 9.3.2)
+        methods = f"{allowed}, HEAD" if allowed == "GET" else allowed
+        return RequestError(405, f"method not allowed on this path; use {allowed}"), [(b"allow", methods.encode())]
+    names = {k.lower() for k, _ in raw_headers}
+    expect = next((v.decode("latin-1").strip().lower() for k, v in raw_headers if k.lower() == b"expect"), "")
+    if expect and expect != "100-continue":
+        return RequestError(417, "the only expectation this server meets is 100-continue"), [CLOSE]
+    counts = collections.Counter(k.lower() for k, _ in raw_headers if k.lower() in SINGLE_HEADERS)
+    if repeated := sorted(k for k, n in counts.items() if n > 1):
+        # two Content-Types (or codings): a proxy in front may have read the first while this server would read the
+        # last, so the body would be checked as one thing and scored as another
+        names_sent = " and ".join(k.decode("latin-1").title() for k in repeated)
+        return RequestError(400, f"{names_sent} sent more than once: send it once"), [CLOSE]
+    if b"content-length" in names and b"transfer-encoding" in names:
+        # two framings (h11 reads the chunks, the length would size the body): a request-smuggling shape that no
+        # honest client sends; answered and closed, its body unread
+        return RequestError(400, "both Content-Length and Transfer-Encoding: send one of them"), [CLOSE]
+    return None
