@@ -13,7 +13,12 @@ import json
 import logging
 from http import HTTPStatus
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # imported when TorchServe first calls the handler, not when it loads this file
+    from pipeline.deployment.inference import SentimentPredictor
+    from pipeline.deployment.protocol import Answer, Limits
+    from pipeline.deployment.request_parsing import RawRequest
 
 log = logging.getLogger(__name__)
 
@@ -22,8 +27,8 @@ class SentimentHandler:
     """Implements TorchServe's `initialize`/`handle` contract without subclassing its internals."""
 
     def __init__(self) -> None:
-        self.predictor: Any = None
-        self.limits: Any = None
+        self.predictor: SentimentPredictor | None = None
+        self.limits: Limits | None = None
         self.model_label = "unknown"
         self.headers: dict[str, str] = {}
         self.initialized = False
@@ -45,7 +50,7 @@ class SentimentHandler:
         self.initialized = True
         log.info("sentiment handler ready: %s", self.model_label)
 
-    def handle(self, data: list[dict[str, Any]], context: Any) -> list[Any]:
+    def handle(self, data: list[dict[str, Any]], context: Any) -> list[str]:
         """One JSON string per request, in order, with each request's status set on the context."""
         from pipeline.deployment.batch_answers import answer_batch
         from pipeline.deployment.protocol import REQUEST_ID_HEADER, SERVER_ERROR, Answer
@@ -54,11 +59,12 @@ class SentimentHandler:
         requests = [_raw_request(request, context, idx) for idx, request in enumerate(data)]
         ids = [_request_id(context, idx) for idx in range(len(data))]
         try:
+            assert self.predictor is not None and self.limits is not None, "initialize() runs first"
             answers = answer_batch(requests, self.predictor, self.limits, self.model_label, ids)
         except Exception:  # answer_batch isolates requests itself; this only keeps a bug from becoming a 503
             log.exception("answering a batch of %d requests (%s) failed", len(data), ", ".join(ids))
             answers = [Answer(SERVER_ERROR.status, {**SERVER_ERROR.body, "request_id": rid}) for rid in ids]
-        responses: list[Any] = []
+        responses: list[str] = []
         for idx, answer in enumerate(answers):
             _set_status(context, idx, answer, {**self.headers, REQUEST_ID_HEADER: ids[idx]})
             responses.append(json.dumps(answer.body))
@@ -76,7 +82,7 @@ def _request_id(context: Any, idx: int) -> str:
     return str(rid) if rid else uuid.uuid4().hex
 
 
-def _raw_request(request: Any, context: Any, idx: int) -> Any:
+def _raw_request(request: Any, context: Any, idx: int) -> RawRequest:
     """The request body (TorchServe names it `body` or `data`) with its declared content type and content coding,
     if any (a `RawRequest`).
 
@@ -99,7 +105,7 @@ def _raw_request(request: Any, context: Any, idx: int) -> Any:
     return RawRequest(request.get(name), content_type, sent.get("content-encoding"))
 
 
-def _set_status(context: Any, idx: int, answer: Any, headers: dict[str, str]) -> None:
+def _set_status(context: Any, idx: int, answer: Answer, headers: dict[str, str]) -> None:
     """Status, JSON content type and model headers of one request; the reason phrase is the standard one, the
     body says why."""
     try:
@@ -114,7 +120,7 @@ def _set_status(context: Any, idx: int, answer: Any, headers: dict[str, str]) ->
 _service = SentimentHandler()
 
 
-def handle(data: list[dict[str, Any]] | None, context: Any) -> list[Any] | None:
+def handle(data: list[dict[str, Any]] | None, context: Any) -> list[str] | None:
     """Module-level entry point TorchServe calls (first call initialises)."""
     if not _service.initialized:
         _service.initialize(context)

@@ -5,6 +5,16 @@ from __future__ import annotations
 
 from pipeline.deployment.protocol import JSON_MEDIA_TYPES, TEXT_COLUMN, RequestError
 
+#: Media types a 415 names (others are "this Content-Type"): what clients commonly send by mistake.
+NAMED_MEDIA_TYPES = frozenset({
+    "application/xml", "text/xml", "text/html", "application/octet-stream", "application/x-ndjson",
+    "application/jsonl", "application/msgpack", "application/x-msgpack", "application/x-protobuf",
+    "application/yaml", "text/yaml", "application/x-yaml", "text/tab-separated-values", "text/plain", "text/csv",
+    "application/gzip", "application/zip", "application/parquet", "application/vnd.apache.parquet",
+})
+#: Content codings a 415 names (others are "this Content-Encoding"): the registered ones clients send.
+NAMED_CODINGS = frozenset({"gzip", "x-gzip", "deflate", "br", "zstd", "compress", "x-compress"})
+
 
 def media_type(content_type: str | None) -> tuple[str, dict[str, str]]:
     """`(type, parameters)` of a Content-Type header, lower-cased; `("", {})` when absent or blank, and `("", ...)`
@@ -60,15 +70,6 @@ def body_kind(content_type: str | None, shapes: frozenset[str]) -> str:
     raise RequestError(415, f"{shown} is not accepted; send one of {', '.join(accepted)}")
 
 
-#: Media types a 415 names (others are "this Content-Type"): what clients commonly send by mistake.
-NAMED_MEDIA_TYPES = frozenset({
-    "application/xml", "text/xml", "text/html", "application/octet-stream", "application/x-ndjson",
-    "application/jsonl", "application/msgpack", "application/x-msgpack", "application/x-protobuf",
-    "application/yaml", "text/yaml", "application/x-yaml", "text/tab-separated-values", "text/plain", "text/csv",
-    "application/gzip", "application/zip", "application/parquet", "application/vnd.apache.parquet",
-})
-
-
 def check_content_encoding(content_encoding: str | None) -> None:
     """`RequestError(415)` unless the body is sent as it is (no Content-Encoding, or `identity`): neither server
     decompresses, and a compressed body read as text would be refused for the wrong reason (not UTF-8), or a plain
@@ -79,7 +80,3 @@ def check_content_encoding(content_encoding: str | None) -> None:
         shown = " and ".join(sorted({c for c in codings if c in NAMED_CODINGS})) or "this Content-Encoding"
         raise RequestError(415, f"a compressed body ({shown}) is not accepted: send it uncompressed, without a "
                                 "Content-Encoding header")
-
-
-#: Content codings a 415 names (others are "this Content-Encoding"): the registered ones clients send.
-NAMED_CODINGS = frozenset({"gzip", "x-gzip", "deflate", "br", "zstd", "compress", "x-compress"})

@@ -34,6 +34,8 @@ from pipeline.deployment.protocol import (
 #: and 7 more. A body that parses to more is refused before it is walked, so a megabyte of `[]` costs one parse.
 JSON_VALUES_PER_TEXT = 4
 JSON_FRAME_VALUES = 16
+#: Blank lines a CSV body may hold (between rows or at its end); more is a 400.
+MAX_BLANK_CSV_LINES = 1024
 
 
 class RawRequest(NamedTuple):
@@ -170,8 +172,8 @@ def _from_payload(payload: Any, limits: Limits, shapes: frozenset[str]) -> Parse
         raise RequestError(400, f"JSON body must be an object with {wanted}, got {json_type(payload)}")
     keys = [k for k in payload if k in shapes - NON_JSON_SHAPES]  # "plain" and "csv" name a media type, not a key
     if len(keys) > 1:
-        raise RequestError(400, f"JSON body has {' and '.join(f'{chr(34)}{k}{chr(34)}' for k in keys)}; "
-                                f"send {wanted}")
+        quoted = " and ".join(f'"{k}"' for k in keys)
+        raise RequestError(400, f"JSON body has {quoted}; send {wanted}")
     if not keys:
         raise RequestError(400, f"JSON body needs {wanted}")
     if len(payload) > 1:
@@ -281,7 +283,3 @@ def _csv_column(text: str, limits: Limits) -> list[str]:
         if len(row) != 1:
             raise RequestError(400, f"CSV row {i} has {len(row)} fields; one ({TEXT_COLUMN}) is expected")
     return [row[0] for row in rows[1:]]
-
-
-#: Blank lines a CSV body may hold (between rows or at its end); more is a 400.
-MAX_BLANK_CSV_LINES = 1024

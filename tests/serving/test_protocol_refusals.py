@@ -31,9 +31,10 @@ def _count(metrics: Metrics, name: str) -> float:
     b"1\r\nx\r\n" * 3 + b"zz\r\n",         # a bad chunk size mid-body: h11 cannot read it
 ])
 def test_a_body_refused_by_the_protocol_mid_upload_is_counted_once(tail):
-    """The protocol answers its JSON 400 and counts it (`Metrics.refused`); the app, still waiting for the body,
-    then sees `http.disconnect` and records its own 400 ("the client closed the connection"), a request the client
-    never abandoned: one request, two 400s in `/metrics`."""
+    """A body the protocol refuses mid-upload (past the piece budget, or unreadable) is one request and one 400 in
+    `/metrics`: the protocol counts its answer (`Metrics.refused`), and the app, which then hears only
+    `http.disconnect` while it waits for the body, does not count it again (before, it recorded a second 400, "the
+    client closed the connection", for a request the client never abandoned)."""
     metrics = Metrics("3", "test-variant")
     protocol = request_deadline_protocol(30.0, 30.0, max_body_pieces=50, on_refusal=metrics.refused)
     head = (b"POST /invocations HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
@@ -51,11 +52,10 @@ def test_a_body_refused_by_the_protocol_mid_upload_is_counted_once(tail):
 
 def test_an_oversized_content_length_upload_in_full_segments_gets_its_413_not_the_piece_budgets_400():
     """A client that declares a 2 MB Content-Length (over the 1 MB limit, under DISCARD_BODY_BYTES, no Expect) and
-    sends it in full-size TCP segments, as any upload over a real network arrives: the middleware reads and drops
-    the rest for up to 2 s before its 413, but the body's pieces (one per socket read) pass the budget first, and
-    the client gets a 400 telling it to "send it with Content-Length" (it did), the connection reset mid-upload.
-    Pieces of 1,448 bytes are no event-loop attack (that is 1-byte pieces); here the budget is 200 so the test
-    needs only ~300 reads."""
+    sends it in full-size TCP segments, as any upload over a real network arrives, gets the middleware's 413 after
+    the rest is read and dropped, not the piece budget's 400: its pieces (one per socket read) pass the budget's
+    count, but they are large, and only many small pieces cost the event loop (before, a hard cap on the count
+    answered it a 400 and reset the connection mid-upload). The budget is 200 here, so ~300 reads pass it."""
     metrics = Metrics("3", "test-variant")
     protocol = request_deadline_protocol(30.0, 30.0, max_body_pieces=200, on_refusal=metrics.refused)
     size = 2_000_000
