@@ -78,11 +78,34 @@ def served_version(model_uri: str | None, *, name: str, alias: str, tracking_uri
     return "unregistered", {}
 
 
+def served_limits(tags: dict[str, str], fallback: dict[str, Any], *, tracking_uri: str) -> tuple[Limits, str]:
+    """The request limits a registered version was packaged with, as its package run recorded them (`package.*`
+    params of the run in the version's `VERSION_RUN_TAG`; the version's `.mar` holds the same in serving.json), and
+    where they came from. `fallback` (params' package section) where the version names no such run, or the run
+    holds no complete set (a model registered by hand, or before the limits were recorded)."""
+    from mlflow.exceptions import MlflowException
+
+    from pipeline.core.model_registry import client_for
+    from pipeline.core.parent_run import VERSION_RUN_TAG
+
+    run_id = tags.get(VERSION_RUN_TAG)
+    if run_id:
+        try:
+            recorded = client_for(tracking_uri).get_run(run_id).data.params
+            limits = Limits.from_config({k.removeprefix("package."): v for k, v in recorded.items()
+                                         if k.startswith("package.")})
+            return limits, f"the version's package run {run_id}"
+        except (MlflowException, ValueError) as exc:
+            log.warning("the limits of package run %s could not be read (%s): params' are used", run_id, exc)
+    return Limits.from_config(fallback), "params' package section"
+
+
 def build_app(model_uri: str | None, params_path: Path, max_in_flight: int = MAX_IN_FLIGHT,
-              body_timeout_s: float = BODY_TIMEOUT_S) -> ContractMiddleware:
-    """Load the champion (or `model_uri`) and serve it through the contract. The store (`$MLFLOW_TRACKING_URI`,
-    else the params') is read once and handed to every registry lookup and to the model's download: MLflow's
-    process-wide tracking URI and the environment are left as they are."""
+              body_timeout_s: float = BODY_TIMEOUT_S, limits_from: str = "model") -> ContractMiddleware:
+    """Load the champion (or `model_uri`) and serve it through the contract, with the limits the served version was
+    packaged with (`served_limits`: what its `.mar` enforces on TorchServe) or, `limits_from="params"`, params'. The
+    store (`$MLFLOW_TRACKING_URI`, else the params') is read once and handed to every registry lookup and to the
+    model's download: MLflow's process-wide tracking URI and the environment are left as they are."""
     from pipeline.core.params import load_params_or_defaults
     from pipeline.core.parent_run import tracking_uri
     from pipeline.deployment.mlflow_model import served_model
@@ -99,7 +122,15 @@ def build_app(model_uri: str | None, params_path: Path, max_in_flight: int = MAX
     model = served_model(uri, tracking_uri=store)
     variant = model.variant or tags.get("variant", "unknown")
     log.info("serving %s (%s, version %s, variant %s) from %s", requested, uri, version, variant, store)
-    limits = Limits.from_config(vars(params.package))
+    if limits_from == "model":
+        limits, source = served_limits(tags, vars(params.package), tracking_uri=store)
+    else:
+        limits, source = Limits.from_config(vars(params.package)), f"params ({params_path})"
+    if limits != (configured := Limits.from_config(vars(params.package))):
+        changed = {k: v for k, v in vars(configured).items() if getattr(limits, k) != v}
+        log.warning("the limits of %s (%s) differ from params' package section (%s): the version's are enforced, as "
+                    "its .mar does; --limits params enforces params'", source, vars(limits), changed)
+    log.info("request limits from %s: %s", source, vars(limits))
     return ContractMiddleware(model.app, model.score, limits, version, variant, Metrics(version, variant),
                               timeout_s=model.timeout_s, max_in_flight=max_in_flight, body_timeout_s=body_timeout_s)
 
@@ -112,7 +143,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=5001)
     parser.add_argument("--params", type=Path, default=Path("params.yaml"),
-                        help="limits (package.*) and the registry entry (mlflow.*); defaults if params.yaml is absent")
+                        help="the registry entry (mlflow.*) and the limits (package.*) of a model whose package run "
+                             "recorded none; defaults if params.yaml is absent")
+    parser.add_argument("--limits", choices=["model", "params"], default="model",
+                        help="model: the limits the served version was packaged with (as its .mar enforces them); "
+                             "params: params' package section")
     parser.add_argument("--model-uri", help="serve this model instead of models:/<name>@<alias> (same limits)")
     parser.add_argument("--log-dir", type=Path, default=Path("logs"))
     parser.add_argument("--log-max-bytes", type=int, default=10_000_000)
@@ -137,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         with store_errors():
-            app = build_app(args.model_uri, args.params, args.max_in_flight, args.body_timeout)
+            app = build_app(args.model_uri, args.params, args.max_in_flight, args.body_timeout, args.limits)
     except LookupError as exc:  # no champion yet: say what to do instead of a traceback
         raise SystemExit(f"{exc}: run `make run` first (its package stage registers and aliases the model)") from None
     except FileNotFoundError as exc:  # a --params that is not there

@@ -177,7 +177,8 @@ def champion(tmp_path_factory, tiny_model_dir, built, tracking_store):
 
     work = tmp_path_factory.mktemp("mlflow-serve")
     store = tracking_store(work / "mlflow.db")
-    params = Params(mlflow=MlflowParams(tracking_uri=store))
+    # packaged with the test limits: the server enforces what the version's package run recorded
+    params = Params(mlflow=MlflowParams(tracking_uri=store), package=PackageParams(**SERVING_LIMITS))
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(work)
         mp.setenv("PIPELINE_RUN_ID", "serving-test")

@@ -16,9 +16,10 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import yaml
 
 from pipeline.deployment.inference import SentimentPredictor
-from tests.factories import read_until_closed
+from tests.factories import SERVING_LIMITS, read_until_closed
 
 BIN = Path(sys.executable).parent
 REVIEWS = ["A wonderful, moving film; the cast is superb.", "Awful. Boring, predictable and far too long.",
@@ -288,3 +289,24 @@ def test_mlflow_models_predict_scores_a_csv_larger_than_any_request(champion, im
     alone = [predictor.predict([t])[0] for t in reviews["text"]]
     assert [g["label"] for g in got] == [p.label for p in alone]
     assert max(abs(g["score"] - p.score) for g, p in zip(got, alone, strict=True)) <= 1e-4
+
+
+def test_the_server_enforces_the_limits_the_served_version_was_packaged_with(champion, tmp_path, caplog):
+    """The same registered version answers alike on both servers: the MLflow server takes its request limits from the
+    version's package run (what the version's `.mar` holds in serving.json), not from a params file edited since
+    (it warns that they differ); `--limits params` enforces params'."""
+    import logging
+
+    from pipeline.deployment.protocol import Limits
+    from serving.mlflow_server import build_app
+
+    with zipfile.ZipFile(champion["mar"]) as archive:
+        packaged = Limits.from_config(json.loads(archive.read("serving.json")))
+    edited = tmp_path / "params.yaml"
+    edited.write_text(yaml.safe_dump({"mlflow": {"tracking_uri": champion["store"]},
+                                      "package": {**SERVING_LIMITS, "max_texts": SERVING_LIMITS["max_texts"] + 3}}))
+    with caplog.at_level(logging.WARNING, logger="serving"):
+        app = build_app(None, edited)
+    assert app.limits == packaged and app.limits.max_texts == SERVING_LIMITS["max_texts"]
+    assert any("differ from params" in r.getMessage() for r in caplog.records)
+    assert build_app(None, edited, limits_from="params").limits.max_texts == SERVING_LIMITS["max_texts"] + 3
