@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 import yaml
 
+from benchmarks.peer_report import ceiling_fraction, weight_gemm_flops
+from benchmarks.peer_rows import Inputs, build_row, read_inputs
 from benchmarks.peer_runtimes import PeerSpec, PeerUnavailable, specs
-from benchmarks.peers import Inputs, build_row, ceiling_fraction, main, read_inputs, weight_gemm_flops
+from benchmarks.peers import main
 from pipeline.core.io import read_json, write_json
 from pipeline.core.params import BenchmarkParams, Params, QuantizeParams
 

@@ -9,15 +9,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from benchmarks.serve_load import (
-    Connection,
-    Endpoint,
-    answering_endpoint,
-    malformed_bodies,
-    table,
-    targets,
-    torchserve_batching,
-)
+from benchmarks.load_clients import Connection, Endpoint, answering_endpoint, malformed_bodies
+from benchmarks.serve_load import table, targets, torchserve_batching
 from pipeline.deployment.protocol import RequestError
 from pipeline.deployment.request_parsing import parse_request
 from tests import factories
