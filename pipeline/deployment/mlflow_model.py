@@ -166,13 +166,29 @@ def predictor_model_class() -> type:
                 raise RequestError(400, f"{TEXT_COLUMN}[0] must be a string, got a list: MLflow reads a dict of "
                                         f"lists as one row; pass pd.DataFrame({{{TEXT_COLUMN!r}: [...]}}) to score "
                                         "many texts")
-            predictions = self.predictor.predict(texts)
+            try:
+                predictions = self.predictor.predict(texts)
+            except RequestError as err:  # the row named by its label too, where the caller's index has labels
+                raise RequestError(err.status, labelled(err.message, model_input.index)) from None
             # the caller's index, so the answers join back onto the rows they came from (`df.join(predict(df))`)
             return pd.DataFrame({"label": [p.label for p in predictions],
                                  "score": [float(p.score) for p in predictions]}, columns=list(OUTPUT_COLUMNS),
                                 index=model_input.index)
 
     return PredictorModel
+
+
+def labelled(message: str, index: pd.Index) -> str:
+    """`message` (a row's error, `text[<position>] ...`) naming the row's label as well, where `index` is not the
+    default one, so `df.loc[<label>]` finds the row (`text[2]` of a frame indexed `[2, 1, 0]` is the row labelled 0)."""
+    position, _, rest = message.partition("]")
+    if not position.startswith(f"{TEXT_COLUMN}[") or not position[len(TEXT_COLUMN) + 1:].isdigit():
+        return message
+    if isinstance(index, pd.RangeIndex) and index.start == 0 and index.step == 1:
+        return message
+    label = index[int(position[len(TEXT_COLUMN) + 1:])]
+    label = label.item() if isinstance(label, np.generic) else label  # 0, not np.int64(0)
+    return f"{position}] (the row labelled {label!r}){rest}"
 
 
 def set_predictor_model(target: str) -> None:

@@ -97,3 +97,17 @@ def test_a_variant_needs_transformers_only_where_its_tokenizer_does(built, tmp_p
     assert "transformers" not in names("onnx", built["dirs"]["int8-dynamic"]) | names(
         "openvino", built["dirs"]["int8-openvino"])
     assert "transformers" in names("onnx", tmp_path) and "transformers" in names("eager", None)
+
+
+def test_a_pyfunc_row_error_names_the_callers_row_label_where_the_index_has_labels():
+    """A bad row of a DataFrame indexed `[2, 1, 0]` is `text[2]` by position; the error also names its label 0, the
+    one `df.loc` finds (with the default index, position and label agree and the message is left as it is)."""
+    import pandas as pd
+
+    from pipeline.deployment.mlflow_model import labelled
+
+    message = "text[2] must be a string, got null"
+    assert labelled(message, pd.Index([2, 1, 0])) == "text[2] (the row labelled 0) must be a string, got null"
+    assert labelled(message, pd.RangeIndex(3)) == message
+    assert labelled(message, pd.Index(["a", "b", "c"])).startswith("text[2] (the row labelled 'c')")
+    assert labelled("input needs a column named 'text'", pd.Index([5])) == "input needs a column named 'text'"
