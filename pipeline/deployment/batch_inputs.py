@@ -37,23 +37,43 @@ COMPRESSION_SUFFIXES = (".gz", ".bz2", ".deflate", ".lz4", ".zst", ".snappy", ".
 DECOMPRESSORS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
 #: What Spark leaves in an output folder besides its part files: a job's staging, as a killed job leaves it.
 SPARK_WORK_DIRS = ("_temporary", ".spark-staging-")
+#: What Hadoop's path globbing (which Spark applies to every path it reads) takes as a pattern; `\\` escapes.
+GLOB_CHARACTERS = "[]{}*?\\"
 #: The output's columns beside the id.
 OUTPUT_COLUMNS = ("label", "score", "error")
 
 
-def local_path(path: str, *, local_master: bool = True) -> Path | None:
-    """The local file `path` names (a plain path, or a `file:` URI taken as Hadoop takes it: no unquoting), None
-    where the checks cannot look: another file system (`s3a://`, `hdfs://`), a glob (`reviews/*.csv`, which Spark
-    expands itself) and, on a cluster (`local_master` False), a plain path, which names the cluster's default file
-    system."""
+def has_glob(path: str) -> bool:
+    """True when `path` holds a character Hadoop's globbing reads as a pattern (`GLOB_CHARACTERS`): Spark expands
+    every path it reads, so such a path may name other files than the one spelled (`rev[1].parquet` reads
+    `rev1.parquet`)."""
+    return any(ch in path for ch in GLOB_CHARACTERS)
+
+
+def literal_path(path: str, *, local_master: bool = True) -> Path | None:
+    """The local file `path` spells, glob characters read as themselves (a plain path, or a `file:` URI taken as
+    Hadoop takes it: no unquoting); None for another file system (`s3a://`, `hdfs://`) and, on a cluster
+    (`local_master` False), for a plain path, which names the cluster's default file system."""
     if path.startswith("file:"):
         rest = path.removeprefix("file:")
         if rest.startswith("//"):  # `file:///d/x`, or `file://host/d/x` with an authority
             rest = rest[2:] if rest[2:].startswith("/") else "/" + rest[2:].partition("/")[2]
         return Path(rest)
-    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", path) or any(ch in path for ch in "*?[{") or not local_master:
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", path) or not local_master:
         return None
     return Path(path)
+
+
+def local_path(path: str, *, local_master: bool = True) -> Path | None:
+    """The local file `path` names (`literal_path`), None where the checks cannot look: another file system, a
+    cluster's plain path, and a glob (`reviews/*.csv`, which Spark expands itself)."""
+    return None if has_glob(path) else literal_path(path, local_master=local_master)
+
+
+def hadoop_literal(path: str) -> str:
+    """`path` escaped for Hadoop's globbing (a backslash before each of `GLOB_CHARACTERS`), so that Spark reads the
+    file of that very name: one of a folder's files, listed here, named `rev[1].parquet`."""
+    return re.sub(r"([\\\[\]{}*?])", r"\\\1", path)
 
 
 def format_of(file: Path) -> str | None:
@@ -112,6 +132,11 @@ def check_input(path: str, fmt: str, *, local_master: bool = True) -> None:
     (`csv_text.check_csv_text`: not UTF-8, or a quoted field that never closes). Inputs the checks cannot look at
     (`local_path`) are Spark's to check; a compressed file is checked after decompression where Python reads the
     codec (gzip, bzip2, xz), else left to Spark."""
+    literal = literal_path(path, local_master=local_master)
+    if has_glob(path) and literal is not None and (literal.exists() or literal.is_symlink()):
+        raise ValueError(f"{path} exists, but its name holds a glob character ({' '.join(GLOB_CHARACTERS)}), which "
+                         "Spark reads as a pattern that may match other files (rev[1].parquet matches rev1.parquet): "
+                         "rename it without them, or pass the folder it is in")
     local = local_path(path, local_master=local_master)
     if local is None:
         return
@@ -143,8 +168,13 @@ def check_output(input_path: str, output_path: str, overwrite: bool, *, local_ma
     """Refuse, before Spark starts, an output that would destroy data or fail late: the input itself, a folder
     holding the input or inside an input folder, an output that exists without `overwrite`, and, with it, anything
     but an earlier output of Spark's (a folder with `_SUCCESS`, or only part files, Spark's bookkeeping and a killed
-    job's staging): Spark's overwrite deletes whatever is there first. Local paths are compared as files (the same
-    folder by another name, a symlink or a bind mount is the same); paths the checks cannot look at by name."""
+    job's staging): Spark's overwrite deletes whatever is there first. An output holding a glob character is refused
+    whatever its file system: Spark reads it back (`spark_io.count_output`) as a pattern, which may match another
+    folder. Local paths are compared as files (the same folder by another name, a symlink or a bind mount is the
+    same); paths the checks cannot look at by name."""
+    if has_glob(output_path):
+        raise ValueError(f"the output {output_path} holds a glob character ({' '.join(GLOB_CHARACTERS)}): Spark would "
+                         "read it back as a pattern, which may name another folder: name it without them")
     out, inp = local_path(output_path, local_master=local_master), local_path(input_path, local_master=local_master)
     if out is None or inp is None:
         a, b = (_uri_path(p) + "/" for p in (output_path, input_path))

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.deployment.batch_inputs import MALFORMED_ROW, files_to_read, local_path, read_files
+from pipeline.deployment.batch_inputs import MALFORMED_ROW, files_to_read, hadoop_literal, local_path, read_files
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -45,10 +45,11 @@ def output_format(path: str) -> str:
 
 def read_input(spark: SparkSession, path: str, fmt: str) -> DataFrame:
     """The input as Spark reads it, in partitions: of a local folder, only its files named as format `fmt` where
-    any is (`batch_inputs.files_to_read`: a README beside the data is not read as data). CSV: `read_csv_input`."""
+    any is (`batch_inputs.files_to_read`: a README beside the data is not read as data), each named for Spark as
+    itself even where its name holds a glob character (`hadoop_literal`). CSV: `read_csv_input`."""
     local = local_path(path, local_master=spark.sparkContext.master.startswith("local"))
     files = files_to_read(local, fmt) if local is not None and local.is_dir() else None
-    paths = [str(f) for f in files] if files else [path]
+    paths = [hadoop_literal(str(f)) for f in files] if files else [path]
     if local is not None and files:
         skipped = [f.name for f in read_files(local) if f not in files]
         if skipped:

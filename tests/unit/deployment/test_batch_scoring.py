@@ -428,3 +428,12 @@ def test_compressed_partitioned_and_suffixless_inputs_are_read_as_spark_reads_th
         batch_inputs.input_format(str(hive))
     batch_inputs.check_input(str(hive), "parquet")  # with --format parquet: every file read, each checked
     assert batch_inputs.files_to_read(hive, "parquet") is None
+
+
+def test_a_folders_file_named_like_a_pattern_is_read_as_itself(spark, tmp_path):
+    """The files of a folder are given to Spark one by one (a README beside them is skipped): one named
+    `rev[1].parquet` was read as the pattern, so `rev1.parquet` was read twice and it never."""
+    pd.DataFrame({"id": ["literal"], "text": ["the one named"]}).to_parquet(tmp_path / "rev[1].parquet")
+    pd.DataFrame({"id": ["other"], "text": ["another"]}).to_parquet(tmp_path / "rev1.parquet")
+    got = spark_io.read_input(spark, str(tmp_path), "parquet").collect()
+    assert sorted(row["id"] for row in got) == ["literal", "other"]
