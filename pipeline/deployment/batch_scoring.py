@@ -17,9 +17,12 @@ it is checked before the model sees it, so one bad row never fails a batch and t
 input as read, not consecutive). A CSV row whose fields do not match the header's is answered `malformed CSV
 row`. Before Spark starts, the command refuses an output that would destroy data (the input, a folder holding it,
 anything but an earlier output under `--overwrite`) and an input Spark would misread (not UTF-8, the other format,
-a folder of two formats): `batch_inputs.check_output`, `check_input`. At the end the output is read back and counted:
-a row count other than the input's fails the command (exit 1). Progress lines go to stderr while Spark works;
-the summary (rows, scored, errors, seconds, rows/s) to stdout, and to `--summary-json` when given.
+a folder of two formats): `batch_inputs.check_output`, `check_input`. A local output is written into a hidden
+folder beside it and renamed onto OUTPUT once read back and counted (`batch_output`); a row count other than the
+input's fails the command (exit 1) and leaves OUTPUT as it was, and so does SIGINT or SIGTERM, which cancel
+Spark's jobs and exit 130 or 143 with one line (`batch_failures`). An `hdfs://` or `s3a://` output is written in
+place, complete once it holds `_SUCCESS`. Progress lines go to stderr while Spark works; the summary (rows, scored,
+errors, seconds, rows/s) to stdout, and to `--summary-json` when given.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -34,15 +38,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.core.io import write_json
+from pipeline.deployment.batch_failures import StopOnSignals, interruption_point, stop_on_signals
 from pipeline.deployment.batch_inputs import (
     MALFORMED_ROW,
     check_columns,
     check_model,
+    check_output,
     check_paths,
     check_task_threads,
     error_column,
     ship_checks_by_value,
 )
+from pipeline.deployment.batch_output import staged_output
 from pipeline.deployment.protocol import TEXT_COLUMN
 from pipeline.deployment.spark_io import (
     BATCH_ROWS,
@@ -143,10 +150,10 @@ def score(spark: SparkSession, input_path: str, output_path: str, model_uri: str
     from pipeline.deployment.mlflow_model import spark_model_udf
 
     input_path, output_path = spark_path(input_path), spark_path(output_path)
+    local_master = spark.sparkContext.master.startswith("local")
     check_columns(id_column, text_column)
     fmt = input_fmt if paths_checked else check_paths(
-        input_path, output_path, fmt=input_fmt, overwrite=overwrite,
-        local_master=spark.sparkContext.master.startswith("local"))
+        input_path, output_path, fmt=input_fmt, overwrite=overwrite, local_master=local_master)
     frame = read_input(spark, input_path, fmt)
     for name, what in ((text_column, "--text-column"), (id_column, "--id-column")):
         if name is not None and name not in frame.columns:
@@ -173,19 +180,30 @@ def score(spark: SparkSession, input_path: str, output_path: str, model_uri: str
 
     ship_checks_by_value()
     model_udf = spark_model_udf(spark, model_uri, env_manager)
-    with progress_lines(spark):
-        answers = scored_frame(frame, model_udf, max_chars, text_column).withColumnRenamed(ID, id_column)
-        write_output(answers, output_path, overwrite)
-    rows_out, errors = count_output(spark, output_path)
-    seconds = time.perf_counter() - started
-    summary = ScoringSummary(input=input_path, output=output_path, model_uri=model_uri,
-                             master=spark.sparkContext.master, id_column=id_column, id_added=id_added,
-                             partitions=partitions, rows_in=rows_in, rows_out=rows_out, scored=rows_out - errors,
-                             errors=errors, seconds=round(seconds, 3),
-                             rows_per_s=round(rows_in / seconds, 2) if seconds > 0 else 0.0)
-    if rows_out != rows_in:
-        raise RowCountMismatch(f"{output_path} holds {rows_out} rows but {input_path} has {rows_in}: rows were lost "
-                               "or duplicated")
+    staged = staged_output(output_path, local_master=local_master)  # None: written in place (hdfs://, s3a://)
+    written = output_path if staged is None else str(staged.folder)
+    try:
+        with progress_lines(spark):
+            answers = scored_frame(frame, model_udf, max_chars, text_column).withColumnRenamed(ID, id_column)
+            write_output(answers, written, overwrite and staged is None)
+        rows_out, errors = count_output(spark, written)
+        interruption_point()  # a signal that came during the count, which went on to its end
+        seconds = time.perf_counter() - started
+        summary = ScoringSummary(input=input_path, output=output_path, model_uri=model_uri,
+                                 master=spark.sparkContext.master, id_column=id_column, id_added=id_added,
+                                 partitions=partitions, rows_in=rows_in, rows_out=rows_out, scored=rows_out - errors,
+                                 errors=errors, seconds=round(seconds, 3),
+                                 rows_per_s=round(rows_in / seconds, 2) if seconds > 0 else 0.0)
+        if rows_out != rows_in:
+            left = "" if staged is None else f" ({output_path} is left as it was)"
+            raise RowCountMismatch(f"the answers hold {rows_out} rows but {input_path} has {rows_in}: rows were lost "
+                                   f"or duplicated{left}")
+        if staged is not None:
+            check_output(input_path, output_path, overwrite, local_master=local_master)  # what is there now
+            staged.commit(overwrite)
+    finally:
+        if staged is not None:
+            staged.discard()  # nothing to do once committed
     return summary
 
 
@@ -211,7 +229,8 @@ def positive_int(value: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Score the input; print the summary; exit 1 when the output's row count is not the input's."""
+    """Score the input; print the summary; exit 1 when the output's row count is not the input's, 130 or 143 when
+    SIGINT or SIGTERM stopped the run."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", required=True, help="a Parquet or CSV file, or a folder of them (any Spark path)")
     parser.add_argument("--output", required=True, help="where the answers go: Parquet, or CSV if it ends in .csv")
@@ -237,7 +256,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--summary-json", type=Path, help="also write the summary here as JSON")
     args = parser.parse_args(argv)
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one bar per model file, on every copy
+    with stop_on_signals() as stops:
+        try:
+            summary = run(args, stops)
+        except SystemExit:
+            raise
+        except BaseException as exc:
+            raise run_ended(exc, stops.received, args.output, args.master) from None
+    print(f"scored {summary.input} with {summary.model_uri} on {summary.master} into {summary.output}: "
+          f"{summary.rows_in} rows in, {summary.rows_out} out ({summary.scored} scored, {summary.errors} errors), "
+          f"{summary.seconds:.1f} s, {summary.rows_per_s:.1f} rows/s ({summary.partitions} partitions; id column "
+          f"{summary.id_column}{', added' if summary.id_added else ''})")
+    if args.summary_json is not None:
+        write_json(args.summary_json, asdict(summary))
 
+
+def run(args: argparse.Namespace, stops: StopOnSignals) -> ScoringSummary:
+    """The command's work: the checks that need no Spark (one line each, `SystemExit`), then the scoring, on a
+    session of its own (stopped at the end) or the caller's running one (a notebook's, a test's; left running)."""
     from pipeline.core.params import ParamsError
 
     try:
@@ -255,21 +291,30 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     check_model(model_uri, champion, store)
-    try:  # a caller's running session (a notebook's, a test's) is used and left running
-        with session_for(args.master, args.task_threads, args.batch_rows) as spark:
-            summary = score(spark, args.input, args.output, model_uri, id_column=args.id_column,
-                            text_column=args.text_column, max_chars=max_chars, input_fmt=fmt,
-                            partitions=args.partitions, env_manager=args.env_manager, overwrite=args.overwrite,
-                            paths_checked=True)
-    except (RowCountMismatch, ValueError) as exc:
+    with session_for(args.master, args.task_threads, args.batch_rows) as spark:
+        stops.install()  # again: SparkContext's start put its own SIGINT handler in place
+        return score(spark, args.input, args.output, model_uri, id_column=args.id_column,
+                     text_column=args.text_column, max_chars=max_chars, input_fmt=fmt, partitions=args.partitions,
+                     env_manager=args.env_manager, overwrite=args.overwrite, paths_checked=True)
+
+
+def run_ended(exc: BaseException, signum: int | None, output: str, master: str) -> BaseException:
+    """What the command ends with after `exc`: after a stop signal, one line and 128 + its number, whatever the error
+    it caused on the way (a cancelled job's); a refused input or a wrong row count, one line and 1. Anything else is
+    returned as it is, its traceback shown (a fault of this code's). A staging folder left by Spark's last tasks,
+    which can outlive the job a signal cancelled, is deleted once the session stopped."""
+    staged = staged_output(spark_path(output), local_master=master.startswith("local"))
+    if staged is not None:
+        staged.discard()
+    if signum is not None:
+        left = (f"{output} is left as it was" if staged is not None else
+                f"{output} may hold part of the answers (a complete output holds _SUCCESS)")
+        print(f"interrupted by {signal.Signals(signum).name}: scoring stopped; {left}", file=sys.stderr)
+        return SystemExit(128 + signum)
+    if isinstance(exc, (RowCountMismatch, ValueError)):
         print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(1) from None
-    print(f"scored {summary.input} with {summary.model_uri} on {summary.master} into {summary.output}: "
-          f"{summary.rows_in} rows in, {summary.rows_out} out ({summary.scored} scored, {summary.errors} errors), "
-          f"{summary.seconds:.1f} s, {summary.rows_per_s:.1f} rows/s ({summary.partitions} partitions; id column "
-          f"{summary.id_column}{', added' if summary.id_added else ''})")
-    if args.summary_json is not None:
-        write_json(args.summary_json, asdict(summary))
+        return SystemExit(1)
+    return exc
 
 
 if __name__ == "__main__":

@@ -10,7 +10,10 @@ import gzip
 import io
 import json
 import math
+import os
+import re
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -194,7 +197,7 @@ def test_an_output_with_another_row_count_than_the_input_fails_the_job(spark, in
     # a column the model never sees (no Python worker has to load it), so the job is quick
     pd.DataFrame({"text": pd.array([1, None], dtype="Int64")}).to_parquet(tmp_path / "in.parquet")
     monkeypatch.setattr(batch_scoring, "count_output", lambda spark, path: (1, 1))  # as if a row were lost
-    with pytest.raises(batch_scoring.RowCountMismatch, match=r"holds 1 rows but .* has 2"):
+    with pytest.raises(batch_scoring.RowCountMismatch, match=r"hold 1 rows but .* has 2"):
         batch_scoring.score(spark, str(tmp_path / "in.parquet"), str(tmp_path / "out"), in_store["uri"],
                             max_chars=MAX_CHARS)
 
@@ -437,3 +440,78 @@ def test_a_folders_file_named_like_a_pattern_is_read_as_itself(spark, tmp_path):
     pd.DataFrame({"id": ["other"], "text": ["another"]}).to_parquet(tmp_path / "rev1.parquet")
     got = spark_io.read_input(spark, str(tmp_path), "parquet").collect()
     assert sorted(row["id"] for row in got) == ["literal", "other"]
+
+
+def earlier_output(folder: Path) -> dict[str, bytes]:
+    """An earlier run's output at `folder` (a part file and `_SUCCESS`), as its files' contents by name."""
+    folder.mkdir(parents=True)
+    pd.DataFrame({"row_id": [7], "label": ["positive"], "score": [0.9], "error": [None]}).to_parquet(
+        folder / "part-00000-earlier.parquet")
+    (folder / "_SUCCESS").write_text("")
+    return {f.name: f.read_bytes() for f in folder.iterdir()}
+
+
+def test_a_run_that_fails_after_writing_leaves_the_output_as_it_was(spark, in_store, tmp_path, monkeypatch):
+    """Spark writes a hidden folder beside OUTPUT, renamed onto it once counted: a run stopped after its write (here
+    its count fails) left a folder of part files without `_SUCCESS`, which pandas reads as fewer rows, or had already
+    deleted the earlier output `--overwrite` replaces."""
+    pd.DataFrame({"text": pd.array([1, None], dtype="Int64")}).to_parquet(tmp_path / "in.parquet")
+
+    def killed(spark, path):
+        assert re.fullmatch(r"\.(new|earlier)\.scoring-\d+", Path(path).parent.name)
+        assert (Path(path) / "_SUCCESS").is_file()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(batch_scoring, "count_output", killed)
+    before = earlier_output(tmp_path / "earlier")
+    for out, overwrite in (("new", False), ("earlier", True)):
+        with pytest.raises(KeyboardInterrupt):
+            batch_scoring.score(spark, str(tmp_path / "in.parquet"), str(tmp_path / out), in_store["uri"],
+                                max_chars=MAX_CHARS, overwrite=overwrite)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier", "in.parquet"]  # no OUTPUT, no staging left
+    assert {f.name: f.read_bytes() for f in (tmp_path / "earlier").iterdir()} == before
+
+    monkeypatch.undo()
+    summary = batch_scoring.score(spark, str(tmp_path / "in.parquet"), str(tmp_path / "earlier"), in_store["uri"],
+                                  max_chars=MAX_CHARS, overwrite=True)
+    assert summary.rows_out == 2 and len(pd.read_parquet(tmp_path / "earlier")) == 2  # replaced, once counted
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier", "in.parquet"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_the_write_stops_the_run_with_one_line_and_the_shells_status(spark, model, imdb_dir, tmp_path,
+                                                                                     monkeypatch, capsys, signum):
+    """SIGINT exited 1 with a Py4J traceback (pyspark's handler calls the JVM from inside a call to it) and left a
+    partial output; SIGTERM killed the run where it stood. Now: Spark's jobs cancelled, exit 128 + the signal, one
+    line, OUTPUT as it was (here an earlier output `--overwrite` would have replaced), no staging folder left."""
+    import threading
+
+    texts = pd.read_parquet(imdb_dir / "test.parquet", columns=["text"])["text"].iloc[:400]
+    texts.to_frame().to_parquet(tmp_path / "in.parquet")
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"mlflow": {"tracking_uri": model["store"].tracking_uri}}))
+    before = earlier_output(tmp_path / "out")
+    monkeypatch.chdir(tmp_path)
+    previous = signal.signal(signal.SIGTERM, lambda *_: pytest.fail("the command did not handle SIGTERM"))
+
+    def signal_once_writing() -> None:
+        for _ in range(1200):
+            if any(tmp_path.glob(".out.scoring-*/out/_temporary")) or (tmp_path / "out" / "_temporary").is_dir():
+                os.kill(os.getpid(), signum)
+                return
+            time.sleep(0.05)
+
+    sender = threading.Thread(target=signal_once_writing, daemon=True)
+    sender.start()
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            batch_scoring.main(["--input", "in.parquet", "--output", "out", "--overwrite", "--params", "params.yaml"])
+    finally:
+        sender.join()
+        signal.signal(signal.SIGTERM, previous)
+        spark.sparkContext.setLogLevel("WARN")  # the run silenced its cancelled jobs' errors
+    err = capsys.readouterr().err
+    assert stopped.value.code == 128 + signum
+    assert f"interrupted by {signal.Signals(signum).name}: scoring stopped; out is left as it was" in err
+    assert "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.parquet", "out", "params.yaml"]
+    assert {f.name: f.read_bytes() for f in (tmp_path / "out").iterdir()} == before
