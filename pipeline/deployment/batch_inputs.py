@@ -1,8 +1,8 @@
 """What batch scoring (`pipeline.deployment.batch_scoring`) accepts, checked before Spark starts, so that a mistake
 costs one line instead of a traceback after Spark's start, the model's load and a pass over the input, and no
 data is destroyed or misread: the input (there, one format, UTF-8), the output (never the input or a folder of
-the user's), the columns, the cores a task takes and the model; and each row's text, checked on Spark's
-executors with the contract's own `check_text` (`error_column`)."""
+the user's), the columns, the cores a task takes and the model. Each row's text is checked on Spark's executors
+(`batch_rows`)."""
 
 from __future__ import annotations
 
@@ -11,24 +11,10 @@ import gzip
 import lzma
 import os
 import re
-import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
-# The rows' checks are plain Python (no third-party import): Spark ships them to the executors by value
 from pipeline.deployment.csv_text import check_csv_text
-from pipeline.deployment.protocol import RequestError, check_text
 
-if TYPE_CHECKING:
-    import pandas as pd
-    from pyspark.sql import Column, DataFrame
-    from pyspark.sql.types import DataType
-
-#: The column a CSV row whose fields do not match the header keeps its line in (`read_csv_input`).
-MALFORMED_ROW = "_malformed_row"
-#: The error of a CSV row whose fields do not match the header's (`spark_io.read_csv_input`).
-MALFORMED_MESSAGE = ("malformed CSV row: its fields do not match the header's columns (an unquoted comma or quote "
-                     "in a field?); not scored")
 #: The input formats by file suffix; a compression suffix after it (`.csv.gz`) counts as the format's, as Spark
 #: reads it.
 FORMAT_OF_SUFFIX = {".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
@@ -255,70 +241,3 @@ def check_model(model_uri: str, champion: str, store: str) -> None:
                          "--model-uri") from None
     except (StoreError, OSError) as exc:
         raise SystemExit(f"the model {model_uri} cannot be read (tracking store {store}): {exc}") from None
-
-
-def text_errors(values: pd.Series, where: str, max_chars: int) -> pd.Series:
-    """The contract's refusal of each value (`check_text` with `max_chars` characters at most), or None where the
-    value is a review the model may score. Runs in Spark's Python workers, one Arrow batch at a time."""
-    import pandas as pd
-
-    def error(value: Any) -> str | None:
-        try:
-            check_text(value, where, max_chars)
-        except RequestError as exc:
-            return exc.message
-        return None
-
-    return pd.Series([error(v) for v in values], index=values.index, dtype=object)
-
-
-def type_error(where: str, dtype: DataType) -> str:
-    """The contract's message for a text column Spark typed as something else (every value of it is refused)."""
-    from pyspark.sql.types import BooleanType, NumericType
-
-    kind = ("a number" if isinstance(dtype, NumericType) else "a boolean" if isinstance(dtype, BooleanType)
-            else dtype.simpleString())
-    return f"{where} must be a string, got {kind}"
-
-
-def error_column(frame: DataFrame, column: str, max_chars: int, where: str) -> Column:
-    """The `error` column: the contract's message for a refused text, null for a text to score, naming the text
-    column `where` (`column` is its name in `frame`). A string column is checked value by value in a pandas UDF
-    (the contract's own `check_text`); a column of another type refuses every row (null: "got null"); a CSV row
-    whose fields do not match the header's (`MALFORMED_ROW`) is refused whatever its text."""
-    from pyspark.sql import functions as F
-    from pyspark.sql.types import StringType
-
-    text = F.col(column)
-    dtype = frame.schema[column].dataType
-    if not isinstance(dtype, StringType):
-        checked = (F.when(text.isNull(), F.lit(f"{where} must be a string, got null"))
-                   .otherwise(F.lit(type_error(where, dtype))))
-    else:
-        import pandas as pd
-
-        def check(values: pd.Series) -> pd.Series:
-            return text_errors(values, where, max_chars)
-
-        # Spark reads a pandas UDF's kind from its hints, which this module's `from __future__ import annotations`
-        # leaves as strings: give it the classes
-        check.__annotations__ = {"values": pd.Series, "return": pd.Series}
-        # marked nondeterministic only to steer the optimizer: it then computes the column once per row where it is
-        # selected, instead of inlining the call again into each filter on `error` and into the projection above it
-        checked = F.pandas_udf(check, "string").asNondeterministic()(text)
-    if MALFORMED_ROW not in frame.columns:
-        return checked
-    return F.when(F.col(MALFORMED_ROW).isNotNull(), F.lit(MALFORMED_MESSAGE)).otherwise(checked)
-
-
-def ship_checks_by_value() -> None:
-    """Let Spark pickle the row checks (this module and the contract's) by value, so the executors need no copy of
-    the project to run them: on a cluster only the model carries the project's code."""
-    from pyspark import cloudpickle
-
-    from pipeline.data import cleaning
-    from pipeline.deployment import protocol
-
-    cloudpickle.register_pickle_by_value(protocol)
-    cloudpickle.register_pickle_by_value(cleaning)  # the contract's checks clean a text as the model reads it
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])

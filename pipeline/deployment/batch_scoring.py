@@ -39,17 +39,15 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.core.io import write_json
 from pipeline.deployment.batch_failures import StopOnSignals, interruption_point, stop_on_signals
-from pipeline.deployment.batch_inputs import (
+from pipeline.deployment.batch_inputs import check_columns, check_model, check_output, check_paths, check_task_threads
+from pipeline.deployment.batch_output import staged_output
+from pipeline.deployment.batch_rows import (
+    ARROW_BATCH_BYTES,
     MALFORMED_ROW,
-    check_columns,
-    check_model,
-    check_output,
-    check_paths,
-    check_task_threads,
-    error_column,
+    arrow_batch_rows,
+    checked_text,
     ship_checks_by_value,
 )
-from pipeline.deployment.batch_output import staged_output
 from pipeline.deployment.protocol import TEXT_COLUMN
 from pipeline.deployment.spark_io import (
     BATCH_ROWS,
@@ -119,7 +117,8 @@ def scored_frame(frame: DataFrame, model_udf: Any, max_chars: int, text_column: 
     from pyspark.sql import functions as F
     from pyspark.sql.types import StringType
 
-    checked = frame.select(ID, TEXT, error_column(frame, TEXT, max_chars, text_column).alias("error"))
+    text, error = checked_text(frame, TEXT, max_chars, text_column)  # no text refused by Spark SQL reaches Python
+    checked = frame.select(ID, text.alias(TEXT), error.alias("error"))
     refused = checked.where(F.col("error").isNotNull()).select(
         ID, F.lit(None).cast("string").alias("label"), F.lit(None).cast("double").alias("score"), "error")
     if not isinstance(frame.schema[TEXT].dataType, StringType):
@@ -291,7 +290,11 @@ def run(args: argparse.Namespace, stops: StopOnSignals) -> ScoringSummary:
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     check_model(model_uri, champion, store)
-    with session_for(args.master, args.task_threads, args.batch_rows) as spark:
+    batch_rows = arrow_batch_rows(args.batch_rows, max_chars)
+    if batch_rows < args.batch_rows:
+        print(f"--batch-rows {args.batch_rows} cut to {batch_rows}: an Arrow batch of texts of up to {max_chars} "
+              f"characters stays within {ARROW_BATCH_BYTES // 2**20} MiB", file=sys.stderr)
+    with session_for(args.master, args.task_threads, batch_rows) as spark:
         stops.install()  # again: SparkContext's start put its own SIGINT handler in place
         return score(spark, args.input, args.output, model_uri, id_column=args.id_column,
                      text_column=args.text_column, max_chars=max_chars, input_fmt=fmt, partitions=args.partitions,

@@ -15,7 +15,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.deployment.batch_inputs import MALFORMED_ROW, files_to_read, hadoop_literal, local_path, read_files
+from pipeline.deployment.batch_inputs import files_to_read, hadoop_literal, local_path, read_files
+from pipeline.deployment.batch_rows import MALFORMED_ROW
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from pipeline.core.params import MlflowParams, PackageParams
-from pipeline.deployment import batch_inputs, batch_scoring, csv_text, spark_io
+from pipeline.deployment import batch_inputs, batch_rows, batch_scoring, csv_text, spark_io
 from pipeline.deployment.protocol import RequestError, check_text
 from tests.unit.deployment.test_csv_text import CASES
 
@@ -42,7 +42,7 @@ BAD_TEXTS = {
 def test_the_row_check_is_the_contracts_check_text():
     """No Spark: the per-batch check answers what `check_text` (with the text limit) raises, None for a review."""
     values = pd.Series(["a fine film", None, math.nan, "  ", "\u200b", "y" * 13, "y" * 12, "42"])
-    got = batch_inputs.text_errors(values, "text", 12).tolist()
+    got = batch_rows.text_errors(values, "text", 12).tolist()
     for value, error in zip(values, got, strict=True):
         try:
             check_text(value, "text", 12)
@@ -338,7 +338,7 @@ def test_malformed_rows_dotted_names_and_padded_ids_come_out_whole(spark, in_sto
     out = pd.concat([pd.read_csv(p, dtype=str, keep_default_na=False) for p in parts]).set_index("answer")
     assert sorted(out.index) == [" r2 ", "r1", "r3", "r4", "r5"]
     assert out.loc["r5", "label"] == out.loc["r4", "label"]
-    assert out.loc["r1", "error"] == out.loc["r3", "error"] == batch_inputs.MALFORMED_MESSAGE
+    assert out.loc["r1", "error"] == out.loc["r3", "error"] == batch_rows.MALFORMED_MESSAGE
     assert out.loc["r1", "label"] == "" and out.loc[" r2 ", "error"] == "" and out.loc["r4", "label"] != ""
     assert_same_answers(out.loc[[" r2 ", "r4"]].reset_index(), alone(in_store["uri"], ["a dull, slow film",
                                                                                         "a fine film"]))
@@ -515,3 +515,51 @@ def test_a_signal_during_the_write_stops_the_run_with_one_line_and_the_shells_st
     assert "Traceback" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.parquet", "out", "params.yaml"]
     assert {f.name: f.read_bytes() for f in (tmp_path / "out").iterdir()} == before
+
+
+def undecodable_parquet(path: Path, texts: list[bytes]) -> None:
+    """A Parquet file whose string column `text` holds these bytes as they are, valid UTF-8 or not (pyarrow checks
+    nothing when it views binary as string), with ids r0, r1, ..."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    column = pa.array(texts, pa.binary()).view(pa.string())
+    pq.write_table(pa.table({"id": [f"r{i}" for i in range(len(texts))], "text": column}), path)
+
+
+def test_spark_sql_refuses_over_long_and_undecodable_texts_before_python_sees_them(spark, tmp_path):
+    """A text over the limit reached the pandas UDF inside an Arrow batch of 2,048 rows with no cap on bytes:
+    4,001 texts of 150 KB ran the JVM out of direct memory and the job hung. One not valid UTF-8 failed the whole
+    job (the Python worker could not decode it). Spark SQL now refuses both and hands on a null in their place;
+    the over-long text's message is the contract's, characters counted as Python counts them."""
+    texts = {"fine": "a fine film", "long": "y" * 5_000, "wide": "\U0001f600" * 51, "at the limit": "\U0001f600" * 50}
+    undecodable_parquet(tmp_path / "in.parquet", [t.encode() for t in texts.values()] + [b"caf\xe9", b"\xed\xa0\x80"])
+    frame = spark.read.parquet(str(tmp_path / "in.parquet"))
+    text, error = batch_rows.checked_text(frame, "text", 50, "text")
+    got = {row["id"]: (row["handed_on"], row["error"]) for row in
+           frame.select("id", text.alias("handed_on"), error.alias("error")).collect()}
+
+    def contract(value: str) -> str:
+        with pytest.raises(RequestError) as refused:
+            check_text(value, "text", 50)
+        return refused.value.message
+
+    assert got["r0"] == ("a fine film", None) and got["r3"] == (texts["at the limit"], None)
+    assert got["r1"] == (None, contract(texts["long"])) and got["r2"] == (None, contract(texts["wide"]))
+    assert got["r4"] == got["r5"] == (None, "text is not valid UTF-8")
+
+
+def test_a_text_that_is_not_utf8_is_refused_alone_and_the_others_are_scored(spark, in_store, tmp_path):
+    undecodable_parquet(tmp_path / "in.parquet", [b"a fine film", b"caf\xe9 cr\xe8me", b"a dull film"])
+    summary = batch_scoring.score(spark, str(tmp_path / "in.parquet"), str(tmp_path / "out"), in_store["uri"],
+                                  id_column="id", max_chars=MAX_CHARS)
+    out = pd.read_parquet(tmp_path / "out").set_index("id").sort_index()
+    assert (summary.rows_out, summary.scored, summary.errors) == (3, 2, 1)
+    assert out.loc["r1", "error"] == "text is not valid UTF-8" and pd.isna(out.loc["r1", "label"])
+    assert_same_answers(out.loc[["r0", "r2"]].reset_index(), alone(in_store["uri"], ["a fine film", "a dull film"]))
+
+
+@pytest.mark.parametrize("rows, max_chars, want", [(2048, 20_000, 2048), (2048, 1_000_000, 67),
+                                                    (100_000, 20_000, 3355), (5, 10**12, 1)])
+def test_an_arrow_batch_holds_at_most_256_mib_of_the_longest_texts(rows, max_chars, want):
+    assert batch_rows.arrow_batch_rows(rows, max_chars) == want
