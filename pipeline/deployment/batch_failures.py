@@ -1,10 +1,12 @@
 """How a batch-scoring run (`pipeline.deployment.batch_scoring`) ends when it does not finish: SIGINT or SIGTERM
 cancels Spark's jobs and ends the command with one line and the shell's status for the signal (130, 143), leaving
-no half-written output (`batch_output`)."""
+no half-written output (`batch_output`); an error of Spark's is read down to the message that matters
+(`java_causes`, `first_line`)."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import threading
@@ -154,3 +156,43 @@ def interruption_point() -> None:
     """Raise `Interrupted` if a stop signal came during a step that went on to its end (a Py4J call)."""
     if _ACTIVE:
         _ACTIVE[-1].check()
+
+
+#: Messages of Spark's that only wrap the error that matters (a task's, inside the job's; a thread's result): the
+#: cause under them is reported instead.
+WRAPPERS = ("Job aborted due to stage failure", "Exception thrown in awaitResult", "An error occurred while calling",
+            "Task failed while writing rows", "[TASK_WRITE_FAILED]")
+#: A Java exception's class before its message (`org.apache.spark.SparkException: ...`).
+JAVA_CLASS = re.compile(r"^(?:[a-z_$][\w$]*\.)+([A-Z][\w$]*(?:Exception|Error))(?::\s*|$)")
+
+
+def java_causes(exc: BaseException) -> list[str]:
+    """The messages (`toString`) of the Java exception behind `exc` and of its causes, outermost first; empty for an
+    error that did not come from the JVM, or where the JVM can no longer be asked."""
+    from py4j.protocol import Py4JJavaError
+
+    if not isinstance(exc, Py4JJavaError):
+        return []
+    causes: list[str] = []
+    try:
+        throwable = exc.java_exception
+        while throwable is not None and len(causes) < 20:
+            causes.append(str(throwable.toString()))
+            throwable = throwable.getCause()
+    except Exception:  # the JVM is gone: what was read so far
+        pass
+    return causes
+
+
+def first_line(message: str) -> str:
+    """The line of `message` that says what went wrong: a Python traceback's last line (a worker's error), else the
+    first non-empty line, without the Java class before it (its short name where there is no message)."""
+    lines = [line.strip() for line in message.splitlines() if line.strip() and not line.startswith("\tat ")]
+    if "Traceback (most recent call last):" in message:
+        python = [line for line in lines if not line.startswith(("at ", "File ", "^", "~"))]
+        lines = python[-1:] or lines
+    line = lines[0] if lines else message.strip()
+    match = JAVA_CLASS.match(line)
+    if match is not None:
+        line = line[match.end():] or match[1]
+    return line

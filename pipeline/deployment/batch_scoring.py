@@ -51,6 +51,7 @@ from pipeline.deployment.batch_rows import (
 from pipeline.deployment.protocol import TEXT_COLUMN
 from pipeline.deployment.spark_io import (
     BATCH_ROWS,
+    count_input,
     count_output,
     progress_lines,
     read_input,
@@ -169,7 +170,7 @@ def score(spark: SparkSession, input_path: str, output_path: str, model_uri: str
     kept = [F.col(quoted(id_column)).alias(ID), F.col(quoted(text_column)).alias(TEXT)]
     frame = frame.select(*kept, *([MALFORMED_ROW] if MALFORMED_ROW in frame.columns else []))
     started = time.perf_counter()
-    rows_in = frame.count()  # before any repartitioning: Parquet answers it from the files' footers
+    rows_in = count_input(frame)  # before any repartitioning: Parquet answers it from the files' footers
     # Spark splits its input by bytes, but a Parquet row group goes whole to the split that holds its middle: a file
     # of one row group (pandas and pyarrow write up to a million rows in one) reaches a single task however many
     # splits it has, and a small file is one split. So the rows are always dealt out by count (a round-robin

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pipeline.deployment.batch_failures import java_causes
 from pipeline.deployment.batch_inputs import files_to_read, hadoop_literal, local_path, read_files
 from pipeline.deployment.batch_rows import MALFORMED_ROW
 
@@ -26,6 +27,9 @@ if TYPE_CHECKING:
 BATCH_ROWS = 2048
 #: Seconds between two progress lines.
 PROGRESS_EVERY_S = 10.0
+#: Spark's error for a CSV file whose header is not the columns it reads (`enforceSchema` off).
+HEADER_MISMATCH = re.compile(r"CSV header does not conform to the schema\.\s*Header: (?P<header>[^\n]*)\s*"
+                             r"Schema: (?P<schema>[^\n]*)\s.*?CSV file: (?P<file>\S+)", re.S)
 #: How every CSV here is read, the input and the written answers alike: a header row, quoted fields that may span
 #: lines and hold doubled quotes (RFC 4180).
 CSV_READ = {"header": True, "multiLine": True, "escape": '"'}
@@ -65,7 +69,10 @@ def read_csv_input(spark: SparkSession, paths: list[str]) -> DataFrame:
     """A CSV input (files or folders) with `MALFORMED_ROW`: every column a string (a review "42" stays the text
     "42"), quoted fields may span lines and hold doubled quotes (RFC 4180), an empty field is null; a row whose
     fields do not match the header's (an unquoted comma splits a review) keeps its line in `MALFORMED_ROW` instead of
-    being padded or cut silently (Spark's PERMISSIVE mode), so it can be answered with an error."""
+    being padded or cut silently (Spark's PERMISSIVE mode), so it can be answered with an error. The columns are
+    named by one file's header, and every file's header must be that one (`enforceSchema` off: Spark reads each
+    file's columns by position, so a file listing them in another order had its ids and texts swapped); a file
+    whose header differs fails the first pass over the input (`count_input`)."""
     from pyspark.sql.types import StringType, StructField, StructType
 
     columns = spark.read.csv(paths, **CSV_READ).columns  # the header's names, as Spark reads them
@@ -73,7 +80,22 @@ def read_csv_input(spark: SparkSession, paths: list[str]) -> DataFrame:
         raise ValueError(f"{', '.join(paths)} has a column named {MALFORMED_ROW!r}, which batch scoring uses itself")
     schema = StructType([StructField(c, StringType()) for c in [*columns, MALFORMED_ROW]])
     return spark.read.csv(paths, schema=schema, mode="PERMISSIVE", columnNameOfCorruptRecord=MALFORMED_ROW,
-                          **CSV_READ)
+                          enforceSchema=False, **CSV_READ)
+
+
+def count_input(frame: DataFrame) -> int:
+    """The input's rows: the first pass over it, where Spark finds a CSV file whose header is not the others'
+    (`read_csv_input`), which is a `ValueError` naming the file."""
+    try:
+        return frame.count()
+    except Exception as exc:
+        for message in java_causes(exc):
+            found = HEADER_MISMATCH.search(message)
+            if found is not None:
+                raise ValueError(f"the CSV files' headers differ: {found['file']} has {found['header']}, another "
+                                 f"{found['schema']} (Spark would read its columns by position, swapping them): "
+                                 "give every file the same columns in the same order, or score them apart") from None
+        raise
 
 
 def read_csv(spark: SparkSession, path: str) -> DataFrame:

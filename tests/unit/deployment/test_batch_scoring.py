@@ -563,3 +563,22 @@ def test_a_text_that_is_not_utf8_is_refused_alone_and_the_others_are_scored(spar
                                                     (100_000, 20_000, 3355), (5, 10**12, 1)])
 def test_an_arrow_batch_holds_at_most_256_mib_of_the_longest_texts(rows, max_chars, want):
     assert batch_rows.arrow_batch_rows(rows, max_chars) == want
+
+
+def test_csv_files_whose_headers_order_the_columns_differently_are_refused_not_swapped(spark, tmp_path):
+    """Spark named the columns from one file's header and read every file by position: b.csv's ids came out as
+    texts and its texts as ids, with exit 0. Every header is checked now, before the model loads."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "a.csv").write_text("text,id\nA wonderful film,a1\n")
+    (folder / "b.csv").write_text("id,text\nb1,Dull and far too long\n")
+    with pytest.raises(ValueError, match=r"^the CSV files' headers differ: file:\S+/[ab]\.csv has (id, text|text, id), "
+                                         r"another (text, id|id, text) \(Spark would read"):
+        batch_scoring.score(spark, str(folder), str(tmp_path / "out"), "models:/never-loaded", id_column="id",
+                            max_chars=MAX_CHARS)
+    assert not (tmp_path / "out").exists()
+    (folder / "b.csv").write_text("text,id\nDull and far too long,b1\n")  # the same order: read as before
+    frame = spark_io.read_input(spark, str(folder), "csv")
+    assert spark_io.count_input(frame) == 2
+    assert sorted((r["id"], r["text"]) for r in frame.collect()) == [("a1", "A wonderful film"),
+                                                                     ("b1", "Dull and far too long")]
