@@ -11,6 +11,7 @@ import gzip
 import lzma
 import os
 import re
+import tempfile
 from pathlib import Path
 
 from pipeline.deployment.csv_text import check_csv_text
@@ -25,6 +26,9 @@ DECOMPRESSORS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
 SPARK_WORK_DIRS = ("_temporary", ".spark-staging-")
 #: What Hadoop's path globbing (which Spark applies to every path it reads) takes as a pattern; `\\` escapes.
 GLOB_CHARACTERS = "[]{}*?\\"
+#: The master URLs Spark starts on (`SparkSubmit`'s prefixes, `SparkContext`'s forms of local mode).
+MASTER_URL = re.compile(r"local(\[(\*|\d+)(,\s*\d+)?\])?|local-cluster\[\d+,\s*\d+,\s*\d+\]|yarn|"
+                        r"(spark|mesos|k8s)://\S+")
 #: The output's columns beside the id.
 OUTPUT_COLUMNS = ("label", "score", "error")
 
@@ -76,6 +80,14 @@ def read_files(folder: Path) -> list[Path]:
     return sorted(f for f in folder.iterdir() if f.is_file() and not f.name.startswith(("_", ".")))
 
 
+def skipped_names(folder: Path) -> str:
+    """A note naming the data files of `folder` Spark skips for their names (`_x.parquet`, `.x.csv`), or ""."""
+    hidden = sorted(f.name for f in folder.iterdir() if f.is_file() and f.name.startswith(("_", ".")) and format_of(f))
+    if not hidden:
+        return ""
+    return f"; Spark skips a file whose name begins with _ or ., as {', '.join(hidden[:3])}: rename it"
+
+
 def files_to_read(folder: Path, fmt: str) -> list[Path] | None:
     """The files of `folder` Spark is given for format `fmt`: those named as that format (a README beside them is
     not read as data), or None (the folder as it is) where no file is so named (Hive's suffix-less part files, or
@@ -107,7 +119,8 @@ def input_format(path: str, fmt: str = "auto", *, local_master: bool = True) -> 
     partitions = [d for d in folder.iterdir() if d.is_dir() and "=" in d.name]
     if files or not partitions:
         raise ValueError(f"{path} holds no .csv or .parquet file directly in it (Spark reads a folder's own files, "
-                         "not its subfolders', except key=value subfolders): pass --format, or name the files")
+                         "not its subfolders', except key=value subfolders): pass --format, or name the files"
+                         + skipped_names(folder))
     below = (kind for d in partitions for f in sorted(d.rglob("*")) if f.is_file() and (kind := format_of(f)))
     return next(below, "parquet")
 
@@ -128,11 +141,18 @@ def check_input(path: str, fmt: str, *, local_master: bool = True) -> None:
         return
     if not local.exists():
         raise ValueError(f"{path} does not exist")
+    if local.is_file() and local.name.startswith(("_", ".")):
+        raise ValueError(f"{path}: Spark skips a file whose name begins with _ or . (its own bookkeeping, hidden "
+                         "files), and would find nothing to read: rename it")
     files = (files_to_read(local, fmt) or read_files(local)) if local.is_dir() else [local]
+    if local.is_dir() and not files and not any(d.is_dir() and "=" in d.name for d in local.iterdir()):
+        raise ValueError(f"{path} holds no file Spark reads" + skipped_names(local))
     for file in files:
         opener = DECOMPRESSORS.get(file.suffix.lower())
         if opener is None and file.suffix.lower() in COMPRESSION_SUFFIXES:
             continue
+        if fmt == "parquet" and file.stat().st_size == 0:
+            raise ValueError(f"{file} is empty (0 bytes), not a Parquet file: write it again, or remove it")
         with (opener or open)(file, "rb") as f:
             parquet = f.read(4) == b"PAR1"
         if parquet != (fmt == "parquet"):
@@ -140,6 +160,21 @@ def check_input(path: str, fmt: str, *, local_master: bool = True) -> None:
                              "pass --format " + ("parquet" if parquet else "csv"))
         if fmt == "csv":
             check_csv_text(file, opener=opener)
+        elif opener is None:
+            check_parquet_footer(file)
+
+
+def check_parquet_footer(file: Path) -> None:
+    """`ValueError` for a Parquet file cut short (a copy or a write that did not finish): it must end with its
+    footer's length and `PAR1`, and the footer must fit in the file. Spark's own error names no file."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        f.seek(max(0, size - 8))
+        tail = f.read(8)
+    footer = int.from_bytes(tail[:4], "little")
+    if size < 12 or tail[4:] != b"PAR1" or footer > size - 12:
+        raise ValueError(f"{file} is not a whole Parquet file (its footer does not fit its {size} bytes): it was cut "
+                         "short (a copy or a write that did not finish?); write it again")
 
 
 def check_paths(input_path: str, output_path: str, *, fmt: str, overwrite: bool, local_master: bool) -> str:
@@ -170,6 +205,8 @@ def check_output(input_path: str, output_path: str, overwrite: bool, *, local_ma
     if overlaps:
         raise ValueError(f"the output {output_path} is the input, holds it or lies inside it: write the answers "
                          "elsewhere (Spark's overwrite deletes the output before it writes)")
+    if out is not None:
+        check_writable(out, output_path)
     if out is None or inp is None:
         return
     if not out.exists() and not out.is_symlink():
@@ -183,6 +220,22 @@ def check_output(input_path: str, output_path: str, overwrite: bool, *, local_ma
     if foreign and not (out / "_SUCCESS").is_file():
         raise ValueError(f"{output_path} holds {', '.join(sorted(foreign)[:3])}{' ...' if len(foreign) > 3 else ''}, "
                          "which Spark did not write: refusing to delete it with --overwrite")
+
+
+def check_writable(out: Path, output_path: str) -> None:
+    """`ValueError` where the local output cannot be created (Spark would fail only after the model's load and a
+    pass over the input): under a file, or in a folder where no new folder can be made (read-only, `/proc`), tried
+    where the staging folder goes (`batch_output`: beside the output), in its nearest folder that exists."""
+    parent = Path(os.path.abspath(out)).parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"the output {output_path} cannot be created: {parent} is a file, not a folder")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".scoring-probe-", dir=parent))
+    except OSError as exc:
+        raise ValueError(f"the output {output_path} cannot be written: no folder can be made in {parent} "
+                         f"({exc.strerror})") from None
 
 
 def _holds(folder: Path, path: Path) -> bool:
@@ -204,12 +257,20 @@ def _uri_path(uri: str) -> str:
 
 
 def check_columns(id_column: str | None, text_column: str) -> None:
-    """`ValueError` for an id column named like an answer's column (the output would hold two)."""
-    if id_column in OUTPUT_COLUMNS:
+    """`ValueError` for an id column named like an answer's column, ignoring case as Spark does (the output would
+    hold two)."""
+    if id_column is not None and id_column.lower() in OUTPUT_COLUMNS:
         raise ValueError(f"--id-column {id_column!r} is the name of an output column ({', '.join(OUTPUT_COLUMNS)}): "
                          "rename it in the input")
     if not text_column:
         raise ValueError("--text-column is empty")
+
+
+def check_master(master: str) -> None:
+    """`ValueError` for a master URL Spark does not know (its start would fail with a Java trace and a Python one)."""
+    if MASTER_URL.fullmatch(master.strip()) is None:
+        raise ValueError(f"--master {master!r} is not a master URL Spark knows: local, local[N], local[*], yarn, "
+                         "spark://host:port, k8s://https://host:port or mesos://host:port")
 
 
 def check_task_threads(master: str, task_threads: int) -> None:

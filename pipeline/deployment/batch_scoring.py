@@ -39,7 +39,14 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.core.io import write_json
 from pipeline.deployment.batch_failures import StopOnSignals, interruption_point, stop_on_signals
-from pipeline.deployment.batch_inputs import check_columns, check_model, check_output, check_paths, check_task_threads
+from pipeline.deployment.batch_inputs import (
+    check_columns,
+    check_master,
+    check_model,
+    check_output,
+    check_paths,
+    check_task_threads,
+)
 from pipeline.deployment.batch_output import staged_output
 from pipeline.deployment.batch_rows import (
     ARROW_BATCH_BYTES,
@@ -287,6 +294,7 @@ def run(args: argparse.Namespace, stops: StopOnSignals) -> ScoringSummary:
         check_columns(args.id_column, args.text_column)
         fmt = check_paths(spark_path(args.input), spark_path(args.output), fmt=args.format, overwrite=args.overwrite,
                           local_master=args.master.startswith("local"))
+        check_master(args.master)
         check_task_threads(args.master, args.task_threads)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None

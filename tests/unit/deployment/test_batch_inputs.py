@@ -51,3 +51,60 @@ def test_an_input_that_exists_under_a_name_spark_reads_as_a_pattern_is_refused(t
     batch_inputs.check_input(str(tmp_path / "rev[0-9].parquet"), "parquet")
     assert batch_inputs.local_path(f"file://{tmp_path}/*.parquet") is None
     assert batch_inputs.hadoop_literal("/d/rev[1]{a}*?.parquet") == "/d/rev\\[1\\]\\{a\\}\\*\\?.parquet"
+
+
+def test_an_id_column_named_like_an_output_column_in_any_case_is_refused():
+    """`--id-column Label` passed the check and failed in Spark (COLUMN_ALREADY_EXISTS: Spark ignores case)."""
+    for name in ("Label", "SCORE", "Error", "error"):
+        with pytest.raises(ValueError, match="name of an output column"):
+            batch_inputs.check_columns(name, "text")
+    batch_inputs.check_columns("labels", "text")
+
+
+def test_a_master_url_spark_does_not_know_is_one_line_before_spark_starts(command):
+    """`--master bogus` printed Spark's Java trace and pyspark's JAVA_GATEWAY_EXITED traceback."""
+    with pytest.raises(SystemExit) as refused:
+        batch_scoring.main([*command, "--output", "out", "--master", "bogus"])
+    assert str(refused.value.code).startswith("error: --master 'bogus' is not a master URL Spark knows")
+    for master in ("local", "local[2]", "local[*]", "local[4, 3]", "local-cluster[2, 1, 1024]", "yarn",
+                   "spark://head:7077", "k8s://https://k8s.example:443", "mesos://m:5050"):
+        batch_inputs.check_master(master)
+    for master in ("bogus", "local[x]", "spark:/head", "yarn-client2"):
+        with pytest.raises(ValueError, match="not a master URL"):
+            batch_inputs.check_master(master)
+
+
+def test_an_output_spark_could_not_write_is_refused_before_spark_starts(tmp_path):
+    """Under a regular file, or under /proc, Spark failed only after the model's load and a pass over the input."""
+    (tmp_path / "reviews.parquet").write_bytes(b"PAR1")
+    with pytest.raises(ValueError, match=r"cannot be created: \S+reviews\.parquet is a file, not a folder"):
+        batch_inputs.check_output("in.parquet", str(tmp_path / "reviews.parquet" / "x" / "out"), False)
+    with pytest.raises(ValueError, match=r"the output /proc/x/out cannot be written: no folder can be made in /proc"):
+        batch_inputs.check_output("in.parquet", "/proc/x/out", False)
+    batch_inputs.check_output("in.parquet", str(tmp_path / "new" / "deeper" / "out"), False)  # Spark makes parents
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["reviews.parquet"]  # the probe left nothing
+
+
+def test_inputs_spark_would_skip_or_fail_on_are_named_with_the_reason(tmp_path):
+    """Spark ignores `_x.parquet` and `.x.parquet` (UNABLE_TO_INFER_SCHEMA); a 0-byte `.parquet` was told to pass
+    --format csv; a truncated one failed in Spark with an error that names no file."""
+    frame = pd.DataFrame({"text": ["a fine film"]})
+    for name in ("_x.parquet", ".x.parquet"):
+        frame.to_parquet(tmp_path / name)
+        with pytest.raises(ValueError, match=r"Spark skips a file whose name begins with _ or \."):
+            batch_inputs.check_input(str(tmp_path / name), "parquet")
+    with pytest.raises(ValueError, match=r"holds no \.csv or \.parquet file directly in it .*Spark skips a file whose "
+                                         r"name begins with _ or \., as \.x\.parquet, _x\.parquet: rename it"):
+        batch_inputs.input_format(str(tmp_path))
+    with pytest.raises(ValueError, match="holds no file Spark reads; Spark skips"):
+        batch_inputs.check_input(str(tmp_path), "parquet")
+    (tmp_path / "empty.parquet").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"empty\.parquet is empty \(0 bytes\), not a Parquet file"):
+        batch_inputs.check_input(str(tmp_path / "empty.parquet"), "parquet")
+    frame.to_parquet(tmp_path / "whole.parquet")
+    data = (tmp_path / "whole.parquet").read_bytes()
+    for cut in (data[: len(data) // 2], data[:-9] + b"PAR1", data[:6]):  # cut short, or its footer lost
+        (tmp_path / "cut.parquet").write_bytes(cut)
+        with pytest.raises(ValueError, match=r"cut\.parquet is not a whole Parquet file"):
+            batch_inputs.check_input(str(tmp_path / "cut.parquet"), "parquet")
+    batch_inputs.check_input(str(tmp_path / "whole.parquet"), "parquet")
