@@ -1,7 +1,7 @@
 """How a batch-scoring run (`pipeline.deployment.batch_scoring`) ends when it does not finish: SIGINT or SIGTERM
 cancels Spark's jobs and ends the command with one line and the shell's status for the signal (130, 143), leaving
-no half-written output (`batch_output`); an error of Spark's is read down to the message that matters
-(`java_causes`, `first_line`)."""
+no half-written output (`batch_output`); an error of Spark's that nothing recognised is one line, its first
+meaningful one, with the full traceback in a log file (`spark_error_exit`), exit status 1."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import os
 import re
 import signal
 import sys
+import tempfile
 import threading
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
@@ -161,7 +163,7 @@ def interruption_point() -> None:
 #: Messages of Spark's that only wrap the error that matters (a task's, inside the job's; a thread's result): the
 #: cause under them is reported instead.
 WRAPPERS = ("Job aborted due to stage failure", "Exception thrown in awaitResult", "An error occurred while calling",
-            "Task failed while writing rows", "[TASK_WRITE_FAILED]")
+            "Task failed while writing rows", "[TASK_WRITE_FAILED]", "Multiple failures in stage materialization")
 #: A Java exception's class before its message (`org.apache.spark.SparkException: ...`).
 JAVA_CLASS = re.compile(r"^(?:[a-z_$][\w$]*\.)+([A-Z][\w$]*(?:Exception|Error))(?::\s*|$)")
 
@@ -196,3 +198,32 @@ def first_line(message: str) -> str:
     if match is not None:
         line = line[match.end():] or match[1]
     return line
+
+
+def spark_error_line(exc: BaseException) -> str | None:
+    """One line saying what an error of Spark's (Py4J's, PySpark's, the JVM's) was: the first message in its chain
+    of causes that is not a wrapper (`WRAPPERS`); None for an error that is not Spark's."""
+    from py4j.protocol import Py4JError
+    from pyspark.errors import PySparkException
+
+    if not isinstance(exc, (Py4JError, PySparkException)):
+        return None
+    for message in java_causes(exc):
+        line = first_line(message)
+        if not any(wrapper in line for wrapper in WRAPPERS):
+            return line
+    return first_line(str(exc))
+
+
+def spark_error_exit(exc: BaseException) -> SystemExit | None:
+    """For an error of Spark's that nothing recognised: one line on stderr, the full traceback in a log file it
+    names, and exit status 1; None for an error that is not Spark's (a fault of this code's keeps its traceback)."""
+    line = spark_error_line(exc)
+    if line is None:
+        return None
+    fd, log = tempfile.mkstemp(prefix="batch-scoring-", suffix=".log")
+    with os.fdopen(fd, "w") as f:
+        f.write("".join(traceback.format_exception(exc)))
+    print(f"error: Spark failed: {line} (the full traceback: {log}; Spark's own log lines are above)",
+          file=sys.stderr)
+    return SystemExit(1)

@@ -28,17 +28,16 @@ errors, seconds, rows/s) to stdout, and to `--summary-json` when given.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pipeline.core.io import write_json
-from pipeline.deployment.batch_failures import StopOnSignals, interruption_point, stop_on_signals
+from pipeline.deployment.batch_failures import StopOnSignals, interruption_point, spark_error_exit, stop_on_signals
 from pipeline.deployment.batch_inputs import (
     check_columns,
     check_master,
@@ -48,19 +47,16 @@ from pipeline.deployment.batch_inputs import (
     check_task_threads,
 )
 from pipeline.deployment.batch_output import staged_output
-from pipeline.deployment.batch_rows import (
-    ARROW_BATCH_BYTES,
-    MALFORMED_ROW,
-    arrow_batch_rows,
-    checked_text,
-    ship_checks_by_value,
-)
-from pipeline.deployment.protocol import TEXT_COLUMN
+from pipeline.deployment.batch_plan import ID, PARTITION_ROWS, TEXT, default_partitions, scored_frame, task_slots
+from pipeline.deployment.batch_rows import ARROW_BATCH_BYTES, MALFORMED_ROW, arrow_batch_rows, ship_checks_by_value
+from pipeline.deployment.input_columns import check_csv_id
 from pipeline.deployment.spark_io import (
     BATCH_ROWS,
     count_input,
     count_output,
+    output_format,
     progress_lines,
+    quoted,
     read_input,
     session_for,
     spark_path,
@@ -68,29 +64,10 @@ from pipeline.deployment.spark_io import (
 )
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql import SparkSession
 
 #: The id column added when the input names none.
 ADDED_ID_COLUMN = "row_id"
-#: What the id, the text and the model's answer are called inside the job (the input's own names may hold dots).
-ID, TEXT, ANSWER = "_scoring_id", "_scoring_text", "_scoring_answer"
-#: The most rows of one partition unless `--partitions` says otherwise: one task's work stays short (minutes on one
-#: core), so progress advances in small steps and a slow or retried task delays the end by little.
-PARTITION_ROWS = 10_000
-
-
-def default_partitions(rows: int, slots: int) -> int:
-    """How many partitions `rows` rows are dealt into for `slots` tasks running at once: a multiple of `slots`
-    (each wave of tasks keeps every slot busy) with at most `PARTITION_ROWS` rows each, one wave at least."""
-    slots = max(1, slots)
-    return slots * max(1, math.ceil(rows / (slots * PARTITION_ROWS)))
-
-
-def task_slots(spark: SparkSession) -> int:
-    """Tasks Spark runs at once: its default parallelism (the cores of `local[n]`, or the executors' cores) over
-    the cores each task takes (`spark.task.cpus`, `--task-threads`)."""
-    per_task = int(spark.sparkContext.getConf().get("spark.task.cpus", "1"))
-    return max(1, spark.sparkContext.defaultParallelism // max(1, per_task))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,32 +94,6 @@ class RowCountMismatch(RuntimeError):
     """The output holds another number of rows than the input: rows were lost or duplicated."""
 
 
-def scored_frame(frame: DataFrame, model_udf: Any, max_chars: int, text_column: str) -> DataFrame:
-    """`ID`, `label`, `score`, `error` for every row of `frame` (columns `ID` and `TEXT`, and `MALFORMED_ROW` for a
-    CSV input; `text_column` is the input's name for the texts, which the errors name): rows the contract refuses
-    carry the error and no label or score, and never reach the model (they are filtered out of the rows the UDF
-    scores, not scored and discarded), so one bad row cannot fail the batch it would have been in."""
-    from pyspark.sql import functions as F
-    from pyspark.sql.types import StringType
-
-    text, error = checked_text(frame, TEXT, max_chars, text_column)  # no text refused by Spark SQL reaches Python
-    checked = frame.select(ID, text.alias(TEXT), error.alias("error"))
-    refused = checked.where(F.col("error").isNotNull()).select(
-        ID, F.lit(None).cast("string").alias("label"), F.lit(None).cast("double").alias("score"), "error")
-    if not isinstance(frame.schema[TEXT].dataType, StringType):
-        return refused  # nothing in a column of another type is a review
-    # the UDF's struct is a column first and split after, so Spark calls the model once per row, not once per field
-    answer = model_udf(F.struct(F.col(TEXT).alias(TEXT_COLUMN))).alias(ANSWER)
-    scored = (checked.where(F.col("error").isNull()).select(ID, answer, "error")
-              .select(ID, f"{ANSWER}.label", f"{ANSWER}.score", "error"))
-    return scored.unionByName(refused)
-
-
-def quoted(name: str) -> str:
-    """`name` as a Spark column reference that means that column alone (a dot would reach into a struct)."""
-    return "`" + name.replace("`", "``") + "`"
-
-
 def score(spark: SparkSession, input_path: str, output_path: str, model_uri: str, *, max_chars: int,
           id_column: str | None = None, text_column: str = "text", input_fmt: str = "auto",
           partitions: int | None = None, env_manager: str = "local", overwrite: bool = False,
@@ -161,21 +112,19 @@ def score(spark: SparkSession, input_path: str, output_path: str, model_uri: str
     check_columns(id_column, text_column)
     fmt = input_fmt if paths_checked else check_paths(
         input_path, output_path, fmt=input_fmt, overwrite=overwrite, local_master=local_master)
-    frame = read_input(spark, input_path, fmt)
-    for name, what in ((text_column, "--text-column"), (id_column, "--id-column")):
-        if name is not None and name not in frame.columns:
-            raise ValueError(f"{input_path} has no column {name!r} ({what}); its columns: {', '.join(frame.columns)}")
+    wanted = {"--text-column": text_column} | ({} if id_column is None else {"--id-column": id_column})
+    frame = read_input(spark, input_path, fmt, wanted, absent=ADDED_ID_COLUMN if id_column is None else None)
     id_added = id_column is None
     if id_column is None:
-        if ADDED_ID_COLUMN in frame.columns:
-            raise ValueError(f"{input_path} already has a column {ADDED_ID_COLUMN!r}: name it with --id-column")
         id_column = ADDED_ID_COLUMN
         frame = frame.withColumn(id_column, F.monotonically_increasing_id())
         print(f"no --id-column: added {id_column!r} (Spark's monotonically_increasing_id: unique and increasing "
               "through the input as read, not consecutive)", file=sys.stderr)
+    elif output_format(output_path) == "csv":
+        check_csv_id(frame.select(quoted(id_column)).schema[0].dataType, id_column)
     # the two columns under names of this module's, so any input name works (dots, backticks, "answer", "error")
     kept = [F.col(quoted(id_column)).alias(ID), F.col(quoted(text_column)).alias(TEXT)]
-    frame = frame.select(*kept, *([MALFORMED_ROW] if MALFORMED_ROW in frame.columns else []))
+    frame = frame.select(*kept, *([MALFORMED_ROW] if fmt == "csv" else []))
     started = time.perf_counter()
     rows_in = count_input(frame)  # before any repartitioning: Parquet answers it from the files' footers
     # Spark splits its input by bytes, but a Parquet row group goes whole to the split that holds its middle: a file
@@ -312,8 +261,9 @@ def run(args: argparse.Namespace, stops: StopOnSignals) -> ScoringSummary:
 
 def run_ended(exc: BaseException, signum: int | None, output: str, master: str) -> BaseException:
     """What the command ends with after `exc`: after a stop signal, one line and 128 + its number, whatever the error
-    it caused on the way (a cancelled job's); a refused input or a wrong row count, one line and 1. Anything else is
-    returned as it is, its traceback shown (a fault of this code's). A staging folder left by Spark's last tasks,
+    it caused on the way (a cancelled job's); a refused input or a wrong row count, one line and 1; any other error
+    of Spark's, its first meaningful line and 1 (`spark_error_exit`). Anything else is returned as it is, its
+    traceback shown (a fault of this code's). A staging folder left by Spark's last tasks,
     which can outlive the job a signal cancelled, is deleted once the session stopped."""
     staged = staged_output(spark_path(output), local_master=master.startswith("local"))
     if staged is not None:
@@ -326,7 +276,7 @@ def run_ended(exc: BaseException, signum: int | None, output: str, master: str) 
     if isinstance(exc, (RowCountMismatch, ValueError)):
         print(f"error: {exc}", file=sys.stderr)
         return SystemExit(1)
-    return exc
+    return spark_error_exit(exc) or exc
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from pipeline.deployment.batch_failures import java_causes
 from pipeline.deployment.batch_inputs import files_to_read, hadoop_literal, local_path, read_files
 from pipeline.deployment.batch_rows import MALFORMED_ROW
+from pipeline.deployment.input_columns import parquet_columns, pick_columns, spark_type
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -48,10 +49,16 @@ def output_format(path: str) -> str:
     return "csv" if path.lower().rstrip("/").endswith(".csv") else "parquet"
 
 
-def read_input(spark: SparkSession, path: str, fmt: str) -> DataFrame:
+def read_input(spark: SparkSession, path: str, fmt: str, wanted: Mapping[str, str] | None = None,
+               absent: str | None = None) -> DataFrame:
     """The input as Spark reads it, in partitions: of a local folder, only its files named as format `fmt` where
     any is (`batch_inputs.files_to_read`: a README beside the data is not read as data), each named for Spark as
-    itself even where its name holds a glob character (`hadoop_literal`). CSV: `read_csv_input`."""
+    itself even where its name holds a glob character (`hadoop_literal`). With `wanted` (option -> column name),
+    only those columns (`input_columns.pick_columns`, which also refuses a column named as `absent`), and for a CSV
+    `MALFORMED_ROW` (`read_csv_input`); a Parquet input is read with them alone as its schema, so that no other
+    column matters."""
+    from pyspark.sql.types import StructField, StructType
+
     local = local_path(path, local_master=spark.sparkContext.master.startswith("local"))
     files = files_to_read(local, fmt) if local is not None and local.is_dir() else None
     paths = [hadoop_literal(str(f)) for f in files] if files else [path]
@@ -61,8 +68,22 @@ def read_input(spark: SparkSession, path: str, fmt: str) -> DataFrame:
             print(f"reading only the {fmt} files of {path}; skipped: {', '.join(skipped[:5])}"
                   f"{' ...' if len(skipped) > 5 else ''}", file=sys.stderr)
     if fmt == "csv":
-        return read_csv_input(spark, paths)
-    return spark.read.parquet(*paths)
+        frame = read_csv_input(spark, paths)
+        if wanted is None:
+            return frame
+        chosen = pick_columns([(f.name, f.dataType) for f in frame.schema.fields], wanted, path, absent)
+        return frame.select(*dict.fromkeys(quoted(name) for name, _ in chosen.values()), MALFORMED_ROW)
+    if wanted is None:
+        return spark.read.parquet(*paths)
+    footers = files or ([local] if local is not None and local.is_file() else [])
+    chosen = pick_columns(parquet_columns(spark, paths, footers), wanted, path, absent)
+    fields = {name: StructField(name, spark_type(name, kind, path)) for name, kind in chosen.values()}
+    return spark.read.schema(StructType(list(fields.values()))).parquet(*paths)
+
+
+def quoted(name: str) -> str:
+    """`name` as a Spark column reference that means that column alone (a dot would reach into a struct)."""
+    return "`" + name.replace("`", "``") + "`"
 
 
 def read_csv_input(spark: SparkSession, paths: list[str]) -> DataFrame:

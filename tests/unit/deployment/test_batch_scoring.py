@@ -582,3 +582,90 @@ def test_csv_files_whose_headers_order_the_columns_differently_are_refused_not_s
     assert spark_io.count_input(frame) == 2
     assert sorted((r["id"], r["text"]) for r in frame.collect()) == [("a1", "A wonderful film"),
                                                                      ("b1", "Dull and far too long")]
+
+
+def test_only_the_text_and_id_columns_are_read_so_no_other_column_can_fail_the_job(spark, tmp_path):
+    """Spark inferred the schema from every column and failed on ones it cannot read (pyarrow's default
+    timestamp[ns], time64) or tell apart (`note`, `NOTE`), and took a Parquet column named `_malformed_row` for its
+    own mark of a malformed CSV row. Now only the wanted columns are read; a float16 column, which Spark cannot
+    read even unasked, and a wanted name held twice are one line each."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    columns = {"text": pa.array(["a fine film", "a dull film"]), "id": pa.array([1, 2]),
+               "ts": pa.array([1, 2], pa.timestamp("ns")), "at": pa.array([1, 2], pa.time64("ns")),
+               "note": pa.array(["a", "b"]), "NOTE": pa.array(["c", "d"]), "_malformed_row": pa.array(["x", None])}
+    pq.write_table(pa.table(list(columns.values()), names=list(columns)), tmp_path / "wide.parquet")
+    wanted = {"--text-column": "Text", "--id-column": "id"}  # names match ignoring case, as Spark matches them
+    frame = spark_io.read_input(spark, str(tmp_path / "wide.parquet"), "parquet", wanted)
+    assert frame.columns == ["text", "id"]
+    assert sorted(tuple(row) for row in frame.collect()) == [("a dull film", 2), ("a fine film", 1)]
+
+    pq.write_table(pa.table([columns["text"], pa.array(np.array([1, 2], np.float16))], names=["text", "half"]),
+                   tmp_path / "half.parquet")
+    with pytest.raises(ValueError, match=r"half\.parquet has a float16 column \(half\), which Spark cannot read"):
+        spark_io.read_input(spark, str(tmp_path / "half.parquet"), "parquet", wanted)
+    for names in (["text", "TEXT", "id"], ["text", "text", "id"]):
+        pq.write_table(pa.table([columns["text"], columns["text"], columns["id"]], names=names), tmp_path / "d.parquet")
+        with pytest.raises(ValueError, match=rf"has 2 columns named 'Text' ignoring case \({', '.join(names[:2])}\)"):
+            spark_io.read_input(spark, str(tmp_path / "d.parquet"), "parquet", wanted)
+    (tmp_path / "in.csv").write_text("id,text\nr1,a fine film\n")
+    with pytest.raises(ValueError, match=r"has no column 'body' \(--text-column\); its columns: id, text$"):
+        spark_io.read_input(spark, str(tmp_path / "in.csv"), "csv", {"--text-column": "body"})
+
+
+def test_a_parquet_column_named_like_the_jobs_own_is_an_ordinary_column(spark, in_store, tmp_path):
+    """Valid reviews were refused as "malformed CSV row" because the input had a column `_malformed_row`."""
+    pd.DataFrame({"id": ["r1", "r2"], "text": ["a fine film", "a dull film"],
+                  "_malformed_row": ["anything", None]}).to_parquet(tmp_path / "in.parquet")
+    summary = batch_scoring.score(spark, str(tmp_path / "in.parquet"), str(tmp_path / "out"), in_store["uri"],
+                                  id_column="id", max_chars=MAX_CHARS)
+    assert (summary.scored, summary.errors) == (2, 0)
+    summary = batch_scoring.score(spark, str(tmp_path / "in.parquet"), str(tmp_path / "by-it"), in_store["uri"],
+                                  id_column="_malformed_row", max_chars=MAX_CHARS)  # even as the id
+    assert (summary.scored, summary.errors) == (2, 0)
+
+
+def test_an_id_column_a_csv_output_cannot_hold_is_refused_before_the_model_loads(spark, tmp_path):
+    pd.DataFrame({"id": [{"a": 1}], "text": ["a fine film"]}).to_parquet(tmp_path / "in.parquet")
+    with pytest.raises(ValueError, match=r"the id column 'id' is struct<a:bigint>, which a CSV output cannot hold"):
+        batch_scoring.score(spark, str(tmp_path / "in.parquet"), str(tmp_path / "out.csv"), "models:/never-loaded",
+                            id_column="id", max_chars=MAX_CHARS)
+    assert not (tmp_path / "out.csv").exists()
+
+
+def test_an_error_of_sparks_that_nothing_recognised_is_its_first_meaningful_line(spark, model, tmp_path,
+                                                                                 monkeypatch, capsys):
+    """The last resort: a Spark or Py4J error is one line (the cause that is not a wrapper of Spark's), the full
+    traceback in a log file it names, exit 1. Here two Parquet files give the text column two types."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    pd.DataFrame({"id": [1], "text": ["a fine film"]}).to_parquet(folder / "a.parquet")
+    pd.DataFrame({"id": [2], "text": [42]}).to_parquet(folder / "b.parquet")
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"mlflow": {"tracking_uri": model["store"].tracking_uri}}))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as failed:
+        batch_scoring.main(["--input", "in", "--output", "out", "--id-column", "id", "--params", "params.yaml"])
+    err = capsys.readouterr().err
+    line = next(line for line in err.splitlines() if line.startswith("error: "))
+    assert failed.value.code == 1 and "Traceback" not in err
+    assert re.fullmatch(r"error: Spark failed: Parquet column cannot be converted in file \S+/[ab]\.parquet\. Column: "
+                        r"\[text\], Expected: \w+, Found: \w+\. \(the full traceback: (\S+\.log); Spark's own log "
+                        r"lines are above\)", line)
+    log = Path(re.search(r"the full traceback: (\S+\.log)", line)[1])
+    assert "Py4JJavaError" in log.read_text()
+    log.unlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "params.yaml"]
+
+
+def test_a_message_of_sparks_is_read_down_to_the_line_that_says_what_went_wrong():
+    from pipeline.deployment.batch_failures import first_line
+
+    worker = ("An exception was thrown from the Python worker. Please see the stack trace below.\nTraceback (most "
+              "recent call last):\n  File \"/w.py\", line 1, in f\n    x = y\n        ^\nUnicodeDecodeError: 'utf-8' "
+              "codec can't decode byte 0xe9\n")
+    assert first_line(worker) == "UnicodeDecodeError: 'utf-8' codec can't decode byte 0xe9"
+    assert first_line("org.apache.spark.SparkException: Job aborted\n\tat org.x(Y.scala:1)") == "Job aborted"
+    assert first_line("java.lang.NullPointerException") == "NullPointerException"
+    assert first_line("[UNABLE_TO_INFER_SCHEMA] Unable to infer schema for Parquet.") == (
+        "[UNABLE_TO_INFER_SCHEMA] Unable to infer schema for Parquet.")
