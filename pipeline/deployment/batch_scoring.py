@@ -9,20 +9,24 @@ partitions, each Python worker loads the model once and scores Arrow batches of 
 pyfunc's `predict`, and Spark writes the answers partition by partition, so no step holds the whole input in
 memory. `--master` is `local[*]` (every core of this machine) or a cluster's master URL, passed to Spark unchanged.
 
-Output: one row per input row, with the id column, `label`, `score` and `error`. A text the endpoint's contract
-refuses (`pipeline.deployment.protocol.check_text`: null, not a string, empty or whitespace only, no visible
-character, longer than `package.max_chars_per_text`) gets the contract's message in `error` and no label or score;
-it is checked before the model sees it, so one bad row never fails a batch and the job goes on. Without
-`--id-column` a `row_id` column is added (Spark's `monotonically_increasing_id`: unique and increasing through the
-input as read, not consecutive). A CSV row whose fields do not match the header's is answered `malformed CSV
-row`. Before Spark starts, the command refuses an output that would destroy data (the input, a folder holding it,
-anything but an earlier output under `--overwrite`) and an input Spark would misread (not UTF-8, the other format,
-a folder of two formats): `batch_inputs.check_output`, `check_input`. A local output is written into a hidden
-folder beside it and renamed onto OUTPUT once read back and counted (`batch_output`); a row count other than the
-input's fails the command (exit 1) and leaves OUTPUT as it was, and so does SIGINT or SIGTERM, which cancel
-Spark's jobs and exit 130 or 143 with one line (`batch_failures`). An `hdfs://` or `s3a://` output is written in
-place, complete once it holds `_SUCCESS`. Progress lines go to stderr while Spark works; the summary (rows, scored,
-errors, seconds, rows/s) to stdout, and to `--summary-json` when given.
+Output: one row per input row, not in the input's order (join on the id column), with the id column, `label`,
+`score` and `error`; a warning says when ids are null or repeated. Only the text and id columns are read
+(`input_columns`). A text the endpoint's contract refuses (`pipeline.deployment.protocol.check_text`: null, not a
+string, empty or whitespace only, no visible character, longer than `package.max_chars_per_text`; and one that is
+not valid UTF-8) gets the contract's message in `error` and no label or score; it is checked before the model sees
+it (the over-long and undecodable ones by Spark SQL, before any text crosses into Python: `batch_rows`), so one bad
+row never fails a batch and the job goes on. Without `--id-column` a `row_id` column is added (Spark's
+`monotonically_increasing_id`: unique and increasing through the input as read, not consecutive). A CSV row whose
+fields do not match the header's is answered `malformed CSV row`, and a CSV file whose header is not the others'
+stops the job. Before Spark starts, the command refuses an output that would destroy data (the input, a folder
+holding it, anything but an earlier output under `--overwrite`, a name Spark would read as a glob) and an input
+Spark would misread (not UTF-8, the other format, a folder of two formats, a file cut short):
+`batch_inputs.check_output`, `check_input`. A local output is written into a hidden folder beside it and renamed
+onto OUTPUT once read back and counted (`batch_output`); a row count other than the input's fails the command (exit
+1) and leaves OUTPUT as it was, and so does SIGINT or SIGTERM, which cancel Spark's jobs and exit 130 or 143 with
+one line (`batch_failures`; any other error of Spark's is one line too, exit 1). An `hdfs://` or `s3a://` output is
+written in place, complete once it holds `_SUCCESS`. Progress lines go to stderr while Spark works; the summary
+(rows, scored, errors, seconds, rows/s) to stdout, and to `--summary-json` when given.
 """
 
 from __future__ import annotations
@@ -139,10 +143,15 @@ def score(spark: SparkSession, input_path: str, output_path: str, model_uri: str
     staged = staged_output(output_path, local_master=local_master)  # None: written in place (hdfs://, s3a://)
     written = output_path if staged is None else str(staged.folder)
     try:
-        with progress_lines(spark):
+        with progress_lines(spark, partitions):
             answers = scored_frame(frame, model_udf, max_chars, text_column).withColumnRenamed(ID, id_column)
             write_output(answers, written, overwrite and staged is None)
-        rows_out, errors = count_output(spark, written)
+        counted = count_output(spark, written, None if id_added else id_column)
+        rows_out, errors = counted.rows, counted.errors
+        if counted.null_ids or counted.repeated_ids:
+            print(f"warning: the id column {id_column!r} is null in {counted.null_ids} row(s) and repeats another "
+                  f"row's id in {counted.repeated_ids}: their answers cannot be joined back to their rows by id",
+                  file=sys.stderr)
         interruption_point()  # a signal that came during the count, which went on to its end
         seconds = time.perf_counter() - started
         summary = ScoringSummary(input=input_path, output=output_path, model_uri=model_uri,

@@ -10,10 +10,11 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pipeline.deployment.batch_failures import java_causes
 from pipeline.deployment.batch_inputs import files_to_read, hadoop_literal, local_path, read_files
@@ -136,20 +137,54 @@ def write_output(frame: DataFrame, path: str, overwrite: bool) -> None:
         writer.parquet(path)
 
 
-def count_output(spark: SparkSession, path: str) -> tuple[int, int]:
-    """(rows, rows with an error) of the written output, read back from storage."""
+@dataclass(frozen=True)
+class Written:
+    """What the written output holds, read back from storage: its rows, those with an error, and the rows whose id
+    is null or is another row's too (counted only for an id column of the input's: the added one is unique)."""
+
+    rows: int
+    errors: int
+    null_ids: int = 0
+    repeated_ids: int = 0
+
+
+def count_output(spark: SparkSession, path: str, id_column: str | None = None) -> Written:
+    """The output at `path` counted (`Written`), with the nulls and repeats of `id_column` where one is given (one
+    Spark cannot compare, a map, is not checked for repeats)."""
     from pyspark.sql import functions as F
+    from pyspark.sql.types import MapType
 
     fmt = output_format(path)
     written = read_csv(spark, path) if fmt == "csv" else spark.read.parquet(path)
-    row = written.agg(F.count(F.lit(1)).alias("rows"), F.count("error").alias("errors")).first()
-    return int(row["rows"]), int(row["errors"])
+    counts = [F.count(F.lit(1)).alias("rows"), F.count("error").alias("errors")]
+    if id_column is not None:
+        ids = F.col(quoted(id_column))
+        counts.append(F.count(ids).alias("ids"))
+        if not isinstance(written.select(ids).schema[0].dataType, MapType):
+            counts.append(F.count_distinct(ids).alias("distinct_ids"))
+    row = written.agg(*counts).first().asDict()
+    ids = row.get("ids", row["rows"])
+    return Written(rows=row["rows"], errors=row["errors"], null_ids=row["rows"] - ids,
+                   repeated_ids=ids - row.get("distinct_ids", ids))
+
+
+def progress_line(elapsed_s: float, stages: Sequence[Any], partitions: int | None = None) -> str | None:
+    """The line for Spark's running `stages` (`SparkStageInfo`s), None where none runs: the tasks done and running
+    of each. A stage of twice `partitions` tasks is the write, where each partition's scored rows and refused rows
+    (the two halves the answers are joined from) are a task each."""
+    parts = []
+    for stage in stages:
+        halves = " (each partition's scored and refused rows)" if stage.numTasks == 2 * (partitions or 0) else ""
+        parts.append(f"stage {stage.stageId}: {stage.numCompletedTasks}/{stage.numTasks} tasks done{halves}, "
+                     f"{stage.numActiveTasks} running")
+    return f"[{elapsed_s:.0f} s] " + "; ".join(parts) if parts else None
 
 
 @contextmanager
-def progress_lines(spark: SparkSession, every_s: float = PROGRESS_EVERY_S) -> Iterator[None]:
-    """While the body runs, a line on stderr every `every_s` seconds with the partitions (tasks) done of each
-    running Spark stage."""
+def progress_lines(spark: SparkSession, partitions: int | None = None,
+                   every_s: float = PROGRESS_EVERY_S) -> Iterator[None]:
+    """While the body runs, a line on stderr every `every_s` seconds with the tasks done of each running Spark
+    stage (`progress_line`; `partitions`: how many the rows were dealt into)."""
     tracker = spark.sparkContext.statusTracker()
     stop = threading.Event()
     started = time.monotonic()
@@ -157,10 +192,9 @@ def progress_lines(spark: SparkSession, every_s: float = PROGRESS_EVERY_S) -> It
     def report() -> None:
         while not stop.wait(every_s):
             stages = [tracker.getStageInfo(s) for s in tracker.getActiveStageIds()]
-            done = [f"stage {s.stageId}: {s.numCompletedTasks}/{s.numTasks} partitions done, {s.numActiveTasks} "
-                    f"running" for s in stages if s is not None]
-            if done:
-                print(f"[{time.monotonic() - started:.0f} s] " + "; ".join(done), file=sys.stderr, flush=True)
+            line = progress_line(time.monotonic() - started, [s for s in stages if s is not None], partitions)
+            if line is not None:
+                print(line, file=sys.stderr, flush=True)
 
     thread = threading.Thread(target=report, name="scoring-progress", daemon=True)
     thread.start()

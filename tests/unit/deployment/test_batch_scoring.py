@@ -196,7 +196,8 @@ def test_a_text_column_of_numbers_is_refused_row_by_row_and_no_row_is_lost(spark
 def test_an_output_with_another_row_count_than_the_input_fails_the_job(spark, in_store, tmp_path, monkeypatch):
     # a column the model never sees (no Python worker has to load it), so the job is quick
     pd.DataFrame({"text": pd.array([1, None], dtype="Int64")}).to_parquet(tmp_path / "in.parquet")
-    monkeypatch.setattr(batch_scoring, "count_output", lambda spark, path: (1, 1))  # as if a row were lost
+    monkeypatch.setattr(batch_scoring, "count_output",  # as if a row were lost
+                        lambda spark, path, ids: spark_io.Written(rows=1, errors=1))
     with pytest.raises(batch_scoring.RowCountMismatch, match=r"hold 1 rows but .* has 2"):
         batch_scoring.score(spark, str(tmp_path / "in.parquet"), str(tmp_path / "out"), in_store["uri"],
                             max_chars=MAX_CHARS)
@@ -457,7 +458,7 @@ def test_a_run_that_fails_after_writing_leaves_the_output_as_it_was(spark, in_st
     deleted the earlier output `--overwrite` replaces."""
     pd.DataFrame({"text": pd.array([1, None], dtype="Int64")}).to_parquet(tmp_path / "in.parquet")
 
-    def killed(spark, path):
+    def killed(spark, path, ids):
         assert re.fullmatch(r"\.(new|earlier)\.scoring-\d+", Path(path).parent.name)
         assert (Path(path) / "_SUCCESS").is_file()
         raise KeyboardInterrupt
@@ -669,3 +670,30 @@ def test_a_message_of_sparks_is_read_down_to_the_line_that_says_what_went_wrong(
     assert first_line("java.lang.NullPointerException") == "NullPointerException"
     assert first_line("[UNABLE_TO_INFER_SCHEMA] Unable to infer schema for Parquet.") == (
         "[UNABLE_TO_INFER_SCHEMA] Unable to infer schema for Parquet.")
+
+
+def test_progress_counts_the_write_stages_tasks_as_tasks():
+    """The write unions each partition's scored rows and refused rows, two tasks a partition: a 20-partition job
+    showed "17/40 partitions done"."""
+    from types import SimpleNamespace
+
+    write = SimpleNamespace(stageId=6, numTasks=40, numCompletedTasks=17, numActiveTasks=2)
+    count = SimpleNamespace(stageId=7, numTasks=1, numCompletedTasks=0, numActiveTasks=1)
+    assert spark_io.progress_line(12.4, [write, count], partitions=20) == (
+        "[12 s] stage 6: 17/40 tasks done (each partition's scored and refused rows), 2 running; "
+        "stage 7: 0/1 tasks done, 1 running")
+    assert spark_io.progress_line(3, []) is None
+
+
+def test_an_id_column_with_nulls_or_repeats_is_warned_of(spark, in_store, tmp_path, capsys):
+    """Answers are joined back to the input by id: a null or repeated id loses that, silently before."""
+    pd.DataFrame({"id": ["a", "a", None, "b"], "text": pd.array([1, 2, 3, 4], dtype="Int64")}).to_parquet(
+        tmp_path / "in.parquet")
+    summary = batch_scoring.score(spark, str(tmp_path / "in.parquet"), str(tmp_path / "out.csv"), in_store["uri"],
+                                  id_column="id", max_chars=MAX_CHARS)
+    assert summary.rows_out == 4
+    assert ("warning: the id column 'id' is null in 1 row(s) and repeats another row's id in 1: their answers cannot "
+            "be joined back to their rows by id") in capsys.readouterr().err
+    batch_scoring.score(spark, str(tmp_path / "in.parquet"), str(tmp_path / "by-row"), in_store["uri"],
+                        max_chars=MAX_CHARS)  # the added row_id: unique, not counted
+    assert "warning" not in capsys.readouterr().err
