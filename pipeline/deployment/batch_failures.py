@@ -32,11 +32,6 @@ class Interrupted(BaseException):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
 
-    @property
-    def exit_code(self) -> int:
-        """The shell's status for a process a signal ended: 128 + the signal's number."""
-        return 128 + self.signum
-
 
 class StopOnSignals:
     """SIGINT and SIGTERM handled for one run (`install` them in the main thread; `restore` puts back what was there).

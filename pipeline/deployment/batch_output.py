@@ -45,8 +45,8 @@ class StagedOutput:
             replaced = None
             if self.output.exists() or self.output.is_symlink():
                 if not overwrite:
-                    raise ValueError(f"{self.output} appeared while the answers were written (they are in "
-                                     f"{self.folder}): move them yourself, or run again with --overwrite")
+                    raise ValueError(f"{self.output} appeared while the answers were written: run again with "
+                                     "--overwrite to replace it, or choose another output")
                 replaced = self.output.with_name(f".{self.output.name}{REPLACED_SUFFIX}{os.getpid()}")
                 shutil.rmtree(replaced, ignore_errors=True)
                 os.rename(self.output, replaced)

@@ -250,9 +250,9 @@ def run(args: argparse.Namespace, stops: StopOnSignals) -> ScoringSummary:
     model_uri = args.model_uri or champion
     try:  # what can be checked before Spark starts (its start, the model's load and a pass over the input)
         check_columns(args.id_column, args.text_column)
+        check_master(args.master)
         fmt = check_paths(spark_path(args.input), spark_path(args.output), fmt=args.format, overwrite=args.overwrite,
                           local_master=args.master.startswith("local"))
-        check_master(args.master)
         check_task_threads(args.master, args.task_threads)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
@@ -272,8 +272,8 @@ def run_ended(exc: BaseException, signum: int | None, output: str, master: str) 
     """What the command ends with after `exc`: after a stop signal, one line and 128 + its number, whatever the error
     it caused on the way (a cancelled job's); a refused input or a wrong row count, one line and 1; any other error
     of Spark's, its first meaningful line and 1 (`spark_error_exit`). Anything else is returned as it is, its
-    traceback shown (a fault of this code's). A staging folder left by Spark's last tasks,
-    which can outlive the job a signal cancelled, is deleted once the session stopped."""
+    traceback shown (a fault of this code's). A staging folder left by Spark's last tasks, which can outlive the job
+    a signal cancelled, is deleted again once the session stopped."""
     staged = staged_output(spark_path(output), local_master=master.startswith("local"))
     if staged is not None:
         staged.discard()
