@@ -80,23 +80,17 @@ def served_version(model_uri: str | None, *, name: str, alias: str, tracking_uri
 
 def served_limits(tags: dict[str, str], fallback: dict[str, Any], *, tracking_uri: str) -> tuple[Limits, str]:
     """The request limits a registered version was packaged with, as its package run recorded them (`package.*`
-    params of the run in the version's `VERSION_RUN_TAG`; the version's `.mar` holds the same in serving.json), and
-    where they came from. `fallback` (params' package section) where the version names no such run, or the run
+    params of the run its tags name, `version_package_params`; the version's `.mar` holds the same in serving.json),
+    and where they came from. `fallback` (params' package section) where the version names no such run, or the run
     holds no complete set (a model registered by hand, or before the limits were recorded)."""
-    from mlflow.exceptions import MlflowException
+    from pipeline.core.model_registry import version_package_params
 
-    from pipeline.core.model_registry import client_for
-    from pipeline.core.parent_run import VERSION_RUN_TAG
-
-    run_id = tags.get(VERSION_RUN_TAG)
-    if run_id:
-        try:
-            recorded = client_for(tracking_uri).get_run(run_id).data.params
-            limits = Limits.from_config({k.removeprefix("package."): v for k, v in recorded.items()
-                                         if k.startswith("package.")})
-            return limits, f"the version's package run {run_id}"
-        except (MlflowException, ValueError) as exc:
-            log.warning("the limits of package run %s could not be read (%s): params' are used", run_id, exc)
+    try:
+        recorded = version_package_params(tags, tracking_uri=tracking_uri)
+        if recorded is not None:
+            return Limits.from_config(recorded[1]), f"the version's package run {recorded[0]}"
+    except (LookupError, ValueError) as exc:
+        log.warning("the limits the served version was packaged with could not be read (%s): params' are used", exc)
     return Limits.from_config(fallback), "params' package section"
 
 

@@ -9,7 +9,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from pipeline.core.parent_run import client_for
+from pipeline.core.parent_run import VERSION_RUN_TAG, client_for
 
 #: The error codes of a registry that answered and has no such alias or model (an unknown alias is
 #: INVALID_PARAMETER_VALUE, an unknown model RESOURCE_DOES_NOT_EXIST); every other error is the store's.
@@ -74,6 +74,22 @@ def registered_version(name: str, alias: str, *, tracking_uri: str) -> tuple[str
 def version_tags(name: str, version: str, *, tracking_uri: str) -> dict[str, str]:
     """The tags of version `version` of registered model `name`."""
     return dict(client_for(tracking_uri).get_model_version(name, version).tags or {})
+
+
+def version_package_params(tags: dict[str, str], *, tracking_uri: str) -> tuple[str, dict[str, str]] | None:
+    """The package section (`package.*` params, prefix dropped) that the package run named in a registered
+    version's tags (`VERSION_RUN_TAG`) logged, with that run's id; None when the tags name no run. `LookupError`
+    when the store cannot give that run's params."""
+    from mlflow.exceptions import MlflowException
+
+    run_id = tags.get(VERSION_RUN_TAG)
+    if not run_id:
+        return None
+    try:
+        params = client_for(tracking_uri).get_run(run_id).data.params
+    except MlflowException as exc:
+        raise LookupError(f"package run {run_id}: {exc.message}") from exc
+    return run_id, {k.removeprefix("package."): v for k, v in params.items() if k.startswith("package.")}
 
 
 def logged_model(model_id: str | None, *, tracking_uri: str) -> Any:

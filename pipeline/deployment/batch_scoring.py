@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
         except SystemExit:
             raise
         except BaseException as exc:
-            raise run_ended(exc, stops.received, args.output, args.master) from None
+            raise exit_after(exc, signum=stops.received, output=args.output, master=args.master) from None
     print(f"scored {summary.input} with {summary.model_uri} on {summary.master} into {summary.output}: "
           f"{summary.rows_in} rows in, {summary.rows_out} out ({summary.scored} scored, {summary.errors} errors), "
           f"{summary.seconds:.1f} s, {summary.rows_per_s:.1f} rows/s ({summary.partitions} partitions; id column "
@@ -268,7 +268,7 @@ def run(args: argparse.Namespace, stops: StopOnSignals) -> ScoringSummary:
                      env_manager=args.env_manager, overwrite=args.overwrite, paths_checked=True)
 
 
-def run_ended(exc: BaseException, signum: int | None, output: str, master: str) -> BaseException:
+def exit_after(exc: BaseException, *, signum: int | None, output: str, master: str) -> BaseException:
     """What the command ends with after `exc`: after a stop signal, one line and 128 + its number, whatever the error
     it caused on the way (a cancelled job's); a refused input or a wrong row count, one line and 1; any other error
     of Spark's, its first meaningful line and 1 (`spark_error_exit`). Anything else is returned as it is, its
