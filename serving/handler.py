@@ -53,7 +53,7 @@ class SentimentHandler:
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[str]:
         """One JSON string per request, in order, with each request's status set on the context."""
         from pipeline.deployment.batch_answers import answer_batch
-        from pipeline.deployment.protocol import REQUEST_ID_HEADER, SERVER_ERROR, Answer
+        from pipeline.deployment.protocol import REQUEST_ID_HEADER, server_error
 
         log.info("batch of %d requests", len(data))  # what TorchServe's server-side batching handed over
         requests = [_raw_request(request, context, idx) for idx, request in enumerate(data)]
@@ -63,7 +63,7 @@ class SentimentHandler:
             answers = answer_batch(requests, self.predictor, self.limits, self.model_label, ids)
         except Exception:  # answer_batch isolates requests itself; this only keeps a bug from becoming a 503
             log.exception("answering a batch of %d requests (%s) failed", len(data), ", ".join(ids))
-            answers = [Answer(SERVER_ERROR.status, {**SERVER_ERROR.body, "request_id": rid}) for rid in ids]
+            answers = [server_error(rid) for rid in ids]
         responses: list[str] = []
         for idx, answer in enumerate(answers):
             _set_status(context, idx, answer, {**self.headers, REQUEST_ID_HEADER: ids[idx]})

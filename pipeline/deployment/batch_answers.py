@@ -9,7 +9,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from pipeline.deployment.protocol import (
-    SERVER_ERROR,
     Answer,
     Limits,
     ParsedRequest,
@@ -17,6 +16,7 @@ from pipeline.deployment.protocol import (
     Scorer,
     error_body,
     format_predictions,
+    server_error,
 )
 from pipeline.deployment.request_parsing import RawRequest, parse_request
 
@@ -53,17 +53,17 @@ def _answers(requests: Sequence[RawRequest], scorer: Scorer, limits: Limits, mod
             answers[idx] = Answer(err.status, error_body(err))
         except Exception:  # a server fault on this request alone: logged, answered 500, neighbours go on
             log.exception("request %s failed before scoring", ids[idx])
-            answers[idx] = SERVER_ERROR
+            answers[idx] = server_error()
     for idx, parsed, predictions in _score_survivors(survivors, scorer, ids):
         try:
             if predictions is None:
-                answers[idx] = SERVER_ERROR
+                answers[idx] = server_error()
             else:
                 answers[idx] = Answer(200, format_predictions(predictions, parsed.is_list, model))
         except Exception:
             log.exception("request %s could not be formatted", ids[idx])
-            answers[idx] = SERVER_ERROR
-    return [a if a is not None else SERVER_ERROR for a in answers]
+            answers[idx] = server_error()
+    return [a if a is not None else server_error() for a in answers]
 
 
 def _score_survivors(survivors: list[tuple[int, ParsedRequest, list[Any]]], scorer: Scorer,

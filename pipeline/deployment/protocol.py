@@ -192,7 +192,9 @@ def error_body(err: RequestError) -> dict[str, Any]:
     return {"error": err.message, "status": err.status}
 
 
-SERVER_ERROR = Answer(500, {"error": "internal error while scoring this request (logged on the server)",
-                            "status": 500})
+def server_error(request_id: str | None = None) -> Answer:
+    """The 500 for a request the server failed on (a new answer each time: its body is the caller's to extend)."""
+    body: dict[str, Any] = {"error": "internal error while scoring this request (logged on the server)", "status": 500}
+    return Answer(500, {**body, "request_id": request_id} if request_id is not None else body)
 
 
