@@ -480,38 +480,37 @@ def test_a_run_that_fails_after_writing_leaves_the_output_as_it_was(spark, in_st
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_a_signal_during_the_write_stops_the_run_with_one_line_and_the_shells_status(spark, model, imdb_dir, tmp_path,
-                                                                                     monkeypatch, capsys, signum):
+def test_a_signal_during_the_write_stops_the_run_with_one_line_and_the_shells_status(model, imdb_dir, tmp_path,
+                                                                                     signum):
     """SIGINT exited 1 with a Py4J traceback (pyspark's handler calls the JVM from inside a call to it) and left a
     partial output; SIGTERM killed the run where it stood. Now: Spark's jobs cancelled, exit 128 + the signal, one
-    line, OUTPUT as it was (here an earlier output `--overwrite` would have replaced), no staging folder left."""
-    import threading
+    line, OUTPUT as it was (here an earlier output `--overwrite` would have replaced), no staging folder left. The
+    command runs in a process of its own, as a user's shell runs it, and gets the signal there (sent to the test's
+    own process, a stray one could end the test worker instead of failing the test)."""
+    import subprocess
+    import sys
+
+    from tests.factories import ROOT
 
     texts = pd.read_parquet(imdb_dir / "test.parquet", columns=["text"])["text"].iloc[:400]
     texts.to_frame().to_parquet(tmp_path / "in.parquet")
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({"mlflow": {"tracking_uri": model["store"].tracking_uri}}))
     before = earlier_output(tmp_path / "out")
-    monkeypatch.chdir(tmp_path)
-    previous = signal.signal(signal.SIGTERM, lambda *_: pytest.fail("the command did not handle SIGTERM"))
-
-    def signal_once_writing() -> None:
-        for _ in range(1200):
-            if any(tmp_path.glob(".out.scoring-*/out/_temporary")) or (tmp_path / "out" / "_temporary").is_dir():
-                os.kill(os.getpid(), signum)
-                return
-            time.sleep(0.05)
-
-    sender = threading.Thread(target=signal_once_writing, daemon=True)
-    sender.start()
-    try:
-        with pytest.raises(SystemExit) as stopped:
-            batch_scoring.main(["--input", "in.parquet", "--output", "out", "--overwrite", "--params", "params.yaml"])
-    finally:
-        sender.join()
-        signal.signal(signal.SIGTERM, previous)
-        spark.sparkContext.setLogLevel("WARN")  # the run silenced its cancelled jobs' errors
-    err = capsys.readouterr().err
-    assert stopped.value.code == 128 + signum
+    env = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.deployment.batch_scoring", "--input", "in.parquet",
+                             "--output", "out", "--overwrite", "--params", "params.yaml"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    sent = False
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:
+        if any(tmp_path.glob(".out.scoring-*/out/_temporary")):  # Spark is writing the answers
+            proc.send_signal(signum)
+            sent = True
+            break
+        time.sleep(0.02)
+    _, err = proc.communicate(timeout=300)
+    assert sent, f"the run ended before its write was seen (exit {proc.returncode}): {err[-2000:]}"
+    assert proc.returncode == 128 + signum, err[-3000:]
     assert f"interrupted by {signal.Signals(signum).name}: scoring stopped; out is left as it was" in err
     assert "Traceback" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.parquet", "out", "params.yaml"]
