@@ -78,7 +78,7 @@ def served_version(model_uri: str | None, *, name: str, alias: str, tracking_uri
     return "unregistered", {}
 
 
-def served_limits(tags: dict[str, str], fallback: dict[str, Any], *, tracking_uri: str) -> tuple[Limits, str]:
+def served_limits(tags: dict[str, str], fallback: Limits, *, tracking_uri: str) -> tuple[Limits, str]:
     """The request limits a registered version was packaged with, as its package run recorded them (`package.*`
     params of the run its tags name, `version_package_params`; the version's `.mar` holds the same in serving.json),
     and where they came from. `fallback` (params' package section) where the version names no such run, or the run
@@ -91,7 +91,7 @@ def served_limits(tags: dict[str, str], fallback: dict[str, Any], *, tracking_ur
             return Limits.from_config(recorded[1]), f"the version's package run {recorded[0]}"
     except (LookupError, ValueError) as exc:
         log.warning("the limits the served version was packaged with could not be read (%s): params' are used", exc)
-    return Limits.from_config(fallback), "params' package section"
+    return fallback, "params' package section"
 
 
 def build_app(model_uri: str | None, params_path: Path, max_in_flight: int = MAX_IN_FLIGHT,
@@ -116,11 +116,12 @@ def build_app(model_uri: str | None, params_path: Path, max_in_flight: int = MAX
     model = served_model(uri, tracking_uri=store)
     variant = model.variant or tags.get("variant", "unknown")
     log.info("serving %s (%s, version %s, variant %s) from %s", requested, uri, version, variant, store)
+    configured = Limits.from_config(vars(params.package))
     if limits_from == "model":
-        limits, source = served_limits(tags, vars(params.package), tracking_uri=store)
+        limits, source = served_limits(tags, configured, tracking_uri=store)
     else:
-        limits, source = Limits.from_config(vars(params.package)), f"params ({params_path})"
-    if limits != (configured := Limits.from_config(vars(params.package))):
+        limits, source = configured, f"params ({params_path})"
+    if limits != configured:
         changed = {k: v for k, v in vars(configured).items() if getattr(limits, k) != v}
         log.warning("the limits of %s (%s) differ from params' package section (%s): the version's are enforced, as "
                     "its .mar does; --limits params enforces params'", source, vars(limits), changed)

@@ -41,6 +41,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable
+from http import HTTPStatus
 from typing import Any
 
 from serving.request_ids import new_request_id, request_id
@@ -55,26 +56,26 @@ RETRY_AFTER_S = 1
 REFUSAL_LINGER_S = 1.0
 
 
-def raw_response(status: str, error: str, headers: list[tuple[str, str]], rid: str) -> bytes:
+def raw_response(status: HTTPStatus, error: str, headers: list[tuple[str, str]], rid: str) -> bytes:
     """An answer written as bytes where h11 has no request to frame one for (headers too slow, a connection past the
     limit): the contract's JSON error `{"error", "status", "request_id"}` with `headers` (the served model's) and
     `X-Request-Id`, the connection closed after it."""
-    code = int(status.split()[0])
-    body = json.dumps({"error": error, "status": code, "request_id": rid}).encode()
-    lines = [f"HTTP/1.1 {status}".encode(), b"content-type: application/json", f"content-length: {len(body)}".encode(),
+    body = json.dumps({"error": error, "status": status.value, "request_id": rid}).encode()
+    lines = [f"HTTP/1.1 {status.value} {status.phrase}".encode(), b"content-type: application/json",
+             f"content-length: {len(body)}".encode(),
              *(f"{k.lower()}: {v}".encode() for k, v in [*headers, ("x-request-id", rid)]), b"connection: close"]
     return b"\r\n".join(lines) + b"\r\n\r\n" + body
 
 
 def over_limit_response(max_connections: int, headers: list[tuple[str, str]], rid: str) -> bytes:
     """The 503 a connection past `max_connections` gets before anything of its request is read, with `Retry-After`."""
-    return raw_response("503 Service Unavailable", f"the server holds its limit of {max_connections} connections; "
+    return raw_response(HTTPStatus.SERVICE_UNAVAILABLE, f"the server holds its limit of {max_connections} connections; "
                         f"retry after {RETRY_AFTER_S} s", [("retry-after", str(RETRY_AFTER_S)), *headers], rid)
 
 
 def headers_timeout_response(headers: list[tuple[str, str]], rid: str) -> bytes:
     """The 408 for a request whose line and headers did not arrive in time."""
-    return raw_response("408 Request Timeout", "the request line and headers did not arrive in time", headers, rid)
+    return raw_response(HTTPStatus.REQUEST_TIMEOUT, "the request line and headers did not arrive in time", headers, rid)
 
 
 #: Pieces (h11 data events) a request's body may arrive in; a 1 MB body in 1,448-byte TCP segments is about 700.
