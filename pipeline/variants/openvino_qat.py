@@ -8,18 +8,14 @@ the variant runs on the kernels int8-openvino runs on. int8-qat's model, trained
 that adaptation on the way to OpenVINO (docs/tried-and-dropped.md): QAT has to train through the quantizers of
 the runtime that serves it.
 
-NNCF's fake quantizers run as a PyTorch C++ extension it compiles on first use, once per machine and venv (in the
-venv's own folder under PyTorch's extension root, `~/.cache/torch_extensions` unless `TORCH_EXTENSIONS_DIR` says
-otherwise: `extension_build_root`); where no compiler is found NNCF falls back to PyTorch operations, slower, and
-says so in the log."""
+NNCF's fake quantizers run as NNCF's own PyTorch reference operations, eagerly (`use_torch_quantizers`), not as
+the C++ extension NNCF would compile on first use: no faster for this model's QAT, and the compile cost every fresh
+machine both cores, a C++ toolchain and a build lock a killed compile left behind (docs/variants.md)."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,12 +30,6 @@ from pipeline.variants.openvino_int8 import sdpa_copy, two_row_example
 
 log = logging.getLogger(__name__)
 
-#: NNCF compiles its CPU extension once per machine and venv, within 60 s by default, and fails the build past that. A
-#: loaded 2-core CPU (a test run beside it) can take longer; the compile is bounded by the compiler anyway.
-EXTENSION_TIMEOUT_ENV = "NNCF_EXTENSION_LOAD_TIMEOUT"
-EXTENSION_TIMEOUT_S = "600"
-#: PyTorch's setting for where JIT-compiled extensions are built.
-TORCH_EXTENSIONS_ENV = "TORCH_EXTENSIONS_DIR"
 #: The checkpoint job of int8-qat-openvino's finetune (`train.checkpoint_dir/qat-openvino`); the stage clears it
 #: once the variant is published.
 CHECKPOINT_JOB = "qat-openvino"
@@ -61,8 +51,7 @@ def fake_quantized(model: Any, batches: list[tuple[np.ndarray, np.ndarray]]) -> 
         raise QuantizeError(f"int8-qat-openvino needs nncf (requirements.txt): {exc}") from exc
     import copy
 
-    os.environ.setdefault(EXTENSION_TIMEOUT_ENV, EXTENSION_TIMEOUT_S)
-    load_quantizer_extension()
+    use_torch_quantizers()
     fp32 = logits_module(sdpa_copy(model)).eval()
     quantized = nncf.quantize(copy.deepcopy(fp32), nncf.Dataset(batches, _tensors),
                               model_type=nncf.ModelType.TRANSFORMER, subset_size=len(batches))
@@ -129,71 +118,28 @@ def share_duplicate_quantizers(quantized: Any, batch: tuple[np.ndarray, np.ndarr
     return shared_quantizers(quantized)
 
 
-def load_quantizer_extension() -> None:
-    """Compile (once per machine and venv) or load NNCF's CPU quantizer extension, first removing the build lock a
-    killed build left. PyTorch's build lock is a file (`<build dir>/lock`) that other builds wait on until it is
-    gone, and a build killed mid-compile never removes it: every later run would wait until NNCF's timeout and fail
-    (NNCF's FAQ: "importing anything from nncf.torch hangs"). The builds of this project take an `flock` first,
-    which the OS releases when its holder dies, so under it a lock file is one no live build of ours holds.
+def use_torch_quantizers() -> None:
+    """Make NNCF run its CPU fake quantizers (forward and backward) as its PyTorch reference operations, eagerly,
+    instead of compiling and loading its C++ extension.
 
-    The build goes to a directory of this venv's own (`extension_build_root`): PyTorch keeps one build per
-    extension name and rebuilds whenever the compile command changes, and the command holds the venv's paths, so
-    two venvs (two checkouts, or a test's copy reaching the venv through a symlink) sharing the default directory
-    would rebuild it for each other on every switch."""
-    import fcntl
+    Why: on this model the extension trains no faster than the reference operations (measured on an AVX2 Zen 3 and an
+    AVX512 Zen 5, docs/variants.md), while compiling it costs a fresh machine both cores for half a minute or more,
+    needs a C++ toolchain, and a compile killed midway leaves PyTorch's build lock for every later run to wait on.
+    NNCF's own fallback, `ReferenceQuantizedFunctions`, wraps the same two functions in `torch.compile`: another
+    compile, per input shape. NNCF has no public switch: its CPU namespace (`QuantizedFunctionsCPU`) loads the
+    extension on the first `get` unless it holds a namespace already, so this gives it one. nncf is pinned
+    (requirements.txt); a release without that attribute stops the build here instead of compiling."""
+    from types import SimpleNamespace
 
     from nncf.torch.quantization.extensions import QuantizedFunctionsCPU
+    from nncf.torch.quantization.reference import torch_executor
 
-    root = extension_build_root()
-    build_dir = extension_build_dir(root)
-    with (build_dir / "pipeline-build.lock").open("w") as guard, _extension_root(root):
-        fcntl.flock(guard, fcntl.LOCK_EX)
-        stale = build_dir / "lock"
-        if stale.exists():
-            log.warning("removing %s, the build lock of a killed build of NNCF's extension", stale)
-            stale.unlink(missing_ok=True)
-        QuantizedFunctionsCPU.get("Quantize_forward")  # builds or loads it now, under the lock
-
-
-def extension_build_dir(root: Path | None = None) -> Path:
-    """The folder NNCF builds its CPU extension in for this venv (created if missing), under `root`
-    (`extension_build_root()` unless the caller has it)."""
-    from nncf.torch.quantization.extensions import QuantizedFunctionsCPULoader
-
-    with _extension_root(extension_build_root() if root is None else root):
-        return Path(QuantizedFunctionsCPULoader.get_build_dir())
-
-
-def extension_build_root() -> Path:
-    """Where this venv's NNCF extension is built: PyTorch's extension root (`TORCH_EXTENSIONS_DIR`, else its
-    default under `~/.cache/torch_extensions`), in a folder named for the paths PyTorch's compile command holds
-    (PyTorch's and NNCF's installed locations, as this interpreter sees them, and Python's headers)."""
-    import hashlib
-    import sysconfig
-
-    import nncf
-    import torch
-    from torch.utils.cpp_extension import get_default_build_root
-
-    base = Path(os.environ.get(TORCH_EXTENSIONS_ENV) or get_default_build_root())
-    paths = (Path(torch.__file__).parent, Path(nncf.__file__).parent, sysconfig.get_paths()["include"])
-    key = hashlib.sha256("\n".join(map(str, paths)).encode()).hexdigest()[:12]
-    return base / f"venv-{key}"
-
-
-@contextlib.contextmanager
-def _extension_root(root: Path) -> Iterator[None]:
-    """`TORCH_EXTENSIONS_DIR` set to `root` inside the block (NNCF reads it when it builds or loads), as it was
-    after."""
-    before = os.environ.get(TORCH_EXTENSIONS_ENV)
-    os.environ[TORCH_EXTENSIONS_ENV] = str(root)
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(TORCH_EXTENSIONS_ENV, None)
-        else:
-            os.environ[TORCH_EXTENSIONS_ENV] = before
+    if not hasattr(QuantizedFunctionsCPU, "_loaded_namespace"):
+        raise QuantizeError("this nncf release no longer keeps its CPU quantizer namespace in `_loaded_namespace`: "
+                            "int8-qat-openvino cannot put NNCF's PyTorch reference quantizers in place of its C++ "
+                            "extension (pipeline.variants.openvino_qat.use_torch_quantizers)")
+    QuantizedFunctionsCPU._loaded_namespace = SimpleNamespace(Quantize_forward=torch_executor.forward,
+                                                              Quantize_backward=torch_executor.backward)
 
 
 def to_openvino(quantized: Any, example: tuple[np.ndarray, np.ndarray]) -> Any:
@@ -283,6 +229,7 @@ def qat_openvino(graph: Any, job: QatJob, out: Path) -> dict[str, Any]:
              check["parity_label_agreement"])
     return {"method": "QAT through NNCF's quantizers (nncf.quantize on PyTorch, model_type=TRANSFORMER) + "
                       "ov.convert_model (OpenVINO IR)",
+            "fake_quantizers": "NNCF's PyTorch reference operations, eager (no C++ extension compiled)",
             **record, "source": "the finetuned model with SDPA attention, as int8-openvino converts it",
             "calibration_batches": len(job.calibration), "shared_quantizers": shared_quantizers(quantized),
             **run.record(steps, loss), **check,

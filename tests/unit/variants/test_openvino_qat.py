@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pandas as pd
 import pytest
@@ -140,56 +138,38 @@ def test_a_checkpoint_loads_into_the_model_rebuilt_on_resume(quantized, tiny_mod
         assert torch.equal(rebuilt(ids, torch.ones_like(ids)), model(ids, torch.ones_like(ids)))
 
 
-def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next(tmp_path):
-    """PyTorch's extension build lock, as a SIGKILL'd compile leaves it: the next process removes it and loads the
-    extension (before, it waited on the file until NNCF's timeout, on every run). The check runs in a new process,
-    as the quantize stage does, with NNCF's timeout cut to a minute so a regression fails rather than hangs."""
-    import fcntl
-    import os
-    import subprocess
-    import sys
-
-    from pipeline.variants.openvino_qat import extension_build_dir
-    from tests.factories import ROOT
-
-    build_dir = extension_build_dir()
-    with (build_dir / "pipeline-build.lock").open("w") as guard:  # no build of ours is running meanwhile
-        fcntl.flock(guard, fcntl.LOCK_EX)
-        (build_dir / "lock").touch()
-    code = "from pipeline.variants.openvino_qat import load_quantizer_extension; load_quantizer_extension()"
-    env = {**os.environ, "NNCF_EXTENSION_LOAD_TIMEOUT": "60", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "the build lock of a killed build" in done.stderr
-    assert not (build_dir / "lock").exists()
-
-
-def test_each_venv_path_keeps_its_own_extension_build(tmp_path, monkeypatch):
-    """PyTorch rebuilds an extension whenever its compile command changes, and the command holds the venv's paths:
-    the same venv reached through another path (a symlink, as a second checkout's venv would be) gets a build
-    folder of its own under `TORCH_EXTENSIONS_DIR` instead of rebuilding the first one's, and loading leaves
-    `TORCH_EXTENSIONS_DIR` as it was after NNCF loaded from that folder."""
-    import os
-    import subprocess
-    import sys
-
-    from pipeline.variants.openvino_qat import extension_build_root, load_quantizer_extension
-    from tests.factories import ROOT
+def test_the_fake_quantizers_are_nncfs_torch_reference_and_nothing_is_compiled(quantized, tmp_path, monkeypatch):
+    """NNCF's CPU quantizers are its PyTorch reference functions, called as they are (no C++ extension built, no
+    `torch.compile` of them): a training step of the fake-quantized model runs every quantizer's forward and
+    backward through them and compiles nothing into `TORCH_EXTENSIONS_DIR`."""
+    import torch
+    from nncf.torch.quantization.extensions import QuantizedFunctionsCPU
+    from nncf.torch.quantization.layers import BaseQuantizer
+    from nncf.torch.quantization.reference import torch_executor
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
-    here = extension_build_root()
-    assert here.parent == tmp_path / "ext" and here == extension_build_root()
-    (tmp_path / "venv-link").symlink_to(sys.prefix)
-    code = "from pipeline.variants.openvino_qat import extension_build_root; print(extension_build_root())"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    seen = {subprocess.run([str(python), "-c", code], env=env, capture_output=True, text=True, check=True,
-                           timeout=120).stdout.strip()
-            for python in (Path(sys.prefix) / "bin/python", tmp_path / "venv-link/bin/python")}
-    assert str(here) in seen and len(seen) == 2, seen
-    from nncf.torch.quantization.extensions import QuantizedFunctionsCPU
+    model, _, batches = quantized
+    assert QuantizedFunctionsCPU.get("Quantize_forward") == torch_executor.forward
+    assert QuantizedFunctionsCPU.get("Quantize_backward") == torch_executor.backward
+    calls = {"Quantize_forward": 0, "Quantize_backward": 0}
+    namespace = QuantizedFunctionsCPU._loaded_namespace
 
-    loaded_in: list[str] = []  # where NNCF is asked to build or load (not built here: a compile costs half a minute)
-    monkeypatch.setattr(QuantizedFunctionsCPU, "get", lambda name: loaded_in.append(os.environ["TORCH_EXTENSIONS_DIR"]))
-    load_quantizer_extension()
-    assert loaded_in == [str(here)] and os.environ["TORCH_EXTENSIONS_DIR"] == str(tmp_path / "ext")
+    def counted(name: str):
+        fn = getattr(namespace, name)
+
+        def call(*args):
+            calls[name] += 1
+            return fn(*args)
+        return call
+
+    for name in calls:
+        monkeypatch.setattr(namespace, name, counted(name))
+    ids, mask = (torch.from_numpy(np.asarray(a, dtype=np.int64)) for a in batches[0])
+    model.train()
+    try:
+        model(ids, mask).sum().backward()
+    finally:
+        model.eval()
+    quantizers = sum(isinstance(m, BaseQuantizer) for m in model.modules())
+    assert calls["Quantize_forward"] >= quantizers > 0 and calls["Quantize_backward"] > 0, (calls, quantizers)
+    assert not (tmp_path / "ext").exists()
