@@ -4,23 +4,27 @@ last step is one rename on one file system) and moved onto OUTPUT only once its 
 (`StagedOutput.commit`). A run that is killed, interrupted or fails its count leaves OUTPUT as it was (absent, or
 the earlier output `--overwrite` would have replaced), never a folder of some part files and no `_SUCCESS`, which
 pandas reads as fewer rows (or none) without an error. Other file systems (`hdfs://`, `s3a://`) and a cluster's
-plain paths are written in place, as Spark does: there `_SUCCESS` marks a complete output."""
+plain paths are written in place, as Spark does: there `_SUCCESS` marks a complete output. A run killed outright
+(SIGKILL, the OOM killer) cannot tidy up: the next run on the same host does (`recover_abandoned`)."""
 
 from __future__ import annotations
 
+import glob
 import os
+import re
 import shutil
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.deployment.batch_failures import signals_deferred
 from pipeline.deployment.batch_inputs import local_path
 
-#: What the hidden folders beside OUTPUT are called, after `.<OUTPUT's name>`: Spark writes into the first (into a
-#: folder named as OUTPUT inside it, so that the format goes by the same name and Spark, which warns of a hidden
-#: folder it is given, reads back one that is not), and an earlier output that `--overwrite` replaces is moved to
-#: the second for the moment of the swap. Both begin with a dot, so Spark and the input checks skip them where the
-#: parent folder is read as an input.
+#: What the hidden folders beside OUTPUT are called, after `.<OUTPUT's name>` and before `<host>-<pid>` (the run's;
+#: `run_tag`): Spark writes into the first (into a folder named as OUTPUT inside it, so that the format goes by the
+#: same name and Spark, which warns of a hidden folder it is given, reads back one that is not), and an earlier
+#: output that `--overwrite` replaces is moved to the second for the moment of the swap. Both begin with a dot, so
+#: Spark and the input checks skip them where the parent folder is read as an input.
 STAGING_SUFFIX, REPLACED_SUFFIX = ".scoring-", ".replaced-"
 
 
@@ -47,7 +51,7 @@ class StagedOutput:
                 if not overwrite:
                     raise ValueError(f"{self.output} appeared while the answers were written: run again with "
                                      "--overwrite to replace it, or choose another output")
-                replaced = self.output.with_name(f".{self.output.name}{REPLACED_SUFFIX}{os.getpid()}")
+                replaced = self.output.with_name(f".{self.output.name}{REPLACED_SUFFIX}{run_tag()}")
                 shutil.rmtree(replaced, ignore_errors=True)
                 os.rename(self.output, replaced)
             try:
@@ -67,12 +71,65 @@ class StagedOutput:
 
 
 def staged_output(output_path: str, *, local_master: bool) -> StagedOutput | None:
-    """The staging of a local output (`batch_inputs.local_path`): `.<name>.scoring-<pid>/<name>` beside it, emptied
-    of what a killed run of the same process id left there; None for an output written in place."""
+    """The staging of a local output (`batch_inputs.local_path`): `.<name>.scoring-<host>-<pid>/<name>` beside it,
+    emptied of what a killed run of the same process id left there; None for an output written in place."""
     output = local_path(output_path, local_master=local_master)
     if output is None:
         return None
     output = Path(os.path.abspath(output))
-    staged = StagedOutput(holder=output.with_name(f".{output.name}{STAGING_SUFFIX}{os.getpid()}"), output=output)
+    staged = StagedOutput(holder=output.with_name(f".{output.name}{STAGING_SUFFIX}{run_tag()}"), output=output)
     staged.discard()
     return staged
+
+
+def run_tag(pid: int | None = None) -> str:
+    """`<host>-<pid>` of this run (or of process `pid` on this host): which host's process a hidden folder belongs
+    to, so that a run tidies only what a dead process of its own host left (folders on a file system several
+    hosts share are not its to judge)."""
+    host = re.sub(r"[^A-Za-z0-9.]+", "_", socket.gethostname()) or "host"
+    return f"{host}-{os.getpid() if pid is None else pid}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def recover_abandoned(output_path: str, *, local_master: bool) -> list[str]:
+    """Tidy what runs on this host that were killed outright left beside a local output, and say what was done (one
+    line each): a staging folder of a process that is gone is deleted (Spark's part files, never OUTPUT); an earlier
+    output moved aside for a swap that never finished is put back where OUTPUT is missing (the run was killed
+    between the two renames, and this is the only copy), and deleted where the swap finished. Folders of a process
+    still running, or of another host, are left alone."""
+    output = local_path(output_path, local_master=local_master)
+    if output is None:
+        return []
+    output = Path(os.path.abspath(output))
+    host_tag = run_tag(0)[:-1]  # `<host>-`
+    said: list[str] = []
+    for suffix in (REPLACED_SUFFIX, STAGING_SUFFIX):  # an earlier output first: put back before staging goes
+        prefix = f".{output.name}{suffix}{host_tag}"
+        for folder in sorted(output.parent.glob(f"{glob.escape(prefix)}*")):
+            pid = folder.name[len(prefix):]
+            if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+                continue
+            try:
+                if suffix == REPLACED_SUFFIX and not (output.exists() or output.is_symlink()):
+                    os.rename(folder, output)
+                    said.append(f"put back {output}: a run killed during its swap (process {pid}) had moved it "
+                                f"aside to {folder.name}")
+                    continue
+                shutil.rmtree(folder)
+            except OSError as exc:
+                said.append(f"could not tidy {folder}, left by a killed run (process {pid}): {exc}")
+                continue
+            what = "staging folder" if suffix == STAGING_SUFFIX else "earlier output, already replaced,"
+            said.append(f"deleted {folder.name}, the {what} of a run on this host that was killed (process {pid} "
+                        "is gone)")
+    return said
+

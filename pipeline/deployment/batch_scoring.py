@@ -50,7 +50,7 @@ from pipeline.deployment.batch_inputs import (
     check_paths,
     check_task_threads,
 )
-from pipeline.deployment.batch_output import staged_output
+from pipeline.deployment.batch_output import recover_abandoned, staged_output
 from pipeline.deployment.batch_plan import ID, PARTITION_ROWS, TEXT, default_partitions, scored_frame, task_slots
 from pipeline.deployment.batch_rows import ARROW_BATCH_BYTES, MALFORMED_ROW, arrow_batch_rows, ship_checks_by_value
 from pipeline.deployment.input_columns import check_csv_id
@@ -114,6 +114,8 @@ def score(spark: SparkSession, input_path: str, output_path: str, model_uri: str
     input_path, output_path = spark_path(input_path), spark_path(output_path)
     local_master = spark.sparkContext.master.startswith("local")
     check_columns(id_column, text_column)
+    if not paths_checked:
+        say_recovered(output_path, local_master)
     fmt = input_fmt if paths_checked else check_paths(
         input_path, output_path, fmt=input_fmt, overwrite=overwrite, local_master=local_master)
     wanted = {"--text-column": text_column} | ({} if id_column is None else {"--id-column": id_column})
@@ -251,6 +253,7 @@ def run(args: argparse.Namespace, stops: StopOnSignals) -> ScoringSummary:
     try:  # what can be checked before Spark starts (its start, the model's load and a pass over the input)
         check_columns(args.id_column, args.text_column)
         check_master(args.master)
+        say_recovered(spark_path(args.output), args.master.startswith("local"))
         fmt = check_paths(spark_path(args.input), spark_path(args.output), fmt=args.format, overwrite=args.overwrite,
                           local_master=args.master.startswith("local"))
         check_task_threads(args.master, args.task_threads)
@@ -266,6 +269,12 @@ def run(args: argparse.Namespace, stops: StopOnSignals) -> ScoringSummary:
         return score(spark, args.input, args.output, model_uri, id_column=args.id_column,
                      text_column=args.text_column, max_chars=max_chars, input_fmt=fmt, partitions=args.partitions,
                      env_manager=args.env_manager, overwrite=args.overwrite, paths_checked=True)
+
+
+def say_recovered(output_path: str, local_master: bool) -> None:
+    """`recover_abandoned` beside the output, before it is checked, each thing done said on stderr."""
+    for line in recover_abandoned(output_path, local_master=local_master):
+        print(line, file=sys.stderr)
 
 
 def exit_after(exc: BaseException, *, signum: int | None, output: str, master: str) -> BaseException:
