@@ -27,6 +27,13 @@ if TYPE_CHECKING:
 #: Rows per Arrow batch handed to the model's `predict` (Spark's `arrow.maxRecordsPerBatch`): as many texts as
 #: `SentimentPredictor` tokenizes at once, so a batch of long reviews stays small in memory.
 BATCH_ROWS = 2048
+#: The driver JVM's options in local mode, where it is started here: C1 only, one compiler thread, the serial
+#: collector. The driver's own work (reading and writing files, moving Arrow batches) is small next to the model's in
+#: the Python workers, and on a few cores C2's compiler threads and G1's collector threads took CPU from the model
+#: (docs/serving.md, "Scoring a file or a table"); TorchServe's frontend runs C1 only for the same reason
+#: (serving/config.properties). A cluster's driver, and one whose options the caller set (`PYSPARK_SUBMIT_ARGS`), is
+#: left as configured.
+LOCAL_DRIVER_JAVA_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:CICompilerCount=1 -XX:+UseSerialGC"
 #: Seconds between two progress lines.
 PROGRESS_EVERY_S = 10.0
 #: Spark's error for a CSV file whose header is not the columns it reads (`enforceSchema` off).
@@ -219,9 +226,12 @@ def spark_session(master: str, task_threads: int = 1, batch_rows: int = BATCH_RO
               f"{master}, {task_threads} core(s) per task and {batch_rows} rows per batch are not applied",
               file=sys.stderr)
         return active
+    builder = SparkSession.builder
     if master.startswith("local"):
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    builder = (SparkSession.builder.master(master).appName("imdb-sentiment batch scoring")
+        if "PYSPARK_SUBMIT_ARGS" not in os.environ:
+            builder = builder.config("spark.driver.extraJavaOptions", LOCAL_DRIVER_JAVA_OPTIONS)
+    builder = (builder.master(master).appName("imdb-sentiment batch scoring")
                .config("spark.task.cpus", str(task_threads))
                .config("spark.executorEnv.OMP_NUM_THREADS", str(task_threads))
                .config("spark.executorEnv.TOKENIZERS_PARALLELISM", "false")

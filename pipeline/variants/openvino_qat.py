@@ -122,9 +122,9 @@ def use_torch_quantizers() -> None:
     """Make NNCF run its CPU fake quantizers (forward and backward) as its PyTorch reference operations, eagerly,
     instead of compiling and loading its C++ extension.
 
-    Why: on this model the extension trains no faster than the reference operations (measured on an AVX2 Zen 3 and an
-    AVX512 Zen 5, docs/variants.md), while compiling it costs a fresh machine both cores for half a minute or more,
-    needs a C++ toolchain, and a compile killed midway leaves PyTorch's build lock for every later run to wait on.
+    Why: on this model the extension trains little or no faster than the reference operations (docs/variants.md
+    has the measurements), while compiling it takes both cores of a fresh machine, needs a C++ toolchain, and a
+    compile killed midway leaves PyTorch's build lock for every later run to wait on.
     NNCF's own fallback, `ReferenceQuantizedFunctions`, wraps the same two functions in `torch.compile`: another
     compile, per input shape. NNCF has no public switch: its CPU namespace (`QuantizedFunctionsCPU`) loads the
     extension on the first `get` unless it holds a namespace already, so this gives it one. nncf is pinned

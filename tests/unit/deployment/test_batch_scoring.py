@@ -134,6 +134,13 @@ def test_rows_are_dealt_into_a_multiple_of_the_task_slots_of_at_most_partition_r
     assert batch_scoring.default_partitions(rows, slots) == want
 
 
+def test_a_local_sessions_driver_jvm_compiles_with_c1_only(spark):
+    """In local mode the driver JVM is started here, with C1 only (`LOCAL_DRIVER_JAVA_OPTIONS`): its C2 compiler
+    threads took CPU from the model's Python workers."""
+    runtime = spark.sparkContext._jvm.java.lang.management.ManagementFactory.getRuntimeMXBean()
+    assert set(spark_io.LOCAL_DRIVER_JAVA_OPTIONS.split()) <= set(runtime.getInputArguments())
+
+
 def test_a_one_row_group_file_read_in_many_splits_is_scored_by_every_slot(spark, in_store, tmp_path):
     """Spark splits a file by bytes and gives a Parquet row group to one split whole: the rows must still be dealt
     to every slot (before, a file in more splits than slots kept its splits, and one task scored every row)."""
