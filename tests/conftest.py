@@ -206,13 +206,23 @@ def tracking_store(tmp_path_factory) -> Callable[[Path], str]:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tokenizer) -> Path:
     """A randomly initialised 2-layer BERT with our label map and the finetune stage's metadata (one for the whole
-    session, however many workers run it: `shared_across_workers`; never write into it)."""
+    session, however many workers run it: `shared_across_workers`; never write into it). Its biases and layer-norm
+    scales are moved off their initial zeros and ones, as training moves them: otherwise a dozen of its tensors are
+    equal, and int8-qat could not put its weights into fp32-onnx's graph by value (`onnx_weights.refill_weights`)
+    as it does for a trained model, and would export its own."""
+    import torch
+
     from pipeline.core.params import DataParams, ModelParams, TrainParams
     from pipeline.modeling import load_model
     from pipeline.training.loop import save_model
 
     def build(d: Path) -> None:
         model = load_model(ModelParams(source="tiny"), seed=0)
+        noise = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for name, tensor in model.named_parameters():
+                if name.endswith("bias") or "LayerNorm" in name:
+                    tensor.add_(0.02 * torch.randn(tensor.shape, generator=noise))
         save_model(model, tokenizer, d, DataParams(max_length=64), ModelParams(source="tiny"), TrainParams())
 
     return shared_across_workers(session_root(tmp_path_factory), "tiny_model", build)

@@ -26,13 +26,18 @@ def test_a_profile_opting_out_builds_the_rest_with_one_export_and_records_the_ot
     and for OpenVINO; the `built` fixture). A profile that opts out of some for speed still builds the rest, and
     each left out is a skipped variant whose reason names the setting that builds it.
 
-    Static and QAT start from fp32-onnx fused as the export stage wrote it (in eager attention): the only model
-    exported here is QAT's, once. With one calibration method there is nothing to choose: no validation pass is
-    spent (no selection scores), and int8-static and int8-qat are both calibrated with that method. That export is
-    at `export.opset` (17 here, the default 18)."""
+    Static and QAT start from fp32-onnx fused as the export stage wrote it (in eager attention); QAT puts its
+    weights into that graph (`built`'s int8-qat did), and only where the graph cannot be refilled (forced here) is
+    the QAT model exported, once, at `export.opset` (17 here, the default 18). With one calibration method there is
+    nothing to choose: no validation pass is spent (no selection scores), and int8-static and int8-qat are both
+    calibrated with that method."""
     import onnx
 
     import pipeline.variants.fusion as fusion
+    import pipeline.variants.onnx_weights as onnx_weights
+
+    assert built["quantize"]["int8-qat"]["qat_graph"] == "fp32-onnx's graph with the QAT weights"
+    monkeypatch.setattr(onnx_weights, "refill_weights", lambda *args: None)  # as for a graph it cannot refill
 
     assert sorted(QuantizeParams().build) == ["int8-dynamic", "int8-openvino", "int8-qat", "int8-qat-openvino",
                                               "int8-static"]
@@ -53,6 +58,7 @@ def test_a_profile_opting_out_builds_the_rest_with_one_export_and_records_the_ot
                           params=Params(quantize=params, train=TrainParams(checkpoint_dir=str(tmp_path / "ckpt")),
                                         export=ExportParams(opset=17)))
     assert len(exports) == 1 and opsets == [17], exports
+    assert report["int8-qat"]["qat_graph"] == "exported from the QAT model"
     for name in ("int8-static", "int8-qat"):
         assert report[name]["calibration"] == "percentile" and report[name]["fused_attention"] >= 1
         assert read_variant(tmp_path / name).status == "ok" and (tmp_path / name / "model.onnx").is_file()
