@@ -86,8 +86,12 @@ def run_tag(pid: int | None = None) -> str:
     """`<host>-<pid>` of this run (or of process `pid` on this host): which host's process a hidden folder belongs
     to, so that a run tidies only what a dead process of its own host left (folders on a file system several
     hosts share are not its to judge)."""
-    host = re.sub(r"[^A-Za-z0-9.]+", "_", socket.gethostname()) or "host"
-    return f"{host}-{os.getpid() if pid is None else pid}"
+    return f"{_host()}-{os.getpid() if pid is None else pid}"
+
+
+def _host() -> str:
+    """This host's name as it goes into a folder's name."""
+    return re.sub(r"[^A-Za-z0-9.]+", "_", socket.gethostname()) or "host"
 
 
 def _alive(pid: int) -> bool:
@@ -110,10 +114,9 @@ def recover_abandoned(output_path: str, *, local_master: bool) -> list[str]:
     if output is None:
         return []
     output = Path(os.path.abspath(output))
-    host_tag = run_tag(0)[:-1]  # `<host>-`
     said: list[str] = []
     for suffix in (REPLACED_SUFFIX, STAGING_SUFFIX):  # an earlier output first: put back before staging goes
-        prefix = f".{output.name}{suffix}{host_tag}"
+        prefix = f".{output.name}{suffix}{_host()}-"
         for folder in sorted(output.parent.glob(f"{glob.escape(prefix)}*")):
             pid = folder.name[len(prefix):]
             if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):

@@ -9,8 +9,8 @@ that adaptation on the way to OpenVINO (docs/tried-and-dropped.md): QAT has to t
 the runtime that serves it.
 
 NNCF's fake quantizers run as NNCF's own PyTorch reference operations, eagerly (`use_torch_quantizers`), not as
-the C++ extension NNCF would compile on first use: no faster for this model's QAT, and the compile cost every fresh
-machine both cores, a C++ toolchain and a build lock a killed compile left behind (docs/variants.md)."""
+the C++ extension NNCF would compile on first use: little or no faster for this model's QAT, and the compile cost
+every fresh machine both cores, a C++ toolchain and a build lock a killed compile left behind (docs/variants.md)."""
 
 from __future__ import annotations
 
