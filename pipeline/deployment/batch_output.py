@@ -17,6 +17,8 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.core import process_identity
+from pipeline.core.io import read_json, write_json
 from pipeline.deployment.batch_failures import signals_deferred
 from pipeline.deployment.batch_inputs import local_path
 
@@ -26,6 +28,9 @@ from pipeline.deployment.batch_inputs import local_path
 #: output that `--overwrite` replaces is moved to the second for the moment of the swap. Both begin with a dot, so
 #: Spark and the input checks skip them where the parent folder is read as an input.
 STAGING_SUFFIX, REPLACED_SUFFIX = ".scoring-", ".replaced-"
+#: The file in a staging folder naming the process that writes it (`process_identity.current()`), by which a later
+#: run tells whether that process has certainly ended (`recover_abandoned`).
+OWNER_FILE = "owner.json"
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,10 @@ class StagedOutput:
                 shutil.rmtree(replaced, ignore_errors=True)
             self.discard()
 
+    def claim(self) -> None:
+        """Create the staging folder with this process's identity in it (`OWNER_FILE`), before Spark writes."""
+        write_json(self.holder / OWNER_FILE, process_identity.current())
+
     def discard(self) -> None:
         """Delete the staging folder with what is still in it (nothing once committed); what cannot be deleted
         stays, hidden."""
@@ -82,57 +91,48 @@ def staged_output(output_path: str, *, local_master: bool) -> StagedOutput | Non
     return staged
 
 
-def run_tag(pid: int | None = None) -> str:
-    """`<host>-<pid>` of this run (or of process `pid` on this host): which host's process a hidden folder belongs
-    to, so that a run tidies only what a dead process of its own host left (folders on a file system several
-    hosts share are not its to judge)."""
-    return f"{_host()}-{os.getpid() if pid is None else pid}"
-
-
-def _host() -> str:
-    """This host's name as it goes into a folder's name."""
-    return re.sub(r"[^A-Za-z0-9.]+", "_", socket.gethostname()) or "host"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
+def run_tag() -> str:
+    """`<host>-<pid>` of this run: its hidden folders' names differ from those of a run on another host that shares
+    the file system (process ids repeat from host to host)."""
+    host = re.sub(r"[^A-Za-z0-9.]+", "_", socket.gethostname()) or "host"
+    return f"{host}-{os.getpid()}"
 
 
 def recover_abandoned(output_path: str, *, local_master: bool) -> list[str]:
-    """Tidy what runs on this host that were killed outright left beside a local output, and say what was done (one
-    line each): a staging folder of a process that is gone is deleted (Spark's part files, never OUTPUT); an earlier
-    output moved aside for a swap that never finished is put back where OUTPUT is missing (the run was killed
-    between the two renames, and this is the only copy), and deleted where the swap finished. Folders of a process
-    still running, or of another host, are left alone."""
+    """Tidy what runs killed outright left beside a local output, and say what was done (one line each). A staging
+    folder whose owner (`OWNER_FILE`) has certainly ended (`process_identity.has_ended`: same machine and pid
+    namespace, and its process gone or its id reused) is deleted with Spark's part files in it; the earlier output
+    that run had moved aside for its swap is put back where OUTPUT is missing (it was killed between the two renames,
+    and this is the only copy) and deleted where the swap finished. A folder whose owner may still run, or runs
+    elsewhere, or that names none, is left alone."""
     output = local_path(output_path, local_master=local_master)
     if output is None:
         return []
     output = Path(os.path.abspath(output))
+    prefix = f".{output.name}{STAGING_SUFFIX}"
+    here = process_identity.current()
     said: list[str] = []
-    for suffix in (REPLACED_SUFFIX, STAGING_SUFFIX):  # an earlier output first: put back before staging goes
-        prefix = f".{output.name}{suffix}{_host()}-"
-        for folder in sorted(output.parent.glob(f"{glob.escape(prefix)}*")):
-            pid = folder.name[len(prefix):]
-            if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
-                continue
-            try:
-                if suffix == REPLACED_SUFFIX and not (output.exists() or output.is_symlink()):
-                    os.rename(folder, output)
-                    said.append(f"put back {output}: a run killed during its swap (process {pid}) had moved it "
-                                f"aside to {folder.name}")
-                    continue
-                shutil.rmtree(folder)
-            except OSError as exc:
-                said.append(f"could not tidy {folder}, left by a killed run (process {pid}): {exc}")
-                continue
-            what = "staging folder" if suffix == STAGING_SUFFIX else "earlier output, already replaced,"
-            said.append(f"deleted {folder.name}, the {what} of a run on this host that was killed (process {pid} "
-                        "is gone)")
+    for holder in sorted(output.parent.glob(f"{glob.escape(prefix)}*")):
+        try:
+            owner = read_json(holder / OWNER_FILE)
+        except (OSError, ValueError):
+            continue  # no owner named (yet): not this run's to judge
+        if not isinstance(owner, dict) or not process_identity.has_ended(owner, here):
+            continue
+        pid = owner.get(process_identity.PID_TAG, "?")
+        replaced = output.with_name(f".{output.name}{REPLACED_SUFFIX}{holder.name[len(prefix):]}")
+        try:
+            if replaced.exists() and not (output.exists() or output.is_symlink()):
+                os.rename(replaced, output)
+                said.append(f"put back {output}: a run killed during its swap (process {pid}) had moved it aside "
+                            f"to {replaced.name}")
+            elif replaced.exists():
+                shutil.rmtree(replaced)
+                said.append(f"deleted {replaced.name}, the earlier output a killed run (process {pid}) had already "
+                            "replaced")
+            shutil.rmtree(holder)
+        except OSError as exc:
+            said.append(f"could not tidy {holder}, left by a killed run (process {pid}): {exc}")
+            continue
+        said.append(f"deleted {holder.name}, the staging folder of a run that was killed (process {pid} is gone)")
     return said
-

@@ -143,6 +143,8 @@ def score(spark: SparkSession, input_path: str, output_path: str, model_uri: str
     ship_checks_by_value()
     model_udf = spark_model_udf(spark, model_uri, env_manager)
     staged = staged_output(output_path, local_master=local_master)  # None: written in place (hdfs://, s3a://)
+    if staged is not None:
+        staged.claim()
     written = output_path if staged is None else str(staged.folder)
     try:
         with progress_lines(spark, partitions):
