@@ -269,6 +269,21 @@ def built(tmp_path_factory, tiny_model_dir) -> dict[str, Any]:
 
 
 @pytest.fixture
+def exported_as_built(built, monkeypatch) -> None:
+    """`torch.onnx.export` of the tiny model answered by `built`'s fp32-onnx, which is that export (same model,
+    opset and readout), for the tests of what `run_export` does with an export rather than of the exporter."""
+    import pipeline.variants.export as export
+    from pipeline.core.params import ExportParams
+
+    def copy(model: Any, path: Path, max_length: int, opset: int) -> None:
+        assert opset == ExportParams().opset, "built's fp32-onnx is exported at the default opset"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(built["dirs"]["fp32-onnx"] / "model.onnx", path)
+
+    monkeypatch.setattr(export, "export_onnx", copy)
+
+
+@pytest.fixture
 def tokenized_dir(tmp_path) -> Path:
     """Tokenized train/val/test parquet files (synthetic reviews) in the prepare stage's layout."""
     return write_tokenized(tmp_path / "tokenized", {"train": 96, "val": 32, "test": 32})

@@ -37,7 +37,7 @@ def test_parity_failure_stops_export(tmp_path, tiny_model_dir, monkeypatch):
                    params=ExportParams())
 
 
-def test_a_served_form_that_answers_differently_stops_export(tmp_path, tiny_model_dir, monkeypatch):
+def test_a_served_form_that_answers_differently_stops_export(tmp_path, tiny_model_dir, monkeypatch, exported_as_built):
     """The file as written can match PyTorch while the runtime's own passes, applied when it is served, change the
     answers: the export checks the variant loaded as served too, and publishes nothing when that fails."""
     from pipeline.runtimes.ort import OrtRunner
@@ -56,7 +56,8 @@ def test_a_served_form_that_answers_differently_stops_export(tmp_path, tiny_mode
     assert not (tmp_path / "variants" / "fp32-onnx").exists()
 
 
-def test_a_profile_opting_out_of_torchscript_gets_a_skip_record_with_the_reason(tmp_path, tiny_model_dir):
+def test_a_profile_opting_out_of_torchscript_gets_a_skip_record_with_the_reason(tmp_path, tiny_model_dir,
+                                                                                 exported_as_built):
     """The default builds fp32-torchscript; `export.torchscript: false` (a profile opting out for speed) still builds
     fp32-onnx, and fp32-torchscript is a skipped variant whose reason names the setting."""
     assert ExportParams().torchscript

@@ -15,41 +15,35 @@ def _tensors(model) -> dict[str, np.ndarray]:
     return {name: t.detach().cpu().numpy().copy() for name, t in model.state_dict().items()}
 
 
-def test_an_exported_graph_refilled_with_moved_weights_answers_like_the_moved_model(tiny_model_dir, tmp_path):
-    """The tiny model exported as fp32-onnx is (readout as the default asks), every weight then moved (as QAT moves
-    them): the refilled graph's logits are the moved model's, not the exported one's. Its weights are made distinct
-    first: a random model's LayerNorms all start at one, and the exporter keeps one initializer for equal tensors,
-    which `refill_weights` rightly refuses to split (the next test)."""
+def test_an_exported_graph_refilled_with_moved_weights_answers_like_the_moved_model(built, tiny_model_dir, tmp_path):
+    """The tiny model as `built` exported it to fp32-onnx (readout as the default asks; its biases and layer-norm
+    scales moved off their initial values, so no two of its tensors are equal, which the exporter would have kept as
+    one initializer and `refill_weights` rightly refuses to split: the next test), every weight then moved (as QAT
+    moves them): the refilled graph's logits are the moved model's, not the exported one's."""
     import torch
 
     from pipeline.core.params import ExportParams
     from pipeline.modeling import load_finetuned
     from pipeline.runtimes.base import pad_batch
     from pipeline.runtimes.ort import OrtRunner
-    from pipeline.variants.export import eager_runner, export_onnx, inference_model, max_length_of
+    from pipeline.variants.export import eager_runner, inference_model
 
-    model, _, meta = load_finetuned(tiny_model_dir)
-    model.set_attn_implementation("eager")
+    model, _, _ = load_finetuned(tiny_model_dir)
+    model.set_attn_implementation("eager")  # as run_export exports fp32-onnx
+    exported = built["dirs"]["fp32-onnx"] / "model.onnx"
+    before = _tensors(inference_model(model, ExportParams().cls_readout)[0])
     generator = torch.Generator().manual_seed(0)
-
-    def move() -> None:
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.05 * torch.randn(p.shape, generator=generator))
-
-    move()
-    graph, _ = inference_model(model, ExportParams().cls_readout)
-    export_onnx(graph, tmp_path / "fp32.onnx", max_length_of(meta), ExportParams().opset)
-    before = _tensors(graph)
-    move()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
     graph, _ = inference_model(model, ExportParams().cls_readout)
     dst = tmp_path / "refilled.onnx"
-    replaced = refill_weights(tmp_path / "fp32.onnx", dst, before, _tensors(graph))
+    replaced = refill_weights(exported, dst, before, _tensors(graph))
     assert replaced is not None and replaced >= sum(1 for _ in model.parameters()) - 2  # the pooler may go unused
     rng = np.random.default_rng(0)
     ids, mask = pad_batch([rng.integers(5, 100, size=n) for n in (7, 30, 64)], 0)
     want = eager_runner(model)(ids, mask)
-    old = OrtRunner(tmp_path / "fp32.onnx", optimization="disable")(ids, mask)
+    old = OrtRunner(exported, optimization="disable")(ids, mask)
     got = OrtRunner(dst, optimization="disable")(ids, mask)
     assert np.abs(got - want).max() < 1e-4
     assert np.abs(old - want).max() > 1e-2  # the weights did move: the check above could fail

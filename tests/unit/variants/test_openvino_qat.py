@@ -16,15 +16,24 @@ def _reviews(n: int, seed: int = 0) -> list[np.ndarray]:
     return [rng.integers(1000, 2000, size=int(rng.integers(8, 24))) for _ in range(n)]
 
 
-@pytest.fixture
-def quantized(tiny_model_dir):
-    """NNCF's fake-quantized tiny model and its FP32 copy, calibrated on 16 synthetic reviews in batches of 8."""
+@pytest.fixture(scope="module")
+def quantized_once(tiny_model_dir):
+    """NNCF's fake-quantized tiny model and its FP32 copy, calibrated on 16 synthetic reviews in batches of 8 (an
+    `nncf.quantize`: once for the module; each test gets a copy, `quantized`)."""
     from pipeline.variants.openvino_int8 import calibration_batches
     from pipeline.variants.openvino_qat import fake_quantized
 
     model, _, _ = load_finetuned(tiny_model_dir)
     batches = calibration_batches(_reviews(16), pad_id=0, batch_size=8)
     return (*fake_quantized(model, batches), batches)
+
+
+@pytest.fixture
+def quantized(quantized_once):
+    """A copy of `quantized_once` for one test to train or change."""
+    import copy
+
+    return copy.deepcopy(quantized_once)
 
 
 def test_the_variant_is_qat_through_nncf_in_openvino_ir(built, tokenizer):

@@ -53,7 +53,7 @@ def test_an_export_failing_after_its_model_file_is_written_leaves_the_previous_v
     assert sorted(p.name for p in root.iterdir()) == ["fp32-onnx", "fp32-torchscript"]
 
 
-def test_an_export_replaces_the_previous_variants_whole(tmp_path, tiny_model_dir, monkeypatch):
+def test_an_export_replaces_the_previous_variants_whole(tmp_path, tiny_model_dir, monkeypatch, exported_as_built):
     """fp32-onnx is built aside (the old file stays published while the new one is checked) and replaces the old
     directory; fp32-torchscript, opted out, becomes a skip record with no model file of the build before it."""
     import pipeline.variants.export as build
