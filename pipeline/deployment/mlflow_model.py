@@ -285,13 +285,29 @@ def served_model(model_uri: str, *, tracking_uri: str | None) -> ServedModel:
                        float(MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT.get()))
 
 
+class LocalEnvAdvice(logging.Filter):
+    """Drops MLflow's warning that `spark_udf(env_manager="local")` does not recreate the model's environment."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return 'env_manager="local"' not in record.getMessage()
+
+
 def spark_model_udf(spark: Any, model_uri: str, env_manager: str = "local") -> Any:
     """MLflow's own Spark UDF (`mlflow.pyfunc.spark_udf`) for the pyfunc at `model_uri`: called on a struct of one
     `text` column, it answers a struct of `label` (string) and `score` (double) per row. MLflow copies the model to
     the executors and each Python worker loads it once, then scores every Arrow batch it is handed with the
     pyfunc's `predict`. `env_manager` "local" runs it in the executors' own Python (the project's venv in local
-    mode); "virtualenv", "uv" or "conda" rebuild the model's recorded environment on each executor."""
+    mode); "virtualenv", "uv" or "conda" rebuild the model's recorded environment on each executor. MLflow's warning
+    that "local" does not rebuild that environment, with its advice to use conda, is left out: "local" is the
+    command's documented default (`--env-manager`), and the project's venv is the one the model was logged from."""
     import mlflow
 
-    return mlflow.pyfunc.spark_udf(spark, model_uri, result_type="label string, score double",
-                                   env_manager=env_manager)
+    pyfunc_log = logging.getLogger("mlflow.pyfunc")
+    advice = LocalEnvAdvice()
+    if env_manager == "local":
+        pyfunc_log.addFilter(advice)
+    try:
+        return mlflow.pyfunc.spark_udf(spark, model_uri, result_type="label string, score double",
+                                       env_manager=env_manager)
+    finally:
+        pyfunc_log.removeFilter(advice)

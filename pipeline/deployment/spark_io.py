@@ -34,6 +34,11 @@ BATCH_ROWS = 2048
 #: (serving/config.properties). A cluster's driver, and one whose options the caller set (`PYSPARK_SUBMIT_ARGS`), is
 #: left as configured.
 LOCAL_DRIVER_JAVA_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:CICompilerCount=1 -XX:+UseSerialGC"
+#: The local-mode driver's log configuration: Spark's defaults at WARN, less a warning every start prints.
+LOCAL_LOG_CONFIG = Path(__file__).with_name("spark-log4j2.properties")
+#: Where a local-mode driver listens (`SPARK_LOCAL_IP`, unless the caller set it): its RPC endpoint, block manager
+#: and web UI, which Spark otherwise binds to every interface (the UI, unauthenticated, could also kill jobs).
+LOCAL_BIND_ADDRESS = "127.0.0.1"
 #: Seconds between two progress lines.
 PROGRESS_EVERY_S = 10.0
 #: Spark's error for a CSV file whose header is not the columns it reads (`enforceSchema` off).
@@ -229,8 +234,13 @@ def spark_session(master: str, task_threads: int = 1, batch_rows: int = BATCH_RO
     builder = SparkSession.builder
     if master.startswith("local"):
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+        # A local job needs no network: every port of the driver on loopback. Spark reads SPARK_LOCAL_IP from the
+        # environment of the JVM it starts (the web UI reads nothing else); the UI's kill links are off too, as
+        # any user of the machine can reach it (Ctrl-C stops the command).
+        os.environ.setdefault("SPARK_LOCAL_IP", LOCAL_BIND_ADDRESS)
+        builder = builder.config("spark.ui.killEnabled", "false")
         if "PYSPARK_SUBMIT_ARGS" not in os.environ:
-            builder = builder.config("spark.driver.extraJavaOptions", LOCAL_DRIVER_JAVA_OPTIONS)
+            builder = builder.config("spark.driver.extraJavaOptions", local_driver_java_options())
     builder = (builder.master(master).appName("imdb-sentiment batch scoring")
                .config("spark.task.cpus", str(task_threads))
                .config("spark.executorEnv.OMP_NUM_THREADS", str(task_threads))
@@ -242,6 +252,11 @@ def spark_session(master: str, task_threads: int = 1, batch_rows: int = BATCH_RO
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
     return spark
+
+
+def local_driver_java_options() -> str:
+    """The options a local-mode driver JVM started here gets: `LOCAL_DRIVER_JAVA_OPTIONS` and `LOCAL_LOG_CONFIG`."""
+    return f"{LOCAL_DRIVER_JAVA_OPTIONS} -Dlog4j2.configurationFile={LOCAL_LOG_CONFIG.as_uri()}"
 
 
 @contextmanager

@@ -5,9 +5,11 @@ this process, every bad row must come out with the contract's error and no label
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import gzip
 import io
+import ipaddress
 import json
 import math
 import os
@@ -136,9 +138,49 @@ def test_rows_are_dealt_into_a_multiple_of_the_task_slots_of_at_most_partition_r
 
 def test_a_local_sessions_driver_jvm_compiles_with_c1_only(spark):
     """In local mode the driver JVM is started here, with C1 only (`LOCAL_DRIVER_JAVA_OPTIONS`): its C2 compiler
-    threads took CPU from the model's Python workers."""
+    threads took CPU from the model's Python workers. Its log configuration (`LOCAL_LOG_CONFIG`) goes with them."""
     runtime = spark.sparkContext._jvm.java.lang.management.ManagementFactory.getRuntimeMXBean()
     assert set(spark_io.LOCAL_DRIVER_JAVA_OPTIONS.split()) <= set(runtime.getInputArguments())
+    assert set(spark_io.local_driver_java_options().split()) <= set(runtime.getInputArguments())
+
+
+def listening_addresses(pid: int) -> set[str]:
+    """The addresses the process `pid` listens on for TCP connections, read from /proc (its sockets' inodes, then
+    the LISTEN rows of its network namespace's tcp and tcp6 tables)."""
+    import socket
+
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:["):-1])
+    found = set()
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for row in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = row.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # state LISTEN, one of the process's sockets
+                raw = bytes.fromhex(fields[1].split(":")[0])
+                words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # each 32-bit word little-endian
+                found.add(socket.inet_ntop(family, words))
+    return found
+
+
+def is_loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return (mapped or ip).is_loopback
+
+
+def test_a_local_session_listens_on_loopback_only_and_its_ui_kills_no_job(spark):
+    """A local job's driver listened on every interface (its web UI on *:4040, its RPC endpoint and block manager
+    on the host's address), and the UI, which asks for no credentials, could kill its jobs: now every port is on
+    loopback (`SPARK_LOCAL_IP`) and the UI's kill links are off."""
+    pid = int(spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid())
+    addresses = listening_addresses(pid)
+    assert addresses, "the driver listens nowhere: the check above could not fail"
+    assert all(is_loopback(a) for a in addresses), addresses
+    assert spark.sparkContext.getConf().get("spark.ui.killEnabled") == "false"
 
 
 def test_a_one_row_group_file_read_in_many_splits_is_scored_by_every_slot(spark, in_store, tmp_path):
@@ -522,6 +564,7 @@ def test_a_signal_during_the_write_stops_the_run_with_one_line_and_the_shells_st
     assert proc.returncode == 128 + signum, err[-3000:]
     assert f"interrupted by {signal.Signals(signum).name}: scoring stopped; out is left as it was" in err
     assert "Traceback" not in err
+    assert "native-hadoop" not in err and 'env_manager="local"' not in err  # two warnings of every start, left out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.parquet", "out", "params.yaml"]
     assert {f.name: f.read_bytes() for f in (tmp_path / "out").iterdir()} == before
 
