@@ -28,6 +28,7 @@ PROJECT_PACKAGES = ("pipeline", "serving", "stages")
 #: Files a module reads next to itself at run time: a stage that imports the module depends on them too.
 READS: Mapping[str, tuple[str, ...]] = {
     "pipeline/evaluation/report.py": ("pipeline/evaluation/templates",),  # the report's jinja templates
+    "pipeline/deployment/spark_io.py": ("pipeline/deployment/spark-log4j2.properties",),  # a local Spark driver's logs
 }
 #: What a stage copies as files besides what it imports, as the modules whose import closure it copies: `package`
 #: puts the TorchServe handler (`serving/handler.py`, which the stage never imports) and every project module the
