@@ -157,7 +157,10 @@ def listening_addresses(pid: int) -> set[str]:
                 inodes.add(target[len("socket:["):-1])
     found = set()
     for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
-        for row in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+        path = Path(f"/proc/{pid}/net/{table}")
+        if not path.exists():  # no IPv6 in this kernel
+            continue
+        for row in path.read_text().splitlines()[1:]:
             fields = row.split()
             if fields[3] == "0A" and fields[9] in inodes:  # state LISTEN, one of the process's sockets
                 raw = bytes.fromhex(fields[1].split(":")[0])
