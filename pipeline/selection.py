@@ -42,11 +42,13 @@ class Verdict:
     value: float
     bound: float
     met: bool
+    tie_p_value: float | None = None  # qat_vs_static: McNemar's p on the same reviews; >= TIE_P_VALUE, a tie
 
 
 def quantization_verdicts(results: Results, targets: TargetsParams) -> list[Verdict]:
     """Evaluate's targets for each built INT8-family variant: accuracy loss within the budget, size at most
-    `targets.max_size_share` of fp32-onnx; and QAT at least as accurate as static INT8 when both were built."""
+    `targets.max_size_share` of fp32-onnx; and QAT at least as accurate as static INT8 when both were built, with
+    the paired test of the two on the same reviews where evaluate recorded it (`vs_static_p_value`)."""
     out: list[Verdict] = []
     reference = results[REFERENCE]["accuracy"]
     fp32_onnx = results.get("fp32-onnx", {}).get("size_mb")
@@ -61,7 +63,8 @@ def quantization_verdicts(results: Results, targets: TargetsParams) -> list[Verd
             out.append(Verdict(name, "size_share", share, targets.max_size_share, share <= targets.max_size_share))
     s, q = results.get("int8-static"), results.get("int8-qat")
     if s and q and s.get("status") == q.get("status") == "ok":
-        out.append(Verdict("int8-qat", "qat_vs_static", q["accuracy"], s["accuracy"], q["accuracy"] >= s["accuracy"]))
+        out.append(Verdict("int8-qat", "qat_vs_static", q["accuracy"], s["accuracy"], q["accuracy"] >= s["accuracy"],
+                           q.get("vs_static_p_value")))
     return out
 
 

@@ -50,8 +50,39 @@ def test_scores_and_sizes(built, tiny_model_dir):
         e = results[name]
         assert e["paired_reference"] == best
         assert e["paired_p_value"] == round(mcnemar_p(e["paired_only_reference_right"], e["paired_only_this_right"]), 4)
+    # int8-qat against int8-static on the same reviews, as the target "QAT at least matches static" is judged
+    static = predict_logits(load_runner(built["dirs"]["int8-static"]), seqs, 16).argmax(-1) == labels
+    qat = predict_logits(load_runner(built["dirs"]["int8-qat"]), seqs, 16).argmax(-1) == labels
+    q = results["int8-qat"]
+    assert (q["vs_static_only_static_right"], q["vs_static_only_qat_right"]) == (int((static & ~qat).sum()),
+                                                                                 int((qat & ~static).sum()))
+    assert q["vs_static_p_value"] == round(mcnemar_p(q["vs_static_only_static_right"],
+                                                     q["vs_static_only_qat_right"]), 4)
     lines = check_targets(results, TargetsParams())
     assert any("int8-static" in line for line in lines)
+
+
+@pytest.mark.parametrize("only_static, only_qat, said", [
+    (12, 10, "a tie the test set cannot resolve: exact McNemar p = 0.83 >= 0.05"),  # the Zen 3 run of 11-29
+    (30, 5, "MISSED: QAT at least matches static"),  # p < 0.001: a real difference
+    (5, 7, "met: QAT at least matches static"),
+])
+def test_qat_below_static_by_a_difference_the_test_set_cannot_resolve_is_a_tie_not_a_miss(only_static, only_qat, said):
+    """1,500 reviews of which both get 1,300 right, plus the reviews only one of them gets right."""
+    from pipeline.evaluation.accuracy import paired_qat_with_static
+
+    n, both = 1500, 1300
+    static = np.zeros(n, bool)
+    qat = np.zeros(n, bool)
+    static[:both + only_static] = True
+    qat[:both] = True
+    qat[both + only_static:both + only_static + only_qat] = True
+    results = {"fp32-eager": {"status": "ok", "accuracy": static.mean()},
+               "int8-static": {"status": "ok", "accuracy": float(static.mean()), "size_mb": 1.0},
+               "int8-qat": {"status": "ok", "accuracy": float(qat.mean()), "size_mb": 1.0}}
+    paired_qat_with_static(results, {"int8-static": static, "int8-qat": qat})
+    line = next(x for x in check_targets(results, TargetsParams()) if x.startswith("int8-qat "))
+    assert said in line, line
 
 
 def test_the_paired_standard_error_comes_from_the_disagreements_and_is_never_zero():
