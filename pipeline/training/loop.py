@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from pipeline.core.io import write_json
 from pipeline.core.params import DataParams, ModelParams, TrainParams, to_dict
@@ -28,7 +29,6 @@ from pipeline.training.curve_files import MetricSink
 from pipeline.training.curves import CurveRecorder
 
 if TYPE_CHECKING:
-    from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader
 
     from pipeline.core.machine import Choice
@@ -41,7 +41,7 @@ def build_trainer(params: TrainParams, work_dir: Path, callbacks: list[L.Callbac
     """A Trainer configured from params; profiler traces go to `profiler_dir` when enabled. `validate` False runs no
     validation loop (a job without a validation split, QAT). Lightning's own checkpointing is on only where the
     callbacks hold a `ModelCheckpoint`: its default one would write a checkpoint nobody reads into `work_dir`."""
-    from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+    from lightning.pytorch.callbacks import TQDMProgressBar
 
     profiler: Any = None
     if params.profiler:
@@ -118,15 +118,49 @@ class Fitted:
 
 
 def best_checkpoint(directory: Path) -> ModelCheckpoint:
-    """The best checkpoint by validation accuracy, saved as soon as each validation ends (Lightning's default for one
-    validation an epoch is the epoch's end), so every resume point written after a validation
-    (`resume.PeriodicCheckpoint`, a stop signal's) holds its score: a run resumed there, which does not validate
-    again, never keeps a later, worse epoch as its best."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
+    """The best checkpoint by validation accuracy, ties to the lower validation loss (`BestByAccuracy`), saved as
+    soon as each validation ends (Lightning's default for one validation an epoch is the epoch's end), so every
+    resume point written after a validation (`resume.PeriodicCheckpoint`, a stop signal's) holds its score: a run
+    resumed there, which does not validate again, never keeps a later, worse epoch as its best."""
+    return BestByAccuracy(dirpath=str(directory), monitor="val_acc", mode="max", save_top_k=1,
+                          filename="best-{step}-{val_acc:.4f}", enable_version_counter=False,
+                          save_on_train_epoch_end=False)
 
-    return ModelCheckpoint(dirpath=str(directory), monitor="val_acc", mode="max", save_top_k=1,
-                           filename="best-{step}-{val_acc:.4f}", enable_version_counter=False,
-                           save_on_train_epoch_end=False)
+
+class BestByAccuracy(ModelCheckpoint):
+    """Lightning's `ModelCheckpoint` keeping the one best checkpoint by `val_acc`, whose ties go to the lower
+    `val_loss`. Lightning keeps the first of equal scores, and accuracy on a few hundred validation reviews moves in
+    whole reviews: two epochs that score the same are common, and the first epoch's weights, with the higher loss,
+    were kept (docs/training.md). Its state (with the tie's loss) is filed under Lightning's own key, so a
+    checkpoint written before this class resumes as it did."""
+
+    TIE_BREAK = "val_loss"
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.best_tie_score: float | None = None
+
+    @property
+    def state_key(self) -> str:
+        return super().state_key.replace(type(self).__qualname__, ModelCheckpoint.__qualname__, 1)
+
+    def check_monitor_top_k(self, trainer: L.Trainer, current: torch.Tensor | None = None) -> bool:
+        loss = trainer.callback_metrics.get(self.TIE_BREAK)
+        better = super().check_monitor_top_k(trainer, current)
+        if not better and current is not None and loss is not None and self.best_model_score is not None:
+            tied = bool(torch.eq(current.cpu(), self.best_model_score.cpu()))
+            lower = self.best_tie_score is None or float(loss) < self.best_tie_score
+            better = trainer.strategy.reduce_boolean_decision(tied and lower)
+        if better and loss is not None:
+            self.best_tie_score = float(loss)
+        return bool(better)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "best_tie_score": self.best_tie_score}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.best_tie_score = state_dict.get("best_tie_score")
 
 
 def fit(module: L.LightningModule, params: TrainParams, *, store: CheckpointStore | None, plan: ResumePlan | None,

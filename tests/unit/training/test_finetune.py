@@ -68,8 +68,12 @@ def test_best_checkpoint_is_restored(tmp_path, tokenized_dir):
     out, result = _run(tmp_path, tokenized_dir, epochs=2)
     assert "best-" in result.best_checkpoint
     m = json.loads((out / "metrics.json").read_text())
-    val = [float(r.split(",")[2]) for r in (out / "plots" / "val.csv").read_text().splitlines()[1:]]
+    rows = [r.split(",") for r in (out / "plots" / "val.csv").read_text().splitlines()[1:]]  # step,epoch,acc,loss
+    val = [float(r[2]) for r in rows]
     assert m["best_val_accuracy"] == pytest.approx(max(val), abs=1e-6)
+    # the most accurate validation's weights, and of equally accurate ones the lower loss's (`BestByAccuracy`)
+    _, step = min((float(r[3]), int(r[0])) for r in rows if float(r[2]) == max(val))
+    assert Path(result.best_checkpoint).name.startswith(f"best-step={step}-"), (result.best_checkpoint, rows)
 
 
 def test_training_window_shorter_than_inference_length(tmp_path, tokenized_dir):

@@ -6,9 +6,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from pipeline.core.params import TrainParams
 from pipeline.training.curves import CurveRecorder
-from pipeline.training.loop import build_trainer
+from pipeline.training.loop import BestByAccuracy, best_checkpoint, build_trainer
 from tests.factories import ROOT
 
 
@@ -66,3 +68,41 @@ def test_curves_hold_one_row_per_optimizer_step_with_the_windows_mean_loss():
     assert curves.train_rows == [{"step": 1, "train_loss": 2.0, "lr": 0.1}, {"step": 2, "train_loss": 3.0, "lr": 0.1},
                                  {"step": 3, "train_loss": 5.0, "lr": 0.1}]
     assert curves.final_loss() == 10.0 / 3 and curves.samples == 20
+
+
+def test_the_best_checkpoint_breaks_an_accuracy_tie_on_the_lower_validation_loss(tmp_path: Path):
+    """Lightning keeps the first of equally accurate checkpoints; `BestByAccuracy` keeps the one of lower validation
+    loss among them, never a less accurate one, and keeps the tie's loss in its state under Lightning's own key."""
+    from types import SimpleNamespace
+
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    best = best_checkpoint(tmp_path / "best")
+    assert isinstance(best, BestByAccuracy)
+    trainer = SimpleNamespace(callback_metrics={}, strategy=SimpleNamespace(reduce_boolean_decision=lambda d: d))
+
+    def validated(acc: float, loss: float) -> bool:
+        """Whether `best` saves after a validation of this accuracy and loss (and, where it does, as Lightning
+        records the save)."""
+        trainer.callback_metrics = {"val_acc": torch.tensor(acc), "val_loss": torch.tensor(loss)}
+        saved = best.check_monitor_top_k(trainer, torch.tensor(acc))
+        if saved:
+            best.best_k_models = {f"step-{acc}-{loss}": torch.tensor(acc)}
+            best.kth_best_model_path = best.best_model_path = f"step-{acc}-{loss}"
+            best.best_model_score = torch.tensor(acc)
+        return saved
+
+    assert validated(0.77, 0.56)  # the first
+    assert validated(0.77, 0.42)  # as accurate, lower loss: Lightning alone would keep the first
+    assert not validated(0.77, 0.50)  # as accurate, higher loss than the kept one
+    assert not validated(0.76, 0.10)  # less accurate, whatever its loss
+    assert validated(0.78, 0.90)  # more accurate, whatever its loss
+    state = best.state_dict()
+    assert state["best_tie_score"] == pytest.approx(0.9)
+    restored = best_checkpoint(tmp_path / "best")
+    restored.load_state_dict(state)
+    assert restored.best_tie_score == state["best_tie_score"]
+    plain = ModelCheckpoint(dirpath=str(tmp_path / "best"), monitor="val_acc", mode="max", save_top_k=1,
+                            save_on_train_epoch_end=False)
+    assert best.state_key == plain.state_key  # a checkpoint Lightning's own class wrote resumes into this one
