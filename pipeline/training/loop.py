@@ -132,7 +132,7 @@ class BestByAccuracy(ModelCheckpoint):
     `val_loss`. Lightning keeps the first of equal scores, and accuracy on a few hundred validation reviews moves in
     whole reviews: two epochs that score the same are common, and the first epoch's weights, with the higher loss,
     were kept (docs/training.md). Its state (with the tie's loss) is filed under Lightning's own key, so a
-    checkpoint written before this class resumes as it did."""
+    checkpoint written before this class resumes into it (holding no loss, its first tie goes to the new weights)."""
 
     TIE_BREAK = "val_loss"
 
