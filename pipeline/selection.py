@@ -42,7 +42,12 @@ class Verdict:
     value: float
     bound: float
     met: bool
-    tie_p_value: float | None = None  # qat_vs_static: McNemar's p on the same reviews; >= TIE_P_VALUE, a tie
+    tie_p_value: float | None = None  # qat_vs_static: McNemar's p on the same reviews
+
+    @property
+    def unresolved(self) -> bool:
+        """Missed by a difference the test set cannot resolve: a paired p of `TIE_P_VALUE` or more, a tie."""
+        return not self.met and self.tie_p_value is not None and self.tie_p_value >= TIE_P_VALUE
 
 
 def quantization_verdicts(results: Results, targets: TargetsParams) -> list[Verdict]:

@@ -154,10 +154,9 @@ def paired_with_most_accurate(results: dict[str, dict[str, Any]], correct: dict[
     if best is None:
         return
     for name in candidates:
-        only_best = int((correct[best] & ~correct[name]).sum())
-        only_this = int((correct[name] & ~correct[best]).sum())
+        only_best, only_this, p = discordant(correct[best], correct[name])
         results[name].update(paired_reference=best, paired_only_reference_right=only_best,
-                             paired_only_this_right=only_this, paired_p_value=round(mcnemar_p(only_best, only_this), 4))
+                             paired_only_this_right=only_this, paired_p_value=p)
 
 
 def paired_qat_with_static(results: dict[str, dict[str, Any]], correct: dict[str, np.ndarray]) -> None:
@@ -166,10 +165,16 @@ def paired_qat_with_static(results: dict[str, dict[str, Any]], correct: dict[str
     at least matches static" is not called missed for a difference the test set cannot resolve."""
     if "int8-static" not in correct or "int8-qat" not in correct:
         return
-    only_static = int((correct["int8-static"] & ~correct["int8-qat"]).sum())
-    only_qat = int((correct["int8-qat"] & ~correct["int8-static"]).sum())
+    only_static, only_qat, p = discordant(correct["int8-static"], correct["int8-qat"])
     results["int8-qat"].update(vs_static_only_static_right=only_static, vs_static_only_qat_right=only_qat,
-                               vs_static_p_value=round(mcnemar_p(only_static, only_qat), 4))
+                               vs_static_p_value=p)
+
+
+def discordant(first: np.ndarray, second: np.ndarray) -> tuple[int, int, float]:
+    """Two variants' right answers on the same reviews: how many only the first gets right, how many only the
+    second, and the exact McNemar p-value of that split (`selection.mcnemar_p`, to 4 decimals)."""
+    only_first, only_second = int((first & ~second).sum()), int((second & ~first).sum())
+    return only_first, only_second, round(mcnemar_p(only_first, only_second), 4)
 
 
 def check_targets(results: dict[str, dict[str, Any]], targets: TargetsParams) -> list[str]:
@@ -181,7 +186,7 @@ def check_targets(results: dict[str, dict[str, Any]], targets: TargetsParams) ->
             lines.append(f"{v.variant}: accuracy loss {v.value:.2f} pt vs FP32 ({verdict}: <= {v.bound} pt)")
         elif v.target == "size_share":
             lines.append(f"{v.variant}: size {v.value:.0%} of fp32-onnx ({verdict}: <= {v.bound:.0%})")
-        elif v.met or v.tie_p_value is None or v.tie_p_value < TIE_P_VALUE:
+        elif not v.unresolved:
             lines.append(f"int8-qat {v.value:.4f} vs int8-static {v.bound:.4f} "
                          f"({verdict}: QAT at least matches static)")
         else:
