@@ -169,7 +169,8 @@ class ResumableTraining(L.Callback):
     def _stop(self, trainer: L.Trainer) -> None:
         signum = self.requested or int(signal.SIGTERM)
         path = self.directory / f"preempt-step={trainer.global_step}.ckpt"
-        trainer.save_checkpoint(path)  # every rank takes part; rank 0 writes
+        # the full state a resume needs (optimizer, loops, callbacks); every rank takes part, rank 0 writes
+        trainer.save_checkpoint(path, weights_only=False)
         written = path if trainer.is_global_zero else None
         stop = Preempted(signum, trainer.global_step, written)
         log.warning("%s", stop)
@@ -246,7 +247,8 @@ class PeriodicCheckpoint(L.Callback):
     def _save(self, trainer: L.Trainer) -> None:
         self.due, self.saved_step = False, trainer.global_step
         path = self.directory / f"step={trainer.global_step}.ckpt"
-        trainer.save_checkpoint(path)  # every rank takes part; rank 0 writes
+        # the full state a resume needs (optimizer, loops, callbacks); every rank takes part, rank 0 writes
+        trainer.save_checkpoint(path, weights_only=False)
         if trainer.is_global_zero:
             for older in self.directory.glob("step=*.ckpt"):
                 if older != path:

@@ -105,7 +105,7 @@ def _fake_trainer(accumulate: int, batches: int, is_last_batch: bool = False) ->
                            global_step=7, is_global_zero=True, current_epoch=0, saved=saved,
                            enable_validation=False,  # a job that does not validate (QAT): no validation to wait for
                            fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)),
-                           save_checkpoint=saved.append)
+                           save_checkpoint=lambda path, weights_only=None: saved.append(path))
 
 
 @pytest.mark.parametrize(("batch_idx", "stops"), [(0, False), (2, False), (3, True), (4, False), (5, True)])
