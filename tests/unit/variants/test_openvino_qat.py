@@ -182,3 +182,47 @@ def test_the_fake_quantizers_are_nncfs_torch_reference_and_nothing_is_compiled(q
     quantizers = sum(isinstance(m, BaseQuantizer) for m in model.modules())
     assert calls["Quantize_forward"] >= quantizers > 0 and calls["Quantize_backward"] > 0, (calls, quantizers)
     assert not (tmp_path / "ext").exists()
+
+
+def test_quantizing_only_the_rows_a_batch_reads_changes_no_answer_and_no_gradient(quantized):
+    """`embedding_rows_quantized` (QAT's steps quantize the looked-up rows of each embedding table, not the whole
+    table): on a padded batch, the same logits and the same gradients of every weight and every quantizer
+    parameter as NNCF's whole-table hook (the tables' scales within summation order), and NNCF's hooks, the
+    quantizers' state and the IR's quantizers as before once it closes."""
+    import collections
+
+    import torch
+
+    from pipeline.variants.openvino_qat import _quantizer_slots, embedding_rows_quantized, to_openvino
+
+    model, _, batches = quantized
+    ids, mask = (torch.from_numpy(np.asarray(a, dtype=np.int64)) for a in batches[-1])
+    assert (ids == 0).any() and model.get_submodule("model.bert.embeddings.word_embeddings").padding_idx == 0
+
+    def step() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model.zero_grad()
+        out = model(ids, mask)
+        (out * torch.tensor([1.0, -2.0])).sum().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    def fake_quantizers() -> int:
+        return collections.Counter(op.get_type_name() for op in to_openvino(model, batches[-1]).get_ops())[
+            "FakeQuantize"]
+
+    model.eval()  # no dropout: both passes see the same network
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    converted = fake_quantizers()
+    whole, whole_grads = step()
+    with embedding_rows_quantized(model) as tables:
+        assert tables == 3  # word, position and token type
+        rows, rows_grads = step()
+    assert torch.equal(rows, whole)
+    assert rows_grads.keys() == whole_grads.keys()
+    scales = [k for k in whole_grads if "/embedding/" in k]
+    assert len(scales) == 3 and all(whole_grads[k].abs().sum() > 0 for k in scales)
+    for name, grad in whole_grads.items():
+        assert torch.allclose(rows_grads[name], grad, rtol=1e-5, atol=1e-7 * grad.abs().max()), name
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert all(q.is_enabled_quantization() for *_, q in _quantizer_slots(model))
+    assert all(p.requires_grad for n, p in model.named_parameters() if "__nncf_hooks" in n and p.is_floating_point())
+    assert fake_quantizers() == converted and torch.equal(step()[0], whole)
