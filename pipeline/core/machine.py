@@ -210,6 +210,20 @@ def resolve_precision(asked: str, accelerator: str, flags: frozenset[str] | None
                   f"CPU has no native bf16 (no AVX512-BF16/AMX): bf16 is emulated{note}")
 
 
+def training_attention(precision: str, accelerator: str, cuda: bool | None = None) -> Choice:
+    """The attention kernel a training job runs (`train.attention`, derived: no setting asks for it) for its
+    resolved `train.precision` on this machine: `eager` (Hugging Face's matrix products and softmax) for bf16 on the
+    CPU, else `as loaded` (the model's own, PyTorch's `scaled_dot_product_attention` for the models here). Why:
+    PyTorch's CPU flash-attention backward is slow in bf16 (a quarter of a bf16-mixed MiniLM step on a Zen 4, its
+    fp32 one a fiftieth of an fp32 step), while in fp32 and on CUDA the fused kernel is the faster one
+    (docs/training.md, "Attention in training"). Inference keeps the model's own either way."""
+    if not trains_on_cuda(accelerator, cuda) and precision.startswith("bf16"):
+        return Choice("train.attention", "derived", "eager",
+                      "bf16 on the CPU: PyTorch's flash-attention backward is slower there than eager attention")
+    where = "CUDA" if trains_on_cuda(accelerator, cuda) else f"{precision} on the CPU"
+    return Choice("train.attention", "derived", "as loaded", f"{where}: the model's fused attention is the faster")
+
+
 def resolve_weight_format(asked: str, flags: frozenset[str] | None = None) -> Choice:
     """`quantize.weight_format`. Without INT8 dot products (VNNI/AMX) onnxruntime's U8S8 kernels multiply with
     AVX2 `vpmaddubsw`, which sums byte pairs in int16 and saturates, so 8-bit signed weights give wrong products

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from pipeline.core.io import write_json, write_predictions
+from pipeline.core.machine import training_attention
 from pipeline.core.params import Params, TrainParams, to_dict
 from pipeline.data.tokens import window_shortener
 from pipeline.training.checkpoints import CheckpointStore, ResumePlan, start_attempt
@@ -67,8 +68,12 @@ def finetune_plan(tokenized_dir: Path, all_params: Params, precision: Choice) ->
     """Whether finetune resumes from `train.checkpoint_dir/finetune` (its fingerprint: the data, model and training
     settings that shape the weights, the tokenized splits, the training code) or starts fresh, and why. The
     precision is the resolved one: the same settings trained in bf16 elsewhere are another trajectory."""
+    train = resolved_train(all_params, precision)
+    # the attention kernel (`training_attention`) follows from the resolved precision; named, so that a checkpoint
+    # trained with another kernel (by code before that choice) starts afresh rather than changing kernels mid-run
     settings = {"data": to_dict(all_params.data), "model": to_dict(all_params.model),
-                "train": trajectory_settings(to_dict(resolved_train(all_params, precision)))}
+                "train": {**trajectory_settings(to_dict(train)),
+                          "attention": training_attention(train.precision, train.accelerator).value}}
     return checkpoint_store(all_params.train).plan(fingerprint(settings, [tokenized_dir]), all_params.train.resume)
 
 
@@ -113,6 +118,7 @@ def finetune(tokenized_dir: Path, outputs: FinetuneOutputs, all_params: Params, 
     logits, labels = predict_split(module, dm, "test")
     score_seconds = time.perf_counter() - scored
     preds = logits.argmax(-1)
+    attention = fitted.attention or training_attention(params.precision, params.accelerator)
 
     from sklearn.metrics import accuracy_score, f1_score
 
@@ -128,9 +134,10 @@ def finetune(tokenized_dir: Path, outputs: FinetuneOutputs, all_params: Params, 
         "wall_time_s": time.perf_counter() - started,  # this attempt's (a resumed run's excludes the first)
         "train_steps": fitted.steps,
         "precision": precision.value,  # what `train.precision` resolved to (text: not an MLflow metric)
+        "train_attention": attention.value,  # the attention kernel it trained with (text, as `precision`)
         **plan.record(),  # resumed, resumed_from_step, resume_reason
     }
-    save_model(module.model, tokenizer, outputs.model_dir, data, model_params, params, choices=[precision])
+    save_model(module.model, tokenizer, outputs.model_dir, data, model_params, params, choices=[precision, attention])
     if outputs.predictions_path is not None:
         write_predictions(outputs.predictions_path, logits, labels, dm.datasets["test"].input_ids,
                           batch_size=params.eval_batch_size, seconds=round(score_seconds, 2),
@@ -188,7 +195,8 @@ def run_finetune(*, tokenized_dir: Path, outputs: FinetuneOutputs, all_params: P
         start_attempt(run, plan, checkpoint_store(all_params.train))
         result = finetune(tokenized_dir, outputs, all_params, precision, metric_sink=run.log_steps, plan=plan)
         run.log_metrics(result.metrics)
-        run.set_tags({"train.precision.resolved": result.metrics["precision"]})
+        run.set_tags({"train.precision.resolved": result.metrics["precision"],
+                      "train.attention": result.metrics["train_attention"]})
         run.log_artifact(outputs.metrics_path)
         run.log_artifacts(outputs.plots_dir, "curves")
         run.log_artifacts(outputs.report_dir, "reports")

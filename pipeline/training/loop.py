@@ -8,9 +8,10 @@ loaded back into the module once training ends (the best epoch, not the last).""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -110,6 +111,7 @@ class Fitted:
     curves: CurveRecorder
     best_checkpoint: str
     best_score: float
+    attention: Choice | None = None  # the attention kernel it trained with (`machine.training_attention`)
 
     @property
     def steps(self) -> int:
@@ -181,7 +183,10 @@ def fit(module: L.LightningModule, params: TrainParams, *, store: CheckpointStor
             raise ValueError("keeping the best checkpoint needs the job's CheckpointStore")
         best = best_checkpoint(store.best_dir)
         callbacks.insert(0, best)
-    with tempfile.TemporaryDirectory(prefix="fit-") as tmp:
+    from pipeline.core.machine import training_attention
+
+    attention = training_attention(params.precision, params.accelerator)
+    with tempfile.TemporaryDirectory(prefix="fit-") as tmp, attention_while_training(module, attention):
         trainer = build_trainer(params, Path(tmp), callbacks, profiler_dir=profiler_dir, validate=keep_best,
                                 model_summary=model_summary)
         trainer.fit(module, datamodule=datamodule, train_dataloaders=loader,
@@ -190,7 +195,25 @@ def fit(module: L.LightningModule, params: TrainParams, *, store: CheckpointStor
     if path and trainer.is_global_zero:  # the best epoch by validation accuracy, not the last
         module.load_state_dict(torch.load(path, map_location="cpu", weights_only=True)["state_dict"])
     score = best.best_model_score if best is not None else None
-    return Fitted(trainer, curves, path, float(score) if score is not None else float("nan"))
+    return Fitted(trainer, curves, path, float(score) if score is not None else float("nan"), attention)
+
+
+@contextlib.contextmanager
+def attention_while_training(module: L.LightningModule, attention: Choice) -> Iterator[None]:
+    """`module.model` (a Hugging Face model) runs `attention`'s kernel while the block trains, and its own again
+    after it, so what is scored and saved afterwards is the model as loaded. A model without a switchable
+    attention (NNCF's fake-quantized graph: QAT, which trains in fp32 anyway) is left as it is."""
+    model = getattr(module, "model", None)
+    loaded = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if attention.value == "as loaded" or loaded in (None, attention.value) or \
+            not hasattr(model, "set_attn_implementation"):
+        yield
+        return
+    model.set_attn_implementation(attention.value)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(loaded)
 
 
 def predict_split(module: L.LightningModule, dm: IMDBDataModule, split: str = "test") -> tuple[np.ndarray, np.ndarray]:

@@ -20,6 +20,7 @@ from pipeline.core.machine import (
     resolve_weight_format,
     resolved_threads,
     thread_tags,
+    training_attention,
 )
 
 
@@ -68,6 +69,18 @@ def test_weight_format_auto_is_signed_8_bit_only_with_int8_dot_products(flags, f
 def test_precision_auto_on_the_cpu_follows_native_bf16(flags, precision):
     assert resolve_precision("auto", "cpu", flags, cuda=False).value == precision
     assert resolve_precision("16-mixed", "cpu", flags, cuda=False).value == "16-mixed"
+
+
+@pytest.mark.parametrize(("precision", "accelerator", "cuda", "kernel"),
+                         [("bf16-mixed", "cpu", False, "eager"), ("bf16-true", "cpu", True, "eager"),
+                          ("32-true", "cpu", False, "as loaded"), ("bf16-mixed", "auto", True, "as loaded"),
+                          ("16-mixed", "gpu", True, "as loaded"), ("bf16-mixed", "auto", False, "eager")])
+def test_training_attention_is_eager_only_for_bf16_on_the_cpu(precision, accelerator, cuda, kernel):
+    """PyTorch's CPU flash-attention backward is the slow part of a bf16 step; in fp32 and on CUDA the model keeps
+    its fused kernel. The choice says why, and that no setting asked for it."""
+    choice = training_attention(precision, accelerator, cuda=cuda)
+    assert choice.value == kernel and choice.asked == "derived" and choice.setting == "train.attention"
+    assert precision.split("-")[0] in choice.reason or "CUDA" in choice.reason
 
 
 def test_bf16_benchmark_row_auto_only_with_native_bf16():

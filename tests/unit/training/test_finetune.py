@@ -48,6 +48,13 @@ def test_finetune_learns_and_writes_self_describing_model(tmp_path, tokenized_di
     assert meta["choices"]["train.precision"]["asked"] == "auto"
     assert meta["choices"]["train.precision"]["value"] == resolved == m["precision"]
     assert meta["params"]["train"]["precision"] == resolved
+    # the attention kernel training ran follows from it (eager for bf16 on the CPU), recorded beside it; the saved
+    # model is the model as loaded, whichever kernel trained it
+    from pipeline.core.machine import training_attention
+
+    assert meta["choices"]["train.attention"]["value"] == m["train_attention"] == \
+        training_attention(resolved, "cpu", cuda=False).value
+    assert model.config._attn_implementation == "sdpa"
     assert set(meta["built_on"]["isa"]) >= {"avx512_bf16", "amx_bf16"}
     assert (out / "reports" / "confusion_matrix.png").stat().st_size > 1000
     train_rows = (out / "plots" / "train.csv").read_text().splitlines()

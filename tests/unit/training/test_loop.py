@@ -106,3 +106,28 @@ def test_the_best_checkpoint_breaks_an_accuracy_tie_on_the_lower_validation_loss
     plain = ModelCheckpoint(dirpath=str(tmp_path / "best"), monitor="val_acc", mode="max", save_top_k=1,
                             save_on_train_epoch_end=False)
     assert best.state_key == plain.state_key  # a checkpoint Lightning's own class wrote resumes into this one
+
+
+def test_a_bf16_cpu_fit_trains_with_eager_attention_and_hands_back_the_model_as_loaded():
+    """`attention_while_training`: the kernel `training_attention` chose while the block runs (a failed fit
+    included), the model's own after it; `as loaded`, or a model without switchable attention, changes nothing."""
+    from types import SimpleNamespace
+
+    from pipeline.core.machine import Choice
+    from pipeline.core.params import ModelParams
+    from pipeline.modeling import load_model
+    from pipeline.training.loop import attention_while_training
+
+    model = load_model(ModelParams(source="tiny"))
+    loaded = model.config._attn_implementation
+    assert loaded == "sdpa"
+    eager = Choice("train.attention", "derived", "eager", "bf16 on the CPU")
+    module = SimpleNamespace(model=model)
+    with pytest.raises(RuntimeError), attention_while_training(module, eager):
+        assert model.config._attn_implementation == "eager"
+        raise RuntimeError("a fit that fails")
+    assert model.config._attn_implementation == loaded
+    with attention_while_training(module, Choice("train.attention", "derived", "as loaded", "fp32")):
+        assert model.config._attn_implementation == loaded
+    with attention_while_training(SimpleNamespace(model=SimpleNamespace()), eager):
+        pass  # NNCF's fake-quantized graph has no attention switch: left as it is
