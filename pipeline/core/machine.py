@@ -214,9 +214,9 @@ def training_attention(precision: str, accelerator: str, cuda: bool | None = Non
     """The attention kernel a training job runs (`train.attention`, derived: no setting asks for it) for its
     resolved `train.precision` on this machine: `eager` (Hugging Face's matrix products and softmax) for bf16 on the
     CPU, else `as loaded` (the model's own, PyTorch's `scaled_dot_product_attention` for the models here). Why:
-    PyTorch's CPU flash-attention backward is slow in bf16 (a quarter of a bf16-mixed MiniLM step on a Zen 4, its
-    fp32 one a fiftieth of an fp32 step), while in fp32 and on CUDA the fused kernel is the faster one
-    (docs/training.md, "Attention in training"). Inference keeps the model's own either way."""
+    PyTorch's CPU flash-attention backward is slow in bf16, where it takes a large share of a step, while in fp32
+    and on CUDA the fused kernel is the faster one (docs/training.md, "Attention in training" has the
+    measurements). Inference keeps the model's own either way."""
     if not trains_on_cuda(accelerator, cuda) and precision.startswith("bf16"):
         return Choice("train.attention", "derived", "eager",
                       "bf16 on the CPU: PyTorch's flash-attention backward is slower there than eager attention")

@@ -118,7 +118,7 @@ def finetune(tokenized_dir: Path, outputs: FinetuneOutputs, all_params: Params, 
     logits, labels = predict_split(module, dm, "test")
     score_seconds = time.perf_counter() - scored
     preds = logits.argmax(-1)
-    attention = fitted.attention or training_attention(params.precision, params.accelerator)
+    attention = fitted.attention
 
     from sklearn.metrics import accuracy_score, f1_score
 

@@ -111,7 +111,7 @@ class Fitted:
     curves: CurveRecorder
     best_checkpoint: str
     best_score: float
-    attention: Choice | None = None  # the attention kernel it trained with (`machine.training_attention`)
+    attention: Choice  # the attention kernel it trained with (`machine.training_attention`)
 
     @property
     def steps(self) -> int:

@@ -128,18 +128,18 @@ def embedding_rows_quantized(quantized: Any) -> Iterator[int]:
     tables it changed.
 
     Why: NNCF's hook quantizes the whole weight before the lookup, so every QAT step ran the quantizer forward and
-    backward over all 30,522 x 384 entries of the word table (about a third of a step's time) for the few thousand
-    rows a batch reads. Per-row scales make the two the same function: each output row is the quantized table row
-    (`symmetric_quantize` is elementwise given its row's scale), and the gradients of the table and of its scales
-    are zero in every row the batch does not read in both forms, and equal in the rows it does (their sum over
-    the occurrences of a row is taken after the quantizer's backward instead of before; `padding_idx` rows get
-    none, as before). The quantizer stays registered, so its scale trains, checkpoints and resumes as before;
+    backward over all 30,522 x 384 entries of the word table (a large share of a step: docs/variants.md) for the few
+    thousand rows a batch reads. Per-row scales make the two the same function: each output row is the quantized
+    table row (`symmetric_quantize` is elementwise given its row's scale), and the gradients of the table and of its
+    scales are zero in every row the batch does not read in both forms, and equal in the rows it does (their sum
+    over the occurrences of a row is taken after the quantizer's backward instead of before; `padding_idx` rows
+    get none, as before). The quantizer stays registered, so its scale trains, checkpoints and resumes as before;
     on exit NNCF's own hook quantizes the whole table again, as `ov.convert_model` needs it to."""
     import torch
     from nncf.torch.quantization.layers import SymmetricQuantizer
     from nncf.torch.quantization.quantize_functions import symmetric_quantize
 
-    changed: list[tuple[Any, Any]] = []
+    changed: list[tuple[Any, Any, bool]] = []  # (table, its quantizer, whether its scale trains)
     for _, key, _, quantizer in _quantizer_slots(quantized):
         scope, _, port = key.rpartition("__")  # "<module path>/embedding/<call>__1": the lookup's weight argument
         parts = scope.split("/")
@@ -149,7 +149,7 @@ def embedding_rows_quantized(quantized: Any) -> Iterator[int]:
             table = quantized.get_submodule(".".join(parts[:-2]))
             if (isinstance(table, torch.nn.Embedding) and quantizer.is_enabled_quantization()
                     and tuple(quantizer.scale_shape) == (table.num_embeddings, 1)):
-                changed.append((table, quantizer))
+                changed.append((table, quantizer, bool(quantizer.scale.requires_grad)))
 
     def rows(table: Any, quantizer: Any) -> Any:
         def hook(module: Any, args: tuple[Any, ...], looked_up: Any) -> Any:
@@ -160,8 +160,7 @@ def embedding_rows_quantized(quantized: Any) -> Iterator[int]:
 
     handles = []
     try:
-        for table, quantizer in changed:
-            trained = quantizer.scale.requires_grad
+        for table, quantizer, trained in changed:
             quantizer.disable_quantization()  # NNCF's whole-table hook passes the weight through ...
             if trained:
                 quantizer.enable_gradients()  # ... and its scale, which that call freezes, still trains here
@@ -170,8 +169,10 @@ def embedding_rows_quantized(quantized: Any) -> Iterator[int]:
     finally:
         for handle in handles:
             handle.remove()
-        for _, quantizer in changed:
-            quantizer.enable_quantization()
+        for _, quantizer, trained in changed:
+            quantizer.enable_quantization()  # which makes its scale trainable: as it was, or frozen again
+            if not trained:
+                quantizer.disable_gradients()
 
 
 def use_torch_quantizers() -> None:

@@ -270,12 +270,14 @@ def test_distill_on_a_rank_above_zero_returns_after_training_and_writes_nothing(
     from types import SimpleNamespace
 
     import pipeline.training.loop as loop
+    from pipeline.core.machine import training_attention
     from pipeline.training.curves import CurveRecorder
     from pipeline.training.distill import distill
     from pipeline.training.loop import Fitted
 
     def fake_fit(module, params, **kwargs):
-        return Fitted(SimpleNamespace(is_global_zero=False, global_step=3), CurveRecorder(), "", math.nan)
+        return Fitted(SimpleNamespace(is_global_zero=False, global_step=3), CurveRecorder(), "", math.nan,
+                      training_attention(params.precision, params.accelerator))
 
     def no_scoring(*args, **kwargs):
         raise AssertionError("a process of rank > 0 scored the test split")

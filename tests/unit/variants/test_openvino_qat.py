@@ -225,4 +225,10 @@ def test_quantizing_only_the_rows_a_batch_reads_changes_no_answer_and_no_gradien
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
     assert all(q.is_enabled_quantization() for *_, q in _quantizer_slots(model))
     assert all(p.requires_grad for n, p in model.named_parameters() if "__nncf_hooks" in n and p.is_floating_point())
+    frozen = next(q for _, key, _, q in _quantizer_slots(model) if "word_embeddings/embedding" in key)
+    frozen.disable_gradients()  # a scale that does not train stays frozen once the block closes
+    with embedding_rows_quantized(model) as tables:
+        assert tables == 3 and frozen.scale.requires_grad is False
+    assert frozen.is_enabled_quantization() and frozen.scale.requires_grad is False
+    frozen.enable_gradients()
     assert fake_quantizers() == converted and torch.equal(step()[0], whole)
