@@ -217,10 +217,11 @@ def training_attention(precision: str, accelerator: str, cuda: bool | None = Non
     PyTorch's CPU flash-attention backward is slow in bf16, where it takes a large share of a step, while in fp32
     and on CUDA the fused kernel is the faster one (docs/training.md, "Attention in training" has the
     measurements). Inference keeps the model's own either way."""
-    if not trains_on_cuda(accelerator, cuda) and precision.startswith("bf16"):
+    on_cuda = trains_on_cuda(accelerator, cuda)
+    if not on_cuda and precision.startswith("bf16"):
         return Choice("train.attention", "derived", "eager",
                       "bf16 on the CPU: PyTorch's flash-attention backward is slower there than eager attention")
-    where = "CUDA" if trains_on_cuda(accelerator, cuda) else f"{precision} on the CPU"
+    where = "CUDA" if on_cuda else f"{precision} on the CPU"
     return Choice("train.attention", "derived", "as loaded", f"{where}: the model's fused attention is the faster")
 
 

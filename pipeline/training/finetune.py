@@ -118,7 +118,6 @@ def finetune(tokenized_dir: Path, outputs: FinetuneOutputs, all_params: Params, 
     logits, labels = predict_split(module, dm, "test")
     score_seconds = time.perf_counter() - scored
     preds = logits.argmax(-1)
-    attention = fitted.attention
 
     from sklearn.metrics import accuracy_score, f1_score
 
@@ -134,10 +133,11 @@ def finetune(tokenized_dir: Path, outputs: FinetuneOutputs, all_params: Params, 
         "wall_time_s": time.perf_counter() - started,  # this attempt's (a resumed run's excludes the first)
         "train_steps": fitted.steps,
         "precision": precision.value,  # what `train.precision` resolved to (text: not an MLflow metric)
-        "train_attention": attention.value,  # the attention kernel it trained with (text, as `precision`)
+        "train_attention": fitted.attention.value,  # the attention kernel it trained with (text, as `precision`)
         **plan.record(),  # resumed, resumed_from_step, resume_reason
     }
-    save_model(module.model, tokenizer, outputs.model_dir, data, model_params, params, choices=[precision, attention])
+    save_model(module.model, tokenizer, outputs.model_dir, data, model_params, params,
+               choices=[precision, fitted.attention])
     if outputs.predictions_path is not None:
         write_predictions(outputs.predictions_path, logits, labels, dm.datasets["test"].input_ids,
                           batch_size=params.eval_batch_size, seconds=round(score_seconds, 2),
