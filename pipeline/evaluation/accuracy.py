@@ -121,10 +121,16 @@ def reference_row(finetuned: Path, seqs: list[np.ndarray], labels: np.ndarray, p
     return entry, ref_pred
 
 
-#: Formats whose runner runs calls from several threads at the same time (an onnxruntime session does). OpenVINO's
-#: runner serves them one at a time on its one stream, so callers would only take turns on one thread, and one caller
-#: with every thread scores an INT8 IR by rows faster (docs/batch-invariance.md#openvino-int8-too).
-PARALLEL_CALL_FORMATS = ("onnx",)
+#: Formats whose runner can run calls from several threads at the same time (`one_call_a_thread` says how).
+PARALLEL_CALL_FORMATS = ("onnx", "openvino")
+
+
+def one_call_a_thread(fmt: str, cores: int) -> tuple[int, dict[str, Any]]:
+    """The threads and options of a runner of format `fmt` (one of `PARALLEL_CALL_FORMATS`) that runs `cores`
+    one-thread calls side by side. An onnxruntime session runs concurrent calls as they come: one intra-op thread.
+    OpenVINO's compiled model runs one call a stream: `cores` threads split into `cores` streams (on its served one
+    stream, callers would only take turns; docs/batch-invariance.md#openvino-int8-too)."""
+    return (cores, {"streams": cores}) if fmt == "openvino" else (1, {})
 
 
 def runner_for_test_split(directory: Path, threads: int | None,
@@ -132,15 +138,17 @@ def runner_for_test_split(directory: Path, threads: int | None,
     """The runner that scores a variant's test split, and how many threads call it at once.
 
     A variant scored one review per call (`batching: rows`: its activation scales span the batch) runs small
-    matrix products that a second intra-op thread barely speeds up; where its runtime runs concurrent calls side
+    matrix products that a second intra-op thread barely speeds up; where its runtime can run concurrent calls side
     by side (`PARALLEL_CALL_FORMATS`), the same cores score more reviews as that many one-thread calls at once (each
-    review is still scored alone, so the logits do not change). Other variants keep one call with every thread."""
+    review is still scored alone, so the logits do not change: tests/unit/evaluation/test_accuracy.py compares
+    them with the served runner's). Other variants keep one call with every thread."""
     info = info or read_variant(directory)  # `info`: the record where the caller has read it already
     cores = resolved_threads(threads)
     if (cores < 2 or variant_batching(directory, info)["served_batching"] != "rows"
             or info.format not in PARALLEL_CALL_FORMATS):
         return load_runner(directory, threads), 1
-    return load_runner(directory, 1), cores
+    runner_threads, options = one_call_a_thread(info.format, cores)
+    return load_runner(directory, runner_threads, **options), cores
 
 
 def paired_with_most_accurate(results: dict[str, dict[str, Any]], correct: dict[str, np.ndarray],

@@ -129,19 +129,22 @@ def _score_concurrently(score: Callable[[int], None], starts: Sequence[int], cal
 
 
 def checked_options(runtime: str, options: Mapping[str, Any],
-                    allowed: Mapping[str, tuple[Any, ...]]) -> dict[str, Any]:
-    """`options` given to `runtime`'s `load`, each key one of `allowed` and each value one of the values it lists;
-    anything else is a `VariantError` naming what the runtime accepts (a misspelt option would otherwise be
-    ignored and the default measured or served in its place)."""
+                    allowed: Mapping[str, tuple[Any, ...] | None]) -> dict[str, Any]:
+    """`options` given to `runtime`'s `load`, each key one of `allowed` and each value one of the values it lists
+    (`None` in `allowed`: a value the runtime checks itself, such as a count); anything else is a `VariantError`
+    naming what the runtime accepts (a misspelt option would otherwise be ignored and the default measured or
+    served in its place)."""
     unknown = sorted(set(options) - set(allowed))
     if unknown:
-        accepted = ", ".join(f"{k} ({' | '.join(map(repr, v))})" for k, v in allowed.items()) or "none"
+        accepted = ", ".join(f"{k} ({' | '.join(map(repr, v)) if v is not None else 'checked by the runtime'})"
+                             for k, v in allowed.items()) or "none"
         raise VariantError(f"the {runtime} runtime has no option {', '.join(map(repr, unknown))}; "
                            f"its options: {accepted}")
     for key, value in options.items():
-        if not any(value is v or (type(value) is type(v) and value == v) for v in allowed[key]):
+        values = allowed[key]
+        if values is not None and not any(value is v or (type(value) is type(v) and value == v) for v in values):
             raise VariantError(f"the {runtime} runtime's option {key}={value!r} is not one of "
-                               f"{', '.join(map(repr, allowed[key]))}")
+                               f"{', '.join(map(repr, values))}")
     return dict(options)
 
 

@@ -1,11 +1,13 @@
 """The OpenVINO runtime: OpenVINO IR variants (`model.xml` + `model.bin`) on OpenVINO's CPU plugin, with explicit
-threads, the LATENCY hint and one stream; the plugin's inference precision (bf16 where the CPU has native bf16,
-else f32) is its own run-time choice, read back and described. An `InferRequest` serves one call at a time, so
-the runner lends each call one of its own (`pipeline.runtimes.pool.Pool`): calls from many threads at once queue
-on the one stream instead of failing with "Infer Request is busy"."""
+threads, the LATENCY hint and one stream (as served); the plugin's inference precision (bf16 where the CPU has
+native bf16, else f32) is its own run-time choice, read back and described. An `InferRequest` serves one call at a
+time, so the runner lends each call one of its own (`pipeline.runtimes.pool.Pool`): calls from many threads at once
+queue on the one stream instead of failing with "Infer Request is busy". Option `streams` > 1 (the evaluate stage's
+scoring of a test split by rows) splits the threads into that many streams, so that many calls run side by side."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -17,18 +19,22 @@ from pipeline.runtimes.pool import Pool
 from pipeline.runtimes.record import VariantError, VariantInfo, model_file
 
 
-def compiled_model(model: Path | Any, threads: int | None = None) -> Any:
+def compiled_model(model: Path | Any, threads: int | None = None, streams: int = 1) -> Any:
     """`model` (an IR file, or an `openvino.Model` in memory) compiled for the CPU: `threads` inference threads
-    (None: the `OMP_NUM_THREADS` cap where set, else the plugin's default), LATENCY hint, one stream, and no CPU
-    pinning where `pins_cores` says so."""
+    (None: the `OMP_NUM_THREADS` cap where set, else the plugin's default), and no CPU pinning where `pins_cores`
+    says so. One stream (the LATENCY hint, as every server runs it) unless `streams` > 1: then the THROUGHPUT hint
+    with that many streams sharing the threads, each running its own call."""
     from pipeline.core.machine import default_threads
 
+    if streams < 1:
+        raise VariantError(f"OpenVINO needs at least one stream, not {streams}")
     threads = threads or default_threads()
     try:
         import openvino as ov
     except ImportError as exc:
         raise VariantError(f"{model} is an OpenVINO model and openvino is not installed: {exc}") from exc
-    config: dict[str, Any] = {"PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1}
+    config: dict[str, Any] = {"PERFORMANCE_HINT": "LATENCY" if streams == 1 else "THROUGHPUT",
+                              "NUM_STREAMS": streams}
     if threads:
         config["INFERENCE_NUM_THREADS"] = threads
     if not pins_cores(threads):
@@ -37,6 +43,21 @@ def compiled_model(model: Path | Any, threads: int | None = None) -> Any:
         return ov.Core().compile_model(str(model) if isinstance(model, Path) else model, "CPU", config)
     except Exception as exc:
         raise VariantError(f"OpenVINO cannot load {model}: {exc}") from exc
+
+
+#: Held while OpenVINO's Python module sets up its NumPy API (`numpy_api_ready`).
+_NUMPY_API_LOCK = threading.Lock()
+
+
+def numpy_api_ready() -> None:
+    """Make OpenVINO's Python module set up its NumPy API now, in one thread. pybind11 does it on the module's first
+    NumPy conversion, under a call-once that two threads entering together can deadlock on, the GIL held: two first
+    `infer` calls at once (a server's first concurrent requests, evaluate's parallel callers) hung the whole process,
+    in one fresh process of 4 to 16 (`tests/unit/runtimes/test_openvino_threads.py`). Once done, it is a no-op."""
+    import openvino as ov
+
+    with _NUMPY_API_LOCK:  # a second thread waits here with the GIL released, not inside pybind11's call-once
+        np.asarray(ov.Tensor(np.zeros(1, dtype=np.int64)).data)
 
 
 def pins_cores(threads: int | None) -> bool:
@@ -71,8 +92,9 @@ class OpenVinoRunner:
 
     format: ClassVar[str] = "openvino"
 
-    def __init__(self, path: Path, threads: int | None = None, batching: Batching = "auto") -> None:
-        self.compiled = compiled_model(path, threads)
+    def __init__(self, path: Path, threads: int | None = None, batching: Batching = "auto", streams: int = 1) -> None:
+        self.compiled = compiled_model(path, threads, streams)
+        numpy_api_ready()  # before any call can come from two threads at once
         # one infer request per concurrent call, made on demand and reused (thread-safe: see the module doc)
         self.requests: Pool[Any] = Pool(self.compiled.create_infer_request)
         self.inputs = {p.get_any_name() for p in self.compiled.inputs}
@@ -83,12 +105,16 @@ class OpenVinoRunner:
     @classmethod
     def load(cls, directory: Path, info: VariantInfo | None, threads: int | None = None,
              **options: Any) -> OpenVinoRunner:
-        """The variant's IR file; option `batching` (`BATCHING_MODES`, default `auto`: one call per batch); any
+        """The variant's IR file; option `batching` (`BATCHING_MODES`, default `auto`: one call per batch) and
+        `streams` (an int ≥ 1, default 1: how many calls run side by side, the threads split between them); any
         other option is a `VariantError`."""
-        options = checked_options("openvino", options, {"batching": BATCHING_MODES})
+        options = checked_options("openvino", options, {"batching": BATCHING_MODES, "streams": None})
         if info is None:
             raise VariantError(f"{directory} has no variant record: OpenVINO runs OpenVINO IR variants only")
-        return cls(model_file(directory, info), threads, options.get("batching", "auto"))
+        streams = options.get("streams", 1)
+        if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
+            raise VariantError(f"openvino option streams must be an integer of at least 1, not {streams!r}")
+        return cls(model_file(directory, info), threads, options.get("batching", "auto"), streams)
 
     def describe(self) -> dict[str, Any]:
         """The runtime and what it was compiled with: threads, batching and the float precision the CPU plugin
@@ -98,6 +124,7 @@ class OpenVinoRunner:
         return {"runtime": "openvino", "version": ov.__version__, "threads": self.threads,
                 "cpu_pinning": bool(self.compiled.get_property("ENABLE_CPU_PINNING")),
                 "inference_precision": inference_precision(self.compiled),
+                "streams": int(self.compiled.get_property("NUM_STREAMS")),
                 "batching": "rows" if self.rows_alone else "batched",
                 "concurrent_calls": "one infer request per call, pooled"}
 

@@ -238,17 +238,35 @@ def test_a_rows_variant_is_scored_by_one_thread_calls_on_every_core(built, tiny_
 
 def test_rows_are_scored_by_parallel_callers_only_where_the_runtime_runs_calls_side_by_side(built):
     """On two cores an onnxruntime variant scored by rows gets two one-thread callers; the OpenVINO INT8 IR, also
-    scored by rows, keeps one caller with both threads (its one stream would only let callers take turns); a
-    batched variant keeps one caller."""
+    scored by rows, gets two callers on two streams of one thread each (on its served one stream they would only
+    take turns); a batched variant, or one core, keeps one caller."""
     from pipeline.evaluation.accuracy import runner_for_test_split
 
     dirs = built["dirs"]
     runner, callers = runner_for_test_split(dirs["int8-dynamic"], threads=2)
     assert callers == 2 and runner.rows_alone
     runner, callers = runner_for_test_split(dirs["int8-openvino"], threads=2)
-    assert callers == 1 and runner.rows_alone and runner.threads == 2
+    assert callers == 2 and runner.rows_alone and runner.describe()["streams"] == 2
+    runner, callers = runner_for_test_split(dirs["int8-openvino"], threads=1)
+    assert callers == 1 and runner.describe()["streams"] == 1
     assert runner_for_test_split(dirs["fp32-onnx"], threads=2)[1] == 1
     assert runner_for_test_split(dirs["int8-dynamic"], threads=1)[1] == 1
+
+
+@pytest.mark.parametrize("variant", ["int8-openvino", "int8-dynamic"])
+def test_the_test_split_scored_by_parallel_callers_gets_the_served_runners_logits(built, variant):
+    """What evaluate's parallel callers score (`runner_for_test_split`: one-thread calls side by side, OpenVINO on
+    two streams) is what the runner a server loads scores, review by review: the same labels and logits within the
+    batch-invariance contract (1e-4)."""
+    from pipeline.evaluation.accuracy import runner_for_test_split
+
+    seqs = read_tokenized(built["tokenized"], "test")["input_ids"].tolist()
+    runner, callers = runner_for_test_split(built["dirs"][variant], threads=2)
+    assert callers == 2
+    parallel = predict_logits(runner, seqs, 16, callers=callers)
+    served = predict_logits(load_runner(built["dirs"][variant], 2), seqs, 16)
+    assert (parallel.argmax(-1) == served.argmax(-1)).all()
+    assert float(np.abs(parallel - served).max()) <= 1e-4
 
 
 def test_log_variant_runs_names_the_formats_and_the_predictor_it_logs():

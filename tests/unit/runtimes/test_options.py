@@ -29,6 +29,10 @@ def test_checked_options_refuses_unknown_keys_and_values_by_name():
         checked_options("x", {"batching": "row"}, allowed)
     with pytest.raises(VariantError, match="freeze=1 is not one of True, False"):  # 1 == True, but not a bool
         checked_options("x", {"freeze": 1}, allowed)
+    # None: any value passes here, the runtime checks it itself (a count), and the message says so
+    assert checked_options("x", {"streams": 3}, {"streams": None}) == {"streams": 3}
+    with pytest.raises(VariantError, match=r"its options: streams \(checked by the runtime\)"):
+        checked_options("x", {"stream": 3}, {"streams": None})
 
 
 @pytest.mark.parametrize(("runtime", "options", "message"), [
@@ -36,6 +40,9 @@ def test_checked_options_refuses_unknown_keys_and_values_by_name():
     (OrtRunner, {"optimization": "max"}, r"optimization='max' is not one of 'disable', 'basic', 'extended', 'all'"),
     (OrtRunner, {"batching": "row"}, r"batching='row' is not one of"),
     (OpenVinoRunner, {"optimization": "all"}, r"openvino runtime has no option 'optimization'; its options: batching"),
+    (OpenVinoRunner, {"streams": 0}, r"openvino option streams must be an integer of at least 1, not 0"),
+    (OpenVinoRunner, {"streams": "2"}, r"openvino option streams must be an integer of at least 1, not '2'"),
+    (OpenVinoRunner, {"streams": True}, r"openvino option streams must be an integer of at least 1, not True"),
     (TorchScriptRunner, {"batching": "rows"}, r"torchscript runtime has no option 'batching'; its options: freeze"),
     (TorchRunner, {"autocast": "int4"}, r"autocast='int4' is not one of None, 'bf16', 'fp16'"),
     (TorchRunner, {"readout": True}, r"torch runtime has no option 'readout'"),
@@ -83,3 +90,8 @@ def test_the_options_the_pipeline_passes_still_load(tmp_path):
     assert described["inference_precision"] in ("f32", "bf16", "f16")
     ids = np.arange(6, dtype=np.int64).reshape(2, 3)
     np.testing.assert_array_equal(ov_runner(ids, np.ones_like(ids)), ids.astype(np.float32))
+    assert described["streams"] == 1  # as served: one stream
+    # the evaluate stage's side-by-side calls: two streams sharing the two threads, the same answers
+    two = OpenVinoRunner.load(tmp_path / "ir", ov_info, 2, batching="rows", streams=2)
+    assert two.describe()["streams"] == 2 and two.describe()["threads"] == 2
+    np.testing.assert_array_equal(two(ids, np.ones_like(ids)), ids.astype(np.float32))
