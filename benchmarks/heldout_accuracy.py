@@ -36,11 +36,10 @@ from pipeline.core.machine import machine_info
 from pipeline.core.params import DataParams, read_params, section
 from pipeline.data.imdb import TRANSFER, load_imdb, make_splits
 from pipeline.data.tokens import encode_texts
-from pipeline.evaluation.accuracy import paired_se_pt
+from pipeline.evaluation.accuracy import paired_se_pt, runner_for_test_split
 from pipeline.modeling import load_finetuned, pad_id
 from pipeline.runtimes.base import predict_logits
 from pipeline.runtimes.eager import TorchRunner, logits_module
-from pipeline.runtimes.registry import load_runner
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -117,9 +116,13 @@ def main(argv: list[str] | None = None) -> None:
         start = time.perf_counter()
         label, _, where = name.partition("=")  # LABEL=DIR scores a variant directory outside --variants-dir
         directory = Path(where) if where else args.variants_dir / name
-        pred = predict_logits(load_runner(directory, args.threads), fp32_seqs, 16, pad_id=pad,
-                              progress=label).argmax(-1)
-        by_variant[label] = paired_difference(pred, fp32_pred, labels) | {"seconds": time.perf_counter() - start}
+        # as the evaluate stage scores it: a variant scored by rows as one-thread calls on every core at once
+        variant_runner, callers = runner_for_test_split(directory, args.threads)
+        pred = predict_logits(variant_runner, fp32_seqs, 16, pad_id=pad, progress=label,
+                              callers=callers).argmax(-1)
+        by_variant[label] = paired_difference(pred, fp32_pred, labels) | {
+            "seconds": time.perf_counter() - start,
+            "scored_with": {**variant_runner.describe(), "concurrent_calls": callers}}
     window = meta["params"].get("train", {}).get("max_length") or trained["max_length"]
     result = {"reviews": len(labels), "source": "train split, reviews the profile did not train on",
               "data_max_length": trained["max_length"],
