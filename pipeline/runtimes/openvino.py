@@ -26,8 +26,7 @@ def compiled_model(model: Path | Any, threads: int | None = None, streams: int =
     with that many streams sharing the threads, each running its own call."""
     from pipeline.core.machine import default_threads
 
-    if streams < 1:
-        raise VariantError(f"OpenVINO needs at least one stream, not {streams}")
+    streams = checked_streams(streams)
     threads = threads or default_threads()
     try:
         import openvino as ov
@@ -45,6 +44,14 @@ def compiled_model(model: Path | Any, threads: int | None = None, streams: int =
         raise VariantError(f"OpenVINO cannot load {model}: {exc}") from exc
 
 
+def checked_streams(streams: Any) -> int:
+    """`streams` (the runner's option, `compiled_model`'s argument) if it is an integer of at least 1, else a
+    `VariantError`: checked once here for both, before any file is read."""
+    if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
+        raise VariantError(f"openvino option streams must be an integer of at least 1, not {streams!r}")
+    return streams
+
+
 #: Held while OpenVINO's Python module sets up its NumPy API (`numpy_api_ready`).
 _NUMPY_API_LOCK = threading.Lock()
 
@@ -53,7 +60,8 @@ def numpy_api_ready() -> None:
     """Make OpenVINO's Python module set up its NumPy API now, in one thread. pybind11 does it on the module's first
     NumPy conversion, under a call-once that two threads entering together can deadlock on, the GIL held: two first
     `infer` calls at once (a server's first concurrent requests, evaluate's parallel callers) hung the whole process,
-    in one fresh process of 4 to 16 (`tests/unit/runtimes/test_openvino_threads.py`). Once done, it is a no-op."""
+    in one fresh process of 4 to 16 (`tests/unit/runtimes/test_openvino_threads.py`). After the first, a call only
+    repeats a one-element conversion."""
     import openvino as ov
 
     with _NUMPY_API_LOCK:  # a second thread waits here with the GIL released, not inside pybind11's call-once
@@ -111,9 +119,7 @@ class OpenVinoRunner:
         options = checked_options("openvino", options, {"batching": BATCHING_MODES, "streams": None})
         if info is None:
             raise VariantError(f"{directory} has no variant record: OpenVINO runs OpenVINO IR variants only")
-        streams = options.get("streams", 1)
-        if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
-            raise VariantError(f"openvino option streams must be an integer of at least 1, not {streams!r}")
+        streams = checked_streams(options.get("streams", 1))
         return cls(model_file(directory, info), threads, options.get("batching", "auto"), streams)
 
     def describe(self) -> dict[str, Any]:

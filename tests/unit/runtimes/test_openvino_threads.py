@@ -20,9 +20,7 @@ import sys, threading
 import numpy as np
 from pathlib import Path
 from pipeline.runtimes import openvino as runtime
-if sys.argv[2] == "unguarded":  # what the runner did before: no set-up before the first calls
-    runtime.numpy_api_ready = lambda: None
-runner = runtime.OpenVinoRunner(Path(sys.argv[1]), 2, batching="batched", streams=int(sys.argv[3]))
+runner = runtime.OpenVinoRunner(Path(sys.argv[1]), 2, batching="batched", streams=int(sys.argv[2]))
 ids = np.arange(6, dtype=np.int64).reshape(2, 3)
 start, out = threading.Barrier(2), [None, None]
 def call(i):
@@ -38,9 +36,9 @@ print("answered")
 PROCESSES = 8
 
 
-def _race(ir: Path, mode: str, streams: int, timeout: float) -> list[str]:
+def _race(ir: Path, streams: int, timeout: float) -> list[str]:
     """How each of `PROCESSES` fresh processes ended: `answered`, or `hung` when it passed `timeout` seconds."""
-    procs = [subprocess.Popen([sys.executable, "-c", RACE, str(ir), mode, str(streams)], stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, "-c", RACE, str(ir), str(streams)], stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL, text=True, cwd=Path(__file__).resolve().parents[3])
              for _ in range(PROCESSES)]
     ends = []
@@ -62,4 +60,4 @@ def test_first_calls_from_two_threads_at_once_are_both_answered(tmp_path, stream
 
     ir = tmp_path / "model.xml"
     ov.save_model(ov.convert_model(str(_identity_onnx(tmp_path / "m.onnx"))), str(ir))
-    assert _race(ir, "guarded", streams, timeout=120) == ["answered"] * PROCESSES
+    assert _race(ir, streams, timeout=120) == ["answered"] * PROCESSES
