@@ -14,7 +14,8 @@ def quantize(stage: StageContext, finetuned: Finetuned, tokenized: Tokenized, va
     tracked_stage(stage.run_context, params=stage.params, stage="quantize", sections=("quantize", "export"),
                   body=lambda: run_quantize(finetuned=finetuned, fp32_onnx=variants_dir / "fp32-onnx",
                                             tokenized=tokenized, variants_root=variants_dir, params=stage.params,
-                                            choice=stage.auto.weight_format))
+                                            choice=stage.auto.weight_format,
+                                            qat_precision=stage.auto.qat_precision))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from tests.factories import (
     ROOT,
     link_venv,
     migrated_tracking_store,
+    qat_precision_here,
     shared_across_workers,
     weight_format_here,
     write_tokenized,
@@ -256,6 +257,7 @@ def built(tmp_path_factory, tiny_model_dir) -> dict[str, Any]:
                            build=["int8-dynamic", "int8-static", "int8-qat", "int8-openvino", "int8-qat-openvino"])
         quantize = run_quantize(finetuned=tiny_model_dir, fp32_onnx=dirs["fp32-onnx"], tokenized=tok_dir,
                                 variants_root=root / "variants", choice=weight_format_here(),
+                                qat_precision=qat_precision_here(),
                                 params=Params(quantize=q, train=TrainParams(checkpoint_dir=str(root / "ckpt"))))
         trt = run_tensorrt(finetuned=tiny_model_dir, fp32_onnx=dirs["fp32-onnx"], int8_static=dirs["int8-static"],
                            tokenized=tok_dir, variants_root=root / "variants",

@@ -328,6 +328,13 @@ def postgres_cluster(bin_dir: Path) -> Iterator[dict[str, Any]]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def qat_precision_here(params: Params | None = None) -> Choice:
+    """`quantize.qat_precision` of `params` (default: the defaults) as a stage on this machine resolves it."""
+    from pipeline.core.params import Params, resolve_auto
+
+    return resolve_auto(params or Params()).qat_precision
+
+
 def weight_format_here(params: Params | None = None) -> Choice:
     """`quantize.weight_format` of `params` (default: the defaults) as a stage on this machine resolves it once
     (`resolve_auto`) and hands it to the builders."""

@@ -210,6 +210,19 @@ def resolve_precision(asked: str, accelerator: str, flags: frozenset[str] | None
                   f"CPU has no native bf16 (no AVX512-BF16/AMX): bf16 is emulated{note}")
 
 
+def resolve_qat_precision(asked: str, flags: frozenset[str] | None = None) -> Choice:
+    """`quantize.qat_precision` (QAT trains on the CPU whatever `train.accelerator` says). `auto`: bf16-mixed where
+    the CPU has native bf16 (AVX512-BF16 or AMX), else 32-true: emulated bf16 would be slower than fp32."""
+    if asked != "auto":
+        return Choice("quantize.qat_precision", asked, asked, "set explicitly")
+    flags, note = _decide_with(flags)
+    have = _present(flags, BF16_FLAGS)
+    if have:
+        return Choice("quantize.qat_precision", asked, "bf16-mixed", f"CPU has native bf16 ({', '.join(have)}){note}")
+    return Choice("quantize.qat_precision", asked, "32-true",
+                  f"CPU has no native bf16 (no AVX512-BF16/AMX): bf16 is emulated{note}")
+
+
 def training_attention(precision: str, accelerator: str, cuda: bool | None = None) -> Choice:
     """The attention kernel a training job runs (`train.attention`, derived: no setting asks for it) for its
     resolved `train.precision` on this machine: `eager` (Hugging Face's matrix products and softmax) for bf16 on the

@@ -202,7 +202,7 @@ def fit(module: L.LightningModule, params: TrainParams, *, store: CheckpointStor
 def attention_while_training(module: L.LightningModule, attention: Choice) -> Iterator[None]:
     """`module.model` (a Hugging Face model) runs `attention`'s kernel while the block trains, and its own again
     after it, so what is scored and saved afterwards is the model as loaded. A model without a switchable
-    attention (NNCF's fake-quantized graph: QAT, which trains in fp32 anyway) is left as it is."""
+    attention (NNCF's fake-quantized graph: int8-qat-openvino's QAT) is left as it is."""
     model = getattr(module, "model", None)
     loaded = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if attention.value == "as loaded" or loaded in (None, attention.value) or \

@@ -35,9 +35,9 @@ class QatResult:
 
 @dataclass(frozen=True, kw_only=True)
 class QatRun:
-    """One QAT finetune's reviews and settings: `params`' epochs, batch size and `qat_distillation` (and, for
-    int8-qat, the weight format), the job's own learning rate, where it checkpoints (`store`, None: nowhere) and
-    whether it resumes (`plan`, from `qat_checkpoints`)."""
+    """One QAT finetune's reviews and settings: `params`' epochs, batch size, `qat_distillation` and resolved
+    `qat_precision` (and, for int8-qat, the weight format), the job's own learning rate, where it checkpoints
+    (`store`, None: nowhere) and whether it resumes (`plan`, from `qat_checkpoints`)."""
 
     reviews: Sequence[np.ndarray]  # token ids, in the training window
     labels: Sequence[int] | np.ndarray
@@ -53,7 +53,8 @@ class QatRun:
         q = self.params
         return {"qat_samples": len(self.reviews) * q.qat_epochs, "qat_steps": steps, "qat_epochs": q.qat_epochs,
                 "qat_max_length": max(len(r) for r in self.reviews), "qat_lr": self.lr,
-                "qat_distillation": q.qat_distillation, "qat_final_loss": round(final_loss, 4),
+                "qat_distillation": q.qat_distillation, "qat_precision": q.trainer_precision(),
+                "qat_final_loss": round(final_loss, 4),
                 **{f"qat_{k}": v for k, v in (self.plan.record() if self.plan else {}).items()}}
 
 
@@ -77,10 +78,11 @@ def qat_checkpoints(train: TrainParams, job: str, settings: Mapping[str, Any], m
 
 
 def qat_train_params(params: QuantizeParams, seed: int) -> TrainParams:
-    """The Trainer's settings for QAT: `quantize.qat_epochs` in full precision on one CPU process (the learning
-    rate, batch size and loss are QAT's own, given to the module and loader)."""
-    return TrainParams(epochs=params.qat_epochs, precision="32-true", accelerator="cpu", strategy="auto", devices=1,
-                       num_nodes=1, grad_accum=1, val_checks_per_epoch=1, seed=seed, profiler=False, threads=None)
+    """The Trainer's settings for QAT: `quantize.qat_epochs` in the resolved `quantize.qat_precision` on one CPU
+    process (the learning rate, batch size and loss are QAT's own, given to the module and loader)."""
+    return TrainParams(epochs=params.qat_epochs, precision=params.trainer_precision(),  # type: ignore[arg-type]
+                       accelerator="cpu", strategy="auto", devices=1, num_nodes=1, grad_accum=1,
+                       val_checks_per_epoch=1, seed=seed, profiler=False, threads=None)
 
 
 def qat_finetune(model: torch.nn.Module, run: QatRun, skip_in_features: int | None = None) -> QatResult:

@@ -39,6 +39,7 @@ def qat_onnx(inputs: QuantizeInputs, method: str, out: Path) -> dict[str, Any]:
     reviews, labels = qat_reviews(inputs, params.qat_train_samples)
     settings = {"qat_epochs": params.qat_epochs, "qat_batch_size": params.qat_batch_size, "qat_lr": params.qat_lr,
                 "qat_distillation": params.qat_distillation, "weight_format": params.weight_format,
+                "qat_precision": params.trainer_precision(),
                 "ffn_width": inputs.ffn_width, "reviews": token_fingerprint(reviews),
                 "labels": token_fingerprint([labels])}
     store, plan = qat_checkpoints(train, CHECKPOINT_JOB, settings, model, [inputs.finetuned], code=())

@@ -270,7 +270,8 @@ def qat_openvino(graph: Any, job: QatJob, out: Path) -> dict[str, Any]:
     q = job.params
     quantized, fp32 = fake_quantized(graph, job.calibration)
     settings = {"qat_epochs": q.qat_epochs, "qat_batch_size": q.qat_batch_size, "qat_lr": q.qat_openvino_lr,
-                "qat_distillation": q.qat_distillation, "nncf": nncf.__version__,
+                "qat_distillation": q.qat_distillation, "qat_precision": q.trainer_precision(),
+                "nncf": nncf.__version__,
                 "calibration": token_fingerprint([ids for ids, _ in job.calibration]),
                 "reviews": token_fingerprint(job.reviews), "labels": token_fingerprint([job.labels])}
     # what builds the model that trains: nncf.quantize's call here, the SDPA copy, the graph int8-openvino converts

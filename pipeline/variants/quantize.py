@@ -60,7 +60,8 @@ def _build_static(inputs: QuantizeInputs, out: Path) -> dict[str, Any]:
 
 def _build_qat(inputs: QuantizeInputs, out: Path) -> dict[str, Any]:
     record = qat_onnx(inputs, inputs.static_calibration()["method"], out)
-    return {**record, **int8_census(out, "int8-qat"), **weight_record(inputs.choice)}
+    return {**record, **int8_census(out, "int8-qat"), **weight_record(inputs.choice),
+            "qat_precision_choice": inputs.qat_choice.tag()}
 
 
 def _build_qat_openvino(inputs: QuantizeInputs, out: Path) -> dict[str, Any]:
@@ -74,7 +75,8 @@ def _build_qat_openvino(inputs: QuantizeInputs, out: Path) -> dict[str, Any]:
                  calibration=calibration_batches(inputs.calibration, pad_id=inputs.pad_id,
                                              batch_size=inputs.q.calibration_batch_size),
                  reviews=reviews, labels=labels, check_reviews=inputs.val["input_ids"].tolist()[:16])
-    return {**qat_openvino(graph, job, out), "calibration_samples": len(inputs.calibration), **readout}
+    return {**qat_openvino(graph, job, out), "calibration_samples": len(inputs.calibration), **readout,
+            "qat_precision_choice": inputs.qat_choice.tag()}
 
 
 #: The quantize stage's builders, one per variant of `quantize.build`, in the order they run (int8-qat reuses the
@@ -94,13 +96,16 @@ CHECKPOINT_JOBS = {"int8-qat": onnx_qat.CHECKPOINT_JOB, "int8-qat-openvino": ope
 
 
 def run_quantize(*, finetuned: Path, fp32_onnx: Path, tokenized: Path, variants_root: Path,
-                 params: Params, choice: Choice) -> dict[str, Any]:
+                 params: Params, choice: Choice, qat_precision: Choice) -> dict[str, Any]:
     """`int8-dynamic`, `int8-openvino`, `int8-static` (calibration method chosen on validation reviews), `int8-qat`
     and `int8-qat-openvino`, each when `quantize.build` lists it (the rest are written as skipped with the reason),
     with INT8 weights in the format `choice` (how the stage resolved `quantize.weight_format`; the OpenVINO
-    variants' weights are NNCF's signed 8-bit)."""
+    variants' weights are NNCF's signed 8-bit); both QAT finetunes train in `qat_precision` (how the stage resolved
+    `quantize.qat_precision`)."""
     log.info("quantize.weight_format: %s", choice.tag())
-    q = dataclasses.replace(params.quantize, weight_format=choice.value)  # every builder below sees the format
+    log.info("quantize.qat_precision: %s", qat_precision.tag())
+    # every builder below sees the resolved format and QAT precision
+    q = dataclasses.replace(params.quantize, weight_format=choice.value, qat_precision=qat_precision.value)
     out = directories(variants_root)
     model, tokenizer, meta = load_finetuned(finetuned)
     arch = read_variant(fp32_onnx).params
@@ -121,7 +126,8 @@ def run_quantize(*, finetuned: Path, fp32_onnx: Path, tokenized: Path, variants_
             pad_id=pad_id(tokenizer), train=train, val=read_tokenized(tokenized, "val").iloc[: q.selection_samples],
             calibration=calibration_reviews(train, params),
             ffn_width=int(arch["intermediate_size"]) if q.ffn_output_dynamic else None,
-            cls_readout=bool(arch.get("cls_readout", False)), params=params, q=q, choice=choice, tmp=tmp)
+            cls_readout=bool(arch.get("cls_readout", False)), params=params, q=q, choice=choice,
+            qat_choice=qat_precision, tmp=tmp)
         for name, build in BUILDERS.items():
             if name not in q.build:
                 log.warning("%s skipped: %s", name, skipped)

@@ -44,6 +44,7 @@ class QuantizeInputs:
     params: Params
     q: QuantizeParams  # params.quantize with the weight format resolved
     choice: Choice  # how the stage resolved quantize.weight_format
+    qat_choice: Choice  # how the stage resolved quantize.qat_precision
     tmp: Path
     _static: dict[str, Any] | None = None
     _fused: tuple[Path, dict[str, Any]] | None = None

@@ -1,7 +1,8 @@
 """Every `auto` setting resolved once, for one machine, into a frozen record a stage passes down and records.
 
 `auto` settings and what decides them (`pipeline.core.machine` holds each rule and its reason):
-`train.precision` (CUDA and bf16 support, or the CPU's native bf16), `distill.enabled` (whether training is
+`train.precision` (CUDA and bf16 support, or the CPU's native bf16), `quantize.qat_precision` (the CPU's native
+bf16), `distill.enabled` (whether training is
 accelerated, given the resolved precision), `quantize.weight_format` (the CPU's INT8 dot products) and
 `benchmark.bf16_row` (the CPU's native bf16). `train.accelerator`/`train.strategy: auto` are Lightning's own and
 pass through; `package.variant: auto` is decided from evaluation results, not the machine (package stage)."""
@@ -17,6 +18,7 @@ from pipeline.core.machine import (
     resolve_bf16_row,
     resolve_distill,
     resolve_precision,
+    resolve_qat_precision,
     resolve_weight_format,
 )
 from pipeline.core.settings.root import Params
@@ -30,10 +32,12 @@ class ResolvedAuto:
     distill: Choice
     weight_format: Choice
     bf16_row: Choice
+    qat_precision: Choice
 
     def choices(self) -> dict[str, dict[str, Any]]:
         """Setting -> its choice as a dict (for metrics files and MLflow params)."""
-        return {c.setting: c.to_dict() for c in (self.precision, self.distill, self.weight_format, self.bf16_row)}
+        return {c.setting: c.to_dict() for c in (self.precision, self.distill, self.weight_format, self.bf16_row,
+                                                   self.qat_precision)}
 
     def apply(self, params: Params) -> Params:
         """`params` with each `auto` replaced by its resolved value (validated like any other params)."""
@@ -41,7 +45,8 @@ class ResolvedAuto:
             params,
             train=dataclasses.replace(params.train, precision=self.precision.value),
             distill=dataclasses.replace(params.distill, enabled=bool(self.distill.value)),
-            quantize=dataclasses.replace(params.quantize, weight_format=self.weight_format.value),
+            quantize=dataclasses.replace(params.quantize, weight_format=self.weight_format.value,
+                                         qat_precision=self.qat_precision.value),
             benchmark=dataclasses.replace(params.benchmark, bf16_row=bool(self.bf16_row.value)),
         )
 
@@ -56,4 +61,5 @@ def resolve_auto(params: Params, flags: frozenset[str] | None = None, cuda: bool
         distill=resolve_distill(params.distill.enabled, train.accelerator, precision.value, cuda),
         weight_format=resolve_weight_format(params.quantize.weight_format, flags),
         bf16_row=resolve_bf16_row(params.benchmark.bf16_row, flags),
+        qat_precision=resolve_qat_precision(params.quantize.qat_precision, flags),
     )

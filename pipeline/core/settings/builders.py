@@ -6,7 +6,7 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
-from pipeline.core.settings.choices import Auto, CalibrationMethodName, QuantizeBuild, WeightFormat
+from pipeline.core.settings.choices import Auto, CalibrationMethodName, QatPrecision, QuantizeBuild, WeightFormat
 from pipeline.core.settings.validation import settings_section
 
 Positive = Annotated[int, Field(ge=1)]
@@ -55,6 +55,13 @@ class QuantizeParams:
     qat_distillation: float = Field(1.0, ge=0, le=1)
     """Weight of the KL term to the FP32 model's predictions in the QAT loss (0 = plain cross-entropy on labels):
     QAT should learn to reproduce FP32 under INT8 rounding, not keep training on a few hundred reviews."""
+    qat_precision: QatPrecision | Auto = "auto"
+    """What both QAT finetunes (on the CPU) train in: `32-true`, or `bf16-mixed` (Lightning's bf16 autocast: the
+    student's and the FP32 teacher's matrix products in bf16, so the fake-quantized values entering them are
+    rounded to bf16's 8 significant bits; weights, optimizer state and loss in fp32). auto: bf16-mixed where the
+    CPU has native bf16 (AVX512-BF16/AMX), else 32-true, where bf16 is emulated and slower
+    (`pipeline.core.machine.resolve_qat_precision`; the choice is recorded in each QAT variant). Either way the
+    variant then runs exact INT8 kernels: only the training's arithmetic differs (docs/variants.md)."""
     qat_openvino_train_samples: int = Field(750, ge=1)
     """training reviews for int8-qat-openvino's QAT (its epochs, batch size and distillation are the qat_ keys'):
     750 and 1,500 scored within two test reviews of each other for half the training; int8-qat's 300 reviews (at
@@ -82,6 +89,13 @@ class QuantizeParams:
             raise ValueError("quantize.weight_format is still 'auto': the stage resolves it once "
                              "(pipeline.core.settings.auto.resolve_auto) and passes the choice down")
         return str(self.weight_format)
+
+    def trainer_precision(self) -> str:
+        """`qat_precision` once the stage has resolved `auto` (`ResolvedAuto.qat_precision`), as `weights()`."""
+        if self.qat_precision == "auto":
+            raise ValueError("quantize.qat_precision is still 'auto': the stage resolves it once "
+                             "(pipeline.core.settings.auto.resolve_auto) and passes the choice down")
+        return str(self.qat_precision)
 
 
 @settings_section("prune")

@@ -14,6 +14,8 @@ Head = Literal["cls", "mean"]
 
 #: Lightning precisions the trainer accepts (`train.precision`, `auto` resolved by `resolve_auto`).
 Precision = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
+#: What QAT's CPU finetunes train in (`quantize.qat_precision`): fp32, or matrix products in bf16 under autocast.
+QatPrecision = Literal["32-true", "bf16-mixed"]
 CompileMode = Literal["default", "reduce-overhead", "max-autotune"]
 Accelerator = Literal["auto", "cpu", "gpu", "cuda"]
 Strategy = Literal["auto", "ddp", "ddp_spawn", "fsdp", "deepspeed"]
@@ -40,3 +42,4 @@ CALIBRATION_METHODS: tuple[str, ...] = get_args(CalibrationMethodName)
 WEIGHT_FORMATS: tuple[str, ...] = get_args(WeightFormat)
 QUANTIZE_BUILDS: tuple[str, ...] = get_args(QuantizeBuild)
 PRECISIONS: tuple[str, ...] = get_args(Precision)
+QAT_PRECISIONS: tuple[str, ...] = get_args(QatPrecision)

@@ -17,6 +17,7 @@ from pipeline.core.machine import (
     resolve_bf16_row,
     resolve_distill,
     resolve_precision,
+    resolve_qat_precision,
     resolve_weight_format,
     resolved_threads,
     thread_tags,
@@ -71,6 +72,17 @@ def test_precision_auto_on_the_cpu_follows_native_bf16(flags, precision):
     assert resolve_precision("16-mixed", "cpu", flags, cuda=False).value == "16-mixed"
 
 
+@pytest.mark.parametrize(("flags", "precision"), [(AVX2, "32-true"), (ZEN4, "bf16-mixed"), (ALDER, "32-true"),
+                                                  (SAPPHIRE, "bf16-mixed")])
+def test_qat_precision_auto_follows_native_bf16_and_an_explicit_value_is_kept(flags, precision):
+    """QAT trains on the CPU: `quantize.qat_precision: auto` is bf16 exactly where the CPU has it natively."""
+    choice = resolve_qat_precision("auto", flags)
+    assert (choice.setting, choice.asked, choice.value) == ("quantize.qat_precision", "auto", precision)
+    assert choice.reason.startswith("CPU has native bf16") is (precision == "bf16-mixed")
+    for explicit in ("32-true", "bf16-mixed"):
+        assert resolve_qat_precision(explicit, flags).value == explicit
+
+
 @pytest.mark.parametrize(("precision", "accelerator", "cuda", "kernel"),
                          [("bf16-mixed", "cpu", False, "eager"), ("bf16-true", "cpu", True, "eager"),
                           ("32-true", "cpu", False, "as loaded"), ("bf16-mixed", "auto", True, "as loaded"),
@@ -117,8 +129,9 @@ def test_a_flags_override_rehearses_another_cpus_choices_and_every_record_says_s
     real = _cpuinfo_flags()
     monkeypatch.setenv("PIPELINE_CPU_FLAGS", "avx, AVX2 fma")  # commas, spaces and case as a user may type them
     chosen = {"precision": resolve_precision("auto", "cpu", cuda=False), "weights": resolve_weight_format("auto"),
-              "bf16_row": resolve_bf16_row("auto"), "distill": resolve_distill("auto", "cpu", "32-true", cuda=False)}
-    assert [c.value for c in chosen.values()] == ["32-true", "u8", False, False]
+              "bf16_row": resolve_bf16_row("auto"), "distill": resolve_distill("auto", "cpu", "32-true", cuda=False),
+              "qat": resolve_qat_precision("auto")}
+    assert [c.value for c in chosen.values()] == ["32-true", "u8", False, False, "32-true"]
     assert all("PIPELINE_CPU_FLAGS" in c.reason for c in chosen.values())
     info = machine_info(threads=1)
     assert info["isa"] == {f: f in real for f in ISA_FLAGS}
@@ -143,7 +156,8 @@ def test_without_an_override_the_decisions_use_this_cpus_flags_and_say_nothing_o
     for auto, on_these_flags in ((resolve_precision("auto", "cpu", cuda=False),
                                   resolve_precision("auto", "cpu", cpu_flags(), cuda=False)),
                                  (resolve_weight_format("auto"), resolve_weight_format("auto", cpu_flags())),
-                                 (resolve_bf16_row("auto"), resolve_bf16_row("auto", cpu_flags()))):
+                                 (resolve_bf16_row("auto"), resolve_bf16_row("auto", cpu_flags())),
+                                 (resolve_qat_precision("auto"), resolve_qat_precision("auto", cpu_flags()))):
         assert auto == on_these_flags and "PIPELINE_CPU_FLAGS" not in auto.reason
 
 

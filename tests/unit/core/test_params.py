@@ -132,22 +132,29 @@ def test_training_window_is_at_most_the_inference_length(data_len, train_len):
 def test_auto_settings_resolve_once_for_a_machine():
     every_auto = parse_params({"distill": {"enabled": "auto"}})  # the others are `auto` by default
     avx2 = resolve_auto(every_auto, flags=frozenset({"avx2"}), cuda=False)
-    assert (avx2.precision.value, avx2.distill.value, avx2.weight_format.value, avx2.bf16_row.value) == (
-        "32-true", False, "u8", False)
+    assert (avx2.precision.value, avx2.distill.value, avx2.weight_format.value, avx2.bf16_row.value,
+            avx2.qat_precision.value) == ("32-true", False, "u8", False, "32-true")
     amx = resolve_auto(every_auto, flags=frozenset({"avx512_vnni", "amx_bf16", "amx_int8"}), cuda=False)
-    assert (amx.precision.value, amx.distill.value, amx.weight_format.value, amx.bf16_row.value) == (
-        "bf16-mixed", True, "s8", True)
+    assert (amx.precision.value, amx.distill.value, amx.weight_format.value, amx.bf16_row.value,
+            amx.qat_precision.value) == ("bf16-mixed", True, "s8", True, "bf16-mixed")
     resolved = amx.apply(every_auto)
     assert (resolved.train.precision, resolved.distill.enabled, resolved.quantize.weight_format,
-            resolved.benchmark.bf16_row) == ("bf16-mixed", True, "s8", True)
-    assert set(amx.choices()) == {"train.precision", "distill.enabled", "quantize.weight_format", "benchmark.bf16_row"}
+            resolved.benchmark.bf16_row, resolved.quantize.qat_precision) == ("bf16-mixed", True, "s8", True,
+                                                                              "bf16-mixed")
+    assert set(amx.choices()) == {"train.precision", "distill.enabled", "quantize.weight_format", "benchmark.bf16_row",
+                                  "quantize.qat_precision"}
+    with pytest.raises(ValueError, match="still 'auto'"):
+        every_auto.quantize.trainer_precision()
+    assert resolved.quantize.trainer_precision() == "bf16-mixed"
 
 
 def test_explicit_settings_are_kept_by_resolve_auto():
     params = parse_params({"train": {"precision": "bf16-true"}, "distill": {"enabled": False},
-                           "quantize": {"weight_format": "s7"}, "benchmark": {"bf16_row": True}})
+                           "quantize": {"weight_format": "s7", "qat_precision": "bf16-mixed"},
+                           "benchmark": {"bf16_row": True}})
     r = resolve_auto(params, flags=frozenset(), cuda=False)
-    assert [c.reason for c in (r.precision, r.distill, r.weight_format, r.bf16_row)] == ["set explicitly"] * 4
+    assert [c.reason for c in (r.precision, r.distill, r.weight_format, r.bf16_row, r.qat_precision)] == \
+        ["set explicitly"] * 5
     assert r.apply(params) == params
 
 

@@ -99,7 +99,7 @@ def test_qat_loss_is_labels_only_or_distilled(tiny_model_dir):
     for weight in (0.0, 1.0):
         model, _, _ = load_finetuned(tiny_model_dir)
         params = QuantizeParams(qat_epochs=1, qat_batch_size=4, qat_lr=0.0, qat_distillation=weight,
-                                weight_format=weight_format_here().value)
+                                weight_format=weight_format_here().value, qat_precision="32-true")
         result = qat_finetune(model, QatRun(reviews=seqs, labels=labels, params=params, lr=params.qat_lr))
         assert result.steps == 2
         losses[weight] = result.final_loss

@@ -9,6 +9,7 @@ import pytest
 from pipeline.core.params import QuantizeParams
 from pipeline.modeling import load_finetuned
 from pipeline.runtimes.record import read_variant
+from tests.factories import qat_precision_here
 
 
 def _reviews(n: int, seed: int = 0) -> list[np.ndarray]:
@@ -51,6 +52,9 @@ def test_the_variant_is_qat_through_nncf_in_openvino_ir(built, tokenizer):
     record = info.params
     assert "NNCF" in record["method"] and record["qat_samples"] == 32 and record["qat_steps"] >= 4
     assert record["qat_lr"] == QuantizeParams().qat_openvino_lr and record["cls_readout"] is True
+    # it trained in the precision this machine's stage resolves, and says why
+    here = qat_precision_here()
+    assert record["qat_precision"] == here.value and record["qat_precision_choice"] == here.tag()
     assert record["parity_batch"] == 16 and record["parity_max_abs_diff"] < 1e-2
     assert record["served_batching"] == "rows"  # static activation scales: one review per call, as int8-openvino
     # one quantizer read by query, key and value in the first layer, by key and value in the last (its query reads
@@ -65,9 +69,11 @@ def test_the_variant_is_qat_through_nncf_in_openvino_ir(built, tokenizer):
     assert np.abs(got - ref).max() < 1e-2
 
 
-def test_qat_trains_the_weights_and_the_quantizer_ranges(quantized):
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_qat_trains_the_weights_and_the_quantizer_ranges(quantized, precision):
     """At lr 0 nothing moves; at lr > 0 both the model's weights and NNCF's quantizer parameters do (QAT learns
-    the ranges too), and the FP32 teacher stays frozen."""
+    the ranges too), and the FP32 teacher stays frozen: in fp32 and under bf16 autocast (`quantize.qat_precision`,
+    where NNCF's quantizers see bf16 activations), the weights staying fp32."""
     import torch
 
     from pipeline.training.qat import QatRun, fake_quantized_finetune
@@ -76,7 +82,7 @@ def test_qat_trains_the_weights_and_the_quantizer_ranges(quantized):
     teacher_before = {k: v.clone() for k, v in teacher.state_dict().items()}
     rng = np.random.default_rng(1)
     seqs, labels = _reviews(16, seed=1), [int(x) for x in rng.integers(0, 2, 16)]
-    params = QuantizeParams(qat_epochs=1, qat_batch_size=8)
+    params = QuantizeParams(qat_epochs=1, qat_batch_size=8, qat_precision=precision)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     steps, _ = fake_quantized_finetune(model, teacher, QatRun(reviews=seqs, labels=labels, params=params, lr=0.0))
     assert steps == 2 and all(torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -84,6 +90,7 @@ def test_qat_trains_the_weights_and_the_quantizer_ranges(quantized):
     moved = {k for k, v in model.state_dict().items() if not torch.equal(before[k], v)}
     assert any("__nncf_hooks" in k for k in moved), sorted(moved)[:5]
     assert any("__nncf_hooks" not in k and k.endswith("weight") for k in moved), sorted(moved)[:5]
+    assert all(v.dtype != torch.bfloat16 for v in model.state_dict().values())
     assert all(torch.equal(teacher_before[k], v) for k, v in teacher.state_dict().items())
 
 
@@ -121,7 +128,8 @@ def test_qat_keeps_one_quantizer_per_tensor_as_int8_openvino(quantized):
     rng = np.random.default_rng(1)
     seqs, labels = _reviews(16, seed=1), [int(x) for x in rng.integers(0, 2, 16)]
     fake_quantized_finetune(model, None, QatRun(reviews=seqs, labels=labels,
-                                                params=QuantizeParams(qat_epochs=1, qat_batch_size=8), lr=1e-2))
+                                                params=QuantizeParams(qat_epochs=1, qat_batch_size=8,
+                                                                      qat_precision="32-true"), lr=1e-2))
     assert shared_quantizers(model) == shared and fake_quantizers() == before
     ids = torch.from_numpy(np.stack([r[:8] for r in _reviews(4, seed=2)]))
     assert torch.isfinite(model(ids, torch.ones_like(ids))).all()

@@ -10,7 +10,7 @@ import pytest
 from pipeline.core.params import ExportParams, Params, QuantizeParams, TrainParams
 from pipeline.runtimes.record import read_variant
 from pipeline.variants.quantize import run_quantize
-from tests.factories import product_weights, weight_format_here
+from tests.factories import product_weights, qat_precision_here, weight_format_here
 
 
 def test_static_calibration_selected_by_validation(built):
@@ -54,7 +54,7 @@ def test_a_profile_opting_out_builds_the_rest_with_one_export_and_records_the_ot
     params = QuantizeParams(calibration_samples=16, calibration_methods=["percentile"], qat_train_samples=8,
                             qat_batch_size=8, build=["int8-static", "int8-qat"])
     report = run_quantize(finetuned=tiny_model_dir, fp32_onnx=built["dirs"]["fp32-onnx"], tokenized=built["tokenized"],
-                          variants_root=tmp_path, choice=weight_format_here(),
+                          variants_root=tmp_path, choice=weight_format_here(), qat_precision=qat_precision_here(),
                           params=Params(quantize=params, train=TrainParams(checkpoint_dir=str(tmp_path / "ckpt")),
                                         export=ExportParams(opset=17)))
     assert len(exports) == 1 and opsets == [17], exports
@@ -100,6 +100,7 @@ def test_a_training_variants_checkpoints_stay_until_it_is_published(built, tiny_
     def run() -> None:
         run_quantize(finetuned=tiny_model_dir, fp32_onnx=built["dirs"]["fp32-onnx"], tokenized=built["tokenized"],
                      variants_root=tmp_path / "variants", choice=weight_format_here(),
+                     qat_precision=qat_precision_here(),
                      params=Params(quantize=QuantizeParams(build=[variant]), train=train))
 
     monkeypatch.setitem(quantize.BUILDERS, variant, trained_then(fail=True))
@@ -129,7 +130,8 @@ def test_a_qat_build_killed_after_training_resumes_and_its_checkpoints_go_once_p
                                 qat_batch_size=4, build=build)
         return run_quantize(finetuned=tiny_model_dir, fp32_onnx=built["dirs"]["fp32-onnx"],
                             tokenized=built["tokenized"], variants_root=tmp_path / "variants",
-                            choice=weight_format_here(), params=Params(quantize=params, train=train))
+                            choice=weight_format_here(), qat_precision=qat_precision_here(),
+                            params=Params(quantize=params, train=train))
 
     def killed(*args, **kwargs):
         raise QuantizeError("the conversion was stopped")
@@ -243,7 +245,7 @@ def test_fp32_onnx_exported_with_another_readout_is_refused(built, tiny_model_di
     with pytest.raises(QuantizeError, match="re-run the export stage"):
         run_quantize(finetuned=tiny_model_dir, fp32_onnx=built["dirs"]["fp32-onnx"], tokenized=built["tokenized"],
                      variants_root=tmp_path, params=Params(export=ExportParams(cls_readout=False)),
-                     choice=weight_format_here())
+                     choice=weight_format_here(), qat_precision=qat_precision_here())
     assert not (tmp_path / "int8-dynamic").exists()
 
 
