@@ -215,7 +215,7 @@ def test_the_body_gets_the_params_and_every_auto_resolved_once(tmp_path, monkeyp
         "unit-body"]
     assert {k: v["value"] for k, v in SEEN["auto"].items()} == {
         "train.precision": "32-true", "distill.enabled": False, "quantize.weight_format": "u8",
-        "benchmark.bf16_row": False}
+        "benchmark.bf16_row": False, "quantize.qat_precision": "32-true"}
 
 
 def test_auto_settings_are_resolved_only_where_a_stage_starts():
