@@ -190,6 +190,21 @@ def trains_on_cuda(accelerator: str, cuda: bool | None = None) -> bool:
     return cuda
 
 
+#: Why a bf16 choice falls back on a CPU without native bf16 (`_by_native_bf16`'s default).
+_EMULATED_BF16 = "CPU has no native bf16 (no AVX512-BF16/AMX): bf16 is emulated"
+
+
+def _by_native_bf16(setting: str, asked: Any, flags: frozenset[str] | None, native: Any, emulated: Any,
+                   emulated_reason: str = _EMULATED_BF16) -> Choice:
+    """`setting`'s `auto` decided by the CPU's native bf16 (AVX512-BF16 or AMX, in `flags` or this CPU's):
+    `native` where it has it, else `emulated`, each with its reason (and the flags override's note)."""
+    flags, note = _decide_with(flags)
+    have = _present(flags, BF16_FLAGS)
+    if have:
+        return Choice(setting, asked, native, f"CPU has native bf16 ({', '.join(have)}){note}")
+    return Choice(setting, asked, emulated, f"{emulated_reason}{note}")
+
+
 def resolve_precision(asked: str, accelerator: str, flags: frozenset[str] | None = None,
                       cuda: bool | None = None) -> Choice:
     """`train.precision`. `auto`: on CUDA bf16-mixed where the GPU supports it, else 16-mixed; on the CPU
@@ -202,12 +217,7 @@ def resolve_precision(asked: str, accelerator: str, flags: frozenset[str] | None
         if torch.cuda.is_bf16_supported():
             return Choice("train.precision", asked, "bf16-mixed", "CUDA device with bf16 support")
         return Choice("train.precision", asked, "16-mixed", "CUDA device without bf16 support")
-    flags, note = _decide_with(flags)
-    have = _present(flags, BF16_FLAGS)
-    if have:
-        return Choice("train.precision", asked, "bf16-mixed", f"CPU has native bf16 ({', '.join(have)}){note}")
-    return Choice("train.precision", asked, "32-true",
-                  f"CPU has no native bf16 (no AVX512-BF16/AMX): bf16 is emulated{note}")
+    return _by_native_bf16("train.precision", asked, flags, "bf16-mixed", "32-true")
 
 
 def resolve_qat_precision(asked: str, flags: frozenset[str] | None = None) -> Choice:
@@ -215,12 +225,7 @@ def resolve_qat_precision(asked: str, flags: frozenset[str] | None = None) -> Ch
     the CPU has native bf16 (AVX512-BF16 or AMX), else 32-true: emulated bf16 would be slower than fp32."""
     if asked != "auto":
         return Choice("quantize.qat_precision", asked, asked, "set explicitly")
-    flags, note = _decide_with(flags)
-    have = _present(flags, BF16_FLAGS)
-    if have:
-        return Choice("quantize.qat_precision", asked, "bf16-mixed", f"CPU has native bf16 ({', '.join(have)}){note}")
-    return Choice("quantize.qat_precision", asked, "32-true",
-                  f"CPU has no native bf16 (no AVX512-BF16/AMX): bf16 is emulated{note}")
+    return _by_native_bf16("quantize.qat_precision", asked, flags, "bf16-mixed", "32-true")
 
 
 def training_attention(precision: str, accelerator: str, cuda: bool | None = None) -> Choice:
@@ -277,9 +282,5 @@ def resolve_bf16_row(asked: bool | str, flags: frozenset[str] | None = None) -> 
     """`benchmark.bf16_row`. `auto`: measure FP32 weights under bf16 autocast only where bf16 is native."""
     if asked != "auto":
         return Choice("benchmark.bf16_row", asked, bool(asked), "set explicitly")
-    flags, note = _decide_with(flags)
-    have = _present(flags, BF16_FLAGS)
-    if have:
-        return Choice("benchmark.bf16_row", asked, True, f"CPU has native bf16 ({', '.join(have)}){note}")
-    return Choice("benchmark.bf16_row", asked, False,
-                  f"CPU has no native bf16: the row would only show emulation{note}")
+    return _by_native_bf16("benchmark.bf16_row", asked, flags, True, False,
+                          "CPU has no native bf16: the row would only show emulation")

@@ -80,7 +80,7 @@ def qat_checkpoints(train: TrainParams, job: str, settings: Mapping[str, Any], m
 def qat_train_params(params: QuantizeParams, seed: int) -> TrainParams:
     """The Trainer's settings for QAT: `quantize.qat_epochs` in the resolved `quantize.qat_precision` on one CPU
     process (the learning rate, batch size and loss are QAT's own, given to the module and loader)."""
-    return TrainParams(epochs=params.qat_epochs, precision=params.trainer_precision(),  # type: ignore[arg-type]
+    return TrainParams(epochs=params.qat_epochs, precision=params.trainer_precision(),
                        accelerator="cpu", strategy="auto", devices=1, num_nodes=1, grad_accum=1,
                        val_checks_per_epoch=1, seed=seed, profiler=False, threads=None)
 

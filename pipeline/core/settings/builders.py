@@ -90,12 +90,12 @@ class QuantizeParams:
                              "(pipeline.core.settings.auto.resolve_auto) and passes the choice down")
         return str(self.weight_format)
 
-    def trainer_precision(self) -> str:
+    def trainer_precision(self) -> QatPrecision:
         """`qat_precision` once the stage has resolved `auto` (`ResolvedAuto.qat_precision`), as `weights()`."""
         if self.qat_precision == "auto":
             raise ValueError("quantize.qat_precision is still 'auto': the stage resolves it once "
                              "(pipeline.core.settings.auto.resolve_auto) and passes the choice down")
-        return str(self.qat_precision)
+        return self.qat_precision
 
 
 @settings_section("prune")
