@@ -43,13 +43,14 @@ from pipeline.deployment.media_types import check_content_encoding
 from pipeline.deployment.protocol import (
     MLFLOW_SHAPES,
     REQUEST_ID_HEADER,
-    SCORE_DECIMALS,
     VARIANT_HEADER,
     VERSION_HEADER,
     Limits,
     ParsedRequest,
     RequestError,
     error_body,
+    rounded_score,
+    server_error,
 )
 from pipeline.deployment.request_parsing import parse_request
 from serving.endpoint_metrics import CLIENT_CLOSED, MODEL_BUSY, MODEL_ERROR, NOT_READY, Metrics, Outcome
@@ -118,8 +119,7 @@ class ContractMiddleware:
         except Exception:
             log.exception("request %s: answering %s %s failed", rid, scope.get("method"), scope.get("path"))
             outcome = Outcome(500, "server_error")
-            await self._json(send, 500, {"error": "internal error while answering this request (logged on "
-                                                  "the server)", "status": 500, "request_id": rid}, rid)
+            await self._json(send, 500, server_error(rid).body, rid)
         if (scope.get("state") or {}).get(PROTOCOL_REFUSED):
             return  # the connection's protocol answered this request itself (a 400 mid-body) and counted it
         path = scope.get("path", "")
@@ -169,7 +169,7 @@ class ContractMiddleware:
             self.metrics.in_flight.dec()
         if status != 200:
             return await self._failed(send, status, rid)
-        answer = [{**p, "score": round(float(p["score"]), SCORE_DECIMALS)}
+        answer = [{**p, "score": rounded_score(p["score"])}
                   if isinstance(p, dict) and isinstance(p.get("score"), int | float) else p
                   for p in predictions]  # as TorchServe's handler answers (`format_predictions`); another
         # pyfunc's records pass as it answers them
@@ -209,8 +209,7 @@ class ContractMiddleware:
             return Outcome(504, "timeout")
         if status == 503:
             return await self._retry_later(send, rid, "the model is still busy with a call that timed out", MODEL_BUSY)
-        await self._json(send, 500, {"error": "internal error while scoring this request (logged on the server "
-                                              "with its request id)", "status": 500, "request_id": rid}, rid)
+        await self._json(send, 500, server_error(rid).body, rid)
         return Outcome(500, MODEL_ERROR)
 
     async def _ready(self, send: Send, rid: str) -> Outcome:

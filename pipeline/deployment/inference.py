@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.data.tokens import clip_chars, encode_texts
-from pipeline.deployment.coalescing import MAX_BATCH_TEXTS
+from pipeline.deployment.coalescing import MAX_BATCH_TEXTS, Coalescer
 from pipeline.runtimes.base import pad_batch
 from pipeline.runtimes.record import VARIANT_FILE, read_variant
 from pipeline.runtimes.registry import load_runner
@@ -42,7 +42,8 @@ class SentimentPredictor:
     `max_chars` (None = no cap) cuts each text to that many characters, head and tail kept as in training,
     before the tokenizer sees it, so a huge text costs a bounded amount of tokenizer time and memory.
     `predict` takes any number of texts: they are tokenized `CHUNK_TEXTS` at a time (bounded memory) and scored
-    in batches of at most `max_batch`, each of reviews of similar length. Concurrent calls share the runner
+    in batches of at most `max_batch`, each of reviews of similar length (`score`, which any caller of token ids
+    goes through, so no input makes a forward pass larger than that). Concurrent calls share the runner
     through a `Coalescer`: reviews of callers that arrive while a batch runs are scored together in the next one
     (`pipeline.deployment.coalescing`), which changes no answer."""
 
@@ -51,7 +52,6 @@ class SentimentPredictor:
 
     def __init__(self, directory: str | Path, threads: int | None = None, max_chars: int | None = None,
                  max_batch: int = MAX_BATCH_TEXTS, **runner_options: Any) -> None:
-        from pipeline.deployment.coalescing import Coalescer
         from pipeline.modeling import load_saved_tokenizer, pad_id, read_model_record
 
         self.directory = Path(directory)
@@ -81,12 +81,12 @@ class SentimentPredictor:
                             head_fraction=p["head_fraction"])
 
     def predict(self, texts: Sequence[str], progress: bool | None = False) -> list[Prediction]:
-        """Predictions in input order for any number of texts (one padded batch when they fit `max_batch`).
-        `progress`: a progress bar over the chunks (None: only on a terminal, and only for more than one)."""
-        if len(texts) <= self.max_batch:
+        """Predictions in input order for any number of texts, tokenized `CHUNK_TEXTS` at a time and scored by
+        `score`. `progress`: a progress bar over the chunks (None: only on a terminal, and only for more than one)."""
+        if len(texts) <= self.CHUNK_TEXTS:
             return self.score(self.encode(texts))
         starts = range(0, len(texts), self.CHUNK_TEXTS)
-        if progress is not False and len(starts) > 1:
+        if progress is not False:
             from tqdm.auto import tqdm
 
             # tqdm's disable=None: shown on a terminal only
@@ -94,21 +94,27 @@ class SentimentPredictor:
                           disable=None if progress is None else False)
         out: list[Prediction] = []
         for start in starts:
-            encoded = self.encode(texts[start : start + self.CHUNK_TEXTS])
-            order = np.argsort([len(ids) for ids in encoded], kind="stable")  # similar lengths share a batch
-            answers: list[Prediction | None] = [None] * len(encoded)
-            for first in range(0, len(order), self.max_batch):
-                idx = order[first : first + self.max_batch]
-                for i, prediction in zip(idx, self.score([encoded[i] for i in idx]), strict=True):
-                    answers[i] = prediction
-            out.extend(a for a in answers if a is not None)
+            out.extend(self.score(self.encode(texts[start : start + self.CHUNK_TEXTS])))
         return out
 
     def score(self, encoded: Sequence[np.ndarray]) -> list[Prediction]:
-        """Predictions for token ids from `encode`, in order, as one padded batch, merged with other threads'
-        concurrent calls (`Coalescer`); the serving handler tokenizes each request on its own and scores the
-        survivors together."""
-        return self.coalescer(encoded)
+        """Predictions for token ids from `encode`, in order, for any number of sequences: sorted by length and
+        scored in padded batches of at most `max_batch` (so no caller, however many texts it hands over at once,
+        makes one forward pass larger than that), each merged with other threads' concurrent calls
+        (`Coalescer`). The TorchServe handler tokenizes each request of a frontend batch on its own and scores
+        the survivors together through here."""
+        if len(encoded) <= self.max_batch:
+            return self.coalescer(encoded)
+        order = np.argsort([len(ids) for ids in encoded], kind="stable")  # similar lengths share a batch
+        answers: list[Prediction | None] = [None] * len(encoded)
+        for first in range(0, len(order), self.max_batch):
+            idx = order[first : first + self.max_batch]
+            for i, prediction in zip(idx, self.coalescer([encoded[i] for i in idx]), strict=True):
+                answers[i] = prediction
+        missing = [i for i, a in enumerate(answers) if a is None]
+        if missing:
+            raise RuntimeError(f"no answer for {len(missing)} of {len(encoded)} sequences")
+        return [a for a in answers if a is not None]
 
     def _score_batch(self, encoded: Sequence[np.ndarray]) -> list[Prediction]:
         if not encoded:

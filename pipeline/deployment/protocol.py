@@ -183,8 +183,13 @@ def has_visible(text: str) -> bool:
 
 def format_predictions(predictions: Sequence[Any], is_list: bool, model: str) -> Any:
     """`{"label", "score", "model"}` per text; a list when the request sent a list."""
-    items = [{"label": p.label, "score": round(float(p.score), SCORE_DECIMALS), "model": model} for p in predictions]
+    items = [{"label": p.label, "score": rounded_score(p.score), "model": model} for p in predictions]
     return items if is_list else items[0]
+
+
+def rounded_score(score: float) -> float:
+    """A probability as both servers answer it: `SCORE_DECIMALS` decimals."""
+    return round(float(score), SCORE_DECIMALS)
 
 
 def error_body(err: RequestError) -> dict[str, Any]:
@@ -193,8 +198,10 @@ def error_body(err: RequestError) -> dict[str, Any]:
 
 
 def server_error(request_id: str | None = None) -> Answer:
-    """The 500 for a request the server failed on (a new answer each time: its body is the caller's to extend)."""
-    body: dict[str, Any] = {"error": "internal error while scoring this request (logged on the server)", "status": 500}
+    """The 500 for a request the server failed on, the same body on both servers (a new answer each time: its body
+    is the caller's to extend)."""
+    body: dict[str, Any] = {"error": "internal error while answering this request (logged on the server with its "
+                                     "request id)", "status": 500}
     return Answer(500, {**body, "request_id": request_id} if request_id is not None else body)
 
 

@@ -108,9 +108,32 @@ def test_a_model_failure_is_a_500_with_a_request_id_logged_and_counted_as_the_se
     answer = json.loads(body)
     assert answer["status"] == 500 and answer["request_id"] == "client-id-42" == headers["x-request-id"]
     assert "boom" not in body.decode()  # never the input
+    assert answer == torchserve_500("client-id-42")  # the body TorchServe's handler answers a model that raised
     assert any("client-id-42" in r.getMessage() and "model failed" in r.getMessage() for r in caplog.records)
     assert metric(app, "sentiment_request_errors_total", kind="model_error", side="server") == 1
     assert metric(app, "sentiment_request_errors_total", side="client") == 0
+
+
+def torchserve_500(request_id: str) -> dict[str, Any]:
+    """What TorchServe's handler (`answer_batch`) answers a request whose scoring raised, named `request_id`."""
+    import numpy as np
+
+    from pipeline.deployment.batch_answers import answer_batch
+    from pipeline.deployment.protocol import Limits
+    from pipeline.deployment.request_parsing import RawRequest
+
+    class Raising:
+        def encode(self, texts: list[str]) -> list[np.ndarray]:
+            return [np.array([1, 2]) for _ in texts]
+
+        def score(self, encoded: list[np.ndarray]) -> list[Any]:
+            raise RuntimeError("the model failed")
+
+    limits = Limits(max_texts=64, max_body_bytes=1_000_000, max_chars_per_text=20_000, max_json_depth=8)
+    (answer,) = answer_batch([RawRequest(b'{"text": "fine"}', "application/json")], Raising(), limits, "m",
+                             [request_id])
+    assert answer.status == 500
+    return answer.body
 
 
 def test_the_callers_mistake_stays_a_4xx_and_an_unsafe_request_id_is_replaced(served):

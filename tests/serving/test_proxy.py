@@ -33,8 +33,8 @@ QUEUE_FULL = {"code": 503, "type": "ServiceUnavailableException",
 #: The handler's own refusal and failure, which the proxy must not touch.
 HANDLER_ANSWERS = {
     "refuse": (413, {"error": "texts exceed the maximum of 64 per request", "status": 413, "request_id": "r-1"}),
-    "fail": (500, {"error": "internal error while scoring this request (logged on the server)", "status": 500,
-                   "request_id": "r-2"}),
+    "fail": (500, {"error": "internal error while answering this request (logged on the server with its request id)",
+                   "status": 500, "request_id": "r-2"}),
     "ok": (200, {"label": "positive", "score": 0.9, "model": "sentiment"}),
 }
 #: The request line every scoring request must reach the upstream as.

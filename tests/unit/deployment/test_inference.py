@@ -76,6 +76,39 @@ def test_predict_scores_a_long_input_in_bounded_chunks_in_input_order(tiny_model
     assert np.allclose([p.score for p in got], [p.score for p in expected], atol=1e-5)
 
 
+def test_score_never_runs_a_forward_pass_larger_than_max_batch(tiny_model_dir):
+    """`score` is what TorchServe's handler calls with every surviving request of a frontend batch at once (8
+    requests of up to `package.max_texts` texts each): however many token-id sequences it is handed, it runs
+    padded batches of at most `max_batch` sequences of similar length, and answers in input order as if each
+    were scored alone."""
+    from pipeline.deployment.batch_answers import answer_batch
+    from pipeline.deployment.protocol import Limits
+    from pipeline.deployment.request_parsing import RawRequest
+
+    predictor = SentimentPredictor(tiny_model_dir, max_batch=8)
+    shapes: list[tuple[int, int]] = []
+    runner = predictor.runner
+    predictor.runner = lambda ids, mask: (shapes.append(ids.shape), runner(ids, mask))[1]
+    texts = [("great " if i % 3 else "awful ") * (1 + (i * 11) % 40) + str(i) for i in range(37)]
+    encoded = predictor.encode(texts)
+    got = predictor.score(encoded)
+    assert max(rows for rows, _ in shapes) <= 8 and sum(rows for rows, _ in shapes) == len(texts)
+    # sorted by length: the padded cells are fewer than one batch of all 37 padded to the longest
+    assert sum(rows * cols for rows, cols in shapes) < len(texts) * max(len(ids) for ids in encoded)
+    expected = [predictor.score([ids])[0] for ids in encoded]
+    assert [p.label for p in got] == [p.label for p in expected]
+    assert np.allclose([p.score for p in got], [p.score for p in expected], atol=1e-5)
+
+    import json
+
+    shapes.clear()
+    requests = [RawRequest(json.dumps({"texts": texts[i::4]}).encode(), "application/json") for i in range(4)]
+    limits = Limits(max_texts=64, max_body_bytes=1_000_000, max_chars_per_text=20_000, max_json_depth=8)
+    answers = answer_batch(requests, predictor, limits, "m")
+    assert [a.status for a in answers] == [200] * 4
+    assert shapes and max(rows for rows, _ in shapes) <= 8
+
+
 def test_every_servable_format_names_the_packages_its_mlflow_model_needs():
     from pipeline.deployment.mlflow_model import runtime_requirements
     from pipeline.runtimes.catalog import VARIANTS
