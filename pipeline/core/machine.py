@@ -90,6 +90,17 @@ def default_threads() -> int | None:
     return int(raw) if raw.isdigit() and int(raw) > 0 else None
 
 
+def capped_threads(setting: int | None) -> int | None:
+    """A `*.threads` setting lowered to the `OMP_NUM_THREADS` cap where one is set (None: the cap itself, or the
+    runtime's own default). For a model loaded where the caller decides the cores (a Spark task's `spark.task.cpus`,
+    which its executor hands on as the cap), so a count chosen for one serving process does not put many of
+    them on every core at once."""
+    cap = default_threads()
+    if setting is None or cap is None:
+        return setting if setting is not None else cap
+    return min(setting, cap)
+
+
 def resolved_threads(setting: int | None) -> int:
     """The intra-op threads a `*.threads` setting stands for where a count is needed (the benchmark's runtimes and
     record, evaluate's concurrent callers): the setting where set, else the `OMP_NUM_THREADS` cap where set, else

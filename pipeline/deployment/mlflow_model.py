@@ -149,7 +149,12 @@ def predictor_model_class() -> type:
         def load_context(self, context: Any) -> None:
             module, _, attr = self.target.partition(":")
             factory = getattr(importlib.import_module(module), attr)
-            self.predictor = factory(context.artifacts[MODEL_ARTIFACT], **(context.model_config or {}))
+            config = dict(context.model_config or {})
+            if "threads" in config:  # the packaged count, never above the caller's cap (a Spark task's cores)
+                from pipeline.core.machine import capped_threads
+
+                config["threads"] = capped_threads(config["threads"])
+            self.predictor = factory(context.artifacts[MODEL_ARTIFACT], **config)
 
         # MLflow infers no signature from `pd.DataFrame` hints, so the logged signature (column `text`) rules and
         # MLflow hands its input over as a DataFrame of that column.

@@ -172,6 +172,18 @@ def test_the_omp_cap_is_read_only_where_it_is_a_positive_count(monkeypatch, valu
     assert thread_tags()["threads.cap"] == (value or "unset")
 
 
+@pytest.mark.parametrize(("cap", "setting", "expected"), [(None, None, None), (None, 4, 4), ("2", None, 2),
+                                                          ("2", 4, 2), ("8", 4, 4)])
+def test_a_thread_setting_is_capped_by_the_omp_cap_where_one_is_set(monkeypatch, cap, setting, expected):
+    from pipeline.core.machine import capped_threads
+
+    if cap is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", cap)
+    assert capped_threads(setting) == expected
+
+
 def test_a_null_thread_setting_counts_the_cpus_this_process_may_use(monkeypatch):
     """Null and no OMP cap: the affinity mask's CPUs (a `taskset` or container cpuset), not the machine's count."""
     from pipeline.core import machine

@@ -189,6 +189,18 @@ def test_every_built_variant_is_an_mlflow_model_with_its_scores(built, tiny_mode
     assert loaded.predict(frame.set_axis([5, 5, 5, 5])).index.tolist() == [5, 5, 5, 5]  # duplicates too
     with pytest.raises(RequestError, match=r"text\[0\] must be a string, got a list: MLflow reads a dict of lists"):
         loaded.predict({"text": texts})  # MLflow's one row holding a list, not two rows
+    # a packaged thread count never above the loading process's cap (a Spark task's cores, handed on as the cap)
+    import pipeline.deployment.inference as inference
+
+    asked: list[int | None] = []
+    real_load_runner = inference.load_runner
+    monkeypatch.setattr(inference, "load_runner",
+                        lambda d, threads, **kw: (asked.append(threads), real_load_runner(d, threads, **kw))[1])
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    mlflow.pyfunc.load_model(results["int8-static"]["model_uri"], model_config={"threads": 4})
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    mlflow.pyfunc.load_model(results["int8-static"]["model_uri"], model_config={"threads": 4})
+    assert asked == [1, 4]
 
 
 def test_concurrent_callers_score_every_batch_once_with_the_same_logits():
