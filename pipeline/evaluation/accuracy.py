@@ -9,10 +9,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pipeline.core.errors import UserError
 from pipeline.core.io import read_predictions
 from pipeline.core.machine import resolved_threads
 from pipeline.core.params import EvaluateParams, PackageParams, Params, TargetsParams, flatten
 from pipeline.data.tokens import read_tokenized
+from pipeline.modeling import saved_pad_id
 from pipeline.runtimes.base import Runtime, predict_logits
 from pipeline.runtimes.catalog import REFERENCE, spec
 from pipeline.runtimes.record import VariantError, VariantInfo, read_variant, size_mb, variant_batching
@@ -36,7 +38,8 @@ def score_variants(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Pa
     """
     test = read_tokenized(tokenized, "test")
     seqs, labels = test["input_ids"].tolist(), test["label"].to_numpy()
-    reference, ref_pred = reference_row(finetuned, seqs, labels, params, reference_predictions)
+    pad = saved_pad_id(finetuned)  # every variant carries the finetuned model's tokenizer
+    reference, ref_pred = reference_row(finetuned, seqs, labels, params, reference_predictions, pad)
     results: dict[str, dict[str, Any]] = {REFERENCE: reference}
     correct: dict[str, np.ndarray] = {}
     for name, directory in variant_dirs.items():
@@ -49,9 +52,12 @@ def score_variants(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Pa
         t0 = time.perf_counter()
         try:
             runner, callers = runner_for_test_split(directory, params.threads, info)
-            pred = predict_logits(runner, seqs, params.batch_size, progress=name, callers=callers).argmax(-1)
-        except Exception as exc:
+            pred = predict_logits(runner, seqs, params.batch_size, pad, progress=name, callers=callers).argmax(-1)
+        except UserError as exc:  # a variant the user can act on (missing files, a runtime not installed)
             raise VariantError(f"variant {name} failed to run on the test split: {exc}") from exc
+        except Exception as exc:  # a fault in the code: its traceback stays, named by the variant
+            exc.add_note(f"variant {name} failed to run on the test split")
+            raise
         entry["scored_with"] = {**runner.describe(), "concurrent_calls": callers}
         correct[name] = pred == labels
         entry.update(
@@ -89,10 +95,11 @@ def paired_se_pt(correct: np.ndarray, reference_correct: np.ndarray) -> float:
 
 
 def reference_row(finetuned: Path, seqs: list[np.ndarray], labels: np.ndarray, params: EvaluateParams,
-                  reference_predictions: Path | None) -> tuple[dict[str, Any], np.ndarray]:
+                  reference_predictions: Path | None, pad: int) -> tuple[dict[str, Any], np.ndarray]:
     """The FP32 PyTorch reference's entry and its predicted labels on the test split (`seqs`, `labels`): from the
-    finetune stage's test logits (`reference_predictions`) where they were scored in batches of `params.batch_size`
-    (the same batches and padding, so the same logits), else scored here. Either way `scored_by` names the stage."""
+    finetune stage's test logits (`reference_predictions`) where they were scored on the CPU in batches of
+    `params.batch_size` padded with the tokenizer's id (the same batches and padding, so the same logits), else
+    scored here. Either way `scored_by` names the stage."""
     t0 = time.perf_counter()
     ref_logits, scored_by, seconds = None, "evaluate", 0.0
     if reference_predictions is not None:
@@ -100,15 +107,17 @@ def reference_row(finetuned: Path, seqs: list[np.ndarray], labels: np.ndarray, p
             logits, saved = read_predictions(reference_predictions, seqs, labels)
         except (FileNotFoundError, ValueError) as exc:
             raise VariantError(str(exc)) from exc
-        if saved.get("batch_size") == params.batch_size:  # same batches and padding: the same logits
+        here = {"batch_size": params.batch_size, "pad_id": pad, "device": "cpu"}
+        differ = {k: saved.get(k) for k, v in here.items() if saved.get(k) != v}
+        if not differ:  # the same batches, padding and device: the same logits
             ref_logits, scored_by, seconds = logits, "finetune", float(saved.get("seconds", 0.0))
             log.info("%s: test logits reused from %s (scored by the finetune stage)", REFERENCE,
                      reference_predictions)
         else:
-            log.info("%s: %s was scored in batches of %s, evaluate uses %d: scoring FP32 again", REFERENCE,
-                     reference_predictions, saved.get("batch_size"), params.batch_size)
+            log.info("%s: %s was scored with %s, evaluate uses %s: scoring FP32 again", REFERENCE,
+                     reference_predictions, differ, {k: here[k] for k in differ})
     if ref_logits is None:
-        ref_logits = predict_logits(load_runner(finetuned, params.threads), seqs, params.batch_size,
+        ref_logits = predict_logits(load_runner(finetuned, params.threads), seqs, params.batch_size, pad,
                                     progress=REFERENCE)
         seconds = time.perf_counter() - t0
     ref_pred = ref_logits.argmax(-1)

@@ -24,7 +24,7 @@ from pipeline.training.classifier import IMDBDataModule, SentimentClassifier, ch
 from pipeline.training.curve_files import MetricSink
 from pipeline.training.elastic import is_rank_zero
 from pipeline.training.fingerprint import fingerprint, trajectory_settings
-from pipeline.training.loop import fit, predict_split, save_model, seed_run
+from pipeline.training.loop import fit, predict_split, save_model, scoring_device, seed_run
 
 if TYPE_CHECKING:
     from pipeline.core.machine import Choice
@@ -141,7 +141,7 @@ def finetune(tokenized_dir: Path, outputs: FinetuneOutputs, all_params: Params, 
     if outputs.predictions_path is not None:
         write_predictions(outputs.predictions_path, logits, labels, dm.datasets["test"].input_ids,
                           batch_size=params.eval_batch_size, seconds=round(score_seconds, 2),
-                          threads=torch.get_num_threads())
+                          threads=torch.get_num_threads(), device=scoring_device(dm), pad_id=dm.collate.pad_id)
     write_json(outputs.metrics_path, metrics)
     curves.write(outputs.plots_dir)
     outputs.report_dir.mkdir(parents=True, exist_ok=True)

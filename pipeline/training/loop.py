@@ -216,19 +216,24 @@ def attention_while_training(module: L.LightningModule, attention: Choice) -> It
         model.set_attn_implementation(loaded)
 
 
+def scoring_device(dm: IMDBDataModule) -> str:
+    """The device `predict_split` scores on: the one training used."""
+    from pipeline.core.machine import trains_on_cuda
+
+    return "cuda" if trains_on_cuda(dm.params.accelerator) else "cpu"
+
+
 def predict_split(module: L.LightningModule, dm: IMDBDataModule, split: str = "test") -> tuple[np.ndarray, np.ndarray]:
     """Logits and true labels for a split (rank 0, single process), scored as the evaluate stage scores.
 
-    Scored in full precision on the device training used (Lightning hands the module back on the CPU), and
-    left on the CPU afterwards for saving."""
-    from pipeline.core.machine import trains_on_cuda
+    Scored in full precision on the device training used (`scoring_device`; Lightning hands the module back on
+    the CPU), and left on the CPU afterwards for saving."""
     from pipeline.runtimes.eager import predict_logits_on
 
     module.eval()
     ds = dm.datasets[split]
-    device = "cuda" if trains_on_cuda(dm.params.accelerator) else "cpu"
-    logits = predict_logits_on(module.model, device, ds.input_ids, dm.params.eval_batch_size, dm.collate.pad_id,
-                               progress=f"score {split}")
+    logits = predict_logits_on(module.model, scoring_device(dm), ds.input_ids, dm.params.eval_batch_size,
+                               dm.collate.pad_id, progress=f"score {split}")
     return logits, ds.labels
 
 

@@ -111,7 +111,7 @@ def test_reference_row_reuses_the_finetune_logits_only_for_the_same_split(built,
     seqs, labels = test["input_ids"].tolist(), test["label"].to_numpy()
     logits = predict_logits(load_runner(tiny_model_dir), seqs, 16)
     saved = tmp_path / "finetune-test.npz"
-    write_predictions(saved, logits, labels, seqs, seconds=1.5, batch_size=16)
+    write_predictions(saved, logits, labels, seqs, seconds=1.5, batch_size=16, device="cpu", pad_id=0)
     fresh = score_variants(tiny_model_dir, {"fp32-onnx": built["dirs"]["fp32-onnx"]}, built["tokenized"], params)
     reused = score_variants(tiny_model_dir, {"fp32-onnx": built["dirs"]["fp32-onnx"]}, built["tokenized"], params,
                             reference_predictions=saved)
@@ -124,6 +124,11 @@ def test_reference_row_reuses_the_finetune_logits_only_for_the_same_split(built,
                                    reference_predictions=saved)  # scored differently: scored again
     assert other_batches["fp32-eager"]["scored_by"] == "evaluate"
     assert other_batches["fp32-eager"]["accuracy"] == fresh["fp32-eager"]["accuracy"]
+    for meta in ({"device": "cuda", "pad_id": 0}, {"device": "cpu", "pad_id": 1}, {}):  # or another device, padding
+        elsewhere = tmp_path / "elsewhere.npz"
+        write_predictions(elsewhere, logits, labels, seqs, seconds=1.5, batch_size=16, **meta)
+        again = score_variants(tiny_model_dir, {}, built["tokenized"], params, reference_predictions=elsewhere)
+        assert again["fp32-eager"]["scored_by"] == "evaluate", meta
 
     stale = tmp_path / "stale.npz"  # same reviews, one label changed: a different test split
     write_predictions(stale, logits, np.where(np.arange(len(labels)) == 0, 1 - labels, labels), seqs)
@@ -305,9 +310,24 @@ def test_the_reference_row_scores_the_fp32_model_where_no_finetune_logits_are_gi
 
     test = read_tokenized(built["tokenized"], "test")
     seqs, labels = test["input_ids"].tolist(), test["label"].to_numpy()
-    entry, predicted = reference_row(tiny_model_dir, seqs, labels, EvaluateParams(batch_size=16), None)
+    entry, predicted = reference_row(tiny_model_dir, seqs, labels, EvaluateParams(batch_size=16), None, 0)
     assert predicted.shape == labels.shape and entry["accuracy"] == float((predicted == labels).mean())
     assert (entry["scored_by"], entry["test_samples"], entry["agreement_with_fp32"]) == ("evaluate", len(labels), 1.0)
     scored = score_variants(tiny_model_dir, {}, built["tokenized"], EvaluateParams(batch_size=16))["fp32-eager"]
     assert {k: v for k, v in scored.items() if k != "eval_seconds"} == {
         **{k: v for k, v in entry.items() if k != "eval_seconds"}, "accuracy_delta_pt": 0.0}
+
+
+def test_a_fault_in_a_runner_keeps_its_traceback_and_names_the_variant(built, tiny_model_dir, monkeypatch):
+    """A bug (not a variant the user can fix) is not turned into a one-line user error: the original exception
+    propagates, with a note naming the variant, so the stage shows its traceback."""
+    from pipeline.evaluation import accuracy
+
+    def broken(*args, **kwargs):
+        raise TypeError("a bug in a runner")
+
+    monkeypatch.setattr(accuracy, "runner_for_test_split", broken)
+    with pytest.raises(TypeError, match="a bug in a runner") as info:
+        score_variants(tiny_model_dir, {"fp32-onnx": built["dirs"]["fp32-onnx"]}, built["tokenized"],
+                       EvaluateParams(batch_size=16))
+    assert info.value.__notes__ == ["variant fp32-onnx failed to run on the test split"]
