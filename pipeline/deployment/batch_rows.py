@@ -1,7 +1,7 @@
 """Each row's checks in batch scoring (`pipeline.deployment.batch_scoring`), made on Spark's executors: the
 contract's own `check_text` in a pandas UDF (`text_errors`), after Spark SQL itself has refused what must never
 cross into Python (`checked_text`): a text longer than the limit, which would swell the Arrow batch the JVM builds
-for the UDF (2,048 texts of 150 KB made it run out of direct memory and hang), and one that is not valid UTF-8,
+for the UDF (a batch of very long texts made it run out of direct memory and hang), and one not valid UTF-8,
 which Python cannot decode (the whole job failed). One bad row never fails a batch.
 
 The checks are plain Python (no third-party import at the top): Spark ships them to the executors by value

@@ -170,7 +170,7 @@ def measure(runners: dict[str, Runner], lat_inputs: list[tuple[np.ndarray, ...]]
         lat[name].append([])
         first = (r // len(names)) * per_round  # by round: every variant is timed on the same reviews in a round
         # the previous variant's idle threads spin on: calls made meanwhile share the cores with them (warm-up calls
-        # alone did not wait them out: onnxruntime after onnxruntime ran its first 3-4 timed calls twice as slow)
+        # alone did not wait them out: the first timed calls of one onnxruntime session after another ran slow)
         time.sleep(params.settle_s)
         for i in range(params.warmup):  # the first calls after another variant ran are cold (caches)
             run(*lat_inputs[(first + i) % len(lat_inputs)])

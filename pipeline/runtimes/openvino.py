@@ -60,7 +60,7 @@ def numpy_api_ready() -> None:
     """Make OpenVINO's Python module set up its NumPy API now, in one thread. pybind11 does it on the module's first
     NumPy conversion, under a call-once that two threads entering together can deadlock on, the GIL held: two first
     `infer` calls at once (a server's first concurrent requests, evaluate's parallel callers) hung the whole process,
-    in one fresh process of 4 to 16 (`tests/unit/runtimes/test_openvino_threads.py`). After the first, a call only
+    in some fresh processes, not all (`tests/unit/runtimes/test_openvino_threads.py`). After the first, a call only
     repeats a one-element conversion."""
     import openvino as ov
 

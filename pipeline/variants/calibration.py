@@ -14,10 +14,6 @@ from pipeline.runtimes.base import length_order, pad_batch
 if TYPE_CHECKING:
     import pandas as pd
 
-#: The calibration methods onnxruntime's static quantizer offers here.
-CALIBRATION_METHODS = ("minmax", "percentile", "entropy")
-
-
 class TokenCalibrationReader:
     """onnxruntime `CalibrationDataReader` over real, length-sorted review batches (`length_order`, the order every
     length-sorted pass uses), all padded to the longest review."""

@@ -15,8 +15,8 @@ import numpy as np
 
 from pipeline.core.errors import UserError
 from pipeline.core.machine import WEIGHT_FORMATS
-from pipeline.core.params import QuantizeParams
-from pipeline.variants.calibration import CALIBRATION_METHODS, TokenCalibrationReader, calibration_options
+from pipeline.core.params import CALIBRATION_METHODS, QuantizeParams
+from pipeline.variants.calibration import TokenCalibrationReader, calibration_options
 from pipeline.variants.onnx_census import activation_matmuls, ffn_output_matmuls, head_matmuls, matmul_census
 
 if TYPE_CHECKING:

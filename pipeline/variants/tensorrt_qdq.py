@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.core.params import QuantizeParams
-from pipeline.variants.calibration import CALIBRATION_METHODS, TokenCalibrationReader, calibration_options
+from pipeline.core.params import CALIBRATION_METHODS, QuantizeParams
+from pipeline.variants.calibration import TokenCalibrationReader, calibration_options
 from pipeline.variants.onnx_census import INTEGER_OPS, activation_matmuls, ffn_output_matmuls, matmul_census
 from pipeline.variants.onnx_int8 import QuantizeError
 

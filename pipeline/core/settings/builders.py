@@ -64,8 +64,9 @@ class QuantizeParams:
     variant then runs exact INT8 kernels: only the training's arithmetic differs (docs/variants.md)."""
     qat_openvino_train_samples: int = Field(750, ge=1)
     """training reviews for int8-qat-openvino's QAT (its epochs, batch size and distillation are the qat_ keys'):
-    750 and 1,500 scored within two test reviews of each other for half the training; int8-qat's 300 reviews (at
-    its lr) moved the test score more than they fixed rounding (docs/variants.md, docs/tried-and-dropped.md)"""
+    twice as many scored no differently on the test set for twice the training, and int8-qat's smaller count (at
+    its lr) moved the test score more than it fixed rounding (how it was chosen: docs/variants.md,
+    docs/tried-and-dropped.md)"""
     qat_openvino_lr: float = Field(1e-5, ge=0)
     """int8-qat-openvino's learning rate (0 keeps NNCF's post-training weights and ranges)"""
     ffn_output_dynamic: bool = True

@@ -40,5 +40,3 @@ Prefer = Literal["accuracy", "speed"]
 TEACHER_READS: tuple[str, ...] = get_args(TeacherReads)
 CALIBRATION_METHODS: tuple[str, ...] = get_args(CalibrationMethodName)
 WEIGHT_FORMATS: tuple[str, ...] = get_args(WeightFormat)
-QUANTIZE_BUILDS: tuple[str, ...] = get_args(QuantizeBuild)
-PRECISIONS: tuple[str, ...] = get_args(Precision)
