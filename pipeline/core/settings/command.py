@@ -13,7 +13,7 @@ from typing import Annotated
 import click
 import typer
 
-from pipeline.core.settings.params_file import read_params, set_value
+from pipeline.core.settings.params_file import read_params, set_values
 from pipeline.core.settings.profiles import differences_from_defaults, flatten, profile_overrides, read_profile
 from pipeline.core.settings.root import Params, json_schema
 from pipeline.core.settings.validation import ParamsError, validate
@@ -38,18 +38,15 @@ def _load(path: Path) -> Params:
 def set_keys(ctx: typer.Context,
              assignments: Annotated[list[str], typer.Argument(metavar="KEY=VALUE...", help="dotted.key=yaml")]) -> None:
     """Set keys in place, keeping the file's comments; the file is left as it was unless the result is valid."""
-    before = ctx.obj.read_text() if ctx.obj.is_file() else None
-    try:
-        for assignment in assignments:
-            key, eq, value = assignment.partition("=")
-            if not eq:
-                raise ParamsError(f"expected dotted.key=value, got {assignment!r}")
-            set_value(ctx.obj, key, value)
-        _load(ctx.obj)  # as a whole: a rule across keys may need all of them
-    except ParamsError:
-        if before is not None:
-            ctx.obj.write_text(before)
-        raise
+    pairs: list[tuple[str, str]] = []
+    for assignment in assignments:
+        key, eq, value = assignment.partition("=")
+        if not eq:
+            raise ParamsError(f"expected dotted.key=value, got {assignment!r}")
+        pairs.append((key, value))
+    if not ctx.obj.is_file():
+        raise ParamsError(f"params file not found: {ctx.obj}")
+    set_values(ctx.obj, pairs, check=_load)  # all or none, validated as a whole before the file is replaced
     for assignment in assignments:
         print(f"{ctx.obj}: {assignment.replace('=', ' = ', 1)}")
 

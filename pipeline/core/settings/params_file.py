@@ -3,6 +3,7 @@ keys that keep the file's comments (`python -m pipeline.core.params set`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,20 +33,41 @@ def read_params(path: str | Path) -> dict[str, Any]:
 
 
 def set_value(path: str | Path, dotted_key: str, value: str) -> None:
-    """Set one existing key of the params file in place to `value` (YAML text), keeping comments."""
+    """Set one existing key of the params file in place to `value` (YAML text), keeping comments (`set_values`)."""
+    set_values(path, [(dotted_key, value)])
+
+
+def set_values(path: str | Path, assignments: Sequence[tuple[str, str]],
+               check: Callable[[Path], object] | None = None) -> None:
+    """Set existing keys of the params file to values (YAML text), keeping comments: all or none. They are applied
+    to the document in memory, written beside the file, `check`ed there (the whole params' validation: a rule across
+    keys may need all of them) and renamed onto it only then, so a bad value, a refused check or a kill mid-write
+    leaves the file as it was."""
+    from pipeline.core.io import replaced_on_success
+
     rt = YAML()
     rt.representer.add_representer(  # keep `null` spelled out instead of an empty value
         type(None), lambda r, _: r.represent_scalar("tag:yaml.org,2002:null", "null"))
     p = Path(path)
-    doc = rt.load(p.read_text())
-    node = doc
-    *parents, leaf = dotted_key.split(".")
-    for part in parents:
-        node = node.get(part) if hasattr(node, "get") else None
-        if node is None:
-            break
-    if not hasattr(node, "get") or leaf not in node:
-        raise ParamsError(f"unknown key {dotted_key} in {p}")
-    node[leaf] = load_yaml(value)
-    with p.open("w") as fh:
-        rt.dump(doc, fh)
+    try:
+        doc = rt.load(p.read_text())
+    except YAMLError as exc:
+        raise ParamsError(f"{p} is not valid YAML: {' '.join(str(exc).split())}") from None
+    for dotted_key, value in assignments:
+        node = doc
+        *parents, leaf = dotted_key.split(".")
+        for part in parents:
+            node = node.get(part) if hasattr(node, "get") else None
+            if node is None:
+                break
+        if not hasattr(node, "get") or leaf not in node:
+            raise ParamsError(f"unknown key {dotted_key} in {p}")
+        try:
+            node[leaf] = load_yaml(value)
+        except YAMLError as exc:
+            raise ParamsError(f"{dotted_key}: {value!r} is not a YAML value: {' '.join(str(exc).split())}") from None
+    with replaced_on_success(p) as tmp:
+        with tmp.open("w") as fh:
+            rt.dump(doc, fh)
+        if check is not None:
+            check(tmp)

@@ -189,12 +189,14 @@ def test_command_gets_sets_and_checks(tmp_path, capsys):
     assert [line for line in capsys.readouterr().out.splitlines() if ":" not in line] == ["prod", "imdb-sentiment",
                                                                                          "7"]
     before = p.read_text()
-    for argv in (["get", "mlflow.nope"], ["set", "data.seed=3", "data.train_count=0"], ["set", "data.seed"]):
+    for argv in (["get", "mlflow.nope"], ["set", "data.seed=3", "data.train_count=0"], ["set", "data.seed"],
+                 ["set", "data.seed=3", "data.seed=[unclosed"]):  # a value that is not YAML, after a good one
         with pytest.raises(SystemExit) as stop:
             main(["--params", str(p), *argv])
         assert stop.value.code == 2, argv
     assert p.read_text() == before  # a refused `set` leaves the file as it was
-    assert capsys.readouterr().err.count("error: ") == 3
+    assert capsys.readouterr().err.count("error: ") == 4
+    assert [f.name for f in tmp_path.iterdir()] == ["params.yaml"]  # no temporary file left beside it
 
 
 def test_published_schema_is_current():
