@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from pipeline.core.io import write_json
 from pipeline.core.params import MlflowParams, Params, TrainParams, to_dict
 from pipeline.training.curve_files import MetricSink, write_curves
-from pipeline.training.fingerprint import fingerprint, trajectory_settings
+from pipeline.training.fingerprint import fingerprint, training_trajectory
 
 # Lightning, torch and the student's code are imported where a student is trained: a skipped student (the default)
 # writes its records without them.
@@ -134,6 +134,7 @@ def distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metrics_p
         "teacher_encoder_parameters": count_parameters(teacher, encoder_only=True),
         "wall_time_s": time.perf_counter() - started,
         "precision": choice.value,
+        "train_attention": fitted.attention.value,  # the attention kernel it trained with (as finetune records it)
         "train_steps": fitted.steps,
         **plan.record(),  # resumed, resumed_from_step, resume_reason
         **({"enabled": enabled.to_dict()} if enabled else {}),  # as in the skip record: how the setting resolved
@@ -141,7 +142,7 @@ def distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metrics_p
     record = {"distillation": {"teacher": str(teacher_dir), "kept_layers": keep, **width, **to_dict(d),
                                "labelled_reviews": transfer.labelled, "transfer_reviews": transfer.unlabelled}}
     save_model(module.model, tokenizer, student_dir, _teacher_data(meta, params, teacher_dir), params.model, train,
-               choices=[choice] + ([enabled] if enabled else []), extra=record)
+               choices=[choice, fitted.attention] + ([enabled] if enabled else []), extra=record)
     write_json(metrics_path, metrics)
     curves.write(plots_dir)
     store.clear()  # the student is saved: nothing left to resume
@@ -158,7 +159,7 @@ def distill_plan(teacher_dir: Path, tokenized_dir: Path, params: Params, precisi
     from pipeline.training.checkpoints import CheckpointStore
 
     train = dataclasses.replace(student_train_params(params), precision=precision.value)
-    settings = {"distill": to_dict(params.distill), "train": trajectory_settings(to_dict(train)),
+    settings = {"distill": to_dict(params.distill), "train": training_trajectory(train),
                 "data": to_dict(params.data)}
     inputs = [teacher_dir, tokenized_dir]
     return CheckpointStore.for_job(params.train, "distill").plan(fingerprint(settings, inputs), params.train.resume)

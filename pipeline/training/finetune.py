@@ -16,14 +16,13 @@ import numpy as np
 import torch
 
 from pipeline.core.io import write_json, write_predictions
-from pipeline.core.machine import training_attention
 from pipeline.core.params import Params, TrainParams, to_dict
 from pipeline.data.tokens import window_shortener
 from pipeline.training.checkpoints import CheckpointStore, ResumePlan, start_attempt
 from pipeline.training.classifier import IMDBDataModule, SentimentClassifier, check_accelerations
 from pipeline.training.curve_files import MetricSink
 from pipeline.training.elastic import is_rank_zero
-from pipeline.training.fingerprint import fingerprint, trajectory_settings
+from pipeline.training.fingerprint import fingerprint, training_trajectory
 from pipeline.training.loop import fit, predict_split, save_model, scoring_device, seed_run
 
 if TYPE_CHECKING:
@@ -69,11 +68,8 @@ def finetune_plan(tokenized_dir: Path, all_params: Params, precision: Choice) ->
     settings that shape the weights, the tokenized splits, the training code) or starts fresh, and why. The
     precision is the resolved one: the same settings trained in bf16 elsewhere are another trajectory."""
     train = resolved_train(all_params, precision)
-    # the attention kernel (`training_attention`) follows from the resolved precision; named, so that a checkpoint
-    # trained with another kernel (by code before that choice) starts afresh rather than changing kernels mid-run
     settings = {"data": to_dict(all_params.data), "model": to_dict(all_params.model),
-                "train": {**trajectory_settings(to_dict(train)),
-                          "attention": training_attention(train.precision, train.accelerator).value}}
+                "train": training_trajectory(train)}
     return checkpoint_store(all_params.train).plan(fingerprint(settings, [tokenized_dir]), all_params.train.resume)
 
 

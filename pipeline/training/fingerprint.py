@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.core.io import digest_paths
-from pipeline.core.params import flatten
+from pipeline.core.params import TrainParams, flatten, to_dict
 
 #: The code whose change makes an old checkpoint another trajectory (relative to the `pipeline` package).
 TRAINING_CODE = ("training", "surgery", "runtimes", "data", "modeling.py")
@@ -61,3 +61,15 @@ def fingerprint(settings: Mapping[str, Any], inputs: Sequence[Path], code: Seque
 def trajectory_settings(train: Mapping[str, Any]) -> dict[str, Any]:
     """A `train` section without the keys that do not change the trained weights (`RESUME_NEUTRAL`)."""
     return {k: v for k, v in train.items() if k not in RESUME_NEUTRAL}
+
+
+def training_trajectory(train: TrainParams) -> dict[str, Any]:
+    """What of a job's resolved `train` settings shapes its weights (`trajectory_settings`), with the attention
+    kernel `fit` derives from them (`training_attention`): named, so that a checkpoint trained with another
+    kernel (by code before a change of that rule, which lives outside `TRAINING_CODE`) starts afresh rather than
+    changing kernels mid-run. finetune's and distill's fingerprints take their train part here; QAT, whose
+    trainer settings are fixed, names the kernel beside its own settings (`pipeline.training.qat`)."""
+    from pipeline.core.machine import training_attention
+
+    return {**trajectory_settings(to_dict(train)),
+            "attention": training_attention(train.precision, train.accelerator).value}

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pipeline.core.machine import training_attention
 from pipeline.core.params import QuantizeParams, TrainParams
 from pipeline.surgery.distill_loss import distillation_loss
 from pipeline.surgery.fake_quant import add_fake_quant, remove_fake_quant
@@ -62,7 +63,8 @@ def qat_checkpoints(train: TrainParams, job: str, settings: Mapping[str, Any], m
                     inputs: Sequence[Path], code: Sequence[Path]) -> tuple[CheckpointStore, ResumePlan]:
     """The checkpoint store of QAT `job` (`train.checkpoint_dir/<job>`) and whether it resumes. A checkpoint is
     resumed only for the same trajectory: the same `settings` (what the builder says shapes the weights: its
-    QAT settings, reviews and labels, calibration), seed, model structure (the parameter names and shapes of the
+    QAT settings, reviews and labels, calibration), seed, attention kernel (`training_attention`, as `fit` derives
+    it), model structure (the parameter names and shapes of the
     `model` about to train: a checkpoint of another graph would not load), `inputs` (the finetuned model) and code
     (the training code and the builder's own modules, `code`). Settings the job does not read (another variant's,
     `quantize.build`) leave a checkpoint valid. The caller clears the store once its variant is published."""
@@ -73,7 +75,9 @@ def qat_checkpoints(train: TrainParams, job: str, settings: Mapping[str, Any], m
     shapes = sorted((name, list(t.shape)) for name, t in model.state_dict().items())
     # a digest, not the list: the reason a fresh start gives names what changed in one short line
     structure = hashlib.sha256(json.dumps(shapes).encode()).hexdigest()[:16]
-    current = fingerprint({**settings, "seed": train.seed, "structure": structure}, inputs, code=code)
+    attention = training_attention(train.precision, train.accelerator).value
+    current = fingerprint({**settings, "seed": train.seed, "structure": structure, "attention": attention}, inputs,
+                          code=code)
     return store, store.plan(current, train.resume)
 
 

@@ -261,3 +261,17 @@ def test_elastic_torchrun_restarts_a_lost_worker_and_finishes(tmp_path, tokenize
     # one kill, one restart: each rank of the second round resumed once, and no round died connecting to the
     # dead round's addresses (what a rendezvous store shared across rounds does, pytorch#135712)
     assert out.count("finetune: resuming from step") == 2 and "Connection refused" not in out, out[-4000:]
+
+
+def test_every_training_jobs_trajectory_names_the_attention_kernel_fit_derives():
+    """finetune and distill fingerprint `training_trajectory`: the kernel `fit` will train with (eager for bf16 on the
+    CPU, the model's own otherwise), so a checkpoint trained with another kernel is another trajectory."""
+    from pipeline.core.machine import training_attention
+    from pipeline.core.params import TrainParams
+    from pipeline.training.fingerprint import training_trajectory
+
+    for precision in ("bf16-mixed", "32-true"):
+        train = TrainParams(precision=precision, accelerator="cpu")
+        assert training_trajectory(train)["attention"] == training_attention(precision, "cpu").value
+    assert (training_trajectory(TrainParams(precision="bf16-mixed", accelerator="cpu"))["attention"]
+            != training_trajectory(TrainParams(precision="32-true", accelerator="cpu"))["attention"])
