@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -149,7 +150,13 @@ def scratch_directory(variants_root: Path, stage: str) -> Iterator[Path]:
 
     A model built there is moved into its variant directory with a rename (`_build_static`), which only works
     within one filesystem: from the system temporary directory (often a tmpfs) it fails with EXDEV (invalid
-    cross-device link). Hidden (a leading dot), so nothing that lists the variants takes it for one."""
+    cross-device link). Hidden (a leading dot), so nothing that lists the variants takes it for one. What a killed
+    run of the same stage left there (no cleanup runs on SIGKILL) is removed first: runs of one stage in one
+    checkout are not concurrent (DVC locks the repository), as for `stale_builds`."""
     variants_root.mkdir(parents=True, exist_ok=True)
+    for stale in variants_root.glob(f".{stage}-*"):
+        if stale.is_dir():
+            log.info("removing %s, left by a %s run that was killed", stale, stage)
+            shutil.rmtree(stale, ignore_errors=True)
     with tempfile.TemporaryDirectory(prefix=f".{stage}-", dir=variants_root) as tmp:
         yield Path(tmp)

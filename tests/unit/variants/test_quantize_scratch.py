@@ -25,3 +25,18 @@ def test_the_scratch_directory_is_inside_the_variants_root_and_removed_after(tmp
         assert (destination / "model.onnx").read_bytes() == b"model"
     assert not tmp.exists() and not list(elsewhere.iterdir())
     assert sorted(p.name for p in root.iterdir()) == ["int8-static"]
+
+
+def test_what_a_killed_run_left_is_removed_before_the_next_one_starts(tmp_path):
+    """SIGKILL runs no cleanup: the next run of the stage removes its leftover scratch directories (and only the
+    stage's own: another stage's scratch and the variants stay)."""
+    root = tmp_path / "variants"
+    leftover = root / ".quantize-abc123"
+    leftover.mkdir(parents=True)
+    (leftover / "fused.onnx").write_bytes(b"half a model")
+    other = root / ".prune-xyz"
+    other.mkdir()
+    (root / "int8-static").mkdir()
+    with scratch_directory(root, "quantize") as tmp:
+        assert not leftover.exists() and tmp.is_dir()
+    assert sorted(p.name for p in root.iterdir()) == [".prune-xyz", "int8-static"]
