@@ -9,6 +9,7 @@ loaded back into the module once training ends (the best epoch, not the last).""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -163,6 +164,17 @@ class BestByAccuracy(ModelCheckpoint):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self.best_tie_score = state_dict.get("best_tie_score")
+        if self.best_model_path and not Path(self.best_model_path).is_file():
+            # the resume point predates a better checkpoint that replaced (deleted) the one it names: loading that
+            # path when training ends would fail on every rerun. The resumed run keeps the best of its own
+            # validations instead (its last weights where none follows).
+            logging.getLogger(__name__).warning(
+                "the best checkpoint this resume point names, %s, is gone (replaced by a later one before the run "
+                "stopped): its best-so-far is dropped, the resumed run keeps the best of its own validations",
+                self.best_model_path)
+            self.best_model_path, self.best_model_score, self.best_tie_score = "", None, None
+            self.best_k_models, self.kth_best_model_path = {}, ""
+            self.kth_value = torch.tensor(-torch.inf if self.mode == "max" else torch.inf)
 
 
 def fit(module: L.LightningModule, params: TrainParams, *, store: CheckpointStore | None, plan: ResumePlan | None,

@@ -88,8 +88,10 @@ def test_the_best_checkpoint_breaks_an_accuracy_tie_on_the_lower_validation_loss
         trainer.callback_metrics = {"val_acc": torch.tensor(acc), "val_loss": torch.tensor(loss)}
         saved = best.check_monitor_top_k(trainer, torch.tensor(acc))
         if saved:
-            best.best_k_models = {f"step-{acc}-{loss}": torch.tensor(acc)}
-            best.kth_best_model_path = best.best_model_path = f"step-{acc}-{loss}"
+            path = tmp_path / f"step-{acc}-{loss}.ckpt"
+            path.touch()
+            best.best_k_models = {str(path): torch.tensor(acc)}
+            best.kth_best_model_path = best.best_model_path = str(path)
             best.best_model_score = torch.tensor(acc)
         return saved
 
@@ -131,3 +133,27 @@ def test_a_bf16_cpu_fit_trains_with_eager_attention_and_hands_back_the_model_as_
         assert model.config._attn_implementation == loaded
     with attention_while_training(SimpleNamespace(model=SimpleNamespace()), eager):
         pass  # NNCF's fake-quantized graph has no attention switch: left as it is
+
+
+def test_a_resume_point_naming_a_best_checkpoint_that_is_gone_drops_its_best_so_far(tmp_path: Path, caplog):
+    """A resume point written before a better validation replaced (deleted) the best file it names: loading that
+    path when training ends would fail on every rerun, so the restored callback forgets it (logged) and keeps the
+    best of the resumed run's own validations; a best file that is there is kept as it was."""
+    import torch
+
+    kept = tmp_path / "best" / "best-step=344.ckpt"
+    kept.parent.mkdir()
+    kept.touch()
+    for path, gone in ((kept, False), (tmp_path / "best" / "best-step=100.ckpt", True)):
+        state = {"dirpath": str(tmp_path / "best"), "best_model_path": str(path), "best_model_score": torch.tensor(0.8),
+                 "best_k_models": {str(path): torch.tensor(0.8)}, "kth_best_model_path": str(path),
+                 "kth_value": torch.tensor(0.8), "last_model_path": "", "best_tie_score": 0.3}
+        restored = best_checkpoint(tmp_path / "best")
+        with caplog.at_level("WARNING", logger="pipeline.training.loop"):
+            restored.load_state_dict(state)
+        if gone:
+            assert restored.best_model_path == "" and restored.best_model_score is None
+            assert restored.best_k_models == {} and restored.best_tie_score is None
+            assert float(restored.kth_value) == float("-inf") and "is gone" in caplog.text
+        else:
+            assert restored.best_model_path == str(kept) and restored.best_tie_score == 0.3
