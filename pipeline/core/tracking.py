@@ -127,18 +127,36 @@ class StageRun:
         """This run continues an interrupted attempt of the same stage: the earlier run, left RUNNING by a killed
         process, is marked KILLED, and each run names the other. (The curves up to the resumed step come from the
         checkpoint, `CurveRecorder`, not from the earlier run, which may hold points past it.)"""
+        if self._end_previous(previous_run_id, "resume.continued_by"):
+            self.set_tags({"resume.continues": previous_run_id})
+
+    def close_replaced(self, previous_run_id: str) -> None:
+        """The previous attempt's run, which this fresh start replaces without continuing its curves: marked KILLED
+        if a hard-killed process left it RUNNING (nothing else would ever end it), and tagged with this run."""
+        self._end_previous(previous_run_id, "resume.replaced_by")
+
+    def _end_previous(self, previous_run_id: str, tag: str) -> bool:
+        """Tag the previous attempt's run with this one (`tag`) and mark it KILLED if it is still RUNNING; False,
+        logged, where it cannot be read: a run the store no longer holds (deleted, another store) at INFO, any other
+        failure of the store at WARNING with its message (the stage goes on: closing it is bookkeeping)."""
         from mlflow.entities import RunStatus
         from mlflow.exceptions import MlflowException
+        from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
 
         client = self.context.client()
         try:
             previous = client.get_run(previous_run_id)
-        except MlflowException:
-            return
-        client.set_tag(previous_run_id, "resume.continued_by", self.run_id)
+        except MlflowException as exc:
+            if exc.error_code == ErrorCode.Name(RESOURCE_DOES_NOT_EXIST):
+                log.info("previous attempt's run %s is not in the store: nothing to close", previous_run_id)
+            else:
+                log.warning("previous attempt's run %s could not be read (%s): left as it is", previous_run_id,
+                            exc.message)
+            return False
+        client.set_tag(previous_run_id, tag, self.run_id)
         if previous.info.status == "RUNNING":
             client.set_terminated(previous_run_id, RunStatus.to_string(RunStatus.KILLED))
-        self.set_tags({"resume.continues": previous_run_id})
+        return True
 
     def log_dataset(self, frame: pd.DataFrame, name: str, context: str, source: str,
                     hub_revision: str | None = None, targets: str | None = None) -> str:

@@ -166,20 +166,5 @@ def start_attempt(run: StageRun, plan: ResumePlan, store: CheckpointStore) -> No
     if plan.previous_run_id and plan.resumed:
         run.close_interrupted(plan.previous_run_id)
     elif plan.previous_run_id:
-        close_replaced(run, plan.previous_run_id)
+        run.close_replaced(plan.previous_run_id)
     store.remember_run(run.run_id)
-
-
-def close_replaced(run: StageRun, previous_run_id: str) -> None:
-    """The previous attempt's run, which this fresh start replaces without continuing its curves: marked KILLED if
-    a hard-killed process left it RUNNING (nothing else would ever end it), and tagged with the run that replaced
-    it. A run the store no longer holds (deleted, another store) is left alone."""
-    client = run.context.client()
-    try:
-        previous = client.get_run(previous_run_id)
-    except Exception:  # MLflow's "not found" error: an MLflow type, and only the tracking modules import MLflow
-        log.info("previous attempt's run %s not found in the store: nothing to close", previous_run_id)
-        return
-    client.set_tag(previous_run_id, "resume.replaced_by", run.run_id)
-    if previous.info.status == "RUNNING":
-        client.set_terminated(previous_run_id, "KILLED")

@@ -173,7 +173,7 @@ def test_a_fresh_start_closes_the_run_a_hard_kill_left_running(tmp_path, trackin
     assert store.plan(current).previous_run_id == run.run_id  # the run a later attempt would close or continue
 
 
-def test_a_fresh_start_leaves_an_ended_run_as_it_ended(tmp_path, tracking_store):
+def test_a_fresh_start_leaves_an_ended_run_as_it_ended(tmp_path, tracking_store, caplog):
     from pipeline.core.tracking import stage_run
     from pipeline.training.checkpoints import start_attempt
 
@@ -188,9 +188,10 @@ def test_a_fresh_start_leaves_an_ended_run_as_it_ended(tmp_path, tracking_store)
     with stage_run(context, "finetune") as run:
         start_attempt(run, store.plan(fp), store)
     assert client.get_run(failed).info.status == "FAILED"
-    store.remember_run("no-such-run")  # a run the store no longer holds: nothing to close, no failure
-    with stage_run(context, "finetune") as run:
+    store.remember_run("0" * 32)  # a run the store no longer holds: nothing to close, no failure
+    with stage_run(context, "finetune") as run, caplog.at_level("INFO", logger="pipeline.core.tracking"):
         start_attempt(run, store.plan(fp), store)
+    assert "is not in the store: nothing to close" in caplog.text  # told apart from a store that failed
 
 
 def test_a_preempted_training_run_ends_killed_and_a_failed_one_failed(tmp_path, tracking_store):
