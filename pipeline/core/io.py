@@ -90,6 +90,12 @@ def write_json(path: Path, obj: Any) -> None:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 
 
+def save_figure(fig: Any, path: Path) -> None:
+    """A matplotlib figure saved to `path` whole (`replaced_on_success`), in the format its suffix names."""
+    with replaced_on_success(path) as tmp:
+        fig.savefig(tmp, format=path.suffix.lstrip(".") or None)
+
+
 def read_json(path: Path) -> Any:
     """JSON from a file, with the path in the error when it is missing or broken."""
     if not path.is_file():

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pipeline.core.errors import UserError
-from pipeline.core.io import read_predictions
+from pipeline.core.io import read_predictions, save_figure
 from pipeline.core.machine import resolved_threads
 from pipeline.core.params import EvaluateParams, PackageParams, Params, TargetsParams, flatten
 from pipeline.data.tokens import read_tokenized
@@ -278,7 +278,7 @@ def accuracy_bars(results: dict[str, dict[str, Any]], path: Path) -> None:
         fig.suptitle("skipped: " + ", ".join(skipped), fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    save_figure(fig, path)
     plt.close(fig)
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.core.io import replaced_on_success, save_figure
 from pipeline.core.params import TargetsParams
 from pipeline.evaluation.report import pareto_front, scored_rows
 from pipeline.runtimes.catalog import REFERENCE, VariantSpec, spec
@@ -51,7 +52,7 @@ def latency_chart(variants: dict[str, dict[str, Any]], path: Path, batch_size: i
     axes[1].set_xlabel(f"throughput, batch {batch_size} (reviews/s, higher is better)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -94,7 +95,7 @@ def pareto_chart(variants: dict[str, dict[str, Any]], targets: TargetsParams, pa
     ax.set_title("accuracy vs latency (outlined: the Pareto front)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -133,7 +134,7 @@ def _family(name: str) -> str:
 def plot_rows(variants: dict[str, dict[str, Any]], path: Path) -> None:
     """One CSV row per measured variant, for `dvc plots` bar charts."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as fh:
+    with replaced_on_success(path) as tmp, tmp.open("w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(["variant", "p50_ms_b1", "p95_ms_b1", "throughput_b32"])
         for name, e in variants.items():

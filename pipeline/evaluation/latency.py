@@ -48,7 +48,7 @@ def percentiles(samples_ms: Sequence[float]) -> dict[str, float | None]:
 
 
 def speedup_interval(reference_rounds: Sequence[Sequence[float]], rounds: Sequence[Sequence[float]],
-                     level: float = 0.9, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+                     level: float = SPEEDUP_LEVEL, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
     """A bootstrap interval of p50(reference) / p50(variant) that resamples whole rounds, paired.
 
     On a shared machine the reference's p50 moves by tens of percent between runs; one ratio hides that.

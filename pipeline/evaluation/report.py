@@ -12,6 +12,7 @@ from typing import Any
 import jinja2
 import numpy as np
 
+from pipeline.core.io import replaced_on_success
 from pipeline.core.params import TargetsParams
 from pipeline.evaluation.latency import SPEEDUP_LEVEL
 from pipeline.runtimes.catalog import READOUT_ROW, REFERENCE
@@ -272,5 +273,5 @@ def write_report(result: dict[str, Any], chart: Path, path: Path, targets: Targe
                  pareto: Path | None = None) -> None:
     """`reports/variants.md`: the table, the charts, where the speed-up comes from, the machine and the targets,
     readable on its own."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render(report_data(result, chart, targets, pareto)))
+    with replaced_on_success(path) as tmp:
+        tmp.write_text(render(report_data(result, chart, targets, pareto)))

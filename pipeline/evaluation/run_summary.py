@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.runtimes.catalog import REFERENCE
+
 #: dvc.yaml's stages in pipeline order (tests/unit/evaluation/test_run_summary.py checks it against dvc.yaml).
 STAGES = ("prepare", "finetune", "export", "quantize", "prune", "distill", "tensorrt", "evaluate", "benchmark",
           "package")
@@ -69,7 +71,7 @@ def headline(metrics: Path) -> dict[str, Any]:
     served = package.get("variant")
     if served:
         out["served"] = served
-        row, ref = bench.get(served, {}), bench.get("fp32-eager", {})
+        row, ref = bench.get(served, {}), bench.get(REFERENCE, {})
         if row.get("status") == "ok":
             out["served_accuracy"] = row.get("accuracy")
             out["speedup"] = row.get("speedup_p50_vs_fp32_eager")

@@ -8,6 +8,8 @@ import csv
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from pipeline.core.io import replaced_on_success
+
 #: Where the curves' points go: (step, {name: value}) pairs, e.g. an MLflow run (`StageRun.log_steps`).
 MetricSink = Callable[[Sequence[tuple[int, Mapping[str, float]]]], None]
 
@@ -23,7 +25,7 @@ def write_curves(plots_dir: Path, train_rows: Sequence[Mapping[str, float]] = ()
     plots_dir.mkdir(parents=True, exist_ok=True)
     files = (("train.csv", train_rows, TRAIN_COLUMNS), ("val.csv", val_rows, VAL_COLUMNS))
     for name, rows, cols in files:
-        with (plots_dir / name).open("w", newline="") as fh:
+        with replaced_on_success(plots_dir / name) as tmp, tmp.open("w", newline="") as fh:
             writer = csv.DictWriter(fh, fieldnames=cols)
             writer.writeheader()
             writer.writerows(rows)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from pipeline.core.io import write_json, write_predictions
+from pipeline.core.io import save_figure, write_json, write_predictions
 from pipeline.core.params import Params, TrainParams, to_dict
 from pipeline.data.tokens import window_shortener
 from pipeline.training.checkpoints import CheckpointStore, ResumePlan, start_attempt
@@ -168,7 +168,7 @@ def save_confusion(labels: np.ndarray, preds: np.ndarray, path: Path) -> None:
     ax.set_title(f"test accuracy {np.trace(cm) / max(cm.sum(), 1):.2%}")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    save_figure(fig, path)
     plt.close(fig)
 
 

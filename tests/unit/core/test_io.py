@@ -84,3 +84,28 @@ def test_written_json_and_predictions_read_back(tmp_path):
     logits, meta = read_predictions(tmp_path / "p.npz", seqs, np.array([0, 1]))
     assert logits.shape == (2, 2) and meta == {"split": "test"}
     assert sorted(os.listdir(tmp_path)) == ["a.json", "p.npz"]
+
+
+def test_a_figure_is_saved_whole_in_its_suffixs_format_or_not_at_all(tmp_path):
+    """`save_figure` writes beside the file and renames (the temporary name's suffix is not the format's): a PNG
+    where `.png` is asked, and a figure that fails to render leaves the previous file as it was, nothing beside it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [1, 0])
+    path = tmp_path / "chart.png"
+    io.save_figure(fig, path)
+    assert path.read_bytes().startswith(b"\x89PNG")
+
+    class Broken:
+        def savefig(self, *args, **kwargs):
+            args[0].write_bytes(b"half")
+            raise RuntimeError("renderer failed")
+
+    with pytest.raises(RuntimeError):
+        io.save_figure(Broken(), path)
+    assert path.read_bytes().startswith(b"\x89PNG") and [p.name for p in tmp_path.iterdir()] == ["chart.png"]
+    plt.close(fig)

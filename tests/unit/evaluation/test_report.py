@@ -262,7 +262,8 @@ def test_the_report_chart_and_log_lines_name_the_benchmarks_batch_size(tmp_path,
     assert "| reviews/s @16 |" in markdown_table(rows, 16)
     assert all("at batch 16 (throughput)" in line for line in pair_lines(rows, TargetsParams(), 16))
     labels = []
-    monkeypatch.setattr(Figure, "savefig", lambda fig, path, **kw: labels.extend(a.get_xlabel() for a in fig.axes))
+    monkeypatch.setattr(Figure, "savefig", lambda fig, path, **kw: (labels.extend(a.get_xlabel() for a in fig.axes),
+                                                                     path.touch()))  # a file to rename, as saved
     latency_chart(rows, tmp_path / "latency.png", 16)
     assert "throughput, batch 16 (reviews/s, higher is better)" in labels
 
