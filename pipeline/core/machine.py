@@ -96,9 +96,9 @@ def capped_threads(setting: int | None) -> int | None:
     which its executor hands on as the cap), so a count chosen for one serving process does not put many of
     them on every core at once."""
     cap = default_threads()
-    if setting is None or cap is None:
-        return setting if setting is not None else cap
-    return min(setting, cap)
+    if cap is None:
+        return setting
+    return cap if setting is None else min(setting, cap)
 
 
 def resolved_threads(setting: int | None) -> int:

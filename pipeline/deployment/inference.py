@@ -15,7 +15,7 @@ import numpy as np
 
 from pipeline.data.tokens import clip_chars, encode_texts
 from pipeline.deployment.coalescing import MAX_BATCH_TEXTS, Coalescer
-from pipeline.runtimes.base import pad_batch
+from pipeline.runtimes.base import length_order, pad_batch
 from pipeline.runtimes.record import VARIANT_FILE, read_variant
 from pipeline.runtimes.registry import load_runner
 
@@ -105,16 +105,12 @@ class SentimentPredictor:
         the survivors together through here."""
         if len(encoded) <= self.max_batch:
             return self.coalescer(encoded)
-        order = np.argsort([len(ids) for ids in encoded], kind="stable")  # similar lengths share a batch
-        answers: list[Prediction | None] = [None] * len(encoded)
+        order = length_order(encoded).tolist()  # similar lengths share a batch
+        answers: dict[int, Prediction] = {}
         for first in range(0, len(order), self.max_batch):
             idx = order[first : first + self.max_batch]
-            for i, prediction in zip(idx, self.coalescer([encoded[i] for i in idx]), strict=True):
-                answers[i] = prediction
-        missing = [i for i, a in enumerate(answers) if a is None]
-        if missing:
-            raise RuntimeError(f"no answer for {len(missing)} of {len(encoded)} sequences")
-        return [a for a in answers if a is not None]
+            answers.update(zip(idx, self.coalescer([encoded[i] for i in idx]), strict=True))
+        return [answers[i] for i in range(len(encoded))]
 
     def _score_batch(self, encoded: Sequence[np.ndarray]) -> list[Prediction]:
         if not encoded:

@@ -277,7 +277,6 @@ def accuracy_bars(results: dict[str, dict[str, Any]], path: Path) -> None:
     if skipped:
         fig.suptitle("skipped: " + ", ".join(skipped), fontsize=8)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
     save_figure(fig, path)
     plt.close(fig)
 

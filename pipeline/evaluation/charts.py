@@ -51,7 +51,6 @@ def latency_chart(variants: dict[str, dict[str, Any]], path: Path, batch_size: i
     axes[1].invert_yaxis()
     axes[1].set_xlabel(f"throughput, batch {batch_size} (reviews/s, higher is better)")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
     save_figure(fig, path)
     plt.close(fig)
 
@@ -94,7 +93,6 @@ def pareto_chart(variants: dict[str, dict[str, Any]], targets: TargetsParams, pa
     ax.set_ylabel("test accuracy (%)")
     ax.set_title("accuracy vs latency (outlined: the Pareto front)")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
     save_figure(fig, path)
     plt.close(fig)
 
@@ -133,7 +131,6 @@ def _family(name: str) -> str:
 
 def plot_rows(variants: dict[str, dict[str, Any]], path: Path) -> None:
     """One CSV row per measured variant, for `dvc plots` bar charts."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     with replaced_on_success(path) as tmp, tmp.open("w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(["variant", "p50_ms_b1", "p95_ms_b1", "throughput_b32"])

@@ -22,7 +22,6 @@ def write_curves(plots_dir: Path, train_rows: Sequence[Mapping[str, float]] = ()
                  val_rows: Sequence[Mapping[str, float]] = ()) -> None:
     """`train.csv` (step, loss, lr) and `val.csv` (step, epoch, accuracy, loss) in `plots_dir`; no rows gives the
     header alone (a job that did not train)."""
-    plots_dir.mkdir(parents=True, exist_ok=True)
     files = (("train.csv", train_rows, TRAIN_COLUMNS), ("val.csv", val_rows, VAL_COLUMNS))
     for name, rows, cols in files:
         with replaced_on_success(plots_dir / name) as tmp, tmp.open("w", newline="") as fh:

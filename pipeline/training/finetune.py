@@ -140,7 +140,6 @@ def finetune(tokenized_dir: Path, outputs: FinetuneOutputs, all_params: Params, 
                           threads=torch.get_num_threads(), device=scoring_device(dm), pad_id=dm.collate.pad_id)
     write_json(outputs.metrics_path, metrics)
     curves.write(outputs.plots_dir)
-    outputs.report_dir.mkdir(parents=True, exist_ok=True)
     save_confusion(labels, preds, outputs.report_dir / "confusion_matrix.png")
     store.clear()  # the model is saved: nothing left to resume
     return FinetuneResult(metrics, outputs.model_dir, fitted.best_checkpoint)
@@ -167,7 +166,6 @@ def save_confusion(labels: np.ndarray, preds: np.ndarray, path: Path) -> None:
                     color="white" if cm[i, j] > cm.max() / 2 else "black")
     ax.set_title(f"test accuracy {np.trace(cm) / max(cm.sum(), 1):.2%}")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
     save_figure(fig, path)
     plt.close(fig)
 

@@ -18,6 +18,11 @@ def load_yaml(text: str) -> Any:
     return YAML(typ="safe", pure=True).load(text)
 
 
+def one_line(exc: YAMLError) -> str:
+    """A YAML parser's error, its lines (the marked snippet included) joined into one for a one-line message."""
+    return " ".join(str(exc).split())
+
+
 def read_params(path: str | Path) -> dict[str, Any]:
     """Read the whole params file once; the caller picks sections with `section`."""
     p = Path(path)
@@ -26,7 +31,7 @@ def read_params(path: str | Path) -> dict[str, Any]:
     try:
         raw = load_yaml(p.read_text()) or {}
     except YAMLError as exc:
-        raise ParamsError(f"{p} is not valid YAML: {' '.join(str(exc).split())}") from None
+        raise ParamsError(f"{p} is not valid YAML: {one_line(exc)}") from None
     if not isinstance(raw, dict):
         raise ParamsError(f"{p} must hold a mapping of sections")
     return raw
@@ -52,7 +57,7 @@ def set_values(path: str | Path, assignments: Sequence[tuple[str, str]],
     try:
         doc = rt.load(p.read_text())
     except YAMLError as exc:
-        raise ParamsError(f"{p} is not valid YAML: {' '.join(str(exc).split())}") from None
+        raise ParamsError(f"{p} is not valid YAML: {one_line(exc)}") from None
     for dotted_key, value in assignments:
         node = doc
         *parents, leaf = dotted_key.split(".")
@@ -65,7 +70,7 @@ def set_values(path: str | Path, assignments: Sequence[tuple[str, str]],
         try:
             node[leaf] = load_yaml(value)
         except YAMLError as exc:
-            raise ParamsError(f"{dotted_key}: {value!r} is not a YAML value: {' '.join(str(exc).split())}") from None
+            raise ParamsError(f"{dotted_key}: {value!r} is not a YAML value: {one_line(exc)}") from None
     with replaced_on_success(p) as tmp:
         with tmp.open("w") as fh:
             rt.dump(doc, fh)
