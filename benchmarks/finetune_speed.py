@@ -68,7 +68,7 @@ def pipeline_path(
     """The finetune stage's own module, data module, sampler and Trainer (validation off while timing)."""
     import lightning as L
 
-    from pipeline.training.classifier import IMDBDataModule, SentimentClassifier
+    from pipeline.training.classifier import IMDBDataModule, OptimisationRecipe, SentimentClassifier
     from pipeline.training.curves import CurveRecorder
     from pipeline.training.loop import build_trainer
 
@@ -80,11 +80,7 @@ def pipeline_path(
         L.seed_everything(params.seed, verbose=False)
         module = SentimentClassifier(
             load_model(model_params, seed=params.seed, attention_dropout=params.attention_dropout),
-            params.lr,
-            params.weight_decay,
-            params.warmup_ratio,
-            params.compile,
-            params.compile_mode,
+            OptimisationRecipe.of(params),
         )
         dm = IMDBDataModule(d, params, pad_id=pad_id(tok))
         recorder = CurveRecorder()

@@ -182,7 +182,7 @@ def lightning_run(model: Any, tokenized: Path, params: TrainParams, clock: StepC
     window, `pipeline.data.tokens.window_shortener`; None trains on the reviews as tokenized)."""
     import lightning as L
 
-    from pipeline.training.classifier import IMDBDataModule, SentimentClassifier
+    from pipeline.training.classifier import IMDBDataModule, OptimisationRecipe, SentimentClassifier
     from pipeline.training.loop import build_trainer
 
     class Clock(L.Callback):
@@ -198,8 +198,7 @@ def lightning_run(model: Any, tokenized: Path, params: TrainParams, clock: StepC
             clock.stop()
 
     L.seed_everything(params.seed, verbose=False)
-    module = SentimentClassifier(model, params.lr, params.weight_decay, params.warmup_ratio, params.compile,
-                                 params.compile_mode, params.fused_optimizer)
+    module = SentimentClassifier(model, OptimisationRecipe.of(params))
     with tempfile.TemporaryDirectory(prefix="seed-recipe-") as tmp:
         trainer = build_trainer(params, Path(tmp), [Clock()], enable_progress_bar=False)
         trainer.limit_val_batches = 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from torchmetrics.classification import BinaryAccuracy
 
 from pipeline.core.errors import UserError
 from pipeline.core.params import TrainParams
+from pipeline.core.settings.choices import CompileMode
 from pipeline.data.batching import Collator, LengthBucketBatchSampler, LoaderPosition, TokenizedDataset
 from pipeline.data.tokens import read_tokenized
 
@@ -70,28 +72,45 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-class SentimentClassifier(L.LightningModule):
-    """A Hugging Face sequence classifier trained with AdamW and linear warm-up/decay."""
+@dataclass(frozen=True)
+class OptimisationRecipe:
+    """How `SentimentClassifier` trains: AdamW's learning rate and weight decay, the linear warm-up's share of the
+    steps, and the accelerations of its forward and optimizer step. `of` reads them from one `TrainParams`, so
+    every job that trains from `train:` (finetune, distill, the benchmarks) gets all of them, none forgotten."""
 
-    def __init__(self, model: torch.nn.Module, lr: float, weight_decay: float, warmup_ratio: float,
-                 compile_model: bool = False, compile_mode: str = "default", fused_optimizer: bool = True,
-                 gradient_checkpointing: bool = False) -> None:
+    lr: float
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.0
+    compile_model: bool = False
+    compile_mode: CompileMode = "default"
+    fused_optimizer: bool = True
+    gradient_checkpointing: bool = False
+
+    @classmethod
+    def of(cls, params: TrainParams, **overrides: Any) -> OptimisationRecipe:
+        """`params`' recipe; `overrides` replace fields (a job with its own learning rate: distill's)."""
+        recipe = cls(lr=params.lr, weight_decay=params.weight_decay, warmup_ratio=params.warmup_ratio,
+                     compile_model=params.compile, compile_mode=params.compile_mode,
+                     fused_optimizer=params.fused_optimizer, gradient_checkpointing=params.gradient_checkpointing)
+        return replace(recipe, **overrides)
+
+
+class SentimentClassifier(L.LightningModule):
+    """A Hugging Face sequence classifier trained with AdamW and linear warm-up/decay, as `recipe` says."""
+
+    def __init__(self, model: torch.nn.Module, recipe: OptimisationRecipe) -> None:
         super().__init__()
         self.model = model.train()  # from_pretrained returns eval mode; training wants dropout on
-        if gradient_checkpointing:
+        if recipe.gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
-        self.lr = lr
-        self.fused_optimizer = fused_optimizer
-        self.weight_decay = weight_decay
-        self.warmup_ratio = warmup_ratio
-        self.compile_model = compile_model
-        self.compile_mode = compile_mode
+        self.recipe = recipe
         self._forward_fn: Any = None  # compiled callable kept off the module tree so checkpoints stay plain
         self.val_acc = BinaryAccuracy()
 
     def _fn(self) -> Any:
         if self._forward_fn is None:
-            fn = torch.compile(self.model, mode=self.compile_mode, dynamic=True) if self.compile_model else self.model
+            r = self.recipe
+            fn = torch.compile(self.model, mode=r.compile_mode, dynamic=True) if r.compile_model else self.model
             object.__setattr__(self, "_forward_fn", fn)  # plain attribute: not a registered submodule
         return self._forward_fn
 
@@ -115,9 +134,10 @@ class SentimentClassifier(L.LightningModule):
     def configure_optimizers(self) -> Any:
         from transformers import get_linear_schedule_with_warmup
 
-        optimizer = build_optimizer(self.model, self.lr, self.weight_decay, fused=self.fused_optimizer)
+        r = self.recipe
+        optimizer = build_optimizer(self.model, r.lr, r.weight_decay, fused=r.fused_optimizer)
         total = int(self.trainer.estimated_stepping_batches)
-        scheduler = get_linear_schedule_with_warmup(optimizer, int(self.warmup_ratio * total), total)
+        scheduler = get_linear_schedule_with_warmup(optimizer, int(r.warmup_ratio * total), total)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 

@@ -75,7 +75,7 @@ def distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metrics_p
     from pipeline.modeling import load_finetuned, pad_id
     from pipeline.surgery.student import build_student, count_parameters, layer_list, narrow_ffn
     from pipeline.training.checkpoints import CheckpointStore
-    from pipeline.training.classifier import IMDBDataModule
+    from pipeline.training.classifier import IMDBDataModule, OptimisationRecipe
     from pipeline.training.labelling import labelling_setup, read_transfer_ids, transfer_set
     from pipeline.training.loop import fit, predict_split, save_model, seed_run
     from pipeline.training.student_classifier import StudentClassifier
@@ -107,9 +107,8 @@ def distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metrics_p
     width: dict[str, Any] = {}
     if d.ffn_width is not None:
         student, width = narrow_ffn(student, dm.datasets["train"].input_ids, d.ffn_width, pad)
-    module = StudentClassifier(student, d, train.weight_decay, train.warmup_ratio,
-                               teacher=teacher if d.hidden_weight > 0 else None, kept=keep, compile_model=train.compile,
-                               compile_mode=train.compile_mode, fused_optimizer=train.fused_optimizer)
+    module = StudentClassifier(student, d, OptimisationRecipe.of(train, lr=d.lr),
+                               teacher=teacher if d.hidden_weight > 0 else None, kept=keep)
     plan = plan or distill_plan(teacher_dir, tokenized_dir, params, precision)
     store = CheckpointStore.for_job(params.train, "distill")
     fitted = fit(module, train, store=store, plan=plan, position=dm.position, datamodule=dm, sink=metric_sink)

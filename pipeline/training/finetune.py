@@ -19,7 +19,7 @@ from pipeline.core.io import save_figure, write_json, write_predictions
 from pipeline.core.params import Params, TrainParams, to_dict
 from pipeline.data.tokens import window_shortener
 from pipeline.training.checkpoints import CheckpointStore, ResumePlan, start_attempt
-from pipeline.training.classifier import IMDBDataModule, SentimentClassifier, check_accelerations
+from pipeline.training.classifier import IMDBDataModule, OptimisationRecipe, SentimentClassifier, check_accelerations
 from pipeline.training.curve_files import MetricSink
 from pipeline.training.elastic import is_rank_zero
 from pipeline.training.fingerprint import fingerprint, training_trajectory
@@ -98,10 +98,7 @@ def finetune(tokenized_dir: Path, outputs: FinetuneOutputs, all_params: Params, 
     seed_run(params)  # before the classifier head is initialised
     tokenizer = load_tokenizer(model_params)
     model = load_model(model_params, seed=params.seed, attention_dropout=params.attention_dropout)
-    module = SentimentClassifier(model, params.lr, params.weight_decay, params.warmup_ratio,
-                                 compile_model=params.compile, compile_mode=params.compile_mode,
-                                 fused_optimizer=params.fused_optimizer,
-                                 gradient_checkpointing=params.gradient_checkpointing)
+    module = SentimentClassifier(model, OptimisationRecipe.of(params))
     shorten = window_shortener(params.max_length, data.max_length, data.truncation, data.head_fraction,
                                tokenizer.cls_token_id, tokenizer.sep_token_id)
     dm = IMDBDataModule(tokenized_dir, params, pad_id=pad_id(tokenizer), shorten_train=shorten)

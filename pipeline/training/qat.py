@@ -132,7 +132,7 @@ def _distilled_finetune(model: torch.nn.Module, teacher: torch.nn.Module | None,
     from torch.utils.data import DataLoader
 
     from pipeline.data.batching import Collator, LengthBucketBatchSampler, LoaderPosition, TokenizedDataset
-    from pipeline.training.classifier import SentimentClassifier
+    from pipeline.training.classifier import OptimisationRecipe, SentimentClassifier
 
     params = run.params
     train = qat_train_params(params, run.seed)
@@ -157,7 +157,7 @@ def _distilled_finetune(model: torch.nn.Module, teacher: torch.nn.Module | None,
             self.log("train_loss", loss, prog_bar=True, batch_size=len(batch["labels"]))
             return loss
 
-    module = _Distilled(model, lr=run.lr, weight_decay=0.0, warmup_ratio=0.0)
+    module = _Distilled(model, OptimisationRecipe(lr=run.lr))  # no weight decay, no warm-up: a short adaptation
     fitted = fit(module, train, store=run.store, plan=run.plan, position=position, loader=loader, keep_best=False,
                  model_summary=False)
     return fitted.steps, fitted.curves.final_loss(10)

@@ -3,23 +3,21 @@ optionally, on the teacher's hidden states."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from pipeline.core.params import DistillParams
 from pipeline.surgery.distill_loss import distillation_loss, hidden_state_loss
 from pipeline.surgery.errors import DistillError
-from pipeline.training.classifier import SentimentClassifier
+from pipeline.training.classifier import OptimisationRecipe, SentimentClassifier
 
 
 class StudentClassifier(SentimentClassifier):
     """`SentimentClassifier` trained on the teacher's logits in each batch (`teacher_logits`) and, with
     `distill.hidden_weight` > 0, on the teacher's hidden states (the teacher runs alongside, frozen)."""
 
-    def __init__(self, model: torch.nn.Module, params: DistillParams, weight_decay: float, warmup_ratio: float,
-                 teacher: torch.nn.Module | None = None, kept: list[int] | None = None, **kwargs: Any) -> None:
-        super().__init__(model, params.lr, weight_decay, warmup_ratio, **kwargs)
+    def __init__(self, model: torch.nn.Module, params: DistillParams, recipe: OptimisationRecipe,
+                 teacher: torch.nn.Module | None = None, kept: list[int] | None = None) -> None:
+        super().__init__(model, recipe)
         self.kl_weight = 1.0 - params.hard_label_weight
         self.temperature = params.temperature
         self.hidden_weight = params.hidden_weight

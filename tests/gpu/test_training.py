@@ -13,7 +13,7 @@ import torch
 
 from pipeline.core.params import DataParams, ModelParams, Params, TrainParams, resolve_auto
 from pipeline.modeling import load_finetuned, load_model
-from pipeline.training.classifier import IMDBDataModule, SentimentClassifier
+from pipeline.training.classifier import IMDBDataModule, OptimisationRecipe, SentimentClassifier
 from pipeline.training.finetune import FinetuneOutputs, finetune
 from pipeline.training.loop import build_trainer
 
@@ -46,8 +46,7 @@ def test_mixed_precision_runs_matmuls_in_half_precision_on_cuda(tmp_path, tokeni
     if precision == "bf16-mixed" and not torch.cuda.is_bf16_supported():
         pytest.skip("this CUDA device has no bf16 support")
     params = TrainParams(**{**CUDA_TRAIN, "epochs": 1, "precision": precision})
-    module = SentimentClassifier(load_model(ModelParams(source="tiny"), seed=0), params.lr, params.weight_decay,
-                                 params.warmup_ratio)
+    module = SentimentClassifier(load_model(ModelParams(source="tiny"), seed=0), OptimisationRecipe.of(params))
     probe = MatmulDtypes()
     trainer = build_trainer(params, tmp_path, [probe], enable_progress_bar=False)
     trainer.fit(module, datamodule=IMDBDataModule(tokenized_dir, params))

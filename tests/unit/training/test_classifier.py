@@ -7,7 +7,7 @@ import torch
 
 from pipeline.core.params import TrainParams
 from pipeline.modeling import load_finetuned
-from pipeline.training.classifier import AccelerationUnavailable, check_accelerations
+from pipeline.training.classifier import AccelerationUnavailable, OptimisationRecipe, check_accelerations
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
@@ -40,3 +40,15 @@ def test_fused_adamw_takes_the_same_steps_as_the_per_tensor_loop(tiny_model_dir)
     for (name, a), b in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
         assert torch.allclose(a, b, atol=1e-5), name
     assert any(not torch.equal(a, start[n]) for n, a in models[0].named_parameters())  # it did train
+
+
+def test_the_recipe_carries_every_optimisation_setting_of_the_train_section():
+    params = TrainParams(lr=3e-5, weight_decay=0.1, warmup_ratio=0.2, compile=True, compile_mode="max-autotune",
+                         fused_optimizer=False, gradient_checkpointing=True)
+    recipe = OptimisationRecipe.of(params)
+    assert recipe == OptimisationRecipe(lr=3e-5, weight_decay=0.1, warmup_ratio=0.2, compile_model=True,
+                                        compile_mode="max-autotune", fused_optimizer=False,
+                                        gradient_checkpointing=True)
+    assert OptimisationRecipe.of(params, lr=1e-3) == OptimisationRecipe(**{**vars(recipe), "lr": 1e-3})
+    with pytest.raises(TypeError):
+        OptimisationRecipe.of(params, learning_rate=1e-3)  # a misspelt override fails, it is not dropped

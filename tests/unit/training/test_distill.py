@@ -188,6 +188,7 @@ def test_auto_skips_a_student_that_would_train_in_fp32_on_the_cpu_and_says_why(t
 
 def test_hidden_state_loss_matches_each_student_layer_to_its_teacher_layer():
     from pipeline.surgery.distill_loss import hidden_state_loss
+    from pipeline.training.classifier import OptimisationRecipe
     from pipeline.training.student_classifier import StudentClassifier
 
     teacher = tiny_classifier(4)
@@ -213,7 +214,8 @@ def test_hidden_state_loss_matches_each_student_layer_to_its_teacher_layer():
         h[1, 5:] += 100.0
     assert torch.isclose(hidden_state_loss(noisy, t, keep, mask), loss)
 
-    module = StudentClassifier(student.train(), DistillParams(hidden_weight=0.5), 0.0, 0.0, teacher=teacher, kept=keep)
+    module = StudentClassifier(student.train(), DistillParams(hidden_weight=0.5), OptimisationRecipe(lr=1e-4),
+                               teacher=teacher, kept=keep)
     batch = {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([1, NO_LABEL]),
              "teacher_logits": torch.zeros(2, 2)}
     module.log = lambda *a, **k: None  # outside a Trainer
@@ -222,7 +224,7 @@ def test_hidden_state_loss_matches_each_student_layer_to_its_teacher_layer():
     assert all(p.grad is None for p in teacher.parameters())  # the teacher is frozen
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in student.parameters())
     with pytest.raises(DistillError, match="needs the teacher"):
-        StudentClassifier(student, DistillParams(hidden_weight=0.5), 0.0, 0.0)
+        StudentClassifier(student, DistillParams(hidden_weight=0.5), OptimisationRecipe(lr=1e-4))
 
 
 class _UnusedContext:
