@@ -93,15 +93,19 @@ def version_package_params(tags: dict[str, str], *, tracking_uri: str) -> tuple[
 
 
 def logged_model(model_id: str | None, *, tracking_uri: str) -> Any:
-    """The LoggedModel `model_id` in the store, or None (no id, or one from another store)."""
+    """The LoggedModel `model_id` in the store, or None (no id, or one the store answers it does not hold: from
+    another store); any other failure to read the store (a server down, a refused login) is raised as MLflow
+    raised it, not taken for a missing model."""
     if not model_id:
         return None
     from mlflow.exceptions import MlflowException
 
     try:
         return client_for(tracking_uri).get_logged_model(model_id)
-    except MlflowException:
-        return None
+    except MlflowException as exc:
+        if exc.error_code in NOT_SET:
+            return None
+        raise
 
 
 def model_with_files(model_id: str | None, *, tracking_uri: str) -> bool:

@@ -16,6 +16,9 @@ class _Client:
     def get_model_version_by_alias(self, name: str, alias: str) -> None:
         raise self.error
 
+    def get_logged_model(self, model_id: str) -> None:
+        raise self.error
+
 
 @pytest.mark.parametrize("code", ["RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"])
 def test_an_alias_the_registry_does_not_have_is_not_set(monkeypatch, code):
@@ -53,3 +56,17 @@ def test_store_errors_carry_mlflows_message_and_let_a_missing_alias_pass(monkeyp
         raise LookupError("not set")
     with pytest.raises(model_registry.StoreError):
         model_registry.check_model_uri("models:/absent-model@champion")
+
+
+def test_a_logged_model_the_store_does_not_hold_is_none_but_a_failing_store_raises(monkeypatch, tmp_path):
+    """An id from another store is "not here" (the package stage relogs the model, benchmark leaves its timings
+    unlinked); a store that cannot answer is not taken for that."""
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    for lookup in (model_registry.logged_model, model_registry.model_exists, model_registry.model_with_files):
+        assert lookup("m-0123456789abcdef0123456789abcdef", tracking_uri=store) in (None, False)
+        assert lookup(None, tracking_uri=store) in (None, False)
+    error = MlflowException("API request failed: connection refused", error_code=databricks_pb2.INTERNAL_ERROR)
+    monkeypatch.setattr(model_registry, "client_for", lambda uri: _Client(error))
+    for lookup in (model_registry.logged_model, model_registry.model_exists, model_registry.model_with_files):
+        with pytest.raises(MlflowException, match="connection refused"):
+            lookup("m-0123456789abcdef0123456789abcdef", tracking_uri="http://127.0.0.1:9")
