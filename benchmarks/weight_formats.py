@@ -54,8 +54,10 @@ def build(name: str, model_dir: Path, fmt: str, work: Path, tokenized: Path, par
         return out
     model, tokenizer, meta = load_finetuned(model_dir)
     pad = pad_id(tokenizer)
-    check = FusionCheck(eager_runner(model), name, int(model.config.num_hidden_layers), max_length_of(meta),
-                        read_tokenized(tokenized, "val")["input_ids"].tolist()[:16], pad)
+    check = FusionCheck.of(eager_runner(model), name, num_layers=int(model.config.num_hidden_layers),
+                           max_length=max_length_of(meta),
+                           val_ids=read_tokenized(tokenized, "val")["input_ids"].tolist(), pad_id=pad,
+                           export=params.export)
     choice = Choice("quantize.weight_format", fmt, fmt, "set by benchmarks.weight_formats")
     with tempfile.TemporaryDirectory(prefix="weight-formats-") as tmp:
         built = fused_dynamic_int8(model, name, out, check, export=params.export,

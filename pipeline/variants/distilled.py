@@ -56,8 +56,10 @@ def run_distilled_variants(*, student_dir: Path, tokenized: Path, variants_root:
                                             params=params.export, max_len=max_len, pad_id=pad)
 
     started = time.perf_counter()
-    check = FusionCheck(eager_runner(model), "the distilled student", int(model.config.num_hidden_layers), max_len,
-                        read_tokenized(tokenized, "val")["input_ids"].tolist()[:16], pad)
+    check = FusionCheck.of(eager_runner(model), "the distilled student",
+                           num_layers=int(model.config.num_hidden_layers), max_length=max_len,
+                           val_ids=read_tokenized(tokenized, "val")["input_ids"].tolist(), pad_id=pad,
+                           export=params.export)
     with building(out["int8-distilled"]) as work, tempfile.TemporaryDirectory(prefix="distilled-") as tmp:
         built = fused_dynamic_int8(model, "int8-distilled", work, check, export=params.export,
                                    per_channel=params.quantize.per_channel, weight_format=weight_format, tmp=Path(tmp))

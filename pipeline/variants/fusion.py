@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,10 +25,6 @@ if TYPE_CHECKING:
     from pipeline.core.machine import Choice
 
 log = logging.getLogger(__name__)
-
-# The fused graph must compute what fp32-onnx computes: fusion reorders float sums, nothing more.
-FUSION_TOLERANCE = 1e-4
-
 
 def optimize_for_quantization(src: Path, dst: Path) -> dict[str, int]:
     """onnxscript's onnxruntime fusions of a torch.export-based ONNX file before quantizing; returns the fused
@@ -121,7 +118,8 @@ def _graph_inputs_of(value: ir.Value) -> set[str]:
 
 @dataclass(frozen=True)
 class FusionCheck:
-    """What a fused graph must reproduce, on which reviews, and how many attention blocks it should fuse."""
+    """What a fused graph must reproduce, on which reviews, how closely, and how many attention blocks it should
+    fuse."""
 
     reference: Runner
     reference_name: str
@@ -129,6 +127,15 @@ class FusionCheck:
     max_length: int
     reviews: list[np.ndarray]  # real reviews the fused graph is compared on
     pad_id: int
+    tolerance: float  # the largest |logit diff| allowed: fusion reorders float sums, nothing more
+
+    @classmethod
+    def of(cls, reference: Runner, reference_name: str, *, num_layers: int, max_length: int,
+           val_ids: Sequence[np.ndarray], pad_id: int, export: ExportParams) -> FusionCheck:
+        """The export stage's parity check applied to a fused graph: on the first `export.parity_samples` of
+        `val_ids` (validation reviews), within `export.parity_tolerance`."""
+        return cls(reference, reference_name, num_layers, max_length, list(val_ids[: export.parity_samples]), pad_id,
+                   export.parity_tolerance)
 
 
 def fused_graph(model: Any, cls_readout: bool, check: FusionCheck, tmp: Path, *,
@@ -159,9 +166,9 @@ def fuse_export(raw: Path, readout: dict[str, Any], check: FusionCheck, tmp: Pat
     fused = tmp / "fused.onnx"
     counts = optimize_for_quantization(raw, fused)
     p = parity(check.reference, OrtRunner(fused, optimization="disable"), check.reviews, check.pad_id)
-    if p.max_abs_diff > FUSION_TOLERANCE:
+    if p.max_abs_diff > check.tolerance:
         raise QuantizeError(f"fused graph disagrees with {check.reference_name}: "
-                            f"max |logit diff| {p.max_abs_diff:.2e}")
+                            f"max |logit diff| {p.max_abs_diff:.2e} > {check.tolerance:.0e}")
     if counts.get("Attention", 0) != num_layers:
         log.warning("onnxscript fused %d of %d attention blocks; the rest are quantized as plain MatMuls",
                     counts.get("Attention", 0), num_layers)

@@ -50,8 +50,10 @@ def run_prune(*, finetuned: Path, tokenized: Path, variants_root: Path, all_para
     student, report = prune_encoder(model, batches, params.heads, params.ffn_width, params.damp)
 
     with building(out) as work, tempfile.TemporaryDirectory(prefix="prune-") as tmp:
-        check = FusionCheck(eager_runner(student), "the pruned model", int(model.config.num_hidden_layers),
-                            max_length_of(meta), read_tokenized(tokenized, "val")["input_ids"].tolist()[:16], pad)
+        val_ids = read_tokenized(tokenized, "val")["input_ids"].tolist()
+        check = FusionCheck.of(eager_runner(student), "the pruned model",
+                               num_layers=int(model.config.num_hidden_layers), max_length=max_length_of(meta),
+                               val_ids=val_ids, pad_id=pad, export=all_params.export)
         built = fused_dynamic_int8(student, name, work, check, export=all_params.export,
                                    per_channel=quantize.per_channel, weight_format=weight_format, tmp=Path(tmp))
         info = {"method": "structured pruning (OBS selection + least-squares repair) + onnxruntime.quantize_dynamic",

@@ -67,8 +67,9 @@ def _graph_for_quantization(inputs: QuantizeInputs) -> tuple[Path, dict[str, Any
     """The graph `int8-dynamic` quantizes (fused for onnxruntime, attention included, when `optimize_graph`)
     and what the fusion did.
 
-    The fused graph is checked against `fp32-onnx` on 16 validation reviews, and a fusion that finds fewer
-    attention blocks than the model has layers is logged and recorded rather than silently accepted. The export
+    The fused graph is checked against `fp32-onnx` on `export.parity_samples` validation reviews, and a fusion
+    that finds fewer attention blocks than the model has layers is logged and recorded rather than silently
+    accepted. The export
     stage writes fp32-onnx in eager attention, the form the fusion needs, so that file is fused as it is; one
     exported otherwise (its record says how) is exported again from the model.
     """
@@ -83,10 +84,11 @@ def _graph_for_quantization(inputs: QuantizeInputs) -> tuple[Path, dict[str, Any
 
 
 def fusion_check(inputs: QuantizeInputs, reference: Runner, reference_name: str) -> FusionCheck:
-    """What a fused graph of this run must reproduce (`reference`, named `reference_name` in errors), on the first
-    16 validation reviews."""
-    return FusionCheck(reference, reference_name, int(inputs.arch["num_layers"]), max_length_of(inputs.meta),
-                       inputs.val["input_ids"].tolist()[:16], inputs.pad_id)
+    """What a fused graph of this run must reproduce (`reference`, named `reference_name` in errors), on validation
+    reviews as closely as the export stage's parity check asks (`FusionCheck.of`)."""
+    return FusionCheck.of(reference, reference_name, num_layers=int(inputs.arch["num_layers"]),
+                          max_length=max_length_of(inputs.meta), val_ids=inputs.val["input_ids"].tolist(),
+                          pad_id=inputs.pad_id, export=inputs.params.export)
 
 
 def _static_with_selection(inputs: QuantizeInputs) -> dict[str, Any]:

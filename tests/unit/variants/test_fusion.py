@@ -38,3 +38,17 @@ def test_only_a_bias_made_from_the_padding_mask_becomes_mask_index():
     # equal Q/K/V widths are the op's default: the attribute that keeps the quantizer off is dropped
     assert all("qkv_hidden_sizes" not in n.attributes for n in (first, second))
     assert "Unsqueeze" not in [n.op_type for n in model.graph]  # the float mask feeds nothing now
+
+
+def test_a_fused_graph_is_checked_as_the_export_stage_checks_parity():
+    """One source for the fused graphs' check: `export.parity_samples` validation reviews, `export.parity_tolerance`."""
+    import numpy as np
+
+    from pipeline.core.params import ExportParams
+    from pipeline.variants.fusion import FusionCheck
+
+    val_ids = [np.arange(2, 2 + n) for n in range(3, 40)]
+    check = FusionCheck.of(lambda ids, mask: ids, "ref", num_layers=2, max_length=64, val_ids=val_ids, pad_id=0,
+                           export=ExportParams(parity_samples=5, parity_tolerance=3e-5))
+    assert [len(r) for r in check.reviews] == [3, 4, 5, 6, 7]
+    assert check.tolerance == 3e-5
