@@ -81,12 +81,19 @@ def qat_checkpoints(train: TrainParams, job: str, settings: Mapping[str, Any], m
     return store, store.plan(current, train.resume)
 
 
+#: The Trainer QAT runs in, whatever `train:` asks of the finetune (a GPU, DDP, several nodes, accumulation, the
+#: profiler): one process on the CPU, where the INT8 variants it feeds are built and timed, in the threads the stage
+#: already runs with. With the epochs, precision and seed these are every field `build_trainer` and `seed_run` read,
+#: named here so none falls back to a default unseen.
+QAT_TRAINER: Mapping[str, Any] = {"accelerator": "cpu", "strategy": "auto", "devices": 1, "num_nodes": 1,
+                                  "grad_accum": 1, "val_checks_per_epoch": 1, "profiler": False, "threads": None}
+
+
 def qat_train_params(params: QuantizeParams, seed: int) -> TrainParams:
-    """The Trainer's settings for QAT: `quantize.qat_epochs` in the resolved `quantize.qat_precision` on one CPU
-    process (the learning rate, batch size and loss are QAT's own, given to the module and loader)."""
-    return TrainParams(epochs=params.qat_epochs, precision=params.trainer_precision(),
-                       accelerator="cpu", strategy="auto", devices=1, num_nodes=1, grad_accum=1,
-                       val_checks_per_epoch=1, seed=seed, profiler=False, threads=None)
+    """The Trainer's settings for QAT: `quantize.qat_epochs` in the resolved `quantize.qat_precision` in
+    `QAT_TRAINER`'s one CPU process (the learning rate, batch size and loss are QAT's own, given to the module and
+    loader)."""
+    return TrainParams(epochs=params.qat_epochs, precision=params.trainer_precision(), seed=seed, **QAT_TRAINER)
 
 
 def qat_finetune(model: torch.nn.Module, run: QatRun, skip_in_features: int | None = None) -> QatResult:

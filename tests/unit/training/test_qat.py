@@ -134,3 +134,16 @@ def test_a_qat_checkpoint_resumes_only_for_the_same_trajectory(tmp_path):
     assert "qat_lr" in plan(torch.nn.Linear(4, 3), qat_lr=2e-5).reason
     builder.write_text("# v2\n")
     assert "training code changed" in plan(torch.nn.Linear(4, 3), qat_lr=2e-5).reason
+
+
+def test_qat_trains_in_one_cpu_process_with_quantizes_own_epochs_and_precision(tmp_path):
+    from pipeline.training.loop import build_trainer
+    from pipeline.training.qat import qat_train_params
+
+    params = QuantizeParams(qat_epochs=2, qat_precision="32-true")
+    train = qat_train_params(params, seed=7)
+    assert (train.epochs, train.precision, train.seed) == (2, "32-true", 7)
+    trainer = build_trainer(train, tmp_path, [], enable_progress_bar=False, validate=False, model_summary=False)
+    assert (type(trainer.accelerator).__name__, trainer.num_devices, trainer.num_nodes, trainer.world_size) == \
+        ("CPUAccelerator", 1, 1, 1)
+    assert trainer.max_epochs == 2 and trainer.accumulate_grad_batches == 1
