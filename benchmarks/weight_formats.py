@@ -39,10 +39,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def build(name: str, model_dir: Path, fmt: str, work: Path, tokenized: Path, params: Params) -> Path:
     """`work/<fmt>/<name>`: the model's int8-dynamic recipe with `fmt` weights (reused when a previous run built
     it from the same model file and settings)."""
-    from pipeline.data.tokens import read_tokenized
     from pipeline.modeling import load_finetuned, pad_id
     from pipeline.runtimes.record import VariantInfo, write_variant
-    from pipeline.variants.export import eager_runner, max_length_of
+    from pipeline.variants.export import max_length_of
     from pipeline.variants.fusion import FusionCheck, fused_dynamic_int8
 
     out = work / fmt / name
@@ -54,10 +53,8 @@ def build(name: str, model_dir: Path, fmt: str, work: Path, tokenized: Path, par
         return out
     model, tokenizer, meta = load_finetuned(model_dir)
     pad = pad_id(tokenizer)
-    check = FusionCheck.of(eager_runner(model), name, num_layers=int(model.config.num_hidden_layers),
-                           max_length=max_length_of(meta),
-                           val_ids=read_tokenized(tokenized, "val")["input_ids"].tolist(), pad_id=pad,
-                           export=params.export)
+    check = FusionCheck.of_model(model, name, tokenized=tokenized, max_length=max_length_of(meta), pad_id=pad,
+                                 export=params.export)
     choice = Choice("quantize.weight_format", fmt, fmt, "set by benchmarks.weight_formats")
     with tempfile.TemporaryDirectory(prefix="weight-formats-") as tmp:
         built = fused_dynamic_int8(model, name, out, check, export=params.export,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -87,12 +87,11 @@ class OptimisationRecipe:
     gradient_checkpointing: bool = False
 
     @classmethod
-    def of(cls, params: TrainParams, **overrides: Any) -> OptimisationRecipe:
-        """`params`' recipe; `overrides` replace fields (a job with its own learning rate: distill's)."""
-        recipe = cls(lr=params.lr, weight_decay=params.weight_decay, warmup_ratio=params.warmup_ratio,
-                     compile_model=params.compile, compile_mode=params.compile_mode,
-                     fused_optimizer=params.fused_optimizer, gradient_checkpointing=params.gradient_checkpointing)
-        return replace(recipe, **overrides)
+    def of(cls, params: TrainParams, *, lr: float | None = None) -> OptimisationRecipe:
+        """`params`' recipe, with `lr` for a job with its own learning rate (distill's)."""
+        return cls(lr=params.lr if lr is None else lr, weight_decay=params.weight_decay,
+                   warmup_ratio=params.warmup_ratio, compile_model=params.compile, compile_mode=params.compile_mode,
+                   fused_optimizer=params.fused_optimizer, gradient_checkpointing=params.gradient_checkpointing)
 
 
 class SentimentClassifier(L.LightningModule):

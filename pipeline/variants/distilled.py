@@ -41,7 +41,7 @@ def run_distilled_variants(*, student_dir: Path, tokenized: Path, variants_root:
         return {name: {"status": "skipped", "reason": reason} for name in out}
     # the builders (torch, onnxruntime, OpenVINO) only where there is a student to build from
     from pipeline.variants.calibration import calibration_reviews
-    from pipeline.variants.export import eager_runner, inference_model, max_length_of, onnx_variant
+    from pipeline.variants.export import inference_model, max_length_of, onnx_variant
     from pipeline.variants.fusion import FusionCheck, fused_dynamic_int8
     from pipeline.variants.openvino_int8 import quantize_openvino
 
@@ -56,10 +56,8 @@ def run_distilled_variants(*, student_dir: Path, tokenized: Path, variants_root:
                                             params=params.export, max_len=max_len, pad_id=pad)
 
     started = time.perf_counter()
-    check = FusionCheck.of(eager_runner(model), "the distilled student",
-                           num_layers=int(model.config.num_hidden_layers), max_length=max_len,
-                           val_ids=read_tokenized(tokenized, "val")["input_ids"].tolist(), pad_id=pad,
-                           export=params.export)
+    check = FusionCheck.of_model(model, "the distilled student", tokenized=tokenized, max_length=max_len, pad_id=pad,
+                                 export=params.export)
     with building(out["int8-distilled"]) as work, tempfile.TemporaryDirectory(prefix="distilled-") as tmp:
         built = fused_dynamic_int8(model, "int8-distilled", work, check, export=params.export,
                                    per_channel=params.quantize.per_channel, weight_format=weight_format, tmp=Path(tmp))

@@ -14,13 +14,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pipeline.core.params import ExportParams
+from pipeline.data.tokens import read_tokenized
 from pipeline.runtimes.base import Runner
 from pipeline.runtimes.ort import OrtRunner
-from pipeline.variants.export import export_onnx, inference_model, parity
+from pipeline.variants.export import eager_runner, export_onnx, inference_model, parity
 from pipeline.variants.onnx_int8 import MS_DOMAIN, QuantizeError, int8_census, quantize_dynamic_onnx, weight_record
 
 if TYPE_CHECKING:
     import onnx_ir as ir
+    import torch
 
     from pipeline.core.machine import Choice
 
@@ -136,6 +138,15 @@ class FusionCheck:
         `val_ids` (validation reviews), within `export.parity_tolerance`."""
         return cls(reference, reference_name, num_layers, max_length, list(val_ids[: export.parity_samples]), pad_id,
                    export.parity_tolerance)
+
+    @classmethod
+    def of_model(cls, model: torch.nn.Module, name: str, *, tokenized: Path, max_length: int, pad_id: int,
+                 export: ExportParams) -> FusionCheck:
+        """`of` with `model` itself in PyTorch as the reference, on the validation split under `tokenized` (a
+        pruned or distilled model, whose fused graph has no fp32-onnx to answer to)."""
+        return cls.of(eager_runner(model), name, num_layers=int(model.config.num_hidden_layers),
+                      max_length=max_length, val_ids=read_tokenized(tokenized, "val")["input_ids"].tolist(),
+                      pad_id=pad_id, export=export)
 
 
 def fused_graph(model: Any, cls_readout: bool, check: FusionCheck, tmp: Path, *,

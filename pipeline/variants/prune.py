@@ -35,7 +35,7 @@ def run_prune(*, finetuned: Path, tokenized: Path, variants_root: Path, all_para
         return {"status": "skipped", "reason": reason}
     # torch and the builders only when there is something to prune (the default skips it)
     from pipeline.surgery.prune import calibration_batches, prune_encoder
-    from pipeline.variants.export import eager_runner, max_length_of
+    from pipeline.variants.export import max_length_of
     from pipeline.variants.fusion import FusionCheck, fused_dynamic_int8
 
     started = time.perf_counter()
@@ -50,10 +50,8 @@ def run_prune(*, finetuned: Path, tokenized: Path, variants_root: Path, all_para
     student, report = prune_encoder(model, batches, params.heads, params.ffn_width, params.damp)
 
     with building(out) as work, tempfile.TemporaryDirectory(prefix="prune-") as tmp:
-        val_ids = read_tokenized(tokenized, "val")["input_ids"].tolist()
-        check = FusionCheck.of(eager_runner(student), "the pruned model",
-                               num_layers=int(model.config.num_hidden_layers), max_length=max_length_of(meta),
-                               val_ids=val_ids, pad_id=pad, export=all_params.export)
+        check = FusionCheck.of_model(student, "the pruned model", tokenized=tokenized, max_length=max_length_of(meta),
+                                     pad_id=pad, export=all_params.export)
         built = fused_dynamic_int8(student, name, work, check, export=all_params.export,
                                    per_channel=quantize.per_channel, weight_format=weight_format, tmp=Path(tmp))
         info = {"method": "structured pruning (OBS selection + least-squares repair) + onnxruntime.quantize_dynamic",

@@ -69,9 +69,8 @@ def _graph_for_quantization(inputs: QuantizeInputs) -> tuple[Path, dict[str, Any
 
     The fused graph is checked against `fp32-onnx` on `export.parity_samples` validation reviews, and a fusion
     that finds fewer attention blocks than the model has layers is logged and recorded rather than silently
-    accepted. The export
-    stage writes fp32-onnx in eager attention, the form the fusion needs, so that file is fused as it is; one
-    exported otherwise (its record says how) is exported again from the model.
+    accepted. The export stage writes fp32-onnx in eager attention, the form the fusion needs, so that file is
+    fused as it is; one exported otherwise (its record says how) is exported again from the model.
     """
     fp32 = inputs.fp32_onnx / "model.onnx"
     if not inputs.q.optimize_graph:
