@@ -106,7 +106,6 @@ def request_deadline_protocol(headers_timeout_s: float, send_timeout_s: float, m
     names it) where its headers were read, else a new one."""
     answer_headers = refusal_headers or []
     import h11
-    from h11._connection import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE  # what uvicorn's own protocol falls back to
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     def refused(status: int, kind: str) -> None:
@@ -144,9 +143,11 @@ def request_deadline_protocol(headers_timeout_s: float, send_timeout_s: float, m
 
         def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
             super().__init__(config, *args, **kwargs)
+            # uvicorn's own connection, counted: its size limit where configured, else h11's default (uvicorn
+            # reads that default from h11's private module; h11's keyword default is the same value)
             size = config.h11_max_incomplete_event_size
-            self.conn: PieceBudget = PieceBudget(h11.SERVER,
-                                                 DEFAULT_MAX_INCOMPLETE_EVENT_SIZE if size is None else size)
+            self.conn: PieceBudget = (PieceBudget(h11.SERVER) if size is None
+                                      else PieceBudget(h11.SERVER, max_incomplete_event_size=size))
 
         deadline: asyncio.TimerHandle | None = None
         request_begun = False  # bytes of a request arrived since the deadline was armed

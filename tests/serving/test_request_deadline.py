@@ -295,6 +295,28 @@ def test_bytes_that_are_no_request_get_the_contracts_json_400_not_plain_text(req
     assert told == [(400, "malformed_http")]
 
 
+@pytest.mark.parametrize(("configured", "limit"), [(None, 16 * 1024), (4096, 4096)])
+def test_a_header_section_past_the_incomplete_event_limit_gets_the_contracts_400(configured, limit):
+    """uvicorn's `h11_max_incomplete_event_size` bounds what a request's line and headers may buffer, as it does
+    under uvicorn's own protocol (unset: h11's 16 KiB default): a header section still incomplete past it gets the
+    contract's JSON 400 and the connection closed; one just inside it is answered. (h11 bounds the bytes buffered
+    while an event is incomplete: headers that arrive whole in one read are parsed whatever their size.)"""
+    import json
+
+    protocol = request_deadline_protocol(30.0, 30.0)
+    padded = REQUEST.replace(b"Host: test", b"Host: test\r\nX-Pad: " + b"p" * (limit + 1024))
+    with uvicorn_in_thread(hello, protocol, timeout_keep_alive=30, h11_max_incomplete_event_size=configured) as port:
+        with connect(port) as sock:
+            sock.sendall(REQUEST.replace(b"Host: test", b"Host: test\r\nX-Pad: " + b"p" * (limit // 2)))
+            inside = read_answer(sock, b"ok")
+        with connect(port) as sock:
+            sock.sendall(padded[:-4])  # past the limit, the blank line that ends the headers not yet sent
+            past, _ = read_until_closed(sock)
+    assert inside.startswith(b"HTTP/1.1 200 ")
+    head, _, body = past.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and json.loads(body)["error"].startswith("malformed HTTP request")
+
+
 def test_the_408_and_the_connection_limits_503_are_reported():
     told: list[tuple[int, str]] = []
     protocol = request_deadline_protocol(DEADLINE_S, 30.0, max_connections=1,
