@@ -37,7 +37,9 @@ from serving.request_deadline import request_deadline_protocol
 
 log = logging.getLogger("serving.mlflow_server")
 
-#: uvicorn's h11 parser refuses a request line plus headers beyond this itself (a plain 400), before the app.
+#: Bytes h11 buffers for a request line and headers not yet complete; past it the protocol answers the contract's
+#: JSON 400 before the app. A header section that arrives whole is parsed whatever its size (one socket read is
+#: at most 256 KiB) and gets the middleware's 431 past 8 KiB.
 H11_MAX_HEADER_BYTES = 65536
 #: Seconds a connection may take to send a request's line and headers (from its opening or its last answer) before
 #: it is closed, with a 408 if a request had begun (`--header-timeout`; nginx's `client_header_timeout` in
