@@ -114,13 +114,16 @@ class ContractMiddleware:
             return
         start = time.perf_counter()
         rid = request_id(scope)  # the protocol names a request it answers itself by the same id
+        send = unless_answered_by_protocol(scope, send)
         try:
             outcome = await self._answer(scope, receive, send, rid)
         except Exception:
+            if answered_by_protocol(scope):
+                return  # what failed was the answer to a closed connection: the protocol's 400 is the answer
             log.exception("request %s: answering %s %s failed", rid, scope.get("method"), scope.get("path"))
             outcome = Outcome(500, "server_error")
             await self._json(send, 500, server_error(rid).body, rid)
-        if (scope.get("state") or {}).get(PROTOCOL_REFUSED):
+        if answered_by_protocol(scope):
             return  # the connection's protocol answered this request itself (a 400 mid-body) and counted it
         path = scope.get("path", "")
         self.metrics.observe(path if path in ROUTES else "other", scope.get("method", ""), outcome,
@@ -277,6 +280,24 @@ class ContractMiddleware:
                    *self.model_headers(rid), *(extra or [])]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def answered_by_protocol(scope: Scope) -> bool:
+    """Whether the connection's protocol answered this request itself (`serving.request_deadline`: a body past its
+    piece budget, or bytes after the headers that are no HTTP), and closed the connection."""
+    return bool((scope.get("state") or {}).get(PROTOCOL_REFUSED))
+
+
+def unless_answered_by_protocol(scope: Scope, send: Send) -> Send:
+    """`send` that drops what the app sends once the protocol has answered the request itself. The protocol can
+    answer before the app's task first runs: a request whose headers and unreadable body framing arrive in one read
+    is refused while the app is still scheduled, and the app's own answer (a 404 or 405 that needs no body) would
+    then meet a connection h11 has closed, an error and a 500 logged for every such request."""
+    async def guarded_send(message: Message) -> None:
+        if not answered_by_protocol(scope):
+            await send(message)
+
+    return guarded_send
 
 
 def headers_only(send: Send) -> Send:

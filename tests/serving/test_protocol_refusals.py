@@ -4,6 +4,7 @@ an upload over the body limit sent in ordinary TCP segments gets its 413, not th
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 
@@ -79,3 +80,47 @@ def test_an_oversized_content_length_upload_in_full_segments_gets_its_413_not_th
             except OSError:
                 pass
     assert data.startswith(b"HTTP/1.1 413 "), data[:200]
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.mark.parametrize("head", [
+    b"POST /nope HTTP/1.1\r\nHost: t\r\n",                                                      # 404
+    b"PUT /invocations HTTP/1.1\r\nHost: t\r\n",                                                # 405
+    b"GET /metrics HTTP/1.1\r\nHost: t\r\n",                                                    # answered at once
+    b"POST /invocations HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+    b"Content-Type: application/json\r\n",                                                      # 400 from headers
+])
+def test_a_request_the_app_answers_without_its_body_and_unreadable_framing_in_one_read_logs_no_error(head):
+    """Headers the app answers without reading the body, and unreadable chunk framing after them, in one packet:
+    the protocol answers its JSON 400 before the app's task first runs, and the app's own answer then meets a
+    closed connection. The client gets the one 400; the server logs no error and no 500 (before, each such
+    request wrote two ERROR tracebacks, about 6 KB of log: a cheap way to rotate the server's log away) and
+    counts the request once."""
+    records = _Records()
+    loggers = [logging.getLogger(name) for name in ("serving", "uvicorn.error")]
+    metrics = Metrics("3", "test-variant")
+    protocol = request_deadline_protocol(30.0, 30.0, on_refusal=metrics.refused)
+    for logger in loggers:
+        logger.addHandler(records)
+    try:
+        with uvicorn_in_thread(_middleware(metrics), protocol) as port:
+            for _ in range(3):
+                with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                    sock.sendall(head + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n")
+                    data, _ = read_until_closed(sock)
+                assert data.startswith(b"HTTP/1.1 400 ") and data.count(b"HTTP/1.1 ") == 1, data
+            time.sleep(0.5)  # the app's tasks end
+            requests = _count(metrics, "sentiment_requests_total")
+    finally:
+        for logger in loggers:
+            logger.removeHandler(records)
+    assert [r.getMessage() for r in records.records] == []
+    assert requests == 3
