@@ -185,7 +185,9 @@ def main(argv: list[str] | None = None) -> None:
                                                [(VERSION_HEADER, app.version), (VARIANT_HEADER, app.variant)],
                                                on_refusal=app.metrics.refused),
                 h11_max_incomplete_event_size=H11_MAX_HEADER_BYTES, timeout_keep_alive=5, server_header=False,
-                log_config=config)
+                # the logged client is the socket's peer: uvicorn would take X-Forwarded-For from any loopback
+                # client, and every client of a server bound to 127.0.0.1 is one, so it would log what callers write
+                proxy_headers=False, log_config=config)
 
 
 if __name__ == "__main__":

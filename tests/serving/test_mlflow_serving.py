@@ -126,7 +126,7 @@ def test_the_app_loads_the_version_it_resolved_the_alias_to(champion, monkeypatc
     assert loaded == [f"models:/imdb-sentiment/{app.version}"]
 
 
-def _get(url: str) -> tuple[int, dict[str, str], bytes]:
+def _get(url: str | urllib.request.Request) -> tuple[int, dict[str, str], bytes]:
     try:
         with urllib.request.urlopen(url, timeout=60) as resp:
             return resp.status, {k.lower(): v for k, v in resp.headers.items()}, resp.read()
@@ -165,8 +165,12 @@ def test_readiness_metrics_and_logs_for_operators(champion):
     ):
         assert _metric(after, name, **labels) - _metric(before, name, **labels) == delta, (name, labels)
     assert _metric(after, "sentiment_model_info", version=version, variant="fp32-onnx") == 1
+    forged = urllib.request.Request(f"{champion['url']}/no-such-path", headers={"X-Forwarded-For": "203.0.113.9"})
+    assert _get(forged)[0] == 404
     log = (champion["log_dir"] / "mlflow_server.log").read_text()
     assert '"POST /invocations HTTP/1.1" 400' in log and "serving models:/imdb-sentiment@champion" in log
+    # the access log names the socket's peer, not what a client wrote in X-Forwarded-For
+    assert '127.0.0.1:' in log and "203.0.113.9" not in log
 
 
 def test_slow_clients_are_cut_at_the_servers_timeouts(champion):
