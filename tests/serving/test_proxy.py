@@ -54,6 +54,7 @@ class StandIn(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
         self.server.seen[self.headers.get("X-Probe", "")] = (self.requestline, self.headers.get_all("Content-Type"))
+        self.server.codings[self.headers.get("X-Probe", "")] = self.headers.get_all("Content-Encoding")
         kind = self.headers.get("X-Answer", "ok")
         if kind == "hold":
             try:
@@ -84,6 +85,7 @@ class StandInServer(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", free_port()), StandIn)
         self.port = self.server_address[1]
         self.seen: dict[str, tuple[str, list[str] | None]] = {}
+        self.codings: dict[str, list[str] | None] = {}  # the Content-Encoding headers each probe arrived with
         self.barrier = threading.Barrier(1)
 
 
@@ -256,6 +258,19 @@ def test_exactly_one_content_type_reaches_the_upstream(stand_in, tmp_path):
             assert stand_in.seen.pop(probe) == (SCORING_LINE, want), headers
 
 
+def test_no_content_encoding_reaches_the_upstream(stand_in, tmp_path):
+    """A body declared `identity` (the only coding either server takes) goes on without the header, so TorchServe,
+    which keeps the last of two, never judges a coding the proxy did not read; any other is the proxy's 415."""
+    with nginx_in_front(stand_in.port, tmp_path) as url:
+        for headers in (("Content-Encoding: identity",), ("Content-Encoding:  IDENTITY ",), ()):
+            probe = uuid.uuid4().hex
+            status, _, body = exchange(port_of(url), request(
+                "POST", "/predictions/sentiment", f"X-Probe: {probe}", "Content-Type: application/json", *headers,
+                body=b'{"text": "a wonderful film"}'))
+            assert status == 200, (headers, body)
+            assert stand_in.seen.pop(probe)[0] == SCORING_LINE and stand_in.codings.pop(probe) is None, headers
+
+
 def test_one_address_past_its_connection_cap_gets_the_contracts_503_and_is_served_again(stand_in, tmp_path):
     """Requests whose body has not come (headers in: nginx counts them) fill the cap of one address; the excess is
     answered the contract's 503 at once, another address is still served, and the held requests are served once
@@ -328,6 +343,20 @@ PROXY_ANSWERS = (
     (request("OPTIONS", "*"), 400),
     (request("CONNECT", "localhost:8079"), 400),
     (b"GARBAGE\r\n\r\n", 400),
+    # bodies TorchServe's frontend would decode itself before the handler (its 500s, seconds on a large one)
+    (request("POST", "/predictions/sentiment", "Content-Type: application/x-www-form-urlencoded",
+             body=b"text=%zz"), 415),
+    (request("POST", "/predictions/sentiment", 'Content-Type: multipart/form-data; boundary="', body=b"x"), 415),
+    (request("POST", "/predictions/sentiment", "Content-Type: Multipart/Mixed; boundary=b", body=b"x"), 415),
+    (request("POST", "/predictions/sentiment", "Content-Type:  APPLICATION/X-WWW-FORM-URLENCODED; charset=utf-8",
+             body=b"a&" * 450_000), 415),  # half a million empty fields: seconds of TorchServe's frontend
+    # a coding neither the handler nor nginx decodes, alone, listed or after identity
+    (request("POST", "/predictions/sentiment", "Content-Type: application/json", "Content-Encoding: gzip",
+             body=b"{}"), 415),
+    (request("POST", "/predictions/sentiment", "Content-Type: application/json", "Content-Encoding: identity, br",
+             body=b"{}"), 415),
+    (request("POST", "/predictions/sentiment", "Content-Type: application/json", "Content-Encoding: gzip",
+             "Content-Encoding: identity", body=b"{}"), 415),
 )
 
 
