@@ -57,7 +57,7 @@ from serving.endpoint_metrics import CLIENT_CLOSED, MODEL_BUSY, MODEL_ERROR, NOT
 from serving.request_bodies import ClientGone, expects_continue, read_body
 from serving.request_deadline import PROTOCOL_REFUSED, RETRY_AFTER_S
 from serving.request_ids import request_id
-from serving.request_line import CLOSE, INVOCATIONS, ROUTES, refusal
+from serving.request_line import CLOSE, INVOCATIONS, ROUTES, read_origin_form, refusal
 from serving.scoring_queue import READINESS, ScoringQueue
 
 log = logging.getLogger(__name__)
@@ -114,6 +114,7 @@ class ContractMiddleware:
             return
         start = time.perf_counter()
         rid = request_id(scope)  # the protocol names a request it answers itself by the same id
+        read_origin_form(scope)
         send = unless_answered_by_protocol(scope, send)
         try:
             outcome = await self._answer(scope, receive, send, rid)

@@ -4,6 +4,8 @@ limits on its URL and headers (`serving.contract_middleware` answers what this f
 from __future__ import annotations
 
 import collections
+import re
+import urllib.parse
 from collections.abc import MutableMapping
 from typing import Any
 
@@ -21,6 +23,22 @@ MAX_HEADER_BYTES = 8192
 CLOSE = (b"connection", b"close")
 #: Headers a request may send once only (lower-case, as uvicorn hands them over); a repeat is a 400.
 SINGLE_HEADERS = frozenset({b"content-type", b"content-encoding"})
+
+
+#: An absolute-form request target's scheme and authority (`http://host:port`), as a proxy sends a request.
+ABSOLUTE_FORM = re.compile(rb"(?i)https?://[^/?#]*")
+
+
+def read_origin_form(scope: Scope) -> None:
+    """Read an absolute-form target (`POST http://127.0.0.1:5001/invocations`: what a client sends through a forward
+    proxy, and what RFC 9112 3.2.2 says a server must accept) as its path, the way nginx and TorchServe read it, in
+    `scope` itself (the protocol marks the request's own scope when it answers it: a copy would not hear of it).
+    Any other target is left as it is: an origin-form path, or one `refusal` refuses."""
+    raw_path = scope.get("raw_path") or b""
+    authority = ABSOLUTE_FORM.match(raw_path)
+    if authority is not None:
+        path = raw_path[authority.end():] or b"/"  # uvicorn split the query off already
+        scope["raw_path"], scope["path"] = path, urllib.parse.unquote(path.decode("latin-1"))
 
 
 def refusal(scope: Scope) -> tuple[RequestError, Headers | None] | None:

@@ -237,6 +237,21 @@ def test_requests_the_contract_cannot_read_one_way_are_refused_before_scoring(ch
         _metric(before, "sentiment_request_errors_total", **labels) == 1
 
 
+def test_an_absolute_form_target_is_read_as_its_path(champion):
+    """`POST http://host/invocations` (a client through a forward proxy; RFC 9112 3.2.2: a server must accept it) is
+    scored as `POST /invocations` is, as nginx and TorchServe read it; its authority names nothing else here."""
+    body = b'{"inputs": ["a wonderful film"]}'
+    for target in (b"http://127.0.0.1/invocations", b"HTTP://elsewhere.example:9/invocations?x=1"):
+        line, headers, answer = _raw(champion["url"], b"POST %s HTTP/1.1\r\nHost: t\r\nContent-Type: application/"
+                                     b"json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
+                                     % (target, len(body), body))
+        assert line.split(b" ")[1] == b"200" and json.loads(answer)["predictions"], (target, line, answer)
+        assert headers["x-model-variant"] == "fp32-onnx" and headers["x-request-id"]
+    line, _, answer = _raw(champion["url"], b"GET http://127.0.0.1/elsewhere HTTP/1.1\r\nHost: t\r\n"
+                           b"Connection: close\r\n\r\n")
+    assert line.split(b" ")[1] == b"404" and json.loads(answer)["status"] == 404
+
+
 def test_head_is_answered_wherever_get_is(champion):
     """HEAD gets what GET would, headers only (RFC 9110: a server that answers GET answers HEAD); `Allow` says so
     where neither is the method."""
