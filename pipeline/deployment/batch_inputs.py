@@ -147,6 +147,11 @@ def check_input(path: str, fmt: str, *, local_master: bool = True) -> None:
     files = (files_to_read(local, fmt) or read_files(local)) if local.is_dir() else [local]
     if local.is_dir() and not files and not any(d.is_dir() and "=" in d.name for d in local.iterdir()):
         raise ValueError(f"{path} holds no file Spark reads" + skipped_names(local))
+    if fmt == "csv" and files and all(f.stat().st_size == 0 for f in files):
+        # Spark would start, read no header and report a text column among no columns
+        empty = files[0] if len(files) == 1 else f"every CSV file of {path}"
+        raise ValueError(f"{empty} is empty (0 bytes): a CSV input needs a header row naming its text column, "
+                         "then a row per review")
     for file in files:
         opener = DECOMPRESSORS.get(file.suffix.lower())
         if opener is None and file.suffix.lower() in COMPRESSION_SUFFIXES:

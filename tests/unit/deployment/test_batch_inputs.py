@@ -108,3 +108,19 @@ def test_inputs_spark_would_skip_or_fail_on_are_named_with_the_reason(tmp_path):
         with pytest.raises(ValueError, match=r"cut\.parquet is not a whole Parquet file"):
             batch_inputs.check_input(str(tmp_path / "cut.parquet"), "parquet")
     batch_inputs.check_input(str(tmp_path / "whole.parquet"), "parquet")
+
+
+def test_an_empty_csv_input_is_refused_before_spark_starts(tmp_path):
+    """A 0-byte CSV (or a folder of only such files) has no header to name its text column: refused with one line
+    before Spark starts (it read no columns, then reported the text column missing among none). An empty file beside
+    CSV files with rows is Spark's to read (it holds no rows), and a header-only CSV is a valid empty input."""
+    (tmp_path / "empty.csv").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"empty\.csv is empty \(0 bytes\): a CSV input needs a header row"):
+        batch_inputs.check_input(str(tmp_path / "empty.csv"), "csv")
+    (tmp_path / "also-empty.csv").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"every CSV file of .* is empty \(0 bytes\)"):
+        batch_inputs.check_input(str(tmp_path), "csv")
+    (tmp_path / "rows.csv").write_text("text\na fine film\n")
+    batch_inputs.check_input(str(tmp_path), "csv")
+    (tmp_path / "header.csv").write_text("text\n")
+    batch_inputs.check_input(str(tmp_path / "header.csv"), "csv")
