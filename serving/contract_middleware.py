@@ -55,7 +55,7 @@ from pipeline.deployment.protocol import (
 from pipeline.deployment.request_parsing import parse_request
 from serving.endpoint_metrics import CLIENT_CLOSED, MODEL_BUSY, MODEL_ERROR, NOT_READY, Metrics, Outcome
 from serving.request_bodies import ClientGone, expects_continue, read_body
-from serving.request_deadline import PROTOCOL_REFUSED, RETRY_AFTER_S
+from serving.request_deadline import RETRY_AFTER_S, answered_by_protocol
 from serving.request_ids import request_id
 from serving.request_line import CLOSE, INVOCATIONS, ROUTES, read_origin_form, refusal
 from serving.scoring_queue import READINESS, ScoringQueue
@@ -281,12 +281,6 @@ class ContractMiddleware:
                    *self.model_headers(rid), *(extra or [])]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-def answered_by_protocol(scope: Scope) -> bool:
-    """Whether the connection's protocol answered this request itself (`serving.request_deadline`: a body past its
-    piece budget, or bytes after the headers that are no HTTP), and closed the connection."""
-    return bool((scope.get("state") or {}).get(PROTOCOL_REFUSED))
 
 
 def unless_answered_by_protocol(scope: Scope, send: Send) -> Send:

@@ -40,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from http import HTTPStatus
 from typing import Any
 
@@ -85,6 +85,14 @@ MIN_PIECE_BYTES = 256
 #: Key of a request's ASGI `scope["state"]` set when the protocol answered that request itself (its body past the
 #: piece budget, or unreadable): the app, which then hears only `http.disconnect`, must not count it again.
 PROTOCOL_REFUSED = "request_deadline.refused"
+
+
+def answered_by_protocol(scope: Mapping[str, Any]) -> bool:
+    """Whether the connection's protocol answered this request itself (a body past its piece budget, or bytes after
+    the headers that are no HTTP: `PROTOCOL_REFUSED` in its ASGI scope's state) and closed the connection."""
+    return bool((scope.get("state") or {}).get(PROTOCOL_REFUSED))
+
+
 #: The 400 for bytes that are not an HTTP/1.1 request h11 can read: it names no part of them.
 MALFORMED = "malformed HTTP request: its request line, headers or body framing could not be read"
 
