@@ -8,6 +8,7 @@ request answered; every answer carries the model's version and variant."""
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
 import random
@@ -239,13 +240,19 @@ def test_every_valid_shape_gets_a_label_per_text_like_the_predictor(endpoint, pr
         assert all(round(g[1], SCORE_DECIMALS) == g[1] for g in got), (shape, got)  # both servers: 6 decimals
 
 
+def behind_proxy(endpoint: Endpoint, request: pytest.FixtureRequest) -> Endpoint:
+    """TorchServe's `endpoint` reached through `serving/nginx.conf` (the Docker image's proxy, the `proxy` fixture),
+    for what only the proxy can refuse: TorchServe's handler is not told the method, and its frontend decodes form
+    bodies before the handler."""
+    return dataclasses.replace(endpoint, name="torchserve behind nginx",
+                               url=f"{request.getfixturevalue('proxy')}/predictions/sentiment")
+
+
 def test_only_the_documented_method_scores(endpoint, request):
     """MLflow's middleware refuses other methods and paths itself; TorchServe's handler is not told the method,
     so for TorchServe this runs through `serving/nginx.conf` (the Docker image's proxy) in front of it."""
     if endpoint.name == "torchserve":
-        proxied = request.getfixturevalue("proxy")
-        endpoint = Endpoint("torchserve behind nginx", f"{proxied}/predictions/sentiment", endpoint.key,
-                            endpoint.wrap, endpoint.shapes, endpoint.variant_dir, endpoint.version)
+        endpoint = behind_proxy(endpoint, request)
         status, _, body = endpoint.post(_body(endpoint, ["a fine film through the proxy"]))
         assert status == 200 and endpoint.labels(body), body[:300]
         status, _, body = endpoint.post(b"x" * (1024 * 1024 + 1), "text/plain")
@@ -277,8 +284,7 @@ def test_form_bodies_are_refused_before_anything_decodes_them(endpoint, request)
     server's middleware refuses them, and for TorchServe `serving/nginx.conf` does, before TorchServe's frontend
     would decode them; a valid request right after each is answered."""
     if endpoint.name == "torchserve":
-        endpoint = Endpoint("torchserve behind nginx", f"{request.getfixturevalue('proxy')}/predictions/sentiment",
-                            endpoint.key, endpoint.wrap, endpoint.shapes, endpoint.variant_dir, endpoint.version)
+        endpoint = behind_proxy(endpoint, request)
     for content_type, body in FORM_BODIES:
         status, headers, answer = endpoint.post(body, content_type)
         assert status == 415 and len(answer) <= MAX_ERROR_BYTES, (content_type, status, answer[:200])
