@@ -8,6 +8,8 @@ BIN := $(abspath $(VENV))/bin
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | cksum | cut -d' ' -f1)
 SPARK_STAMP := $(VENV)/.spark-installed-$(shell cat requirements-spark.txt | cksum | cut -d' ' -f1)
 PIP_STAMP := $(VENV)/.pip-upgraded
+# pip processes installing requirements.txt side by side (see the venv rule)
+PIP_SHARDS ?= 4
 export PATH := $(BIN):$(PATH)
 export MPLBACKEND := Agg
 export TOKENIZERS_PARALLELISM := false
@@ -39,12 +41,15 @@ $(STAMP): requirements.txt pyproject.toml | $(PIP_STAMP)
 	@# first import of each compiles into the venv (PYTHONDONTWRITEBYTECODE is lifted below); compiling them all ahead
 	@# (pip's default, or compileall on every core) cost a fresh machine a minute more than that.
 	@# requirements.txt pins every package the install needs (setuptools and wheel too), so it installs without a
-	@# resolver (--no-deps) in two pip processes side by side, its odd and its even lines: one pip spends most of its
-	@# time on one core parsing index pages and unpacking wheels. `pip check` then proves the set whole and consistent.
-	@awk 'NR % 2' requirements.txt > $(VENV)/lock-odd.txt && awk '!(NR % 2)' requirements.txt > $(VENV)/lock-even.txt
-	$(BIN)/python -m pip install --quiet --no-compile --no-deps -r $(VENV)/lock-odd.txt & odd=$$!; \
-		$(BIN)/python -m pip install --quiet --no-compile --no-deps -r $(VENV)/lock-even.txt; even=$$?; \
-		wait $$odd && exit $$even
+	@# resolver (--no-deps) in PIP_SHARDS pip processes side by side, every PIP_SHARDS-th line each: a pip waits
+	@# more than it computes (creating the ~24,000 files, reading the index), so more processes than cores overlap
+	@# those waits (docs/testing.md). `pip check` then proves the set whole and consistent.
+	@rm -f $(VENV)/lock-*.txt
+	@for k in $$(seq 0 $$(($(PIP_SHARDS) - 1))); do \
+		awk -v n=$(PIP_SHARDS) -v k=$$k 'NR % n == k' requirements.txt > $(VENV)/lock-$$k.txt; done
+	@pids=; for lock in $(VENV)/lock-*.txt; do \
+		$(BIN)/python -m pip install --quiet --no-compile --no-deps -r $$lock & pids="$$pids $$!"; done; \
+		failed=0; for pid in $$pids; do wait $$pid || failed=1; done; exit $$failed
 	$(BIN)/python -m pip check
 	@# OpenVINO's model conversion and NNCF send usage events to Google Analytics, from a process forked per event
 	@# (about 0.7 s of each conversion, and connections this network refuses). As the variables at the top do for MLflow
