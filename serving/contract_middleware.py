@@ -5,7 +5,8 @@ limit, NaN and 10**5000 accepted, a deep body a 500, errors that echo the input)
 middleware holds the contract of `pipeline.deployment.protocol` instead, and skips that round trip:
 
 - only `POST /invocations`, `GET /ping|/health|/version|/ready|/metrics` are answered (405/404 otherwise; `HEAD`
-  wherever `GET`); MLflow's app answers `/ping`, `/health` and `/version`;
+  wherever `GET`); MLflow's app answers `/ping`, `/health` and `/version` (a body it labels JSON that is none,
+  such as `/ping`'s, goes out as `text/plain`);
 - URL and header sizes are bounded (414/431; uvicorn's h11 parser refuses far larger ones itself);
 - the body is read up to `package.max_body_bytes` (413 beyond, from Content-Length or while reading), then
   parsed and checked exactly as TorchServe's handler does, with MLflow's shapes (`dataframe_split`,
@@ -262,6 +263,8 @@ class ContractMiddleware:
                                          "request_id": rid}, rid)
             return Outcome(500, "server_error")
         headers = [h for h in headers if h[0].lower() != b"server"]
+        if not labelled_truly(headers, answer):  # MLflow labels `/ping`'s "\n" and `/version`'s "3.17.0" JSON
+            headers = [(k, PLAIN_TEXT if k.lower() == b"content-type" else v) for k, v in headers]
         await send({"type": "http.response.start", "status": 200, "headers": [*headers, *self.model_headers(rid)]})
         await send({"type": "http.response.body", "body": answer, "more_body": False})
         return Outcome(200)
@@ -281,6 +284,23 @@ class ContractMiddleware:
                    *self.model_headers(rid), *(extra or [])]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+#: The media type of a body MLflow's app labels JSON that is no JSON.
+PLAIN_TEXT = b"text/plain; charset=utf-8"
+
+
+def labelled_truly(headers: Headers, body: bytes) -> bool:
+    """Whether an answer of MLflow's app is what its Content-Type says, as far as JSON goes: a body labelled
+    `application/json` must parse as JSON (a client that trusts the label calls a JSON parser on it)."""
+    content_type = next((v for k, v in headers if k.lower() == b"content-type"), b"")
+    if content_type.split(b";")[0].strip().lower() != b"application/json":
+        return True
+    try:
+        json.loads(body)
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError
+        return False
+    return True
 
 
 def unless_answered_by_protocol(scope: Scope, send: Send) -> Send:

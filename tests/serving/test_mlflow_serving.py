@@ -265,6 +265,23 @@ def test_head_is_answered_wherever_get_is(champion):
     assert line.startswith(b"HTTP/1.1 405 ") and headers["allow"] == "GET, HEAD"
 
 
+def test_every_get_answer_is_what_its_content_type_says(champion):
+    """MLflow's app labels `/ping`'s "\\n" and `/version`'s bare version string `application/json`: a client that
+    trusts the label failed to parse them. They go out as plain text now; what is JSON stays labelled JSON."""
+    import mlflow
+
+    for path in ("/ping", "/health", "/version", "/ready", "/metrics"):
+        line, headers, answer = _raw(champion["url"], f"GET {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n"
+                                                      "\r\n".encode())
+        assert line.startswith(b"HTTP/1.1 200 "), (path, line)
+        if headers["content-type"].startswith("application/json"):
+            json.loads(answer)
+        else:
+            assert headers["content-type"].startswith("text/plain"), (path, headers["content-type"])
+    _, headers, answer = _raw(champion["url"], b"GET /version HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+    assert answer.decode() == mlflow.__version__ and headers["content-type"] == "text/plain; charset=utf-8"
+
+
 def test_the_launchers_log_appends_across_restarts_and_rotates(tmp_path):
     import logging
     import logging.config
