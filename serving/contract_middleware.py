@@ -224,8 +224,11 @@ class ContractMiddleware:
         if status == 200:
             await self._json(send, 200, {"status": "ready", **served}, rid)
             return Outcome(200)
-        log.warning("request %s: not ready (%s's call: %d)", rid, READINESS, status)
-        return await self._retry_later(send, rid, f"the model is not ready ({detail or status})", NOT_READY, served)
+        log.warning("request %s: not ready (%s's call: %d: %s)", rid, READINESS, status, detail)
+        # the model's own exception stays in the log: its text may name server paths and is any length
+        why = ("the model failed on the readiness review (logged on the server with its request id)" if status == 500
+               else detail or str(status))
+        return await self._retry_later(send, rid, f"the model is not ready ({why})", NOT_READY, served)
 
     async def _call_app(self, scope: Scope) -> tuple[int, bytes, Headers]:
         """MLflow's app on one bodiless request: its status, body (an error body kept to 2 KB: it may quote the

@@ -36,7 +36,8 @@ def read_origin_form(scope: Scope) -> None:
     Any other target is left as it is: an origin-form path, or one `refusal` refuses."""
     raw_path = scope.get("raw_path") or b""
     authority = ABSOLUTE_FORM.match(raw_path)
-    if authority is not None:
+    # a target over the URL limit is left whole, for `refusal`'s 414: its authority counts against the limit too
+    if authority is not None and len(raw_path) + len(scope.get("query_string") or b"") <= MAX_URL_BYTES:
         path = raw_path[authority.end():] or b"/"  # uvicorn split the query off already
         scope["raw_path"], scope["path"] = path, urllib.parse.unquote(path.decode("latin-1"))
 
@@ -65,8 +66,11 @@ def refusal(scope: Scope) -> tuple[RequestError, Headers | None] | None:
         methods = f"{allowed}, HEAD" if allowed == "GET" else allowed
         return RequestError(405, f"method not allowed on this path; use {allowed}"), [(b"allow", methods.encode())]
     names = {k.lower() for k, _ in raw_headers}
-    expect = next((v.decode("latin-1").strip().lower() for k, v in raw_headers if k.lower() == b"expect"), "")
-    if expect and expect != "100-continue":
+    # every expectation of every `Expect` line (h11 invites the body when any of them is 100-continue; empty list
+    # elements are ignored, RFC 9110 5.6.1)
+    expectations = {e.strip().lower() for k, v in raw_headers if k.lower() == b"expect"
+                    for e in v.decode("latin-1").split(",")} - {""}
+    if expectations - {"100-continue"}:
         return RequestError(417, "the only expectation this server meets is 100-continue"), [CLOSE]
     counts = collections.Counter(k.lower() for k, _ in raw_headers if k.lower() in SINGLE_HEADERS)
     if repeated := sorted(k for k, n in counts.items() if n > 1):

@@ -75,10 +75,14 @@ class SentimentPredictor:
         if not texts:
             return []  # the tokenizer refuses an empty batch
         p = self.preprocessing
-        if self.max_chars is not None:
-            texts = [clip_chars(t, self.max_chars, p["truncation"], p["head_fraction"]) for t in texts]
-        return encode_texts(texts, self.tokenizer, p["max_length"], truncation=p["truncation"],
-                            head_fraction=p["head_fraction"])
+        return encode_texts([self.clipped(t) for t in texts], self.tokenizer, p["max_length"],
+                            truncation=p["truncation"], head_fraction=p["head_fraction"])
+
+    def clipped(self, text: str) -> str:
+        """`text` as the model reads it before tokenizing: cut to `max_chars` characters, head and tail kept."""
+        if self.max_chars is None:
+            return text
+        return clip_chars(text, self.max_chars, self.preprocessing["truncation"], self.preprocessing["head_fraction"])
 
     def predict(self, texts: Sequence[str], progress: bool | None = False) -> list[Prediction]:
         """Predictions in input order for any number of texts, tokenized `CHUNK_TEXTS` at a time and scored by
@@ -132,8 +136,19 @@ class ContractPredictor(SentimentPredictor):
     `mlflow models predict`, a notebook or a Spark job scores a whole corpus."""
 
     def predict(self, texts: Sequence[Any], progress: bool | None = None) -> list[Prediction]:
-        """Predictions for `texts` once each passed the contract's checks of a text (`RequestError` otherwise)."""
-        from pipeline.deployment.protocol import TEXT_COLUMN, check_text
+        """Predictions for `texts` once each passed the contract's checks of a text (`RequestError` otherwise); a
+        text longer than `max_chars` passes them in the part the model reads too (its head and tail)."""
+        from pipeline.deployment.protocol import TEXT_COLUMN, RequestError, check_text
 
-        checked = [check_text(value, f"{TEXT_COLUMN}[{i}]") for i, value in enumerate(texts)]
+        checked = []
+        for i, value in enumerate(texts):
+            where = f"{TEXT_COLUMN}[{i}]"
+            text = check_text(value, where)
+            if len(clipped := self.clipped(text)) < len(text):
+                try:
+                    check_text(clipped, where)
+                except RequestError:
+                    raise RequestError(400, f"{where} has {len(text)} characters and nothing to score in the "
+                                            f"{self.max_chars} the model reads (its head and tail)") from None
+            checked.append(text)
         return super().predict(checked, progress)

@@ -49,6 +49,10 @@ REPLACEMENT_CHARACTER = "\ufffd"
 #: Default_Ignorable_Code_Point: fonts draw them blank) and the Braille pattern with no dots. A text of only these
 #: (or of them and invisible categories) holds nothing to read.
 BLANK_CHARACTERS = frozenset("\u115f\u1160\u3164\uffa0\u2800")
+#: Characters the tokenizer drops that this Python's Unicode database files under a drawing category: U+1734
+#: HANUNOO SIGN PAMUDPOD, a spacing mark (Mc) since Unicode 14 and a nonspacing one in the tokenizer's older tables.
+#: tests/serving/test_protocol.py runs every code point through the tokenizer to keep this complete.
+TOKENIZER_DROPS = frozenset("\u1734")
 TEXT_COLUMN = "text"
 #: Decimals of the score both servers answer (a probability: a sixth decimal is below any model's noise).
 SCORE_DECIMALS = 6
@@ -177,7 +181,7 @@ def check_text(value: Any, where: str, max_chars: int | None = None) -> str:
 def has_visible(text: str) -> bool:
     """True when `text` holds a character that draws something and that the tokenizer keeps: U+FFFD, which
     decoding writes for bytes that are not UTF-8 and BERT's tokenizers drop, counts as invisible."""
-    return any(ch != REPLACEMENT_CHARACTER and ch not in BLANK_CHARACTERS
+    return any(ch != REPLACEMENT_CHARACTER and ch not in BLANK_CHARACTERS and ch not in TOKENIZER_DROPS
                and unicodedata.category(ch) not in INVISIBLE_CATEGORIES for ch in text)
 
 

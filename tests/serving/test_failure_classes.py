@@ -57,13 +57,16 @@ def middleware(served: ServedModel, score: Callable[[list[str]], list[Any]] | No
                               max_in_flight=max_in_flight, body_timeout_s=body_timeout_s)
 
 
-async def call(app: Any, body: bytes, headers: dict[str, str] | None = None,
+async def call(app: Any, body: bytes, headers: dict[str, str] | list[tuple[str, str]] | None = None,
                path: str = "/invocations", method: str = "POST",
                receive: Any = None, before_send: Any = None) -> tuple[int, dict[str, str], bytes]:
-    """One request through an ASGI app; (status, headers, body). `receive` replaces the client's side of the body
-    (by default `body` in one message, then a client that keeps the connection open); `before_send` is awaited with
-    each message the app sends, before it goes out (a client that reads nothing: one that never returns)."""
-    raw = [(k.lower().encode(), v.encode()) for k, v in {"content-type": "application/json", **(headers or {})}.items()]
+    """One request through an ASGI app; (status, headers, body). `headers` as a list sends a name as often as it
+    appears there; `receive` replaces the client's side of the body (by default `body` in one message, then a client
+    that keeps the connection open); `before_send` is awaited with each message the app sends, before it goes out (a
+    client that reads nothing: one that never returns)."""
+    pairs = [("content-type", "application/json"), *headers] if isinstance(headers, list) else \
+        list({"content-type": "application/json", **(headers or {})}.items())
+    raw = [(k.lower().encode(), v.encode()) for k, v in pairs]
     scope = {"type": "http", "method": method, "path": path, "raw_path": path.encode(), "query_string": b"",
              "headers": raw, "http_version": "1.1"}
     sent = False
@@ -232,6 +235,24 @@ def test_a_scoring_call_past_the_timeout_is_a_504_and_the_server_goes_on(served,
         time.sleep(0.02)
     assert answer[0] == 200
     assert asyncio.run(call(app, b"", path="/ready", method="GET"))[0] == 200
+
+
+def test_a_model_that_raises_on_the_readiness_review_is_not_ready_without_its_exception_in_the_answer(served,
+                                                                                                       caplog):
+    """The model's exception text may name server paths and be any length: the 503 says the model failed and where
+    the detail is (the log, under the request id), in a bounded body."""
+    secret = "could not open /srv/models/variant/model.onnx: " + "\u00e9" * 400
+
+    def broken(texts: list[str]) -> list[Any]:
+        raise RuntimeError(secret)
+
+    app = middleware(served, broken)
+    with caplog.at_level(logging.WARNING, logger="serving"):
+        status, headers, body = asyncio.run(call(app, b"", path="/ready", method="GET"))
+    answer = json.loads(body)
+    assert status == 503 and headers["retry-after"] == "1" and len(body) <= 512, body
+    assert "/srv/models" not in answer["error"] and "failed on the readiness review" in answer["error"]
+    assert any(headers["x-request-id"] in r.getMessage() and "/srv/models" in r.getMessage() for r in caplog.records)
 
 
 def test_ping_version_and_ready_answer_with_the_model_headers(served):
@@ -411,6 +432,43 @@ def test_an_oversized_body_the_client_waits_to_be_invited_to_send_is_refused_unr
                                              receive=receive))
     assert status == 413 and headers["connection"] == "close" and reads == 0
     assert json.loads(body)["status"] == 413
+
+
+@pytest.mark.parametrize("expect", [[("Expect", "100-continue"), ("Expect", "foo")],
+                                    [("Expect", "foo"), ("Expect", "100-continue")],
+                                    [("Expect", "100-continue, foo")], [("Expect", "FOO ,100-Continue")]],
+                         ids=["continue-then-other", "other-then-continue", "one-line", "one-line-reversed"])
+def test_any_expectation_but_100_continue_is_a_417_before_the_body_however_it_is_sent(served, expect):
+    """A client that sends two `Expect` lines, or two expectations on one, was invited to upload (h11 answers
+    "100 Continue" when any of them is 100-continue) and its body read when the other came last: every expectation
+    counts, and one this server cannot meet is a 417 with nothing read."""
+    app = middleware(served)
+    reads = 0
+
+    async def receive() -> dict[str, Any]:
+        nonlocal reads
+        reads += 1
+        return {"type": "http.request", "body": b"x" * 1000, "more_body": True}
+
+    status, headers, _ = asyncio.run(call(app, b"", [("Content-Length", "5000000"), *expect], receive=receive))
+    assert (status, headers["connection"], reads) == (417, "close", 0)
+    for empty in ("", " , ", "100-continue,"):  # empty list elements are no expectation (RFC 9110 5.6.1)
+        status, _, _ = asyncio.run(call(app, json.dumps({"inputs": ["fine"]}).encode(), {"Expect": empty}))
+        assert status == 200, empty
+
+
+def test_an_absolute_form_target_counts_whole_against_the_url_limit(served):
+    """`POST http://<50 KB of authority>/invocations` was read as its path before the URL was measured: scored,
+    where the same length as a path is a 414."""
+    from serving.request_line import MAX_URL_BYTES
+
+    app = middleware(served)
+    body = json.dumps({"inputs": ["fine"]}).encode()
+    for target in ("http://" + "a" * MAX_URL_BYTES + "/invocations", "/invocations" + "/" * MAX_URL_BYTES):
+        status, _, answer = asyncio.run(call(app, body, path=target))
+        assert status == 414 and "URL of" in json.loads(answer)["error"], target[:40]
+    status, _, _ = asyncio.run(call(app, body, path="http://127.0.0.1:5001/invocations"))
+    assert status == 200
 
 
 def test_a_request_framed_both_by_length_and_by_chunks_is_a_400_that_closes_the_connection(served):

@@ -53,6 +53,10 @@ def test_the_pyfunc_predictor_refuses_what_is_not_a_review_and_scores_any_number
         with pytest.raises(RequestError, match=needle):
             checked.predict(values)
     assert checked.predict([]) == []
+    # visible only in the middle that the cut to 100 characters leaves out: nothing of what the model reads
+    for hidden in ("\u200b" * 60 + "a wonderful film" + "\u200b" * 200, "\ufffd \u2800" * 30 + "fine" + " \u00a0" * 90):
+        with pytest.raises(RequestError, match=r"text\[1\] has \d+ characters and nothing to score in the 100"):
+            checked.predict(["ok", hidden])
     many = [f"review {i}: " + ("great " if i % 2 else "awful ") * (1 + i % 37) for i in range(300)] + ["x" * 101]
     got = checked.predict(many)
     assert len(got) == len(many)
