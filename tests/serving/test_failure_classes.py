@@ -417,20 +417,26 @@ def test_an_answer_the_client_does_not_read_holds_no_scoring_slot(served):
     assert json.loads(body)["predictions"][0]["label"] == "positive"
 
 
+class EndlessUpload:
+    """The client's side of a body that never ends (1,000-byte pieces), as `call`'s `receive`: `reads` counts what
+    the app read of it."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    async def __call__(self) -> dict[str, Any]:
+        self.reads += 1
+        return {"type": "http.request", "body": b"x" * 1000, "more_body": True}
+
+
 def test_an_oversized_body_the_client_waits_to_be_invited_to_send_is_refused_unread(served):
     """`Expect: 100-continue` with a declared length over the limit: a 413 that closes the connection, and the body
     is never read (uvicorn answers "100 Continue" on the first read, which would ask for the whole upload)."""
     app = middleware(served)
-    reads = 0
-
-    async def receive() -> dict[str, Any]:
-        nonlocal reads
-        reads += 1
-        return {"type": "http.request", "body": b"x" * 1000, "more_body": True}
-
+    upload = EndlessUpload()
     status, headers, body = asyncio.run(call(app, b"", {"Content-Length": "5000000", "Expect": "100-continue"},
-                                             receive=receive))
-    assert status == 413 and headers["connection"] == "close" and reads == 0
+                                             receive=upload))
+    assert status == 413 and headers["connection"] == "close" and upload.reads == 0
     assert json.loads(body)["status"] == 413
 
 
@@ -443,15 +449,9 @@ def test_any_expectation_but_100_continue_is_a_417_before_the_body_however_it_is
     "100 Continue" when any of them is 100-continue) and its body read when the other came last: every expectation
     counts, and one this server cannot meet is a 417 with nothing read."""
     app = middleware(served)
-    reads = 0
-
-    async def receive() -> dict[str, Any]:
-        nonlocal reads
-        reads += 1
-        return {"type": "http.request", "body": b"x" * 1000, "more_body": True}
-
-    status, headers, _ = asyncio.run(call(app, b"", [("Content-Length", "5000000"), *expect], receive=receive))
-    assert (status, headers["connection"], reads) == (417, "close", 0)
+    upload = EndlessUpload()
+    status, headers, _ = asyncio.run(call(app, b"", [("Content-Length", "5000000"), *expect], receive=upload))
+    assert (status, headers["connection"], upload.reads) == (417, "close", 0)
     for empty in ("", " , ", "100-continue,"):  # empty list elements are no expectation (RFC 9110 5.6.1)
         status, _, _ = asyncio.run(call(app, json.dumps({"inputs": ["fine"]}).encode(), {"Expect": empty}))
         assert status == 200, empty
