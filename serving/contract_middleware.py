@@ -40,7 +40,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.deployment.media_types import check_content_encoding
+from pipeline.deployment.media_types import check_content_encoding, is_json_media_type
 from pipeline.deployment.protocol import (
     MLFLOW_SHAPES,
     REQUEST_ID_HEADER,
@@ -297,7 +297,7 @@ def labelled_truly(headers: Headers, body: bytes) -> bool:
     """Whether an answer of MLflow's app is what its Content-Type says, as far as JSON goes: a body labelled
     `application/json` must parse as JSON (a client that trusts the label calls a JSON parser on it)."""
     content_type = next((v for k, v in headers if k.lower() == b"content-type"), b"")
-    if content_type.split(b";")[0].strip().lower() != b"application/json":
+    if not is_json_media_type(content_type.decode("latin-1")):
         return True
     try:
         json.loads(body)

@@ -37,9 +37,15 @@ def read_origin_form(scope: Scope) -> None:
     raw_path = scope.get("raw_path") or b""
     authority = ABSOLUTE_FORM.match(raw_path)
     # a target over the URL limit is left whole, for `refusal`'s 414: its authority counts against the limit too
-    if authority is not None and len(raw_path) + len(scope.get("query_string") or b"") <= MAX_URL_BYTES:
+    if authority is not None and url_bytes(scope) <= MAX_URL_BYTES:
         path = raw_path[authority.end():] or b"/"  # uvicorn split the query off already
         scope["raw_path"], scope["path"] = path, urllib.parse.unquote(path.decode("latin-1"))
+
+
+def url_bytes(scope: Scope) -> int:
+    """The request target's size as the client sent it: its path (or absolute form) and query string."""
+    raw_path = scope.get("raw_path") or scope.get("path", "").encode()
+    return len(raw_path) + len(scope.get("query_string") or b"")
 
 
 def refusal(scope: Scope) -> tuple[RequestError, Headers | None] | None:
@@ -49,9 +55,8 @@ def refusal(scope: Scope) -> tuple[RequestError, Headers | None] | None:
     framings (400). None: nothing."""
     path, method = scope.get("path", ""), scope.get("method", "")
     raw_path = scope.get("raw_path") or path.encode()
-    url_bytes = len(raw_path) + len(scope.get("query_string") or b"")
-    if url_bytes > MAX_URL_BYTES:
-        return RequestError(414, f"URL of {url_bytes} bytes exceeds the limit of {MAX_URL_BYTES}"), None
+    if (size := url_bytes(scope)) > MAX_URL_BYTES:
+        return RequestError(414, f"URL of {size} bytes exceeds the limit of {MAX_URL_BYTES}"), None
     raw_headers: Headers = scope.get("headers", [])
     header_bytes = sum(len(k) + len(v) + 4 for k, v in raw_headers)
     if header_bytes > MAX_HEADER_BYTES:
