@@ -5,9 +5,10 @@ finetune that learns INT8 rounding with them is `pipeline.training.qat`.
 The fake quantizers are torchao's (`torchao.quantization.pt2e.FakeQuantize` with its moving-average per-tensor
 and per-channel min/max observers: the modules torchao's PT2E QAT inserts, maintained there since
 `torch.ao.quantization` was deprecated). They reproduce what onnxruntime's QDQ conversion does to the same
-tensors: uint8 asymmetric per-tensor activations and per-channel weights on onnxruntime's grid for the
-`quantize.weight_format`: int8 symmetric +-127 (`s8`) or +-64 (`s7`, onnxruntime's `reduce_range`), scale
-max |w| / 127 or / 64; uint8 asymmetric 0..255 (`u8`), scale (max(w, 0) - min(w, 0)) / 255 with a zero point.
+tensors: uint8 asymmetric per-tensor activations and per-channel weights on the grid onnxruntime's static QDQ
+conversion (`WeightSymmetric`, `pipeline.variants.calibration`) puts them on for the `quantize.weight_format`: int8
+symmetric +-127 (`s8`) or +-64 (`s7`, onnxruntime's `reduce_range`), scale max |w| / 127 or / 64; uint8 0..255
+symmetric about zero point 128 (`u8`), scale max |w| / 127.5.
 
 torchao's eager QAT API (`QATConfig` with `IntxFakeQuantizeConfig`, i.e. `FakeQuantizedLinear`) cannot express
 that, which is why it is not used here:
@@ -29,20 +30,24 @@ torchao fake quantizers to the HF model's Linear layers in place.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 # What did the fake quantization, as recorded in the int8-qat variant's record.
 FAKE_QUANT_API = "torchao.quantization.pt2e.FakeQuantize"
 
 
-def weight_grid(weight_format: str) -> tuple[int, int, torch.dtype, torch.qscheme]:
-    """onnxruntime's weight grid for a `quantize.weight_format`: (quant_min, quant_max, dtype, qscheme), each per
-    output channel: [-127, 127] symmetric (`s8`), [-64, 64] symmetric (`s7`), [0, 255] with a zero point (`u8`)."""
+def weight_grid(weight_format: str) -> dict[str, Any]:
+    """The weight `FakeQuantize` arguments for onnxruntime's symmetric per-channel grid in a `quantize.weight_format`:
+    [-127, 127] (`s8`), [-64, 64] (`s7`), or [0, 255] about zero point 128 (`u8`). For `u8` the range is left
+    to the observer: an explicit [0, 255] makes torchao's symmetric zero point the rounded-down midpoint 127,
+    while its own quint8 range gives 128, the zero point onnxruntime converts symmetric uint8 weights with."""
     if weight_format == "u8":
-        return 0, 255, torch.quint8, torch.per_channel_affine
+        return {"dtype": torch.quint8, "qscheme": torch.per_channel_symmetric}
     if weight_format in ("s8", "s7"):
         qmax = 64 if weight_format == "s7" else 127
-        return -qmax, qmax, torch.qint8, torch.per_channel_symmetric
+        return {"quant_min": -qmax, "quant_max": qmax, "dtype": torch.qint8, "qscheme": torch.per_channel_symmetric}
     raise ValueError(f"unknown INT8 weight format {weight_format!r}")
 
 
@@ -58,9 +63,7 @@ class FakeQuantLinear(torch.nn.Module):
         self.linear = linear
         self.input_fq = FakeQuantize(observer=MovingAverageMinMaxObserver, quant_min=0, quant_max=255,
                                      dtype=torch.quint8, qscheme=torch.per_tensor_affine)
-        qmin, qmax, dtype, qscheme = weight_grid(weight_format)
-        self.weight_fq = FakeQuantize(observer=PerChannelMinMaxObserver, quant_min=qmin, quant_max=qmax,
-                                      dtype=dtype, qscheme=qscheme, ch_axis=0)
+        self.weight_fq = FakeQuantize(observer=PerChannelMinMaxObserver, ch_axis=0, **weight_grid(weight_format))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(self.input_fq(x), self.weight_fq(self.linear.weight), self.linear.bias)

@@ -11,24 +11,28 @@ from pipeline.modeling import load_finetuned
 from tests.factories import weight_format_here
 
 
-@pytest.mark.parametrize(("weight_format", "ort_type", "symmetric", "reduce_range", "levels"),
-                         [("s8", "INT8", True, False, (-127, 127)), ("s7", "INT8", True, True, (-64, 64)),
-                          ("u8", "UINT8", False, False, (0, 255))])
-def test_qat_fake_quant_is_onnxruntimes_quantization_of_the_same_tensors(weight_format, ort_type, symmetric,
-                                                                         reduce_range, levels):
+@pytest.mark.parametrize(("weight_format", "ort_type", "reduce_range", "levels"),
+                         [("s8", "INT8", False, (-127, 127)), ("s7", "INT8", True, (-64, 64)),
+                          ("u8", "UINT8", False, (0, 255))])
+def test_qat_fake_quant_is_onnxruntimes_quantization_of_the_same_tensors(weight_format, ort_type, reduce_range,
+                                                                         levels):
     """The fake-quantized weight and input are what onnxruntime's QDQ conversion makes of them in each weight
-    format: per-channel weights on its grid (int8 symmetric +-127 or +-64 reduced, uint8 with a zero point) and
-    per-tensor uint8 asymmetric inputs, same scales, zero points and levels."""
+    format, with the weight symmetry the static conversion uses (`calibration_options`): per-channel weights on its
+    grid (int8 +-127 or +-64 reduced, uint8 about zero point 128) and per-tensor uint8 asymmetric inputs, same
+    scales, zero points and levels."""
     import torch
     from onnx import TensorProto
     from onnxruntime.quantization.quant_utils import quantize_data
 
-    from pipeline.surgery.fake_quant import FakeQuantLinear, weight_grid
+    from pipeline.surgery.fake_quant import FakeQuantLinear
+    from pipeline.variants.calibration import calibration_options
 
     torch.manual_seed(0)
     x = 3.0 * torch.randn(4, 6, 32) + 1.0  # one batch: the moving-average range starts at its min/max
-    assert weight_grid(weight_format)[:2] == levels
+    symmetric = calibration_options("minmax", QuantizeParams(), activation_symmetric=False)["extra_options"][
+        "WeightSymmetric"]
     layer = FakeQuantLinear(torch.nn.Linear(32, 8), weight_format)
+    assert (layer.weight_fq.quant_min, layer.weight_fq.quant_max) == levels
     layer(x)
     w = layer.linear.weight.detach()
     fake_w = layer.weight_fq(w).detach().numpy()
@@ -42,11 +46,8 @@ def test_qat_fake_quant_is_onnxruntimes_quantization_of_the_same_tensors(weight_
         np.testing.assert_allclose(fake_row, expected, rtol=1e-6, atol=1e-6)
         lows.append(int(ort_q.min()))
         highs.append(int(ort_q.max()))
-    # every row spans its grid: symmetric rows reach one end, asymmetric rows both
-    if symmetric:
-        assert max(max(highs), -min(lows)) == levels[1]
-    else:
-        assert min(lows) == levels[0] and max(highs) == levels[1]
+    # every row reaches one end of its grid (symmetric: its largest |w| sits at the end of its side)
+    assert all(low == levels[0] or high == levels[1] for low, high in zip(lows, highs, strict=True))
     ort_zero, ort_scale, ort_q = quantize_data(x.numpy().ravel(), TensorProto.UINT8, False)
     assert float(layer.input_fq.scale) == pytest.approx(float(ort_scale), rel=1e-6)
     assert int(layer.input_fq.zero_point) == int(ort_zero)
