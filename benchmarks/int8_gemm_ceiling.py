@@ -6,16 +6,17 @@ onnxruntime session per product, each the single node of its graph, at the shape
 layer runs at batch 1 and 128 tokens (Q, K, V and output projections 384x384, FFN 384x1536 and 1536x384):
 
 - `fp32`: `MatMul` on float32 activations and weights (what `fp32-onnx` runs);
-- `int8`: `DynamicQuantizeMatMul` (com.microsoft): float activations quantized per call to uint8, int8
-  weights (7-bit, as the pipeline stores them), int32 accumulation, float output: what `int8-dynamic`
-  runs for every weight product;
+- `int8`: `DynamicQuantizeMatMul` (com.microsoft): float activations quantized per call to uint8, weights in
+  the `quantize.weight_format` the pipeline resolves on this CPU (`--weight-format`, default `auto`: `s8`
+  with VNNI/AMX, else `u8`, so the kernel timed is the one the INT8 variants run), int32 accumulation, float
+  output: what `int8-dynamic` runs for every weight product;
 - `int8-gemm-only`: `MatMulInteger` on activations already in uint8: the bare INT8 kernel.
 
 Per-layer times are summed over the model's layers and compared with the whole-model p50 latencies in
 `metrics/benchmark.json` (when present), so the table shows how much of the 3x target the GEMMs alone
 could give on this CPU. Prints a table and writes `benchmarks/results/int8_gemm_ceiling.json`.
 
-    python -m benchmarks.int8_gemm_ceiling [--tokens 128 --threads 2 --iterations 300]
+    python -m benchmarks.int8_gemm_ceiling [--tokens 128 --threads 2 --iterations 300 --weight-format auto]
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.core.io import read_json, write_json
-from pipeline.core.machine import machine_info
+from pipeline.core.machine import machine_info, resolve_weight_format
 from pipeline.evaluation.latency import percentiles
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,15 +40,28 @@ LAYER_PRODUCTS = [("qkv+output 384x384", 384, 384, 4), ("ffn-up 384x1536", 384, 
 KINDS = ("fp32", "int8", "int8-gemm-only")
 
 
-def single_node_model(kind: str, k: int, n: int, seed: int = 0) -> bytes:
-    """A one-node ONNX graph computing `x @ W` for `x` of shape (tokens, k) in the given arithmetic."""
+def quantized_weight(w: np.ndarray, weight_format: str) -> tuple[np.ndarray, np.float32, np.ndarray]:
+    """`w` per tensor on the `weight_format`'s symmetric grid: int8 +-127 (`s8`), +-64 (`s7`), or uint8 about
+    zero point 128 (`u8`); returns (weight, scale, zero point), weight and zero point in the weight's type."""
+    if weight_format == "u8":
+        scale = np.float32(np.abs(w).max() / 127.5)
+        return np.clip(np.round(w / scale) + 128, 0, 255).astype(np.uint8), scale, np.array(128, np.uint8)
+    if weight_format in ("s8", "s7"):
+        qmax = 64 if weight_format == "s7" else 127
+        scale = np.float32(np.abs(w).max() / qmax)
+        return np.clip(np.round(w / scale), -qmax, qmax).astype(np.int8), scale, np.array(0, np.int8)
+    raise ValueError(f"unknown INT8 weight format {weight_format!r}")
+
+
+def single_node_model(kind: str, k: int, n: int, weight_format: str = "s8", seed: int = 0) -> bytes:
+    """A one-node ONNX graph computing `x @ W` for `x` of shape (tokens, k) in the given arithmetic, INT8
+    weights in `weight_format` (resolved: `s8`, `s7` or `u8`)."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((k, n)).astype(np.float32) * 0.05
-    scale = np.abs(w).max() / 64  # 7-bit symmetric weights, as `quantize.weight_format: s7` stores them
-    w8 = np.clip(np.round(w / scale), -64, 64).astype(np.int8)
+    w8, scale, w_zero = quantized_weight(w, weight_format)
     x_type = TensorProto.UINT8 if kind == "int8-gemm-only" else TensorProto.FLOAT
     y_type = TensorProto.INT32 if kind == "int8-gemm-only" else TensorProto.FLOAT
     inputs = [helper.make_tensor_value_info("x", x_type, ["tokens", k])]
@@ -57,11 +71,11 @@ def single_node_model(kind: str, k: int, n: int, seed: int = 0) -> bytes:
         node = helper.make_node("MatMul", ["x", "w"], ["y"])
     elif kind == "int8":
         inits = [numpy_helper.from_array(w8, "w"), numpy_helper.from_array(np.array(scale, np.float32), "s"),
-                 numpy_helper.from_array(np.array(0, np.int8), "z")]
+                 numpy_helper.from_array(w_zero, "z")]
         node = helper.make_node("DynamicQuantizeMatMul", ["x", "w", "s", "z"], ["y"], domain="com.microsoft")
     elif kind == "int8-gemm-only":
         inits = [numpy_helper.from_array(w8, "w"), numpy_helper.from_array(np.array(128, np.uint8), "xz"),
-                 numpy_helper.from_array(np.array(0, np.int8), "z")]
+                 numpy_helper.from_array(w_zero, "z")]
         node = helper.make_node("MatMulInteger", ["x", "w", "xz", "z"], ["y"])
     else:
         raise ValueError(f"unknown kind {kind!r}; use one of {KINDS}")
@@ -73,7 +87,7 @@ def single_node_model(kind: str, k: int, n: int, seed: int = 0) -> bytes:
     return model.SerializeToString()
 
 
-def time_product(kind: str, tokens: int, k: int, n: int, threads: int, iterations: int,
+def time_product(kind: str, tokens: int, k: int, n: int, threads: int, iterations: int, weight_format: str,
                  warmup: int = 20) -> dict[str, float]:
     """Latency percentiles (ms) of one product in its own onnxruntime session."""
     import onnxruntime as ort
@@ -82,7 +96,7 @@ def time_product(kind: str, tokens: int, k: int, n: int, threads: int, iteration
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    sess = ort.InferenceSession(single_node_model(kind, k, n), opts, providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(single_node_model(kind, k, n, weight_format), opts, providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(1)
     x = (rng.integers(0, 256, (tokens, k)).astype(np.uint8) if kind == "int8-gemm-only"
          else rng.standard_normal((tokens, k)).astype(np.float32))
@@ -102,8 +116,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--iterations", type=int, default=300)
+    parser.add_argument("--weight-format", default="auto", choices=("auto", "s8", "s7", "u8"),
+                        help="INT8 weight format, resolved as quantize.weight_format is (auto: this CPU's choice)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "int8_gemm_ceiling.json")
     args = parser.parse_args(argv)
+    weights = resolve_weight_format(args.weight_format)
 
     rows: list[dict[str, Any]] = []
     for name, k, n, count in LAYER_PRODUCTS:
@@ -111,7 +128,8 @@ def main(argv: list[str] | None = None) -> None:
         parts: dict[str, list[float]] = {kind: [] for kind in KINDS}
         for _ in range(3):
             for kind in KINDS:
-                parts[kind].append(time_product(kind, args.tokens, k, n, args.threads, args.iterations // 3)["p50"])
+                parts[kind].append(time_product(kind, args.tokens, k, n, args.threads, args.iterations // 3,
+                                                         weights.value)["p50"])
         p50 = {kind: float(np.median(v)) for kind, v in parts.items()}
         rows.append({"product": name, "k": k, "n": n, "per_layer": count,
                      **{f"{kind}_p50_ms": p50[kind] for kind in KINDS},
@@ -120,6 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     model = {kind: args.layers * sum(r[f"{kind}_p50_ms"] * r["per_layer"] for r in rows) for kind in KINDS}
     result: dict[str, Any] = {
         "tokens": args.tokens, "layers": args.layers, "threads": args.threads, "iterations": args.iterations,
+        "weight_format": weights.to_dict(),
         "products": rows, "model_weight_products_ms": model,
         "model_weight_products_int8_speedup": model["fp32"] / model["int8"],
         "machine": machine_info(args.threads),
@@ -139,7 +158,8 @@ def main(argv: list[str] | None = None) -> None:
                 result["int8_dynamic_outside_weight_products_ms"] = whole["int8-dynamic"] - model["int8"]
     write_json(args.out, result)
 
-    print(f"\nINT8 vs FP32 matrix products, {args.tokens} tokens, {args.threads} threads (p50 ms per call)")
+    print(f"\nINT8 vs FP32 matrix products, {args.tokens} tokens, {args.threads} threads (p50 ms per call); "
+          f"weights {weights.tag()}")
     print(f"{'product':<22}{'fp32':>9}{'int8':>9}{'int8 gemm':>11}{'int8 x':>9}{'gemm x':>9}")
     for r in rows:
         print(f"{r['product']:<22}{r['fp32_p50_ms']:>9.3f}{r['int8_p50_ms']:>9.3f}{r['int8-gemm-only_p50_ms']:>11.3f}"
