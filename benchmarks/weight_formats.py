@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.core.io import read_json, write_json
-from pipeline.core.machine import WEIGHT_FORMATS, Choice, machine_info, resolve_weight_format
+from pipeline.core.machine import INT8_DOT_FLAGS, WEIGHT_FORMATS, Choice, cpu_flags, machine_info, resolve_weight_format
 from pipeline.core.params import Params, load_params
 from pipeline.evaluation.latency import latency_inputs, measure, speedup, throughput_batches
 from pipeline.runtimes.catalog import REFERENCE
@@ -73,6 +73,16 @@ def parse_models(text: str) -> dict[str, Path]:
             raise SystemExit(f"--models: {item!r} is not NAME=DIR")
         models[name] = Path(path)
     return models
+
+
+def saturation_note(formats: list[str], flags: frozenset[str] | None = None) -> str:
+    """What the table must say about `s8` where this CPU's kernels saturate it (no VNNI/AMX): decided from the
+    CPU's own flags (`flags`: this CPU's unless given), not from flags the `auto` decisions rehearse
+    (`PIPELINE_CPU_FLAGS`), since the timed kernels run on this CPU."""
+    flags = cpu_flags() if flags is None else flags
+    if "s8" in formats and not any(f in flags for f in INT8_DOT_FLAGS):
+        return "s8 saturates without VNNI/AMX: timed as a speed reference only"
+    return ""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -128,11 +138,10 @@ def main(argv: list[str] | None = None) -> None:
         rows.append({"row": row, "p50_ms_b1": t["p50_ms_b1"], "p95_ms_b1": t["p95_ms_b1"],
                      "throughput_b32": t["throughput_b32"], "speedup_p50": gain.p50,
                      "speedup_low": gain.low, "speedup_high": gain.high})
-    auto = resolve_weight_format("auto")  # what the pipeline picks on this CPU, and why
-    saturates = "s8" in formats and auto.value != "s8"
+    auto = resolve_weight_format("auto")  # what the pipeline picks on this CPU (or the rehearsed flags), and why
     result = {"formats": formats, "models": {k: str(v) for k, v in models.items()}, "rows": rows,
               "auto": auto.value, "auto_choice": auto.tag(),
-              "note": "s8 saturates without VNNI/AMX: timed as a speed reference only" if saturates else "",
+              "note": saturation_note(formats),
               "settings": {"seq_len": bench.seq_len, "batch_size": bench.batch_size, "rounds": bench.rounds,
                            "iterations": bench.iterations, "warmup": bench.warmup},
               "machine": machine_info(args.threads)}

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import yaml
 
-from benchmarks.weight_formats import main
+from benchmarks.weight_formats import main, saturation_note
 from pipeline.core.io import read_json
 from pipeline.runtimes.record import read_variant
 from tests.factories import product_weights
@@ -50,3 +50,15 @@ def test_bad_arguments_are_refused(tmp_path):
         main(["--formats", "u8,s9", "--work", str(tmp_path)])
     with pytest.raises(SystemExit, match="NAME=DIR"):
         main(["--models", "models/finetuned", "--work", str(tmp_path)])
+
+
+def test_s8_is_flagged_as_saturating_by_this_cpus_flags_not_the_rehearsed_ones(monkeypatch):
+    """The note follows the flags the timed kernels run on: a VNNI CPU rehearsing AVX2 decisions
+    (`PIPELINE_CPU_FLAGS`) still times exact s8 kernels, and an AVX2 CPU saturates s8 whatever it rehearses."""
+    from pipeline.core.machine import FLAGS_OVERRIDE_ENV
+
+    monkeypatch.setenv(FLAGS_OVERRIDE_ENV, "avx2 fma")
+    assert saturation_note(["s8", "u8"], frozenset({"avx2", "avx512_vnni"})) == ""
+    monkeypatch.setenv(FLAGS_OVERRIDE_ENV, "avx2 avx512_vnni")
+    assert "saturates" in saturation_note(["s8", "u8"], frozenset({"avx2", "fma"}))
+    assert saturation_note(["u8", "s7"], frozenset({"avx2"})) == ""
