@@ -109,16 +109,21 @@ class Candidate:
 
 def candidates(finetuned: Path, variant_dirs: dict[str, Path], include_bf16: bool) -> list[Candidate]:
     """FP32 eager first (the reference), the bf16-autocast row, the eager [CLS]-readout row (the readout's own
-    share of the exported variants' speed-up), then every variant (skipped ones kept)."""
+    share of the exported variants' speed-up: skipped, with its reason, where no variant computes the [CLS]
+    position only, as with `export.cls_readout: false`), then every variant (skipped ones kept)."""
+    variants = []
+    for name, d in variant_dirs.items():
+        info = read_variant(d)
+        variants.append(Candidate(name, d, {}, info.status, info.reason, bool(info.params.get("cls_readout", False)),
+                                  info.params.get("weight_format")))
     out = [Candidate(REFERENCE, finetuned, {})]
     if include_bf16:
         out.append(Candidate(BF16_ROW, finetuned, {"autocast": "bf16"}))
-    out.append(Candidate(READOUT_ROW, finetuned, {"cls_readout": True}, cls_readout=True))
-    for name, d in variant_dirs.items():
-        info = read_variant(d)
-        out.append(Candidate(name, d, {}, info.status, info.reason, bool(info.params.get("cls_readout", False)),
-                             info.params.get("weight_format")))
-    return out
+    readout = Candidate(READOUT_ROW, finetuned, {"cls_readout": True}, cls_readout=True)
+    if not any(v.status == "ok" and v.cls_readout for v in variants):
+        readout.status = "skipped"
+        readout.reason = "no built variant computes the [CLS] position only (export.cls_readout: false or none built)"
+    return [*out, readout, *variants]
 
 
 def latency_inputs(seqs: Sequence[np.ndarray], seq_len: int, count: int, pad_id: int) -> list[tuple[np.ndarray, ...]]:

@@ -32,6 +32,8 @@ SPEEDUP_STEPS = (
     ("quantization (dynamic INT8 of the same model)", "fp32-onnx", "int8-dynamic"),
     ("smaller model (the distilled student, both INT8)", "int8-dynamic", "int8-distilled"),
 )
+#: The chain's first step where no variant has the readout (`export.cls_readout: false`): its graph alone.
+NO_READOUT_STEP = ("runtime (ONNX Runtime graph vs PyTorch eager)", REFERENCE, "fp32-onnx")
 #: The templates: `variants.md.j2` is the page, `parts.md.j2` the table and target lines it shares with the terminal.
 TEMPLATES = Path(__file__).with_name("templates")
 
@@ -130,7 +132,10 @@ def speedup_sources(variants: dict[str, dict[str, Any]]) -> list[dict[str, Any]]
     """Each step of `SPEEDUP_STEPS` whose two rows were measured: the batch-1 p50 ratio it contributes. Along
     the chain the factors multiply to the last row's speed-up over FP32 eager."""
     out = []
-    for what, before, after in SPEEDUP_STEPS:
+    steps = SPEEDUP_STEPS
+    if variants.get(READOUT_ROW, {}).get("status") != "ok":  # no readout to split off: eager to the graph in one step
+        steps = (NO_READOUT_STEP, *SPEEDUP_STEPS[2:])
+    for what, before, after in steps:
         a, b = variants.get(before, {}), variants.get(after, {})
         if a.get("status") == "ok" and b.get("status") == "ok":
             out.append({"step": what, "from": before, "to": after, "factor": a["p50_ms_b1"] / b["p50_ms_b1"]})

@@ -253,3 +253,19 @@ def test_result_rows_hold_each_candidates_timings_scores_and_the_speed_pairs(tmp
     assert rows["int8-qat-openvino"]["b1_vs_baseline_low"] == rows["int8-qat-openvino"]["b1_vs_baseline_high"] == 1.25
     assert rows["int8-qat"]["b1_vs_baseline_low"] == rows["int8-qat"]["b1_vs_baseline_high"] == 0.8  # vs int8-dynamic
     assert "b1_vs_baseline_low" not in rows["int8-dynamic"] and "b1_vs_baseline_low" not in rows["int8-static"]
+
+
+def test_the_readout_row_is_timed_only_where_a_built_variant_has_the_readout(built, tiny_model_dir):
+    """The eager [CLS]-readout row splits the readout's share off the exported variants' speed-up: with none of
+    them computing the [CLS] position only (`export.cls_readout: false`, or nothing built) it is skipped, saying
+    why, instead of timing a model nothing serves."""
+    from pipeline.evaluation.latency import candidates
+    from pipeline.runtimes.catalog import READOUT_ROW
+    from pipeline.runtimes.record import read_variant
+
+    onnx_dir = built["dirs"]["fp32-onnx"]
+    assert read_variant(onnx_dir).params["cls_readout"] is True  # the tiny build exports with the readout
+    rows = {c.name: c for c in candidates(tiny_model_dir, {"fp32-onnx": onnx_dir}, include_bf16=False)}
+    assert rows[READOUT_ROW].status == "ok" and rows[READOUT_ROW].options == {"cls_readout": True}
+    alone = {c.name: c for c in candidates(tiny_model_dir, {}, include_bf16=False)}
+    assert alone[READOUT_ROW].status == "skipped" and "cls_readout" in alone[READOUT_ROW].reason

@@ -126,6 +126,13 @@ def test_speedup_sources_multiply_to_the_students_speedup():
     variants["int8-distilled"] = {"status": "skipped", "reason": "distill.enabled is false"}
     assert [s["to"] for s in speedup_sources(variants)] == ["fp32-eager-readout", "fp32-onnx", "int8-dynamic"]
     assert speedup_chain({"fp32-eager": _row(20.0), "fp32-eager-readout": _row(16.0)}) is None  # one step: no chain
+    # without the readout (export.cls_readout: false: its row skipped) the chain goes from eager to the graph at once
+    variants["int8-distilled"] = _row(2.0)
+    variants["fp32-eager-readout"] = {"status": "skipped", "reason": "no built variant computes the [CLS] position"}
+    chain = speedup_chain(variants)
+    assert chain is not None and [(s["from"], s["to"]) for s in chain.steps] == [
+        ("fp32-eager", "fp32-onnx"), ("fp32-onnx", "int8-dynamic"), ("int8-dynamic", "int8-distilled")]
+    assert chain.product == pytest.approx(20.0 / 2.0)
 
 
 @pytest.mark.parametrize("rehearsed", [False, True])
