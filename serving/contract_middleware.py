@@ -55,10 +55,10 @@ from pipeline.deployment.protocol import (
 )
 from pipeline.deployment.request_parsing import parse_request
 from serving.endpoint_metrics import CLIENT_CLOSED, MODEL_BUSY, MODEL_ERROR, NOT_READY, Metrics, Outcome
-from serving.request_bodies import ClientGone, expects_continue, read_body
+from serving.request_bodies import ClientGone, read_body
 from serving.request_deadline import RETRY_AFTER_S, answered_by_protocol
 from serving.request_ids import request_id
-from serving.request_line import CLOSE, INVOCATIONS, ROUTES, read_origin_form, refusal
+from serving.request_line import CLOSE, INVOCATIONS, ROUTES, read_origin_form, refusal, waits_for_continue
 from serving.scoring_queue import READINESS, ScoringQueue
 
 log = logging.getLogger(__name__)
@@ -154,11 +154,12 @@ class ContractMiddleware:
         if self._in_flight >= self.max_in_flight:  # refused before its body is read
             return await self._overloaded(send, rid)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        waiting = waits_for_continue(scope)
         try:
-            parsed = await self._parsed(headers, receive)
+            parsed = await self._parsed(headers, receive, waiting)
         except RequestError as err:
             # a 408's body, and a 413's that the client waits to be invited to send, are not read
-            close = err.status == 408 or (err.status == 413 and expects_continue(headers))
+            close = err.status == 408 or (err.status == 413 and waiting)
             return await self._error(send, err, rid, [CLOSE] if close else None,
                                      CLIENT_CLOSED if isinstance(err, ClientGone) else None)
         if self._in_flight >= self.max_in_flight:  # the slots filled while this body was read
@@ -181,11 +182,11 @@ class ContractMiddleware:
         await self._send(send, 200, json.dumps({"predictions": answer}).encode(), "application/json", rid)
         return Outcome(200, None, len(parsed.texts))
 
-    async def _parsed(self, headers: dict[str, str], receive: Receive) -> ParsedRequest:
+    async def _parsed(self, headers: dict[str, str], receive: Receive, waiting: bool) -> ParsedRequest:
         """The body read (`_body`) and checked as TorchServe's handler checks it. A coding the server cannot read is
         refused before the body is read, as the handler refuses it before it looks at the body's size."""
         check_content_encoding(headers.get("content-encoding"))
-        body = await read_body(headers, receive, self.limits.max_body_bytes, self.body_timeout_s)
+        body = await read_body(headers, receive, self.limits.max_body_bytes, self.body_timeout_s, waiting)
         request = functools.partial(parse_request, body, self.limits, headers.get("content-type"), MLFLOW_SHAPES,
                                     content_encoding=headers.get("content-encoding"))
         # a large body's checks take a while: in a thread, so the event loop goes on serving the others

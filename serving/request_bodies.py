@@ -22,13 +22,15 @@ class ClientGone(RequestError):
     """The client hung up before its body was in: a 400 that is never delivered (`CLIENT_CLOSED` in `/metrics`)."""
 
 
-async def read_body(headers: dict[str, str], receive: Receive, limit: int, timeout_s: float) -> bytes:
+async def read_body(headers: dict[str, str], receive: Receive, limit: int, timeout_s: float,
+                    waits_for_continue: bool = False) -> bytes:
     """The request body (`headers`: lower-case names), refused (413) as soon as it is known to exceed `limit` bytes
-    (what is left of it is read and dropped first, `discard_body`), 408 when it is not all in within `timeout_s`
-    seconds, `ClientGone` when the client hung up first."""
+    (what is left of it is read and dropped first, `discard_body`, unless the client `waits_for_continue`:
+    `serving.request_line.waits_for_continue`), 408 when it is not all in within `timeout_s` seconds, `ClientGone`
+    when the client hung up first."""
     declared = headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
-        if not expects_continue(headers):  # a client waiting for "100 Continue" has sent nothing to drop
+        if not waits_for_continue:  # a client waiting for "100 Continue" has sent nothing to drop
             await discard_body(headers, receive)  # (and reading would invite it to upload)
         raise RequestError(413, f"request body of {int(declared)} bytes exceeds the limit of {limit}")
     deadline = asyncio.get_running_loop().time() + timeout_s
@@ -53,10 +55,8 @@ async def read_body(headers: dict[str, str], receive: Receive, limit: int, timeo
             return b"".join(chunks)
 
 
-def expects_continue(headers: dict[str, str]) -> bool:
-    """The client sent `Expect: 100-continue`: it uploads its body only when the server asks for it (uvicorn does so
-    on the first read of the body), so a body refused unread is never sent."""
-    return headers.get("expect", "").strip().lower() == "100-continue"
+
+
 async def discard_body(headers: dict[str, str], receive: Receive) -> None:
     """Read and drop the rest of a refused body before the 413 goes out, when it is at most `DISCARD_BODY_BYTES`:
     uvicorn closes a connection whose body was left unread, and a client still writing then gets a connection

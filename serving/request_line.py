@@ -9,6 +9,7 @@ import urllib.parse
 from collections.abc import MutableMapping
 from typing import Any
 
+from pipeline.deployment.media_types import OWS
 from pipeline.deployment.protocol import RequestError
 
 Scope = MutableMapping[str, Any]
@@ -42,6 +43,20 @@ def read_origin_form(scope: Scope) -> None:
         scope["raw_path"], scope["path"] = path, urllib.parse.unquote(path.decode("latin-1"))
 
 
+def expectations(scope: Scope) -> set[str]:
+    """Every expectation of every `Expect` line, lower-cased (h11 invites the body when any of them is
+    100-continue); empty list elements are none (RFC 9110 5.6.1), and only space and tab surround one."""
+    return {e.strip(OWS).lower() for k, v in scope.get("headers", []) if k.lower() == b"expect"
+            for e in v.decode("latin-1").split(",")} - {""}
+
+
+def waits_for_continue(scope: Scope) -> bool:
+    """The client waits for "100 Continue" before it uploads its body (uvicorn sends it on the first read), so a
+    body refused unread was never sent. An HTTP/1.0 client's expectation is ignored (RFC 9110 10.1.1, as h11 does):
+    it sends its body at once, and a refused one is read and dropped like any other."""
+    return scope.get("http_version") != "1.0" and "100-continue" in expectations(scope)
+
+
 def url_bytes(scope: Scope) -> int:
     """The request target's size as the client sent it: its path (or absolute form) and query string."""
     raw_path = scope.get("raw_path") or scope.get("path", "").encode()
@@ -71,11 +86,7 @@ def refusal(scope: Scope) -> tuple[RequestError, Headers | None] | None:
         methods = f"{allowed}, HEAD" if allowed == "GET" else allowed
         return RequestError(405, f"method not allowed on this path; use {allowed}"), [(b"allow", methods.encode())]
     names = {k.lower() for k, _ in raw_headers}
-    # every expectation of every `Expect` line (h11 invites the body when any of them is 100-continue; empty list
-    # elements are ignored, RFC 9110 5.6.1)
-    expectations = {e.strip().lower() for k, v in raw_headers if k.lower() == b"expect"
-                    for e in v.decode("latin-1").split(",")} - {""}
-    if expectations - {"100-continue"}:
+    if expectations(scope) - {"100-continue"}:
         return RequestError(417, "the only expectation this server meets is 100-continue"), [CLOSE]
     counts = collections.Counter(k.lower() for k, _ in raw_headers if k.lower() in SINGLE_HEADERS)
     if repeated := sorted(k for k, n in counts.items() if n > 1):

@@ -3,6 +3,8 @@ kind of body it declares, and whether this endpoint takes it) and its content co
 
 from __future__ import annotations
 
+import re
+
 from pipeline.deployment.protocol import JSON_MEDIA_TYPES, TEXT_COLUMN, RequestError
 
 #: Media types a 415 names (others are "this Content-Type"): what clients commonly send by mistake.
@@ -16,24 +18,32 @@ NAMED_MEDIA_TYPES = frozenset({
 NAMED_CODINGS = frozenset({"gzip", "x-gzip", "deflate", "br", "zstd", "compress", "x-compress"})
 
 
+#: Optional whitespace around header list elements and parameters: space and tab only (RFC 9110 5.6.3). Not
+#: `str.strip()`'s Unicode whitespace: `application/json\xa0` is no media type, and would otherwise read as JSON.
+OWS = " \t"
+#: `type/subtype+json` in tokens (RFC 9110 5.6.2's tchar, lower-cased), the subtype's name before `+json` not empty.
+_JSON_SUFFIX_TYPE = re.compile(r"[!#$%&'*+\-.^_`|~0-9a-z]+/[!#$%&'*+\-.^_`|~0-9a-z]+\+json")
+
+
 def media_type(content_type: str | None) -> tuple[str, dict[str, str]]:
     """`(type, parameters)` of a Content-Type header, lower-cased; `("", {})` when absent or blank, and `("", ...)`
     when only parameters were sent."""
-    if not content_type or not content_type.strip():
+    if not content_type or not content_type.strip(OWS):
         return "", {}
     media, *params = content_type.split(";")
     parsed = {}
     for param in params:
         key, _, value = param.partition("=")
-        if key.strip():  # an empty parameter (`application/json;`) is allowed by RFC 9110 and means nothing
-            parsed[key.strip().lower()] = value.strip().strip('"').lower()
-    return media.strip().lower(), parsed
+        if key.strip(OWS):  # an empty parameter (`application/json;`) is allowed by RFC 9110 and means nothing
+            parsed[key.strip(OWS).lower()] = value.strip(OWS).strip('"').lower()
+    return media.strip(OWS).lower(), parsed
 
 
 def is_json_media_type(content_type: str | None) -> bool:
-    """`application/json` or a `+json` suffix type, parameters (charset) ignored."""
+    """`application/json` or a `type/name+json` suffix type (RFC 6839), parameters (charset) ignored; a bare
+    `+json`, `application/+json` or a type without its `/` is not one."""
     media, _ = media_type(content_type)
-    return media in JSON_MEDIA_TYPES or media.endswith("+json")
+    return media in JSON_MEDIA_TYPES or _JSON_SUFFIX_TYPE.fullmatch(media) is not None
 
 
 def body_kind(content_type: str | None, shapes: frozenset[str]) -> str:
@@ -75,7 +85,7 @@ def check_content_encoding(content_encoding: str | None) -> None:
     decompresses, and a compressed body read as text would be refused for the wrong reason (not UTF-8), or a plain
     one labelled compressed scored as though the label were not there (RFC 9110 8.4.1: 415 for a coding the server
     does not take)."""
-    codings = [c.strip().lower() for c in (content_encoding or "").split(",") if c.strip()]
+    codings = [c.strip(OWS).lower() for c in (content_encoding or "").split(",") if c.strip(OWS)]
     if any(c != "identity" for c in codings):
         shown = " and ".join(sorted({c for c in codings if c in NAMED_CODINGS})) or "this Content-Encoding"
         raise RequestError(415, f"a compressed body ({shown}) is not accepted: send it uncompressed, without a "

@@ -57,18 +57,19 @@ def middleware(served: ServedModel, score: Callable[[list[str]], list[Any]] | No
                               max_in_flight=max_in_flight, body_timeout_s=body_timeout_s)
 
 
-async def call(app: Any, body: bytes, headers: dict[str, str] | list[tuple[str, str]] | None = None,
+async def call(app: Any, body: bytes, headers: dict[str, Any] | list[tuple[str, Any]] | None = None,
                path: str = "/invocations", method: str = "POST",
-               receive: Any = None, before_send: Any = None) -> tuple[int, dict[str, str], bytes]:
+               receive: Any = None, before_send: Any = None,
+               http_version: str = "1.1") -> tuple[int, dict[str, str], bytes]:
     """One request through an ASGI app; (status, headers, body). `headers` as a list sends a name as often as it
-    appears there; `receive` replaces the client's side of the body (by default `body` in one message, then a client
-    that keeps the connection open); `before_send` is awaited with each message the app sends, before it goes out (a
-    client that reads nothing: one that never returns)."""
+    appears there, a value as bytes goes as those bytes (else UTF-8); `receive` replaces the client's side of the
+    body (by default `body` in one message, then a client that keeps the connection open); `before_send` is awaited
+    with each message the app sends, before it goes out (a client that reads nothing: one that never returns)."""
     pairs = [("content-type", "application/json"), *headers] if isinstance(headers, list) else \
         list({"content-type": "application/json", **(headers or {})}.items())
-    raw = [(k.lower().encode(), v.encode()) for k, v in pairs]
+    raw = [(k.lower().encode(), v if isinstance(v, bytes) else v.encode()) for k, v in pairs]
     scope = {"type": "http", "method": method, "path": path, "raw_path": path.encode(), "query_string": b"",
-             "headers": raw, "http_version": "1.1"}
+             "headers": raw, "http_version": http_version}
     sent = False
     out: dict[str, Any] = {"body": b""}
 
@@ -455,6 +456,57 @@ def test_any_expectation_but_100_continue_is_a_417_before_the_body_however_it_is
     for empty in ("", " , ", "100-continue,"):  # empty list elements are no expectation (RFC 9110 5.6.1)
         status, _, _ = asyncio.run(call(app, json.dumps({"inputs": ["fine"]}).encode(), {"Expect": empty}))
         assert status == 200, empty
+
+
+class FiniteUpload:
+    """The client's side of a `size`-byte body sent at once in 64 KiB messages, as `call`'s `receive`: `reads`
+    counts what the app read of it, `pieces` how many messages it takes."""
+
+    PIECE = 64 * 1024
+
+    def __init__(self, size: int) -> None:
+        self.pieces, self.reads = -(-size // self.PIECE), 0
+
+    async def __call__(self) -> dict[str, Any]:
+        self.reads += 1
+        return {"type": "http.request", "body": b"x" * self.PIECE, "more_body": self.reads < self.pieces}
+
+
+def test_an_http_1_0_clients_expectation_is_ignored_so_its_refused_body_is_read_and_dropped(served):
+    """RFC 9110 10.1.1: a server ignores 100-continue from an HTTP/1.0 client (h11 does not answer it), which sends
+    its body at once. Its oversized body is read and dropped before the 413, as any client's, so it can read the
+    answer instead of a reset; the same request over HTTP/1.1 is refused unread and closed."""
+    app = middleware(served)
+    size = app.limits.max_body_bytes + 1
+    request = {"Content-Length": str(size), "Expect": "100-continue"}
+    upload = FiniteUpload(size)
+    status, headers, answer = asyncio.run(call(app, b"", request, receive=upload, http_version="1.0"))
+    assert (status, upload.reads, "connection" in headers) == (413, upload.pieces, False), answer
+    upload = FiniteUpload(size)
+    status, headers, _ = asyncio.run(call(app, b"", request, receive=upload))
+    assert (status, upload.reads, headers["connection"]) == (413, 0, "close")
+    # the expectation read as the 417 reads it: every list element of every Expect line
+    upload = FiniteUpload(size)
+    status, _, _ = asyncio.run(call(app, b"", [("Content-Length", str(size)), ("Expect", "100-continue,")],
+                                    receive=upload))
+    assert (status, upload.reads) == (413, 0)
+
+
+@pytest.mark.parametrize("space", [b"\xa0", b"\x85"])
+def test_only_space_and_tab_surround_an_expectation_or_a_coding_or_a_media_type(served, space):
+    """Header bytes 0xA0 and 0x85 (NBSP and NEL once read as latin-1, whitespace to `str.strip()`) are not optional
+    whitespace: `Expect: 100-continue<NBSP>` is no 100-continue (h11 does not invite the body for it), a 417 with
+    nothing read; `identity<NBSP>` is no coding the server takes and `application/json<NBSP>` no JSON: 415s."""
+    app = middleware(served)
+    upload = EndlessUpload()
+    status, _, _ = asyncio.run(call(app, b"", [("Content-Length", "5000"), ("Expect", b"100-continue" + space)],
+                                    receive=upload))
+    assert (status, upload.reads) == (417, 0)
+    body = json.dumps({"inputs": ["fine"]}).encode()
+    assert asyncio.run(call(app, body, {"Content-Encoding": "identity \t", "content-type": "application/json\t"}))[
+        0] == 200
+    assert asyncio.run(call(app, body, {"Content-Encoding": b"identity" + space}))[0] == 415
+    assert asyncio.run(call(app, body, {"content-type": b"application/json" + space}))[0] == 415
 
 
 def test_an_absolute_form_target_counts_whole_against_the_url_limit(served):

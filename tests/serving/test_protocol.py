@@ -289,6 +289,21 @@ def test_error_messages_are_bounded_and_never_quote_the_input():
 def test_json_media_types():
     assert is_json_media_type("application/json; charset=utf-8") and is_json_media_type("application/problem+json")
     assert not is_json_media_type("text/plain") and not is_json_media_type(None)
+    assert is_json_media_type("application/json\t; charset=utf-8") and is_json_media_type("Application/JSON ")
+    # a suffix alone, an empty subtype name, no type, or non-token text is no JSON media type
+    for not_json in ("+json", "application/+json", "/x+json", "x+json", "application/x y+json", "text/plain\xa0+json"):
+        assert not is_json_media_type(not_json), not_json
+
+
+@pytest.mark.parametrize("space", ["\xa0", "\x85", "\u3000", "\x1c", "\u2028"])
+def test_only_space_and_tab_surround_a_media_type(space):
+    """Around a Content-Type's parts only space and tab are whitespace (RFC 9110's OWS): Unicode spaces, which
+    `str.strip()` would take off, leave a type that is not JSON (415), whether after the type or a parameter."""
+    for content_type in (f"application/json{space}", f"{space}application/json",
+                         f"application/json; charset=utf-8{space}"):
+        with pytest.raises(RequestError) as err:
+            parse_request(b'{"text": "a"}', LIMITS, content_type)
+        assert err.value.status == 415, (content_type, err.value.message)
 
 
 json_values = st.recursive(
