@@ -32,10 +32,6 @@ if TYPE_CHECKING:
     from pipeline.core.params import BenchmarkParams, Params
 
 ROOT = Path(__file__).resolve().parents[1]
-#: The variants the default profile builds, scored and timed where they are built here.
-VARIANTS = ("fp32-onnx", "int8-dynamic", "int8-openvino")
-
-
 def thread_counts(cpus: int) -> list[int]:
     """1, 2, 4, ... below `cpus`, then `cpus` itself."""
     counts, t = [], 1
@@ -68,14 +64,20 @@ def train_rate(finetuned: Path, tokenized: Path, params: Params, threads: int) -
 
 
 def score_rate(directory: Path, seqs: list[np.ndarray], batch_size: int, pad: int, threads: int) -> float:
-    """Reviews/s scoring `seqs` with the variant in `directory` the way the evaluate stage does."""
+    """Reviews/s scoring `seqs` with the variant in `directory` the way the evaluate stage does: its runner and
+    number of concurrent callers (`runner_for_test_split`) at `threads` threads, the fp32 reference included."""
+    from pipeline.evaluation.accuracy import runner_for_test_split
     from pipeline.runtimes.base import predict_logits
+    from pipeline.runtimes.record import VARIANT_FILE
     from pipeline.runtimes.registry import load_runner
 
-    runner = load_runner(directory, threads)
-    predict_logits(runner, seqs[:batch_size], batch_size, pad)  # warm-up
+    if (directory / VARIANT_FILE).is_file():
+        runner, callers = runner_for_test_split(directory, threads)
+    else:  # the finetuned checkpoint, which the evaluate stage scores with one call at a time
+        runner, callers = load_runner(directory, threads), 1
+    predict_logits(runner, seqs[:batch_size], batch_size, pad, callers=callers)  # warm-up
     t0 = time.perf_counter()
-    predict_logits(runner, seqs, batch_size, pad)
+    predict_logits(runner, seqs, batch_size, pad, callers=callers)
     return len(seqs) / (time.perf_counter() - t0)
 
 
@@ -129,6 +131,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--train-reviews", type=int, default=96, help="training reviews per count (one epoch)")
     p.add_argument("--latency-calls", type=int, default=20, help="batch-1 calls per variant and count")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--variants", default=None,
+                   help="comma-separated variant names (default: every variant built under --variants-root)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "thread_scaling.json")
     args = p.parse_args(argv)
 
@@ -137,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     from pipeline.core.params import load_params, resolve_auto
     from pipeline.data.tokens import read_tokenized
     from pipeline.modeling import saved_pad_id
+    from pipeline.runtimes.catalog import VARIANTS
     from pipeline.runtimes.record import VARIANT_FILE, read_variant
 
     asked = load_params(args.params)
@@ -156,7 +161,8 @@ def main(argv: list[str] | None = None) -> None:
         read_tokenized(args.tokenized, split).head(rows).to_parquet(work / f"{split}.parquet")
 
     built = {"fp32-eager": args.finetuned}
-    for name in VARIANTS:
+    names = args.variants.split(",") if args.variants else [v.name for v in VARIANTS if v.file]
+    for name in names:
         d = args.variants_root / name
         if (d / VARIANT_FILE).is_file() and read_variant(d).status == "ok":
             built[name] = d
