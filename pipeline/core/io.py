@@ -12,16 +12,56 @@ from pathlib import Path
 from typing import Any
 
 
+def synced(path: Path) -> None:
+    """`fsync` a file, or a directory's entries (where the filesystem allows it): a rename is durable only once the
+    renamed file's data and then its folder are on disk, else a crash of the machine (not only of the process) can
+    leave the new name on an empty or partial file after the old one was deleted."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # a directory on a filesystem that does not sync them (EINVAL): nothing more to do
+        pass
+    finally:
+        os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_dead_writers_files(path: Path) -> None:
+    """Remove the temporary files of `path` (`.<name>.<pid>.tmp`) whose writer is no longer running: a process
+    killed mid-write leaves one, which nothing trusts but a folder upload (MLflow artifacts) would carry along."""
+    for tmp in path.parent.glob(f".{path.name}.*.tmp"):
+        pid = tmp.name[len(path.name) + 2 : -len(".tmp")]
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            tmp.unlink(missing_ok=True)
+
+
 @contextlib.contextmanager
 def replaced_on_success(path: Path) -> Iterator[Path]:
-    """A temporary path beside `path` (same folder, so the rename is atomic) for the block to write; renamed onto
-    `path` when the block ends without error, removed when it raises. A reader (a later stage, a server, a resumed
-    run) finds the old file, the whole new one or none: never a part of one, whenever the writer dies."""
+    """A temporary path beside `path` (same folder, so the rename is atomic) for the block to write; synced and
+    renamed onto `path` when the block ends without error, removed when it raises. A reader (a later stage, a
+    server, a resumed run) finds the old file, the whole new one or none: never a part of one, whenever the writer
+    (or the machine) dies. Temporary files of killed writers of `path` are removed first."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_dead_writers_files(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         yield tmp
+        if tmp.is_file():
+            synced(tmp)
         os.replace(tmp, path)
+        synced(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -72,9 +112,13 @@ def directory_replaced_on_success(final_dir: Path, complete_when: str) -> Iterat
         yield work
         if not (work / complete_when).is_file():
             raise IncompleteDirectory(f"the build of {final_dir} wrote no {complete_when}")
+        for part in sorted(work.rglob("*"), reverse=True):  # files before the folders that list them
+            synced(part)
+        synced(work)
         if os.path.lexists(final_dir):
             os.replace(final_dir, old)
         os.replace(work, final_dir)
+        synced(final_dir.parent)
     finally:
         if os.path.lexists(old) and not os.path.lexists(final_dir):
             # the swap stopped halfway (a failed rename, Ctrl-C or SIGTERM between the two): the previous version

@@ -47,9 +47,46 @@ def test_a_writer_killed_mid_write_leaves_the_previous_file_whole(tmp_path):
     assert proc.returncode == -signal.SIGKILL
     assert read_json(path) == {"rows": list(range(10))}
     leftovers = [p.name for p in tmp_path.iterdir() if p.name != "benchmark.json"]
-    # the killed writer's temporary file may stay (hidden, never read as the file; DVC removes a stage's outputs
-    # before running it again)
-    assert all(name.startswith(".benchmark.json.") and name.endswith(".tmp") for name in leftovers), leftovers
+    # the killed writer's temporary file stays (hidden, never read as the file) until the next write of the file,
+    # which removes it: in a folder that is no DVC output (plots uploaded to MLflow) nothing else would
+    assert leftovers and all(name.startswith(".benchmark.json.") and name.endswith(".tmp") for name in leftovers)
+    write_json(path, {"rows": [1]})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["benchmark.json"]
+
+
+def test_a_live_writers_temporary_file_is_left_alone(tmp_path):
+    """Only a dead writer's temporary file is removed: another process writing the same file now keeps its own."""
+    path = tmp_path / "a.json"
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        theirs = tmp_path / f".a.json.{live.pid}.tmp"
+        theirs.write_text("{")
+        write_json(path, {"x": 1})
+        assert theirs.exists() and read_json(path) == {"x": 1}
+    finally:
+        live.kill()
+        live.wait()
+    write_json(path, {"x": 2})
+    assert not theirs.exists()
+
+
+def test_a_replaced_file_and_its_folder_are_synced_before_and_after_the_rename(tmp_path, monkeypatch):
+    """The new file's data reaches the disk before the rename and the folder's entry after it, so a machine crash
+    cannot leave the name on an empty file; a swapped directory syncs every file in it and its parent."""
+    synced = []
+    monkeypatch.setattr(io, "synced", lambda p: synced.append(p))
+    path = tmp_path / "m.json"
+    write_json(path, {"x": 1})
+    assert [p.name for p in synced] == [f".m.json.{os.getpid()}.tmp", tmp_path.name]
+    synced.clear()
+    final = tmp_path / "model"
+    with io.directory_replaced_on_success(final, "record.json") as work:
+        (work / "sub").mkdir()
+        (work / "sub" / "w.bin").write_bytes(b"w")
+        (work / "record.json").write_text("{}")
+    names = [p.name for p in synced]
+    assert {"w.bin", "sub", "record.json"} <= set(names) and names.index("w.bin") < names.index("sub")
+    assert synced[-1] == tmp_path and (final / "sub" / "w.bin").read_bytes() == b"w"
 
 
 @pytest.mark.parametrize("stop", [KeyboardInterrupt, SystemExit, OSError])
