@@ -60,14 +60,16 @@ class QatRun:
 
 
 def qat_checkpoints(train: TrainParams, job: str, settings: Mapping[str, Any], model: torch.nn.Module,
-                    inputs: Sequence[Path], code: Sequence[Path]) -> tuple[CheckpointStore, ResumePlan]:
+                    inputs: Sequence[Path], code: Sequence[Path],
+                    quantize: QuantizeParams) -> tuple[CheckpointStore, ResumePlan]:
     """The checkpoint store of QAT `job` (`train.checkpoint_dir/<job>`) and whether it resumes. A checkpoint is
     resumed only for the same trajectory: the same `settings` (what the builder says shapes the weights: its
-    QAT settings, reviews and labels, calibration), seed, attention kernel (`training_attention`, as `fit` derives
-    it), model structure (the parameter names and shapes of the
-    `model` about to train: a checkpoint of another graph would not load), `inputs` (the finetuned model) and code
-    (the training code and the builder's own modules, `code`). Settings the job does not read (another variant's,
-    `quantize.build`) leave a checkpoint valid. The caller clears the store once its variant is published."""
+    QAT settings, reviews and labels, calibration), seed, attention kernel (`training_attention` of the Trainer QAT
+    runs in, `qat_train_params(quantize, ...)`, as `fit` derives it; not the finetune's `train`), model structure
+    (the parameter names and shapes of the `model` about to train: a checkpoint of another graph would not load),
+    `inputs` (the finetuned model) and code (the training code and the builder's own modules, `code`). Settings
+    the job does not read (another variant's, `quantize.build`) leave a checkpoint valid. The caller clears the
+    store once its variant is published."""
     store = CheckpointStore.for_job(train, job)
     import hashlib
     import json
@@ -75,7 +77,8 @@ def qat_checkpoints(train: TrainParams, job: str, settings: Mapping[str, Any], m
     shapes = sorted((name, list(t.shape)) for name, t in model.state_dict().items())
     # a digest, not the list: the reason a fresh start gives names what changed in one short line
     structure = hashlib.sha256(json.dumps(shapes).encode()).hexdigest()[:16]
-    attention = training_attention(train.precision, train.accelerator).value
+    trainer = qat_train_params(quantize, train.seed)
+    attention = training_attention(trainer.precision, trainer.accelerator).value
     current = fingerprint({**settings, "seed": train.seed, "structure": structure, "attention": attention}, inputs,
                           code=code)
     return store, store.plan(current, train.resume)

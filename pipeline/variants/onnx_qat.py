@@ -42,7 +42,8 @@ def qat_onnx(inputs: QuantizeInputs, method: str, out: Path) -> dict[str, Any]:
                 "qat_precision": params.trainer_precision(),
                 "ffn_width": inputs.ffn_width, "reviews": token_fingerprint(reviews),
                 "labels": token_fingerprint([labels])}
-    store, plan = qat_checkpoints(train, CHECKPOINT_JOB, settings, model, [inputs.finetuned], code=())
+    store, plan = qat_checkpoints(train, CHECKPOINT_JOB, settings, model, [inputs.finetuned], code=(),
+                                  quantize=params)
     run = QatRun(reviews=reviews, labels=labels, params=params, lr=params.qat_lr, seed=train.seed,
                  pad_id=inputs.pad_id, store=store, plan=plan)
     result = qat_finetune(model, run, inputs.ffn_width)

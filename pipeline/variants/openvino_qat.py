@@ -276,7 +276,8 @@ def qat_openvino(graph: Any, job: QatJob, out: Path) -> dict[str, Any]:
                 "reviews": token_fingerprint(job.reviews), "labels": token_fingerprint([job.labels])}
     # what builds the model that trains: nncf.quantize's call here, the SDPA copy, the graph int8-openvino converts
     code = [Path(__file__), Path(openvino_int8.__file__), Path(export.__file__)]
-    store, plan = qat_checkpoints(job.train, CHECKPOINT_JOB, settings, quantized, [job.finetuned], code=code)
+    store, plan = qat_checkpoints(job.train, CHECKPOINT_JOB, settings, quantized, [job.finetuned], code=code,
+                                  quantize=q)
     run = QatRun(reviews=job.reviews, labels=job.labels, params=q, lr=q.qat_openvino_lr, seed=job.train.seed,
                  pad_id=job.pad_id, store=store, plan=plan)
     with embedding_rows_quantized(quantized) as tables:

@@ -110,20 +110,22 @@ def test_qat_loss_is_labels_only_or_distilled(tiny_model_dir):
 
 def test_a_qat_checkpoint_resumes_only_for_the_same_trajectory(tmp_path):
     """`qat_checkpoints` resumes for the same settings, model structure and code, and starts fresh, saying why,
-    when the model about to train has other parameters (a checkpoint of another graph would not load) or the
-    builder's own module changed."""
+    when the model about to train has other parameters (a checkpoint of another graph would not load), the
+    attention kernel QAT's own Trainer runs (from `quantize.qat_precision`, not the finetune's `train.precision`)
+    differs, or the builder's own module changed."""
     import torch
 
     from pipeline.core.params import TrainParams
     from pipeline.training.qat import qat_checkpoints
 
-    train = TrainParams(checkpoint_dir=str(tmp_path / "ckpt"))
+    train = TrainParams(checkpoint_dir=str(tmp_path / "ckpt"), precision="32-true")
     builder = tmp_path / "builder.py"
     builder.write_text("# v1\n")
     settings = {"qat_lr": 1e-5, "reviews": "abc"}
 
-    def plan(model: torch.nn.Module, **changed):
-        store, p = qat_checkpoints(train, "qat-x", {**settings, **changed}, model, [], code=[builder])
+    def plan(model: torch.nn.Module, precision: str = "32-true", **changed):
+        store, p = qat_checkpoints(train, "qat-x", {**settings, **changed}, model, [], code=[builder],
+                                   quantize=QuantizeParams(qat_precision=precision))
         (store.dir / "periodic").mkdir(parents=True, exist_ok=True)
         torch.save({}, store.dir / "periodic" / "step=5.ckpt")  # as a periodic checkpoint of that run would be
         return p
@@ -133,6 +135,9 @@ def test_a_qat_checkpoint_resumes_only_for_the_same_trajectory(tmp_path):
     reason = plan(torch.nn.Linear(4, 3)).reason
     assert "structure" in reason and len(reason) < 300, reason
     assert "qat_lr" in plan(torch.nn.Linear(4, 3), qat_lr=2e-5).reason
+    # bf16 QAT on the CPU trains with eager attention, 32-true with the model's own: another trajectory
+    assert "attention" in plan(torch.nn.Linear(4, 3), "bf16-mixed", qat_lr=2e-5).reason
+    assert plan(torch.nn.Linear(4, 3), "bf16-mixed", qat_lr=2e-5).step == 5
     builder.write_text("# v2\n")
     assert "training code changed" in plan(torch.nn.Linear(4, 3), qat_lr=2e-5).reason
 
