@@ -204,10 +204,12 @@ def test_the_torchrun_launcher_stage_is_done_when_its_group_finished(tmp_path, t
     assert [(e["stage"], e["outcome"]) for e in logged] == [("finetune", outcome)]
 
 
-def test_a_stopped_torchrun_launcher_passes_sigterm_to_its_agent_instead_of_killing_it(tmp_path):
-    """SIGTERM to the stage process that waits for torchrun: the agent gets SIGTERM (it passes it on to its workers,
-    which checkpoint and stop) and the launcher waits for it, then exits 143. `subprocess.run` would SIGKILL the
-    agent and leave its workers, in sessions of their own, training. A stand-in agent records the signal."""
+@pytest.mark.parametrize(("stop", "status"), [("SIGTERM", 143), ("SIGUSR1", 138)])
+def test_a_stopped_torchrun_launcher_passes_sigterm_to_its_agent_instead_of_killing_it(tmp_path, stop, status):
+    """SIGTERM, or SIGUSR1 (a scheduler's preemption notice), to the stage process that waits for torchrun: the
+    agent gets SIGTERM (it passes it on to its workers, which checkpoint and stop) and the launcher waits for it,
+    then exits 128 + the signal. `subprocess.run` would SIGKILL the agent, and SIGUSR1's default action end the
+    launcher alone, leaving the workers, in sessions of their own, training. A stand-in agent records the signal."""
     import signal
     import subprocess
     import sys
@@ -240,9 +242,9 @@ def test_a_stopped_torchrun_launcher_passes_sigterm_to_its_agent_instead_of_kill
                             env={**os.environ, "PIPELINE_STAGE_LOG": str(tmp_path / "stages.jsonl")})
     try:
         assert wait_for_file(started, proc, 120)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(getattr(signal, stop))
         proc.wait(timeout=60)
     finally:
         proc.kill()
-    assert proc.returncode == 143
+    assert proc.returncode == status
     assert stopped.read_text() == "SIGTERM"  # written before the launcher exited: it waited for the agent

@@ -122,6 +122,13 @@ def test_torchrun_command_states_the_elastic_group():
     assert {"--nnodes=1:2", "--nproc-per-node=4", "--max-restarts=5", "--rdzv-backend=c10d",
             "--rdzv-endpoint=node-a:29400", "--rdzv-id=job7"} <= set(cmd)
     assert cmd[-2:] == ["-m", "stages.finetune"]
+    # the pinned torchrun reads the stop settings: SIGUSR1 passed on to the workers, their time to checkpoint
+    from torch.distributed.run import get_args_parser
+
+    from pipeline.training.elastic import WORKER_STOP_S
+
+    args = get_args_parser().parse_args(cmd[3:])
+    assert "SIGUSR1" in args.signals_to_handle.split(",") and args.shutdown_timeout == WORKER_STOP_S
     fixed = torchrun_command(TrainParams(devices=2), ["x"])
     assert "--nnodes=1" in fixed
     with pytest.raises(Exception, match="min_nodes"):
