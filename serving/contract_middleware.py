@@ -154,9 +154,8 @@ class ContractMiddleware:
         if self._in_flight >= self.max_in_flight:  # refused before its body is read
             return await self._overloaded(send, rid)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        waiting = waits_for_continue(scope)
         try:
-            parsed = await self._parsed(headers, receive, waiting)
+            parsed = await self._parsed(headers, receive, waiting := waits_for_continue(scope))
         except RequestError as err:
             # a 408's body, and a 413's that the client waits to be invited to send, are not read
             close = err.status == 408 or (err.status == 413 and waiting)

@@ -96,9 +96,10 @@ def test_benchmark_report_and_package(repo):
     # the miniature model reads every position (model.head: mean): no readout row, so the chain starts at ONNX
     readout = bench["fp32-eager-readout"]
     assert readout["status"] == "skipped" and "reads more than" in readout["reason"]
-    # the decomposition needs two measured steps: the mean head has no readout row and the default builds no
-    # student, so only ONNX -> INT8 is left and the section is not shown (tests/e2e/test_opt_in.py has it)
-    assert "## Where the speed-up comes from" not in report
+    # without a readout row the decomposition goes from eager to the ONNX graph in one step, then to INT8 (the
+    # default builds no student: tests/e2e/test_opt_in.py has that step)
+    assert "## Where the speed-up comes from" in report and "| [CLS] readout" not in report
+    assert "| runtime (ONNX Runtime graph vs PyTorch eager) | fp32-eager | fp32-onnx |" in report
     manifest = json.loads((repo / "metrics" / "package.json").read_text())
     assert manifest["variant"] in variants and (repo / "model_store" / "sentiment.mar").stat().st_size > 1e6
     assert manifest["model"].startswith("imdb-sentiment:v1/")
