@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import lightning as L
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from pipeline.core.errors import UserError
 from pipeline.core.io import replaced_on_success, write_json
 from pipeline.data.batching import LoaderPosition
 from pipeline.training.elastic import is_rank_zero
@@ -53,6 +54,10 @@ class ResumePlan:
     def record(self) -> dict[str, Any]:
         """For `metrics/*.json` and MLflow: whether it resumed, from which step, and why (not)."""
         return {"resumed": self.resumed, "resumed_from_step": self.step, "resume_reason": self.reason}
+
+
+class CheckpointStoreError(UserError):
+    """A job's checkpoint directory could not be put in the state its plan needs."""
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -94,9 +99,12 @@ class CheckpointStore:
         candidates = [*self.dir.glob("periodic/*.ckpt"), *self.dir.glob("preempt-*.ckpt")] if self.dir.is_dir() else []
         for p in candidates:
             m = _STEP.search(p.name)
-            if m and zipfile.is_zipfile(p):
-                found.append((int(m.group(1)), p))
-        return sorted(found, key=lambda sp: (sp[0], sp[1].stat().st_mtime), reverse=True)
+            try:  # a file rank 0 removes meanwhile (its fresh start's `clear`) is no resume point
+                if m and zipfile.is_zipfile(p):
+                    found.append((int(m.group(1)), p.stat().st_mtime, p))
+            except FileNotFoundError:
+                continue
+        return [(step, p) for step, _, p in sorted(found, key=lambda f: (f[0], f[1]), reverse=True)]
 
     def plan(self, current: Fingerprint, resume: bool = True) -> ResumePlan:
         """Resume from the newest intact checkpoint if the saved fingerprint equals `current`; otherwise clear the
@@ -132,9 +140,14 @@ class CheckpointStore:
             write_json(self.dir / self.RUN, {"mlflow_run_id": run_id})
 
     def clear(self) -> None:
-        """Remove the job's checkpoints (rank 0): called when the job has finished and on a fresh start."""
+        """Remove the job's checkpoints (rank 0): called when the job has finished and on a fresh start. A
+        checkpoint that could not be removed is an error: the fresh start's fingerprint, written next, would
+        vouch for a checkpoint of the other trajectory."""
         if self.writer and self.dir.exists():
             shutil.rmtree(self.dir, ignore_errors=True)
+            if left := self.checkpoints():
+                raise CheckpointStoreError(f"{self.job}: could not remove {left[0][1]} (and {len(left) - 1} more); "
+                                           f"remove {self.dir} and run again")
 
     def callbacks(self, position: LoaderPosition | None = None) -> list[L.Callback]:
         """Periodic checkpoints (if `every_n_steps`) and the resume/signal handling, for a Trainer's callbacks."""

@@ -37,7 +37,6 @@ import lightning as L
 import numpy as np
 import torch
 
-from pipeline.core.io import synced
 from pipeline.data.batching import LoaderPosition
 
 log = logging.getLogger(__name__)
@@ -251,9 +250,7 @@ class PeriodicCheckpoint(L.Callback):
         # the full state a resume needs (optimizer, loops, callbacks); every rank takes part, rank 0 writes
         trainer.save_checkpoint(path, weights_only=False)
         if trainer.is_global_zero:
-            # the new checkpoint on disk before the one it replaces is deleted, whatever the machine does next
-            synced(path)
-            synced(self.directory)
+            # deleted only now that the new one is on disk (`AtomicCheckpointIO` syncs it and its folder)
             for older in self.directory.glob("step=*.ckpt"):
                 if older != path:
                     older.unlink(missing_ok=True)

@@ -228,3 +228,38 @@ def test_a_preempted_training_run_ends_killed_and_a_failed_one_failed(tmp_path, 
         ids.append(run.run_id)
     statuses = [context.client().get_run(i).info.status for i in ids]
     assert statuses == ["KILLED", "FAILED", "FAILED", "KILLED", "FINISHED"]
+
+
+def test_a_checkpoint_removed_while_another_rank_scans_is_no_resume_point(tmp_path, monkeypatch):
+    """Rank 0's fresh start clears the store while another rank lists it: a file gone between its check and its
+    timestamp is skipped instead of failing that rank (a restart used up)."""
+    store = CheckpointStore(tmp_path / "ck", "finetune", writer=True)
+    gone = _ckpt(store.dir / "periodic" / "step=10.ckpt", 10)
+    kept = _ckpt(store.dir / "preempt-step=5.ckpt", 5)
+    real = zipfile.is_zipfile
+
+    def removed_meanwhile(path):
+        answer = real(path)
+        if Path(path) == gone:
+            gone.unlink()
+        return answer
+
+    monkeypatch.setattr(zipfile, "is_zipfile", removed_meanwhile)
+    assert store.checkpoints() == [(5, kept)]
+
+
+def test_a_checkpoint_that_survives_clearing_is_an_error_not_vouched_for(tmp_path, monkeypatch):
+    """`clear` before a fresh start: were a checkpoint left (a removal that failed silently), the new fingerprint
+    written next would make a later run resume the other trajectory's checkpoint."""
+    import shutil
+
+    from pipeline.training.checkpoints import CheckpointStoreError
+
+    store = CheckpointStore(tmp_path / "ck", "finetune", writer=True)
+    _ckpt(store.dir / "periodic" / "step=10.ckpt", 10)
+    monkeypatch.setattr(shutil, "rmtree", lambda path, ignore_errors=False: None)
+    with pytest.raises(CheckpointStoreError, match="could not remove"):
+        store.clear()
+    monkeypatch.undo()
+    store.clear()
+    assert not store.dir.exists()
