@@ -9,7 +9,7 @@ import urllib.parse
 from collections.abc import MutableMapping
 from typing import Any
 
-from pipeline.deployment.media_types import OWS
+from pipeline.deployment.media_types import HEADER_VALUE_TRIM, OWS
 from pipeline.deployment.protocol import RequestError
 
 Scope = MutableMapping[str, Any]
@@ -45,9 +45,10 @@ def read_origin_form(scope: Scope) -> None:
 
 def expectations(scope: Scope) -> set[str]:
     """Every expectation of every `Expect` line, lower-cased (h11 invites the body when any of them is
-    100-continue); empty list elements are none (RFC 9110 5.6.1), and only space and tab surround one."""
+    100-continue); empty list elements are none (RFC 9110 5.6.1), and only space and tab surround one (the
+    value's ends trimmed as TorchServe's HTTP layer trims them, `HEADER_VALUE_TRIM`)."""
     return {e.strip(OWS).lower() for k, v in scope.get("headers", []) if k.lower() == b"expect"
-            for e in v.decode("latin-1").split(",")} - {""}
+            for e in v.decode("latin-1").strip(HEADER_VALUE_TRIM).split(",")} - {""}
 
 
 def waits_for_continue(scope: Scope) -> bool:

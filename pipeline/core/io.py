@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import shutil
@@ -39,12 +40,17 @@ def _pid_alive(pid: int) -> bool:
 
 
 def remove_dead_writers_files(path: Path) -> None:
-    """Remove the temporary files of `path` (`.<name>.<pid>.tmp`) whose writer is no longer running: a process
-    killed mid-write leaves one, which nothing trusts but a folder upload (MLflow artifacts) would carry along."""
-    for tmp in path.parent.glob(f".{path.name}.*.tmp"):
-        pid = tmp.name[len(path.name) + 2 : -len(".tmp")]
-        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
-            tmp.unlink(missing_ok=True)
+    """Remove the temporary files of `path` (`.<name>.<pid>.tmp`) whose writer is no longer running on this host:
+    a process killed mid-write leaves one, which nothing trusts but a folder upload (MLflow artifacts) would carry
+    along. Best effort: a name that is no such file, or a folder that cannot be listed, never fails the write."""
+    try:
+        for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+            pid = tmp.name[len(path.name) + 2 : -len(".tmp")]
+            if pid.isascii() and pid.isdigit() and len(pid) <= 10 and int(pid) != os.getpid() \
+                    and not _pid_alive(int(pid)):
+                tmp.unlink(missing_ok=True)
+    except (OSError, OverflowError):
+        pass
 
 
 @contextlib.contextmanager
@@ -113,7 +119,8 @@ def directory_replaced_on_success(final_dir: Path, complete_when: str) -> Iterat
         if not (work / complete_when).is_file():
             raise IncompleteDirectory(f"the build of {final_dir} wrote no {complete_when}")
         for part in sorted(work.rglob("*"), reverse=True):  # files before the folders that list them
-            synced(part)
+            if part.is_file() or part.is_dir():  # not a FIFO or socket, which an open would wait on
+                synced(part)
         synced(work)
         if os.path.lexists(final_dir):
             os.replace(final_dir, old)

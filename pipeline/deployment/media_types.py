@@ -21,6 +21,10 @@ NAMED_CODINGS = frozenset({"gzip", "x-gzip", "deflate", "br", "zstd", "compress"
 #: Optional whitespace around header list elements and parameters: space and tab only (RFC 9110 5.6.3). Not
 #: `str.strip()`'s Unicode whitespace: `application/json\xa0` is no media type, and would otherwise read as JSON.
 OWS = " \t"
+#: What TorchServe's HTTP layer (Netty) trims off both ends of a header value before its handler sees it: Java's
+#: `Character.isWhitespace` over one byte, i.e. space, tab, LF, VT, FF, CR and the separators 0x1C-0x1F (not NBSP
+#: or NEL). Trimmed here too, so the MLflow server (h11 trims only space and tab) answers the same value alike.
+HEADER_VALUE_TRIM = " \t\n\x0b\x0c\r\x1c\x1d\x1e\x1f"
 #: `type/subtype+json` in tokens (RFC 9110 5.6.2's tchar, lower-cased), the subtype's name before `+json` not empty.
 _JSON_SUFFIX_TYPE = re.compile(r"[!#$%&'*+\-.^_`|~0-9a-z]+/[!#$%&'*+\-.^_`|~0-9a-z]+\+json")
 
@@ -28,7 +32,8 @@ _JSON_SUFFIX_TYPE = re.compile(r"[!#$%&'*+\-.^_`|~0-9a-z]+/[!#$%&'*+\-.^_`|~0-9a
 def media_type(content_type: str | None) -> tuple[str, dict[str, str]]:
     """`(type, parameters)` of a Content-Type header, lower-cased; `("", {})` when absent or blank, and `("", ...)`
     when only parameters were sent."""
-    if not content_type or not content_type.strip(OWS):
+    content_type = (content_type or "").strip(HEADER_VALUE_TRIM)
+    if not content_type:
         return "", {}
     media, *params = content_type.split(";")
     parsed = {}
@@ -42,7 +47,12 @@ def media_type(content_type: str | None) -> tuple[str, dict[str, str]]:
 def is_json_media_type(content_type: str | None) -> bool:
     """`application/json` or a `type/name+json` suffix type (RFC 6839), parameters (charset) ignored; a bare
     `+json`, `application/+json` or a type without its `/` is not one."""
-    media, _ = media_type(content_type)
+    return _is_json(media_type(content_type)[0])
+
+
+def _is_json(media: str) -> bool:
+    """A parsed media type (`media_type`'s first part) is JSON: not parsed again, so what surrounds the type inside
+    the header stays part of it."""
     return media in JSON_MEDIA_TYPES or _JSON_SUFFIX_TYPE.fullmatch(media) is not None
 
 
@@ -52,7 +62,7 @@ def body_kind(content_type: str | None, shapes: frozenset[str]) -> str:
     accepted = ["application/json"] + (["text/plain"] if "plain" in shapes else []) + \
         (["text/csv"] if "csv" in shapes else [])
     if not media:
-        said = "no Content-Type header" if not params and not (content_type or "").strip() else \
+        said = "no Content-Type header" if not params and not (content_type or "").strip(HEADER_VALUE_TRIM) else \
             "a Content-Type with no media type"
         raise RequestError(415, f"{said}; send one of {', '.join(accepted)}")
     if media == "application/x-www-form-urlencoded" or media.startswith("multipart/"):
@@ -69,7 +79,7 @@ def body_kind(content_type: str | None, shapes: frozenset[str]) -> str:
     if params.get("header", "present") != "present":
         raise RequestError(415, f"text/csv with header={params['header']} is not accepted: the body needs a "
                                 f"header row, \"{TEXT_COLUMN}\"")
-    if is_json_media_type(media):
+    if _is_json(media):
         return "json"
     if media == "text/plain" and "plain" in shapes:
         return "plain"
@@ -85,7 +95,8 @@ def check_content_encoding(content_encoding: str | None) -> None:
     decompresses, and a compressed body read as text would be refused for the wrong reason (not UTF-8), or a plain
     one labelled compressed scored as though the label were not there (RFC 9110 8.4.1: 415 for a coding the server
     does not take)."""
-    codings = [c.strip(OWS).lower() for c in (content_encoding or "").split(",") if c.strip(OWS)]
+    value = (content_encoding or "").strip(HEADER_VALUE_TRIM)
+    codings = [c.strip(OWS).lower() for c in value.split(",") if c.strip(OWS)]
     if any(c != "identity" for c in codings):
         shown = " and ".join(sorted({c for c in codings if c in NAMED_CODINGS})) or "this Content-Encoding"
         raise RequestError(415, f"a compressed body ({shown}) is not accepted: send it uncompressed, without a "

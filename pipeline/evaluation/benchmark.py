@@ -36,9 +36,11 @@ log = logging.getLogger(__name__)
 
 
 def run_benchmark(*, finetuned: Path, variant_dirs: dict[str, Path], tokenized: Path, params: BenchmarkParams,
-                  bf16: Choice, accuracy: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+                  bf16: Choice, accuracy: dict[str, dict[str, Any]] | None = None,
+                  built: dict[str, Path] | None = None) -> dict[str, Any]:
     """Measure every candidate; skipped variants stay in the table with their reason. `bf16`: how the caller
-    resolved `benchmark.bf16_row` (whether the FP32 model is also timed under bf16 autocast)."""
+    resolved `benchmark.bf16_row` (whether the FP32 model is also timed under bf16 autocast); `built`: every built
+    variant, where `variant_dirs` is a choice of them (whether any has the readout decides the readout row)."""
     from tqdm.auto import tqdm
 
     from pipeline.data.tokens import read_tokenized
@@ -54,7 +56,7 @@ def run_benchmark(*, finetuned: Path, variant_dirs: dict[str, Path], tokenized: 
     lat_inputs = latency_inputs(seqs, params.seq_len, params.latency_reviews, pad)
     tp_batches = throughput_batches(seqs, params.batch_size, params.throughput_batches, pad)
     log.info("benchmark.bf16_row: %s", bf16.tag())
-    cands = candidates(finetuned, variant_dirs, bf16.value)
+    cands = candidates(finetuned, variant_dirs, bf16.value, built)
     from pipeline.runtimes.readout import ReadoutError
 
     runners: dict[str, Runner] = {}
@@ -141,10 +143,9 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [v for v in wanted if v not in dirs and v not in (REFERENCE, *TIMING_ROWS)]
     if unknown:
         raise SystemExit(f"unknown or unbuilt variant(s) {unknown}; built: {sorted(dirs)}")
-    if wanted:
-        dirs = {k: v for k, v in dirs.items() if k in wanted}
-    result = run_benchmark(finetuned=args.finetuned, variant_dirs=dirs, tokenized=args.tokenized, params=params,
-                           bf16=resolve_auto(all_params).bf16_row)
+    chosen = {k: v for k, v in dirs.items() if k in wanted} if wanted else dirs
+    result = run_benchmark(finetuned=args.finetuned, variant_dirs=chosen, tokenized=args.tokenized, params=params,
+                           bf16=resolve_auto(all_params).bf16_row, built=dirs)
     write_json(args.out, result)
     print(markdown_table(result["variants"], params.batch_size))
 

@@ -107,24 +107,27 @@ class Candidate:
     weight_format: str | None = None  # an INT8 variant's weight format (`quantize.weight_format`), from its record
 
 
-def candidates(finetuned: Path, variant_dirs: dict[str, Path], include_bf16: bool) -> list[Candidate]:
+def candidates(finetuned: Path, variant_dirs: dict[str, Path], include_bf16: bool,
+               built: dict[str, Path] | None = None) -> list[Candidate]:
     """FP32 eager first (the reference), the bf16-autocast row, the eager [CLS]-readout row (the readout's own
-    share of the exported variants' speed-up: skipped, with its reason, where no variant computes the [CLS]
-    position only, as with `export.cls_readout: false`), then every variant (skipped ones kept)."""
-    variants, why_not = [], []  # why_not: the built variants' reasons for having no readout, as they recorded them
+    share of the exported variants' speed-up: skipped, with its reason, where no variant `built` (default: those
+    in `variant_dirs`; a caller timing a few passes every built one) computes the [CLS] position only, as with
+    `export.cls_readout: false`), then every variant in `variant_dirs` (skipped ones kept)."""
+    variants = []
     for name, d in variant_dirs.items():
         info = read_variant(d)
         variants.append(Candidate(name, d, {}, info.status, info.reason, bool(info.params.get("cls_readout", False)),
                                   info.params.get("weight_format")))
-        if info.status == "ok" and info.params.get("cls_readout_reason"):
-            why_not.append(str(info.params["cls_readout_reason"]))
     out = [Candidate(REFERENCE, finetuned, {})]
     if include_bf16:
         out.append(Candidate(BF16_ROW, finetuned, {"autocast": "bf16"}))
     readout = Candidate(READOUT_ROW, finetuned, {"cls_readout": True}, cls_readout=True)
-    if not any(v.status == "ok" and v.cls_readout for v in variants):
+    records = [info for info in map(read_variant, (built or variant_dirs).values()) if info.status == "ok"]
+    if not any(info.params.get("cls_readout", False) for info in records):
+        # the built variants' own reason for having no readout, as they recorded it
+        why_not = next((str(i.params["cls_readout_reason"]) for i in records if i.params.get("cls_readout_reason")), "")
         readout.status = "skipped"
-        readout.reason = "no built variant computes the [CLS] position only" + (f": {why_not[0]}" if why_not else "")
+        readout.reason = "no built variant computes the [CLS] position only" + (f": {why_not}" if why_not else "")
     return [*out, readout, *variants]
 
 

@@ -295,7 +295,7 @@ def test_json_media_types():
         assert not is_json_media_type(not_json), not_json
 
 
-@pytest.mark.parametrize("space", ["\xa0", "\x85", "\u3000", "\x1c", "\u2028"])
+@pytest.mark.parametrize("space", ["\xa0", "\x85", "\u3000", "\u2028"])
 def test_only_space_and_tab_surround_a_media_type(space):
     """Around a Content-Type's parts only space and tab are whitespace (RFC 9110's OWS): Unicode spaces, which
     `str.strip()` would take off, leave a type that is not JSON (415), whether after the type or a parameter."""
@@ -304,6 +304,18 @@ def test_only_space_and_tab_surround_a_media_type(space):
         with pytest.raises(RequestError) as err:
             parse_request(b'{"text": "a"}', LIMITS, content_type)
         assert err.value.status == 415, (content_type, err.value.message)
+
+
+@pytest.mark.parametrize("trimmed", ["\x0b\x0c\r", "\x1c", "\x1d\x1e\x1f"])
+def test_a_header_values_ends_are_trimmed_as_torchserves_http_layer_trims_them(trimmed):
+    """TorchServe's Netty trims Java's whitespace (with 0x1C-0x1F) off both ends of a header value before its
+    handler reads it: the shared parser trims the same, so the MLflow server (h11 trims only space and tab) takes
+    `application/json<0x1C>` as TorchServe does, while the same byte inside the value is refused by both."""
+    assert parse_request(b'{"inputs": ["a"]}', LIMITS, f"{trimmed}application/json{trimmed}",
+                         MLFLOW_SHAPES).texts == ["a"]
+    with pytest.raises(RequestError) as err:
+        parse_request(b'{"inputs": ["a"]}', LIMITS, f"application/json{trimmed}; charset=utf-8", MLFLOW_SHAPES)
+    assert err.value.status == 415
 
 
 json_values = st.recursive(

@@ -70,6 +70,15 @@ def test_a_live_writers_temporary_file_is_left_alone(tmp_path):
     assert not theirs.exists()
 
 
+@pytest.mark.parametrize("stray", [".a.json.99999999999999999999.tmp", ".a.json.\u00b2.tmp", ".a.json.x.tmp"])
+def test_a_stray_file_named_like_a_temporary_one_never_fails_the_write(tmp_path, stray):
+    """A name that only looks like a killed writer's (an over-long or non-ASCII "pid") is left alone, and the
+    file is written as ever."""
+    (tmp_path / stray).write_text("")
+    write_json(tmp_path / "a.json", {"x": 1})
+    assert read_json(tmp_path / "a.json") == {"x": 1} and (tmp_path / stray).exists()
+
+
 def test_a_replaced_file_and_its_folder_are_synced_before_and_after_the_rename(tmp_path, monkeypatch):
     """The new file's data reaches the disk before the rename and the folder's entry after it, so a machine crash
     cannot leave the name on an empty file; a swapped directory syncs every file in it and its parent."""

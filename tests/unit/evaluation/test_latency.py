@@ -260,7 +260,7 @@ def test_the_readout_row_is_timed_only_where_a_built_variant_has_the_readout(bui
     them computing the [CLS] position only (`export.cls_readout: false`, or nothing built) it is skipped, saying
     why, instead of timing a model nothing serves."""
     from pipeline.evaluation.latency import candidates
-    from pipeline.runtimes.catalog import READOUT_ROW
+    from pipeline.runtimes.catalog import READOUT_ROW, REFERENCE
     from pipeline.runtimes.record import read_variant
 
     onnx_dir = built["dirs"]["fp32-onnx"]
@@ -269,3 +269,6 @@ def test_the_readout_row_is_timed_only_where_a_built_variant_has_the_readout(bui
     assert rows[READOUT_ROW].status == "ok" and rows[READOUT_ROW].options == {"cls_readout": True}
     alone = {c.name: c for c in candidates(tiny_model_dir, {}, include_bf16=False)}
     assert alone[READOUT_ROW].status == "skipped" and "computes the [CLS] position only" in alone[READOUT_ROW].reason
+    # timing a few variants (`python -m pipeline.evaluation.benchmark --variants ...`): every built one decides
+    chosen = {c.name: c for c in candidates(tiny_model_dir, {}, include_bf16=False, built={"fp32-onnx": onnx_dir})}
+    assert chosen[READOUT_ROW].status == "ok" and set(chosen) == {REFERENCE, READOUT_ROW}
