@@ -8,6 +8,7 @@ import glob
 import json
 import os
 import shutil
+import socket
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -39,15 +40,23 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def writer_tag() -> str:
+    """This process as a temporary file names its writer: `<pid>@<host>`, so a folder shared between machines
+    (a checkpoint directory on network storage) tells one host's writers from another's."""
+    return f"{os.getpid()}@{socket.gethostname()}"
+
+
 def remove_dead_writers_files(path: Path) -> None:
-    """Remove the temporary files of `path` (`.<name>.<pid>.tmp`) whose writer is no longer running on this host:
-    a process killed mid-write leaves one, which nothing trusts but a folder upload (MLflow artifacts) would carry
-    along. Best effort: a name that is no such file, or a folder that cannot be listed, never fails the write."""
+    """Remove the temporary files of `path` (`.<name>.<pid>@<host>.tmp`) whose writer, a process of this host, is
+    no longer running: a process killed mid-write leaves one, which nothing trusts but a folder upload (MLflow
+    artifacts) would carry along. Another host's, and any name that is no such file, are left alone; a folder that
+    cannot be listed never fails the write."""
+    host = socket.gethostname()
     try:
-        for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
-            pid = tmp.name[len(path.name) + 2 : -len(".tmp")]
-            if pid.isascii() and pid.isdigit() and len(pid) <= 10 and int(pid) != os.getpid() \
-                    and not _pid_alive(int(pid)):
+        for tmp in path.parent.glob(f".{glob.escape(path.name)}.*@*.tmp"):
+            pid, _, writer_host = tmp.name[len(path.name) + 2 : -len(".tmp")].partition("@")
+            if writer_host == host and pid.isascii() and pid.isdigit() and len(pid) <= 10 \
+                    and int(pid) != os.getpid() and not _pid_alive(int(pid)):
                 tmp.unlink(missing_ok=True)
     except (OSError, OverflowError):
         pass
@@ -61,7 +70,7 @@ def replaced_on_success(path: Path) -> Iterator[Path]:
     (or the machine) dies. Temporary files of killed writers of `path` are removed first."""
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_dead_writers_files(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{writer_tag()}.tmp")
     try:
         yield tmp
         if tmp.is_file():
