@@ -55,8 +55,6 @@ async def read_body(headers: dict[str, str], receive: Receive, limit: int, timeo
             return b"".join(chunks)
 
 
-
-
 async def discard_body(headers: dict[str, str], receive: Receive) -> None:
     """Read and drop the rest of a refused body before the 413 goes out, when it is at most `DISCARD_BODY_BYTES`:
     uvicorn closes a connection whose body was left unread, and a client still writing then gets a connection

@@ -113,16 +113,17 @@ def candidates(finetuned: Path, variant_dirs: dict[str, Path], include_bf16: boo
     share of the exported variants' speed-up: skipped, with its reason, where no variant `built` (default: those
     in `variant_dirs`; a caller timing a few passes every built one) computes the [CLS] position only, as with
     `export.cls_readout: false`), then every variant in `variant_dirs` (skipped ones kept)."""
-    variants = []
-    for name, d in variant_dirs.items():
-        info = read_variant(d)
-        variants.append(Candidate(name, d, {}, info.status, info.reason, bool(info.params.get("cls_readout", False)),
-                                  info.params.get("weight_format")))
+    infos = {name: read_variant(d) for name, d in variant_dirs.items()}
+    variants = [Candidate(name, d, {}, infos[name].status, infos[name].reason,
+                          bool(infos[name].params.get("cls_readout", False)), infos[name].params.get("weight_format"))
+                for name, d in variant_dirs.items()]
     out = [Candidate(REFERENCE, finetuned, {})]
     if include_bf16:
         out.append(Candidate(BF16_ROW, finetuned, {"autocast": "bf16"}))
     readout = Candidate(READOUT_ROW, finetuned, {"cls_readout": True}, cls_readout=True)
-    records = [info for info in map(read_variant, (built or variant_dirs).values()) if info.status == "ok"]
+    # the records already read where `built` is the same set (the benchmark stage): each read once
+    built_infos = infos.values() if built is None else [infos.get(n) or read_variant(d) for n, d in built.items()]
+    records = [info for info in built_infos if info.status == "ok"]
     if not any(info.params.get("cls_readout", False) for info in records):
         # the built variants' own reason for having no readout, as they recorded it
         why_not = next((str(i.params["cls_readout_reason"]) for i in records if i.params.get("cls_readout_reason")), "")
