@@ -4,14 +4,17 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
+import hashlib
 import json
 import os
 import shutil
-import socket
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+from pipeline.core import process_identity
 
 
 def synced(path: Path) -> None:
@@ -30,36 +33,44 @@ def synced(path: Path) -> None:
         os.close(fd)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
+@functools.cache
+def _writers_context() -> str:
+    """Where this process's ids mean something, as a short digest fit for a file name: its host, boot, machine and
+    pid namespace (`process_identity.current()` without the process's own id and start time)."""
+    here = process_identity.current()
+    context = {k: v for k, v in here.items() if k not in (process_identity.PID_TAG, process_identity.STARTED_TAG)}
+    return hashlib.sha256(json.dumps(context, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def writer_tag() -> str:
-    """This process as a temporary file names its writer: `<pid>@<host>`, so a folder shared between machines
-    (a checkpoint directory on network storage) tells one host's writers from another's."""
-    return f"{os.getpid()}@{socket.gethostname()}"
+    """This process as a temporary file names its writer: `<pid>@<context>` (`_writers_context`), so a folder
+    shared between machines or containers (a checkpoint directory on network storage) tells whose process ids
+    its temporary files carry."""
+    return f"{os.getpid()}@{_writers_context()}"
 
 
 def remove_dead_writers_files(path: Path) -> None:
-    """Remove the temporary files of `path` (`.<name>.<pid>@<host>.tmp`) whose writer, a process of this host, is
-    no longer running: a process killed mid-write leaves one, which nothing trusts but a folder upload (MLflow
-    artifacts) would carry along. Another host's, and any name that is no such file, are left alone; a folder that
-    cannot be listed never fails the write."""
-    host = socket.gethostname()
+    """Remove the temporary files of `path` (`.<name>.<writer_tag>.tmp`) whose writer has certainly ended
+    (`process_identity.has_ended`: the same host, boot and pid namespace as this process, and no process with that
+    id): a process killed mid-write leaves one, which nothing trusts but a folder upload (MLflow artifacts) would
+    carry along. Another context's, and any name that is no such file, are left alone; a file or folder that
+    cannot be read never fails the write."""
+    context, here = _writers_context(), None
     try:
-        for tmp in path.parent.glob(f".{glob.escape(path.name)}.*@*.tmp"):
-            pid, _, writer_host = tmp.name[len(path.name) + 2 : -len(".tmp")].partition("@")
-            if writer_host == host and pid.isascii() and pid.isdigit() and len(pid) <= 10 \
-                    and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+        strays = list(path.parent.glob(f".{glob.escape(path.name)}.*@*.tmp"))
+    except OSError:
+        return
+    for tmp in strays:
+        pid, _, writer = tmp.name[len(path.name) + 2 : -len(".tmp")].partition("@")
+        if writer != context or not (pid.isascii() and pid.isdigit()) or int(pid) == os.getpid():
+            continue
+        here = here or process_identity.current()
+        tags = {k: v for k, v in here.items() if k != process_identity.STARTED_TAG} | {process_identity.PID_TAG: pid}
+        try:
+            if process_identity.has_ended(tags, here):
                 tmp.unlink(missing_ok=True)
-    except (OSError, OverflowError):
-        pass
+        except (OSError, OverflowError):  # an id too large to signal: no process of this system
+            continue
 
 
 @contextlib.contextmanager

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -60,7 +59,7 @@ def test_a_live_writers_temporary_file_is_left_alone(tmp_path):
     path = tmp_path / "a.json"
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        theirs = tmp_path / f".a.json.{live.pid}@{socket.gethostname()}.tmp"
+        theirs = tmp_path / f".a.json.{live.pid}@{io.writer_tag().split('@')[1]}.tmp"
         theirs.write_text("{")
         write_json(path, {"x": 1})
         assert theirs.exists() and read_json(path) == {"x": 1}
@@ -71,11 +70,11 @@ def test_a_live_writers_temporary_file_is_left_alone(tmp_path):
     assert not theirs.exists()
 
 
-@pytest.mark.parametrize("stray", ["99999999999999999999@{host}", "\u00b2@{host}", "x@{host}", "1@another-host", "1"])
+@pytest.mark.parametrize("stray", ["99999999999999999999@{here}", "\u00b2@{here}", "x@{here}", "1@0123456789ab", "1"])
 def test_a_stray_file_named_like_a_temporary_one_never_fails_the_write(tmp_path, stray):
-    """A name that only looks like a killed writer's (an over-long or non-ASCII "pid"), and another host's
-    writer's (whose process this host cannot see), are left alone, and the file is written as ever."""
-    stray = f".a.json.{stray.format(host=socket.gethostname())}.tmp"
+    """A name that only looks like a killed writer's (an over-long or non-ASCII "pid"), and a writer's of another
+    host, boot or container (whose process ids mean nothing here), are left alone, and the file is written."""
+    stray = f".a.json.{stray.format(here=io.writer_tag().split('@')[1])}.tmp"
     (tmp_path / stray).write_text("")
     write_json(tmp_path / "a.json", {"x": 1})
     assert read_json(tmp_path / "a.json") == {"x": 1} and (tmp_path / stray).exists()
@@ -88,7 +87,7 @@ def test_a_replaced_file_and_its_folder_are_synced_before_and_after_the_rename(t
     monkeypatch.setattr(io, "synced", lambda p: synced.append(p))
     path = tmp_path / "m.json"
     write_json(path, {"x": 1})
-    assert [p.name for p in synced] == [f".m.json.{os.getpid()}@{socket.gethostname()}.tmp", tmp_path.name]
+    assert [p.name for p in synced] == [f".m.json.{io.writer_tag()}.tmp", tmp_path.name]
     synced.clear()
     final = tmp_path / "model"
     with io.directory_replaced_on_success(final, "record.json") as work:
