@@ -41,16 +41,17 @@ KINDS = ("fp32", "int8", "int8-gemm-only")
 
 
 def quantized_weight(w: np.ndarray, weight_format: str) -> tuple[np.ndarray, np.float32, np.ndarray]:
-    """`w` per tensor on the `weight_format`'s symmetric grid: int8 +-127 (`s8`), +-64 (`s7`), or uint8 about
-    zero point 128 (`u8`); returns (weight, scale, zero point), weight and zero point in the weight's type."""
-    if weight_format == "u8":
-        scale = np.float32(np.abs(w).max() / 127.5)
-        return np.clip(np.round(w / scale) + 128, 0, 255).astype(np.uint8), scale, np.array(128, np.uint8)
-    if weight_format in ("s8", "s7"):
-        qmax = 64 if weight_format == "s7" else 127
-        scale = np.float32(np.abs(w).max() / qmax)
-        return np.clip(np.round(w / scale), -qmax, qmax).astype(np.int8), scale, np.array(0, np.int8)
-    raise ValueError(f"unknown INT8 weight format {weight_format!r}")
+    """`w` per tensor as onnxruntime quantizes weights in a `weight_format` (`quantize_data`, symmetric, with the
+    pipeline's `weight_options`): int8 +-127 (`s8`), +-64 (`s7`), or uint8 about zero point 128 (`u8`); returns
+    (weight, scale, zero point), weight and zero point in the weight's type."""
+    from onnxruntime.quantization.quant_utils import quantize_data
+
+    from pipeline.variants.onnx_int8 import weight_options
+
+    options = weight_options(weight_format)
+    zero, scale, quantized = quantize_data(w.ravel(), options["weight_type"].tensor_type, True,
+                                           reduce_range=options["reduce_range"])
+    return quantized.reshape(w.shape), np.float32(scale), np.asarray(zero)
 
 
 def single_node_model(kind: str, k: int, n: int, weight_format: str = "s8", seed: int = 0) -> bytes:
