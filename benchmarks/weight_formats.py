@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.core.io import read_json, write_json
-from pipeline.core.machine import INT8_DOT_FLAGS, WEIGHT_FORMATS, Choice, cpu_flags, machine_info, resolve_weight_format
+from pipeline.core.machine import WEIGHT_FORMATS, Choice, cpu_flags, machine_info, resolve_weight_format
 from pipeline.core.params import Params, load_params
 from pipeline.evaluation.latency import latency_inputs, measure, speedup, throughput_batches
 from pipeline.runtimes.catalog import REFERENCE
@@ -79,8 +79,8 @@ def saturation_note(formats: list[str], flags: frozenset[str] | None = None) -> 
     """What the table must say about `s8` where this CPU's kernels saturate it (no VNNI/AMX): decided from the
     CPU's own flags (`flags`: this CPU's unless given), not from flags the `auto` decisions rehearse
     (`PIPELINE_CPU_FLAGS`), since the timed kernels run on this CPU."""
-    flags = cpu_flags() if flags is None else flags
-    if "s8" in formats and not any(f in flags for f in INT8_DOT_FLAGS):
+    exact_s8 = resolve_weight_format("auto", cpu_flags() if flags is None else flags).value == "s8"
+    if "s8" in formats and not exact_s8:
         return "s8 saturates without VNNI/AMX: timed as a speed reference only"
     return ""
 
