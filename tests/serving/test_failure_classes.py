@@ -418,23 +418,26 @@ def test_an_answer_the_client_does_not_read_holds_no_scoring_slot(served):
     assert json.loads(body)["predictions"][0]["label"] == "positive"
 
 
-class EndlessUpload:
-    """The client's side of a body that never ends (1,000-byte pieces), as `call`'s `receive`: `reads` counts what
-    the app read of it."""
+class Upload:
+    """The client's side of a body sent at once in 64 KiB messages, as `call`'s `receive`: `size` bytes, or with no
+    `size` one that never ends; `reads` counts what the app read of it, `pieces` how many messages it takes."""
 
-    def __init__(self) -> None:
-        self.reads = 0
+    PIECE = 64 * 1024
+
+    def __init__(self, size: int | None = None) -> None:
+        self.pieces, self.reads = (None if size is None else -(-size // self.PIECE)), 0
 
     async def __call__(self) -> dict[str, Any]:
         self.reads += 1
-        return {"type": "http.request", "body": b"x" * 1000, "more_body": True}
+        more = self.pieces is None or self.reads < self.pieces
+        return {"type": "http.request", "body": b"x" * self.PIECE, "more_body": more}
 
 
 def test_an_oversized_body_the_client_waits_to_be_invited_to_send_is_refused_unread(served):
     """`Expect: 100-continue` with a declared length over the limit: a 413 that closes the connection, and the body
     is never read (uvicorn answers "100 Continue" on the first read, which would ask for the whole upload)."""
     app = middleware(served)
-    upload = EndlessUpload()
+    upload = Upload()
     status, headers, body = asyncio.run(call(app, b"", {"Content-Length": "5000000", "Expect": "100-continue"},
                                              receive=upload))
     assert status == 413 and headers["connection"] == "close" and upload.reads == 0
@@ -450,26 +453,12 @@ def test_any_expectation_but_100_continue_is_a_417_before_the_body_however_it_is
     "100 Continue" when any of them is 100-continue) and its body read when the other came last: every expectation
     counts, and one this server cannot meet is a 417 with nothing read."""
     app = middleware(served)
-    upload = EndlessUpload()
+    upload = Upload()
     status, headers, _ = asyncio.run(call(app, b"", [("Content-Length", "5000000"), *expect], receive=upload))
     assert (status, headers["connection"], upload.reads) == (417, "close", 0)
     for empty in ("", " , ", "100-continue,"):  # empty list elements are no expectation (RFC 9110 5.6.1)
         status, _, _ = asyncio.run(call(app, json.dumps({"inputs": ["fine"]}).encode(), {"Expect": empty}))
         assert status == 200, empty
-
-
-class FiniteUpload:
-    """The client's side of a `size`-byte body sent at once in 64 KiB messages, as `call`'s `receive`: `reads`
-    counts what the app read of it, `pieces` how many messages it takes."""
-
-    PIECE = 64 * 1024
-
-    def __init__(self, size: int) -> None:
-        self.pieces, self.reads = -(-size // self.PIECE), 0
-
-    async def __call__(self) -> dict[str, Any]:
-        self.reads += 1
-        return {"type": "http.request", "body": b"x" * self.PIECE, "more_body": self.reads < self.pieces}
 
 
 def test_an_http_1_0_clients_expectation_is_ignored_so_its_refused_body_is_read_and_dropped(served):
@@ -479,14 +468,14 @@ def test_an_http_1_0_clients_expectation_is_ignored_so_its_refused_body_is_read_
     app = middleware(served)
     size = app.limits.max_body_bytes + 1
     request = {"Content-Length": str(size), "Expect": "100-continue"}
-    upload = FiniteUpload(size)
+    upload = Upload(size)
     status, headers, answer = asyncio.run(call(app, b"", request, receive=upload, http_version="1.0"))
     assert (status, upload.reads, "connection" in headers) == (413, upload.pieces, False), answer
-    upload = FiniteUpload(size)
+    upload = Upload(size)
     status, headers, _ = asyncio.run(call(app, b"", request, receive=upload))
     assert (status, upload.reads, headers["connection"]) == (413, 0, "close")
     # the expectation read as the 417 reads it: every list element of every Expect line
-    upload = FiniteUpload(size)
+    upload = Upload(size)
     status, _, _ = asyncio.run(call(app, b"", [("Content-Length", str(size)), ("Expect", "100-continue,")],
                                     receive=upload))
     assert (status, upload.reads) == (413, 0)
@@ -498,7 +487,7 @@ def test_only_space_and_tab_surround_an_expectation_or_a_coding_or_a_media_type(
     whitespace: `Expect: 100-continue<NBSP>` is no 100-continue (h11 does not invite the body for it), a 417 with
     nothing read; `identity<NBSP>` is no coding the server takes and `application/json<NBSP>` no JSON: 415s."""
     app = middleware(served)
-    upload = EndlessUpload()
+    upload = Upload()
     status, _, _ = asyncio.run(call(app, b"", [("Content-Length", "5000"), ("Expect", b"100-continue" + space)],
                                     receive=upload))
     assert (status, upload.reads) == (417, 0)
