@@ -123,20 +123,30 @@ def mean_pool_classes() -> tuple[type, type]:
     return _MEAN_POOL
 
 
-# Where each architecture's config keeps the dropout on attention probabilities.
+# Where each architecture's config keeps the dropout on attention probabilities, and the dropout on hidden states
+# (embeddings, each sublayer's output and the classifier head: BERT's `classifier_dropout` is null and follows
+# `hidden_dropout_prob`; DistilBERT names them `dropout` and `seq_classif_dropout`).
 ATTENTION_DROPOUT_KEYS = ("attention_probs_dropout_prob", "attention_dropout")
+HIDDEN_DROPOUT_KEYS = ("hidden_dropout_prob", "dropout", "seq_classif_dropout")
 
 
-def _with_attention_dropout(config: Any, attention_dropout: float | None) -> Any:
-    if attention_dropout is None:
+def _with_dropout(config: Any, value: float | None, keys: tuple[str, ...], setting: str) -> Any:
+    """`config` with every one of `keys` it has set to `value` (None keeps the checkpoint's); `setting` names the
+    param in the error for a config that has none of them."""
+    if value is None:
         return config
-    keys = [k for k in ATTENTION_DROPOUT_KEYS if hasattr(config, k)]
-    if not keys:
-        raise ModelSourceError(f"train.attention_dropout: {config.model_type!r} config has none of "
-                               f"{ATTENTION_DROPOUT_KEYS}; leave it null for this model")
-    for key in keys:
-        setattr(config, key, attention_dropout)
+    present = [k for k in keys if hasattr(config, k)]
+    if not present:
+        raise ModelSourceError(f"{setting}: {config.model_type!r} config has none of {keys}; leave it null for "
+                               "this model")
+    for key in present:
+        setattr(config, key, value)
     return config
+
+
+def _with_dropouts(config: Any, attention_dropout: float | None, hidden_dropout: float | None) -> Any:
+    config = _with_dropout(config, attention_dropout, ATTENTION_DROPOUT_KEYS, "train.attention_dropout")
+    return _with_dropout(config, hidden_dropout, HIDDEN_DROPOUT_KEYS, "train.hidden_dropout")
 
 
 def _with_depth(config: Any, layers: int | None, name: str) -> Any:
@@ -152,10 +162,12 @@ def _with_depth(config: Any, layers: int | None, name: str) -> Any:
     return config
 
 
-def load_model(params: ModelParams, seed: int = 0, attention_dropout: float | None = None) -> Any:
+def load_model(params: ModelParams, seed: int = 0, attention_dropout: float | None = None,
+               hidden_dropout: float | None = None) -> Any:
     """A sequence-classification model with a fresh 2-way head (per `params.head`) and our label map.
 
-    `attention_dropout` (None = the checkpoint's) is set in the config before the layers are built.
+    `attention_dropout` and `hidden_dropout` (None = the checkpoint's) are set in the config before the layers are
+    built.
     """
     import torch
     from transformers import AutoConfig, AutoModelForSequenceClassification
@@ -163,7 +175,7 @@ def load_model(params: ModelParams, seed: int = 0, attention_dropout: float | No
 
     torch.manual_seed(seed)
     if params.source == "tiny":
-        config = _with_attention_dropout(tiny_bert_config(head=params.head), attention_dropout)
+        config = _with_dropouts(tiny_bert_config(head=params.head), attention_dropout, hidden_dropout)
         config = _with_depth(config, params.layers, "tiny")
         return AutoModelForSequenceClassification.from_config(config)
     name = resolve_name_or_path(params)
@@ -172,7 +184,7 @@ def load_model(params: ModelParams, seed: int = 0, attention_dropout: float | No
     try:
         base = AutoConfig.from_pretrained(name, num_labels=2, id2label=ID2LABEL, label2id=LABEL2ID)
         base = _with_depth(base, params.layers, name)
-        base = _with_attention_dropout(base, attention_dropout)
+        base = _with_dropouts(base, attention_dropout, hidden_dropout)
         if params.head == "cls":
             return AutoModelForSequenceClassification.from_pretrained(name, config=base)
         config_class, model_class = mean_pool_classes()

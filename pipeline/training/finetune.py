@@ -97,7 +97,8 @@ def finetune(tokenized_dir: Path, outputs: FinetuneOutputs, all_params: Params, 
     store = checkpoint_store(params)
     seed_run(params)  # before the classifier head is initialised
     tokenizer = load_tokenizer(model_params)
-    model = load_model(model_params, seed=params.seed, attention_dropout=params.attention_dropout)
+    model = load_model(model_params, seed=params.seed, attention_dropout=params.attention_dropout,
+                       hidden_dropout=params.hidden_dropout)
     module = SentimentClassifier(model, OptimisationRecipe.of(params))
     shorten = window_shortener(params.max_length, data.max_length, data.truncation, data.head_fraction,
                                tokenizer.cls_token_id, tokenizer.sep_token_id)

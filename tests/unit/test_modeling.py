@@ -59,6 +59,16 @@ def test_attention_dropout_override_reaches_the_layers():
     assert default.config.attention_probs_dropout_prob == 0.1
 
 
+def test_hidden_dropout_override_reaches_every_hidden_state_dropout():
+    model = load_model(ModelParams(source="tiny"), seed=0, attention_dropout=0.0, hidden_dropout=0.0)
+    attention = {id(m.dropout) for m in model.modules() if type(m).__name__ == "BertSelfAttention"}
+    hidden = [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout) and id(m) not in attention]
+    assert hidden and set(hidden) == {0.0} and model.config.hidden_dropout_prob == 0.0
+    default = load_model(ModelParams(source="tiny"), seed=0)
+    assert default.config.hidden_dropout_prob == 0.1
+    assert {m.p for m in default.modules() if isinstance(m, torch.nn.Dropout)} == {0.1}
+
+
 def test_attention_dropout_is_validated():
     from pipeline.core.params import ParamsError, TrainParams, section
 

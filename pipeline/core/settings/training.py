@@ -91,6 +91,9 @@ class TrainParams:
     attention_dropout: Annotated[float, Field(ge=0, lt=1)] | None = 0.0
     """null keeps the checkpoint's value. 0 lets PyTorch's fused scaled-dot-product attention kernel run in
     training: dropout on attention probabilities forces the unfused path that materialises them."""
+    hidden_dropout: Annotated[float, Field(ge=0, lt=1)] | None = None
+    """Dropout on hidden states (embeddings, every sublayer's output, the classifier head); null keeps the
+    checkpoint's value."""
     max_length: Tokens | None = 128
     """Training window in tokens (null = data.max_length, never above it). Shorter trains on head+tail windows of
     the tokenized reviews (cheaper per sample) while validation, test and every exported variant use
