@@ -14,6 +14,7 @@ from pipeline.core.machine import Choice, machine_info, resolved_threads
 from pipeline.core.params import BenchmarkParams, Params, to_dict
 from pipeline.evaluation.charts import latency_chart, pareto_chart, plot_rows
 from pipeline.evaluation.latency import (
+    Apart,
     Candidate,
     candidates,
     latency_inputs,
@@ -24,7 +25,7 @@ from pipeline.evaluation.latency import (
 )
 from pipeline.evaluation.report import markdown_table, pair_lines, speedup_sources, target_lines, write_report
 from pipeline.runtimes.base import Runner
-from pipeline.runtimes.catalog import REFERENCE, TIMING_ROWS, directories
+from pipeline.runtimes.catalog import REFERENCE, TIMING_ROWS, directories, spec
 from pipeline.runtimes.record import VARIANT_FILE
 from pipeline.runtimes.registry import load_runner
 from pipeline.selection import SPEED_PAIRS, PairVerdict, qat_verdicts, static_verdicts
@@ -68,7 +69,12 @@ def run_benchmark(*, finetuned: Path, variant_dirs: dict[str, Path], tokenized: 
                 c.status, c.reason = "skipped", str(exc)
     total = params.rounds * len(runners)
     with tqdm(total=total, desc="benchmark", unit="run") as bar:
-        timings = measure(runners, lat_inputs, tp_batches, params, progress=lambda _: bar.update(1))
+        timings = measure(runners, lat_inputs, tp_batches, params, progress=lambda _: bar.update(1),
+                          apart=apart_rows(list(runners), params.apart_after))
+    for name, t in timings.items():
+        if t["rounds"] < params.rounds:
+            log.info("%s: timed in %d of %d rounds, then left out: clearly slower than every servable INT8 variant",
+                     name, t["rounds"], params.rounds)
     ok = [c for c in cands if c.status == "ok"]
     rss = peak_rss_of_each({c.name: (c.directory, c.options) for c in ok}, tp_batches[0], threads) \
         if params.memory else {}
@@ -77,10 +83,21 @@ def run_benchmark(*, finetuned: Path, variant_dirs: dict[str, Path], tokenized: 
             # every batch-1 sample by round, so each speed-up interval can be recomputed (`latency.speedup`)
             "latency_rounds_ms": {name: t["latency_rounds_ms"] for name, t in timings.items()},
             "settings": {"seq_len": params.seq_len, "batch_size": params.batch_size, "rounds": params.rounds,
+                         "apart_after": params.apart_after,
                          "iterations": params.iterations, "warmup": params.warmup, "bf16_row": bf16.value,
                          "latency_samples": timings[REFERENCE]["latency_samples"],  # as `measure` took them
                          "latency_inputs": len(lat_inputs),
                          "bf16_row_choice": bf16.tag()}}
+
+
+def apart_rows(names: list[str], after_rounds: int | None) -> Apart | None:
+    """Which timed rows may stop early (`latency.Apart`): those the package stage never serves, against the
+    servable INT8 variants it chooses among; FP32 eager runs every round. None where `benchmark.apart_after` is
+    null."""
+    if after_rounds is None:
+        return None
+    int8 = frozenset(n for n in names if n not in (REFERENCE, *TIMING_ROWS) and spec(n).cpu_int8)
+    return Apart(rows=frozenset(names) - int8 - {REFERENCE}, against=int8, after_rounds=after_rounds)
 
 
 def result_rows(cands: list[Candidate], timings: dict[str, dict[str, Any]], rss: dict[str, float],

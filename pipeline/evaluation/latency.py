@@ -81,17 +81,45 @@ class Speedup:
 
 def speedup(reference: Mapping[str, Any], timed: Mapping[str, Any], level: float = SPEEDUP_LEVEL) -> Speedup:
     """The speed-up of `timed` over `reference`, two rows of `measure`'s timings (`p50_ms_b1`, `latency_rounds_ms`):
-    the one place that ratio and its interval are computed."""
-    ratio = reference["p50_ms_b1"] / timed["p50_ms_b1"]
+    the one place that ratio and its interval are computed. A row that `measure` stopped early (`Apart`) is paired
+    with the reference's rounds it was timed in, the first ones: the ratio too is over those rounds."""
     if timed is reference:
-        return Speedup(ratio, ratio, ratio)
-    low, high = speedup_interval(reference["latency_rounds_ms"], timed["latency_rounds_ms"], level)
-    return Speedup(ratio, low, high)
+        return Speedup(1.0, 1.0, 1.0)
+    ref_rounds, rounds = reference["latency_rounds_ms"], timed["latency_rounds_ms"]
+    if len(rounds) < len(ref_rounds):
+        ref_rounds = ref_rounds[: len(rounds)]
+        ref_p50 = float(np.median(np.concatenate([np.asarray(r, dtype=np.float64) for r in ref_rounds])))
+    else:
+        ref_p50 = reference["p50_ms_b1"]
+    low, high = speedup_interval(ref_rounds, rounds, level)
+    return Speedup(ref_p50 / timed["p50_ms_b1"], low, high)
 
 
 def alternating_schedule(names: Sequence[str], rounds: int) -> list[str]:
     """A B C A B C ...: every round visits every variant once, so drift hits all alike."""
     return [name for _ in range(rounds) for name in names]
+
+
+@dataclass(frozen=True)
+class Apart:
+    """Which rows `measure` may stop timing early: after `after_rounds` rounds, each of `rows` whose fastest round
+    (its p50 in that round) is slower than the slowest round of every row in `against` is clearly apart from them
+    and is not visited again. The benchmark stage passes the rows the package stage never serves (FP32 exports,
+    the timing rows) against the INT8 variants it chooses among; FP32 eager, every speed-up's reference, is in
+    neither and runs every round."""
+
+    rows: frozenset[str]
+    against: frozenset[str]
+    after_rounds: int
+
+    def settled(self, rounds_ms: Mapping[str, list[list[float]]]) -> set[str]:
+        """The rows of `rows` clearly slower than all of `against`, from the rounds timed so far."""
+        contenders = [rounds_ms[n] for n in self.against if rounds_ms.get(n)]
+        if not contenders:
+            return set()
+        slowest = max(float(np.median(r)) for rounds in contenders for r in rounds)
+        return {n for n in self.rows if len(rounds_ms.get(n, [])) >= self.after_rounds
+                and min(float(np.median(r)) for r in rounds_ms[n]) > slowest}
 
 
 @dataclass
@@ -160,14 +188,15 @@ def throughput_batches(seqs: Sequence[np.ndarray], batch: int, n_batches: int,
 
 def measure(runners: dict[str, Runner], lat_inputs: list[tuple[np.ndarray, ...]],
             tp_batches: list[tuple[np.ndarray, ...]], params: BenchmarkParams,
-            progress: Callable[[str], None] | None = None) -> dict[str, dict[str, Any]]:
+            progress: Callable[[str], None] | None = None, apart: Apart | None = None) -> dict[str, dict[str, Any]]:
     """Warm up each runner, then alternate rounds of batch-1 latency and batch-N throughput.
 
     Every round starts with `params.settle_s` seconds idle and `params.warmup` untimed calls: right after another
     variant ran, its runtime's threads go on spinning for a while and the caches hold its weights, so the first
     calls are slower than the steady state, and with few timed calls per round they would be a sizeable share of
     the samples, inflating p95 and nudging p50.
-    Each row keeps its latency samples by round (`latency_rounds_ms`) for `speedup_interval`."""
+    Each row keeps its latency samples by round (`latency_rounds_ms`) for `speedup_interval`; with `apart`, a row
+    clearly slower than those it is compared with stops after that many rounds (`rounds` says how many it ran)."""
     names = list(runners)
     for name in names:
         for i in range(params.warmup):
@@ -176,7 +205,14 @@ def measure(runners: dict[str, Runner], lat_inputs: list[tuple[np.ndarray, ...]]
     lat: dict[str, list[list[float]]] = {n: [] for n in names}  # one list of samples per round
     tp: dict[str, list[float]] = {n: [] for n in names}
     per_round = max(1, params.iterations // params.rounds)
+    stopped: set[str] = set()
     for r, name in enumerate(alternating_schedule(names, params.rounds)):
+        if r % len(names) == 0 and apart is not None:  # a round starts: leave out the rows already clearly apart
+            stopped |= apart.settled(lat)
+        if name in stopped:
+            if progress:
+                progress(name)
+            continue
         run = runners[name]
         lat[name].append([])
         first = (r // len(names)) * per_round  # by round: every variant is timed on the same reviews in a round
@@ -205,7 +241,8 @@ def measure(runners: dict[str, Runner], lat_inputs: list[tuple[np.ndarray, ...]]
         # files, stored results and MLflow history that read it, and every label shows the batch size itself.
         out[name] = {"p50_ms_b1": pct["p50"], "p95_ms_b1": pct["p95"], "p99_ms_b1": pct["p99"],
                      "throughput_b32": float(np.median(tp[name])),
-                     "latency_samples": sum(len(samples) for samples in lat[name]), "latency_rounds_ms": lat[name]}
+                     "latency_samples": sum(len(samples) for samples in lat[name]), "rounds": len(lat[name]),
+                     "latency_rounds_ms": lat[name]}
     return out
 
 

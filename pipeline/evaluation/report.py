@@ -126,6 +126,7 @@ class Report:
     bf16_row: str | None
     weight_formats: list[str]
     notes: Notes
+    fewer_rounds: list[str]  # "name (rounds, samples)" of each row left out early (`latency.Apart`)
 
 
 def speedup_sources(variants: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -223,7 +224,10 @@ def report_data(result: dict[str, Any], chart: Path, targets: TargetsParams, par
                   speedup=speedup_chain(variants), targets=target_verdicts(variants, targets),
                   qat=qat_verdicts(variants, targets), static=static_verdicts(variants, targets),
                   machine=machine_of(machine), bf16_row=settings.get("bf16_row_choice"), weight_formats=formats,
-                  notes=notes)
+                  notes=notes, fewer_rounds=[f"{n} ({e['rounds']} rounds, {e['latency_samples']} samples)"
+                                             for n, e in variants.items()
+                                             if e.get("status") == "ok" and e.get("rounds", settings["rounds"])
+                                             < settings["rounds"]])
 
 
 def number(value: float | None, spec: str) -> str:

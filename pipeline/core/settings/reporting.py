@@ -60,6 +60,10 @@ class BenchmarkParams:
     """latency samples per variant, spread over the rounds (at least one per round)"""
     rounds: int = Field(5, ge=1)
     """A B C ... A B C: drift hits every variant alike"""
+    apart_after: int | None = Field(3, ge=1)
+    """rounds after which a row the package stage never serves (the FP32 exports, the timing rows) is not timed
+    again once clearly slower than every servable INT8 variant (its fastest round's p50 above their slowest);
+    FP32 eager, the reference, runs every round; null: every row runs every round"""
     latency_reviews: int = Field(100, ge=1)
     throughput_batches: int = Field(1, ge=1)
     """batches per round, median over the rounds"""

@@ -7,6 +7,7 @@ import pytest
 
 from pipeline.core.params import BenchmarkParams
 from pipeline.evaluation.latency import (
+    Apart,
     Speedup,
     alternating_schedule,
     latency_inputs,
@@ -62,6 +63,63 @@ def test_measure_alternates_and_counts():
         assert out[name]["latency_samples"] == 6
         assert out[name]["p50_ms_b1"] >= 0 and out[name]["throughput_b32"] > 0
         assert [len(r) for r in out[name]["latency_rounds_ms"]] == [2, 2, 2]  # by round, for the interval
+
+
+class Paced(Recorder):
+    """A fake runner whose calls take `ms` (a clock it advances, not real time): which rows are apart is decided
+    by their timings."""
+
+    def __init__(self, name: str, log: list, ms: float, clock: list) -> None:
+        super().__init__(name, log)
+        self.ms, self.clock = ms, clock
+
+    def __call__(self, ids, mask):
+        self.clock[0] += self.ms / 1e3
+        return super().__call__(ids, mask)
+
+
+def _paced(monkeypatch, speeds: dict[str, float]) -> tuple[dict, list]:
+    import pipeline.evaluation.latency as latency
+
+    clock, calls = [0.0], []
+    monkeypatch.setattr(latency.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(latency.time, "sleep", lambda s: None)
+    return {n: Paced(n, calls, ms, clock) for n, ms in speeds.items()}, calls
+
+
+def test_a_row_clearly_slower_than_every_contender_stops_after_its_rounds(monkeypatch):
+    """`Apart`: after two rounds the slow FP32 row (every round slower than every INT8 row's slowest) is not
+    visited again; the reference and the INT8 rows run every round, and a row whose rounds overlap theirs too."""
+    runners, calls = _paced(monkeypatch, {"ref": 40.0, "slow": 20.0, "close": 6.0, "int8-a": 5.0, "int8-b": 7.0})
+    lat = [(np.zeros((1, 8), np.int64), np.ones((1, 8), np.int64))] * 4
+    tp = [(np.zeros((4, 8), np.int64), np.ones((4, 8), np.int64))]
+    ticks: list = []
+    apart = Apart(rows=frozenset({"slow", "close"}), against=frozenset({"int8-a", "int8-b"}), after_rounds=2)
+    out = measure(runners, lat, tp, BenchmarkParams(warmup=1, iterations=8, rounds=4), progress=ticks.append,
+                  apart=apart)
+    assert {n: out[n]["rounds"] for n in out} == {"ref": 4, "slow": 2, "close": 4, "int8-a": 4, "int8-b": 4}
+    assert out["slow"]["latency_samples"] == 4 and len(out["slow"]["latency_rounds_ms"]) == 2
+    timed = [name for name, size in calls[2 * len(runners):] if size == 1]  # after the first warm-up
+    assert timed.count("slow") == 2 * (1 + 2) and timed.count("ref") == 4 * (1 + 2)  # warm-up + timed, per round
+    assert len(ticks) == 4 * len(runners)  # the progress bar still ends at rounds x rows
+    assert measure(runners, lat, tp, BenchmarkParams(warmup=1, iterations=8, rounds=4))["slow"]["rounds"] == 4
+
+
+def test_nothing_stops_without_a_contender_or_before_its_rounds():
+    rounds = {"slow": [[20.0, 21.0]], "fast": [[5.0]]}
+    assert Apart(frozenset({"slow"}), frozenset({"fast"}), after_rounds=2).settled(rounds) == set()
+    assert Apart(frozenset({"slow"}), frozenset({"fast"}), after_rounds=1).settled(rounds) == {"slow"}
+    assert Apart(frozenset({"slow"}), frozenset({"none-timed"}), after_rounds=1).settled(rounds) == set()
+    # one round of the slow row as fast as the contenders' slowest: not clearly apart
+    assert Apart(frozenset({"slow"}), frozenset({"fast"}), after_rounds=1).settled(
+        {"slow": [[20.0], [6.0]], "fast": [[5.0], [6.0]]}) == set()
+
+
+def test_a_row_timed_in_fewer_rounds_pairs_with_the_references_first_rounds():
+    ref = {"p50_ms_b1": 30.0, "latency_rounds_ms": [[10.0, 10.0], [20.0, 20.0], [90.0, 90.0]]}
+    short = {"p50_ms_b1": 7.5, "latency_rounds_ms": [[5.0, 5.0], [10.0, 10.0]]}
+    gain = speedup(ref, short)
+    assert gain.p50 == pytest.approx(15.0 / 7.5) and gain.low == pytest.approx(2.0) and gain.high == pytest.approx(2.0)
 
 
 def test_each_round_of_a_variant_waits_settle_s_before_its_warm_up(monkeypatch):
@@ -272,3 +330,15 @@ def test_the_readout_row_is_timed_only_where_a_built_variant_has_the_readout(bui
     # timing a few variants (`python -m pipeline.evaluation.benchmark --variants ...`): every built one decides
     chosen = {c.name: c for c in candidates(tiny_model_dir, {}, include_bf16=False, built={"fp32-onnx": onnx_dir})}
     assert chosen[READOUT_ROW].status == "ok" and set(chosen) == {REFERENCE, READOUT_ROW}
+
+
+def test_the_benchmark_lets_only_rows_it_never_serves_stop_early():
+    from pipeline.evaluation.benchmark import apart_rows
+
+    names = ["fp32-eager", "fp32-eager-bf16", "fp32-eager-readout", "fp32-torchscript", "fp32-onnx", "int8-dynamic",
+             "int8-qat-openvino", "fp32-distilled", "int8-distilled"]
+    apart = apart_rows(names, 3)
+    assert apart.after_rounds == 3
+    assert apart.against == {"int8-dynamic", "int8-qat-openvino", "int8-distilled"}
+    assert apart.rows == {"fp32-eager-bf16", "fp32-eager-readout", "fp32-torchscript", "fp32-onnx", "fp32-distilled"}
+    assert apart_rows(names, None) is None

@@ -359,3 +359,17 @@ def test_a_number_that_rounds_to_zero_is_never_signed_negative():
     assert number(-0.004, "+.2f") == "+0.00" and number(-0.0, ".2f") == "0.00"
     assert number(-0.01, "+.2f") == "-0.01" and number(-10.0, ".1f") == "-10.0"
     assert number(float("-inf"), ".2f") == "-inf" and number(None, ".2f") == "–"
+
+
+def test_rows_left_out_early_are_named_with_their_rounds(tmp_path):
+    variants = {"fp32-eager": {**_row(10.0), "rounds": 2, "latency_samples": 10},
+                "fp32-onnx": {**_row(6.0), "rounds": 1, "latency_samples": 5},
+                "int8-dynamic": {**_row(3.0), "rounds": 2, "latency_samples": 10}}
+    result = _result(variants)
+    result["settings"]["apart_after"] = 1
+    path = tmp_path / "variants.md"
+    write_report(result, tmp_path / "latency.png", path, TargetsParams())
+    assert report_data(result, tmp_path / "l.png", TargetsParams()).fewer_rounds == ["fp32-onnx (1 rounds, 5 samples)"]
+    assert "Left out after 1 rounds, clearly slower than every servable INT8 variant" in path.read_text()
+    write_report(_result({"fp32-eager": _row(10.0)}), tmp_path / "l.png", tmp_path / "plain.md", TargetsParams())
+    assert "Left out" not in (tmp_path / "plain.md").read_text()
