@@ -207,7 +207,7 @@ def speed_verdicts(rows: Results, targets: TargetsParams) -> list[tuple[str, Spe
     """The latency verdict over every measured servable INT8 variant (scope `all`) and, when pruned or distilled
     ones are among them, over quantization alone (scope `quantization`), so a smaller model's gain is not read
     as an INT8 one. Empty when no INT8 variant was measured."""
-    int8 = {n: e for n, e in rows.items() if _cpu_int8(n) and e["status"] == "ok"}
+    int8 = {n: e for n, e in rows.items() if servable_int8(n) and e["status"] == "ok"}
     if not int8:
         return []
     out = [("all", speed_verdict(rows, int8, targets))]
@@ -217,7 +217,9 @@ def speed_verdicts(rows: Results, targets: TargetsParams) -> list[tuple[str, Spe
     return out
 
 
-def _cpu_int8(name: str) -> bool:
+def servable_int8(name: str) -> bool:
+    """An INT8 variant served on CPU (`VariantSpec.cpu_int8`), what the package stage chooses among; False for a
+    row that is no registered variant."""
     try:
         return spec(name).cpu_int8
     except UnknownVariant:
@@ -244,9 +246,8 @@ def mcnemar_p(only_first_right: int, only_second_right: int) -> float:
 def int8_candidates(variants: Results, targets: TargetsParams) -> dict[str, Mapping[str, Any]]:
     """The servable INT8 variants, built and scored, within the accuracy budget: what `auto` chooses among."""
     ref = variants[REFERENCE]["accuracy"]
-    int8 = {v.name for v in VARIANTS if v.cpu_int8}
     return {n: e for n, e in variants.items()
-            if n in int8 and e.get("status") == "ok" and within_budget(ref, e["accuracy"], targets)}
+            if servable_int8(n) and e.get("status") == "ok" and within_budget(ref, e["accuracy"], targets)}
 
 
 def most_accurate(candidates: Results) -> str | None:

@@ -25,10 +25,10 @@ from pipeline.evaluation.latency import (
 )
 from pipeline.evaluation.report import markdown_table, pair_lines, speedup_sources, target_lines, write_report
 from pipeline.runtimes.base import Runner
-from pipeline.runtimes.catalog import REFERENCE, TIMING_ROWS, directories, spec
+from pipeline.runtimes.catalog import REFERENCE, TIMING_ROWS, directories
 from pipeline.runtimes.record import VARIANT_FILE
 from pipeline.runtimes.registry import load_runner
-from pipeline.selection import SPEED_PAIRS, PairVerdict, qat_verdicts, static_verdicts
+from pipeline.selection import SPEED_PAIRS, PairVerdict, qat_verdicts, servable_int8, static_verdicts
 
 if TYPE_CHECKING:
     from pipeline.core.parent_run import RunContext
@@ -96,7 +96,7 @@ def apart_rows(names: list[str], after_rounds: int | None) -> Apart | None:
     null."""
     if after_rounds is None:
         return None
-    int8 = frozenset(n for n in names if n not in (REFERENCE, *TIMING_ROWS) and spec(n).cpu_int8)
+    int8 = frozenset(filter(servable_int8, names))
     return Apart(rows=frozenset(names) - int8 - {REFERENCE}, against=int8, after_rounds=after_rounds)
 
 

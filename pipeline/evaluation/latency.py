@@ -88,7 +88,7 @@ def speedup(reference: Mapping[str, Any], timed: Mapping[str, Any], level: float
     ref_rounds, rounds = reference["latency_rounds_ms"], timed["latency_rounds_ms"]
     if len(rounds) < len(ref_rounds):
         ref_rounds = ref_rounds[: len(rounds)]
-        ref_p50 = float(np.median(np.concatenate([np.asarray(r, dtype=np.float64) for r in ref_rounds])))
+        ref_p50 = percentiles([x for samples in ref_rounds for x in samples])["p50"]  # as `measure` takes p50
     else:
         ref_p50 = reference["p50_ms_b1"]
     low, high = speedup_interval(ref_rounds, rounds, level)
