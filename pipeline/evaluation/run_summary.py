@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.runtimes.catalog import REFERENCE
+from pipeline.runtimes.catalog import REFERENCE, TIMING_ROWS, VARIANTS
 
 #: dvc.yaml's stages in pipeline order (tests/unit/evaluation/test_run_summary.py checks it against dvc.yaml).
 STAGES = ("prepare", "finetune", "export", "quantize", "prune", "distill", "tensorrt", "evaluate", "benchmark",
@@ -86,14 +86,82 @@ def headline(metrics: Path) -> dict[str, Any]:
     return out
 
 
+@dataclass(frozen=True)
+class VariantRow:
+    """One variant (or timing row) as this run's metrics record it: test accuracy and its difference to FP32 from
+    the evaluate stage (`variants.json`), batch-1 latency and speed-up from the benchmark stage (`benchmark.json`),
+    or why it was not built or timed."""
+
+    name: str
+    status: str  # "ok", or what became of it instead ("skipped", "failed")
+    accuracy: float | None = None
+    delta_pt: float | None = None
+    p50_ms: float | None = None
+    speedup: float | None = None
+    rounds: int | None = None
+    reason: str = ""
+
+
+def variant_rows(metrics: Path) -> list[VariantRow]:
+    """Every variant and timing row either metrics file names, in the catalog's order."""
+    scored, timed = _read(metrics / "variants.json"), _read(metrics / "benchmark.json")
+    rows = []
+    for name in (v.name for v in VARIANTS):
+        acc, bench = scored.get(name, {}), timed.get(name, {})
+        if not acc and not bench:
+            continue
+        ok = [r for r in (acc, bench) if r]
+        failed = next((r for r in ok if r.get("status") != "ok"), None)
+        rows.append(VariantRow(
+            name, failed.get("status", "?") if failed else "ok", acc.get("accuracy"), acc.get("accuracy_delta_pt"),
+            bench.get("p50_ms_b1"), bench.get("speedup_p50_vs_fp32_eager"), bench.get("rounds"),
+            str(failed.get("reason", "")) if failed else ""))
+    return rows
+
+
+def _clause(reason: str) -> str:
+    """A reason's first clause (the metrics and the report keep it whole): `prune.enabled is false`."""
+    for stop in (" (", ";"):
+        reason = reason.split(stop, 1)[0]
+    return reason.strip() or "no reason recorded"
+
+
+def render_variants(rows: list[VariantRow], served: str | None) -> list[str]:
+    """The variants table: the built ones with their figures (the served one, the timing rows and rows timed in
+    fewer rounds than the others marked), then the rest grouped by why they were not built."""
+    if not rows:
+        return []
+    built = [r for r in rows if r.status == "ok"]
+    full = max((r.rounds or 0 for r in built), default=0)
+    lines = [f"{'variant':<24}{'test':>8}{'vs FP32':>9}{'p50 b1':>10}{'speed-up':>10}"]
+    for r in built:
+        short = r.rounds is not None and r.rounds < full
+        notes = [n for n, on in (("served", r.name == served), ("timing only", r.name in TIMING_ROWS),
+                                 (f"timed in {r.rounds} of {full} rounds", short)) if on]
+        lines.append(f"{r.name:<24}"
+                     f"{f'{100 * r.accuracy:.2f} %' if r.accuracy is not None else '-':>8}"
+                     f"{f'{r.delta_pt:+.2f} pt' if r.delta_pt is not None and r.name != REFERENCE else '-':>9}"
+                     f"{f'{r.p50_ms:.1f} ms' if r.p50_ms is not None else '-':>10}"
+                     f"{f'{r.speedup:.2f}x' if r.speedup is not None else '-':>10}"
+                     + (f"  {', '.join(notes)}" if notes else ""))
+    why: dict[str, list[str]] = {}
+    for r in rows:
+        if r.status != "ok":
+            why.setdefault(f"{r.status} ({_clause(r.reason)})", []).append(r.name)
+    lines += [f"{reason}: {', '.join(names)}" for reason, names in why.items()]
+    return [*lines, ""]
+
+
 def _duration(seconds: float) -> str:
     """`45 s` under 90 s, else `12 min 05 s`, rounded to whole seconds before it is split (never `25 min 60 s`)."""
     whole = round(seconds)
     return f"{whole} s" if whole < 90 else f"{whole // 60} min {whole % 60:02d} s"
 
 
-def render(times: list[StageTime], head: dict[str, Any], total_s: float | None) -> str:
-    """The summary as plain text (fixed-width table, then the headline and the next steps)."""
+def render(times: list[StageTime], head: dict[str, Any], total_s: float | None,
+           variants: list[VariantRow] | None = None) -> str:
+    """The summary as plain text (fixed-width tables of the stages and the variants, then the headline and the
+    next steps)."""
     lines = ["", "== sentiment-pipeline: run summary " + "=" * 44,
              f"{'stage':<11} {'time':>12}  status"]
     for t in times:
@@ -101,6 +169,7 @@ def render(times: list[StageTime], head: dict[str, Any], total_s: float | None) 
     if total_s is not None:
         lines.append(f"{'total':<11} {_duration(total_s):>12}  (wall time of make run, venv included)")
     lines.append("")
+    lines += render_variants(variants or [], head.get("served"))
     if "fp32_test_accuracy" in head:
         lines.append(f"FP32 test accuracy   {100 * head['fp32_test_accuracy']:.2f} %")
     if "served" in head:
@@ -129,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
 
     times = stage_times(Path(os.environ.get(STAGE_LOG_ENV, STAGE_LOG)), pipeline_run_id(os.environ))
     total = time.time() - args.started if args.started else None
-    print(render(times, headline(args.metrics), total))
+    print(render(times, headline(args.metrics), total, variant_rows(args.metrics)))
 
 
 if __name__ == "__main__":

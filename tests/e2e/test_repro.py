@@ -105,6 +105,26 @@ def test_benchmark_report_and_package(repo):
     assert manifest["model"].startswith("imdb-sentiment:v1/")
 
 
+def test_the_run_summary_lists_every_variant_from_the_runs_own_metrics(repo):
+    """What `make run` prints after `dvc repro` (issue 43 item 5), read from the files this run wrote: every
+    variant the benchmark timed with its figures, the served one marked, every other one under its reason."""
+    from pipeline.evaluation.run_summary import headline, render, variant_rows
+
+    bench = json.loads((repo / "metrics" / "benchmark.json").read_text())
+    served = json.loads((repo / "metrics" / "package.json").read_text())["variant"]
+    text = render([], headline(repo / "metrics"), None, variant_rows(repo / "metrics"))
+    listed = {line.split()[0]: line for line in text.splitlines() if line.split()}
+    not_built = {name: line.split(" (", 1)[0] for line in text.splitlines() if "): " in line
+                 for name in line.split("): ", 1)[1].split(", ")}
+    for name, entry in bench.items():
+        if entry["status"] == "ok":
+            assert f"{entry['p50_ms_b1']:.1f} ms" in listed[name], name
+            assert f"{entry['speedup_p50_vs_fp32_eager']:.2f}x" in listed[name], name
+        else:
+            assert not_built[name] == entry["status"], name
+    assert listed[served].endswith("served") or "served," in listed[served]
+
+
 def test_second_repro_is_a_noop(repo):
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     proc = subprocess.run([str(Path(sys.executable).parent / "dvc"), "repro"], cwd=repo, env=env,

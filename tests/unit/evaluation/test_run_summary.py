@@ -64,3 +64,51 @@ def test_durations_round_to_whole_seconds_before_minutes_are_counted():
 
     assert [_duration(s) for s in (0.4, 45.6, 89.4, 89.6, 746.2, 1559.7, 1559.4)] == [
         "0 s", "46 s", "89 s", "1 min 30 s", "12 min 26 s", "26 min 00 s", "25 min 59 s"]
+
+
+def test_the_summary_shows_every_variant_this_run_built_and_why_the_rest_were_not(tmp_path):
+    """Issue 43 item 5: the summary lists each variant with the figures its stages measured (catalog order), marks
+    the served one, the timing rows and rows timed in fewer rounds, and groups the rest by why they were not built
+    or timed; a variant the benchmark did not time keeps its accuracy."""
+    from pipeline.evaluation.run_summary import render_variants, variant_rows
+
+    (tmp_path / "variants.json").write_text(json.dumps({
+        "fp32-eager": {"status": "ok", "accuracy": 0.898, "accuracy_delta_pt": 0.0},
+        "int8-static": {"status": "ok", "accuracy": 0.8947, "accuracy_delta_pt": -0.33},
+        "int8-dynamic": {"status": "ok", "accuracy": 0.896, "accuracy_delta_pt": -0.2},
+        "int8-openvino": {"status": "ok", "accuracy": 0.8953, "accuracy_delta_pt": -0.27},
+        "int8-pruned": {"status": "skipped", "reason": "prune.enabled is false"},
+        "fp32-distilled": {"status": "skipped", "reason": "distill.enabled is false (make run PROFILE=full)"},
+        "int8-distilled": {"status": "skipped", "reason": "distill.enabled is false (make run PROFILE=full)"}}))
+    (tmp_path / "benchmark.json").write_text(json.dumps({
+        "fp32-eager": {"status": "ok", "p50_ms_b1": 13.6, "speedup_p50_vs_fp32_eager": 1.0, "rounds": 5},
+        "fp32-eager-bf16": {"status": "ok", "p50_ms_b1": 11.5, "speedup_p50_vs_fp32_eager": 1.22, "rounds": 3},
+        "int8-dynamic": {"status": "ok", "p50_ms_b1": 5.0, "speedup_p50_vs_fp32_eager": 2.71, "rounds": 5},
+        "int8-static": {"status": "ok", "p50_ms_b1": 4.7, "speedup_p50_vs_fp32_eager": 2.9, "rounds": 5},
+        "int8-openvino": {"status": "failed", "reason": "RuntimeError: no CPU plugin; see the log"},
+        "int8-pruned": {"status": "skipped", "reason": "prune.enabled is false"},
+        "tensorrt-int8": {"status": "skipped", "reason": "no CUDA device visible (no NVIDIA driver); needs a GPU"}}))
+    rows = variant_rows(tmp_path)
+    assert [r.name for r in rows] == ["fp32-eager", "fp32-eager-bf16", "int8-dynamic", "int8-static",
+                                      "int8-openvino", "int8-pruned", "fp32-distilled", "int8-distilled",
+                                      "tensorrt-int8"]
+    lines = render_variants(rows, served="int8-static")
+    table = {line.split()[0]: line for line in lines[1:] if line and not line.startswith(("skipped", "failed"))}
+    assert table["int8-static"].split() == ["int8-static", "89.47", "%", "-0.33", "pt", "4.7", "ms", "2.90x",
+                                            "served"]
+    assert table["fp32-eager"].split()[1:5] == ["89.80", "%", "-", "13.6"]  # no difference to itself
+    assert table["fp32-eager-bf16"].endswith("timing only, timed in 3 of 5 rounds")
+    assert "served" not in table["int8-dynamic"] and "rounds" not in table["int8-dynamic"]
+    assert "int8-openvino" not in table  # its benchmark failed: listed with the reason, not with half its figures
+    assert "failed (RuntimeError: no CPU plugin): int8-openvino" in lines
+    assert "skipped (prune.enabled is false): int8-pruned" in lines
+    assert "skipped (distill.enabled is false): fp32-distilled, int8-distilled" in lines
+    assert "skipped (no CUDA device visible): tensorrt-int8" in lines
+    text = render([], headline(tmp_path), None, rows)
+    assert "int8-static" in text and "skipped (prune.enabled is false)" in text
+
+
+def test_a_run_without_variant_metrics_has_no_variants_table(tmp_path):
+    from pipeline.evaluation.run_summary import render_variants, variant_rows
+
+    assert variant_rows(tmp_path) == [] and render_variants([], None) == []
