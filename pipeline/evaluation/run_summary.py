@@ -110,8 +110,8 @@ def variant_rows(metrics: Path) -> list[VariantRow]:
         acc, bench = scored.get(name, {}), timed.get(name, {})
         if not acc and not bench:
             continue
-        ok = [r for r in (acc, bench) if r]
-        failed = next((r for r in ok if r.get("status") != "ok"), None)
+        # the first stage's record that says it was not built, scored or timed, if any
+        failed = next((r for r in (acc, bench) if r and r.get("status") != "ok"), None)
         rows.append(VariantRow(
             name, failed.get("status", "?") if failed else "ok", acc.get("accuracy"), acc.get("accuracy_delta_pt"),
             bench.get("p50_ms_b1"), bench.get("speedup_p50_vs_fp32_eager"), bench.get("rounds"),
