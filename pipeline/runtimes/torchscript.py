@@ -31,6 +31,19 @@ QAT_TRACE_DEPRECATION = (
 
 _LOGGED_REASONS: set[str] = set()  # each reason is logged once per process
 
+#: What transformers says while torch.jit traces one of its models: the tracer reads every attribute of each module
+#: it converts, properties included, and two of them speak. `is_gradient_checkpointing` warns that it is deprecated,
+#: and `loss_function` on a submodule without a loss of its own (`BertModel`) logs that it would use
+#: `ForCausalLMLoss`. Neither is something the pipeline calls (its classifiers train with their own cross-entropy:
+#: `pipeline.training.classifier`), so both are dropped while tracing, and only they.
+TRACER_PROPERTY_WARNING = r"`is_gradient_checkpointing` is deprecated"
+TRACER_PROPERTY_LOG = ("transformers.modeling_utils", "`loss_type=")
+
+
+class _DropTracerPropertyLog(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(TRACER_PROPERTY_LOG[1])
+
 
 @contextlib.contextmanager
 def legacy_torchscript(reason: str = TORCHSCRIPT_DEPRECATION) -> Iterator[None]:
@@ -38,13 +51,20 @@ def legacy_torchscript(reason: str = TORCHSCRIPT_DEPRECATION) -> Iterator[None]:
     TorchScript variant; OpenVINO's tracing of the QAT model, `QAT_TRACE_DEPRECATION`).
 
     torch.jit's own DeprecationWarnings are caught here (and only here; anywhere else the test suite turns them
-    into errors) and the reason is logged once per process."""
+    into errors), so are what transformers says of the properties the tracer reads (`TRACER_PROPERTY_WARNING`,
+    `TRACER_PROPERTY_LOG`), and the reason is logged once per process."""
     if reason not in _LOGGED_REASONS:
         log.info("%s", reason)
         _LOGGED_REASONS.add(reason)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.jit")
-        yield
+    hf_log, dropped = logging.getLogger(TRACER_PROPERTY_LOG[0]), _DropTracerPropertyLog()
+    hf_log.addFilter(dropped)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.jit")
+            warnings.filterwarnings("ignore", message=TRACER_PROPERTY_WARNING, category=FutureWarning)
+            yield
+    finally:
+        hf_log.removeFilter(dropped)
 
 
 class TorchScriptRunner(TorchRunner):

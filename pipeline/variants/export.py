@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,10 +52,14 @@ def device_of(model: torch.nn.Module) -> torch.device:
 
 
 def export_torchscript(model: torch.nn.Module, path: Path, max_length: int) -> None:
-    """Trace the model; shapes stay symbolic so any batch and length up to the max are accepted."""
+    """Trace the model; shapes stay symbolic so any batch and length up to the max are accepted. The tracer's
+    warnings (Python booleans of traced shapes in transformers' masking and attention code) are silenced here: the
+    trace is checked at other batch sizes and lengths instead (`check_dynamic_shapes`), as `to_openvino` checks
+    its own trace."""
     model.eval()
     wrapper = logits_module(model).eval()
-    with torch.inference_mode(False), torch.no_grad(), legacy_torchscript():
+    with torch.inference_mode(False), torch.no_grad(), legacy_torchscript(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
         example = example_inputs(max_length, device=device_of(model))
         traced = torch.jit.trace(wrapper, example, check_trace=False, strict=False)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -90,3 +90,59 @@ def test_a_graph_the_onnx_checker_rejects_is_an_export_error(tmp_path, monkeypat
     monkeypatch.setattr(onnx.checker, "check_model", rejects)
     with pytest.raises(ExportError, match="ONNX export failed: ValidationError: Field 'type'"):
         build.export_onnx(torch.nn.Identity(), tmp_path / "model.onnx", max_length=16, opset=18)
+
+
+def _traced_noise(trace) -> tuple[list[str], list[str]]:
+    """(warnings, transformers.modeling_utils log lines) while `trace` runs, every warning shown."""
+    import logging
+    import warnings
+
+    class Lines(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lines: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(record.getMessage())
+
+    logging.Logger.warning_once.cache_clear()  # transformers says it once per process: say it again
+    handler, hf_log = Lines(), logging.getLogger("transformers.modeling_utils")
+    hf_log.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trace()
+    finally:
+        hf_log.removeHandler(handler)
+    return [f"{w.category.__name__}: {w.message}" for w in caught], handler.lines
+
+
+def test_tracing_says_nothing_of_the_properties_the_tracer_reads(tmp_path):
+    """What transformers says while torch.jit reads every property of a model it traces (`is_gradient_checkpointing`
+    is deprecated; `ForCausalLMLoss` for a submodule without a loss), and the tracer's own warnings about traced
+    shapes, which `check_dynamic_shapes` covers, stay out of the export's output; the same trace made directly
+    says all three, so the check can fail."""
+    import torch
+
+    from pipeline.core.params import ModelParams
+    from pipeline.modeling import load_model
+    from pipeline.runtimes.eager import logits_module
+    from pipeline.variants.export import example_inputs, export_torchscript
+
+    model = load_model(ModelParams(source="tiny"), seed=0).eval()
+
+    def direct() -> None:  # the trace export_torchscript makes, without its filters (torch.jit's own aside)
+        import warnings
+
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.jit")
+        with torch.no_grad():
+            torch.jit.trace(logits_module(model).eval(), example_inputs(32), check_trace=False, strict=False)
+
+    said, logged = _traced_noise(direct)
+    assert any("is_gradient_checkpointing" in w for w in said), said
+    assert any(w.startswith("TracerWarning") for w in said), said
+    assert any("ForCausalLMLoss" in line for line in logged), logged
+    said, logged = _traced_noise(lambda: export_torchscript(model, tmp_path / "model.pt", 32))
+    assert not [w for w in said if "is_gradient_checkpointing" in w or w.startswith("TracerWarning")], said
+    assert not [line for line in logged if "ForCausalLMLoss" in line], logged
+    assert (tmp_path / "model.pt").stat().st_size > 0
