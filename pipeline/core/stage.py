@@ -56,9 +56,21 @@ def setup_logging() -> None:
     for noisy in ("urllib3", "alembic", "httpx", "filelock", "onnx_ir", "onnxscript"):  # per-node rewrite lines
         logging.getLogger(noisy).setLevel(logging.WARNING)
     logging.getLogger("torchao").setLevel(logging.ERROR)  # "skipping its C++ kernels": see the Makefile
+    pytree = logging.getLogger("torch.utils._pytree")
+    if not any(isinstance(f, NoEnumConstantNotice) for f in pytree.filters):
+        pytree.addFilter(NoEnumConstantNotice())
     for handler in logging.getLogger().handlers:
         if not any(isinstance(f, QuietThirdPartyRootInfo) for f in handler.filters):
             handler.addFilter(QuietThirdPartyRootInfo())
+
+
+class NoEnumConstantNotice(logging.Filter):
+    """Drops PyTorch's notice that registering an Enum as a pytree constant is deprecated, which torchao's import
+    (transformers imports torchao in every process that loads a model) prints for two of its own Enums: a call of
+    torchao's, not the pipeline's. Every other message of that logger passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "is an Enum subclass and is now natively supported" not in record.getMessage()
 
 
 class NoLitLoggerTip(logging.Filter):

@@ -357,3 +357,29 @@ def test_a_sigterm_handler_already_set_is_left_to_do_its_job(tmp_path, monkeypat
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert seen[0] is own and seen[1] not in (own, signal.SIG_DFL)
+
+
+def test_torchaos_enum_constant_notice_is_dropped_and_the_loggers_other_messages_pass():
+    """torchao's import makes PyTorch's pytree logger say that two of torchao's Enums need no registration; a stage
+    process drops that notice (a call of torchao's) and keeps whatever else the logger says."""
+    import logging
+
+    from pipeline.core.stage import setup_logging
+
+    setup_logging()
+    lines: list[str] = []
+
+    class Lines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    pytree, handler = logging.getLogger("torch.utils._pytree"), Lines()
+    pytree.addHandler(handler)
+    try:
+        pytree.warning("%s is an Enum subclass and is now natively supported by torch.compile as an opaque "
+                       "value type. Calling register_constant() on Enum subclasses is deprecated",
+                       "<enum 'KernelPreference'>")
+        pytree.warning("some other pytree warning")
+    finally:
+        pytree.removeHandler(handler)
+    assert lines == ["some other pytree warning"]
