@@ -67,6 +67,19 @@ def legacy_torchscript(reason: str = TORCHSCRIPT_DEPRECATION) -> Iterator[None]:
         hf_log.removeFilter(dropped)
 
 
+@contextlib.contextmanager
+def checked_trace(reason: str = TORCHSCRIPT_DEPRECATION) -> Iterator[None]:
+    """`legacy_torchscript` around a torch.jit trace whose result its caller checks against the module it traced
+    (the export at other batch sizes and lengths, `check_dynamic_shapes`; int8-qat-openvino's IR on validation
+    reviews, `openvino_qat.parity`), so the tracer's own warnings (Python booleans of traced shapes in
+    transformers' masking and attention code) are silenced too."""
+    import torch
+
+    with legacy_torchscript(reason), warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        yield
+
+
 class TorchScriptRunner(TorchRunner):
     """A TorchScript variant, run like any module (`TorchRunner`) on the CPU."""
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,12 @@ from pipeline.runtimes.catalog import built_by, directories
 from pipeline.runtimes.eager import TorchRunner, logits_module
 from pipeline.runtimes.ort import OrtRunner
 from pipeline.runtimes.record import VariantInfo, building, write_skipped, write_variant
-from pipeline.runtimes.torchscript import TORCHSCRIPT_DEPRECATION, TorchScriptRunner, legacy_torchscript
+from pipeline.runtimes.torchscript import (
+    TORCHSCRIPT_DEPRECATION,
+    TorchScriptRunner,
+    checked_trace,
+    legacy_torchscript,
+)
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +56,11 @@ def device_of(model: torch.nn.Module) -> torch.device:
 
 
 def export_torchscript(model: torch.nn.Module, path: Path, max_length: int) -> None:
-    """Trace the model; shapes stay symbolic so any batch and length up to the max are accepted. The tracer's
-    warnings (Python booleans of traced shapes in transformers' masking and attention code) are silenced here: the
-    trace is checked at other batch sizes and lengths instead (`check_dynamic_shapes`), as `to_openvino` checks
-    its own trace."""
+    """Trace the model; shapes stay symbolic so any batch and length up to the max are accepted (`run_export`
+    checks the trace at other batch sizes and lengths: `checked_trace`)."""
     model.eval()
     wrapper = logits_module(model).eval()
-    with torch.inference_mode(False), torch.no_grad(), legacy_torchscript(), warnings.catch_warnings():
-        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+    with torch.inference_mode(False), torch.no_grad(), checked_trace():
         example = example_inputs(max_length, device=device_of(model))
         traced = torch.jit.trace(wrapper, example, check_trace=False, strict=False)
         path.parent.mkdir(parents=True, exist_ok=True)

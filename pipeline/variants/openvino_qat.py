@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -201,17 +200,16 @@ def use_torch_quantizers() -> None:
 
 def to_openvino(quantized: Any, example: tuple[np.ndarray, np.ndarray]) -> Any:
     """The trained fake-quantized module as an OpenVINO model, batch and length dynamic, inputs named as every
-    variant's. `ov.convert_model` traces it with torch.jit (`QAT_TRACE_DEPRECATION` says why), whose tracer
-    warnings are silenced here: the result is checked against the module instead (`parity`)."""
+    variant's. `ov.convert_model` traces it with torch.jit (`QAT_TRACE_DEPRECATION` says why); the result is
+    checked against the module (`parity`), so the tracer's warnings are silenced (`checked_trace`)."""
     import openvino as ov
     import torch
 
-    from pipeline.runtimes.torchscript import QAT_TRACE_DEPRECATION, legacy_torchscript
+    from pipeline.runtimes.torchscript import QAT_TRACE_DEPRECATION, checked_trace
 
     ids, mask = two_row_example(example)
     dynamic = ov.PartialShape([-1, -1])
-    with torch.no_grad(), legacy_torchscript(QAT_TRACE_DEPRECATION), warnings.catch_warnings():
-        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+    with torch.no_grad(), checked_trace(QAT_TRACE_DEPRECATION):
         return ov.convert_model(quantized.eval(), example_input=(ids, mask),
                                 input=[("input_ids", dynamic, ov.Type.i64), ("attention_mask", dynamic, ov.Type.i64)])
 
