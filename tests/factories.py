@@ -7,6 +7,7 @@ hold fixtures only.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shlex
 import shutil
@@ -419,3 +420,26 @@ def concurrently(call: Any, count: int, threads: int) -> list[Any]:
 
     with ThreadPoolExecutor(threads) as pool:
         return list(pool.map(first_wait, range(count)))
+
+
+@contextmanager
+def log_records(*names: str, level: int = logging.NOTSET) -> Iterator[list[logging.LogRecord]]:
+    """Every record of at least `level` that the loggers `names` handle while the context runs, in order.
+
+    A handler on each logger itself, not pytest's `caplog` (a handler on the root logger): it also sees loggers that
+    do not propagate (transformers' own) and records that a stage's logging filters let through."""
+    records: list[logging.LogRecord] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler = Collect(level)
+    loggers = [logging.getLogger(name) for name in names]
+    for logger in loggers:
+        logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)

@@ -14,7 +14,7 @@ from serving.contract_middleware import ContractMiddleware
 from serving.endpoint_metrics import Metrics
 from serving.request_deadline import request_deadline_protocol
 from tests import factories
-from tests.factories import chunked_body, read_until_closed, uvicorn_in_thread
+from tests.factories import chunked_body, log_records, read_until_closed, uvicorn_in_thread
 
 
 def _middleware(metrics: Metrics) -> ContractMiddleware:
@@ -82,15 +82,6 @@ def test_an_oversized_content_length_upload_in_full_segments_gets_its_413_not_th
     assert data.startswith(b"HTTP/1.1 413 "), data[:200]
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.ERROR)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 @pytest.mark.parametrize("head", [
     b"POST /nope HTTP/1.1\r\nHost: t\r\n",                                                      # 404
     b"PUT /invocations HTTP/1.1\r\nHost: t\r\n",                                                # 405
@@ -104,13 +95,9 @@ def test_a_request_the_app_answers_without_its_body_and_unreadable_framing_in_on
     closed connection. The client gets the one 400; the server logs no error and no 500 (before, each such
     request wrote two ERROR tracebacks, about 6 KB of log: a cheap way to rotate the server's log away) and
     counts the request once."""
-    records = _Records()
-    loggers = [logging.getLogger(name) for name in ("serving", "uvicorn.error")]
     metrics = Metrics("3", "test-variant")
     protocol = request_deadline_protocol(30.0, 30.0, on_refusal=metrics.refused)
-    for logger in loggers:
-        logger.addHandler(records)
-    try:
+    with log_records("serving", "uvicorn.error", level=logging.ERROR) as records:
         with uvicorn_in_thread(_middleware(metrics), protocol) as port:
             for _ in range(3):
                 with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
@@ -119,8 +106,5 @@ def test_a_request_the_app_answers_without_its_body_and_unreadable_framing_in_on
                 assert data.startswith(b"HTTP/1.1 400 ") and data.count(b"HTTP/1.1 ") == 1, data
             time.sleep(0.5)  # the app's tasks end
             requests = _count(metrics, "sentiment_requests_total")
-    finally:
-        for logger in loggers:
-            logger.removeHandler(records)
-    assert [r.getMessage() for r in records.records] == []
+    assert [r.getMessage() for r in records] == []
     assert requests == 3

@@ -362,24 +362,14 @@ def test_a_sigterm_handler_already_set_is_left_to_do_its_job(tmp_path, monkeypat
 def test_torchaos_enum_constant_notice_is_dropped_and_the_loggers_other_messages_pass():
     """torchao's import makes PyTorch's pytree logger say that two of torchao's Enums need no registration; a stage
     process drops that notice (a call of torchao's) and keeps whatever else the logger says."""
-    import logging
-
     from pipeline.core.stage import setup_logging
+    from tests.factories import log_records
 
     setup_logging()
-    lines: list[str] = []
-
-    class Lines(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(record.getMessage())
-
-    pytree, handler = logging.getLogger("torch.utils._pytree"), Lines()
-    pytree.addHandler(handler)
-    try:
+    pytree = logging.getLogger("torch.utils._pytree")
+    with log_records(pytree.name) as records:
         pytree.warning("%s is an Enum subclass and is now natively supported by torch.compile as an opaque "
                        "value type. Calling register_constant() on Enum subclasses is deprecated",
                        "<enum 'KernelPreference'>")
         pytree.warning("some other pytree warning")
-    finally:
-        pytree.removeHandler(handler)
-    assert lines == ["some other pytree warning"]
+    assert [r.getMessage() for r in records] == ["some other pytree warning"]

@@ -97,24 +97,13 @@ def _traced_noise(trace) -> tuple[list[str], list[str]]:
     import logging
     import warnings
 
-    class Lines(logging.Handler):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lines: list[str] = []
-
-        def emit(self, record: logging.LogRecord) -> None:
-            self.lines.append(record.getMessage())
+    from tests.factories import log_records
 
     logging.Logger.warning_once.cache_clear()  # transformers says it once per process: say it again
-    handler, hf_log = Lines(), logging.getLogger("transformers.modeling_utils")
-    hf_log.addHandler(handler)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            trace()
-    finally:
-        hf_log.removeHandler(handler)
-    return [f"{w.category.__name__}: {w.message}" for w in caught], handler.lines
+    with log_records("transformers.modeling_utils") as records, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trace()
+    return [f"{w.category.__name__}: {w.message}" for w in caught], [r.getMessage() for r in records]
 
 
 def test_tracing_says_nothing_of_the_properties_the_tracer_reads(tmp_path):
