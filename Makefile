@@ -8,8 +8,6 @@ BIN := $(abspath $(VENV))/bin
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | cksum | cut -d' ' -f1)
 SPARK_STAMP := $(VENV)/.spark-installed-$(shell cat requirements-spark.txt | cksum | cut -d' ' -f1)
 PIP_STAMP := $(VENV)/.pip-upgraded
-# written by `make run`'s bytecode warm-up (pipeline/core/import_warmup.py) once done; an install removes it
-WARM_STAMP := $(VENV)/.imports-warm
 # pip processes installing requirements.txt side by side (see the venv rule)
 PIP_SHARDS ?= 4
 export PATH := $(BIN):$(PATH)
@@ -58,7 +56,7 @@ $(STAMP): requirements.txt pyproject.toml | $(PIP_STAMP)
 	@# and Hugging Face, the commands here send none; OpenVINO's only switch is the consent file that its
 	@# `opt_in_out --opt_out` writes in ~/intel. A choice already made there is left as it is.
 	@test -e "$$HOME/intel/openvino_telemetry" || $(BIN)/opt_in_out --opt_out >/dev/null || true
-	@rm -f $(VENV)/.installed-* $(WARM_STAMP)
+	@rm -f $(VENV)/.installed-*
 	@touch $@
 
 venv: $(STAMP)
@@ -83,12 +81,8 @@ venv-all:
 ## IMDB_DIR=/path sets data.local_dir; FORCE=1 re-runs every stage, e.g. to time it. Ends with a summary table
 ## (pipeline/evaluation/run_summary.py: stage times, accuracy, the served variant and its speed-up).
 RUN_STARTED := $(shell date +%s)
-# A venv without bytecode (a fresh install) gets it from a background process at the lowest CPU priority
-# (pipeline/core/import_warmup.py): it imports what the later stages import while the prepare stage leaves a core idle.
 run: venv
 	@test -d .git || git init -q
-	@test -e $(WARM_STAMP) || { nice -n 19 $(BIN)/python -m pipeline.core.import_warmup --stamp $(WARM_STAMP) \
-		> /dev/null 2>&1 & }
 	$(if $(IMDB_DIR),$(BIN)/python -m pipeline.core.params set data.local_dir=$(IMDB_DIR) &&) \
 	export PIPELINE_RUN_ID=$$(date -u +%Y%m%dT%H%M%SZ)-$$(git rev-parse --short HEAD 2>/dev/null || echo nogit) && \
 	$(if $(PROFILE),args=$$($(BIN)/python -m pipeline.core.params overrides profiles/$(PROFILE).yaml) && eval "$(BIN)/dvc exp run $(if $(FORCE),--force) $$args",$(BIN)/dvc repro $(if $(FORCE),--force)) && \
