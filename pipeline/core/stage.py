@@ -60,8 +60,23 @@ def setup_logging() -> None:
     if not any(isinstance(f, NoEnumConstantNotice) for f in pytree.filters):
         pytree.addFilter(NoEnumConstantNotice())
     for handler in logging.getLogger().handlers:
-        if not any(isinstance(f, QuietThirdPartyRootInfo) for f in handler.filters):
-            handler.addFilter(QuietThirdPartyRootInfo())
+        for kind in (QuietThirdPartyRootInfo, NoPreProcessAdvice):
+            if not any(isinstance(f, kind) for f in handler.filters):
+                handler.addFilter(kind())
+
+
+class NoPreProcessAdvice(logging.Filter):
+    """Drops onnxruntime's advice to run its quantization pre-processing (`quant_pre_process`: shape inference and
+    graph optimization), a root-logger warning of every quantizer call on a graph without the metadata that step
+    writes. The quantize stage has done what it asks or chosen not to (`pipeline.variants.onnx_int8`): by default it
+    quantizes onnxruntime's own fused graph (`quantize.optimize_graph`), whose contrib ops that step cannot type
+    (`typed_contrib_outputs` types them); the static quantizer's unfused input goes through that step; and an
+    unfused graph that dynamic quantization reads is unfused because the params ask for it. Any other warning of
+    onnxruntime's passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from_ort = f"{os.sep}onnxruntime{os.sep}quantization{os.sep}" in record.pathname
+        return not (from_ort and "pre-processing before quantization" in record.getMessage())
 
 
 class NoEnumConstantNotice(logging.Filter):
