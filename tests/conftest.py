@@ -98,7 +98,13 @@ def pytest_configure(config):
     gets its share of the CPUs through `OMP_NUM_THREADS`, which torch reads and the pipeline hands to onnxruntime and
     OpenVINO (`pipeline.core.machine.default_threads`). Without it every worker's thread pools size themselves to the
     whole machine and spin-wait against each other. A value the caller set is kept. A worker ends without the
-    interpreter's last garbage collection (`pipeline.core.process_exit`), which the session would wait for."""
+    interpreter's last garbage collection (`pipeline.core.process_exit`), which the session would wait for. The
+    third-party warnings a stage hides (`pipeline.core.third_party_output.THIRD_PARTY_WARNINGS`) are hidden here too,
+    after pyproject.toml's filters: the one list for both."""
+    from pipeline.core.third_party_output import THIRD_PARTY_WARNINGS
+
+    for spec in THIRD_PARTY_WARNINGS:
+        config.addinivalue_line("filterwarnings", spec)
     if hasattr(config, "workerinput"):  # an xdist worker: the controller waits for its process to end
         from pipeline.core.process_exit import skip_final_collection
 

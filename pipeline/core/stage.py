@@ -33,80 +33,14 @@ if TYPE_CHECKING:
 USER_FAILURES: tuple[type[BaseException], ...] = (UserError, FileNotFoundError)
 
 
-class QuietThirdPartyRootInfo(logging.Filter):
-    """Drops INFO/DEBUG lines that a library sends through the *root* logger (`logging.info(...)`).
-
-    onnxruntime's quantizer does this (~40 per-tensor lines per build); a named logger could simply be
-    set to WARNING, the root one cannot without hiding our own INFO lines.
-    """
-
-    def __init__(self, packages: tuple[str, ...] = ("onnxruntime",)) -> None:
-        super().__init__()
-        self.packages = packages
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        from_package = any(f"{os.sep}{p}{os.sep}" in record.pathname for p in self.packages)
-        return not (record.name == "root" and record.levelno < logging.WARNING and from_package)
-
-
 def setup_logging() -> None:
-    """Console logging for a stage process (called from `main`, never at import)."""
+    """Console logging for a stage process (called from `main`, never at import), without the third-party lines and
+    warnings that `pipeline.core.third_party_output` names."""
+    from pipeline.core.third_party_output import quiet_third_party_output
+
     logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("urllib3", "alembic", "httpx", "filelock", "onnx_ir", "onnxscript"):  # per-node rewrite lines
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    logging.getLogger("torchao").setLevel(logging.ERROR)  # "skipping its C++ kernels": see the Makefile
-    pytree = logging.getLogger("torch.utils._pytree")
-    if not any(isinstance(f, NoEnumConstantNotice) for f in pytree.filters):
-        pytree.addFilter(NoEnumConstantNotice())
-    for handler in logging.getLogger().handlers:
-        for kind in (QuietThirdPartyRootInfo, NoPreProcessAdvice):
-            if not any(isinstance(f, kind) for f in handler.filters):
-                handler.addFilter(kind())
-
-
-class NoPreProcessAdvice(logging.Filter):
-    """Drops onnxruntime's advice to run its quantization pre-processing (`quant_pre_process`: shape inference and
-    graph optimization), a root-logger warning of every quantizer call on a graph without the metadata that step
-    writes. The quantize stage has done what it asks or chosen not to (`pipeline.variants.onnx_int8`): by default it
-    quantizes onnxruntime's own fused graph (`quantize.optimize_graph`), whose contrib ops that step cannot type
-    (`typed_contrib_outputs` types them); the static quantizer's unfused input goes through that step; and an
-    unfused graph that dynamic quantization reads is unfused because the params ask for it. Any other warning of
-    onnxruntime's passes."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        from_ort = f"{os.sep}onnxruntime{os.sep}quantization{os.sep}" in record.pathname
-        return not (from_ort and "pre-processing before quantization" in record.getMessage())
-
-
-class NoEnumConstantNotice(logging.Filter):
-    """Drops PyTorch's notice that registering an Enum as a pytree constant is deprecated, which torchao's import
-    (transformers imports torchao in every process that loads a model) prints for two of its own Enums: a call of
-    torchao's, not the pipeline's. Every other message of that logger passes."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "is an Enum subclass and is now natively supported" not in record.getMessage()
-
-
-class NoLitLoggerTip(logging.Filter):
-    """Drops Lightning's advertisement for its hosted logger, printed by every Trainer that has another logger."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "litlogger" not in record.getMessage().lower()
-
-
-def lightning_lines_once() -> None:
-    """Lightning's package logger (`lightning`) prints each line with a console handler of its own, added when it is
-    imported, and the line reaches the stage's root handler too: where the root has a handler, Lightning's own is
-    removed, so each line appears once, timestamped and named like the rest. Call it once Lightning is imported."""
-    if not logging.getLogger().handlers:
-        return
-    package = logging.getLogger("lightning")
-    for handler in list(package.handlers):
-        package.removeHandler(handler)
-    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
-    if not any(isinstance(f, NoLitLoggerTip) for f in rank_zero.filters):
-        rank_zero.addFilter(NoLitLoggerTip())
+    quiet_third_party_output()
 
 
 def what_it_does() -> str:

@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from pipeline.core.io import write_json
 from pipeline.core.params import DataParams, ModelParams, TrainParams, to_dict
-from pipeline.core.stage import lightning_lines_once
+from pipeline.core.third_party_output import lightning_lines_once
 from pipeline.data.batching import LoaderPosition
 from pipeline.training.checkpoints import AtomicCheckpointIO, CheckpointStore, ResumePlan
 from pipeline.training.curve_files import MetricSink
