@@ -8,6 +8,7 @@ from __future__ import annotations
 import builtins
 import logging
 import os
+import re
 import warnings
 
 #: Third-party warnings left unshown, as `python -W` and pytest's `filterwarnings` write them
@@ -26,6 +27,27 @@ THIRD_PARTY_WARNINGS: tuple[str, ...] = (
 )
 
 
+#: Third-party log lines left unshown, as (logger, message regex, a part of the logging file's path or ""); the
+#: logger "" stands for the root logger's handlers, where a library logs through the root logger.
+THIRD_PARTY_LINES: tuple[tuple[str, str, str], ...] = (
+    # onnxruntime's advice to run its quantization pre-processing (`quant_pre_process`: shape inference and graph
+    # optimization), printed by every quantizer call on a graph without the metadata that step writes. The quantize
+    # stage has done what it asks or chosen not to (`pipeline.variants.onnx_int8`): by default it quantizes
+    # onnxruntime's own fused graph (`quantize.optimize_graph`), whose contrib ops that step cannot type
+    # (`typed_contrib_outputs` types them); the static quantizer's unfused input goes through that step; and an
+    # unfused graph that dynamic quantization reads is unfused because the params ask for it.
+    ("", "pre-processing before quantization", f"{os.sep}onnxruntime{os.sep}quantization{os.sep}"),
+    # PyTorch's notice that registering an Enum as a pytree constant is deprecated, which torchao's import
+    # (transformers imports torchao in every process that loads a model) prints for two of its own Enums
+    ("torch.utils._pytree", "is an Enum subclass and is now natively supported", ""),
+    # the ONNX exporter's line for each torchvision operator it does not register (the models use none)
+    ("torch.onnx._internal.exporter._registration", "^torchvision is not installed", ""),
+)
+#: Lightning's advertisement for its hosted logger, printed by every Trainer that has another logger
+#: (`lightning_lines_once` drops it once Lightning is imported).
+LITLOGGER_TIP = ("lightning.pytorch.utilities.rank_zero", "(?i)litlogger", "")
+
+
 def quiet_third_party_warnings(specs: tuple[str, ...] = THIRD_PARTY_WARNINGS) -> None:
     """Install `specs` (the `-W` form) in this process's warning filters, ahead of those already there."""
     for spec in specs:
@@ -39,15 +61,33 @@ def quiet_third_party_output() -> None:
     for noisy in ("urllib3", "alembic", "httpx", "filelock", "onnx_ir", "onnxscript"):  # per-node rewrite lines
         logging.getLogger(noisy).setLevel(logging.WARNING)
     logging.getLogger("torchao").setLevel(logging.ERROR)  # "skipping its C++ kernels": see the Makefile
-    for logger, kind in (("torch.utils._pytree", NoEnumConstantNotice),
-                         ("torch.onnx._internal.exporter._registration", NoTorchvisionSkipNotice)):
-        if not any(isinstance(f, kind) for f in logging.getLogger(logger).filters):
-            logging.getLogger(logger).addFilter(kind())
-    for handler in logging.getLogger().handlers:
-        for kind in (QuietThirdPartyRootInfo, NoPreProcessAdvice):
-            if not any(isinstance(f, kind) for f in handler.filters):
-                handler.addFilter(kind())
+    root_handlers = logging.getLogger().handlers
+    for handler in root_handlers:
+        if not any(isinstance(f, QuietThirdPartyRootInfo) for f in handler.filters):
+            handler.addFilter(QuietThirdPartyRootInfo())
+    for logger, pattern, path in THIRD_PARTY_LINES:
+        for target in root_handlers if logger == "" else [logging.getLogger(logger)]:
+            drop_once(target, DroppedLine(pattern, path))
     quiet_third_party_warnings()
+
+
+class DroppedLine(logging.Filter):
+    """Drops the records whose message matches `pattern` (anywhere, `re.search`) and, where `path` is given, whose
+    logging file's path holds it; every other record passes."""
+
+    def __init__(self, pattern: str, path: str = "") -> None:
+        super().__init__()
+        self.pattern, self.path = re.compile(pattern), path
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (self.path in record.pathname and self.pattern.search(record.getMessage()))
+
+
+def drop_once(target: logging.Filterer, dropped: DroppedLine) -> None:
+    """`dropped` on `target` (a logger or a handler), unless a filter dropping the same lines is there already."""
+    key = (dropped.pattern.pattern, dropped.path)
+    if not any(isinstance(f, DroppedLine) and (f.pattern.pattern, f.path) == key for f in target.filters):
+        target.addFilter(dropped)
 
 
 class QuietThirdPartyRootInfo(logging.Filter):
@@ -66,44 +106,6 @@ class QuietThirdPartyRootInfo(logging.Filter):
         return not (record.name == "root" and record.levelno < logging.WARNING and from_package)
 
 
-class NoPreProcessAdvice(logging.Filter):
-    """Drops onnxruntime's advice to run its quantization pre-processing (`quant_pre_process`: shape inference and
-    graph optimization), a root-logger warning of every quantizer call on a graph without the metadata that step
-    writes. The quantize stage has done what it asks or chosen not to (`pipeline.variants.onnx_int8`): by default it
-    quantizes onnxruntime's own fused graph (`quantize.optimize_graph`), whose contrib ops that step cannot type
-    (`typed_contrib_outputs` types them); the static quantizer's unfused input goes through that step; and an
-    unfused graph that dynamic quantization reads is unfused because the params ask for it. Any other warning of
-    onnxruntime's passes."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        from_ort = f"{os.sep}onnxruntime{os.sep}quantization{os.sep}" in record.pathname
-        return not (from_ort and "pre-processing before quantization" in record.getMessage())
-
-
-class NoEnumConstantNotice(logging.Filter):
-    """Drops PyTorch's notice that registering an Enum as a pytree constant is deprecated, which torchao's import
-    (transformers imports torchao in every process that loads a model) prints for two of its own Enums: a call of
-    torchao's, not the pipeline's. Every other message of that logger passes."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "is an Enum subclass and is now natively supported" not in record.getMessage()
-
-
-class NoTorchvisionSkipNotice(logging.Filter):
-    """Drops the ONNX exporter's line for each torchvision operator it does not register because torchvision is not
-    installed (the pipeline's models use none). Every other message of that logger passes."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("torchvision is not installed")
-
-
-class NoLitLoggerTip(logging.Filter):
-    """Drops Lightning's advertisement for its hosted logger, printed by every Trainer that has another logger."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "litlogger" not in record.getMessage().lower()
-
-
 def lightning_lines_once() -> None:
     """Lightning's package logger (`lightning`) prints each line with a console handler of its own, added when it is
     imported, and the line reaches the stage's root handler too: where the root has a handler, Lightning's own is
@@ -113,6 +115,5 @@ def lightning_lines_once() -> None:
     package = logging.getLogger("lightning")
     for handler in list(package.handlers):
         package.removeHandler(handler)
-    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
-    if not any(isinstance(f, NoLitLoggerTip) for f in rank_zero.filters):
-        rank_zero.addFilter(NoLitLoggerTip())
+    logger, pattern, path = LITLOGGER_TIP
+    drop_once(logging.getLogger(logger), DroppedLine(pattern, path))

@@ -37,12 +37,7 @@ _LOGGED_REASONS: set[str] = set()  # each reason is logged once per process
 #: `ForCausalLMLoss`. Neither is something the pipeline calls (its classifiers train with their own cross-entropy:
 #: `pipeline.training.classifier`), so both are dropped while tracing, and only they.
 TRACER_PROPERTY_WARNING = r"`is_gradient_checkpointing` is deprecated"
-TRACER_PROPERTY_LOG = ("transformers.modeling_utils", "`loss_type=")
-
-
-class _DropTracerPropertyLog(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(TRACER_PROPERTY_LOG[1])
+TRACER_PROPERTY_LOG = ("transformers.modeling_utils", "^`loss_type=")  # (logger, message regex)
 
 
 @contextlib.contextmanager
@@ -56,7 +51,9 @@ def legacy_torchscript(reason: str = TORCHSCRIPT_DEPRECATION) -> Iterator[None]:
     if reason not in _LOGGED_REASONS:
         log.info("%s", reason)
         _LOGGED_REASONS.add(reason)
-    hf_log, dropped = logging.getLogger(TRACER_PROPERTY_LOG[0]), _DropTracerPropertyLog()
+    from pipeline.core.third_party_output import DroppedLine
+
+    hf_log, dropped = logging.getLogger(TRACER_PROPERTY_LOG[0]), DroppedLine(TRACER_PROPERTY_LOG[1])
     hf_log.addFilter(dropped)
     try:
         with warnings.catch_warnings():

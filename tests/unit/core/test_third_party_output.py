@@ -8,9 +8,9 @@ import os
 import warnings
 
 from pipeline.core.third_party_output import (
+    THIRD_PARTY_LINES,
     THIRD_PARTY_WARNINGS,
-    NoPreProcessAdvice,
-    NoTorchvisionSkipNotice,
+    DroppedLine,
     QuietThirdPartyRootInfo,
     lightning_lines_once,
     quiet_third_party_warnings,
@@ -38,7 +38,7 @@ def test_root_info_from_onnxruntime_is_dropped_but_warnings_and_our_lines_stay()
 def test_onnxruntimes_pre_processing_advice_is_dropped_and_its_other_warnings_stay():
     """The advice onnxruntime's quantizers print on the fused graphs (which its pre-processing cannot type) goes;
     the same words from elsewhere and onnxruntime's other warnings stay."""
-    advice = NoPreProcessAdvice()
+    advice = next(DroppedLine(pattern, path) for logger, pattern, path in THIRD_PARTY_LINES if logger == "")
     ort = os.sep.join(["", "venv", "site-packages", "onnxruntime", "quantization", "quantize.py"])
 
     def warning(path: str, message: str) -> logging.LogRecord:
@@ -156,7 +156,7 @@ def test_the_exporters_torchvision_lines_are_dropped_and_its_other_warnings_pass
 
     setup_logging()
     exporter = logging.getLogger("torch.onnx._internal.exporter._registration")
-    assert any(isinstance(f, NoTorchvisionSkipNotice) for f in exporter.filters)
+    assert any(isinstance(f, DroppedLine) for f in exporter.filters)
     with log_records(exporter.name) as records:
         exporter.warning("torchvision is not installed. Skipping %s", "torchvision::nms")
         exporter.warning("some other exporter warning")
