@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -30,7 +29,7 @@ def finetune(
         # this process only launches: the workers torchrun starts run this stage again, as a group. It imports none
         # of the training code, so it holds no torch in memory (nor spends its import) while the group trains.
         # A group that finished returns (the stage is done); one that failed past its restarts ends with its status.
-        if status := elastic.launch(params.train, ["-m", "stages.finetune", *sys.argv[1:]]):
+        if status := elastic.launch(params.train, ["-m", "stages.finetune", *stage.argv]):
             raise SystemExit(status)
         return
     from pipeline.training.finetune import FinetuneOutputs, run_finetune

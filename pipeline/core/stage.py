@@ -12,7 +12,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -145,12 +145,15 @@ def record_stage_time(name: str, *, outcome: str, seconds: float, run_id: str) -
 @dataclass(frozen=True)
 class StageContext:
     """What every stage body receives: the validated params (as the file says them, `auto` kept), what each
-    `auto` setting resolved to on this machine, and the pipeline execution the stage belongs to (`run_id`,
-    `pipeline.core.run_id`), all decided once when the stage starts and passed down from here."""
+    `auto` setting resolved to on this machine, the pipeline execution the stage belongs to (`run_id`,
+    `pipeline.core.run_id`) and the arguments the stage was started with (`argv`, without the program: what a
+    process that runs this stage again, a torchrun worker, is given), all decided once when the stage starts and
+    passed down from here."""
 
     params: Params
     auto: ResolvedAuto
     run_id: str
+    argv: tuple[str, ...] = ()
 
     @cached_property
     def run_context(self) -> RunContext:
@@ -162,9 +165,9 @@ class StageContext:
         return start_tracking(self.params.mlflow, run_id=self.run_id)
 
     @classmethod
-    def load(cls, name: str, params_file: Path, *, run_id: str) -> StageContext:
+    def load(cls, name: str, params_file: Path, *, run_id: str, argv: Sequence[str] = ()) -> StageContext:
         """Load and validate `params_file`, resolve every `auto` once, and log the choices on one line (as stage
-        `name`'s, of execution `run_id`)."""
+        `name`'s, of execution `run_id`, started with `argv`)."""
         from pipeline.core.params import load_params, resolve_auto
 
         params = load_params(params_file)
@@ -172,17 +175,18 @@ class StageContext:
         logging.getLogger("pipeline.stage").info(
             "%s: auto settings on this machine: %s", name,
             "; ".join(f"{setting}={choice['value']}" for setting, choice in auto.choices().items()))
-        return cls(params, auto, run_id)
+        return cls(params, auto, run_id, tuple(argv))
 
 
 StageBody = Callable[..., None]
 
 
-def stage_command(name: str, body: StageBody, doc: str | None = None) -> click.Command:
+def stage_command(name: str, body: StageBody, doc: str | None = None, argv: Sequence[str] = ()) -> click.Command:
     """The typed command line of stage `name`: `--params FILE` plus one option per keyword parameter of `body`
     after its first (a `StageContext`), typed and documented by its annotation (`Annotated[Path,
     typer.Option(help=...)]`); running it reads the pipeline run id from the environment the stage was started
-    with (`pipeline.core.run_id.pipeline_run_id`), loads the context and runs `body` under `run_stage`."""
+    with (`pipeline.core.run_id.pipeline_run_id`), loads the context (with `argv`, the arguments it parses) and
+    runs `body` under `run_stage`."""
     import typer
 
     signature = inspect.signature(body, eval_str=True)
@@ -199,8 +203,8 @@ def stage_command(name: str, body: StageBody, doc: str | None = None) -> click.C
 
         setup_logging()  # before the run id, whose fallback warns
         run_id = pipeline_run_id(os.environ)
-        run_stage(name=name, body=lambda: body(StageContext.load(name, params_file, run_id=run_id), **values),
-                  run_id=run_id)
+        context = lambda: StageContext.load(name, params_file, run_id=run_id, argv=argv)  # noqa: E731
+        run_stage(name=name, body=lambda: body(context(), **values), run_id=run_id)
 
     command.__signature__ = signature.replace(  # type: ignore[attr-defined]
         parameters=[params_option, *(o.replace(kind=inspect.Parameter.KEYWORD_ONLY) for o in options)])
@@ -218,8 +222,9 @@ def stage_main(name: str, body: StageBody, argv: list[str] | None = None) -> Non
         from pipeline.core.process_exit import skip_final_collection
 
         skip_final_collection()
+        argv = sys.argv[1:]
     try:
-        stage_command(name, body, doc).main(args=argv, prog_name=f"python -m stages.{name}")
+        stage_command(name, body, doc, argv).main(args=list(argv), prog_name=f"python -m stages.{name}")
     except SystemExit as exc:
         if exc.code not in (0, None):
             raise

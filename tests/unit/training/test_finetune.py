@@ -199,7 +199,8 @@ def test_the_torchrun_launcher_stage_is_done_when_its_group_finished(tmp_path, t
         assert stopped.value.code == status
     else:
         stage_main("finetune", finetune_stage, argv)
-    assert launched and launched[0][:2] == ["-m", "stages.finetune"]
+    # the workers are given this stage's own command line, not the calling process's (pytest's here)
+    assert launched == [["-m", "stages.finetune", *argv]]
     logged = [json.loads(line) for line in (tmp_path / "stages.jsonl").read_text().splitlines()]
     assert [(e["stage"], e["outcome"]) for e in logged] == [("finetune", outcome)]
 
