@@ -11,6 +11,7 @@ buys. Prints a table and writes `benchmarks/results/finetune_speed.json`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import tempfile
@@ -22,7 +23,7 @@ import pandas as pd
 import torch
 
 from pipeline.core.io import write_json
-from pipeline.core.params import DataParams, ModelParams, TrainParams
+from pipeline.core.params import DataParams, ModelParams, Params, TrainParams, resolve_auto
 from pipeline.data.cleaning import clean_text
 from pipeline.data.tokens import tokenize_frame
 from pipeline.modeling import load_model, load_tokenizer, pad_id
@@ -98,6 +99,14 @@ def val_accuracy(model: Any, val: pd.DataFrame, model_params: ModelParams, data:
     return float((logits.argmax(-1) == val["label"].to_numpy()).mean())
 
 
+def training_settings(*, seed: int, threads: int, compile_model: bool) -> TrainParams:
+    """The default profile's training settings (`train`, attention dropout off included) for one epoch, with each
+    `auto` resolved for this machine as a stage resolves it (`train.precision`: bf16 where the CPU has it)."""
+    defaults = Params()
+    train = resolve_auto(defaults).apply(defaults).train
+    return dataclasses.replace(train, epochs=1, compile=compile_model, seed=seed, threads=threads)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the three trainings and write the comparison."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -115,11 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     model_params = ModelParams()
     train, val = reviews(args.imdb_dir, args.train, args.val, args.seed)
     full = DataParams(max_length=512, truncation="head")
-    # The CPU profile's training settings (params.yaml `train`), attention dropout off included.
-    params = TrainParams(
-        epochs=1, batch_size=16, lr=1e-4, accelerator="cpu", compile=args.compile, seed=args.seed, threads=args.threads,
-        attention_dropout=0.0,
-    )
+    params = training_settings(seed=args.seed, threads=args.threads, compile_model=args.compile)
 
     rows: dict[str, dict[str, Any]] = {}
     model, secs = plain_loop(train, model_params, args.seed)

@@ -45,6 +45,9 @@ def build_trainer(params: TrainParams, work_dir: Path, callbacks: list[L.Callbac
     callbacks hold a `ModelCheckpoint`: its default one would write a checkpoint nobody reads into `work_dir`."""
     from lightning.pytorch.callbacks import TQDMProgressBar
 
+    if params.precision == "auto":  # Lightning would refuse it with no hint of where it comes from
+        raise ValueError("train.precision is still `auto`: resolve it for this machine first "
+                         "(pipeline.core.params.resolve_auto(...).apply, as each stage does)")
     profiler: Any = None
     if params.profiler:
         from lightning.pytorch.profilers import PyTorchProfiler

@@ -33,6 +33,24 @@ def test_checkpointing_and_validation_only_where_asked(tmp_path: Path):
     assert validated.limit_val_batches == 1.0
 
 
+def test_an_unresolved_precision_is_refused_with_where_to_resolve_it(tmp_path: Path):
+    with pytest.raises(ValueError, match="resolve_auto"):
+        build_trainer(TrainParams(), tmp_path, [], enable_progress_bar=False)
+
+
+def test_the_finetune_speed_benchmark_trains_with_the_default_settings_resolved():
+    """`benchmarks.finetune_speed` times the default profile's training, `auto` resolved as a stage resolves it."""
+    from benchmarks.finetune_speed import training_settings
+    from pipeline.core.params import Params, resolve_auto
+
+    settings = training_settings(seed=3, threads=2, compile_model=False)
+    defaults = Params()
+    assert settings.precision == resolve_auto(defaults).precision.value != "auto"
+    assert (settings.epochs, settings.seed, settings.threads) == (1, 3, 2)
+    assert (settings.batch_size, settings.lr, settings.attention_dropout) == \
+        (defaults.train.batch_size, defaults.train.lr, defaults.train.attention_dropout)
+
+
 def test_curves_write_their_plots_and_final_loss(tmp_path: Path):
     curves = CurveRecorder()
     curves.train_rows = [{"step": i, "train_loss": float(i), "lr": 0.1} for i in range(1, 13)]
