@@ -56,10 +56,11 @@ class SentimentHandler:
         from pipeline.deployment.protocol import REQUEST_ID_HEADER, server_error
 
         log.info("batch of %d requests", len(data))  # what TorchServe's server-side batching handed over
-        requests = [_raw_request(request, context, idx) for idx, request in enumerate(data)]
         ids = [_request_id(context, idx) for idx in range(len(data))]
         try:
             assert self.predictor is not None and self.limits is not None, "initialize() runs first"
+            # a context that cannot give a request's headers is the server's fault: a 500, never the client's 415
+            requests = [_raw_request(request, context, idx) for idx, request in enumerate(data)]
             answers = answer_batch(requests, self.predictor, self.limits, self.model_label, ids)
         except Exception:  # answer_batch isolates requests itself; this only keeps a bug from becoming a 503
             log.exception("answering a batch of %d requests (%s) failed", len(data), ", ".join(ids))
@@ -93,10 +94,7 @@ def _raw_request(request: Any, context: Any, idx: int) -> RawRequest:
     if not isinstance(request, dict):
         return RawRequest(None)
     name = "body" if request.get("body") is not None else "data"
-    try:
-        headers = context.get_all_request_header(idx) or {}
-    except Exception:  # no headers for this request: the protocol answers 415 (no Content-Type)
-        headers = {}
+    headers = context.get_all_request_header(idx) or {}  # none at all: the protocol answers 415 (no Content-Type)
     sent = {str(k).lower(): v for k, v in headers.items() if str(k).lower() in ("content-type", "content-encoding")}
     # the request's own header, parameters (charset) included; TorchServe's per-input copy drops them
     declared = headers.get(name)

@@ -176,7 +176,8 @@ class ScoringQueue:
         except TimeoutError:
             self._timed_out = call
             return 504, [], f"scoring {len(texts)} texts took longer than {self.timeout_s:g} s"
-        except Exception as exc:
+        except Exception as exc:  # the traceback goes to the log once per call; the answer carries its first line
+            log.error("the model raised scoring %d texts", len(texts), exc_info=exc)
             return 500, [], f"{type(exc).__name__}: {exc}"[:300]
         if not isinstance(predictions, list) or len(predictions) != len(texts):
             return 500, [], f"the model answered {type(predictions).__name__} for {len(texts)} texts"

@@ -114,6 +114,8 @@ def test_a_model_failure_is_a_500_with_a_request_id_logged_and_counted_as_the_se
     assert "boom" not in body.decode()  # never the input
     assert answer == torchserve_500("client-id-42")  # the body TorchServe's handler answers a model that raised
     assert any("client-id-42" in r.getMessage() and "model failed" in r.getMessage() for r in caplog.records)
+    # the traceback is in the server's log, not only the exception's first line
+    assert any(r.exc_info and "the model broke" in str(r.exc_info[1]) for r in caplog.records)
     assert metric(app, "sentiment_request_errors_total", kind="model_error", side="server") == 1
     assert metric(app, "sentiment_request_errors_total", side="client") == 0
 

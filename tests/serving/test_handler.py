@@ -82,3 +82,23 @@ def test_a_batch_is_scored_in_one_call_mapped_back_and_its_size_logged(tiny_mode
     assert [g["label"] for g in got] == [e.label for e in expected]
     assert [g["score"] for g in got] == pytest.approx([e.score for e in expected], abs=1e-5)
     assert all(g["model"] == "imdb-sentiment:v1/test" for g in got)
+
+
+def test_a_context_that_cannot_give_a_requests_headers_is_a_logged_500_not_the_clients_415(tiny_model_dir, caplog):
+    """TorchServe's context failing to hand over the headers is a server fault: each request of the batch gets the
+    contract's 500 with its id and the traceback is logged, instead of a 415 telling the client it sent none."""
+
+    class Headless(Context):
+        def get_all_request_header(self, idx: int) -> dict[str, object]:
+            raise IndexError("no request properties")
+
+    handler = SentimentHandler()
+    handler.predictor = SentimentPredictor(tiny_model_dir)
+    handler.limits = factories.limits(max_texts=4, max_body_bytes=2048)
+    handler.initialized = True
+    context = Headless(["application/json"] * 2)
+    with caplog.at_level(logging.ERROR, logger="serving.handler"):
+        answers = [json.loads(a) for a in handler.handle([{"body": b'{"text": "fine"}'}] * 2, context)]
+    assert context.statuses == {0: 500, 1: 500}
+    assert [a["request_id"] for a in answers] == ["ts-request-0", "ts-request-1"]
+    assert any(r.exc_info and isinstance(r.exc_info[1], IndexError) for r in caplog.records)
