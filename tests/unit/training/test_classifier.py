@@ -10,12 +10,13 @@ from pipeline.modeling import load_finetuned
 from pipeline.training.classifier import AccelerationUnavailable, OptimisationRecipe, check_accelerations
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 @pytest.mark.parametrize(
     ("overrides", "needle"),
     [({"precision": "16-mixed"}, "16-mixed needs CUDA"), ({"accelerator": "gpu"}, "no CUDA device")],
 )
-def test_gpu_only_settings_fail_fast_on_cpu(overrides, needle):
+def test_gpu_only_settings_fail_fast_on_cpu(overrides, needle, monkeypatch):
+    """On a machine without CUDA (here: whatever this one has, CUDA hidden) GPU-only settings are refused up front."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(AccelerationUnavailable, match=needle):
         check_accelerations(TrainParams(**overrides))
 

@@ -71,9 +71,32 @@ def test_finetune_learns_and_writes_self_describing_model(tmp_path, tokenized_di
     assert saved["batch_size"] == TINY_TRAIN["eval_batch_size"]
 
 
-def test_best_checkpoint_is_restored(tmp_path, tokenized_dir):
+def test_best_checkpoint_is_restored(tmp_path, tokenized_dir, monkeypatch):
+    """The saved model is the best validation's weights, not the last step's: here the weights are moved once
+    training has ended (after the last checkpoint), so only loading the best one back saves them."""
+    import torch
+
+    from pipeline.training import loop
+
+    best: dict[str, torch.Tensor] = {}
+
+    class MovedAtTheEnd(loop.CurveRecorder):
+        def on_train_end(self, trainer, pl_module) -> None:
+            super().on_train_end(trainer, pl_module)
+            # the best checkpoint as written (the stage removes its checkpoints once the model is saved)
+            path = trainer.checkpoint_callback.best_model_path
+            best.update(torch.load(path, map_location="cpu", weights_only=True)["state_dict"])
+            with torch.no_grad():
+                for p in pl_module.parameters():
+                    p.add_(0.5)
+
+    monkeypatch.setattr(loop, "CurveRecorder", MovedAtTheEnd)
     out, result = _run(tmp_path, tokenized_dir, epochs=2)
     assert "best-" in result.best_checkpoint
+    saved = load_finetuned(out / "model")[0].state_dict()
+    compared = [name for name in saved if f"model.{name}" in best]
+    assert len(compared) > 10
+    assert all(torch.equal(saved[name], best[f"model.{name}"].to(saved[name].dtype)) for name in compared)
     m = json.loads((out / "metrics.json").read_text())
     rows = [r.split(",") for r in (out / "plots" / "val.csv").read_text().splitlines()[1:]]  # step,epoch,acc,loss
     val = [float(r[2]) for r in rows]
