@@ -7,7 +7,9 @@ import numpy as np
 from pipeline.deployment.inference import SentimentPredictor, softmax
 
 
-def test_predictor_on_every_runnable_variant(built, tiny_model_dir):
+def test_predictor_on_the_fp32_exports_answers_as_the_eager_model(built, tiny_model_dir):
+    """The FP32 exports through the serving path give the eager model's answers (the INT8 variants' agreement with
+    FP32 is tests/model's); a variant handed no texts answers none."""
     texts = ["great wonderful film", "awful boring film", "ok"]
     ref = SentimentPredictor(tiny_model_dir).predict(texts)
     for name in ("fp32-torchscript", "fp32-onnx"):
@@ -25,7 +27,19 @@ def test_softmax_is_stable():
 def test_a_huge_text_is_cut_to_max_chars_before_tokenizing_and_scored_as_the_cut_text(tiny_model_dir):
     capped = SentimentPredictor(tiny_model_dir, max_chars=5000)
     huge = "a truly great film. " * 200_000  # 4 million characters
+    tokenizer, seen = capped.tokenizer, []
+
+    class Spy:  # the tokenizer, recording the length of every text it is handed
+        def __call__(self, texts: list[str], **kwargs: object) -> object:
+            seen.extend(len(t) for t in texts)
+            return tokenizer(texts, **kwargs)
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(tokenizer, name)
+
+    capped.tokenizer = Spy()
     encoded = capped.encode([huge, "short and fine"])
+    assert seen and max(seen) <= 5000  # the tokenizer never sees the 4-million-character text
     assert [ids.tolist() for ids in encoded] == [ids.tolist() for ids in capped.encode([huge[:5000], "short and fine"])]
     expected = capped.predict([huge, "short and fine"])
     assert [(p.label, p.score) for p in capped.score(encoded)] == [(p.label, p.score) for p in expected]
@@ -72,8 +86,12 @@ def test_predict_scores_a_long_input_in_bounded_chunks_in_input_order(tiny_model
     batches: list[int] = []
     runner = predictor.runner
     predictor.runner = lambda ids, mask: (batches.append(len(ids)), runner(ids, mask))[1]
+    chunks: list[int] = []
+    encode = predictor.encode
+    predictor.encode = lambda texts: (chunks.append(len(texts)), encode(texts))[1]
     texts = [("great " if i % 3 else "awful ") * (1 + (i * 7) % 30) + str(i) for i in range(50)]
     got = predictor.predict(texts)
+    assert chunks == [20, 20, 10]  # tokenized a chunk at a time, never all 50 at once
     assert max(batches) <= 8 and sum(batches) == 50
     expected = [predictor.predict([t])[0] for t in texts]
     assert [p.label for p in got] == [p.label for p in expected]

@@ -34,7 +34,9 @@ def test_unknown_labels_send_no_gradient_through_the_label_term():
     assert logits.grad[[1, 3]].abs().sum() == 0 and logits.grad[[0, 2]].abs().sum() > 0
 
 
-def test_qat_distillation_loss():
+def test_distillation_loss_against_cross_entropy_and_a_matching_teacher():
+    """The loss QAT and the student share: labels only at KL weight 0, nothing to learn from a teacher that
+    already agrees, something from one that disagrees, and the label term scaled by its weight."""
     import torch
 
     from pipeline.surgery.distill_loss import distillation_loss
