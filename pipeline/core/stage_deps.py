@@ -197,7 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     new = rewrite(text, root)
     if args.write:
         if new != text:
-            path.write_text(new)
+            from pipeline.core.io import replaced_on_success
+
+            with replaced_on_success(path) as tmp:  # a killed rewrite leaves the old dvc.yaml, never half of one
+                tmp.write_text(new)
         print(f"{path}: {'rewritten' if new != text else 'unchanged'}")
         return 0
     if new != text:

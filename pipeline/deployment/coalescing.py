@@ -15,12 +15,15 @@ caller's own reviews are scored alone, so a request that breaks the model fails 
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 R = TypeVar("R")
 T = TypeVar("T")
@@ -111,6 +114,9 @@ class Coalescer(Generic[R]):
             if len(batch) == 1:
                 batch[0].error = exc
                 return
+            # the batch's error is logged here: if each job then scores alone, nothing else would show it
+            log.warning("a merged batch of %d calls (%d sequences) failed, scoring each alone: %s", len(batch),
+                        sum(sizes), exc, exc_info=exc)
             for job in batch:
                 try:
                     job.result = list(self.score(job.encoded))

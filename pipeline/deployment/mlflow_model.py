@@ -266,6 +266,7 @@ def served_model(model_uri: str, *, tracking_uri: str | None) -> ServedModel:
     `PyFuncModel.predict` on a DataFrame of one `text` column, as MLflow's app would."""
     import mlflow
     from mlflow.environment_variables import MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT
+    from mlflow.exceptions import MlflowException
     from mlflow.pyfunc import scoring_server
 
     folder = local_model(model_uri, tracking_uri=tracking_uri)
@@ -273,7 +274,7 @@ def served_model(model_uri: str, *, tracking_uri: str | None) -> ServedModel:
     model = mlflow.pyfunc.load_model(folder)
     try:
         python_model = model.unwrap_python_model()
-    except Exception:  # a pyfunc of another flavour
+    except MlflowException:  # a pyfunc of another flavour: it has no PythonModel to unwrap
         python_model = None
     # ours only when it is this module's class (the model's copy of the code is this module, already imported)
     predictor = python_model.predictor if isinstance(python_model, predictor_model_class()) else None

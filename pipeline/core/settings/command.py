@@ -95,7 +95,10 @@ def schema(out: Annotated[Path, typer.Option(help="where the schema goes")] = SC
         if not out.is_file() or out.read_text() != text:
             raise ParamsError(f"{out} is stale: run python -m pipeline.core.params schema")
         return
-    out.write_text(text)
+    from pipeline.core.io import replaced_on_success
+
+    with replaced_on_success(out) as tmp:  # an editor reading it mid-write sees the old schema or the new one
+        tmp.write_text(text)
     print(f"wrote {out}")
 
 
