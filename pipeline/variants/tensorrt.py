@@ -107,8 +107,9 @@ TENSORRT_QDQ_FILE = "model.qdq.onnx"
 def tensorrt_int8_source(fp32_onnx: Path, int8_static: Path, tokenized: Path, dst: Path, params: Params,
                          pad_id: int = 0) -> dict[str, Any]:
     """Build the TensorRT INT8 input (`TENSORRT_QDQ_FILE`) from fp32-onnx, calibrated on the training reviews
-    `int8-static` was calibrated on, with the method it chose; score it and fp32-onnx with onnxruntime on the
-    whole validation split."""
+    `int8-static` was calibrated on, with the method it chose (the first of `quantize.calibration_methods` where
+    int8-static was not built, and the record says which); score it and fp32-onnx with onnxruntime on the whole
+    validation split."""
     from pipeline.data.tokens import read_tokenized
     from pipeline.runtimes.base import predict_logits
     from pipeline.runtimes.ort import OrtRunner
@@ -117,7 +118,9 @@ def tensorrt_int8_source(fp32_onnx: Path, int8_static: Path, tokenized: Path, ds
     from pipeline.variants.tensorrt_qdq import quantize_qdq_for_tensorrt
 
     q = params.quantize
-    method = str(read_variant(int8_static).params.get("calibration", q.calibration_methods[0]))
+    chosen = read_variant(int8_static).params.get("calibration")
+    method = str(chosen or q.calibration_methods[0])
+    method_source = "int8-static's choice" if chosen else "quantize.calibration_methods[0] (int8-static not built)"
     calibration = calibration_reviews(read_tokenized(tokenized, "train"), params)
     dst.parent.mkdir(parents=True, exist_ok=True)
     # The FFN down-projections int8-static quantizes per batch (`quantize.ffn_output_dynamic`) stay float here:
@@ -130,7 +133,8 @@ def tensorrt_int8_source(fp32_onnx: Path, int8_static: Path, tokenized: Path, ds
     for key, path in (("fp32_onnx", fp32_onnx / "model.onnx"), ("source_onnx", dst)):
         logits = predict_logits(OrtRunner(path), seqs, q.calibration_batch_size, pad_id=pad_id)
         scores[f"{key}_val_accuracy"] = float((logits.argmax(-1) == labels).mean())
-    return {"source_onnx": dst.name, **census, **scores, "val_reviews": len(seqs),
+    return {"source_onnx": dst.name, "calibration_source": method_source, **census, **scores,
+            "val_reviews": len(seqs),
             "source_onnx_val_loss_pt": round(100 * (scores["fp32_onnx_val_accuracy"]
                                                     - scores["source_onnx_val_accuracy"]), 3)}
 

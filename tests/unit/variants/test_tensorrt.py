@@ -44,6 +44,9 @@ def test_int8_engine_input_is_symmetric_signed_qdq_only(built):
 
     info = read_variant(built["dirs"]["tensorrt-int8"])
     assert info.params["source_onnx"] == TENSORRT_QDQ_FILE
+    # calibrated as int8-static chose, and the record says where the method came from
+    assert info.params["calibration"] == read_variant(built["dirs"]["int8-static"]).params["calibration"]
+    assert info.params["calibration_source"] == "int8-static's choice"
     path = built["dirs"]["tensorrt-int8"] / TENSORRT_QDQ_FILE
     assert tensorrt_qdq_problems(path) == []
     model = onnx.load(str(path))
