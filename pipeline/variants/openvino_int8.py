@@ -77,7 +77,7 @@ def quantize_openvino(model: Any, calibration: list[np.ndarray], pad_id: int, ba
     length-sorted batches of `batch_size`, each padded to its own longest review."""
     try:
         import nncf
-        import openvino as ov
+        import openvino  # noqa: F401  (save_openvino and the conversion need it: say so up front)
     except ImportError as exc:
         raise QuantizeError(f"int8-openvino needs openvino and nncf (requirements.txt): {exc}") from exc
     batches = calibration_batches(calibration, pad_id=pad_id, batch_size=batch_size)
@@ -89,15 +89,22 @@ def quantize_openvino(model: Any, calibration: list[np.ndarray], pad_id: int, ba
 
     quantized = nncf.quantize(converted, nncf.Dataset(batches, feed), model_type=nncf.ModelType.TRANSFORMER,
                               subset_size=len(batches))  # NNCF counts dataset items: batches
+    return {"method": "nncf.quantize (OpenVINO IR, model_type=TRANSFORMER)", **save_openvino(quantized, out_dir),
+            "source": "torch.export of the finetuned model (OpenVINO's PyTorch frontend)",
+            "calibration_samples": len(calibration), "calibration_batches": len(batches)}
+
+
+def save_openvino(model: Any, out_dir: Path) -> dict[str, Any]:
+    """Write `out_dir/model.xml` (+ `.bin`) and return what a variant record says of it: the precision it compiles
+    to here and the versions that built it (int8-openvino's and int8-qat-openvino's records)."""
+    import nncf
+    import openvino as ov
+
     out_dir.mkdir(parents=True, exist_ok=True)
-    ov.save_model(quantized, str(out_dir / "model.xml"), compress_to_fp16=False)
+    ov.save_model(model, str(out_dir / "model.xml"), compress_to_fp16=False)
     # The CPU plugin picks the float layers' precision itself (bf16 where the CPU has native bf16, else f32; no
     # hint is set, so results stay as measured): the record says what the saved IR compiles to on the build CPU,
     # compiled as `OpenVinoRunner` compiles it. Another CPU may differ; the evaluate stage records its own
     # (`scored_with`, from `OpenVinoRunner.describe`).
-    precision = inference_precision(compiled_model(out_dir / "model.xml"))
-    return {"method": "nncf.quantize (OpenVINO IR, model_type=TRANSFORMER)",
-            "inference_precision_on_build_cpu": precision,
-            "source": "torch.export of the finetuned model (OpenVINO's PyTorch frontend)",
-            "calibration_samples": len(calibration), "calibration_batches": len(batches),
+    return {"inference_precision_on_build_cpu": inference_precision(compiled_model(out_dir / "model.xml")),
             "versions": {"openvino": ov.__version__, "nncf": nncf.__version__}}

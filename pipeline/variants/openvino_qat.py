@@ -25,9 +25,8 @@ import numpy as np
 
 from pipeline.core.params import QuantizeParams, TrainParams
 from pipeline.runtimes.eager import logits_module
-from pipeline.runtimes.openvino import compiled_model, inference_precision
 from pipeline.variants.onnx_int8 import QuantizeError
-from pipeline.variants.openvino_int8 import sdpa_copy, two_row_example
+from pipeline.variants.openvino_int8 import save_openvino, sdpa_copy, two_row_example
 
 log = logging.getLogger(__name__)
 
@@ -226,17 +225,6 @@ def parity(quantized: Any, ir: Path, seqs: list[np.ndarray], pad_id: int) -> dic
     p = logits_parity(TorchRunner(quantized.eval()), OpenVinoRunner(ir), seqs, pad_id)
     return {"parity_batch": p.batch, "parity_max_abs_diff": round(p.max_abs_diff, 5),
             "parity_label_agreement": p.label_agreement}
-
-
-def save_openvino(model: Any, out_dir: Path) -> dict[str, Any]:
-    """Write `out_dir/model.xml` (+ `.bin`) and return what the record says of it (as `quantize_openvino`)."""
-    import nncf
-    import openvino as ov
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    ov.save_model(model, str(out_dir / "model.xml"), compress_to_fp16=False)
-    return {"inference_precision_on_build_cpu": inference_precision(compiled_model(out_dir / "model.xml")),
-            "versions": {"openvino": ov.__version__, "nncf": nncf.__version__}}
 
 
 @dataclass(frozen=True, kw_only=True)
