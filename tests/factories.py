@@ -99,7 +99,7 @@ def synthetic_reviews(n: int, seed: int = 0) -> pd.DataFrame:
 
 
 def write_tokenized(directory: Path, sizes: dict[str, int], max_length: int = 64) -> Path:
-    """Tokenized synthetic splits in the prepare stage's layout (`{split}.parquet`)."""
+    """Tokenized synthetic splits in the prepare stage's layout (`{split}.parquet`, and the `tokenizer/`)."""
     from pipeline.core.params import DataParams, ModelParams
     from pipeline.data.tokens import tokenize_frame
     from pipeline.modeling import load_tokenizer
@@ -109,6 +109,7 @@ def write_tokenized(directory: Path, sizes: dict[str, int], max_length: int = 64
     for seed, (split, n) in enumerate(sizes.items(), start=1):
         frame = tokenize_frame(synthetic_reviews(n, seed), tok, DataParams(max_length=max_length))
         frame.to_parquet(directory / f"{split}.parquet")
+    tok.save_pretrained(directory / "tokenizer")  # as the prepare stage saves it beside the splits
     return directory
 
 

@@ -102,6 +102,18 @@ def encode_texts(texts: Sequence[str], tokenizer: Any, max_length: int, *, trunc
     ]
 
 
+def tokenizer_of(directory: str | Path) -> Any:
+    """The tokenizer the splits in `directory` were tokenized with, which the prepare stage saves beside them
+    (`tokenizer/`): what trains on those token ids is saved with this one, not one loaded again from the model's
+    source, which may have changed since (a hub model without a pinned revision)."""
+    from transformers import AutoTokenizer
+
+    path = Path(directory) / "tokenizer"
+    if not (path / "tokenizer_config.json").is_file():
+        raise FileNotFoundError(f"no tokenizer beside the tokenized splits: {path} (run `dvc repro prepare`)")
+    return AutoTokenizer.from_pretrained(path)
+
+
 def read_tokenized(directory: str | Path, split: str) -> pd.DataFrame:
     """A tokenized split written by the prepare stage."""
     path = Path(directory) / f"{split}.parquet"

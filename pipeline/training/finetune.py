@@ -83,7 +83,8 @@ def finetune(tokenized_dir: Path, outputs: FinetuneOutputs, all_params: Params, 
     `outputs.predictions_path` keeps the test logits, so the evaluate stage's FP32 reference row need not score
     the same model on the same reviews again.
     """
-    from pipeline.modeling import load_model, load_tokenizer, pad_id
+    from pipeline.data.tokens import tokenizer_of
+    from pipeline.modeling import load_model, pad_id
 
     data, model_params = all_params.data, all_params.model
     log.info("train.precision: %s", precision.tag())
@@ -96,7 +97,7 @@ def finetune(tokenized_dir: Path, outputs: FinetuneOutputs, all_params: Params, 
     plan = plan or finetune_plan(tokenized_dir, all_params, precision)
     store = checkpoint_store(params)
     seed_run(params)  # before the classifier head is initialised
-    tokenizer = load_tokenizer(model_params)
+    tokenizer = tokenizer_of(tokenized_dir)  # the one the splits were tokenized with, saved with the model
     model = load_model(model_params, seed=params.seed, attention_dropout=params.attention_dropout,
                        hidden_dropout=params.hidden_dropout)
     module = SentimentClassifier(model, OptimisationRecipe.of(params))

@@ -106,6 +106,25 @@ def test_best_checkpoint_is_restored(tmp_path, tokenized_dir, monkeypatch):
     assert Path(result.best_checkpoint).name.startswith(f"best-step={step}-"), (result.best_checkpoint, rows)
 
 
+def test_finetune_trains_with_the_tokenizer_saved_beside_the_splits(tmp_path, tokenized_dir, monkeypatch):
+    """The token ids and the tokenizer saved with the model are the prepare stage's pair: finetune never loads the
+    tokenizer from the model's source again (which may have moved on), and splits without theirs are refused."""
+    import shutil
+
+    import pipeline.modeling
+
+    def no_source(*_: object) -> None:
+        raise AssertionError("the tokenizer was loaded from the model's source")
+
+    monkeypatch.setattr(pipeline.modeling, "load_tokenizer", no_source)
+    out, _ = _run(tmp_path, tokenized_dir, epochs=1)
+    assert (out / "model" / "tokenizer_config.json").read_text() == \
+        (tokenized_dir / "tokenizer" / "tokenizer_config.json").read_text()
+    shutil.rmtree(tokenized_dir / "tokenizer")
+    with pytest.raises(FileNotFoundError, match="dvc repro prepare"):
+        _run(tmp_path / "again", tokenized_dir, epochs=1)
+
+
 def test_training_window_shorter_than_inference_length(tmp_path, tokenized_dir):
     """`train.max_length` trains on 16-token windows; validation, test and the saved model keep 64 tokens."""
     out, _ = _run(tmp_path, tokenized_dir, epochs=1, max_length=16)
