@@ -67,6 +67,25 @@ def test_optional_imports_are_declared_as_extras():
     assert {"tensorrt", "deepspeed", "pyspark"} <= extras
 
 
+def test_every_pin_in_the_requirements_files_is_inside_pyprojects_supported_range():
+    """What `make` installs (requirements*.txt) is what pyproject.toml says is supported: a range narrowed to the
+    tested minor version where the code relies on a package's internals must still hold the pin."""
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    ranges = {normalize(r.name): r.specifier for r in map(Requirement, [
+        *project["dependencies"], *(s for extra in project["optional-dependencies"].values() for s in extra)])}
+    outside = []
+    for path in sorted(ROOT.glob("requirements*.txt")):
+        for line in path.read_text().splitlines():
+            if "==" in line and not line.lstrip().startswith("#"):
+                name, version = line.split(";")[0].split("==")
+                spec = ranges.get(normalize(name.split("[")[0].strip()))
+                if spec is not None and not spec.contains(version.strip(), prereleases=True):
+                    outside.append(f"{path.name}: {line.strip()} (pyproject: {spec})")
+    assert not outside, outside
+
+
 def run_functions() -> list[tuple[str, object]]:
     found = []
     for path in sorted((ROOT / "pipeline").rglob("*.py")):
