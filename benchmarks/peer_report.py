@@ -90,17 +90,17 @@ def verdicts(rows: list[dict[str, Any]], targets: TargetsParams) -> list[dict[st
 def chart(rows: list[dict[str, Any]], path: Path, title: str, batch_size: int) -> None:
     """p50 at batch 1 and reviews/s at `batch_size` (`benchmark.batch_size`) per row, the pipeline's rows in green,
     accuracy in the labels."""
-    import matplotlib
+    from matplotlib.figure import Figure  # no pyplot: no global backend or figure registry to touch
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from pipeline.core.io import save_figure
 
     ok = [r for r in rows if r["status"] == "ok"]
     labels = [f"{r['name']}  ({100 * r['accuracy']:.2f} %)" if r.get("accuracy") is not None else r["name"]
               for r in ok]
     colors = ["#55a868" if r["ours"] else "#4c72b0" for r in ok]
     y = np.arange(len(ok))
-    fig, axes = plt.subplots(1, 2, figsize=(13, 0.42 * len(ok) + 1.9), dpi=110)
+    fig = Figure(figsize=(13, 0.42 * len(ok) + 1.9), dpi=110)
+    axes = fig.subplots(1, 2)
     axes[0].barh(y, [r["p50_ms_b1"] for r in ok], color=colors)
     axes[0].errorbar([r["p95_ms_b1"] for r in ok], y, fmt="|", color="black", label="p95")
     axes[0].set_yticks(y, labels, fontsize=8)
@@ -112,9 +112,7 @@ def chart(rows: list[dict[str, Any]], path: Path, title: str, batch_size: int) -
     axes[1].set_xlabel(f"reviews/s at batch {batch_size} (higher is better)")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
+    save_figure(fig, path)  # written whole or not at all
 
 
 def table(rows: list[dict[str, Any]], batch_size: int) -> str:

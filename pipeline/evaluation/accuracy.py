@@ -260,13 +260,11 @@ def log_variant_runs(results: dict[str, dict[str, Any]], *, variant_dirs: dict[s
 
 def accuracy_bars(results: dict[str, dict[str, Any]], path: Path) -> None:
     """Accuracy and size per variant, side by side."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: no global backend or figure registry to touch
 
     names = [n for n, e in results.items() if e.get("status") == "ok"]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), dpi=110)
+    fig = Figure(figsize=(10, 3.6), dpi=110)
+    axes = fig.subplots(1, 2)
     acc = np.array([results[n]["accuracy"] for n in names]) * 100
     axes[0].barh(names, acc, color="#4c72b0")
     axes[0].set_xlim(max(0.0, acc.min() - 5), min(100.0, acc.max() + 1))
@@ -279,7 +277,6 @@ def accuracy_bars(results: dict[str, dict[str, Any]], path: Path) -> None:
         fig.suptitle("skipped: " + ", ".join(skipped), fontsize=8)
     fig.tight_layout()
     save_figure(fig, path)
-    plt.close(fig)
 
 
 def run_evaluate_stage(*, finetuned: Path, variants_root: Path, tokenized: Path, reference_predictions: Path | None,

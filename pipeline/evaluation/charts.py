@@ -25,16 +25,14 @@ def speedup_interval_text(entry: dict[str, Any]) -> str:
 def latency_chart(variants: dict[str, dict[str, Any]], path: Path, batch_size: int) -> None:
     """p50/p95 batch-1 latency and throughput at `batch_size` (`benchmark.batch_size`) per variant, FP32 eager
     first."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: no global backend or figure registry to touch
 
     names = [n for n, e in variants.items() if e["status"] == "ok"]
     p50 = np.array([variants[n]["p50_ms_b1"] for n in names])
     p95 = np.array([variants[n]["p95_ms_b1"] for n in names])
     tput = np.array([variants[n]["throughput_b32"] for n in names])
-    fig, axes = plt.subplots(1, 2, figsize=(11, 0.5 * len(names) + 1.8), dpi=110)
+    fig = Figure(figsize=(11, 0.5 * len(names) + 1.8), dpi=110)
+    axes = fig.subplots(1, 2)
     y = np.arange(len(names))
     axes[0].barh(y - 0.2, p50, height=0.4, label="p50", color="#4c72b0")
     axes[0].barh(y + 0.2, p95, height=0.4, label="p95", color="#a1c4e8")
@@ -52,21 +50,18 @@ def latency_chart(variants: dict[str, dict[str, Any]], path: Path, batch_size: i
     axes[1].set_xlabel(f"throughput, batch {batch_size} (reviews/s, higher is better)")
     fig.tight_layout()
     save_figure(fig, path)
-    plt.close(fig)
 
 
 def pareto_chart(variants: dict[str, dict[str, Any]], targets: TargetsParams, path: Path) -> None:
     """Accuracy against batch-1 p50 of every variant with both, the Pareto front joined, and the targets drawn:
     the accuracy window under FP32 and the latency `targets.min_speedup` asks for."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: no global backend or figure registry to touch
     from matplotlib.ticker import FuncFormatter, LogLocator
 
     rows = scored_rows(variants)
     front = pareto_front(variants)
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+    fig = Figure(figsize=(8, 5), dpi=110)
+    ax = fig.subplots()
     for name, e in rows.items():
         family = _family(name)
         ax.scatter(e["p50_ms_b1"], 100 * e["accuracy"], s=50, zorder=3, color=FAMILY_COLOURS.get(family, "#777777"),
@@ -94,7 +89,6 @@ def pareto_chart(variants: dict[str, dict[str, Any]], targets: TargetsParams, pa
     ax.set_title("accuracy vs latency (outlined: the Pareto front)")
     fig.tight_layout()
     save_figure(fig, path)
-    plt.close(fig)
 
 
 def _label_offsets(rows: dict[str, dict[str, Any]]) -> list[int]:

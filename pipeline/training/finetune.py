@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,12 +145,12 @@ def finetune(tokenized_dir: Path, outputs: FinetuneOutputs, all_params: Params, 
 
 def save_confusion(labels: np.ndarray, preds: np.ndarray, path: Path) -> None:
     """A labelled confusion-matrix image (counts and row-normalised share)."""
-    os.environ.setdefault("MPLBACKEND", "Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: no global backend or figure registry to touch
     from sklearn.metrics import confusion_matrix
 
     cm = confusion_matrix(labels, preds, labels=[0, 1])
-    fig, ax = plt.subplots(figsize=(4, 3.6), dpi=120)
+    fig = Figure(figsize=(4, 3.6), dpi=120)
+    ax = fig.subplots()
     ax.imshow(cm, cmap="Blues")
     names = ["negative", "positive"]
     ax.set_xticks([0, 1], names)
@@ -166,7 +165,6 @@ def save_confusion(labels: np.ndarray, preds: np.ndarray, path: Path) -> None:
     ax.set_title(f"test accuracy {np.trace(cm) / max(cm.sum(), 1):.2%}")
     fig.tight_layout()
     save_figure(fig, path)
-    plt.close(fig)
 
 
 def run_finetune(*, tokenized_dir: Path, outputs: FinetuneOutputs, all_params: Params, precision: Choice,
