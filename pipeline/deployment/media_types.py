@@ -32,15 +32,21 @@ _JSON_SUFFIX_TYPE = re.compile(r"[!#$%&'*+\-.^_`|~0-9a-z]+/[!#$%&'*+\-.^_`|~0-9a
 def media_type(content_type: str | None) -> tuple[str, dict[str, str]]:
     """`(type, parameters)` of a Content-Type header, lower-cased; `("", {})` when absent or blank, and `("", ...)`
     when only parameters were sent."""
+    media, params = _split(content_type)
+    return media, dict(params)
+
+
+def _split(content_type: str | None) -> tuple[str, list[tuple[str, str]]]:
+    """A Content-Type's media type and its parameters in the order sent, a repeated one as often as it was sent."""
     content_type = (content_type or "").strip(HEADER_VALUE_TRIM)
     if not content_type:
-        return "", {}
+        return "", []
     media, *params = content_type.split(";")
-    parsed = {}
+    parsed = []
     for param in params:
         key, _, value = param.partition("=")
         if key.strip(OWS):  # an empty parameter (`application/json;`) is allowed by RFC 9110 and means nothing
-            parsed[key.strip(OWS).lower()] = value.strip(OWS).strip('"').lower()
+            parsed.append((key.strip(OWS).lower(), value.strip(OWS).strip('"').lower()))
     return media.strip(OWS).lower(), parsed
 
 
@@ -58,7 +64,8 @@ def _is_json(media: str) -> bool:
 
 def body_kind(content_type: str | None, shapes: frozenset[str]) -> str:
     """`json`, `plain` or `csv` for a declared Content-Type this endpoint takes; else `RequestError(415)`."""
-    media, params = media_type(content_type)
+    media, sent = _split(content_type)
+    params = dict(sent)
     accepted = ["application/json"] + (["text/plain"] if "plain" in shapes else []) + \
         (["text/csv"] if "csv" in shapes else [])
     if not media:
@@ -69,6 +76,9 @@ def body_kind(content_type: str | None, shapes: frozenset[str]) -> str:
         form = media if media in ("application/x-www-form-urlencoded", "multipart/form-data") else "multipart"
         raise RequestError(415, f"a form-encoded body ({form}) is not accepted: send the JSON itself with "
                                 "'Content-Type: application/json' (curl -d sends form encoding unless told -H)")
+    if len(params) < len(sent):  # a proxy may read the first, this endpoint would read the last: read two ways
+        twice = sorted({k for k, _ in sent if [key for key, _ in sent].count(k) > 1})
+        raise RequestError(415, f"a Content-Type parameter given more than once ({', '.join(twice)}): send it once")
     charset = params.get("charset", "utf-8")
     if charset not in ("utf-8", "utf8"):
         raise RequestError(415, "only charset=utf-8 is accepted")

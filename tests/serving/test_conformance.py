@@ -147,6 +147,11 @@ HOSTILE: list[tuple[str, Callable[[Endpoint], bytes], str | None, int, str]] = [
     ("form-encoded JSON", lambda e: _body(e, [MARKER]), "application/x-www-form-urlencoded", 415, "form-encoded"),
     ("missing Content-Type", lambda e: _body(e, [MARKER]), None, 415, "no Content-Type"),
     ("other charset", lambda e: _body(e, [MARKER]), "application/json; charset=latin-1", 415, "charset"),
+    # read two ways: a proxy that takes the first would read latin-1, the last is utf-8
+    ("charset twice", lambda e: _body(e, [MARKER]), "application/json; charset=latin-1; charset=utf-8", 415,
+     "more than once (charset)"),
+    ("charset twice, the same", lambda e: _body(e, [MARKER]), "application/json; charset=utf-8; Charset=UTF-8", 415,
+     "more than once (charset)"),
     ("unknown media type", lambda e: _body(e, [MARKER]), "application/xml", 415, "not accepted"),
     ("media type made of the input", lambda e: _body(e, ["a"]), f"text/{MARKER}", 415, "this Content-Type"),
     ("multipart type made of the input", lambda e: _body(e, ["a"]), f"multipart/{MARKER}", 415, "(multipart)"),
