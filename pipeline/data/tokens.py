@@ -122,7 +122,7 @@ def read_tokenized(directory: str | Path, split: str) -> pd.DataFrame:
     return pd.read_parquet(path)
 
 
-def training_window(meta: dict[str, Any], tokenizer: Any) -> Any:
+def training_window(meta: dict[str, Any], tokenizer: Any) -> Callable[[Sequence[int]], np.ndarray] | None:
     """Shorten reviews to the window the finetune stage trained on (`train.max_length` in the model's own record),
     so the steps of the stages that train further (QAT, distillation, pruning's recovery) cost what finetune steps
     cost; None when training used the full length."""

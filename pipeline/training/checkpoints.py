@@ -23,6 +23,7 @@ from pipeline.training.fingerprint import Fingerprint
 from pipeline.training.resume import PeriodicCheckpoint, ResumableTraining
 
 if TYPE_CHECKING:
+    from pipeline.core.params import TrainParams
     from pipeline.core.tracking import StageRun
 
 log = logging.getLogger(__name__)
@@ -83,8 +84,8 @@ class CheckpointStore:
         self.writer = is_rank_zero() if writer is None else writer
 
     @classmethod
-    def for_job(cls, train: Any, job: str) -> CheckpointStore:
-        """The store of `job` as `train` (TrainParams) places and paces it."""
+    def for_job(cls, train: TrainParams, job: str) -> CheckpointStore:
+        """The store of `job` as `train` places and paces it."""
         return cls(Path(train.checkpoint_dir), job, train.checkpoint_every_n_steps)
 
     @property

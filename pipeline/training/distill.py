@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.core.io import write_json
-from pipeline.core.params import MlflowParams, Params, TrainParams, to_dict
+from pipeline.core.params import DataParams, MlflowParams, Params, TrainParams, to_dict
 from pipeline.training.curve_files import MetricSink, write_curves
 from pipeline.training.fingerprint import fingerprint, training_trajectory
 
@@ -164,11 +164,11 @@ def distill_plan(teacher_dir: Path, tokenized_dir: Path, params: Params, precisi
     return CheckpointStore.for_job(params.train, "distill").plan(fingerprint(settings, inputs), params.train.resume)
 
 
-def _teacher_data(meta: dict[str, Any], params: Params, teacher_dir: Path) -> Any:
+def _teacher_data(meta: dict[str, Any], params: Params, teacher_dir: Path) -> DataParams:
     """The data params the teacher was trained with (its record, `teacher_dir/pipeline.json`), so the student's
     record states the same preprocessing as the teacher's. A record this code cannot read is the teacher's fault,
     not params.yaml's, and the error says so."""
-    from pipeline.core.params import DataParams, ParamsError, from_mapping
+    from pipeline.core.params import ParamsError, from_mapping
     from pipeline.surgery.errors import DistillError
 
     recorded = meta.get("params", {}).get("data")
