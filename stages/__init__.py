@@ -1,1 +1,2 @@
-"""Thin DVC stage entry points: parse argv, load one params section, call `pipeline`."""
+"""Thin DVC stage entry points: parse argv, load and validate the params once (`pipeline.core.stage`), call
+`pipeline`."""

@@ -179,8 +179,6 @@ def read_json(path: Path) -> Any:
 
 def token_fingerprint(seqs: Any) -> str:
     """SHA-256 over a split's token ids in order: ties saved predictions to the exact reviews they score."""
-    import hashlib
-
     import numpy as np
 
     digest = hashlib.sha256()
@@ -193,8 +191,6 @@ def token_fingerprint(seqs: Any) -> str:
 
 def digest_paths(paths: Sequence[Path]) -> str:
     """SHA-256 over the files under `paths` (names relative to each path, then contents), caches skipped."""
-    import hashlib
-
     h = hashlib.sha256()
     for root in paths:
         if not root.exists():  # the job's own loading reports a missing input; here it is just part of the digest

@@ -126,8 +126,6 @@ def parity(reference: Runner, candidate: Runner, seqs: Sequence[np.ndarray], pad
 
 def eager_runner(model: torch.nn.Module) -> Runner:
     """The PyTorch reference as a runner."""
-    from pipeline.runtimes.eager import TorchRunner
-
     return TorchRunner(logits_module(model.eval()))
 
 
@@ -178,8 +176,6 @@ def run_export(*, finetuned: Path, tokenized: Path, variants_root: Path, params:
     """`fp32-onnx` and, when `export.torchscript`, `fp32-torchscript` (with the [CLS] readout when
     `export.cls_readout`), each checked for parity against the unchanged PyTorch model on real test reviews and
     built whole or not at all (`building`)."""
-    import torch
-
     model, tokenizer, meta = load_finetuned(finetuned)
     max_len = max_length_of(meta)
     seqs = read_tokenized(tokenized, "test")["input_ids"].tolist()[: params.parity_samples]
