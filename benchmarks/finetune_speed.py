@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -23,6 +23,7 @@ import pandas as pd
 import torch
 
 from pipeline.core.io import write_json
+from pipeline.core.machine import machine_info
 from pipeline.core.params import DataParams, ModelParams, Params, TrainParams, resolve_auto
 from pipeline.data.cleaning import clean_text
 from pipeline.data.tokens import tokenize_frame
@@ -148,14 +149,15 @@ def main(argv: list[str] | None = None) -> None:
         "short_truncation_speedup": rows["pipeline_128_head_tail"]["samples_per_s"] / base,
         "short_truncation_val_accuracy": rows["pipeline_128_head_tail"]["val_accuracy"],
         "runs": rows,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "command": "python -m benchmarks.finetune_speed " + " ".join(argv if argv is not None else sys.argv[1:]),
         "setup": {
             "model": "all-MiniLM-L6-v2 (packaged)",
             "train_reviews": args.train,
             "val_reviews": args.val,
             "threads": args.threads,
             "compile": args.compile,
-            "cpu": platform.processor() or platform.machine(),
-            "torch": torch.__version__,
+            "machine": machine_info(args.threads),  # CPU model and the ISA flags bf16 and INT8 depend on
             "pipeline_params": {
                 "batch_size": params.batch_size,
                 "lr": params.lr,

@@ -354,7 +354,7 @@ def evaluated_fp32_onnx(work: Path, tiny_model_dir: Path, params: Params, fp32_o
     import os
 
     from pipeline.core.io import write_json
-    from pipeline.core.params import EvaluateParams
+    from pipeline.core.params import EvaluateParams, TargetsParams
     from pipeline.core.parent_run import start_tracking
     from pipeline.core.run_id import pipeline_run_id
     from pipeline.evaluation.accuracy import log_variant_runs, score_variants
@@ -362,7 +362,7 @@ def evaluated_fp32_onnx(work: Path, tiny_model_dir: Path, params: Params, fp32_o
     tok = write_tokenized(work / "tok", {"test": 16})
     dirs = {"fp32-onnx": work / "variants" / "fp32-onnx"}
     shutil.copytree(fp32_onnx, dirs["fp32-onnx"])
-    results = score_variants(tiny_model_dir, dirs, tok, EvaluateParams())
+    results = score_variants(tiny_model_dir, dirs, tok, EvaluateParams(), targets=TargetsParams())
     log_variant_runs(results, variant_dirs=dirs, finetuned=tiny_model_dir, params=params.evaluate,
                      run_context=start_tracking(params.mlflow, run_id=pipeline_run_id(os.environ)),
                      serving=params.package)

@@ -28,8 +28,8 @@ log = logging.getLogger(__name__)
 
 
 def score_variants(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Path, params: EvaluateParams,
-                   reference_predictions: Path | None = None,
-                   targets: TargetsParams | None = None) -> dict[str, dict[str, Any]]:
+                   reference_predictions: Path | None = None, *,
+                   targets: TargetsParams) -> dict[str, dict[str, Any]]:
     """One entry per variant (and the FP32 PyTorch reference): accuracy, size_mb, agreement, status.
 
     With `reference_predictions` (the finetune stage's test logits, checked to score exactly this test
@@ -75,7 +75,7 @@ def score_variants(finetuned: Path, variant_dirs: dict[str, Path], tokenized: Pa
     for entry in results.values():
         if entry.get("accuracy") is not None:
             entry["accuracy_delta_pt"] = round(100 * (entry["accuracy"] - fp32), 3)
-    paired_with_most_accurate(results, correct, targets or TargetsParams())
+    paired_with_most_accurate(results, correct, targets)  # the profile's targets: which variants are candidates
     paired_qat_with_static(results, correct)
     return results
 
@@ -290,7 +290,8 @@ def run_evaluate_stage(*, finetuned: Path, variants_root: Path, tokenized: Path,
     from pipeline.runtimes.catalog import directories
 
     variants = directories(variants_root)
-    results = score_variants(finetuned, variants, tokenized, params.evaluate, reference_predictions, params.targets)
+    results = score_variants(finetuned, variants, tokenized, params.evaluate, reference_predictions,
+                             targets=params.targets)
     accuracy_bars(results, plot)
     for line in check_targets(results, params.targets):
         log.info(line)

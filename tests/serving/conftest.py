@@ -273,7 +273,7 @@ def matrix(tmp_path_factory, tiny_model_dir, built, tracking_store):
     and one `python -m serving.mlflow_server --model-uri <its model>` per variant, all with the default limits."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from pipeline.core.params import EvaluateParams
+    from pipeline.core.params import EvaluateParams, TargetsParams
     from pipeline.core.parent_run import start_tracking
     from pipeline.deployment.archive import build_archive
     from pipeline.evaluation.accuracy import log_variant_runs, score_variants
@@ -295,7 +295,7 @@ def matrix(tmp_path_factory, tiny_model_dir, built, tracking_store):
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(work)
         mp.setenv("MLFLOW_TRACKING_URI", store)  # removed on leaving (see `champion`)
-        results = score_variants(tiny_model_dir, dirs, tok, EvaluateParams())
+        results = score_variants(tiny_model_dir, dirs, tok, EvaluateParams(), targets=TargetsParams())
         log_variant_runs(results, variant_dirs=dirs, finetuned=tiny_model_dir, params=params.evaluate,
                          run_context=start_tracking(params.mlflow, run_id="concurrency-matrix"),
                          serving=params.package)

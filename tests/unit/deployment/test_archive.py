@@ -35,7 +35,8 @@ def test_package_registers_versions_and_moves_the_champion_alias(built, tiny_mod
     store = tracking.tracking_uri
     context = start_tracking(tracking, run_id="unit-package")  # as each stage process does, once
     dirs = {n: built["dirs"][n] for n in NAMES}
-    results = score_variants(tiny_model_dir, dirs, built["tokenized"], EvaluateParams(batch_size=16))
+    results = score_variants(tiny_model_dir, dirs, built["tokenized"], EvaluateParams(batch_size=16),
+                             targets=TargetsParams())
     log_variant_runs(results, variant_dirs=dirs, finetuned=tiny_model_dir, params=EvaluateParams(),
                      run_context=context, serving=PackageParams())
     write_json(tmp_path / "variants.json", results)

@@ -18,7 +18,8 @@ from pipeline.runtimes.registry import load_runner
 
 
 def test_scores_and_sizes(built, tiny_model_dir):
-    results = score_variants(tiny_model_dir, built["dirs"], built["tokenized"], EvaluateParams(batch_size=16))
+    results = score_variants(tiny_model_dir, built["dirs"], built["tokenized"], EvaluateParams(batch_size=16),
+                             targets=TargetsParams())
     assert results["fp32-onnx"]["agreement_with_fp32"] == 1.0
     assert results["fp32-torchscript"]["accuracy"] == results["fp32-eager"]["accuracy"]
     # agreement is the share of test reviews on which a variant's label is FP32's, recomputed here from the
@@ -112,34 +113,40 @@ def test_reference_row_reuses_the_finetune_logits_only_for_the_same_split(built,
     logits = predict_logits(load_runner(tiny_model_dir), seqs, 16)
     saved = tmp_path / "finetune-test.npz"
     write_predictions(saved, logits, labels, seqs, seconds=1.5, batch_size=16, device="cpu", pad_id=0)
-    fresh = score_variants(tiny_model_dir, {"fp32-onnx": built["dirs"]["fp32-onnx"]}, built["tokenized"], params)
+    fresh = score_variants(tiny_model_dir, {"fp32-onnx": built["dirs"]["fp32-onnx"]}, built["tokenized"], params,
+                           targets=TargetsParams())
     reused = score_variants(tiny_model_dir, {"fp32-onnx": built["dirs"]["fp32-onnx"]}, built["tokenized"], params,
-                            reference_predictions=saved)
+                            reference_predictions=saved, targets=TargetsParams())
     assert fresh["fp32-eager"]["scored_by"] == "evaluate" and reused["fp32-eager"]["scored_by"] == "finetune"
     for name in ("fp32-eager", "fp32-onnx"):
         assert reused[name]["accuracy"] == fresh[name]["accuracy"]
         assert reused[name]["agreement_with_fp32"] == fresh[name]["agreement_with_fp32"]
     assert reused["fp32-eager"]["eval_seconds"] == 1.5
+    # scored differently: scored again
     other_batches = score_variants(tiny_model_dir, {}, built["tokenized"], EvaluateParams(batch_size=8),
-                                   reference_predictions=saved)  # scored differently: scored again
+                                   reference_predictions=saved, targets=TargetsParams())
     assert other_batches["fp32-eager"]["scored_by"] == "evaluate"
     assert other_batches["fp32-eager"]["accuracy"] == fresh["fp32-eager"]["accuracy"]
     for meta in ({"device": "cuda", "pad_id": 0}, {"device": "cpu", "pad_id": 1}, {}):  # or another device, padding
         elsewhere = tmp_path / "elsewhere.npz"
         write_predictions(elsewhere, logits, labels, seqs, seconds=1.5, batch_size=16, **meta)
-        again = score_variants(tiny_model_dir, {}, built["tokenized"], params, reference_predictions=elsewhere)
+        again = score_variants(tiny_model_dir, {}, built["tokenized"], params, reference_predictions=elsewhere,
+                               targets=TargetsParams())
         assert again["fp32-eager"]["scored_by"] == "evaluate", meta
 
     stale = tmp_path / "stale.npz"  # same reviews, one label changed: a different test split
     write_predictions(stale, logits, np.where(np.arange(len(labels)) == 0, 1 - labels, labels), seqs)
     with pytest.raises(VariantError, match="different test split"):
-        score_variants(tiny_model_dir, {}, built["tokenized"], params, reference_predictions=stale)
+        score_variants(tiny_model_dir, {}, built["tokenized"], params, reference_predictions=stale,
+                       targets=TargetsParams())
     other = tmp_path / "other.npz"  # one token changed
     write_predictions(other, logits, labels, [seqs[0][:-1], *seqs[1:]])
     with pytest.raises(VariantError, match="stale predictions"):
-        score_variants(tiny_model_dir, {}, built["tokenized"], params, reference_predictions=other)
+        score_variants(tiny_model_dir, {}, built["tokenized"], params, reference_predictions=other,
+                       targets=TargetsParams())
     with pytest.raises(VariantError, match="not found"):
-        score_variants(tiny_model_dir, {}, built["tokenized"], params, reference_predictions=tmp_path / "none.npz")
+        score_variants(tiny_model_dir, {}, built["tokenized"], params, reference_predictions=tmp_path / "none.npz",
+                       targets=TargetsParams())
 
 
 def test_every_built_variant_is_an_mlflow_model_with_its_scores(built, tiny_model_dir, tmp_path, monkeypatch,
@@ -156,7 +163,8 @@ def test_every_built_variant_is_an_mlflow_model_with_its_scores(built, tiny_mode
     monkeypatch.chdir(tmp_path)
     tracking = MlflowParams(tracking_uri=tracking_store(tmp_path / "mlflow.db"), experiment="unit-evaluate")
     dirs = {n: built["dirs"][n] for n in ("fp32-onnx", "int8-static", "tensorrt-fp16")}
-    results = score_variants(tiny_model_dir, dirs, built["tokenized"], EvaluateParams(batch_size=16))
+    results = score_variants(tiny_model_dir, dirs, built["tokenized"], EvaluateParams(batch_size=16),
+                             targets=TargetsParams())
     limit = (results["fp32-onnx"]["size_mb"] + results["int8-static"]["size_mb"]) / 2  # fp32-onnx is above it
     log_variant_runs(results, variant_dirs=dirs, finetuned=tiny_model_dir, params=EvaluateParams(artifact_max_mb=limit),
                      run_context=start_tracking(tracking, run_id="unit-evaluate"),
@@ -244,7 +252,7 @@ def test_a_rows_variant_is_scored_by_one_thread_calls_on_every_core(built, tiny_
     its labels are those of the default runner."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     results = score_variants(tiny_model_dir, {"int8-dynamic": built["dirs"]["int8-dynamic"]}, built["tokenized"],
-                             EvaluateParams(batch_size=16, threads=2))
+                             EvaluateParams(batch_size=16, threads=2), targets=TargetsParams())
     used = results["int8-dynamic"]["scored_with"]
     assert used["batching"] == "rows" and used["threads"] == 1 and used["concurrent_calls"] == 2
     seqs = read_tokenized(built["tokenized"], "test")["input_ids"].tolist()
@@ -313,7 +321,8 @@ def test_the_reference_row_scores_the_fp32_model_where_no_finetune_logits_are_gi
     entry, predicted = reference_row(tiny_model_dir, seqs, labels, EvaluateParams(batch_size=16), None, 0)
     assert predicted.shape == labels.shape and entry["accuracy"] == float((predicted == labels).mean())
     assert (entry["scored_by"], entry["test_samples"], entry["agreement_with_fp32"]) == ("evaluate", len(labels), 1.0)
-    scored = score_variants(tiny_model_dir, {}, built["tokenized"], EvaluateParams(batch_size=16))["fp32-eager"]
+    scored = score_variants(tiny_model_dir, {}, built["tokenized"], EvaluateParams(batch_size=16),
+                            targets=TargetsParams())["fp32-eager"]
     assert {k: v for k, v in scored.items() if k != "eval_seconds"} == {
         **{k: v for k, v in entry.items() if k != "eval_seconds"}, "accuracy_delta_pt": 0.0}
 
@@ -329,7 +338,7 @@ def test_a_fault_in_a_runner_keeps_its_traceback_and_names_the_variant(built, ti
     monkeypatch.setattr(accuracy, "runner_for_test_split", broken)
     with pytest.raises(TypeError, match="a bug in a runner") as info:
         score_variants(tiny_model_dir, {"fp32-onnx": built["dirs"]["fp32-onnx"]}, built["tokenized"],
-                       EvaluateParams(batch_size=16))
+                       EvaluateParams(batch_size=16), targets=TargetsParams())
     assert info.value.__notes__ == ["variant fp32-onnx failed to run on the test split"]
 
 
