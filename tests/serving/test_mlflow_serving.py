@@ -126,6 +126,33 @@ def test_the_app_loads_the_version_it_resolved_the_alias_to(champion, monkeypatc
     assert loaded == [f"models:/imdb-sentiment/{app.version}"]
 
 
+def test_a_version_uri_serves_that_version_and_any_other_model_is_unregistered_with_params_limits(champion,
+                                                                                                    tmp_path):
+    """`--model-uri models:/<name>/<version>` answers as that version (its number on every answer, the limits its
+    package run recorded); a model outside the registry (its folder) is "unregistered" and enforces params' limits,
+    having no package run to read them from."""
+    import mlflow
+
+    from pipeline.core.params import PackageParams
+    from pipeline.deployment.protocol import Limits
+    from serving.mlflow_server import build_app
+
+    version = champion["manifest"]["registered_model"]["version"]
+    with zipfile.ZipFile(champion["mar"]) as archive:
+        packaged = Limits.from_config(json.loads(archive.read("serving.json")))
+    edited = tmp_path / "params.yaml"
+    edited.write_text(yaml.safe_dump({"mlflow": {"tracking_uri": champion["store"]},
+                                      "package": {**SERVING_LIMITS, "max_texts": SERVING_LIMITS["max_texts"] + 3}}))
+    by_number = build_app(f"models:/imdb-sentiment/{version}", edited)
+    assert (by_number.version, by_number.variant, by_number.limits) == (version, "fp32-onnx", packaged)
+    folder = mlflow.artifacts.download_artifacts(f"models:/imdb-sentiment/{version}", tracking_uri=champion["store"],
+                                                 dst_path=str(tmp_path / "model"))
+    outside = build_app(folder, edited)
+    assert outside.version == "unregistered"
+    assert outside.limits == Limits.from_config(vars(PackageParams(**{**SERVING_LIMITS,
+                                                                     "max_texts": SERVING_LIMITS["max_texts"] + 3})))
+
+
 def _get(url: str | urllib.request.Request) -> tuple[int, dict[str, str], bytes]:
     try:
         with urllib.request.urlopen(url, timeout=60) as resp:
