@@ -53,3 +53,30 @@ def test_splits_are_balanced_and_clean(reference):
         assert df["label"].mean() == pytest.approx(0.5, abs=0.02)
         assert not df["text"].str.contains("<br", case=False).any()
         assert df["text"].str.strip().str.len().gt(0).all()
+
+
+@pytest.fixture(scope="module")
+def default_run(frame):
+    """The splits the default profile trains, validates, tests and distills on (params.yaml's `data`, subsamples
+    and transfer reviews included), cut from the same shared copy."""
+    from pipeline.core.params import load_params
+    from tests.factories import ROOT
+
+    data = load_params(ROOT / "params.yaml").data
+    return data, make_splits(frame, data)
+
+
+def test_the_default_runs_splits_share_no_review_and_the_transfer_split_has_no_label(default_run):
+    data, (splits, _report) = default_run
+    assert {"train", "val", "test", "transfer"} <= set(splits)
+    sizes = {name: len(df) for name, df in splits.items()}
+    assert (sizes["train"], sizes["val"], sizes["test"], sizes["transfer"]) == \
+        (data.train_subsample, data.val_subsample, data.test_subsample, data.transfer_reviews)
+    digests = {name: set(map(text_digest, df["text"])) for name, df in splits.items()}
+    names = sorted(digests)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            assert not digests[a] & digests[b], (a, b)
+    assert "label" not in splits["transfer"].columns
+    for name in ("train", "val", "test"):
+        assert splits[name]["label"].mean() == pytest.approx(0.5, abs=0.03), name
