@@ -48,7 +48,7 @@ def pipeline_run_id(environ: Mapping[str, str]) -> str:
     if experiment:
         baseline = environ.get(EXP_BASELINE_ENV, "")[:12]
         return checked_run_id(f"exp-{experiment}-{baseline}" if baseline else f"exp-{experiment}", EXP_NAME_ENV)
-    commit = git_commit_id()
+    commit = git_commit(short=True)
     log.warning("%s is not set (make run sets it; so can you: %s=<id> dvc repro): this stage's MLflow parent run is "
                 "the one of commit %s, shared with every other execution on that commit", RUN_ID_ENV, RUN_ID_ENV,
                 commit)
@@ -62,18 +62,10 @@ def checked_run_id(run_id: str, source: str) -> str:
     return run_id
 
 
-def git_commit_id() -> str:
-    """The short commit (12 hex digits), `no-git` outside git."""
+def git_commit(*, short: bool = False) -> str:
+    """HEAD's commit (`short`: its first 12 hex digits, the run id's form), `no-git` outside git."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
+        return subprocess.run(["git", "rev-parse", *(["--short=12"] if short else []), "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "no-git"
-
-
-def git_commit() -> str:
-    """The current commit, or 'unknown' outside git."""
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"

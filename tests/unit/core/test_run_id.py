@@ -10,7 +10,7 @@ import logging
 
 import yaml
 
-from pipeline.core.run_id import git_commit_id, pipeline_run_id
+from pipeline.core.run_id import git_commit, pipeline_run_id
 from tests.factories import ROOT
 
 #: What DVC gives every stage command of a bare `dvc repro` (`dvc/stage/run.py`): nothing names the execution.
@@ -36,8 +36,8 @@ def test_a_bare_repro_or_a_stage_by_hand_gets_the_commit_alone_with_a_warning(ca
     with caplog.at_level(logging.WARNING, logger="pipeline.core.run_id"):
         by_stage = {pipeline_run_id({**BARE_REPRO, "DVC_STAGE": s}) for s in ("prepare", "finetune", "package")}
         by_hand = pipeline_run_id({})
-    assert by_stage == {git_commit_id()} and by_hand == git_commit_id()
-    assert not git_commit_id().endswith("-dirty")  # a repro rewrites dvc.lock between its stages: no split
+    assert by_stage == {git_commit(short=True)} and by_hand == git_commit(short=True)
+    assert not git_commit(short=True).endswith("-dirty")  # a repro rewrites dvc.lock between its stages: no split
     warnings = [r.getMessage() for r in caplog.records if r.name == "pipeline.core.run_id"]
     assert len(warnings) == 4 and all("PIPELINE_RUN_ID is not set" in w for w in warnings)
 
