@@ -53,10 +53,13 @@ class DistillResult:
     reason: str = ""
 
 
-def student_train_params(params: Params) -> TrainParams:
-    """`train` with the student's epochs, batch size and learning rate (one validation per epoch)."""
+def student_train_params(params: Params, precision: Choice) -> TrainParams:
+    """`train` with the student's epochs, batch size and learning rate (one validation per epoch), in `precision`
+    (`train.precision` as the stage resolved it): what the student trains with, and what its resume fingerprint
+    holds, from this one place."""
     d = params.distill
-    return dataclasses.replace(params.train, epochs=d.epochs, batch_size=d.batch_size, lr=d.lr)
+    return dataclasses.replace(params.train, epochs=d.epochs, batch_size=d.batch_size, lr=d.lr,
+                               precision=precision.value)
 
 
 def distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metrics_path: Path, plots_dir: Path,
@@ -83,7 +86,7 @@ def distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metrics_p
     started = time.perf_counter()
     d = params.distill
     choice = precision
-    train = dataclasses.replace(student_train_params(params), precision=choice.value)
+    train = student_train_params(params, choice)
     log.info("distill: train.precision %s", choice.tag())
     seed_run(train)
     teacher, tokenizer, meta = load_finetuned(teacher_dir)
@@ -157,7 +160,7 @@ def distill_plan(teacher_dir: Path, tokenized_dir: Path, params: Params, precisi
     after training, never its weights."""
     from pipeline.training.checkpoints import CheckpointStore
 
-    train = dataclasses.replace(student_train_params(params), precision=precision.value)
+    train = student_train_params(params, precision)
     settings = {"distill": to_dict(params.distill), "train": training_trajectory(train),
                 "data": to_dict(params.data)}
     inputs = [teacher_dir, tokenized_dir]
