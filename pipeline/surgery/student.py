@@ -5,13 +5,16 @@ as `pipeline.surgery.prune` does), and parameter counts."""
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from pipeline.surgery.errors import DistillError
 from pipeline.surgery.prune import calibration_batches, prune_encoder
+
+if TYPE_CHECKING:
+    from pipeline.core.params import PruneParams
 
 #: (attribute path of the encoder's layer list, config key of the layer count) per architecture family.
 _LAYER_LISTS = (("bert.encoder.layer", "num_hidden_layers"), ("distilbert.transformer.layer", "n_layers"),
@@ -68,12 +71,17 @@ def count_parameters(model: torch.nn.Module, encoder_only: bool = False) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def narrow_ffn(student: torch.nn.Module, reviews: list[np.ndarray], ffn_width: int,
-               pad: int) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """The student with `ffn_width` FFN neurons per layer, chosen and least-squares repaired on 256 training
-    reviews as `prune` does (`prune_encoder`); its config's `intermediate_size` follows, so it saves and loads as
-    an ordinary HF model. Heads are not narrowed: a BERT config cannot state fewer heads of the same size."""
-    batches = calibration_batches(reviews[:256], batch_size=16, pad_id=pad)
-    narrowed, report = prune_encoder(student, batches, None, ffn_width)
+def narrow_ffn(student: torch.nn.Module, reviews: list[np.ndarray], ffn_width: int, pad: int, *,
+               calibration: PruneParams, seed: int) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The student with `ffn_width` FFN neurons per layer, chosen and least-squares repaired as `prune` does
+    (`prune_encoder`), on the calibration the prune settings give it (`calibration_samples` training reviews drawn
+    with `seed`, in batches of `calibration_batch_size`, `damp`); its config's `intermediate_size` follows, so it
+    saves and loads as an ordinary HF model. Heads are not narrowed: a BERT config cannot state fewer heads of the
+    same size."""
+    from pipeline.data.tokens import draw_rows
+
+    drawn = [reviews[i] for i in draw_rows(len(reviews), calibration.calibration_samples, seed)]
+    batches = calibration_batches(drawn, batch_size=calibration.calibration_batch_size, pad_id=pad)
+    narrowed, report = prune_encoder(student, batches, None, ffn_width, damp=calibration.damp)
     return narrowed, {"ffn_width": report["ffn_width"], "teacher_ffn_width": report["original_ffn_width"],
                       "ffn_rel_error": report["ffn_rel_error"]}

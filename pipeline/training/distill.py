@@ -109,7 +109,8 @@ def distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metrics_p
     student, keep = build_student(teacher, d.depth)
     width: dict[str, Any] = {}
     if d.ffn_width is not None:
-        student, width = narrow_ffn(student, dm.datasets["train"].input_ids, d.ffn_width, pad)
+        student, width = narrow_ffn(student, dm.datasets["train"].input_ids, d.ffn_width, pad,
+                                    calibration=params.prune, seed=train.seed)
     module = StudentClassifier(student, d, OptimisationRecipe.of(train, lr=d.lr),
                                teacher=teacher if d.hidden_weight > 0 else None, kept=keep)
     plan = plan or distill_plan(teacher_dir, tokenized_dir, params, precision)
@@ -161,8 +162,10 @@ def distill_plan(teacher_dir: Path, tokenized_dir: Path, params: Params, precisi
     from pipeline.training.checkpoints import CheckpointStore
 
     train = student_train_params(params, precision)
+    p = params.prune  # the FFN narrowing's calibration (`narrow_ffn`)
     settings = {"distill": to_dict(params.distill), "train": training_trajectory(train),
-                "data": to_dict(params.data)}
+                "data": to_dict(params.data), "ffn_calibration": [p.calibration_samples, p.calibration_batch_size,
+                                                                   p.damp]}
     inputs = [teacher_dir, tokenized_dir]
     return CheckpointStore.for_job(params.train, "distill").plan(fingerprint(settings, inputs), params.train.resume)
 

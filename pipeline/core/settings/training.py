@@ -174,7 +174,8 @@ class DistillParams:
     """encoder layers of the student, taken evenly from the teacher's, its last layer always kept"""
     ffn_width: Annotated[int, Field(ge=1)] | None = None
     """FFN neurons kept per layer (null = the teacher's intermediate_size), chosen and least-squares repaired on
-    training reviews as `prune` does, before distillation (BERT-family teachers)"""
+    training reviews as `prune` does, with prune's calibration settings, before distillation (BERT-family
+    teachers)"""
     epochs: int = Field(1, ge=1)
     batch_size: int = Field(16, ge=1)
     lr: float = Field(1e-4, gt=0)
