@@ -203,8 +203,8 @@ def stage_command(name: str, body: StageBody, doc: str | None = None, argv: Sequ
 
         setup_logging()  # before the run id, whose fallback warns
         run_id = pipeline_run_id(os.environ)
-        context = lambda: StageContext.load(name, params_file, run_id=run_id, argv=argv)  # noqa: E731
-        run_stage(name=name, body=lambda: body(context(), **values), run_id=run_id)
+        run_stage(name=name, run_id=run_id,
+                  body=lambda: body(StageContext.load(name, params_file, run_id=run_id, argv=argv), **values))
 
     command.__signature__ = signature.replace(  # type: ignore[attr-defined]
         parameters=[params_option, *(o.replace(kind=inspect.Parameter.KEYWORD_ONLY) for o in options)])

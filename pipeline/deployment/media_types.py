@@ -3,6 +3,7 @@ kind of body it declares, and whether this endpoint takes it) and its content co
 
 from __future__ import annotations
 
+import collections
 import re
 
 from pipeline.deployment.protocol import JSON_MEDIA_TYPES, TEXT_COLUMN, RequestError
@@ -77,7 +78,8 @@ def body_kind(content_type: str | None, shapes: frozenset[str]) -> str:
         raise RequestError(415, f"a form-encoded body ({form}) is not accepted: send the JSON itself with "
                                 "'Content-Type: application/json' (curl -d sends form encoding unless told -H)")
     if len(params) < len(sent):  # a proxy may read the first, this endpoint would read the last: read two ways
-        twice = sorted({k for k, _ in sent if [key for key, _ in sent].count(k) > 1})
+        counts = collections.Counter(key for key, _ in sent)  # linear: the header may hold thousands of them
+        twice = sorted(key for key, n in counts.items() if n > 1)
         raise RequestError(415, f"a Content-Type parameter given more than once ({', '.join(twice)}): send it once")
     charset = params.get("charset", "utf-8")
     if charset not in ("utf-8", "utf8"):
