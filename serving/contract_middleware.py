@@ -55,8 +55,8 @@ from pipeline.deployment.protocol import (
 )
 from pipeline.deployment.request_parsing import parse_request
 from serving.endpoint_metrics import CLIENT_CLOSED, MODEL_BUSY, MODEL_ERROR, NOT_READY, Metrics, Outcome
+from serving.protocol_answers import RETRY_AFTER_S, answered_by_protocol
 from serving.request_bodies import ClientGone, read_body
-from serving.request_deadline import RETRY_AFTER_S, answered_by_protocol
 from serving.request_ids import request_id
 from serving.request_line import CLOSE, INVOCATIONS, ROUTES, read_origin_form, refusal, waits_for_continue
 from serving.scoring_queue import READINESS, ScoringQueue

@@ -33,7 +33,6 @@ from typing import Any
 from pipeline.deployment.protocol import VARIANT_HEADER, VERSION_HEADER, Limits
 from serving.contract_middleware import BODY_TIMEOUT_S, MAX_IN_FLIGHT, ContractMiddleware
 from serving.endpoint_metrics import Metrics
-from serving.request_deadline import request_deadline_protocol
 
 log = logging.getLogger("serving.mlflow_server")
 
@@ -135,6 +134,8 @@ def build_app(model_uri: str | None, params_path: Path, max_in_flight: int = MAX
 def main(argv: list[str] | None = None) -> None:
     """Serve until interrupted."""
     import uvicorn
+
+    from serving.request_deadline import request_deadline_protocol
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--host", default="127.0.0.1")

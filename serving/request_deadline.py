@@ -40,61 +40,37 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable, Mapping
-from http import HTTPStatus
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from serving.protocol_answers import (
+    MALFORMED,
+    MAX_BODY_PIECES,
+    MIN_PIECE_BYTES,
+    PROTOCOL_REFUSED,
+    REFUSAL_LINGER_S,
+    headers_timeout_response,
+    over_limit_response,
+)
 from serving.request_ids import new_request_id, request_id
 
 log = logging.getLogger(__name__)  # a child of "serving", which the server logs to its file
 
-#: Seconds a client is asked to wait after a 503: a connection over the limit here, and the MLflow server's
-#: overload answer.
-RETRY_AFTER_S = 1
-#: Seconds a connection refused at the limit stays half-open after its 503, its bytes read and dropped: closing a
-#: socket with unread bytes sends a reset, and a client that sent its request at once could lose the 503 to it.
-REFUSAL_LINGER_S = 1.0
 
+@dataclass(frozen=True)
+class DeadlineSettings:
+    """What one server's protocol class enforces (`request_deadline_protocol` says what each does)."""
 
-def raw_response(status: HTTPStatus, error: str, headers: list[tuple[str, str]], rid: str) -> bytes:
-    """An answer written as bytes where h11 has no request to frame one for (headers too slow, a connection past the
-    limit): the contract's JSON error `{"error", "status", "request_id"}` with `headers` (the served model's) and
-    `X-Request-Id`, the connection closed after it."""
-    body = json.dumps({"error": error, "status": status.value, "request_id": rid}).encode()
-    lines = [f"HTTP/1.1 {status.value} {status.phrase}".encode(), b"content-type: application/json",
-             f"content-length: {len(body)}".encode(),
-             *(f"{k.lower()}: {v}".encode() for k, v in [*headers, ("x-request-id", rid)]), b"connection: close"]
-    return b"\r\n".join(lines) + b"\r\n\r\n" + body
-
-
-def over_limit_response(max_connections: int, headers: list[tuple[str, str]], rid: str) -> bytes:
-    """The 503 a connection past `max_connections` gets before anything of its request is read, with `Retry-After`."""
-    return raw_response(HTTPStatus.SERVICE_UNAVAILABLE, f"the server holds its limit of {max_connections} connections; "
-                        f"retry after {RETRY_AFTER_S} s", [("retry-after", str(RETRY_AFTER_S)), *headers], rid)
-
-
-def headers_timeout_response(headers: list[tuple[str, str]], rid: str) -> bytes:
-    """The 408 for a request whose line and headers did not arrive in time."""
-    return raw_response(HTTPStatus.REQUEST_TIMEOUT, "the request line and headers did not arrive in time", headers, rid)
-
-
-#: Pieces (h11 data events) a request's body may arrive in; a 1 MB body in 1,448-byte TCP segments is about 700.
-MAX_BODY_PIECES = 4096
-#: Average bytes a piece must carry once a body is past `max_body_pieces` (a full TCP segment carries ~1,448).
-MIN_PIECE_BYTES = 256
-#: Key of a request's ASGI `scope["state"]` set when the protocol answered that request itself (its body past the
-#: piece budget, or unreadable): the app, which then hears only `http.disconnect`, must not count it again.
-PROTOCOL_REFUSED = "request_deadline.refused"
-
-
-def answered_by_protocol(scope: Mapping[str, Any]) -> bool:
-    """Whether the connection's protocol answered this request itself (a body past its piece budget, or bytes after
-    the headers that are no HTTP: `PROTOCOL_REFUSED` in its ASGI scope's state) and closed the connection."""
-    return bool((scope.get("state") or {}).get(PROTOCOL_REFUSED))
-
-
-#: The 400 for bytes that are not an HTTP/1.1 request h11 can read: it names no part of them.
-MALFORMED = "malformed HTTP request: its request line, headers or body framing could not be read"
+    headers_timeout_s: float
+    send_timeout_s: float
+    max_connections: int | None = None
+    refusal_headers: tuple[tuple[str, str], ...] = ()
+    max_body_pieces: int = MAX_BODY_PIECES
+    on_refusal: Callable[[int, str], None] | None = None
 
 
 def request_deadline_protocol(headers_timeout_s: float, send_timeout_s: float, max_connections: int | None = None,
@@ -112,198 +88,213 @@ def request_deadline_protocol(headers_timeout_s: float, send_timeout_s: float, m
     out with the 400 for a request h11 cannot read and the 408 for headers too slow; `on_refusal(status, kind)` hears
     of each of these answers. Every one of them names a request id: the request's (`serving.request_ids`, as the app
     names it) where its headers were read, else a new one."""
-    answer_headers = refusal_headers or []
-    import h11
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+    settings = DeadlineSettings(headers_timeout_s, send_timeout_s, max_connections, tuple(refusal_headers or ()),
+                                max_body_pieces, on_refusal)
+    # uvicorn builds one protocol object a connection from the class alone, so the settings ride on a subclass
+    return type("RequestDeadlineProtocol", (RequestDeadlineProtocol,), {"settings": settings})
 
-    def refused(status: int, kind: str) -> None:
-        if on_refusal is not None:
-            on_refusal(status, kind)
 
-    class TooManyPieces(h11.RemoteProtocolError):
-        """A request body past `max_body_pieces` pieces that average under `MIN_PIECE_BYTES`."""
+class TooManyPieces(h11.RemoteProtocolError):
+    """A request body past its budget of pieces whose pieces average under `MIN_PIECE_BYTES`."""
 
-    class PieceBudget(h11.Connection):
-        """h11's server connection that counts each request's body pieces and their bytes, and stops a body past
-        `max_body_pieces` pieces whose pieces average under `MIN_PIECE_BYTES`."""
 
-        pieces = 0
-        piece_bytes = 0
-        over_budget = False  # the last error was the budget's (uvicorn's 400 for it is told nothing else)
+class PieceBudget(h11.Connection):
+    """h11's server connection that counts each request's body pieces and their bytes, and stops a body past
+    `max_body_pieces` pieces whose pieces average under `MIN_PIECE_BYTES`."""
 
-        def next_event(self) -> Any:
-            event = super().next_event()
-            if isinstance(event, h11.Request):
-                self.pieces = self.piece_bytes = 0
-            elif isinstance(event, h11.Data):
-                self.pieces += 1
-                self.piece_bytes += len(event.data)
-                # what costs the loop is many tiny pieces; a large body in full TCP segments is not refused here
-                if self.pieces > max_body_pieces and self.piece_bytes < self.pieces * MIN_PIECE_BYTES:
-                    self.over_budget = True
-                    raise TooManyPieces(f"request body in more than {max_body_pieces} small pieces")
-            return event
+    pieces = 0
+    piece_bytes = 0
+    over_budget = False  # the last error was the budget's (uvicorn's 400 for it is told nothing else)
 
-    class RequestDeadlineProtocol(H11Protocol):
-        """`H11Protocol` whose connections must deliver each request's headers within `headers_timeout_s` and its
-        body in pieces that stay within the budget (`PieceBudget`), and read their answers at least every
-        `send_timeout_s` once the send buffer is full."""
+    def __init__(self, max_body_pieces: int, **options: Any) -> None:
+        super().__init__(h11.SERVER, **options)
+        self.max_body_pieces = max_body_pieces
 
-        def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
-            super().__init__(config, *args, **kwargs)
-            # uvicorn's own connection, counted: its size limit where configured, else h11's default (uvicorn
-            # reads that default from h11's private module; h11's keyword default is the same value)
-            size = config.h11_max_incomplete_event_size
-            self.conn: PieceBudget = (PieceBudget(h11.SERVER) if size is None
-                                      else PieceBudget(h11.SERVER, max_incomplete_event_size=size))
+    def next_event(self) -> Any:
+        event = super().next_event()
+        if isinstance(event, h11.Request):
+            self.pieces = self.piece_bytes = 0
+        elif isinstance(event, h11.Data):
+            self.pieces += 1
+            self.piece_bytes += len(event.data)
+            # what costs the loop is many tiny pieces; a large body in full TCP segments is not refused here
+            if self.pieces > self.max_body_pieces and self.piece_bytes < self.pieces * MIN_PIECE_BYTES:
+                self.over_budget = True
+                raise TooManyPieces(f"request body in more than {self.max_body_pieces} small pieces")
+        return event
 
-        deadline: asyncio.TimerHandle | None = None
-        request_begun = False  # bytes of a request arrived since the deadline was armed
-        # the answered request (uvicorn's cycle) whose unread rest of a body the deadline ends; None: the deadline
-        # is on the next request's headers
-        lingering_for: Any = None
-        send_deadline: asyncio.TimerHandle | None = None  # armed while the transport's send buffer is full
-        refusing = False  # refused at the connection limit: what arrives is dropped until the connection closes
 
-        def connection_made(self, transport: Any) -> None:
-            super().connection_made(transport)  # counted in the server's connections from here
-            if max_connections and len(self.connections) > max_connections:
-                rid = new_request_id()
-                log.warning("request %s: refusing the connection of %s: %d connections open, the limit (503)", rid,
-                            self._peer(), len(self.connections) - 1)
-                self.refusing = True
-                transport.write(over_limit_response(max_connections, answer_headers, rid))
-                if transport.can_write_eof():  # half-closed: the 503 goes out, what the client sent is read
-                    transport.write_eof()
-                    self.loop.call_later(REFUSAL_LINGER_S, transport.close)
-                else:
-                    transport.close()
-                refused(503, "connection_limit")
-                return
+class RequestDeadlineProtocol(H11Protocol):
+    """`H11Protocol` whose connections must deliver each request's headers within `settings.headers_timeout_s` and
+    its body in pieces that stay within the budget (`PieceBudget`), and read their answers at least every
+    `settings.send_timeout_s` once the send buffer is full. Served as the subclass `request_deadline_protocol`
+    makes, which sets `settings`."""
+
+    settings: ClassVar[DeadlineSettings]
+
+    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        # uvicorn's own connection, counted: its size limit where configured, else h11's default (uvicorn
+        # reads that default from h11's private module; h11's keyword default is the same value)
+        size = config.h11_max_incomplete_event_size
+        options = {} if size is None else {"max_incomplete_event_size": size}
+        self.conn: PieceBudget = PieceBudget(self.settings.max_body_pieces, **options)
+
+    deadline: asyncio.TimerHandle | None = None
+    request_begun = False  # bytes of a request arrived since the deadline was armed
+    # the answered request (uvicorn's cycle) whose unread rest of a body the deadline ends; None: the deadline
+    # is on the next request's headers
+    lingering_for: Any = None
+    send_deadline: asyncio.TimerHandle | None = None  # armed while the transport's send buffer is full
+    refusing = False  # refused at the connection limit: what arrives is dropped until the connection closes
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)  # counted in the server's connections from here
+        if self.settings.max_connections and len(self.connections) > self.settings.max_connections:
+            rid = new_request_id()
+            log.warning("request %s: refusing the connection of %s: %d connections open, the limit (503)", rid,
+                        self._peer(), len(self.connections) - 1)
+            self.refusing = True
+            transport.write(over_limit_response(self.settings.max_connections, self.settings.refusal_headers, rid))
+            if transport.can_write_eof():  # half-closed: the 503 goes out, what the client sent is read
+                transport.write_eof()
+                self.loop.call_later(REFUSAL_LINGER_S, transport.close)
+            else:
+                transport.close()
+            self._refused(503, "connection_limit")
+            return
+        self._arm()
+
+    def eof_received(self) -> bool | None:
+        if self.refusing:
+            self.transport.close()
+        return super().eof_received()
+
+    def send_400_response(self, msg: str) -> None:
+        """The contract's JSON 400 where uvicorn would answer plain text (`msg`, uvicorn's, is not used): for
+        bytes h11 cannot read as a request, or a body past its piece budget. The connection is closed after it,
+        and without it where an answer is already on its way (nothing more can be framed there)."""
+        over_budget = self.conn.over_budget
+        reading = self.cycle is not None and not self.cycle.response_complete  # a request the app is reading
+        rid = request_id(self.cycle.scope) if reading else new_request_id()
+        why = (f"the request body came in more than {self.conn.max_body_pieces} pieces (chunks or reads) of under "
+               f"{MIN_PIECE_BYTES} bytes on average: send it in larger chunks") if over_budget else MALFORMED
+        body = json.dumps({"error": why, "status": 400, "request_id": rid}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"x-request-id", rid.encode()),
+                   *((k.lower().encode(), v.encode()) for k, v in self.settings.refusal_headers),
+                   (b"connection", b"close")]
+        try:
+            answer = [self.conn.send(h11.Response(status_code=400, headers=headers, reason=b"Bad Request")),
+                      self.conn.send(h11.Data(data=body)), self.conn.send(h11.EndOfMessage())]
+        except h11.LocalProtocolError:
+            answer = []
+        if answer:
+            log.warning("request %s from %s: %s (400)", rid, self._peer(), why)
+            self._refused(400, "too_many_pieces" if over_budget else "malformed_http")
+            if reading:
+                self.cycle.scope.setdefault("state", {})[PROTOCOL_REFUSED] = True
+                # the app hears `http.disconnect` from here on, and uvicorn sends nothing more for it (its 500 for
+                # an app that answered nothing would meet h11's closed state: an exception in its task, logged
+                # with its traceback when the task is collected); `connection_lost` would say so only later
+                self.cycle.disconnected = True
+                self.cycle.message_event.set()
+            for part in answer:
+                self.transport.write(part or b"")
+        self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self.refusing:
+            return  # read and dropped: the 503 has gone out
+        self.request_begun = self.request_begun or bool(data)
+        try:
+            super().data_received(data)
+        except h11.LocalProtocolError:
+            # bytes h11 cannot parse after an answer went out (the rest of a refused chunked body, malformed):
+            # uvicorn's 400 for them cannot be framed once a response is complete, and nothing more can be
+            # said on this connection
+            self.transport.close()
+            return
+        if self.lingering_for is not None:
+            if self.cycle is self.lingering_for and self.conn.their_state is not h11.IDLE:
+                return  # still the rest of the answered request's body: its deadline stands
+            self._arm()  # that body ended (uvicorn then starts the next request): the next headers' deadline
+        if self.conn.their_state is not h11.IDLE:
+            self._disarm()  # a request's headers are in: its body is the app's to time
+
+    def on_response_complete(self) -> None:
+        answered = self.cycle
+        super().on_response_complete()  # starts a pipelined request already received (a new cycle)
+        if self.transport.is_closing():
+            return
+        if self.cycle is not answered:
+            self._disarm()  # that pipelined request's headers are in: its body is the app's to time
+        elif self.conn.their_state is h11.IDLE:
+            # the connection stays open for the next request: its headers get the same deadline, and a part of
+            # them already received counts as a request begun (a 408 at the deadline)
             self._arm()
+            self.request_begun = bool(self.conn.trailing_data[0])
+        elif self.conn.their_state is h11.SEND_BODY:  # answered before its body was all in: dropped until then
+            self._arm(lingering_for=answered)
 
-        def eof_received(self) -> bool | None:
-            if self.refusing:
-                self.transport.close()
-            return super().eof_received()
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self.send_deadline is None:
+            self.send_deadline = self.loop.call_later(self.settings.send_timeout_s, self._send_deadline_passed)
 
-        def send_400_response(self, msg: str) -> None:
-            """The contract's JSON 400 where uvicorn would answer plain text (`msg`, uvicorn's, is not used): for
-            bytes h11 cannot read as a request, or a body past its piece budget. The connection is closed after it,
-            and without it where an answer is already on its way (nothing more can be framed there)."""
-            over_budget = self.conn.over_budget
-            reading = self.cycle is not None and not self.cycle.response_complete  # a request the app is reading
-            rid = request_id(self.cycle.scope) if reading else new_request_id()
-            why = (f"the request body came in more than {max_body_pieces} pieces (chunks or reads) of under "
-                   f"{MIN_PIECE_BYTES} bytes on average: send it in larger chunks") if over_budget else MALFORMED
-            body = json.dumps({"error": why, "status": 400, "request_id": rid}).encode()
-            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                       (b"x-request-id", rid.encode()),
-                       *((k.lower().encode(), v.encode()) for k, v in answer_headers), (b"connection", b"close")]
-            try:
-                answer = [self.conn.send(h11.Response(status_code=400, headers=headers, reason=b"Bad Request")),
-                          self.conn.send(h11.Data(data=body)), self.conn.send(h11.EndOfMessage())]
-            except h11.LocalProtocolError:
-                answer = []
-            if answer:
-                log.warning("request %s from %s: %s (400)", rid, self._peer(), why)
-                refused(400, "too_many_pieces" if over_budget else "malformed_http")
-                if reading:
-                    self.cycle.scope.setdefault("state", {})[PROTOCOL_REFUSED] = True
-                for part in answer:
-                    self.transport.write(part or b"")
-            self.transport.close()
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._stop_send_deadline()
 
-        def data_received(self, data: bytes) -> None:
-            if self.refusing:
-                return  # read and dropped: the 503 has gone out
-            self.request_begun = self.request_begun or bool(data)
-            try:
-                super().data_received(data)
-            except h11.LocalProtocolError:
-                # bytes h11 cannot parse after an answer went out (the rest of a refused chunked body, malformed):
-                # uvicorn's 400 for them cannot be framed once a response is complete, and nothing more can be
-                # said on this connection
-                self.transport.close()
-                return
-            if self.lingering_for is not None:
-                if self.cycle is self.lingering_for and self.conn.their_state is not h11.IDLE:
-                    return  # still the rest of the answered request's body: its deadline stands
-                self._arm()  # that body ended (uvicorn then starts the next request): the next headers' deadline
-            if self.conn.their_state is not h11.IDLE:
-                self._disarm()  # a request's headers are in: its body is the app's to time
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        self._stop_send_deadline()
+        super().connection_lost(exc)  # also ends a send waiting for the buffer to drain
 
-        def on_response_complete(self) -> None:
-            answered = self.cycle
-            super().on_response_complete()  # starts a pipelined request already received (a new cycle)
-            if self.transport.is_closing():
-                return
-            if self.cycle is not answered:
-                self._disarm()  # that pipelined request's headers are in: its body is the app's to time
-            elif self.conn.their_state is h11.IDLE:
-                # the connection stays open for the next request: its headers get the same deadline, and a part of
-                # them already received counts as a request begun (a 408 at the deadline)
-                self._arm()
-                self.request_begun = bool(self.conn.trailing_data[0])
-            elif self.conn.their_state is h11.SEND_BODY:  # answered before its body was all in: dropped until then
-                self._arm(lingering_for=answered)
-
-        def pause_writing(self) -> None:
-            super().pause_writing()
-            if self.send_deadline is None:
-                self.send_deadline = self.loop.call_later(send_timeout_s, self._send_deadline_passed)
-
-        def resume_writing(self) -> None:
-            super().resume_writing()
-            self._stop_send_deadline()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            self._stop_send_deadline()
-            super().connection_lost(exc)  # also ends a send waiting for the buffer to drain
-
-        def _stop_send_deadline(self) -> None:
-            if self.send_deadline is not None:
-                self.send_deadline.cancel()
-                self.send_deadline = None
-
-        def _send_deadline_passed(self) -> None:
+    def _stop_send_deadline(self) -> None:
+        if self.send_deadline is not None:
+            self.send_deadline.cancel()
             self.send_deadline = None
-            log.warning("dropping the connection of %s: it read none of its answers for %g s", self._peer(),
-                        send_timeout_s)
-            self.transport.abort()
 
-        def _peer(self) -> str:
-            return f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+    def _send_deadline_passed(self) -> None:
+        self.send_deadline = None
+        log.warning("dropping the connection of %s: it read none of its answers for %g s", self._peer(),
+                    self.settings.send_timeout_s)
+        self.transport.abort()
 
-        def _arm(self, lingering_for: Any = None) -> None:
-            self._disarm()
-            self.request_begun = False
-            self.lingering_for = lingering_for
-            self.deadline = self.loop.call_later(headers_timeout_s, self._deadline_passed)
+    def _peer(self) -> str:
+        return f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
 
-        def _disarm(self) -> None:
-            self.lingering_for = None
-            if self.deadline is not None:
-                self.deadline.cancel()
-                self.deadline = None
+    def _arm(self, lingering_for: Any = None) -> None:
+        self._disarm()
+        self.request_begun = False
+        self.lingering_for = lingering_for
+        self.deadline = self.loop.call_later(self.settings.headers_timeout_s, self._deadline_passed)
 
-        def _deadline_passed(self) -> None:
+    def _disarm(self) -> None:
+        self.lingering_for = None
+        if self.deadline is not None:
+            self.deadline.cancel()
             self.deadline = None
-            if self.transport.is_closing():
-                return
-            if self.lingering_for is not None:  # the answer went out long ago; what the client still sends is not read
-                self.transport.close()
-                return
-            if self.conn.their_state is not h11.IDLE:
-                return
-            if self.request_begun:
-                rid = new_request_id()
-                log.warning("request %s: closing the connection of %s: no complete request line and headers "
-                            "within %g s", rid, self._peer(), headers_timeout_s)
-                if self.cycle is None or self.cycle.response_complete:  # nothing of an answer is on its way
-                    self.transport.write(headers_timeout_response(answer_headers, rid))
-                    refused(408, "request_timeout")
-            self.transport.close()
 
-    return RequestDeadlineProtocol
+    def _deadline_passed(self) -> None:
+        self.deadline = None
+        if self.transport.is_closing():
+            return
+        if self.lingering_for is not None:  # the answer went out long ago; what the client still sends is not read
+            self.transport.close()
+            return
+        if self.conn.their_state is not h11.IDLE:
+            return
+        if self.request_begun:
+            rid = new_request_id()
+            log.warning("request %s: closing the connection of %s: no complete request line and headers "
+                        "within %g s", rid, self._peer(), self.settings.headers_timeout_s)
+            if self.cycle is None or self.cycle.response_complete:  # nothing of an answer is on its way
+                self.transport.write(headers_timeout_response(self.settings.refusal_headers, rid))
+                self._refused(408, "request_timeout")
+        self.transport.close()
+
+    def _refused(self, status: int, kind: str) -> None:
+        if self.settings.on_refusal is not None:
+            self.settings.on_refusal(status, kind)
