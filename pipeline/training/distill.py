@@ -25,17 +25,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.core.io import write_json
-from pipeline.core.params import DataParams, MlflowParams, Params, TrainParams, to_dict
+from pipeline.core.params import DataParams, DistillParams, MlflowParams, Params, TrainParams, to_dict
 from pipeline.training.curve_files import MetricSink, write_curves
 from pipeline.training.fingerprint import fingerprint, training_trajectory
 
 # Lightning, torch and the student's code are imported where a student is trained: a skipped student (the default)
 # writes its records without them.
 if TYPE_CHECKING:
+    import torch
+
     from pipeline.core.machine import Choice
     from pipeline.core.params import ResolvedAuto
     from pipeline.core.parent_run import RunContext
     from pipeline.training.checkpoints import ResumePlan
+    from pipeline.training.classifier import IMDBDataModule
+    from pipeline.training.labelling import Labelling, TransferSet
+    from pipeline.training.student_classifier import StudentClassifier
 
 log = logging.getLogger(__name__)
 
@@ -74,84 +79,135 @@ def distill(teacher_dir: Path, tokenized_dir: Path, student_dir: Path, metrics_p
     Under DDP (`train.devices` > 1) Lightning starts the stage again for each further process, which labels the
     reviews itself (each rank trains on them) and trains its share; only rank 0 then restores the best epoch,
     scores, saves and clears the checkpoints: the others return once training ends, with empty metrics."""
-    from pipeline.data.tokens import training_window
-    from pipeline.modeling import load_finetuned, pad_id
-    from pipeline.surgery.student import build_student, count_parameters, layer_list, narrow_ffn
+    from pipeline.modeling import load_finetuned
+    from pipeline.surgery.student import layer_list
     from pipeline.training.checkpoints import CheckpointStore
-    from pipeline.training.classifier import IMDBDataModule, OptimisationRecipe
-    from pipeline.training.labelling import labelling_setup, read_transfer_ids, transfer_set
     from pipeline.training.loop import fit, predict_split, save_model, seed_run
-    from pipeline.training.student_classifier import StudentClassifier
 
     started = time.perf_counter()
     d = params.distill
-    choice = precision
-    train = student_train_params(params, choice)
-    log.info("distill: train.precision %s", choice.tag())
+    train = student_train_params(params, precision)
+    log.info("distill: train.precision %s", precision.tag())
     seed_run(train)
     teacher, tokenizer, meta = load_finetuned(teacher_dir)
-    pad = pad_id(tokenizer)
-    window = training_window(meta, tokenizer)
-    dm = IMDBDataModule(tokenized_dir, train, pad_id=pad)  # whole reviews: transfer_set windows the student's
-    dm.setup("fit")
-    labelling = labelling_setup(train, choice.value)
-    log.info("distill: the teacher labels on %s (autocast %s), reading each review's %s", labelling.device,
-             labelling.autocast or "none", "training window" if d.teacher_reads == "window" else "whole prepared text")
-    labelled_at = time.perf_counter()
-    transfer = transfer_set(teacher, dm.datasets["train"], read_transfer_ids(tokenized_dir), window=window,
-                            teacher_reads=d.teacher_reads, batch_size=train.eval_batch_size, pad_id=pad,
-                            labelling=labelling)
-    labelling_seconds = time.perf_counter() - labelled_at
-    dm.datasets["train"] = transfer.dataset()  # setup() keeps a split it already has
-    teacher_train_accuracy = float((transfer.teacher_logits[: transfer.labelled].argmax(-1)
-                                     == transfer.labels[: transfer.labelled]).mean())
-
-    student, keep = build_student(teacher, d.depth)
-    width: dict[str, Any] = {}
-    if d.ffn_width is not None:
-        student, width = narrow_ffn(student, dm.datasets["train"].input_ids, d.ffn_width, pad,
-                                    calibration=params.prune, seed=train.seed)
-    module = StudentClassifier(student, d, OptimisationRecipe.of(train, lr=d.lr),
-                               teacher=teacher if d.hidden_weight > 0 else None, kept=keep)
+    reviews = label_reviews(teacher, tokenizer, meta, tokenized_dir, d, train, precision)
+    student = student_model(teacher, reviews, params, train)
     plan = plan or distill_plan(teacher_dir, tokenized_dir, params, precision)
     store = CheckpointStore.for_job(params.train, "distill")
-    fitted = fit(module, train, store=store, plan=plan, position=dm.position, datamodule=dm, sink=metric_sink)
+    fitted = fit(student.module, train, store=store, plan=plan, position=reviews.datamodule.position,
+                 datamodule=reviews.datamodule, sink=metric_sink)
     if not fitted.trainer.is_global_zero:  # the best epoch is loaded, scored and saved by rank 0 alone
         return DistillResult({}, student_dir, "worker", "a training process of rank > 0: rank 0 saves the student")
-    logits, labels = predict_split(module, dm, "test")
-    curves = fitted.curves
+    logits, labels = predict_split(student.module, reviews.datamodule, "test")
+    curves, transfer = fitted.curves, reviews.transfer
     # Agreement with the teacher on the test split is the evaluate stage's `agreement_with_fp32`.
     metrics: dict[str, Any] = {
         "test_accuracy": float((logits.argmax(-1) == labels).mean()),
         "best_val_accuracy": fitted.best_score,
         "labelled_reviews": transfer.labelled, "transfer_reviews": transfer.unlabelled,
-        "teacher_train_accuracy": teacher_train_accuracy,  # how often the soft targets agree with gold labels
-        "teacher_labelling_seconds": round(labelling_seconds, 2),
-        "teacher_labelling_device": labelling.device, "teacher_labelling_autocast": labelling.autocast or "none",
+        "teacher_train_accuracy": reviews.teacher_train_accuracy,  # how often the soft targets agree with gold
+        "teacher_labelling_seconds": round(reviews.seconds, 2),
+        "teacher_labelling_device": reviews.labelling.device,
+        "teacher_labelling_autocast": reviews.labelling.autocast or "none",
         "train_seconds": curves.train_seconds,
         "train_samples_per_s": curves.samples_per_s,
-        "student_layers": len(keep), "teacher_layers": len(layer_list(teacher)[0]),
-        "student_parameters": count_parameters(module.model),
-        "teacher_parameters": count_parameters(teacher),
-        "student_encoder_parameters": count_parameters(module.model, encoder_only=True),
-        "teacher_encoder_parameters": count_parameters(teacher, encoder_only=True),
+        "student_layers": len(student.kept), "teacher_layers": len(layer_list(teacher)[0]),
+        **student.sizes(teacher),
         "wall_time_s": time.perf_counter() - started,
-        "precision": choice.value,
+        "precision": precision.value,
         "train_attention": fitted.attention.value,  # the attention kernel it trained with (as finetune records it)
         "train_steps": fitted.steps,
         **plan.record(),  # resumed, resumed_from_step, resume_reason
         **({"enabled": enabled.to_dict()} if enabled else {}),  # as in the skip record: how the setting resolved
     }
-    record = {"distillation": {"teacher": str(teacher_dir), "kept_layers": keep, **width, **to_dict(d),
-                               "labelled_reviews": transfer.labelled, "transfer_reviews": transfer.unlabelled}}
-    save_model(module.model, tokenizer, student_dir, _teacher_data(meta, params, teacher_dir), params.model, train,
-               choices=[choice, fitted.attention] + ([enabled] if enabled else []), extra=record)
+    record = {"distillation": {"teacher": str(teacher_dir), "kept_layers": student.kept, **student.width,
+                               **to_dict(d), "labelled_reviews": transfer.labelled,
+                               "transfer_reviews": transfer.unlabelled}}
+    save_model(student.module.model, tokenizer, student_dir, _teacher_data(meta, params, teacher_dir), params.model,
+               train, choices=[precision, fitted.attention] + ([enabled] if enabled else []), extra=record)
     write_json(metrics_path, metrics)
     curves.write(plots_dir)
     store.clear()  # the student is saved: nothing left to resume
     log.info("student: %d of %d layers, test accuracy %.4f (best validation accuracy %.4f)",
-             len(keep), metrics["teacher_layers"], metrics["test_accuracy"], metrics["best_val_accuracy"])
+             len(student.kept), metrics["teacher_layers"], metrics["test_accuracy"], metrics["best_val_accuracy"])
     return DistillResult(metrics, student_dir)
+
+
+@dataclass(frozen=True)
+class LabelledReviews:
+    """The student's training data: the splits, with the training split replaced by every labelled and transfer
+    review and the teacher's logits for each (`transfer`), and how the teacher labelled them."""
+
+    datamodule: IMDBDataModule
+    transfer: TransferSet
+    labelling: Labelling
+    pad: int  # the tokenizer's padding id
+    seconds: float  # the teacher's labelling
+    teacher_train_accuracy: float  # how often the teacher's label is the gold one, on the labelled reviews
+
+
+def label_reviews(teacher: torch.nn.Module, tokenizer: Any, meta: dict[str, Any], tokenized_dir: Path,
+                  d: DistillParams, train: TrainParams, precision: Choice) -> LabelledReviews:
+    """The tokenized splits with the teacher's logits on every training and transfer review, each read as
+    `d.teacher_reads` says, on the device and autocast the student trains with (`precision`)."""
+    from pipeline.data.tokens import training_window
+    from pipeline.modeling import pad_id
+    from pipeline.training.classifier import IMDBDataModule
+    from pipeline.training.labelling import labelling_setup, read_transfer_ids, transfer_set
+
+    pad = pad_id(tokenizer)
+    dm = IMDBDataModule(tokenized_dir, train, pad_id=pad)  # whole reviews: transfer_set windows the student's
+    dm.setup("fit")
+    labelling = labelling_setup(train, precision.value)
+    log.info("distill: the teacher labels on %s (autocast %s), reading each review's %s", labelling.device,
+             labelling.autocast or "none", "training window" if d.teacher_reads == "window" else "whole prepared text")
+    labelled_at = time.perf_counter()
+    transfer = transfer_set(teacher, dm.datasets["train"], read_transfer_ids(tokenized_dir),
+                            window=training_window(meta, tokenizer), teacher_reads=d.teacher_reads,
+                            batch_size=train.eval_batch_size, pad_id=pad, labelling=labelling)
+    seconds = time.perf_counter() - labelled_at
+    dm.datasets["train"] = transfer.dataset()  # setup() keeps a split it already has
+    agreement = float((transfer.teacher_logits[: transfer.labelled].argmax(-1)
+                       == transfer.labels[: transfer.labelled]).mean())
+    return LabelledReviews(dm, transfer, labelling, pad, seconds, agreement)
+
+
+@dataclass(frozen=True)
+class Student:
+    """The student cut from the teacher, in its Lightning module, with the teacher layers it kept and how its FFN
+    was narrowed (empty: not narrowed)."""
+
+    module: StudentClassifier
+    kept: list[int]
+    width: dict[str, Any]
+
+    def sizes(self, teacher: torch.nn.Module) -> dict[str, int]:
+        """The student's and the teacher's parameter counts, whole and encoder only."""
+        from pipeline.surgery.student import count_parameters
+
+        return {"student_parameters": count_parameters(self.module.model),
+                "teacher_parameters": count_parameters(teacher),
+                "student_encoder_parameters": count_parameters(self.module.model, encoder_only=True),
+                "teacher_encoder_parameters": count_parameters(teacher, encoder_only=True)}
+
+
+def student_model(teacher: torch.nn.Module, reviews: LabelledReviews, params: Params, train: TrainParams) -> Student:
+    """The student: `distill.depth` of the teacher's layers, its FFN narrowed to `distill.ffn_width` on prune's
+    calibration settings where set, in the module that trains it (the teacher kept beside it where the loss
+    matches hidden states)."""
+    from pipeline.surgery.student import build_student, narrow_ffn
+    from pipeline.training.classifier import OptimisationRecipe
+    from pipeline.training.student_classifier import StudentClassifier
+
+    d = params.distill
+    student, kept = build_student(teacher, d.depth)
+    width: dict[str, Any] = {}
+    if d.ffn_width is not None:
+        student, width = narrow_ffn(student, reviews.datamodule.datasets["train"].input_ids, d.ffn_width,
+                                    reviews.pad, calibration=params.prune, seed=train.seed)
+    module = StudentClassifier(student, d, OptimisationRecipe.of(train, lr=d.lr),
+                               teacher=teacher if d.hidden_weight > 0 else None, kept=kept)
+    return Student(module, kept, width)
 
 
 def distill_plan(teacher_dir: Path, tokenized_dir: Path, params: Params, precision: Choice) -> ResumePlan:
