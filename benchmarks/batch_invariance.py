@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/batch_invariance.json")
     args = parser.parse_args(argv)
 
-    from pipeline.core.machine import isa_record
+    from benchmarks.provenance import provenance
     from pipeline.runtimes.catalog import VARIANTS
     from pipeline.runtimes.record import VARIANT_FILE, read_variant
 
@@ -116,9 +116,7 @@ def main(argv: list[str] | None = None) -> None:
             continue
         results[name] = measure(directory, texts, args.batch_size, args.rounds, seed=1)
         print(f"{name}: {json.dumps(results[name])}", file=sys.stderr)
-    command = "python -m benchmarks.batch_invariance " + " ".join(argv if argv is not None else sys.argv[1:])
-    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": command,
-              "machine": {**isa_record(), "logical_cpus": os.cpu_count()}, "variants": results}
+    report = {**provenance("benchmarks.batch_invariance", argv), "variants": results}
     write_json(args.out, report)  # written whole: an interrupted run leaves the previous file
     print(table(results, args.batch_size))
 

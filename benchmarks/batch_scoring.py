@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "batch_scoring.json")
     args = parser.parse_args(argv)
 
-    from pipeline.core.machine import isa_record
+    from benchmarks.provenance import provenance
     from pipeline.deployment.batch_scoring import default_model_uri
 
     default_model_uri(args.params)  # MLflow pointed at the params' store, as the command does
@@ -118,9 +118,7 @@ def main(argv: list[str] | None = None) -> None:
         answers, local = in_process_run(frame["text"].tolist(), args.model_uri, args.chunk)
     import pyspark
 
-    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "command": "python -m benchmarks.batch_scoring " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "machine": {**isa_record(), "logical_cpus": os.cpu_count()}, "cores": args.cores,
+    result = {**provenance("benchmarks.batch_scoring", argv), "cores": args.cores,
               "pyspark": pyspark.__version__, "model_uri": args.model_uri, "data": str(args.data),
               "spark": spark, "in_process": local,
               "spark_vs_in_process": round(spark["rows_per_s"] / local["rows_per_s"], 3),

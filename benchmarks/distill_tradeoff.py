@@ -136,11 +136,12 @@ def main(argv: list[str] | None = None) -> None:
                        "train_seconds": m["train_seconds"], "wall_time_s": m["wall_time_s"],
                        **{kind: heldout["variants_vs_fp32"][f"{label}/{kind}"]
                           for kind in ("fp32-distilled", "int8-distilled")}}
-    from pipeline.core.machine import isa_record
+    from benchmarks.provenance import provenance
 
     window = load_params(args.params).targets.max_accuracy_loss_pt
     chosen = choose(rows, window)
-    result = {"machine": isa_record(),  # INT8 accuracy depends on the CPU's kernels: recorded with the figures
+    # INT8 accuracy depends on the CPU's kernels: the machine is recorded with the figures
+    result = {**provenance("benchmarks.distill_tradeoff", argv),
               "teacher_heldout": heldout["by_inference_length"], "reviews": heldout["reviews"],
               "teacher_int8_dynamic": heldout["variants_vs_fp32"]["int8-dynamic"], "candidates": rows,
               "rule": f"smallest student with INT8 delta - 1 s.e. >= -{window} pt", "chosen": chosen}

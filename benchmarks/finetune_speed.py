@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,8 +21,8 @@ from typing import Any
 import pandas as pd
 import torch
 
+from benchmarks.provenance import provenance
 from pipeline.core.io import write_json
-from pipeline.core.machine import machine_info
 from pipeline.core.params import DataParams, ModelParams, Params, TrainParams, resolve_auto
 from pipeline.data.cleaning import clean_text
 from pipeline.data.tokens import tokenize_frame
@@ -149,15 +148,13 @@ def main(argv: list[str] | None = None) -> None:
         "short_truncation_speedup": rows["pipeline_128_head_tail"]["samples_per_s"] / base,
         "short_truncation_val_accuracy": rows["pipeline_128_head_tail"]["val_accuracy"],
         "runs": rows,
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "command": "python -m benchmarks.finetune_speed " + " ".join(argv if argv is not None else sys.argv[1:]),
+        **provenance("benchmarks.finetune_speed", argv, threads=args.threads),
         "setup": {
             "model": "all-MiniLM-L6-v2 (packaged)",
             "train_reviews": args.train,
             "val_reviews": args.val,
             "threads": args.threads,
             "compile": args.compile,
-            "machine": machine_info(args.threads),  # CPU model and the ISA flags bf16 and INT8 depend on
             "pipeline_params": {
                 "batch_size": params.batch_size,
                 "lr": params.lr,

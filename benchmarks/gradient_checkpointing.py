@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
                                  device)))
         return
 
-    from pipeline.core.machine import machine_info
+    from benchmarks.provenance import provenance
 
     rows = []
     for setting in ("off", "on"):
@@ -102,10 +102,9 @@ def main(argv: list[str] | None = None) -> None:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True)
         rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     off, on = rows
-    result = {"command": "python -m benchmarks.gradient_checkpointing " + " ".join(sys.argv[1:]),
-              "date": time.strftime("%Y-%m-%d %H:%M"), "device": device,
-              "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
-              "machine": machine_info(torch.get_num_threads()), "model": args.model, "batch": args.batch,
+    result = {**provenance("benchmarks.gradient_checkpointing", argv, threads=torch.get_num_threads()),
+              "device": device, "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
+              "model": args.model, "batch": args.batch,
               "seq": args.seq, "steps": args.steps, "rows": rows,
               "memory_saved_pct": round(100 * (1 - on["peak_above_model_and_optimizer_mb"]
                                                / max(off["peak_above_model_and_optimizer_mb"], 1e-9)), 1),

@@ -31,8 +31,8 @@ import numpy as np
 import pandas as pd
 import torch
 
+from benchmarks.provenance import provenance
 from pipeline.core.io import write_json
-from pipeline.core.machine import machine_info
 from pipeline.core.params import DataParams, read_params, section
 from pipeline.data.imdb import TRANSFER, load_imdb, make_splits
 from pipeline.data.tokens import encode_texts
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
               "train_subsample": trained["train_subsample"],
               "by_inference_length": rows, "variants_vs_fp32": by_variant,
               # INT8 accuracy can depend on the CPU's kernels (a saturating format on a CPU without VNNI)
-              "machine": machine_info(args.threads)}
+              **provenance("benchmarks.heldout_accuracy", argv, threads=args.threads)}
     write_json(args.out, result)
     print(f"\n{len(labels)} unseen train-split reviews (model trained on {window}-token windows, "
           f"the pipeline reads {trained['max_length']})\n")

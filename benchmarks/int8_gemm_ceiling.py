@@ -29,8 +29,9 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.provenance import provenance
 from pipeline.core.io import read_json, write_json
-from pipeline.core.machine import machine_info, resolve_weight_format
+from pipeline.core.machine import resolve_weight_format
 from pipeline.evaluation.latency import percentiles
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
         "weight_format": weights.to_dict(),
         "products": rows, "model_weight_products_ms": model,
         "model_weight_products_int8_speedup": model["fp32"] / model["int8"],
-        "machine": machine_info(args.threads),
+        **provenance("benchmarks.int8_gemm_ceiling", argv, threads=args.threads),
     }
     bench = ROOT / "metrics" / "benchmark.json"
     if bench.is_file():

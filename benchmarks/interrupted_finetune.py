@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.provenance import provenance
 from pipeline.core.io import write_json
-from pipeline.core.machine import machine_info
 from pipeline.core.params import load_params, set_value
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,8 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     if not (args.tokenized / "train.parquet").is_file():
         raise SystemExit(f"{args.tokenized} has no tokenized splits: run `.venv/bin/dvc repro prepare` first")
 
-    results: dict[str, Any] = {"command": "python -m benchmarks.interrupted_finetune " + " ".join(sys.argv[1:]),
-                               "date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine_info(0),
+    results: dict[str, Any] = {**provenance("benchmarks.interrupted_finetune", argv, threads=0),
                                "overrides": args.overrides}
     with tempfile.TemporaryDirectory(prefix="interrupted-") as tmp:
         runs = {}

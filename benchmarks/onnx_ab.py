@@ -132,9 +132,10 @@ def main(argv: list[str] | None = None) -> None:
                      "mean_ms": float(np.mean(t)), "runs": len(t)} for m, t in zip(args.models, times, strict=True)}
     profiles = ({str(m): op_profile(m, feed, args.threads, args.op_profile) for m in args.models}
                 if args.op_profile else {})
-    from pipeline.core.machine import machine_info
+    from benchmarks.provenance import provenance
 
-    write_json(args.out, {"machine": machine_info(args.threads), "seq_len": args.seq_len, "threads": args.threads,
+    write_json(args.out, {**provenance("benchmarks.onnx_ab", argv, threads=args.threads), "seq_len": args.seq_len,
+                          "threads": args.threads,
                           "models": rows,
                           **({"op_profiles": profiles} if profiles else {})})
     print("| model | p10 ms | p50 ms | mean ms |\n|---|---:|---:|---:|")

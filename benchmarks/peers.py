@@ -38,6 +38,7 @@ import numpy as np
 from benchmarks.peer_report import REFERENCE_ROW, ceiling_fraction, chart, table, verdicts
 from benchmarks.peer_rows import accuracy_of, build_row, model_dirs, read_inputs, row_specs
 from benchmarks.peer_runtimes import PeerRuntime, PeerUnavailable, package_version
+from benchmarks.provenance import command_line
 from pipeline.core.io import read_json, write_json
 from pipeline.core.machine import machine_info, resolved_threads
 from pipeline.core.params import Params, load_params
@@ -177,7 +178,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         row.pop("_rounds", None)
     b = params.benchmark
     return {
-        "command": "python -m benchmarks.peers " + " ".join(args.argv),
+        "command": command_line("benchmarks.peers", args.argv),
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
         "machine": {**machine_info(args.threads), "loadavg_start": list(load_start), "loadavg_end": list(load_end),
                     "versions_peers": {m: package_version(m) for m in ("openvino", "nncf", "torchao")}},
@@ -234,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     if args.memory_only:
         result = read_json(args.out)
         add_memory(result["rows"], args)
-        result["command"] += f" && python -m benchmarks.peers {' '.join(args.argv)}"
+        result["command"] += " && " + command_line("benchmarks.peers", args.argv)
     else:
         result = run(args)
     write_json(args.out, result)

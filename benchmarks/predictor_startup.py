@@ -55,7 +55,7 @@ def probe(directory: Path, code: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from pipeline.core.machine import machine_info
+    from benchmarks.provenance import provenance
     from pipeline.runtimes.catalog import VARIANTS
     from pipeline.runtimes.record import VARIANT_FILE, read_variant
 
@@ -92,9 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     for row in rows:
         print(f"{Path(row['code']).name:<28} {row['variant']:<26} {row['first_answer_s']:>14.2f} {row['cpu_s']:>7.2f} "
               f"{row['peak_rss_mb']:>11.0f}  {row['imports_torch']!s:<6} {row['imports_transformers']}")
-    write_json(args.out, {"command": "python -m benchmarks.predictor_startup " + " ".join(argv or sys.argv[1:]),
-                          "date": time.strftime("%Y-%m-%d", time.gmtime(started)), "machine": machine_info(1),
-                          "rows": rows})
+    write_json(args.out, {**provenance("benchmarks.predictor_startup", argv, threads=1, at=started), "rows": rows})
     print(f"wrote {args.out}")
 
 

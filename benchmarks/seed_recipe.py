@@ -47,8 +47,9 @@ import numpy as np
 import pandas as pd
 import torch
 
+from benchmarks.provenance import provenance
 from pipeline.core.io import replaced_on_success, write_json
-from pipeline.core.machine import machine_info, resolve_precision
+from pipeline.core.machine import resolve_precision
 from pipeline.core.params import DataParams, ModelParams, TrainParams
 from pipeline.data.cleaning import clean_text
 from pipeline.data.tokens import tokenize_frame
@@ -313,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
     out = {
         "model": args.model, "weights": args.weights, "device": device, "gpu": gpu, "torch": torch.__version__,
         "batch_size": args.batch, "max_length": SEQ, "warmup_steps": args.warmup, "timed_steps": args.steps,
-        "machine": machine_info(torch.get_num_threads()), "rows": results,
+        **provenance("benchmarks.seed_recipe", argv, threads=torch.get_num_threads()), "rows": results,
         "note": "minutes = the blog's 3 epochs x 35,000 reviews at the measured rate (a projection, not a run)",
     }
     write_json(args.out, out)  # written whole: an interrupted run leaves the previous file

@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import queue
-import sys
 import tempfile
 import threading
 import time
@@ -242,7 +241,8 @@ def main(argv: list[str] | None = None) -> None:
     if not 0.0 <= args.malformed_share < 1.0:
         raise SystemExit("--malformed-share must be in [0, 1)")
 
-    from pipeline.core.machine import isa_record
+    from benchmarks.provenance import provenance
+
     with zipfile.ZipFile(args.mar) as mar:
         config = json.loads(mar.read("serving.json"))
     ts_batching = torchserve_batching(args.ts_config)
@@ -265,9 +265,7 @@ def main(argv: list[str] | None = None) -> None:
             row["in_process_per_s"] = in_process(args.mar, texts, concurrency, batch_size, args.duration)
             row["served_vs_in_process"] = row["requests_per_s"] / row["in_process_per_s"]
         rows.append(row)
-    result = {"server": args.server, "url": url, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "command": "python -m benchmarks.serve_load " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "machine": {**isa_record(), "logical_cpus": os.cpu_count()},
+    result = {"server": args.server, "url": url, **provenance("benchmarks.serve_load", argv),
               "server_batching": ts_batching if args.server == "torchserve" else
               "coalesced in-process: predict calls that arrive while a forward pass runs are scored together in "
               "the next one (pipeline.deployment.coalescing, up to 64 texts, no delay)",

@@ -135,9 +135,11 @@ def main(argv: list[str] | None = None) -> None:
                    help="comma-separated variant names (default: every variant built under --variants-root)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "thread_scaling.json")
     args = p.parse_args(argv)
+    load_start = os.getloadavg()
 
+    from benchmarks.provenance import provenance
     from pipeline.core.io import write_json
-    from pipeline.core.machine import available_cpus, machine_info, thread_tags
+    from pipeline.core.machine import available_cpus, thread_tags
     from pipeline.core.params import load_params, resolve_auto
     from pipeline.data.tokens import read_tokenized
     from pipeline.modeling import saved_pad_id
@@ -191,8 +193,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = scaling_rows(rates, {unit: higher for unit, (_, higher) in units.items()})
     result = {"rows": rows, "threads": counts, "cpus_available": cpus, "precision": precision.to_dict(),
               "reviews": len(seqs), "train_reviews": args.train_reviews, "rounds": args.rounds,
-              "machine": {**machine_info(counts[-1]), "loadavg_start": list(os.getloadavg())},
-              "thread_settings": settings, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+              "thread_settings": settings, **provenance("benchmarks.thread_scaling", argv, threads=counts[-1])}
+    result["machine"]["loadavg_start"] = list(load_start)
     write_json(args.out, result)
     print(table(rows))
     print(f"wrote {args.out} ({json.dumps(result['machine']['cpu'])})")

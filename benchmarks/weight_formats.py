@@ -27,8 +27,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from benchmarks.provenance import provenance
 from pipeline.core.io import read_json, write_json
-from pipeline.core.machine import WEIGHT_FORMATS, Choice, cpu_flags, machine_info, resolve_weight_format
+from pipeline.core.machine import WEIGHT_FORMATS, Choice, cpu_flags, resolve_weight_format
 from pipeline.core.params import Params, load_params
 from pipeline.evaluation.latency import latency_inputs, measure, speedup, throughput_batches
 from pipeline.runtimes.catalog import REFERENCE
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
               "note": saturation_note(formats),
               "settings": {"seq_len": bench.seq_len, "batch_size": bench.batch_size, "rounds": bench.rounds,
                            "iterations": bench.iterations, "warmup": bench.warmup},
-              "machine": machine_info(args.threads)}
+              **provenance("benchmarks.weight_formats", argv, threads=args.threads)}
     write_json(args.out, result)
     print(f"\nINT8 weight formats: batch-1 p50 at {bench.seq_len} tokens, reviews/s at batch {bench.batch_size}, "
           f"{args.threads} threads, {bench.rounds} alternating rounds; speed-up vs {REFERENCE}")
