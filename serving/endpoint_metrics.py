@@ -4,10 +4,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-#: Error kinds by status, for `/metrics`: 4xx are the caller's, 5xx the server's (`side` label).
+#: Error kinds by status, for `/metrics`: 4xx are the caller's, 5xx the server's (`side` label), but for
+#: `CLIENT_5XX`.
 ERROR_KINDS = {400: "invalid_input", 404: "not_found", 405: "method_not_allowed", 408: "request_timeout",
                413: "too_large", 414: "uri_too_long", 415: "unsupported_media_type", 431: "headers_too_large",
-               417: "expectation_failed", 500: "server_error", 503: "overloaded", 504: "timeout"}
+               417: "expectation_failed", 500: "server_error", 503: "overloaded", 504: "timeout",
+               505: "http_version_not_supported"}
+#: 5xx answers a client chose: a 505 refuses the HTTP version its request line named, so a client that sends
+#: `HTTP/2.0` lines raises no server-side error rate.
+CLIENT_5XX = frozenset({505})
+
+
+def side(status: int) -> str:
+    """Whose fault an error answer is, for the `side` label: `server` for a 5xx (but `CLIENT_5XX`), else `client`."""
+    return "server" if status >= 500 and status not in CLIENT_5XX else "client"
 #: The kind of a 503 while the model is still busy with a call that timed out, and of a failed `/ready`.
 MODEL_BUSY = "model_busy"
 NOT_READY = "not_ready"
@@ -60,7 +70,7 @@ class Metrics:
         self.latency.labels(path).observe(seconds)
         if status >= 400:
             kind = outcome.kind or ERROR_KINDS.get(status, "server_error" if status >= 500 else "other")
-            self.errors.labels(kind, "server" if status >= 500 else "client").inc()
+            self.errors.labels(kind, side(status)).inc()
         elif outcome.texts:
             self.texts.inc(outcome.texts)
 
@@ -70,7 +80,7 @@ class Metrics:
         counted under path and method `other`, with no latency; a request the app had begun to read is then not
         counted by the app (`PROTOCOL_REFUSED`)."""
         self.requests.labels("other", "other", str(status)).inc()
-        self.errors.labels(kind, "server" if status >= 500 else "client").inc()
+        self.errors.labels(kind, side(status)).inc()
 
     def exposition(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

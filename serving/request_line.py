@@ -66,11 +66,15 @@ def url_bytes(scope: Scope) -> int:
 
 def refusal(scope: Scope) -> tuple[RequestError, Headers | None] | None:
     """What is wrong with a request before its body, from its line and headers alone, with the answer's extra
-    headers: its URL or headers too large (414, 431), a target that is no path (400), an unknown path (404), another
-    method (405), an expectation other than 100-continue (417), a header sent twice that must be sent once or two
-    framings (400). None: nothing."""
+    headers: an HTTP major version other than 1 (505), its URL or headers too large (414, 431), a target that is
+    no path (400), an unknown path (404), another method (405), an expectation other than 100-continue (417), a
+    header sent twice that must be sent once or two framings (400). None: nothing."""
     path, method = scope.get("path", ""), scope.get("method", "")
     raw_path = scope.get("raw_path") or path.encode()
+    if not str(scope.get("http_version", "1.1")).startswith("1."):
+        # h11 reads any `HTTP/<digit>.<digit>` line as HTTP/1.1 framing; `HTTP/2.0` in a text request line is no
+        # HTTP/2 (whose connections open with a binary preface), so it is refused as nginx refuses it (RFC 9110 15.6.6)
+        return RequestError(505, "HTTP version not supported: send HTTP/1.1 (or 1.0)"), [CLOSE]
     if (size := url_bytes(scope)) > MAX_URL_BYTES:
         return RequestError(414, f"URL of {size} bytes exceeds the limit of {MAX_URL_BYTES}"), None
     raw_headers: Headers = scope.get("headers", [])

@@ -485,6 +485,24 @@ def test_an_http_1_0_clients_expectation_is_ignored_so_its_refused_body_is_read_
     assert (status, upload.reads) == (413, 0)
 
 
+@pytest.mark.parametrize("version", ["2.0", "3.0", "9.9"])
+def test_a_request_line_of_another_http_major_version_is_a_505_the_client_is_counted_for(served, version):
+    """h11 reads any `HTTP/<digit>.<digit>` request line with HTTP/1.1 framing, so `HTTP/2.0` was answered as a
+    1.1 request. It is a 505 now, closed, as nginx in front of TorchServe answers it, and `/metrics` counts it on
+    the client's side: a client sending such lines raises no server error rate. A minor version above 1.1 is read
+    as 1.1 (RFC 9112 2.3), as nginx reads it."""
+    app = middleware(served)
+    body = json.dumps({"inputs": ["a fine film"]}).encode()
+    status, headers, answer = asyncio.run(call(app, body, http_version=version))
+    error = json.loads(answer)
+    assert (status, headers["connection"], error["status"]) == (505, "close", 505), answer
+    assert error["request_id"] == headers["x-request-id"]
+    assert metric(app, "sentiment_request_errors_total", kind="http_version_not_supported", side="client") == 1
+    assert metric(app, "sentiment_request_errors_total", side="server") == 0
+    for accepted in ("1.0", "1.1", "1.2"):
+        assert asyncio.run(call(app, body, http_version=accepted))[0] == 200, accepted
+
+
 @pytest.mark.parametrize("space", [b"\xa0", b"\x85"])
 def test_only_space_and_tab_surround_an_expectation_or_a_coding_or_a_media_type(served, space):
     """Header bytes 0xA0 and 0x85 (NBSP and NEL once read as latin-1, whitespace to `str.strip()`) are not optional

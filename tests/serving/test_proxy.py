@@ -343,6 +343,9 @@ PROXY_ANSWERS = (
     (request("OPTIONS", "*"), 400),
     (request("CONNECT", "localhost:8079"), 400),
     (b"GARBAGE\r\n\r\n", 400),
+    # a text request line naming HTTP/2 or later: TorchServe's frontend would read it as HTTP/1.1
+    (request("POST", "/predictions/sentiment", body=b"{}").replace(b" HTTP/1.1\r\n", b" HTTP/2.0\r\n", 1), 505),
+    (request("POST", "/predictions/sentiment", body=b"{}").replace(b" HTTP/1.1\r\n", b" HTTP/3.7\r\n", 1), 505),
     # bodies TorchServe's frontend would decode itself before the handler (its 500s, seconds on a large one)
     (request("POST", "/predictions/sentiment", "Content-Type: application/x-www-form-urlencoded",
              body=b"text=%zz"), 415),
