@@ -25,9 +25,9 @@ def utc_minute(at: float | None = None) -> str:
 
 def provenance(module: str, argv: Sequence[str] | None = None, *, threads: int | None = None,
                at: float | None = None) -> dict[str, Any]:
-    """`command`, `date` and `machine` of a run of benchmark `module` with `argv` (None: this process's) that
-    started at `at` (default: now), using `threads` threads (None: not a timing of thread settings, so only the CPU
-    and its flags are recorded)."""
+    """`command`, `date` and `machine` of a run of benchmark `module` with `argv` (None: this process's), dated
+    `at` (default: now, as the results are written), using `threads` threads (None: not a timing of thread settings,
+    so only the CPU and its flags are recorded)."""
     from pipeline.core.machine import isa_record, machine_info
 
     machine = (machine_info(threads) if threads is not None

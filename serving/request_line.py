@@ -66,18 +66,26 @@ def url_bytes(scope: Scope) -> int:
 
 def refusal(scope: Scope) -> tuple[RequestError, Headers | None] | None:
     """What is wrong with a request before its body, from its line and headers alone, with the answer's extra
-    headers: an HTTP major version other than 1 (505), its URL or headers too large (414, 431), a target that is
-    no path (400), an unknown path (404), another method (405), an expectation other than 100-continue (417), a
-    header sent twice that must be sent once or two framings (400). None: nothing."""
+    headers: an HTTP major version other than 1 (505; 0 is a 400), no Host above HTTP/1.0 (400), its URL or headers
+    too large (414, 431), a target that is no path (400), an unknown path (404), another method (405), an
+    expectation other than 100-continue (417), a header sent twice that must be sent once or two framings (400).
+    None: nothing."""
     path, method = scope.get("path", ""), scope.get("method", "")
     raw_path = scope.get("raw_path") or path.encode()
-    if not str(scope.get("http_version", "1.1")).startswith("1."):
-        # h11 reads any `HTTP/<digit>.<digit>` line as HTTP/1.1 framing; `HTTP/2.0` in a text request line is no
-        # HTTP/2 (whose connections open with a binary preface), so it is refused as nginx refuses it (RFC 9110 15.6.6)
-        return RequestError(505, "HTTP version not supported: send HTTP/1.1 (or 1.0)"), [CLOSE]
+    version = str(scope.get("http_version", "1.1"))
+    if version.startswith("0."):  # nginx's parser, too, reads no request line of major version 0
+        return RequestError(400, "malformed request line: HTTP/0.x is no HTTP version this server reads"), [CLOSE]
+    if not version.startswith("1."):
+        # h11 reads any `HTTP/<digit>.<digit>` line with HTTP/1.1 framing; `HTTP/2.0` in a text request line is no
+        # HTTP/2 (whose connections open with a binary preface): refused as nginx refuses it (RFC 9110 15.6.6), the
+        # connection kept, so a body on its way is read and dropped as after a 404, not cut off by a reset
+        return RequestError(505, "HTTP version not supported: send HTTP/1.1 (or 1.0)"), None
+    raw_headers: Headers = scope.get("headers", [])
+    if version not in ("1.0", "1.1") and not any(k.lower() == b"host" for k, _ in raw_headers):
+        # h11 asks a Host of HTTP/1.1 alone, nginx of every version above 1.0 (a 1.2 line is read as 1.1)
+        return RequestError(400, "a Host header is required"), [CLOSE]
     if (size := url_bytes(scope)) > MAX_URL_BYTES:
         return RequestError(414, f"URL of {size} bytes exceeds the limit of {MAX_URL_BYTES}"), None
-    raw_headers: Headers = scope.get("headers", [])
     header_bytes = sum(len(k) + len(v) + 4 for k, v in raw_headers)
     if header_bytes > MAX_HEADER_BYTES:
         return RequestError(431, f"request headers of {header_bytes} bytes exceed the limit of "

@@ -190,8 +190,9 @@ def uvicorn_in_thread(app: Any, protocol: Any, **config: Any) -> Iterator[int]:
     import uvicorn
 
     port = free_port()
+    # log_config None: uvicorn's own logging config would replace the handlers a test put on its loggers
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, http=protocol, lifespan="off",
-                                           log_level="warning", **config))
+                                           log_level="warning", log_config=None, **config))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

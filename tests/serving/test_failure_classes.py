@@ -488,19 +488,25 @@ def test_an_http_1_0_clients_expectation_is_ignored_so_its_refused_body_is_read_
 @pytest.mark.parametrize("version", ["2.0", "3.0", "9.9"])
 def test_a_request_line_of_another_http_major_version_is_a_505_the_client_is_counted_for(served, version):
     """h11 reads any `HTTP/<digit>.<digit>` request line with HTTP/1.1 framing, so `HTTP/2.0` was answered as a
-    1.1 request. It is a 505 now, closed, as nginx in front of TorchServe answers it, and `/metrics` counts it on
-    the client's side: a client sending such lines raises no server error rate. A minor version above 1.1 is read
-    as 1.1 (RFC 9112 2.3), as nginx reads it."""
+    1.1 request. It is a 505 now, as nginx in front of TorchServe answers it, and `/metrics` counts it on the
+    client's side: a client sending such lines raises no server error rate. The connection is not closed at once
+    (a body on its way is read and dropped, as after a 404). HTTP/0.x is a malformed line (400), as to nginx; a
+    minor version above 1.1 is read as 1.1 (RFC 9112 2.3), with the Host header 1.1 requires."""
     app = middleware(served)
     body = json.dumps({"inputs": ["a fine film"]}).encode()
-    status, headers, answer = asyncio.run(call(app, body, http_version=version))
+    host = [("Host", "t")]
+    status, headers, answer = asyncio.run(call(app, body, host, http_version=version))
     error = json.loads(answer)
-    assert (status, headers["connection"], error["status"]) == (505, "close", 505), answer
+    assert (status, error["status"], "connection" in headers) == (505, 505, False), answer
     assert error["request_id"] == headers["x-request-id"]
     assert metric(app, "sentiment_request_errors_total", kind="http_version_not_supported", side="client") == 1
     assert metric(app, "sentiment_request_errors_total", side="server") == 0
+    status, headers, _ = asyncio.run(call(app, body, host, http_version="0.9"))
+    assert (status, headers["connection"]) == (400, "close")
     for accepted in ("1.0", "1.1", "1.2"):
-        assert asyncio.run(call(app, body, http_version=accepted))[0] == 200, accepted
+        assert asyncio.run(call(app, body, host, http_version=accepted))[0] == 200, accepted
+    status, headers, answer = asyncio.run(call(app, body, http_version="1.2"))  # no Host
+    assert (status, headers["connection"]) == (400, "close"), answer
 
 
 @pytest.mark.parametrize("space", [b"\xa0", b"\x85"])

@@ -121,3 +121,23 @@ def test_a_request_the_app_answers_without_its_body_and_unreadable_framing_in_on
         gc.collect()
     assert [r.getMessage() for r in records] == []
     assert requests == 3
+
+
+def test_a_505_for_an_http_2_request_line_keeps_the_connection_so_a_valid_request_follows_on_it():
+    """A text request line naming HTTP/2.0 gets its JSON 505 on a real uvicorn server, its body read and dropped
+    rather than cut off by a reset, and the same connection then answers an HTTP/1.1 request."""
+    metrics = Metrics("3", "test-variant")
+    protocol = request_deadline_protocol(30.0, 30.0, on_refusal=metrics.refused)
+    body = b'{"inputs": ["a fine film"]}'
+    head = b"POST /invocations %s\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+    with uvicorn_in_thread(_middleware(metrics), protocol) as port:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(head % (b"HTTP/2.0", len(body)) + body)
+            first = b""
+            while not first.endswith(b"}"):  # the JSON 505, whole
+                first += sock.recv(65536)
+            last = (head % (b"HTTP/1.1", len(body))).replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n")
+            sock.sendall(last + body)
+            rest, _ = read_until_closed(sock)
+    assert first.startswith(b"HTTP/1.1 505 ") and b'"status": 505' in first, first
+    assert rest.startswith(b"HTTP/1.1 200 ") and b'"positive"' in rest, rest
