@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import statistics
 import time
 import uuid
 from pathlib import Path
@@ -100,17 +99,17 @@ def measure(uri: str, clients: int, duration: float, metric_batches: int, per_ba
     results = [out.get(timeout=margin + duration + 300) for _ in procs]
     for p in procs:
         p.join(30)
-    latencies = sorted(x for r in results for x in r["latencies"])
+    from pipeline.evaluation.latency import percentiles
+
+    latencies_ms = [1000 * x for r in results for x in r["latencies"]]
+    # the benchmark stage's percentiles (p99 only from enough samples to be a tail), as serve_load reports them
+    tail = percentiles(latencies_ms) if latencies_ms else dict.fromkeys(("p50", "p99"))
     errors = sum(r["errors"] for r in results)
-
-    def pct(q: float) -> float | None:
-        return round(1000 * latencies[min(len(latencies) - 1, int(q * len(latencies)))], 1) if latencies else None
-
     runs, calls = sum(r["runs"] for r in results), sum(r["calls"] for r in results)
     return {"store": uri, "clients": clients, "seconds": duration, "runs": runs, "calls": calls,
             "runs_per_s": round(runs / duration, 2), "calls_per_s": round(calls / duration, 1),
-            "p50_call_ms": round(1000 * statistics.median(latencies), 1) if latencies else None,
-            "p99_call_ms": pct(0.99), "errors": errors,
+            **{f"{q}_call_ms": None if tail[q] is None else round(tail[q], 1) for q in ("p50", "p99")},
+            "errors": errors,
             "first_error": next((r["first_error"] for r in results if r["first_error"]), None)}
 
 

@@ -13,11 +13,6 @@ ERROR_KINDS = {400: "invalid_input", 404: "not_found", 405: "method_not_allowed"
 #: 5xx answers a client chose: a 505 refuses the HTTP version its request line named, so a client that sends
 #: `HTTP/2.0` lines raises no server-side error rate.
 CLIENT_5XX = frozenset({505})
-
-
-def side(status: int) -> str:
-    """Whose fault an error answer is, for the `side` label: `server` for a 5xx (but `CLIENT_5XX`), else `client`."""
-    return "server" if status >= 500 and status not in CLIENT_5XX else "client"
 #: The kind of a 503 while the model is still busy with a call that timed out, and of a failed `/ready`.
 MODEL_BUSY = "model_busy"
 NOT_READY = "not_ready"
@@ -27,6 +22,11 @@ MODEL_ERROR = "model_error"
 CLIENT_CLOSED = "client_closed"
 #: Methods that are label values; any other is counted as `other`.
 METHODS = ("GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS")
+
+
+def side(status: int) -> str:
+    """Whose fault an error answer is, for the `side` label: `server` for a 5xx (but `CLIENT_5XX`), else `client`."""
+    return "server" if status >= 500 and status not in CLIENT_5XX else "client"
 
 
 @dataclass(frozen=True)

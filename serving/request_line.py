@@ -81,7 +81,8 @@ def refusal(scope: Scope) -> tuple[RequestError, Headers | None] | None:
         # connection kept, so a body on its way is read and dropped as after a 404, not cut off by a reset
         return RequestError(505, "HTTP version not supported: send HTTP/1.1 (or 1.0)"), None
     raw_headers: Headers = scope.get("headers", [])
-    if version not in ("1.0", "1.1") and not any(k.lower() == b"host" for k, _ in raw_headers):
+    names = {k.lower() for k, _ in raw_headers}
+    if version not in ("1.0", "1.1") and b"host" not in names:
         # h11 asks a Host of HTTP/1.1 alone, nginx of every version above 1.0 (a 1.2 line is read as 1.1)
         return RequestError(400, "a Host header is required"), [CLOSE]
     if (size := url_bytes(scope)) > MAX_URL_BYTES:
@@ -98,7 +99,6 @@ def refusal(scope: Scope) -> tuple[RequestError, Headers | None] | None:
     if method != allowed and not (method == "HEAD" and allowed == "GET"):  # HEAD wherever GET (RFC 9110 9.3.2)
         methods = f"{allowed}, HEAD" if allowed == "GET" else allowed
         return RequestError(405, f"method not allowed on this path; use {allowed}"), [(b"allow", methods.encode())]
-    names = {k.lower() for k, _ in raw_headers}
     if expectations(scope) - {"100-continue"}:
         return RequestError(417, "the only expectation this server meets is 100-continue"), [CLOSE]
     counts = collections.Counter(k.lower() for k, _ in raw_headers if k.lower() in SINGLE_HEADERS)
