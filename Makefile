@@ -125,10 +125,16 @@ docs: venv
 	$(BIN)/mkdocs build --strict --site-dir site
 
 ## mlflow-ui: browse runs, the variants' models, metrics and the model registry at http://127.0.0.1:5000
-## (the link printed opens MLflow's model-training view; the UI otherwise starts in its GenAI view)
+## (the link printed opens MLflow's model-training view; the UI otherwise starts in its GenAI view), on the store the
+## stages log to: $$MLFLOW_TRACKING_URI when set, else params' mlflow.tracking_uri. A tracking server is its own UI:
+## its address is printed instead.
 mlflow-ui: venv
-	@echo "open http://127.0.0.1:5000/#/experiments?workflowType=machine_learning"
-	$(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port 5000
+	@store="$${MLFLOW_TRACKING_URI:-$$($(BIN)/python -m pipeline.core.params get mlflow.tracking_uri)}"; \
+	case "$$store" in \
+	  http://*|https://*) echo "the tracking store is a server; its UI: $$store/#/experiments?workflowType=machine_learning";; \
+	  *) echo "open http://127.0.0.1:5000/#/experiments?workflowType=machine_learning ($$store)"; \
+	     exec $(BIN)/mlflow ui --backend-store-uri "$$store" --host 127.0.0.1 --port 5000;; \
+	esac
 
 plots: venv
 	$(BIN)/dvc plots show && echo "open dvc_plots/index.html"

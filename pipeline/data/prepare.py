@@ -47,7 +47,7 @@ def prepare(data: DataParams, tokenizer: Any, prepared_dir: Path, tokenized_dir:
             lengths = tok["length"].to_numpy()
             metrics[f"{name}_tokens_mean"] = round(float(lengths.mean()), 1)
             metrics[f"{name}_tokens_p95"] = float(np.percentile(lengths, 95))
-            metrics[f"{name}_truncated_share"] = round(float((lengths >= data.max_length).mean()), 4)
+            metrics[f"{name}_truncated_share"] = round(float(tok["truncated"].mean()), 4)
         tokenizer.save_pretrained(tokenized_work / "tokenizer")
     metrics["wall_time_s"] = round(time.perf_counter() - started, 2)
     write_json(metrics_path, metrics)

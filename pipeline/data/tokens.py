@@ -75,8 +75,10 @@ def window_shortener(window: int | None, max_length: int, truncation: str, head_
 
 
 def tokenize_frame(df: pd.DataFrame, tokenizer: Any, params: DataParams, chunk: int = 2048) -> pd.DataFrame:
-    """Token ids (unpadded, int32) and length per review; padding happens per batch later."""
+    """Token ids (unpadded, int32), length and whether `truncate_ids` cut it, per review; padding happens per batch
+    later. (A review whose tokens exactly fill `max_length` was not cut: its length alone cannot tell.)"""
     out: list[np.ndarray] = []
+    cut: list[bool] = []
     texts = df["text"].tolist()
     for i in range(0, len(texts), chunk):
         enc = tokenizer(texts[i : i + chunk], add_special_tokens=False, truncation=False, verbose=False)
@@ -84,7 +86,8 @@ def tokenize_frame(df: pd.DataFrame, tokenizer: Any, params: DataParams, chunk: 
             kept = truncate_ids(ids, params.max_length, params.truncation, params.head_fraction,
                                 tokenizer.cls_token_id, tokenizer.sep_token_id)
             out.append(np.asarray(kept, dtype=np.int32))
-    frame = pd.DataFrame({"input_ids": out, "length": [len(x) for x in out]})
+            cut.append(len(ids) > params.max_length - 2)  # the body `truncate_ids` keeps, [CLS]/[SEP] aside
+    frame = pd.DataFrame({"input_ids": out, "length": [len(x) for x in out], "truncated": cut})
     if "label" in df.columns:  # the unlabelled transfer split has none
         frame["label"] = df["label"].to_numpy()
     return frame

@@ -14,7 +14,7 @@ import numpy as np
 
 from pipeline.core.io import replaced_on_success
 from pipeline.core.params import TargetsParams
-from pipeline.evaluation.latency import SPEEDUP_LEVEL
+from pipeline.evaluation.latency import SPEEDUP_LEVEL, percentiles
 from pipeline.runtimes.catalog import READOUT_ROW, REFERENCE
 from pipeline.selection import (
     PairVerdict,
@@ -129,23 +129,35 @@ class Report:
     fewer_rounds: list[str]  # "name (rounds, samples)" of each row left out early (`latency.Apart`)
 
 
-def speedup_sources(variants: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+def speedup_sources(variants: dict[str, dict[str, Any]],
+                    rounds: dict[str, list[list[float]]] | None = None) -> list[dict[str, Any]]:
     """Each step of `SPEEDUP_STEPS` whose two rows were measured: the batch-1 p50 ratio it contributes. Along
-    the chain the factors multiply to the last row's speed-up over FP32 eager."""
-    out = []
+    the chain the factors multiply to the last row's p50 speed-up over FP32 eager.
+
+    With `rounds` (the benchmark's samples by round, `latency_rounds_ms`) every row of the chain is taken over the
+    rounds all of them were timed in (the first ones: `latency.Apart` stops a row early, never late), so each
+    factor is a ratio of p50s over the same rounds and each step's `rounds` says how many. Without it each row's
+    own p50 is used, which is only paired where every row ran every round."""
     steps = SPEEDUP_STEPS
     if variants.get(READOUT_ROW, {}).get("status") != "ok":  # no readout to split off: eager to the graph in one step
         steps = (NO_READOUT_STEP, *SPEEDUP_STEPS[2:])
-    for what, before, after in steps:
-        a, b = variants.get(before, {}), variants.get(after, {})
-        if a.get("status") == "ok" and b.get("status") == "ok":
-            out.append({"step": what, "from": before, "to": after, "factor": a["p50_ms_b1"] / b["p50_ms_b1"]})
-    return out
+    measured = [(what, before, after) for what, before, after in steps
+                if variants.get(before, {}).get("status") == "ok" and variants.get(after, {}).get("status") == "ok"]
+    names = {n for _, before, after in measured for n in (before, after)}
+    if rounds is not None and names <= rounds.keys():
+        common = min(len(rounds[n]) for n in names)
+        p50 = {n: percentiles([x for samples in rounds[n][:common] for x in samples])["p50"] for n in names}
+    else:
+        common, p50 = None, {n: variants[n]["p50_ms_b1"] for n in names}
+    return [{"step": what, "from": before, "to": after, "factor": p50[before] / p50[after], "rounds": common}
+            for what, before, after in measured]
 
 
-def speedup_chain(variants: dict[str, dict[str, Any]]) -> SpeedupChain | None:
-    """The speed-up decomposition the report shows, or None when fewer than two steps were measured."""
-    steps = speedup_sources(variants)
+def speedup_chain(variants: dict[str, dict[str, Any]],
+                  rounds: dict[str, list[list[float]]] | None = None) -> SpeedupChain | None:
+    """The speed-up decomposition the report shows (`speedup_sources`), or None when fewer than two steps were
+    measured."""
+    steps = speedup_sources(variants, rounds)
     if len(steps) < 2:
         return None
     return SpeedupChain(steps, float(np.prod([s["factor"] for s in steps])))
@@ -221,7 +233,8 @@ def report_data(result: dict[str, Any], chart: Path, targets: TargetsParams, par
                   s8_saturates=no_int8_dot and "s8" in formats)
     return Report(settings=settings, rows=report_rows(variants), chart=chart.name,
                   pareto_chart=pareto.name if pareto else None, pareto_front=pareto_front(variants),
-                  speedup=speedup_chain(variants), targets=target_verdicts(variants, targets),
+                  speedup=speedup_chain(variants, result.get("latency_rounds_ms")),
+                  targets=target_verdicts(variants, targets),
                   qat=qat_verdicts(variants, targets), static=static_verdicts(variants, targets),
                   machine=machine_of(machine), bf16_row=settings.get("bf16_row_choice"), weight_formats=formats,
                   notes=notes, fewer_rounds=[f"{n} ({e['rounds']} rounds, {e['latency_samples']} samples)"

@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from benchmarks.load_clients import Connection, Endpoint, answering_endpoint, malformed_bodies
-from benchmarks.serve_load import table, targets, torchserve_batching
+from benchmarks.serve_load import table, targets, torchserve_batching, valid_rate
 from pipeline.deployment.protocol import RequestError
 from pipeline.deployment.request_parsing import parse_request
 from tests import factories
@@ -51,7 +51,7 @@ def test_the_recorded_batching_is_the_config_torchserve_starts_with():
 def _row(concurrency, errors=0, ok_pct=100.0, p50=10.0, p99=20.0, ratio=0.9):
     return {"concurrency": concurrency, "valid_sent": 100, "valid_ok_pct": ok_pct, "valid_errors": errors,
             "malformed_4xx_pct": 100.0, "p50_ms": p50, "p99_ms": p99, "requests_per_s": 50.0,
-            "in_process_per_s": 50.0 / ratio, "served_vs_in_process": ratio}
+            "valid_requests_per_s": 50.0, "in_process_per_s": 50.0 / ratio, "served_vs_in_process": ratio}
 
 
 def test_targets_read_the_sweep():
@@ -67,6 +67,13 @@ def test_targets_read_the_sweep():
     assert targets([_row(1)], 0.0)["p99_at_most_3x_p50_at_8"] is None
     assert targets([_row(8)], 0.0)["all_valid_answered_200_with_malformed_mixed_in"] is None
     assert "| 8 | 100 | 100.00 | 0 |" in table([_row(8)])
+
+
+def test_the_ratio_counts_valid_answers_over_the_clients_time_on_valid_requests():
+    # 4 clients for 10 s, 8 client-seconds of it waiting on malformed requests: 32 s on valid ones
+    assert valid_rate(320, 4, 10.0, 8.0) == pytest.approx(40.0)  # not 320 / 10 = 32, the wall-time rate
+    assert valid_rate(320, 4, 10.0, 0.0) == pytest.approx(32.0)  # no poison: the two rates agree
+    assert valid_rate(0, 1, 1.0, 1.0) == 0.0
 
 
 @pytest.fixture

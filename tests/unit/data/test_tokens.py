@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.data.tokens import clip_chars, encode_texts, retruncate, training_window, truncate_ids
+from pipeline.data.tokens import clip_chars, encode_texts, retruncate, tokenize_frame, training_window, truncate_ids
 
 
 @pytest.mark.parametrize(
@@ -73,3 +73,20 @@ def test_encode_texts_takes_the_truncation_by_name_and_never_guesses_it(tokenize
     (head,) = encode_texts([text], tokenizer, 16, truncation="head", head_fraction=0.25)
     (head_tail,) = encode_texts([text], tokenizer, 16, truncation="head_tail", head_fraction=0.25)
     assert head[:4].tolist() == head_tail[:4].tolist() and head[-2] != head_tail[-2]  # the mode named is applied
+
+
+def test_a_review_that_exactly_fills_the_window_is_not_counted_as_truncated(tokenizer):
+    """`truncated` (the prepare stage's `<split>_truncated_share`) says whether tokens were cut: a review of exactly
+    `max_length` tokens with [CLS]/[SEP] has the same length as a cut one, and was not cut."""
+    import pandas as pd
+
+    from pipeline.core.params import DataParams
+
+    def words(n: int) -> str:  # n tokens: the test tokenizer gives one token a word for these
+        return " ".join(["good"] * n)
+
+    assert len(tokenizer(words(14), add_special_tokens=False)["input_ids"]) == 14
+    frame = tokenize_frame(pd.DataFrame({"text": [words(13), words(14), words(15)], "label": [1, 1, 0]}),
+                           tokenizer, DataParams(max_length=16))
+    assert frame["length"].tolist() == [15, 16, 16]
+    assert frame["truncated"].tolist() == [False, False, True]

@@ -135,6 +135,23 @@ def test_speedup_sources_multiply_to_the_students_speedup():
     assert chain.product == pytest.approx(20.0 / 2.0)
 
 
+def test_speedup_chain_pairs_rows_timed_in_fewer_rounds_on_their_common_rounds():
+    """A row stopped after 2 of 3 rounds (`latency.Apart`) is compared over those 2 rounds only: FP32 eager's slow
+    third round must not make the step after it look faster."""
+    variants = {"fp32-eager": _row(15.0), "fp32-eager-readout": _row(8.0), "fp32-onnx": _row(8.0),
+                "int8-dynamic": _row(4.0)}
+    rounds = {"fp32-eager": [[10.0, 10.0], [10.0, 10.0], [40.0, 40.0]],  # p50 over all three rounds: 10.0
+              "fp32-eager-readout": [[8.0, 8.0], [8.0, 8.0]], "fp32-onnx": [[5.0, 5.0], [5.0, 5.0]],
+              "int8-dynamic": [[2.5, 2.5], [2.5, 2.5], [2.5, 2.5]]}
+    chain = speedup_chain(variants, rounds)
+    assert chain is not None
+    assert [round(s["factor"], 3) for s in chain.steps] == [1.25, 1.6, 2.0]
+    assert {s["rounds"] for s in chain.steps} == {2}
+    assert chain.product == pytest.approx(10.0 / 2.5)
+    unpaired = speedup_chain(variants)  # each row's own p50 (15 / 8): what the chain said before
+    assert unpaired is not None and unpaired.steps[0]["factor"] == pytest.approx(15.0 / 8.0)
+
+
 @pytest.mark.parametrize("rehearsed", [False, True])
 def test_machine_section_holds_the_isa_and_a_rehearsal_of_other_flags(tmp_path, rehearsed):
     """The machine section has this CPU's flags; where `PIPELINE_CPU_FLAGS` made the `auto` decisions it also has
