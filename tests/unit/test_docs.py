@@ -356,3 +356,13 @@ def test_command_check_finds_a_stale_command(command: str, finding: str, tmp_pat
     text = f"```bash\n{command}   # a comment\n```\n"
     problems = [p for tokens in shell_commands(text) for p in check_command(tokens, tmp_path)]
     assert any(finding in p for p in problems), problems
+
+
+def test_make_mlflow_ui_opens_the_store_the_stages_log_to():
+    """`make mlflow-ui` takes the tracking store as the stages do, `$MLFLOW_TRACKING_URI` first: for a tracking
+    server it prints that server's UI and starts nothing (before, it always opened a local `mlflow.db`)."""
+    env = {**os.environ, "MLFLOW_TRACKING_URI": "http://127.0.0.1:9/"}
+    done = subprocess.run(["make", "-s", "mlflow-ui"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "its UI: http://127.0.0.1:9/" in done.stdout and "sqlite" not in done.stdout
