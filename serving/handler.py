@@ -34,7 +34,7 @@ class SentimentHandler:
         self.initialized = False
 
     def initialize(self, context: Any) -> None:
-        from pipeline.deployment.inference import SentimentPredictor
+        from pipeline.deployment.inference import SentimentPredictor, freeze_loaded_objects
         from pipeline.deployment.protocol import VARIANT_HEADER, VERSION_HEADER, Limits
 
         model_dir = Path(context.system_properties.get("model_dir"))
@@ -47,6 +47,7 @@ class SentimentHandler:
         version = (config.get("registered_model") or {}).get("version")
         self.headers = {VERSION_HEADER: str(version or "unregistered"), VARIANT_HEADER: str(config["variant"])}
         self.predictor.predict(["warm-up review"])  # load kernels before /ping reports healthy
+        freeze_loaded_objects()
         self.initialized = True
         log.info("sentiment handler ready: %s", self.model_label)
 

@@ -179,6 +179,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"{args.params}: {exc}") from None
     except StoreError as exc:  # the store unreachable or refusing, a version or model it does not have
         raise SystemExit(f"the model to serve could not be read from the tracking store: {exc}") from None
+    from pipeline.deployment.inference import freeze_loaded_objects
+
+    freeze_loaded_objects()  # after the model's load: a request's collections never walk its objects
     print(f"serving {app.variant} (version {app.version}) at http://{args.host}:{args.port}/invocations; "
           f"logs in {args.log_dir / 'mlflow_server.log'}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port,

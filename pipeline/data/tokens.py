@@ -96,13 +96,73 @@ def tokenize_frame(df: pd.DataFrame, tokenizer: Any, params: DataParams, chunk: 
 def encode_texts(texts: Sequence[str], tokenizer: Any, max_length: int, *, truncation: str,
                  head_fraction: float) -> list[np.ndarray]:
     """Same truncation as training, for inference paths that start from raw text. `truncation` and `head_fraction`
-    have no defaults: they must be the model's own (its record's `preprocessing`), never a guess."""
-    enc = tokenizer([clean_text(t) for t in texts], add_special_tokens=False, truncation=False, verbose=False)
-    return [
-        np.asarray(truncate_ids(ids, max_length, truncation, head_fraction,
-                                tokenizer.cls_token_id, tokenizer.sep_token_id), dtype=np.int32)
-        for ids in enc["input_ids"]
-    ]
+    have no defaults: they must be the model's own (its record's `preprocessing`), never a guess. Each text is
+    tokenized only as far from each end as its window reaches (`window_token_ids`), with the same ids."""
+    return [np.asarray(ids, dtype=np.int32) for ids in window_token_ids(
+        [clean_text(t) for t in texts], tokenizer, max_length, truncation=truncation, head_fraction=head_fraction)]
+
+
+#: How many characters `window_token_ids` first tokenizes from each end of a text longer than that: most reviews
+#: are shorter, and prose fills a 192-token window in well under this; the span doubles until the window is in it.
+FIRST_SPAN_CHARS = 2048
+
+
+def window_token_ids(texts: Sequence[str], tokenizer: Any, max_length: int, *, truncation: str,
+                     head_fraction: float, first_span: int = FIRST_SPAN_CHARS) -> list[list[int]]:
+    """`truncate_ids` of each text's whole tokenization, tokenizing only spans at the ends of a long one.
+
+    What a client may send is bounded in characters, not tokens, and a text of long made-up words costs the
+    tokenizer several times what prose does per character while the model reads 192 of its thousands of tokens.
+    WordPiece (like the other subword tokenizers) tokenizes each pre-tokenized word on its own, so the tokens of
+    the words wholly inside a span at the start (or the end) are the first (last) tokens of the whole text; the
+    word the cut may have split is dropped. A start holding more tokens than the window proves the text is cut,
+    and gives its head; an end span gives the tail. Spans double until they hold enough; a text no longer than
+    the span is tokenized whole. Each round is one batched tokenizer call.
+    """
+    body = max_length - 2
+    head = int(body * head_fraction) if truncation == "head_tail" else body
+    out: list[list[int]] = [[] for _ in texts]
+    heads: dict[int, list[int]] = {}
+    pending, span = list(range(len(texts))), first_span
+    while pending:  # the head of each text, or the whole text where it is short or not cut
+        whole = [i for i in pending if len(texts[i]) <= span]
+        for i, ids in zip(whole, _whole_word_ids(tokenizer, [texts[i] for i in whole], None), strict=True):
+            out[i] = truncate_ids(ids, max_length, truncation, head_fraction, tokenizer.cls_token_id,
+                                  tokenizer.sep_token_id)
+        cut = [i for i in pending if len(texts[i]) > span]
+        starts = _whole_word_ids(tokenizer, [texts[i][:span] for i in cut], "last")
+        heads.update({i: ids[:head] for i, ids in zip(cut, starts, strict=True) if len(ids) > body})
+        pending, span = [i for i in cut if i not in heads], span * 2
+    tail, (cls, sep) = body - head, (tokenizer.cls_token_id, tokenizer.sep_token_id)
+    pending, span = (list(heads) if tail else []), first_span
+    for i in heads.keys() - set(pending):  # `head` truncation: the start is all it keeps
+        out[i] = [cls, *heads[i], sep]
+    while pending:  # the tail of each text that is cut
+        whole = [i for i in pending if len(texts[i]) <= span]  # more tokens than the window, so enough
+        cut = [i for i in pending if len(texts[i]) > span]
+        for group, ends in ((whole, _whole_word_ids(tokenizer, [texts[i] for i in whole], None)),
+                            (cut, _whole_word_ids(tokenizer, [texts[i][-span:] for i in cut], "first"))):
+            for i, ids in zip(group, ends, strict=True):
+                if len(ids) >= tail:
+                    out[i] = [cls, *heads[i], *ids[len(ids) - tail:], sep]
+        pending, span = [i for i in cut if not out[i]], span * 2
+    return out
+
+
+def _whole_word_ids(tokenizer: Any, texts: list[str], drop: str | None) -> list[list[int]]:
+    """Each text's token ids without those of its "last" or "first" pre-tokenized word (`drop`): the one a cut
+    may have split. None keeps every token (the texts are whole)."""
+    if not texts:
+        return []
+    enc = tokenizer(texts, add_special_tokens=False, truncation=False, verbose=False)
+    if drop is None:
+        return [list(ids) for ids in enc["input_ids"]]
+    out = []
+    for j, ids in enumerate(enc["input_ids"]):
+        words = enc.word_ids(j)
+        edge = words[-1] if words and drop == "last" else words[0] if words else None
+        out.append([t for t, w in zip(ids, words, strict=True) if w != edge])
+    return out
 
 
 def tokenizer_of(directory: str | Path) -> Any:

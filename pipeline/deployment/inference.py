@@ -152,3 +152,14 @@ class ContractPredictor(SentimentPredictor):
                                             f"{self.max_chars} the model reads (its head and tail)") from None
             checked.append(text)
         return super().predict(checked, progress)
+
+
+def freeze_loaded_objects() -> None:
+    """Move every object alive now (the loaded model, tokenizer and libraries, kept for the server's life) into
+    the garbage collector's permanent generation (`gc.freeze`), so the collections a request's own allocations set
+    off never traverse them: a body of many small JSON containers, parsed before it is refused, otherwise triggers
+    full collections over every object of the model. Servers call it once, after loading and warming up."""
+    import gc
+
+    gc.collect()  # what loading left unreachable is freed first, not kept for good
+    gc.freeze()

@@ -31,7 +31,8 @@ from pipeline.deployment.protocol import (
 
 #: JSON values (objects, arrays, strings, numbers) a request may hold per text it may hold, plus a few for its
 #: frame: the largest valid shape, `dataframe_split` with an index, holds 3 a text (its row, its text, its index)
-#: and 7 more. A body that parses to more is refused before it is walked, so a megabyte of `[]` costs one parse.
+#: and 7 more. A body that parses to more is refused before it is walked, so a megabyte of `[]` costs one parse (and
+#: the collections its containers set off skip the model's objects, which the servers freeze: `freeze_loaded_objects`).
 JSON_VALUES_PER_TEXT = 4
 JSON_FRAME_VALUES = 16
 #: Blank lines a CSV body may hold (between rows or at its end); more is a 400.

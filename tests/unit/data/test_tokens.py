@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pipeline.data.tokens import clip_chars, encode_texts, retruncate, tokenize_frame, training_window, truncate_ids
 
@@ -90,3 +92,43 @@ def test_a_review_that_exactly_fills_the_window_is_not_counted_as_truncated(toke
                            tokenizer, DataParams(max_length=16))
     assert frame["length"].tolist() == [15, 16, 16]
     assert frame["truncated"].tolist() == [False, False, True]
+
+
+_PIECES = st.sampled_from(["good", "film", "un", "##x", "café", "naïve", "e\u0301", "東京", "😀", "a" * 120,
+                           "qzxv" * 30, "....", "!?", "-", "'", " ", "  ", "\n", "\t", "\u00a0", "\u3000", "<br />"])
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pieces=st.lists(st.one_of(_PIECES, st.text(min_size=1, max_size=40)), max_size=400),
+       max_length=st.sampled_from([6, 16, 64]), mode=st.sampled_from(["head", "head_tail"]),
+       first_span=st.sampled_from([1, 7, 64, 2048]))
+def test_windowed_tokenization_gives_the_ids_of_the_whole_texts_tokenization(tokenizer, pieces, max_length, mode,
+                                                                              first_span):
+    """Tokenizing only spans at a text's ends (what serving does, `window_token_ids`) gives exactly the ids the
+    prepare stage gets from the whole text (`truncate_ids` of its tokenization): any words, punctuation, spaces,
+    accents, combining marks, CJK, emoji and over-long words, cut anywhere."""
+    from pipeline.data.tokens import window_token_ids
+
+    text = "".join(pieces)
+    texts = [text, "short", text[::-1], ""]  # one batched call: the rounds handle texts of different lengths
+
+    def whole_then_cut(t: str) -> list[int]:
+        whole = tokenizer(t, add_special_tokens=False, truncation=False, verbose=False)["input_ids"]
+        return truncate_ids(whole, max_length, mode, 0.25, tokenizer.cls_token_id, tokenizer.sep_token_id)
+
+    assert window_token_ids(texts, tokenizer, max_length, truncation=mode, head_fraction=0.25,
+                            first_span=first_span) == [whole_then_cut(t) for t in texts]
+
+
+def test_a_long_text_is_tokenized_only_near_its_ends(tokenizer, monkeypatch):
+    """A 20,000-character review of made-up words (thousands of tokens) is tokenized in spans of a few thousand
+    characters, not whole: the cost a client can make one text have is bounded by the window, not the text."""
+    from pipeline.data import tokens
+
+    seen: list[int] = []
+    real = tokens._whole_word_ids
+    monkeypatch.setattr(tokens, "_whole_word_ids",
+                        lambda tok, texts, drop: seen.extend(map(len, texts)) or real(tok, texts, drop))
+    text = " ".join("qzxvbn" * 16 for _ in range(200))  # ~19,400 characters
+    (ids,) = tokens.window_token_ids([text], tokenizer, 192, truncation="head_tail", head_fraction=0.25)
+    assert len(ids) == 192 and 0 < max(seen) <= tokens.FIRST_SPAN_CHARS < len(text)

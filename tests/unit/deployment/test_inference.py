@@ -166,3 +166,19 @@ def test_a_pyfunc_row_error_names_the_callers_row_label_where_the_index_has_labe
     assert labelled(message, pd.RangeIndex(3)) == message
     assert labelled(message, pd.Index(["a", "b", "c"])).startswith("text[2] (the row labelled 'c')")
     assert labelled("input needs a column named 'text'", pd.Index([5])) == "input needs a column named 'text'"
+
+
+def test_freezing_the_loaded_objects_keeps_them_out_of_every_later_collection():
+    """What a server holds once loaded is moved out of the collector's generations, so a request's own garbage
+    never makes a collection walk it (the servers call this after their warm-up)."""
+    import gc
+
+    from pipeline.deployment.inference import freeze_loaded_objects
+
+    held = [[i] for i in range(10_000)]  # a loaded model's many small objects
+    try:
+        freeze_loaded_objects()
+        assert gc.get_freeze_count() >= len(held)
+        assert not any(gc.is_tracked(x) and x in gc.get_objects(generation=2) for x in held[:3])
+    finally:
+        gc.unfreeze()
