@@ -65,3 +65,8 @@ class SavedTokenizer:
             raise ValueError("SavedTokenizer does not truncate: pipeline.data.tokens.truncate_ids does")
         encodings = self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
         return {"input_ids": [e.ids for e in encodings]}
+
+    def ids_and_words(self, texts: Sequence[str]) -> list[tuple[list[int], list[int | None]]]:
+        """Each text's ids without special tokens and, for each id, the index of the pre-tokenized word it comes
+        from (`pipeline.data.tokens.window_token_ids` drops the word a cut may have split)."""
+        return [(e.ids, e.word_ids) for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]

@@ -121,6 +121,8 @@ def window_token_ids(texts: Sequence[str], tokenizer: Any, max_length: int, *, t
     """
     body = max_length - 2
     head = int(body * head_fraction) if truncation == "head_tail" else body
+    if not (hasattr(tokenizer, "ids_and_words") or getattr(tokenizer, "is_fast", False)):
+        first_span = max(map(len, texts), default=0)  # no word ids to cut by (a slow tokenizer): each text whole
     out: list[list[int]] = [[] for _ in texts]
     heads: dict[int, list[int]] = {}
     pending, span = list(range(len(texts))), first_span
@@ -154,13 +156,17 @@ def _whole_word_ids(tokenizer: Any, texts: list[str], drop: str | None) -> list[
     may have split. None keeps every token (the texts are whole)."""
     if not texts:
         return []
-    enc = tokenizer(texts, add_special_tokens=False, truncation=False, verbose=False)
     if drop is None:
-        return [list(ids) for ids in enc["input_ids"]]
+        return [list(ids) for ids in tokenizer(texts, add_special_tokens=False, truncation=False,
+                                               verbose=False)["input_ids"]]
+    if hasattr(tokenizer, "ids_and_words"):  # `SavedTokenizer`
+        pairs = tokenizer.ids_and_words(texts)
+    else:  # a transformers fast tokenizer
+        enc = tokenizer(texts, add_special_tokens=False, truncation=False, verbose=False)
+        pairs = [(ids, enc.word_ids(j)) for j, ids in enumerate(enc["input_ids"])]
     out = []
-    for j, ids in enumerate(enc["input_ids"]):
-        words = enc.word_ids(j)
-        edge = words[-1] if words and drop == "last" else words[0] if words else None
+    for ids, words in pairs:
+        edge = (words[-1] if drop == "last" else words[0]) if words else None
         out.append([t for t, w in zip(ids, words, strict=True) if w != edge])
     return out
 

@@ -99,3 +99,18 @@ def test_an_onnx_or_openvino_predictor_imports_neither_transformers_nor_torch(bu
     assert proc.returncode == 0, proc.stderr[-3000:]
     label, modules = proc.stdout.strip().splitlines()[-2:]
     assert label in ("positive", "negative") and modules == "[]", proc.stdout
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.one_of(st.text(min_size=1, max_size=30), st.sampled_from([" ", "\n", "qzxv" * 30, "e\u0301"])),
+                max_size=200), st.sampled_from(["head", "head_tail"]))
+def test_the_windowed_ids_of_a_long_text_are_the_whole_texts_with_the_saved_tokenizer(saved, tokenizer, pieces,
+                                                                                       mode):
+    """What servers tokenize with (`SavedTokenizer`) cuts a long text by its word ids as a transformers tokenizer
+    does: the same window as the whole text's tokenization truncated."""
+    from pipeline.data.tokens import truncate_ids, window_token_ids
+
+    light, text = SavedTokenizer.from_dir(saved), "".join(pieces)
+    whole = truncate_ids(hf_ids(tokenizer, [text])[0], 16, mode, 0.25, tokenizer.cls_token_id,
+                         tokenizer.sep_token_id)
+    assert window_token_ids([text], light, 16, truncation=mode, head_fraction=0.25, first_span=8) == [whole]
