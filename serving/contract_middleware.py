@@ -40,7 +40,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.deployment.media_types import check_content_encoding, is_json_media_type
+from pipeline.deployment.media_types import encoding_refused, is_json_media_type
 from pipeline.deployment.protocol import (
     MLFLOW_SHAPES,
     REQUEST_ID_HEADER,
@@ -59,6 +59,7 @@ from serving.protocol_answers import RETRY_AFTER_S, answered_by_protocol
 from serving.request_bodies import ClientGone, read_body
 from serving.request_ids import request_id
 from serving.request_line import CLOSE, INVOCATIONS, ROUTES, read_origin_form, refusal, waits_for_continue
+from serving.request_line import unsent_body_closes as closes_unsent
 from serving.scoring_queue import READINESS, ScoringQueue
 
 log = logging.getLogger(__name__)
@@ -135,7 +136,7 @@ class ContractMiddleware:
         """Answer one HTTP request: its line and headers checked (`refusal`), then routed."""
         refused = refusal(scope)
         if refused is not None:
-            return await self._error(send, refused[0], rid, refused[1])
+            return await self._error(send, refused[0], rid, closes_unsent(scope, refused[1]))
         path = scope.get("path", "")
         if scope.get("method") == "HEAD":  # answered as its GET, headers only
             scope, send = {**scope, "method": "GET"}, headers_only(send)
@@ -152,8 +153,10 @@ class ContractMiddleware:
     async def _invocations(self, scope: Scope, receive: Receive, send: Send, rid: str) -> Outcome:
         """`POST /invocations`: a slot, the body, the contract's checks, the texts scored, MLflow's answer."""
         if self._in_flight >= self.max_in_flight:  # refused before its body is read
-            return await self._overloaded(send, rid)
+            return await self._overloaded(send, rid, closes_unsent(scope))
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        if (coding := encoding_refused(headers)) is not None:  # before the body is read, as the handler does
+            return await self._error(send, coding, rid, closes_unsent(scope))
         try:
             parsed = await self._parsed(headers, receive, waiting := waits_for_continue(scope))
         except RequestError as err:
@@ -182,26 +185,24 @@ class ContractMiddleware:
         return Outcome(200, None, len(parsed.texts))
 
     async def _parsed(self, headers: dict[str, str], receive: Receive, waiting: bool) -> ParsedRequest:
-        """The body read (`_body`) and checked as TorchServe's handler checks it. A coding the server cannot read is
-        refused before the body is read, as the handler refuses it before it looks at the body's size."""
-        check_content_encoding(headers.get("content-encoding"))
+        """The body read (`_body`) and checked as TorchServe's handler checks it (its Content-Encoding already)."""
         body = await read_body(headers, receive, self.limits.max_body_bytes, self.body_timeout_s, waiting)
         request = functools.partial(parse_request, body, self.limits, headers.get("content-type"), MLFLOW_SHAPES,
                                     content_encoding=headers.get("content-encoding"))
         # a large body's checks take a while: in a thread, so the event loop goes on serving the others
         return request() if len(body) <= PARSE_INLINE_BYTES else await asyncio.to_thread(request)
 
-    async def _overloaded(self, send: Send, rid: str) -> Outcome:
+    async def _overloaded(self, send: Send, rid: str, extra: Headers | None = None) -> Outcome:
         log.warning("request %s: %d scoring requests in flight, the limit: answered 503", rid, self._in_flight)
         return await self._retry_later(send, rid, f"the server is answering {self._in_flight} requests, its limit",
-                                       "overloaded")
+                                       "overloaded", extra=extra)
 
     async def _retry_later(self, send: Send, rid: str, why: str, kind: str,
-                           more: dict[str, Any] | None = None) -> Outcome:
-        """A 503 with `Retry-After`: `why`, and when to try again (`more`: other fields of the body)."""
+                           more: dict[str, Any] | None = None, extra: Headers | None = None) -> Outcome:
+        """A 503 with `Retry-After`: `why`, when to try again (`more`: the body's other fields, `extra`: headers)."""
         await self._json(send, 503, {"error": f"{why}; retry after {RETRY_AFTER_S} s", "status": 503,
                                      "request_id": rid, **(more or {})},
-                         rid, [(b"retry-after", str(RETRY_AFTER_S).encode())])
+                         rid, [(b"retry-after", str(RETRY_AFTER_S).encode()), *(extra or [])])
         return Outcome(503, kind)
 
     async def _failed(self, send: Send, status: int, rid: str) -> Outcome:
@@ -231,8 +232,7 @@ class ContractMiddleware:
         return await self._retry_later(send, rid, f"the model is not ready ({why})", NOT_READY, served)
 
     async def _call_app(self, scope: Scope) -> tuple[int, bytes, Headers]:
-        """MLflow's app on one bodiless request: its status, body (an error body kept to 2 KB: it may quote the
-        input) and headers."""
+        """MLflow's app on one bodiless request: status, body (an error's kept to 2 KB: it may quote input), headers."""
         start: Message = {}
         parts: list[bytes] = []
         sent = False

@@ -58,6 +58,15 @@ def waits_for_continue(scope: Scope) -> bool:
     return scope.get("http_version") != "1.0" and "100-continue" in expectations(scope)
 
 
+def unsent_body_closes(scope: Scope, extra: Headers | None = None) -> Headers | None:
+    """`extra` with `Connection: close` where the client waits to be invited to send its body (`waits_for_continue`)
+    and is answered before the body is read: the body it holds back is never sent, and the connection's next bytes
+    would be read as it, so the connection is not reused and the answer says so (RFC 9110 10.1.1)."""
+    if not waits_for_continue(scope) or CLOSE in (extra or []):
+        return extra
+    return [*(extra or []), CLOSE]
+
+
 def url_bytes(scope: Scope) -> int:
     """The request target's size as the client sent it: its path (or absolute form) and query string."""
     raw_path = scope.get("raw_path") or scope.get("path", "").encode()

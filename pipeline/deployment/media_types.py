@@ -115,3 +115,13 @@ def check_content_encoding(content_encoding: str | None) -> None:
         shown = " and ".join(sorted({c for c in codings if c in NAMED_CODINGS})) or "this Content-Encoding"
         raise RequestError(415, f"a compressed body ({shown}) is not accepted: send it uncompressed, without a "
                                 "Content-Encoding header")
+
+
+def encoding_refused(headers: dict[str, str]) -> RequestError | None:
+    """The 415 of a Content-Encoding the server cannot read (`check_content_encoding`), or None: for a server that
+    answers it before reading the body."""
+    try:
+        check_content_encoding(headers.get("content-encoding"))
+    except RequestError as err:
+        return err
+    return None

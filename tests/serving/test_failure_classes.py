@@ -449,6 +449,23 @@ def test_an_oversized_body_the_client_waits_to_be_invited_to_send_is_refused_unr
     assert json.loads(body)["status"] == 413
 
 
+@pytest.mark.parametrize(("path", "method", "extra", "status"), [
+    ("/nope", "POST", {}, 404), ("/invocations", "PUT", {}, 405),
+    ("/invocations", "POST", {"Content-Encoding": "gzip"}, 415),
+    ("/invocations", "POST", {"X-Pad": "a" * 70_000}, 431)])
+def test_any_answer_before_a_held_back_body_closes_the_connection(served, path, method, extra, status):
+    """A client waiting for "100 Continue" and answered before its body is read never sends that body, so the
+    connection's next bytes would be read as it: every such answer says `Connection: close` (before, only a 413 did,
+    and the next request on the connection was answered 400)."""
+    app = middleware(served)
+    upload = Upload()
+    got, headers, _ = asyncio.run(call(app, b"", {"Content-Length": "27", "Expect": "100-continue", **extra},
+                                       path=path, method=method, receive=upload))
+    assert got == status and headers.get("connection") == "close" and upload.reads == 0
+    got, headers, _ = asyncio.run(call(app, b"", {"Content-Length": "27", **extra}, path=path, method=method))
+    assert got == status and "connection" not in headers  # no body held back: the connection stays usable
+
+
 @pytest.mark.parametrize("expect", [[("Expect", "100-continue"), ("Expect", "foo")],
                                     [("Expect", "foo"), ("Expect", "100-continue")],
                                     [("Expect", "100-continue, foo")], [("Expect", "FOO ,100-Continue")]],
