@@ -366,3 +366,14 @@ def test_make_mlflow_ui_opens_the_store_the_stages_log_to():
                           timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     assert "its UI: http://127.0.0.1:9/" in done.stdout and "sqlite" not in done.stdout
+
+
+def test_the_readmes_fp32_accuracy_is_the_committed_runs():
+    """The headline's "FP32 at N %" is what the committed `metrics/finetune.json` (the run whose `dvc.lock` is
+    committed) says: a re-run that moves it must move the README with it."""
+    import json
+
+    said = re.search(r"FP32 at (\d+\.\d\d) %", (ROOT / "README.md").read_text(encoding="utf-8"))
+    assert said, "README.md no longer states the FP32 test accuracy"
+    measured = json.loads((ROOT / "metrics" / "finetune.json").read_text())["test_accuracy"]
+    assert f"{100 * measured:.2f}" == said[1]
