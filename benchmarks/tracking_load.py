@@ -57,11 +57,12 @@ def stage_like_run(client: Any, experiment_id: str, metric_batches: int, per_bat
 
 def client_process(uri: str, experiment_id: str, start_at: float, duration: float, metric_batches: int,
                    per_batch: int, out: Any) -> None:
-    """One client: a warm-up run (not counted), then runs until `start_at + duration`; its counts to `out`."""
+    """One client: a warm-up run (not counted), then runs until `start_at + duration`; its counts to `out`. A run
+    that ends after the window is logged but not counted (`late`): the rate divides by the window alone."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)
-    result: dict[str, Any] = {"runs": 0, "calls": 0, "errors": 0, "first_error": None, "latencies": []}
+    result: dict[str, Any] = {"runs": 0, "calls": 0, "late": 0, "errors": 0, "first_error": None, "latencies": []}
     try:
         stage_like_run(client, experiment_id, 1, per_batch, [])
     except Exception as exc:  # the store refused even one run: reported, not raised in a child process
@@ -69,9 +70,12 @@ def client_process(uri: str, experiment_id: str, start_at: float, duration: floa
     time.sleep(max(0.0, start_at - time.time()))
     while time.time() < start_at + duration:
         try:
-            result["calls"] += stage_like_run(client, experiment_id, metric_batches, per_batch,
-                                              result["latencies"])
-            result["runs"] += 1
+            calls = stage_like_run(client, experiment_id, metric_batches, per_batch, result["latencies"])
+            if time.time() > start_at + duration:
+                result["late"] += 1
+            else:
+                result["calls"] += calls
+                result["runs"] += 1
         except Exception as exc:  # counted: what a stage would have seen as a failed MLflow call
             result["errors"] += 1
             result["first_error"] = result["first_error"] or f"{type(exc).__name__}: {exc}"[:300]
@@ -79,7 +83,7 @@ def client_process(uri: str, experiment_id: str, start_at: float, duration: floa
 
 
 def measure(uri: str, clients: int, duration: float, metric_batches: int, per_batch: int,
-            margin_s: float | None = None) -> dict[str, Any]:
+            margin_s: float | None = None, label: str | None = None) -> dict[str, Any]:
     """`clients` processes on store `uri` for `duration` seconds, started `margin_s` after they are launched
     (default: `START_MARGIN_S` and `MARGIN_PER_CLIENT_S` a client); the row of the table. A client that is not
     ready by then starts late and counts what it did until the common end."""
@@ -106,7 +110,8 @@ def measure(uri: str, clients: int, duration: float, metric_batches: int, per_ba
     tail = percentiles(latencies_ms) if latencies_ms else dict.fromkeys(("p50", "p99"))
     errors = sum(r["errors"] for r in results)
     runs, calls = sum(r["runs"] for r in results), sum(r["calls"] for r in results)
-    return {"store": uri, "clients": clients, "seconds": duration, "runs": runs, "calls": calls,
+    return {"store": uri, "label": label or uri, "clients": clients, "seconds": duration, "runs": runs,
+            "late_runs": sum(r["late"] for r in results), "calls": calls,
             "runs_per_s": round(runs / duration, 2), "calls_per_s": round(calls / duration, 1),
             **{f"{q}_call_ms": None if tail[q] is None else round(tail[q], 1) for q in ("p50", "p99")},
             "errors": errors,
@@ -116,7 +121,7 @@ def measure(uri: str, clients: int, duration: float, metric_batches: int, per_ba
 def table(rows: list[dict[str, Any]]) -> str:
     lines = ["| store | clients | runs/s | calls/s | p50 call ms | p99 call ms | errors |",
              "|---|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['store']} | {r['clients']} | {r['runs_per_s']} | {r['calls_per_s']} | {r['p50_call_ms']} | "
+    lines += [f"| {r['label']} | {r['clients']} | {r['runs_per_s']} | {r['calls_per_s']} | {r['p50_call_ms']} | "
               f"{r['p99_call_ms']} | {r['errors']} |" for r in rows]
     return "\n".join(lines)
 
@@ -125,6 +130,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tracking-uri", required=True,
                         help="comma-separated stores: sqlite:///FILE (opened by every client) or a server's URL")
+    parser.add_argument("--labels", default="",
+                        help="comma-separated names of the stores, one each (what the server is: its backend and "
+                             "workers), recorded beside each row; default: the URI")
     parser.add_argument("--clients", default="1,4,16", help="comma-separated client counts")
     parser.add_argument("--duration", type=float, default=20.0, help="seconds each count is measured")
     parser.add_argument("--metric-batches", type=int, default=5, help="metric batches a run logs (its curve)")
@@ -136,11 +144,15 @@ def main(argv: list[str] | None = None) -> None:
     from pipeline.core.io import write_json
 
     uris = [u for u in args.tracking_uri.split(",") if u]
+    labels = [n for n in args.labels.split(",") if n] or uris
+    if len(labels) != len(uris):
+        parser.error(f"--labels names {len(labels)} stores, --tracking-uri {len(uris)}")
     counts = [int(c) for c in args.clients.split(",") if c]
     rows = []
-    for uri in uris:
+    for uri, label in zip(uris, labels, strict=True):
         for clients in counts:
-            rows.append(measure(uri, clients, args.duration, args.metric_batches, args.metrics_per_batch))
+            rows.append(measure(uri, clients, args.duration, args.metric_batches, args.metrics_per_batch,
+                                label=label))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     write_json(args.out, {**provenance("benchmarks.tracking_load", argv), "rows": rows,
                           "run_shape": {"calls_per_run": 3 + args.metric_batches, "params": 10, "tags": 3,
