@@ -246,6 +246,11 @@ class RequestDeadlineProtocol(H11Protocol):
         super().resume_writing()
         self._stop_send_deadline()
 
+    def _unsupported_upgrade_warning(self) -> None:
+        """Nothing logged for an `Upgrade` this server never grants: the request is answered as the plain HTTP
+        request it also is (RFC 9110 7.8). uvicorn's two warnings a request, one advising a WebSocket library the
+        server does not use, let any client write to the log at will."""
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         self._stop_send_deadline()

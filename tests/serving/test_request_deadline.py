@@ -328,3 +328,14 @@ def test_the_408_and_the_connection_limits_503_are_reported():
             assert read_until_closed(second)[0].startswith(b"HTTP/1.1 503 ")
         assert read_until_closed(first)[0].startswith(b"HTTP/1.1 408 ")
     assert told == [(503, "connection_limit"), (408, "request_timeout")]
+
+
+def test_an_upgrade_the_server_never_grants_is_answered_without_a_warning(port, caplog):
+    """`Connection: upgrade` with `Upgrade: websocket` (or any protocol) is answered as the plain request it also
+    is, and logs nothing: uvicorn's two warnings a request let any client write to the server's log at will."""
+    caplog.set_level(logging.INFO, logger="uvicorn.error")
+    for upgrade in (b"websocket", b"h2c", b"foo/1"):
+        with connect(port) as sock:
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: test\r\nConnection: upgrade\r\nUpgrade: " + upgrade + b"\r\n\r\n")
+            assert read_answer(sock).startswith(b"HTTP/1.1 200 ")
+    assert not [r.getMessage() for r in caplog.records if r.name.startswith("uvicorn") and r.levelno >= logging.WARNING]
