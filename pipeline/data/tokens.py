@@ -117,7 +117,7 @@ def window_token_ids(texts: Sequence[str], tokenizer: Any, max_length: int, *, t
     the words wholly inside a span at the start (or the end) are the first (last) tokens of the whole text; the
     word the cut may have split is dropped. A start holding more tokens than the window proves the text is cut,
     and gives its head; an end span gives the tail. Spans double until they hold enough; a text no longer than
-    the span is tokenized whole. Each round is one batched tokenizer call.
+    two spans (whose ends would overlap) is tokenized whole. Each round is one batched tokenizer call.
     """
     body = max_length - 2
     head = int(body * head_fraction) if truncation == "head_tail" else body
@@ -127,11 +127,11 @@ def window_token_ids(texts: Sequence[str], tokenizer: Any, max_length: int, *, t
     heads: dict[int, list[int]] = {}
     pending, span = list(range(len(texts))), first_span
     while pending:  # the head of each text, or the whole text where it is short or not cut
-        whole = [i for i in pending if len(texts[i]) <= span]
+        whole = [i for i in pending if len(texts[i]) <= 2 * span]  # no more than its head and tail spans
         for i, ids in zip(whole, _whole_word_ids(tokenizer, [texts[i] for i in whole], None), strict=True):
             out[i] = truncate_ids(ids, max_length, truncation, head_fraction, tokenizer.cls_token_id,
                                   tokenizer.sep_token_id)
-        cut = [i for i in pending if len(texts[i]) > span]
+        cut = [i for i in pending if len(texts[i]) > 2 * span]
         starts = _whole_word_ids(tokenizer, [texts[i][:span] for i in cut], "last")
         heads.update({i: ids[:head] for i, ids in zip(cut, starts, strict=True) if len(ids) > body})
         pending, span = [i for i in cut if i not in heads], span * 2
