@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
+from serving.local_servers import free_port
+
 if TYPE_CHECKING:
     import socket
 
@@ -126,10 +128,6 @@ def limits(**overrides: int) -> Limits:
     return Limits.from_config({**vars(PackageParams()), **overrides})
 
 
-#: Ports `free_port` handed out in this process: a server's several ports are never drawn twice.
-_HANDED_OUT: set[int] = set()
-
-
 def read_until_closed(sock: socket.socket) -> tuple[bytes, float]:
     """Everything a server sends on the socket `sock` until it closes the connection, and the seconds that took."""
     import time
@@ -149,35 +147,6 @@ def wait_for_file(path: Path, proc: Any = None, timeout_s: float = 60.0) -> bool
     while not path.exists() and (proc is None or proc.poll() is None) and time.monotonic() < deadline:
         time.sleep(0.05)
     return path.exists()
-
-
-def free_port() -> int:
-    """A TCP port on the loopback interface that nothing listens on right now, drawn at random below the kernel's
-    ephemeral range. A port the kernel picks itself (bind to 0) lies inside that range, where every outgoing
-    connection also takes its local port: between this call and the server's bind (seconds, for TorchServe's JVM) a
-    client of the other test worker could take it, and the server would fail with "Address already in use"."""
-    import random
-    import socket
-
-    try:
-        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        ephemeral_low = 32768  # Linux's default
-    draw = random.SystemRandom()
-    for _ in range(200):
-        port = draw.randrange(10000, max(ephemeral_low, 10001))
-        if port in _HANDED_OUT:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _HANDED_OUT.add(port)
-        return port
-    with socket.socket() as s:  # below the range every port is taken: let the kernel choose
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
@@ -209,53 +178,6 @@ def uvicorn_in_thread(app: Any, protocol: Any, **config: Any) -> Iterator[int]:
 def chunked_body(pieces: list[bytes]) -> bytes:
     """`pieces` as the chunks of an HTTP/1.1 chunked body, with its last (empty) chunk."""
     return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
-
-
-def start_server(cmd: list[str], env: dict[str, str], cwd: Path, ready_url: str, log: Path,
-                 timeout: float = 180):
-    """Start `cmd` in a process group of its own (so `stop_server` ends it and every worker it spawned) and wait
-    until `ready_url` answers 200; on failure the group is stopped and the log's tail is raised."""
-    import subprocess
-    import time
-    import urllib.error
-    import urllib.request
-
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            break
-        try:
-            with urllib.request.urlopen(ready_url, timeout=5) as resp:
-                if resp.status == 200:
-                    return proc
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.5)
-    stop_server(proc)
-    raise TimeoutError(f"{cmd[:4]} not ready at {ready_url} (exit {proc.returncode}); log tail:\n"
-                       f"{log.read_text(errors='replace')[-4000:]}")
-
-
-def stop_server(proc) -> None:
-    """End the process group `start_server` started: SIGTERM, SIGKILL if its leader is still there after 20 s,
-    and SIGKILL for any worker of the group that outlived the leader."""
-    import contextlib
-    import os
-    import signal
-    import subprocess
-
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        pass
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=10)
 
 
 def postgres_bin_dir() -> Path | None:

@@ -14,138 +14,18 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 import yaml
 
 from pipeline.core.params import MlflowParams, PackageParams, Params
-from serving.client import inference_key
-from tests.factories import (
-    ROOT,
-    SERVING_LIMITS,
-    evaluated_fp32_onnx,
-    free_port,
-    start_server,
-    stop_server,
-    write_tokenized,
-)
+from serving.local_servers import free_port, running_torchserve, start_server, stop_server
+from tests.factories import ROOT, SERVING_LIMITS, evaluated_fp32_onnx, write_tokenized
 
 BIN = Path(sys.executable).parent
-
-
-class Server:
-    """Handle on the running TorchServe."""
-
-    def __init__(self, workdir: Path, url: str, key: str, variant_dir: Path, ports: dict[str, int]) -> None:
-        self.workdir, self.url, self.key, self.variant_dir = workdir, url, key, variant_dir
-        self.management_url = f"http://127.0.0.1:{ports['management']}"
-        self.metrics_url = f"http://127.0.0.1:{ports['metrics']}"
-        self.ports = ports
-
-    def frontend_pids(self) -> set[int]:
-        """The Java frontend serving this test's working directory."""
-        return {p.pid for p in psutil.process_iter(["name", "cmdline"])
-                if p.info["name"] == "java" and str(self.workdir) in " ".join(p.info["cmdline"] or [])}
-
-    def post(self, body: bytes, content_type: str = "application/json", key: str | None = "default",
-             model: str = "sentiment") -> tuple[int, str]:
-        req = urllib.request.Request(
-            f"{self.url}/predictions/{model}", data=body, method="POST", headers={"Content-Type": content_type}
-        )
-        token = self.key if key == "default" else key
-        if token:
-            req.add_header("Authorization", f"Bearer {token}")
-        try:
-            with urllib.request.urlopen(req, timeout=60) as resp:
-                return resp.status, resp.read().decode()
-        except urllib.error.HTTPError as err:
-            return err.code, err.read().decode("utf-8", "replace")
-
-    def predict(self, payload: object) -> tuple[int, object]:
-        status, text = self.post(json.dumps(payload).encode())
-        return status, json.loads(text) if text else None
-
-
-def _wait_healthy(url: str, key: str, log: Path, startup_log: Path, timeout: float = 180,
-                  models: tuple[str, ...] = ("sentiment",)) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        startup = startup_log.read_text(errors="replace") if startup_log.is_file() else ""
-        if "Address already in use" in startup:  # the frontend stops at once: no use waiting for it
-            raise RuntimeError(f"TorchServe could not bind one of its ports; {startup_log} ends:\n{startup[-3000:]}")
-        try:
-            req = urllib.request.Request(f"{url}/ping", headers={"Authorization": f"Bearer {key}"})
-            with urllib.request.urlopen(req, timeout=5) as resp:
-                if json.loads(resp.read()).get("status") == "Healthy":
-                    # /ping is healthy before the workers finish loading: wait for a real answer from each model
-                    body = json.dumps({"text": "warm"}).encode()
-                    for model in models:
-                        r = urllib.request.Request(
-                            f"{url}/predictions/{model}",
-                            data=body,
-                            method="POST",
-                            headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
-                        )
-                        with urllib.request.urlopen(r, timeout=30) as ok:
-                            if ok.status != 200:
-                                raise OSError(f"{model} answered {ok.status}")
-                    return
-        except (OSError, urllib.error.URLError, json.JSONDecodeError):
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"TorchServe not healthy after {timeout}s; log tail:\n{log.read_text()[-4000:]}")
-
-
-@contextlib.contextmanager
-def running_torchserve(work: Path, variant_dir: Path, models: tuple[str, ...] = ("sentiment",)) -> Iterator[Server]:
-    """TorchServe started as `make serve` starts it (serving/config.properties on free loopback ports, token
-    authorization) on `work/model_store/<model>.mar` for each of `models` (each with the shipped model's worker and
-    batching settings, answering at `/predictions/<model>`), stopped, with everything it started, on exit."""
-    store = work / "model_store"
-    ports = {name: free_port() for name in ("inference", "management", "metrics", "grpc_inference",
-                                            "grpc_management")}
-    cfg = (ROOT / "serving" / "config.properties").read_text()
-    for api in ("inference", "management", "metrics"):
-        cfg = re.sub(rf"^{api}_address=http://127\.0\.0\.1:\d+", f"{api}_address=http://127.0.0.1:{ports[api]}",
-                     cfg, flags=re.M)
-    for api in ("grpc_inference", "grpc_management"):
-        cfg = re.sub(rf"^{api}_port=\d+", f"{api}_port={ports[api]}", cfg, flags=re.M)
-    cfg = re.sub(r"^model_store=.*$", f"model_store={store}", cfg, flags=re.M)
-    if models != ("sentiment",):
-        shipped = json.loads(re.search(r"^models=(.*)$", cfg, flags=re.M)[1])["sentiment"]
-        entries = {m: {v: {**e, "marName": f"{m}.mar"} for v, e in shipped.items()} for m in models}
-        cfg = re.sub(r"^models=.*$", lambda _: "models=" + json.dumps(entries), cfg, flags=re.M)
-        cfg = re.sub(r"^load_models=.*$", "load_models=" + ",".join(f"{m}.mar" for m in models), cfg, flags=re.M)
-    (work / "config.properties").write_text(cfg)
-    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "TMPDIR": str(work),
-           "LOG_LOCATION": str(work / "logs"), "METRICS_LOCATION": str(work / "logs")}
-    start = [str(BIN / "torchserve"), "--start", "--ncs", "--ts-config", str(work / "config.properties"),
-             "--model-store", str(store), "--log-config", str(ROOT / "serving" / "log4j2.xml")]
-    log = work / "server.log"
-    with log.open("w") as fh:
-        subprocess.run(start, cwd=work, env=env, stdout=fh, stderr=subprocess.STDOUT, check=True, timeout=120)
-    try:
-        deadline = time.time() + 60
-        while not (work / "key_file.json").is_file() and time.time() < deadline:
-            time.sleep(0.5)
-        key = inference_key(work / "key_file.json")  # waits out a key file TorchServe is still writing
-        assert key, f"TorchServe wrote no key file within 60 s; see {log}"
-        url = f"http://127.0.0.1:{ports['inference']}"
-        _wait_healthy(url, key, work / "logs" / "ts_log.log" if (work / "logs").exists() else log, log,
-                      models=models)
-        yield Server(work, url, key, variant_dir, ports)
-    finally:
-        subprocess.run([str(BIN / "torchserve"), "--stop"], cwd=work, env=env, capture_output=True, timeout=120)
-        for proc in psutil.process_iter(["cmdline"]):  # nothing may outlive the tests
-            cmd = " ".join(proc.info["cmdline"] or [])
-            if str(work) in cmd and proc.pid != os.getpid():
-                proc.kill()
 
 
 @pytest.fixture(scope="session")

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.factories import ROOT, free_port
+from serving.local_servers import free_port
+from tests.factories import ROOT
 from tests.serving.conftest import nginx_in_front
 
 #: What TorchServe's frontend answers when its job queue is full (as a probe of `make serve` saw it).

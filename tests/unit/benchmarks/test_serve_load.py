@@ -13,6 +13,7 @@ from benchmarks.load_clients import Connection, Endpoint, answering_endpoint, ma
 from benchmarks.serve_load import table, targets, torchserve_batching, valid_rate
 from pipeline.deployment.protocol import RequestError
 from pipeline.deployment.request_parsing import parse_request
+from serving.local_servers import free_port
 from tests import factories
 
 
@@ -165,4 +166,4 @@ def test_a_sweep_waits_for_its_server_and_refuses_to_measure_one_that_never_answ
     ready = answering_endpoint("torchserve", endpoint.url, key_file, "a fine film", timeout=5)
     assert ready.key == "fresh" and state["seen"][-1][0] == "Bearer fresh"
     with pytest.raises(SystemExit, match="did not answer a valid review within 0 s"):
-        answering_endpoint("mlflow", f"http://127.0.0.1:{factories.free_port()}", key_file, "a fine film", timeout=0)
+        answering_endpoint("mlflow", f"http://127.0.0.1:{free_port()}", key_file, "a fine film", timeout=0)

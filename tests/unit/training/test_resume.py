@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.factories import ROOT, free_port, write_tokenized
+from serving.local_servers import free_port
+from tests.factories import ROOT, write_tokenized
 
 # 3 epochs of 75 batches: long enough to be interrupted between two checkpoints (every 10 steps)
 TRAIN = {"epochs": 3, "batch_size": 8, "eval_batch_size": 32, "lr": 3e-3, "accelerator": "cpu", "warmup_ratio": 0.0,

@@ -1,0 +1,46 @@
+"""Unit: the serving matrix's choice of variants and its table (the sweep itself is serve_load's, on real servers)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks.serve_matrix import servable, table
+
+
+@pytest.fixture
+def dirs(tmp_path: Path) -> dict[str, Path]:
+    out = {}
+    for name in ("fp32-onnx", "int8-static", "int8-openvino", "tensorrt-int8"):
+        (tmp_path / name).mkdir()
+        out[name] = tmp_path / name
+    out["int8-qat"] = tmp_path / "int8-qat"  # recorded but its directory is gone
+    return out
+
+
+VARIANTS = {"fp32-eager": {"status": "ok"}, "fp32-onnx": {"status": "ok"}, "int8-static": {"status": "ok"},
+            "int8-openvino": {"status": "ok"}, "int8-qat": {"status": "ok"}, "int8-dynamic": {"status": "skipped"},
+            "tensorrt-int8": {"status": "ok"}}
+
+
+def test_only_built_variants_the_handler_runs_are_served_in_the_catalogs_order(dirs):
+    # fp32-eager has no directory, tensorrt is GPU-only, int8-dynamic was skipped, int8-qat's directory is missing
+    assert servable(VARIANTS, dirs, None) == ["fp32-onnx", "int8-static", "int8-openvino"]
+    assert servable(VARIANTS, dirs, ["int8-openvino", "fp32-onnx"]) == ["fp32-onnx", "int8-openvino"]
+
+
+def test_asking_for_a_variant_that_cannot_be_served_names_it_and_what_can(dirs):
+    with pytest.raises(SystemExit, match=r"int8-dynamic.*servable: fp32-onnx, int8-static, int8-openvino"):
+        servable(VARIANTS, dirs, ["int8-dynamic"])
+
+
+def test_the_table_has_a_row_per_variant_and_server_with_each_level_and_the_skip_reason():
+    rows = [{"concurrency": c, "p50_ms": 10.0 * c, "valid_requests_per_s": 100.0, "in_process_per_s": 110.0,
+             "served_vs_in_process": 100 / 110, "valid_errors": e, "malformed_4xx_pct": 100.0}
+            for c, e in ((1, 0), (8, 2))]
+    text = table({"int8-static": {"torchserve": {"rows": rows}, "mlflow": {"skipped": "no files"}}})
+    lines = text.splitlines()
+    assert len(lines) == 4
+    assert lines[2] == "| int8-static | torchserve | 10.0 / 80.0 | 100.0 / 100.0 | 0.91 / 0.91 | 2 | 100 / 100 |"
+    assert lines[3].startswith("| int8-static | mlflow | skipped: no files")
