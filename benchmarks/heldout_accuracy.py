@@ -132,18 +132,24 @@ def main(argv: list[str] | None = None) -> None:
               # INT8 accuracy can depend on the CPU's kernels (a saturating format on a CPU without VNNI)
               **provenance("benchmarks.heldout_accuracy", argv, threads=args.threads)}
     write_json(args.out, result)
-    print(f"\n{len(labels)} unseen train-split reviews (model trained on {window}-token windows, "
-          f"the pipeline reads {trained['max_length']})\n")
-    print("| inference length | accuracy | ± 1 s.e. | seconds |\n|---:|---:|---:|---:|")
-    for length, r in rows.items():
-        print(f"| {length} | {100 * r['accuracy']:.2f} % | {100 * r['std_error']:.2f} | {r['seconds']:.0f} |")
+    print(tables(result))
+
+
+def tables(result: dict[str, Any]) -> str:
+    """The accuracy per inference length and, where variants were scored, each one against FP32, as Markdown."""
+    rows, by_variant, length_read = result["by_inference_length"], result["variants_vs_fp32"], result["data_max_length"]
+    lines = [f"\n{result['reviews']} unseen train-split reviews (model trained on {result['train_window']}-token "
+             f"windows, the pipeline reads {length_read})\n",
+             "| inference length | accuracy | ± 1 s.e. | seconds |", "|---:|---:|---:|---:|"]
+    lines += [f"| {length} | {100 * r['accuracy']:.2f} % | {100 * r['std_error']:.2f} | {r['seconds']:.0f} |"
+              for length, r in rows.items()]
     if by_variant:
-        print(f"\n| variant ({trained['max_length']} tokens) | accuracy | Δ vs FP32 (paired) | agreement | seconds |\n"
-              "|---|---:|---:|---:|---:|")
-        for name, r in by_variant.items():
-            delta = f"{100 * r['delta']:+.2f} ± {100 * r['delta_std_error']:.2f} pt"
-            print(f"| {name} | {100 * r['accuracy']:.2f} % | {delta} | {100 * r['agreement']:.1f} % "
-                  f"| {r['seconds']:.0f} |")
+        lines += [f"\n| variant ({length_read} tokens) | accuracy | Δ vs FP32 (paired) | agreement | seconds |",
+                  "|---|---:|---:|---:|---:|"]
+        lines += [f"| {name} | {100 * r['accuracy']:.2f} % | {100 * r['delta']:+.2f} "
+                  f"± {100 * r['delta_std_error']:.2f} pt | {100 * r['agreement']:.1f} % | {r['seconds']:.0f} |"
+                  for name, r in by_variant.items()]
+    return "\n".join(lines)
 
 
 def paired_difference(pred: np.ndarray, reference: np.ndarray, labels: np.ndarray) -> dict[str, float]:

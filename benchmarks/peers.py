@@ -100,6 +100,23 @@ def _params(args: argparse.Namespace) -> Params:
     return dataclasses.replace(params, benchmark=dataclasses.replace(b, **changes))
 
 
+def add_timings(rows: list[dict[str, Any]], timings: dict[str, dict[str, Any]]) -> None:
+    """Each timed row's latency, throughput and speed-up over the reference row (with its interval), in place;
+    its latency rounds under `_rounds` for the verdicts' paired intervals, removed before the rows are written."""
+    ref = timings[REFERENCE_ROW]
+    for row in rows:
+        if row["name"] not in timings:
+            continue
+        t = timings[row["name"]]
+        row["_rounds"] = t["latency_rounds_ms"]
+        gain = speedup(ref, t)
+        row.update({"p50_ms_b1": t["p50_ms_b1"], "p95_ms_b1": t["p95_ms_b1"], "p99_ms_b1": t["p99_ms_b1"],
+                    "reviews_per_s_b32": t["throughput_b32"], "latency_samples": t["latency_samples"],
+                    "speedup_p50": gain.p50})
+        if row["name"] != REFERENCE_ROW:
+            row["speedup_p50_low"], row["speedup_p50_high"] = gain.low, gain.high
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Build, score and time every row; returns the JSON document."""
     import torch
@@ -152,18 +169,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                       progress=lambda name: log.info("round done: %s", name))
     measure_s = time.perf_counter() - t0
     load_end = os.getloadavg()
-    ref = timings[REFERENCE_ROW]
-    for row in rows:
-        if row["name"] not in timings:
-            continue
-        t = timings[row["name"]]
-        row["_rounds"] = t["latency_rounds_ms"]
-        gain = speedup(ref, t)
-        row.update({"p50_ms_b1": t["p50_ms_b1"], "p95_ms_b1": t["p95_ms_b1"], "p99_ms_b1": t["p99_ms_b1"],
-                    "reviews_per_s_b32": t["throughput_b32"], "latency_samples": t["latency_samples"],
-                    "speedup_p50": gain.p50})
-        if row["name"] != REFERENCE_ROW:
-            row["speedup_p50_low"], row["speedup_p50_high"] = gain.low, gain.high
+    add_timings(rows, timings)
     del runtimes  # free every model before the memory probes start their own processes
     if not args.no_memory:
         add_memory(rows, args)

@@ -236,6 +236,24 @@ def runs(compile_ok: bool, device: str, cpu_precision: str = "32-true") -> list[
     return rows
 
 
+def training_reviews(imdb_dir: Path, n: int) -> pd.DataFrame:
+    """`n` cleaned train-split reviews tokenized at `SEQ` tokens (head truncation) with the BERT uncased
+    vocabulary both architectures use."""
+    frame = pd.read_parquet(imdb_dir / "train.parquet")[["text", "label"]]
+    frame = frame.sample(n=n, random_state=0).reset_index(drop=True)
+    frame["text"] = frame["text"].map(clean_text)
+    return tokenize_frame(frame, load_tokenizer(ModelParams()), DataParams(max_length=SEQ, truncation="head"))
+
+
+def table(out: dict[str, Any], ref: float) -> str:
+    """Each row's rate, its ratio to `ref` (plain fp32's rate) and the blog's 3 epochs at that rate, as text."""
+    lines = [f"\n{out['model']} ({out['weights']} weights) on {out['gpu'] or 'CPU'}, batch {out['batch_size']}, "
+             f"{out['timed_steps']} timed steps", f"{'row':<32}{'samples/s':>11}{'vs plain':>10}{'3-epoch min*':>14}"]
+    lines += [f"{name:<32}{r['samples_per_s']:>11.1f}{r['samples_per_s'] / ref:>9.2f}x"
+              f"{r['blog_3_epochs_min_at_this_rate']:>14.2f}" for name, r in out["rows"].items()]
+    return "\n".join([*lines, f"* {out['note']}"])
+
+
 def main(argv: list[str] | None = None) -> None:
     """Time every row and write the comparison."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -256,12 +274,7 @@ def main(argv: list[str] | None = None) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     total = args.warmup + args.steps
 
-    frame = pd.read_parquet(args.imdb_dir / "train.parquet")[["text", "label"]]
-    frame = frame.sample(n=total * args.batch, random_state=0).reset_index(drop=True)
-    frame["text"] = frame["text"].map(clean_text)
-    tok = load_tokenizer(ModelParams())  # the BERT uncased vocabulary both architectures use
-    data = DataParams(max_length=SEQ, truncation="head")
-    tokens = tokenize_frame(frame, tok, data)
+    tokens = training_reviews(args.imdb_dir, total * args.batch)
     ids = tokens["input_ids"].tolist()
     labels = tokens["label"].to_numpy().astype(np.int64)
 
@@ -318,12 +331,8 @@ def main(argv: list[str] | None = None) -> None:
         "note": "minutes = the blog's 3 epochs x 35,000 reviews at the measured rate (a projection, not a run)",
     }
     write_json(args.out, out)  # written whole: an interrupted run leaves the previous file
-    print(f"\n{args.model} ({args.weights} weights) on {gpu or 'CPU'}, batch {args.batch}, {args.steps} timed steps")
-    print(f"{'row':<32}{'samples/s':>11}{'vs plain':>10}{'3-epoch min*':>14}")
-    for name, r in results.items():
-        print(f"{name:<32}{r['samples_per_s']:>11.1f}{r['samples_per_s'] / ref:>9.2f}x"
-              f"{r['blog_3_epochs_min_at_this_rate']:>14.2f}")
-    print(f"* {out['note']}\nwritten to {args.out}")
+    print(table(out, ref))
+    print(f"written to {args.out}")
 
 
 if __name__ == "__main__":
