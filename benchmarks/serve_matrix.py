@@ -52,22 +52,29 @@ def sweep_args(args: argparse.Namespace) -> list[str]:
             "--malformed-share", str(args.malformed_share), "--imdb-dir", str(args.imdb_dir)]
 
 
-def on_torchserve(name: str, variant_dir: Path, work: Path, args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
-    """Archive `name` as the package stage does, serve it on TorchServe and sweep it; the archive and the record."""
+def archived(name: str, variant_dir: Path, work: Path, args: argparse.Namespace) -> Path:
+    """`name` archived as the package stage archives the served variant (the params' limits), in `work`'s model
+    store: what TorchServe serves and what both servers' in-process reference loads."""
     from pipeline.core.params import load_params
     from pipeline.deployment.archive import build_archive
     from pipeline.selection import ServedChoice
-    from serving.local_servers import running_torchserve
 
     mar = work / "model_store" / "sentiment.mar"
     build_archive(variant_dir, ServedChoice(name, "benchmarks.serve_matrix: every servable variant"),
                   {"name": "serve-matrix", "version": "0"}, load_params(args.params).package, mar)
+    return mar
+
+
+def on_torchserve(mar: Path, variant_dir: Path, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Serve the archive `mar` (in `work`'s model store) on TorchServe with `--ts-config` and sweep it."""
+    from serving.local_servers import running_torchserve
+
     out = work / "torchserve.json"
-    with running_torchserve(work, variant_dir) as server:
+    with running_torchserve(work, variant_dir, config=args.ts_config) as server:
         serve_load_main(["--server", "torchserve", "--url", server.url, "--key-file", str(work / "key_file.json"),
                          "--ts-config", str(work / "config.properties"), "--mar", str(mar), *sweep_args(args),
                          "--out", str(out)])
-    return mar, read_json(out)
+    return read_json(out)
 
 
 def on_mlflow(model_id: str | None, mar: Path, work: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -129,10 +136,11 @@ def chart(matrix: dict[str, dict[str, Any]], path: Path, target: float) -> None:
     import numpy as np
 
     names = list(matrix)
+    servers = [s for s in SERVERS if any(s in m for m in matrix.values())]
     levels = sorted({r["concurrency"] for s in matrix.values() for rec in s.values() for r in summary(rec)})
-    fig, axes = plt.subplots(1, len(SERVERS), figsize=(6 * len(SERVERS), 4), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(servers), figsize=(6 * len(servers), 4), sharey=True, squeeze=False)
     width = 0.8 / max(len(levels), 1)
-    for ax, server in zip(axes[0], SERVERS, strict=True):
+    for ax, server in zip(axes[0], servers, strict=True):
         for k, level in enumerate(levels):
             ratios = [next((r["served_vs_in_process"] for r in summary(matrix[n].get(server, {}))
                             if r["concurrency"] == level), None) for n in names]
@@ -162,9 +170,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per level, served and in-process")
     parser.add_argument("--warmup", type=float, default=5.0, help="seconds of uncounted requests before each level")
     parser.add_argument("--malformed-share", type=float, default=0.1)
+    parser.add_argument("--servers", type=lambda v: [s for s in v.split(",") if s], default=list(SERVERS),
+                        help="comma-separated: torchserve, mlflow (default both)")
+    parser.add_argument("--ts-config", type=Path, default=ROOT / "serving/config.properties",
+                        help="the TorchServe configuration to start it with (ports and model store are rewritten)")
     parser.add_argument("--ready-timeout", type=float, default=180.0, help="seconds a server may take to start")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/serve_matrix.json")
     args = parser.parse_args(argv)
+    if not args.servers or set(args.servers) - set(SERVERS):
+        parser.error(f"--servers takes {', '.join(SERVERS)}")
 
     from benchmarks.provenance import provenance
     from pipeline.runtimes.catalog import directories
@@ -176,9 +190,13 @@ def main(argv: list[str] | None = None) -> None:
     for i, name in enumerate(names, 1):
         print(f"[{i}/{len(names)}] {name}", flush=True)
         with tempfile.TemporaryDirectory(prefix=f"serve-matrix-{name}-") as tmp:
-            mar, on_ts = on_torchserve(name, dirs[name], Path(tmp) / "torchserve", args)
-            matrix[name] = {"torchserve": on_ts,
-                            "mlflow": on_mlflow(variants[name].get("model_id"), mar, Path(tmp) / "mlflow", args)}
+            work = Path(tmp) / "torchserve"
+            mar = archived(name, dirs[name], work, args)
+            matrix[name] = {}
+            if "torchserve" in args.servers:
+                matrix[name]["torchserve"] = on_torchserve(mar, dirs[name], work, args)
+            if "mlflow" in args.servers:
+                matrix[name]["mlflow"] = on_mlflow(variants[name].get("model_id"), mar, Path(tmp) / "mlflow", args)
     target = 0.8
     result = {**provenance("benchmarks.serve_matrix", argv), "variants": names, "target_served_vs_in_process": target,
               "matrix": matrix}

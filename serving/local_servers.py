@@ -163,15 +163,16 @@ def _wait_healthy(url: str, key: str, log: Path, startup_log: Path, timeout: flo
 
 
 @contextlib.contextmanager
-def running_torchserve(work: Path, variant_dir: Path,
-                       models: tuple[str, ...] = ("sentiment",)) -> Iterator[RunningTorchServe]:
-    """TorchServe started as `make serve` starts it (serving/config.properties on free loopback ports, token
-    authorization) on `work/model_store/<model>.mar` for each of `models` (each with the shipped model's worker and
-    batching settings, answering at `/predictions/<model>`), stopped, with everything it started, on exit."""
+def running_torchserve(work: Path, variant_dir: Path, models: tuple[str, ...] = ("sentiment",),
+                       config: Path = ROOT / "serving" / "config.properties") -> Iterator[RunningTorchServe]:
+    """TorchServe started as `make serve` starts it (`config`, by default serving/config.properties, on free loopback
+    ports, token authorization) on `work/model_store/<model>.mar` for each of `models` (each with the shipped
+    model's worker and batching settings, answering at `/predictions/<model>`), stopped, with everything it started,
+    on exit."""
     store = work / "model_store"
     ports = {name: free_port() for name in ("inference", "management", "metrics", "grpc_inference",
                                             "grpc_management")}
-    cfg = (ROOT / "serving" / "config.properties").read_text()
+    cfg = config.read_text()
     for api in ("inference", "management", "metrics"):
         cfg = re.sub(rf"^{api}_address=http://127\.0\.0\.1:\d+", f"{api}_address=http://127.0.0.1:{ports[api]}",
                      cfg, flags=re.M)
