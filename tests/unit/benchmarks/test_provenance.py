@@ -53,3 +53,20 @@ def test_every_benchmark_that_writes_results_records_them_through_provenance(pat
     if path.stem == "provenance" or not _writes_results(tree):
         return
     assert _names_used(tree) & {"provenance", "command_line"}, f"{path.name} writes results without provenance"
+
+
+def test_every_result_file_records_its_command_and_date_or_is_listed_as_older_than_that():
+    """New results carry their provenance; the files written before it are listed, with what is known of each, in
+    benchmarks/results/README.md, and that list names only files that are there and do lack it."""
+    import json
+    import re
+
+    results = BENCHMARKS / "results"
+    listed = set(re.findall(r"^\| `([^`]+\.json)` \|", (results / "README.md").read_text(), flags=re.M))
+    lacking = set()
+    for path in sorted(results.glob("*.json")):
+        record = json.loads(path.read_text())
+        if not ("command" in record and ("date" in record or "date_utc" in record)):
+            lacking.add(path.name)
+    assert lacking - listed == set(), "results without command and date (record them: benchmarks.provenance)"
+    assert listed - lacking == set(), "listed as lacking provenance but carrying it (or not there): unlist them"

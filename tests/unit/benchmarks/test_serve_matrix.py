@@ -44,3 +44,24 @@ def test_the_table_has_a_row_per_variant_and_server_with_each_level_and_the_skip
     assert len(lines) == 4
     assert lines[2] == "| int8-static | torchserve | 10.0 / 80.0 | 100.0 / 100.0 | 0.91 / 0.91 | 2 | 100 / 100 |"
     assert lines[3].startswith("| int8-static | mlflow | skipped: no files")
+
+
+@pytest.mark.parametrize("servers", ["nginx", "torchserve,triton", ","])
+def test_servers_other_than_the_two_are_refused_before_anything_starts(servers, capsys):
+    from benchmarks.serve_matrix import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--servers", servers, "--variants-metrics", "/nonexistent/variants.json"])
+    assert exc.value.code == 2 and "--servers takes torchserve, mlflow" in capsys.readouterr().err
+
+
+def test_the_chart_has_a_panel_per_server_measured(tmp_path):
+    from benchmarks.serve_matrix import chart
+
+    rows = [{"concurrency": 1, "served_vs_in_process": 0.7, "valid_errors": 0}]
+    chart({"int8-static": {"torchserve": {"rows": rows}}}, tmp_path / "one.png", 0.8)
+    chart({"int8-static": {"torchserve": {"rows": rows}, "mlflow": {"skipped": "no files"}}}, tmp_path / "two.png",
+          0.8)
+    from PIL import Image
+
+    assert Image.open(tmp_path / "one.png").width < Image.open(tmp_path / "two.png").width
