@@ -21,6 +21,8 @@ import argparse
 import os
 import sys
 import tempfile
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +104,19 @@ def on_mlflow(model_id: str | None, mar: Path, work: Path, args: argparse.Namesp
     return read_json(out)
 
 
+def failed_or(sweep: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """`sweep()`'s record, or, where its server did not start or stopped answering, a record saying so: the
+    other cells of the matrix are still measured and written."""
+    import subprocess
+
+    try:
+        return sweep()
+    # TimeoutError is an OSError; serve_load exits (SystemExit) when the server answers no first review in time
+    except (OSError, RuntimeError, subprocess.SubprocessError, SystemExit) as exc:
+        print(f"  failed: {type(exc).__name__}: {str(exc)[:2000]}", flush=True)
+        return {"failed": f"{type(exc).__name__}: {str(exc)[:2000]}"}
+
+
 def summary(record: dict[str, Any]) -> list[dict[str, Any]]:
     """Per concurrency level: what the table and the chart show of one `serve_load` record."""
     keys = ("concurrency", "p50_ms", "valid_requests_per_s", "in_process_per_s", "served_vs_in_process",
@@ -119,8 +134,9 @@ def table(matrix: dict[str, dict[str, Any]]) -> str:
              "|---|---|---:|---:|---:|---:|---:|"]
     for name, servers in matrix.items():
         for server, record in servers.items():
-            if "skipped" in record:
-                lines.append(f"| {name} | {server} | skipped: {record['skipped']} | | | | |")
+            if "skipped" in record or "failed" in record:
+                why = f"skipped: {record['skipped']}" if "skipped" in record else f"failed: {record['failed'][:120]}"
+                lines.append(f"| {name} | {server} | {why} | | | | |")
                 continue
             rows = summary(record)
             lines.append(f"| {name} | {server} | {cells(rows, 'p50_ms', '.1f')} "
@@ -192,11 +208,9 @@ def main(argv: list[str] | None = None) -> None:
         with tempfile.TemporaryDirectory(prefix=f"serve-matrix-{name}-") as tmp:
             work = Path(tmp) / "torchserve"
             mar = archived(name, dirs[name], work, args)
-            matrix[name] = {}
-            if "torchserve" in args.servers:
-                matrix[name]["torchserve"] = on_torchserve(mar, dirs[name], work, args)
-            if "mlflow" in args.servers:
-                matrix[name]["mlflow"] = on_mlflow(variants[name].get("model_id"), mar, Path(tmp) / "mlflow", args)
+            sweeps = {"torchserve": partial(on_torchserve, mar, dirs[name], work, args),
+                      "mlflow": partial(on_mlflow, variants[name].get("model_id"), mar, Path(tmp) / "mlflow", args)}
+            matrix[name] = {server: failed_or(sweeps[server]) for server in SERVERS if server in args.servers}
     target = 0.8
     result = {**provenance("benchmarks.serve_matrix", argv), "variants": names, "target_served_vs_in_process": target,
               "matrix": matrix}

@@ -65,3 +65,15 @@ def test_the_chart_has_a_panel_per_server_measured(tmp_path):
     from PIL import Image
 
     assert Image.open(tmp_path / "one.png").width < Image.open(tmp_path / "two.png").width
+
+
+def test_a_server_that_does_not_start_is_a_failed_cell_and_the_rest_is_still_measured():
+    from benchmarks.serve_matrix import failed_or
+
+    def no_server() -> dict:
+        raise TimeoutError("['python', '-m', 'serving.mlflow_server'] not ready")
+
+    record = failed_or(no_server)
+    assert record == {"failed": "TimeoutError: ['python', '-m', 'serving.mlflow_server'] not ready"}
+    assert "| int8-qat | mlflow | failed: TimeoutError" in table({"int8-qat": {"mlflow": record}})
+    assert failed_or(lambda: {"rows": []}) == {"rows": []}
