@@ -15,19 +15,17 @@ timed, and the clock is read after a CUDA synchronisation at both ends.
   (PyTorch's fused attention kernel also runs in training), i.e. what the finetune stage does;
   `pipeline-recipe-eager` is the same without torch.compile. Varying batch shapes can make torch.compile
   compile again inside the timed steps: `graphs_compiled_while_timed` in the JSON counts those.
-- On CUDA, two eager variants test ways around cuDNN's fused attention planning a new graph for every sequence
-  length it has not seen (docs/training.md): `pipeline-recipe-eager-pad64` pads buckets to multiples of 64
-  (8 lengths instead of 64), `pipeline-recipe-eager-no-cudnn-sdpa` turns PyTorch's cuDNN attention backend off
-  for its row, so SDPA picks another fused kernel; `pipeline-recipe-pad64` is the compiled recipe padded to 64.
+- On CUDA, ways around cuDNN's fused attention planning a graph for every new sequence length (docs/training.md):
+  `pipeline-recipe-eager-pad64` pads buckets to multiples of 64, `pipeline-recipe-eager-no-cudnn-sdpa` turns the
+  cuDNN attention backend off (SDPA picks another kernel); `pipeline-recipe-pad64`: the compiled recipe, pad 64.
 - `+cudagraphs` rows (CUDA): torch.compile's `reduce-overhead` mode, which replays each shape's recorded CUDA graph.
 
-`--profile-steps N` records N steps of each row after its warm-up with torch.profiler and writes the op tables
-(by device and host time, plus the CUDA allocator's counters) beside `--out`; a profiled row's rate is slower.
+`--profile-steps N`: N steps of each row after its warm-up under torch.profiler, op tables (device and host time,
+the CUDA allocator's counters) beside `--out`; a profiled row's rate is slower.
 
-`--weights random` (the default where the hub is unreachable) builds the architecture from its config with
-random weights: throughput does not depend on the values of the weights, accuracy does, so no accuracy is
-reported. The minutes column is the measured throughput applied to the blog's 3 epochs × 35,000 reviews and
-is labelled as such. Prints a table and writes `benchmarks/results/seed_recipe.json`.
+`--weights random` (the default where the hub is unreachable): the architecture from its config, random weights
+(throughput does not depend on them, accuracy does: none is reported). Minutes = the measured rate over the blog's
+3 epochs × 35,000 reviews. Prints a table and writes `benchmarks/results/seed_recipe.json`.
 
     python -m benchmarks.seed_recipe --model distilbert --steps 300
 """
@@ -245,8 +243,9 @@ def training_reviews(imdb_dir: Path, n: int) -> pd.DataFrame:
     return tokenize_frame(frame, load_tokenizer(ModelParams()), DataParams(max_length=SEQ, truncation="head"))
 
 
-def table(out: dict[str, Any], ref: float) -> str:
-    """Each row's rate, its ratio to `ref` (plain fp32's rate) and the blog's 3 epochs at that rate, as text."""
+def table(out: dict[str, Any]) -> str:
+    """Each row's rate, its ratio to plain fp32's (the first row's without it) and the blog's 3 epochs at that rate."""
+    ref = out["rows"].get("plain-fp32", next(iter(out["rows"].values())))["samples_per_s"]
     lines = [f"\n{out['model']} ({out['weights']} weights) on {out['gpu'] or 'CPU'}, batch {out['batch_size']}, "
              f"{out['timed_steps']} timed steps", f"{'row':<32}{'samples/s':>11}{'vs plain':>10}{'3-epoch min*':>14}"]
     lines += [f"{name:<32}{r['samples_per_s']:>11.1f}{r['samples_per_s'] / ref:>9.2f}x"
@@ -257,9 +256,8 @@ def table(out: dict[str, Any], ref: float) -> str:
 def main(argv: list[str] | None = None) -> None:
     """Time every row and write the comparison."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument(
-        "--imdb-dir", type=Path, default=Path(os.environ.get("IMDB_DIR", ROOT.parent / "shared/data/imdb"))
-    )
+    parser.add_argument("--imdb-dir", type=Path,
+                        default=Path(os.environ.get("IMDB_DIR", ROOT.parent / "shared/data/imdb")))
     parser.add_argument("--model", choices=["distilbert", "minilm"], default="distilbert")
     parser.add_argument("--weights", choices=["random", "hub"], default="random")
     parser.add_argument("--steps", type=int, default=300, help="timed optimizer steps per row")
@@ -273,7 +271,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     total = args.warmup + args.steps
-
     tokens = training_reviews(args.imdb_dir, total * args.batch)
     ids = tokens["input_ids"].tolist()
     labels = tokens["label"].to_numpy().astype(np.int64)
@@ -283,15 +280,14 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="seed-tok-") as tmp:
         tokenized = Path(tmp)
         tokens.to_parquet(tokenized / "train.parquet")
-        for split in ("val", "test"):
+        for split in ("val", "test"):  # the Trainer's loaders need them; validation is off
             tokens.iloc[:args.batch].to_parquet(tokenized / f"{split}.parquet")
         base = TrainParams(epochs=1, batch_size=args.batch, lr=BLOG_LR, warmup_ratio=0.0, accelerator=device,
                            bucketing=False, pad_to_multiple_of=SEQ, attention_dropout=None, max_length=None,
                            val_checks_per_epoch=1)
         plan: list[tuple[str, dict[str, Any] | None]] = [("plain-fp32", None)]
         plan += runs(not args.no_compile, device, resolve_precision("auto", "cpu").value)
-        unknown = wanted - {name for name, _ in plan}
-        if unknown:
+        if unknown := wanted - {name for name, _ in plan}:
             raise SystemExit(f"--rows names no row here: {sorted(unknown)}; rows: {[name for name, _ in plan]}")
         for name, overrides in plan:
             if wanted and name not in wanted:
@@ -311,28 +307,23 @@ def main(argv: list[str] | None = None) -> None:
             finally:
                 torch.backends.cuda.enable_cudnn_sdp(True)
             rate = clock.samples / clock.seconds
-            results[name] = {
-                "samples_per_s": rate, "tokens_per_s": clock.tokens / clock.seconds, "timed_steps": clock.steps,
-                "timed_seconds": clock.seconds, "wall_seconds_with_warmup": time.perf_counter() - started,
-                "blog_3_epochs_min_at_this_rate": BLOG_SAMPLES / rate / 60, "settings": overrides or {},
-                "graphs_compiled_while_timed": clock.graphs_compiled_while_timed,
-                "cudnn_sdpa_enabled": cudnn_sdpa if device == "cuda" else None,
-            }
+            results[name] = {"samples_per_s": rate, "tokens_per_s": clock.tokens / clock.seconds,
+                             "timed_steps": clock.steps, "timed_seconds": clock.seconds,
+                             "wall_seconds_with_warmup": time.perf_counter() - started,
+                             "blog_3_epochs_min_at_this_rate": BLOG_SAMPLES / rate / 60, "settings": overrides or {},
+                             "graphs_compiled_while_timed": clock.graphs_compiled_while_timed,
+                             "cudnn_sdpa_enabled": cudnn_sdpa if device == "cuda" else None}
             print(f"{name}: {rate:.1f} samples/s", flush=True)
             del model
             torch.cuda.empty_cache()  # nothing to do where CUDA never started
 
-    ref = results.get("plain-fp32", next(iter(results.values())))["samples_per_s"]
     gpu = torch.cuda.get_device_name(0) if device == "cuda" else None
-    out = {
-        "model": args.model, "weights": args.weights, "device": device, "gpu": gpu, "torch": torch.__version__,
-        "batch_size": args.batch, "max_length": SEQ, "warmup_steps": args.warmup, "timed_steps": args.steps,
-        **provenance("benchmarks.seed_recipe", argv, threads=torch.get_num_threads()), "rows": results,
-        "note": "minutes = the blog's 3 epochs x 35,000 reviews at the measured rate (a projection, not a run)",
-    }
+    out = {"model": args.model, "weights": args.weights, "device": device, "gpu": gpu, "torch": torch.__version__,
+           "batch_size": args.batch, "max_length": SEQ, "warmup_steps": args.warmup, "timed_steps": args.steps,
+           **provenance("benchmarks.seed_recipe", argv, threads=torch.get_num_threads()), "rows": results,
+           "note": "minutes = the blog's 3 epochs x 35,000 reviews at the measured rate (a projection, not a run)"}
     write_json(args.out, out)  # written whole: an interrupted run leaves the previous file
-    print(table(out, ref))
-    print(f"written to {args.out}")
+    print(f"{table(out)}\nwritten to {args.out}")
 
 
 if __name__ == "__main__":
