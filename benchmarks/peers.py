@@ -194,9 +194,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "calibration_reviews": sum(len(x[0]) for x in inputs.calibration),
                      "compile_backend": args.compile_backend, "measure_s": measure_s,
                      "max_accuracy_loss_pt": params.targets.max_accuracy_loss_pt},
-        "rows": rows,
-        "verdicts": result_verdicts,
-        "int8_ceiling": ceiling,
+        "rows": rows, "verdicts": result_verdicts, "int8_ceiling": ceiling,
     }
 
 

@@ -23,9 +23,9 @@ timed, and the clock is read after a CUDA synchronisation at both ends.
 `--profile-steps N`: N steps of each row after its warm-up under torch.profiler, op tables (device and host time,
 the CUDA allocator's counters) beside `--out`; a profiled row's rate is slower.
 
-`--weights random` (the default where the hub is unreachable): the architecture from its config, random weights
-(throughput does not depend on them, accuracy does: none is reported). Minutes = the measured rate over the blog's
-3 epochs × 35,000 reviews. Prints a table and writes `benchmarks/results/seed_recipe.json`.
+`--weights random` (the default): the architecture from its config, random weights (throughput does not depend on
+them, accuracy does: none is reported). Minutes = the blog's 3 epochs × 35,000 reviews at the measured rate.
+Prints a table and writes `benchmarks/results/seed_recipe.json`.
 
     python -m benchmarks.seed_recipe --model distilbert --steps 300
 """

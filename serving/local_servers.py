@@ -31,7 +31,6 @@ BIN = Path(sys.executable).parent
 _HANDED_OUT: set[int] = set()
 
 
-
 def free_port() -> int:
     """A TCP port on the loopback interface that nothing listens on right now, drawn at random below the kernel's
     ephemeral range. A port the kernel picks itself (bind to 0) lies inside that range, where every outgoing
@@ -59,26 +58,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-
 def start_server(cmd: list[str], env: dict[str, str], cwd: Path, ready_url: str, log: Path,
                  timeout: float = 180) -> subprocess.Popen[bytes]:
     """Start `cmd` in a process group of its own (so `stop_server` ends it and every worker it spawned) and wait
     until `ready_url` answers 200; on failure the group is stopped and the log's tail is raised."""
-
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            break
-        try:
-            with urllib.request.urlopen(ready_url, timeout=5) as resp:
-                if resp.status == 200:
-                    return proc
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.5)
+    try:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                break
+            try:
+                with urllib.request.urlopen(ready_url, timeout=5) as resp:
+                    if resp.status == 200:
+                        return proc
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.5)
+    except BaseException:  # interrupted or failed while waiting: its own session would outlive this process
+        stop_server(proc)
+        raise
     stop_server(proc)
     raise TimeoutError(f"{cmd[:4]} not ready at {ready_url} (exit {proc.returncode}); log tail:\n"
                        f"{log.read_text(errors='replace')[-4000:]}")
@@ -87,7 +88,6 @@ def start_server(cmd: list[str], env: dict[str, str], cwd: Path, ready_url: str,
 def stop_server(proc: subprocess.Popen[bytes]) -> None:
     """End the process group `start_server` started: SIGTERM, SIGKILL if its leader is still there after 20 s,
     and SIGKILL for any worker of the group that outlived the leader."""
-
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
     try:
@@ -162,23 +162,38 @@ def _wait_healthy(url: str, key: str, log: Path, startup_log: Path, timeout: flo
     raise TimeoutError(f"TorchServe not healthy after {timeout}s; log tail:\n{log.read_text()[-4000:]}")
 
 
+def _rewritten(cfg: str, pattern: str, replacement: str, what: str) -> str:
+    """`cfg` with the one line `pattern` matches replaced; a config with no such line, or several, is refused
+    (TorchServe would bind the port it names, not the free one this process waits on)."""
+    out, count = re.subn(pattern, replacement, cfg, flags=re.M)
+    if count != 1:
+        raise ValueError(f"the TorchServe config has {count} lines for {what}; exactly one is rewritten")
+    return out
+
+
+def torchserve_config(config: Path, ports: dict[str, int], store: Path) -> str:
+    """`config` with its five listeners on `ports` (loopback) and its model store at `store`."""
+    cfg = config.read_text()
+    for api in ("inference", "management", "metrics"):
+        cfg = _rewritten(cfg, rf"^{api}_address=http://127\.0\.0\.1:\d+$",
+                         f"{api}_address=http://127.0.0.1:{ports[api]}", f"{api}_address on 127.0.0.1")
+    for api in ("grpc_inference", "grpc_management"):
+        cfg = _rewritten(cfg, rf"^{api}_port=\d+$", f"{api}_port={ports[api]}", f"{api}_port")
+    return _rewritten(cfg, r"^model_store=.*$", f"model_store={store}", "model_store")
+
+
 @contextlib.contextmanager
 def running_torchserve(work: Path, variant_dir: Path, models: tuple[str, ...] = ("sentiment",),
-                       config: Path = ROOT / "serving" / "config.properties") -> Iterator[RunningTorchServe]:
+                       config: Path = ROOT / "serving" / "config.properties",
+                       timeout: float = 180) -> Iterator[RunningTorchServe]:
     """TorchServe started as `make serve` starts it (`config`, by default serving/config.properties, on free loopback
     ports, token authorization) on `work/model_store/<model>.mar` for each of `models` (each with the shipped
-    model's worker and batching settings, answering at `/predictions/<model>`), stopped, with everything it started,
-    on exit."""
+    model's worker and batching settings, answering at `/predictions/<model>`), answering within `timeout` seconds,
+    stopped, with everything it started, on exit."""
     store = work / "model_store"
     ports = {name: free_port() for name in ("inference", "management", "metrics", "grpc_inference",
                                             "grpc_management")}
-    cfg = config.read_text()
-    for api in ("inference", "management", "metrics"):
-        cfg = re.sub(rf"^{api}_address=http://127\.0\.0\.1:\d+", f"{api}_address=http://127.0.0.1:{ports[api]}",
-                     cfg, flags=re.M)
-    for api in ("grpc_inference", "grpc_management"):
-        cfg = re.sub(rf"^{api}_port=\d+", f"{api}_port={ports[api]}", cfg, flags=re.M)
-    cfg = re.sub(r"^model_store=.*$", f"model_store={store}", cfg, flags=re.M)
+    cfg = torchserve_config(config, ports, store)
     if models != ("sentiment",):
         shipped = json.loads(re.search(r"^models=(.*)$", cfg, flags=re.M)[1])["sentiment"]
         entries = {m: {v: {**e, "marName": f"{m}.mar"} for v, e in shipped.items()} for m in models}
@@ -190,9 +205,9 @@ def running_torchserve(work: Path, variant_dir: Path, models: tuple[str, ...] = 
     start = [str(BIN / "torchserve"), "--start", "--ncs", "--ts-config", str(work / "config.properties"),
              "--model-store", str(store), "--log-config", str(ROOT / "serving" / "log4j2.xml")]
     log = work / "server.log"
-    with log.open("w") as fh:
-        subprocess.run(start, cwd=work, env=env, stdout=fh, stderr=subprocess.STDOUT, check=True, timeout=120)
     try:
+        with log.open("w") as fh:
+            subprocess.run(start, cwd=work, env=env, stdout=fh, stderr=subprocess.STDOUT, check=True, timeout=120)
         deadline = time.time() + 60
         while not (work / "key_file.json").is_file() and time.time() < deadline:
             time.sleep(0.5)
@@ -201,11 +216,15 @@ def running_torchserve(work: Path, variant_dir: Path, models: tuple[str, ...] = 
             raise TimeoutError(f"TorchServe wrote no key file within 60 s; see {log}")
         url = f"http://127.0.0.1:{ports['inference']}"
         _wait_healthy(url, key, work / "logs" / "ts_log.log" if (work / "logs").exists() else log, log,
-                      models=models)
+                      timeout=timeout, models=models)
         yield RunningTorchServe(work, url, key, variant_dir, ports)
     finally:
-        subprocess.run([str(BIN / "torchserve"), "--stop"], cwd=work, env=env, capture_output=True, timeout=120)
+        with contextlib.suppress(subprocess.SubprocessError, OSError):
+            subprocess.run([str(BIN / "torchserve"), "--stop"], cwd=work, env=env, capture_output=True, timeout=120)
+        left = []
         for proc in psutil.process_iter(["cmdline"]):  # nothing it started may outlive it
-            cmd = " ".join(proc.info["cmdline"] or [])
-            if str(work) in cmd and proc.pid != os.getpid():
-                proc.kill()
+            with contextlib.suppress(psutil.Error):
+                if str(work) in " ".join(proc.info["cmdline"] or []) and proc.pid != os.getpid():
+                    proc.kill()
+                    left.append(proc)
+        psutil.wait_procs(left, timeout=20)

@@ -25,7 +25,8 @@ VARIANTS = {"fp32-eager": {"status": "ok"}, "fp32-onnx": {"status": "ok"}, "int8
 
 
 def test_only_built_variants_the_handler_runs_are_served_in_the_catalogs_order(dirs):
-    # fp32-eager has no directory, tensorrt is GPU-only, int8-dynamic was skipped, int8-qat's directory is missing
+    # fp32-eager is not servable (eager), nor is tensorrt (GPU only); int8-dynamic was skipped, int8-qat's directory
+    # is missing
     assert servable(VARIANTS, dirs, None) == ["fp32-onnx", "int8-static", "int8-openvino"]
     assert servable(VARIANTS, dirs, ["int8-openvino", "fp32-onnx"]) == ["fp32-onnx", "int8-openvino"]
 
@@ -67,7 +68,7 @@ def test_the_chart_has_a_panel_per_server_measured(tmp_path):
     assert Image.open(tmp_path / "one.png").width < Image.open(tmp_path / "two.png").width
 
 
-def test_a_server_that_does_not_start_is_a_failed_cell_and_the_rest_is_still_measured():
+def test_a_server_that_does_not_start_is_recorded_as_a_failed_cell():
     from benchmarks.serve_matrix import failed_or
 
     def no_server() -> dict:
@@ -77,3 +78,40 @@ def test_a_server_that_does_not_start_is_a_failed_cell_and_the_rest_is_still_mea
     assert record == {"failed": "TimeoutError: ['python', '-m', 'serving.mlflow_server'] not ready"}
     assert "| int8-qat | mlflow | failed: TimeoutError" in table({"int8-qat": {"mlflow": record}})
     assert failed_or(lambda: {"rows": []}) == {"rows": []}
+
+
+def test_a_relative_sqlite_store_is_the_checkouts_one_wherever_the_command_runs(monkeypatch, tmp_path):
+    from benchmarks.serve_matrix import ROOT, absolute_store
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert absolute_store("sqlite:///mlflow.db") == f"sqlite:///{ROOT / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///team.db")  # named by the caller: the caller's directory
+    assert absolute_store("sqlite:///team.db") == f"sqlite:///{tmp_path.resolve() / 'team.db'}"
+    for uri in ("sqlite:////srv/mlflow.db", "http://127.0.0.1:5000", "postgresql://u@h/db"):
+        assert absolute_store(uri) == uri
+
+
+def test_an_empty_variant_list_is_refused_before_anything_is_written(tmp_path, capsys):
+    from benchmarks.serve_matrix import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--variants", ",", "--out", str(tmp_path / "m.json")])
+    assert exc.value.code == 2 and "--variants names no variant" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_torchserve_is_started_only_on_a_config_whose_listeners_it_can_move(tmp_path):
+    from serving.local_servers import ROOT, torchserve_config
+
+    ports = {"inference": 20001, "management": 20002, "metrics": 20003, "grpc_inference": 20004,
+             "grpc_management": 20005}
+    shipped = ROOT / "serving" / "config.properties"
+    cfg = torchserve_config(shipped, ports, tmp_path / "store")
+    assert "inference_address=http://127.0.0.1:20001\n" in cfg and "grpc_management_port=20005\n" in cfg
+    assert f"model_store={tmp_path / 'store'}\n" in cfg and ":8080" not in cfg and "7070" not in cfg
+    public = tmp_path / "public.properties"
+    public.write_text(shipped.read_text().replace("inference_address=http://127.0.0.1:8080",
+                                                  "inference_address=http://0.0.0.0:8080"))
+    with pytest.raises(ValueError, match="0 lines for inference_address"):
+        torchserve_config(public, ports, tmp_path / "store")
