@@ -25,7 +25,8 @@ import pytest
 from pipeline.core.params import Params
 from pipeline.deployment.inference import SentimentPredictor
 from serving.local_servers import free_port, start_server, stop_server
-from tests.factories import ROOT, evaluated_fp32_onnx, postgres_bin_dir, postgres_cluster
+from tests.factories import ROOT, evaluated_fp32_onnx
+from tests.postgres import postgres_bin_dir, postgres_cluster
 
 BIN = Path(sys.executable).parent
 DOCS = ROOT / "docs" / "mlflow.md"
