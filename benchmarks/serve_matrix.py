@@ -61,13 +61,12 @@ def sweep_args(args: argparse.Namespace) -> list[str]:
 def archived(name: str, variant_dir: Path, work: Path, args: argparse.Namespace) -> Path:
     """`name` archived as the package stage archives the served variant (the params' limits), in `work`'s model
     store: what TorchServe serves and what both servers' in-process reference loads."""
-    from pipeline.core.params import load_params
     from pipeline.deployment.archive import build_archive
     from pipeline.selection import ServedChoice
 
     mar = work / "model_store" / "sentiment.mar"
     build_archive(variant_dir, ServedChoice(name, "benchmarks.serve_matrix: every servable variant"),
-                  {"name": "serve-matrix", "version": "0"}, load_params(args.params).package, mar)
+                  {"name": "serve-matrix", "version": "0"}, args.settings.package, mar)
     return mar
 
 
@@ -98,18 +97,15 @@ def on_mlflow(model_id: str | None, mar: Path, work: Path, args: argparse.Namesp
     """Serve the variant's MLflow model by `serving.mlflow_server` and sweep it (in-process: the same archive's
     model); a record saying why not where the store holds no files for it."""
     from pipeline.core.model_registry import model_with_files
-    from pipeline.core.params import load_params
-    from pipeline.core.parent_run import tracking_uri
     from serving.local_servers import free_port, start_server, stop_server
 
-    store = absolute_store(tracking_uri(load_params(args.params).mlflow))
-    if not model_id or not model_with_files(model_id, tracking_uri=store):
-        return {"skipped": f"MLflow model {model_id or '(none recorded)'} holds no files in {store}"}
+    if not model_id or not model_with_files(model_id, tracking_uri=args.store):
+        return {"skipped": f"MLflow model {model_id or '(none recorded)'} holds no files in {args.store}"}
     work.mkdir(parents=True, exist_ok=True)
     port, out = free_port(), work / "mlflow.json"
     cmd = [sys.executable, "-m", "serving.mlflow_server", "--host", "127.0.0.1", "--port", str(port),
            "--params", str(args.params), "--model-uri", f"models:/{model_id}", "--log-dir", str(work / "logs")]
-    proc = start_server(cmd, {**os.environ, "MLFLOW_TRACKING_URI": store}, ROOT, f"http://127.0.0.1:{port}/ready",
+    proc = start_server(cmd, {**os.environ, "MLFLOW_TRACKING_URI": args.store}, ROOT, f"http://127.0.0.1:{port}/ready",
                         work / "mlflow.log",
                         timeout=args.ready_timeout)
     try:
@@ -219,6 +215,11 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--variants names no variant")
     for name in ("params", "variants_metrics", "variants_dir", "imdb_dir", "ts_config", "out"):
         setattr(args, name, getattr(args, name).resolve())
+    from pipeline.core.params import load_params
+    from pipeline.core.parent_run import tracking_uri
+
+    args.settings = load_params(args.params)  # read once: the archives' limits and the MLflow store
+    args.store = absolute_store(tracking_uri(args.settings.mlflow))
     return args
 
 

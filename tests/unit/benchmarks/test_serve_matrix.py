@@ -115,3 +115,13 @@ def test_torchserve_is_started_only_on_a_config_whose_listeners_it_can_move(tmp_
                                                   "inference_address=http://0.0.0.0:8080"))
     with pytest.raises(ValueError, match="0 lines for inference_address"):
         torchserve_config(public, ports, tmp_path / "store")
+
+
+def test_the_params_are_read_once_up_front_with_the_store_the_servers_share(monkeypatch, tmp_path):
+    from benchmarks.serve_matrix import ROOT, arguments
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    args = arguments(["--variants", "int8-static"])
+    assert args.params == ROOT / "params.yaml" and args.settings.package.max_texts > 0
+    assert args.store == f"sqlite:///{ROOT / 'mlflow.db'}"
