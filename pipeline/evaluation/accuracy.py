@@ -17,6 +17,7 @@ from pipeline.data.tokens import read_tokenized
 from pipeline.modeling import saved_pad_id
 from pipeline.runtimes.base import Runtime, predict_logits
 from pipeline.runtimes.catalog import REFERENCE, spec
+from pipeline.runtimes.fp32_linear import fp32_linear_on
 from pipeline.runtimes.record import VariantError, VariantInfo, read_variant, size_mb, variant_batching
 from pipeline.runtimes.registry import load_runner
 from pipeline.selection import TIE_P_VALUE, int8_candidates, mcnemar_p, most_accurate, quantization_verdicts
@@ -98,18 +99,19 @@ def reference_row(finetuned: Path, seqs: list[np.ndarray], labels: np.ndarray, p
                   reference_predictions: Path | None, pad: int) -> tuple[dict[str, Any], np.ndarray]:
     """The FP32 PyTorch reference's entry and its predicted labels on the test split (`seqs`, `labels`): from the
     finetune stage's test logits (`reference_predictions`) where they were scored on the CPU in batches of
-    `params.batch_size` padded with the tokenizer's id (the same batches and padding, so the same logits), else
-    scored here. Either way `scored_by` names the stage."""
+    `params.batch_size` padded with the tokenizer's id, with the kernel this CPU picks for FP32 `Linear` layers
+    (`fp32_linear_on`; the same batches, padding and kernel, so the same logits), else scored here. Either way
+    `scored_by` names the stage."""
     t0 = time.perf_counter()
-    ref_logits, scored_by, seconds = None, "evaluate", 0.0
+    ref_logits, scored_by, seconds, kernel = None, "evaluate", 0.0, fp32_linear_on("cpu")
     if reference_predictions is not None:
         try:
             logits, saved = read_predictions(reference_predictions, seqs, labels)
         except (FileNotFoundError, ValueError) as exc:
             raise VariantError(str(exc)) from exc
-        here = {"batch_size": params.batch_size, "pad_id": pad, "device": "cpu"}
+        here = {"batch_size": params.batch_size, "pad_id": pad, "device": "cpu", "fp32_linear": kernel}
         differ = {k: saved.get(k) for k, v in here.items() if saved.get(k) != v}
-        if not differ:  # the same batches, padding and device: the same logits
+        if not differ:  # the same batches, padding, device and kernel: the same logits
             ref_logits, scored_by, seconds = logits, "finetune", float(saved.get("seconds", 0.0))
             log.info("%s: test logits reused from %s (scored by the finetune stage)", REFERENCE,
                      reference_predictions)
@@ -126,6 +128,7 @@ def reference_row(finetuned: Path, seqs: list[np.ndarray], labels: np.ndarray, p
         "accuracy": float((ref_pred == labels).mean()), "agreement_with_fp32": 1.0,
         "size_mb": round((finetuned / "model.safetensors").stat().st_size / 1e6, 3),
         "eval_seconds": round(seconds, 2), "test_samples": len(labels), "scored_by": scored_by,
+        "fp32_linear": kernel,
     }
     return entry, ref_pred
 

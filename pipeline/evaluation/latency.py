@@ -19,7 +19,8 @@ from pipeline.core.machine import available_cpus
 from pipeline.core.params import BenchmarkParams
 from pipeline.evaluation import memory_probe
 from pipeline.runtimes.base import Runner, pad_batch
-from pipeline.runtimes.catalog import BF16_ROW, READOUT_ROW, REFERENCE
+from pipeline.runtimes.catalog import BF16_ROW, MKL_ROW, READOUT_ROW, REFERENCE
+from pipeline.runtimes.fp32_linear import resolve_fp32_linear
 from pipeline.runtimes.record import read_variant
 
 log = logging.getLogger(__name__)
@@ -137,7 +138,8 @@ class Candidate:
 
 def candidates(finetuned: Path, variant_dirs: dict[str, Path], include_bf16: bool,
                built: dict[str, Path] | None = None) -> list[Candidate]:
-    """FP32 eager first (the reference), the bf16-autocast row, the eager [CLS]-readout row (the readout's own
+    """FP32 eager first (the reference), the bf16-autocast row, the row of PyTorch's own FP32 products where the
+    reference runs oneDNN's (`pipeline.runtimes.fp32_linear`), the eager [CLS]-readout row (the readout's own
     share of the exported variants' speed-up: skipped, with its reason, where no variant `built` (default: those
     in `variant_dirs`; a caller timing a few passes every built one) computes the [CLS] position only, as with
     `export.cls_readout: false`), then every variant in `variant_dirs` (skipped ones kept)."""
@@ -148,6 +150,8 @@ def candidates(finetuned: Path, variant_dirs: dict[str, Path], include_bf16: boo
     out = [Candidate(REFERENCE, finetuned, {})]
     if include_bf16:
         out.append(Candidate(BF16_ROW, finetuned, {"autocast": "bf16"}))
+    if resolve_fp32_linear("auto").value == "onednn":  # fp32-eager runs oneDNN's products: PyTorch's own beside it
+        out.append(Candidate(MKL_ROW, finetuned, {"fp32_linear": "torch"}))
     readout = Candidate(READOUT_ROW, finetuned, {"cls_readout": True}, cls_readout=True)
     # the records already read where `built` is the same set (the benchmark stage): each read once
     built_infos = infos.values() if built is None else [infos.get(n) or read_variant(d) for n, d in built.items()]

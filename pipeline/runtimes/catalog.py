@@ -3,7 +3,8 @@
 The build stages (export, quantize, prune, tensorrt) write the variants the table assigns to them; evaluate,
 benchmark, package, the report and the tests read the same table, so nothing guesses a variant's kind from its
 name. A variant's directory is `<variants root>/<name>` (`models/variants` in dvc.yaml); `fp32-eager` is the
-finetuned model itself and `fp32-eager-bf16` the same weights measured under bf16 autocast.
+finetuned model itself and `fp32-eager-bf16` the same weights measured under bf16 autocast (`fp32-eager-readout`,
+`fp32-eager-mkl`: the same weights timed another way, `TIMING_ROWS`).
 """
 
 from __future__ import annotations
@@ -59,8 +60,9 @@ class VariantSpec:
 REFERENCE = "fp32-eager"
 BF16_ROW = "fp32-eager-bf16"
 READOUT_ROW = "fp32-eager-readout"
+MKL_ROW = "fp32-eager-mkl"
 #: Rows that time the reference's own weights another way: no accuracy, file or MLflow model of their own.
-TIMING_ROWS = (BF16_ROW, READOUT_ROW)
+TIMING_ROWS = (BF16_ROW, READOUT_ROW, MKL_ROW)
 
 VARIANTS: tuple[VariantSpec, ...] = (
     VariantSpec(REFERENCE, "eager", "float32", "fp32", "finetune", None,
@@ -69,6 +71,9 @@ VARIANTS: tuple[VariantSpec, ...] = (
                 "the finetuned model under bf16 autocast (benchmark row only)"),
     VariantSpec(READOUT_ROW, "eager", "float32", "fp32", "benchmark", None,
                 "the finetuned model with the [CLS] readout, eager (benchmark row: the readout's share of speed-up)"),
+    VariantSpec(MKL_ROW, "eager", "float32", "fp32", "benchmark", None,
+                "the finetuned model with PyTorch's own FP32 products (MKL), where fp32-eager runs oneDNN's "
+                "(benchmark row: what the kernel choice changes)"),
     VariantSpec("fp32-torchscript", "torchscript", "float32", "fp32", "export", "model.pt",
                 "traced TorchScript, frozen and optimised at load"),
     VariantSpec("fp32-onnx", "onnx", "float32", "fp32", "export", "model.onnx",

@@ -10,7 +10,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from pipeline.core.machine import Choice
 from pipeline.runtimes.base import checked_options, predict_logits, set_torch_threads
+from pipeline.runtimes.fp32_linear import FP32_LINEAR
 from pipeline.runtimes.record import VariantInfo
 
 #: Autocast dtypes a `TorchRunner` can run under, by name.
@@ -24,7 +26,9 @@ class TorchRunner:
 
     format: ClassVar[str] = "eager"
 
-    def __init__(self, module: Any, autocast: str | None = None) -> None:
+    def __init__(self, module: Any, autocast: str | None = None, fp32_linear: str | None = None) -> None:
+        """`fp32_linear`: None runs `module` as given; else the kernel of its FP32 `Linear` layers on the CPU
+        (`pipeline.runtimes.fp32_linear`: `auto`, `onednn` or `torch`), a copy of `module` where oneDNN's."""
         import torch
 
         if autocast is not None and autocast not in AUTOCAST:
@@ -35,14 +39,39 @@ class TorchRunner:
         params = getattr(module, "parameters", None)
         first = next(iter(params()), None) if callable(params) else None
         self.device = first.device if first is not None else torch.device("cpu")
+        self.fp32_linear = None if fp32_linear is None else self._linear_kernel(fp32_linear)
+        if self.fp32_linear is not None and self.fp32_linear.value == "onednn":
+            from pipeline.runtimes.fp32_linear import onednn_linears
+
+            self.module = onednn_linears(module)
+
+    def _linear_kernel(self, asked: str) -> Choice:
+        """The kernel of the module's FP32 `Linear` layers: `resolve_fp32_linear` where they run in FP32 on the CPU
+        in eager mode; PyTorch's own call on another device, under autocast (oneDNN already runs the CPU's bf16
+        products) and in a TorchScript graph (its own ops)."""
+        import torch
+
+        from pipeline.runtimes.fp32_linear import resolve_fp32_linear
+
+        if self.device.type != "cpu":
+            why = f"runs on {self.device}"
+        elif self.autocast is not None:
+            why = f"runs under {self.autocast} autocast"
+        elif isinstance(self.module, torch.jit.ScriptModule):
+            why = "a TorchScript graph runs its own ops"
+        else:
+            return resolve_fp32_linear(asked)
+        return Choice("fp32_linear", asked, "torch", why)
 
     @classmethod
     def load(cls, directory: Path, info: VariantInfo | None, threads: int | None = None,
              **options: Any) -> TorchRunner:
         """The finetuned HF model in `directory`; options `cls_readout` (the [CLS]-only last layer,
-        `pipeline.runtimes.readout`; raises `ReadoutError` for a head that reads more) and `autocast` (`AUTOCAST`
-        or None); any other option is a `VariantError`."""
-        options = checked_options("torch", options, {"cls_readout": (False, True), "autocast": (None, *AUTOCAST)})
+        `pipeline.runtimes.readout`; raises `ReadoutError` for a head that reads more), `autocast` (`AUTOCAST`
+        or None) and `fp32_linear` (the kernel of its FP32 `Linear` layers: `auto`, the default, `onednn` or
+        `torch`); any other option is a `VariantError`."""
+        options = checked_options("torch", options, {"cls_readout": (False, True), "autocast": (None, *AUTOCAST),
+                                                     "fp32_linear": ("auto", *FP32_LINEAR)})
         from pipeline.modeling import load_finetuned
 
         model, _, _ = load_finetuned(directory)
@@ -51,13 +80,16 @@ class TorchRunner:
 
             model = cls_readout(model)
         set_torch_threads(threads)
-        return cls(logits_module(model), autocast=options.get("autocast"))
+        return cls(logits_module(model), autocast=options.get("autocast"),
+                   fp32_linear=options.get("fp32_linear", "auto"))
 
     def describe(self) -> dict[str, Any]:
         import torch
 
+        linear = {} if self.fp32_linear is None else {"fp32_linear": self.fp32_linear.value,
+                                                        "fp32_linear_reason": self.fp32_linear.reason}
         return {"runtime": "torch", "threads": torch.get_num_threads(), "device": str(self.device),
-                "autocast": self.autocast or "none"}
+                "autocast": self.autocast or "none", **linear}
 
     def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         import torch
@@ -99,10 +131,12 @@ def logits_module(model: Any) -> Any:
 
 def predict_logits_on(model: Any, device: str, seqs: Sequence[np.ndarray], batch_size: int, pad_id: int,
                       autocast: str | None = None, progress: str | None = None) -> np.ndarray:
-    """`predict_logits` of a HF model moved to `device` (under `autocast`, see `TorchRunner`); the model is back on
-    the CPU afterwards, also when scoring fails, where the stages save, copy and export it."""
+    """`predict_logits` of a HF model moved to `device` (under `autocast`, with the `auto` kernel for its FP32
+    `Linear` layers: see `TorchRunner`); the model is back on the CPU afterwards, also when scoring fails, where the
+    stages save, copy and export it (oneDNN's layers, where chosen, are on a copy)."""
     model.to(device)
     try:
-        return predict_logits(TorchRunner(logits_module(model), autocast=autocast), seqs, batch_size, pad_id, progress)
+        runner = TorchRunner(logits_module(model), autocast=autocast, fp32_linear="auto")
+        return predict_logits(runner, seqs, batch_size, pad_id, progress)
     finally:
         model.to("cpu")

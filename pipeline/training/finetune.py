@@ -17,6 +17,7 @@ import torch
 from pipeline.core.io import save_figure, write_json, write_predictions
 from pipeline.core.params import Params, TrainParams, to_dict
 from pipeline.data.tokens import window_shortener
+from pipeline.runtimes.fp32_linear import fp32_linear_on
 from pipeline.training.checkpoints import CheckpointStore, ResumePlan, start_attempt
 from pipeline.training.classifier import IMDBDataModule, OptimisationRecipe, SentimentClassifier, check_accelerations
 from pipeline.training.curve_files import MetricSink
@@ -135,7 +136,8 @@ def finetune(tokenized_dir: Path, outputs: FinetuneOutputs, all_params: Params, 
     if outputs.predictions_path is not None:
         write_predictions(outputs.predictions_path, logits, labels, dm.datasets["test"].input_ids,
                           batch_size=params.eval_batch_size, seconds=round(score_seconds, 2),
-                          threads=torch.get_num_threads(), device=scoring_device(dm), pad_id=dm.collate.pad_id)
+                          threads=torch.get_num_threads(), device=scoring_device(dm), pad_id=dm.collate.pad_id,
+                          fp32_linear=fp32_linear_on(scoring_device(dm)))
     write_json(outputs.metrics_path, metrics)
     curves.write(outputs.plots_dir)
     save_confusion(labels, preds, outputs.report_dir / "confusion_matrix.png")

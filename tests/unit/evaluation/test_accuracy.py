@@ -13,6 +13,7 @@ from pipeline.data.tokens import read_tokenized
 from pipeline.deployment.protocol import RequestError
 from pipeline.evaluation.accuracy import check_targets, score_variants
 from pipeline.runtimes.base import predict_logits
+from pipeline.runtimes.fp32_linear import fp32_linear_on
 from pipeline.runtimes.record import VariantError
 from pipeline.runtimes.registry import load_runner
 
@@ -112,7 +113,9 @@ def test_reference_row_reuses_the_finetune_logits_only_for_the_same_split(built,
     seqs, labels = test["input_ids"].tolist(), test["label"].to_numpy()
     logits = predict_logits(load_runner(tiny_model_dir), seqs, 16)
     saved = tmp_path / "finetune-test.npz"
-    write_predictions(saved, logits, labels, seqs, seconds=1.5, batch_size=16, device="cpu", pad_id=0)
+    kernel = fp32_linear_on("cpu")
+    write_predictions(saved, logits, labels, seqs, seconds=1.5, batch_size=16, device="cpu", pad_id=0,
+                      fp32_linear=kernel)
     fresh = score_variants(tiny_model_dir, {"fp32-onnx": built["dirs"]["fp32-onnx"]}, built["tokenized"], params,
                            targets=TargetsParams())
     reused = score_variants(tiny_model_dir, {"fp32-onnx": built["dirs"]["fp32-onnx"]}, built["tokenized"], params,
@@ -127,7 +130,10 @@ def test_reference_row_reuses_the_finetune_logits_only_for_the_same_split(built,
                                    reference_predictions=saved, targets=TargetsParams())
     assert other_batches["fp32-eager"]["scored_by"] == "evaluate"
     assert other_batches["fp32-eager"]["accuracy"] == fresh["fp32-eager"]["accuracy"]
-    for meta in ({"device": "cuda", "pad_id": 0}, {"device": "cpu", "pad_id": 1}, {}):  # or another device, padding
+    other_kernel = "torch" if kernel == "onednn" else "onednn"
+    for meta in ({"device": "cuda", "pad_id": 0, "fp32_linear": kernel}, {"device": "cpu", "pad_id": 1,
+                 "fp32_linear": kernel}, {"device": "cpu", "pad_id": 0, "fp32_linear": other_kernel},
+                 {"device": "cpu", "pad_id": 0}, {}):  # or another device, padding, FP32 kernel, or not recorded
         elsewhere = tmp_path / "elsewhere.npz"
         write_predictions(elsewhere, logits, labels, seqs, seconds=1.5, batch_size=16, **meta)
         again = score_variants(tiny_model_dir, {}, built["tokenized"], params, reference_predictions=elsewhere,

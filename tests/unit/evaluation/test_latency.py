@@ -228,7 +228,8 @@ def test_the_bf16_row_is_timed_exactly_when_the_choice_asks(tiny_model_dir, toke
     with the default (auto), which an AVX2-only CPU resolves to False, so this is where the row itself is run."""
     from pipeline.core.machine import Choice
     from pipeline.evaluation.benchmark import run_benchmark
-    from pipeline.runtimes.catalog import BF16_ROW, READOUT_ROW, REFERENCE
+    from pipeline.runtimes.catalog import BF16_ROW, MKL_ROW, READOUT_ROW, REFERENCE
+    from pipeline.runtimes.fp32_linear import resolve_fp32_linear
 
     params = BenchmarkParams(seq_len=16, batch_size=4, warmup=1, iterations=2, rounds=2, latency_reviews=2,
                              threads=1, memory=False)
@@ -236,7 +237,8 @@ def test_the_bf16_row_is_timed_exactly_when_the_choice_asks(tiny_model_dir, toke
     result = run_benchmark(finetuned=tiny_model_dir, variant_dirs={}, tokenized=tokenized_dir, params=params,
                            bf16=choice)
     rows = result["variants"]
-    assert set(rows) == {REFERENCE, READOUT_ROW} | ({BF16_ROW} if bf16 else set())
+    mkl = {MKL_ROW} if resolve_fp32_linear("auto").value == "onednn" else set()  # this CPU's FP32 kernel choice
+    assert set(rows) == {REFERENCE, READOUT_ROW} | ({BF16_ROW} if bf16 else set()) | mkl
     assert result["settings"]["bf16_row"] is bf16 and result["settings"]["bf16_row_choice"] == choice.tag()
     if bf16:
         row = rows[BF16_ROW]
@@ -313,11 +315,42 @@ def test_result_rows_hold_each_candidates_timings_scores_and_the_speed_pairs(tmp
     assert "b1_vs_baseline_low" not in rows["int8-dynamic"] and "b1_vs_baseline_low" not in rows["int8-static"]
 
 
-def test_the_readout_row_is_timed_only_where_a_built_variant_has_the_readout(built, tiny_model_dir):
+def _fp32_kernel(monkeypatch, value: str) -> None:
+    """The FP32 `Linear` kernel `candidates` sees this CPU pick, whatever CPU runs the test."""
+    from pipeline.core.machine import Choice
+
+    monkeypatch.setattr("pipeline.evaluation.latency.resolve_fp32_linear",
+                        lambda asked="auto": Choice("fp32_linear", asked, value, "this test's CPU"))
+
+
+@pytest.mark.parametrize("kernel", ["onednn", "torch"])
+def test_pytorchs_own_fp32_products_are_timed_beside_the_reference_where_it_runs_onednns(built, tiny_model_dir,
+                                                                                         monkeypatch, kernel):
+    """Where this CPU runs fp32-eager's `Linear` layers on oneDNN (`pipeline.runtimes.fp32_linear`), the benchmark
+    also times PyTorch's own call (MKL's sgemm), so the kernel's share of every speed-up is on the page; where the
+    reference already runs PyTorch's own call, the row would time the same thing twice and is left out."""
+    from pipeline.evaluation.latency import candidates
+    from pipeline.runtimes.catalog import MKL_ROW, TIMING_ROWS
+
+    _fp32_kernel(monkeypatch, kernel)
+    rows = {c.name: c for c in candidates(tiny_model_dir, {}, include_bf16=False)}
+    assert MKL_ROW in TIMING_ROWS
+    if kernel == "onednn":
+        assert rows[MKL_ROW].status == "ok" and rows[MKL_ROW].options == {"fp32_linear": "torch"}
+        from pipeline.runtimes.registry import load_runner
+
+        assert load_runner(tiny_model_dir, **rows[MKL_ROW].options).describe()["fp32_linear"] == "torch"
+    else:
+        assert MKL_ROW not in rows
+
+
+def test_the_readout_row_is_timed_only_where_a_built_variant_has_the_readout(built, tiny_model_dir, monkeypatch):
     """The eager [CLS]-readout row splits the readout's share off the exported variants' speed-up: with none of
     them computing the [CLS] position only (`export.cls_readout: false`, or nothing built) it is skipped, saying
     why, instead of timing a model nothing serves."""
     from pipeline.evaluation.latency import candidates
+
+    _fp32_kernel(monkeypatch, "torch")
     from pipeline.runtimes.catalog import READOUT_ROW, REFERENCE
     from pipeline.runtimes.record import read_variant
 
