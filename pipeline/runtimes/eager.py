@@ -4,6 +4,7 @@ device its parameters live on; it loads the finetuned HF directory as `fp32-eage
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -14,6 +15,9 @@ from pipeline.core.machine import Choice
 from pipeline.runtimes.base import checked_options, predict_logits, set_torch_threads
 from pipeline.runtimes.fp32_linear import FP32_LINEAR
 from pipeline.runtimes.record import VariantInfo
+
+log = logging.getLogger(__name__)
+_LOGGED_KERNELS: set[str] = set()  # each FP32 kernel choice is logged once per process
 
 #: Autocast dtypes a `TorchRunner` can run under, by name.
 AUTOCAST = {"bf16": "bfloat16", "fp16": "float16"}
@@ -40,6 +44,9 @@ class TorchRunner:
         first = next(iter(params()), None) if callable(params) else None
         self.device = first.device if first is not None else torch.device("cpu")
         self.fp32_linear = None if fp32_linear is None else self._linear_kernel(fp32_linear)
+        if self.fp32_linear is not None and self.fp32_linear.tag() not in _LOGGED_KERNELS:
+            log.info("fp32_linear: %s", self.fp32_linear.tag())
+            _LOGGED_KERNELS.add(self.fp32_linear.tag())
         if self.fp32_linear is not None and self.fp32_linear.value == "onednn":
             from pipeline.runtimes.fp32_linear import onednn_linears
 
