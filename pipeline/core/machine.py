@@ -37,15 +37,25 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def cpu_model() -> str:
-    """The CPU's model name."""
+def _cpuinfo_value(key: str) -> str:
+    """The first value of `key` in /proc/cpuinfo (empty where the file or the key is missing)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith(key):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine() or "unknown"
+    return ""
+
+
+def cpu_model() -> str:
+    """The CPU's model name."""
+    return _cpuinfo_value("model name") or platform.processor() or platform.machine() or "unknown"
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor as the kernel lists it (`GenuineIntel`, `AuthenticAMD`, ...; empty where unknown)."""
+    return _cpuinfo_value("vendor_id")
 
 
 def flags_override() -> frozenset[str] | None:

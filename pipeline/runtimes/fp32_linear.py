@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import copy
 import functools
-from pathlib import Path
 from typing import Any
 
-from pipeline.core.machine import Choice, decision_flags
+from pipeline.core.machine import Choice, cpu_vendor, decision_flags
 
 #: What `resolve_fp32_linear` may resolve to, and what a runner may be asked for explicitly.
 FP32_LINEAR = ("onednn", "torch")
@@ -26,17 +25,6 @@ FP32_LINEAR = ("onednn", "torch")
 MKL_FULL_WIDTH_VENDOR = "GenuineIntel"
 #: Largest |difference| from `F.linear` that `onednn_linear_works` accepts on its probe product (float rounding).
 PROBE_TOLERANCE = 1e-4
-
-
-def cpu_vendor() -> str:
-    """The CPU's vendor as the kernel lists it (`GenuineIntel`, `AuthenticAMD`, ...; empty where unknown)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 @functools.cache
@@ -133,11 +121,13 @@ def onednn_linear(linear: Any) -> Any:
 
 
 def onednn_linears(module: Any) -> Any:
-    """A copy of `module` (left as it is) in eval mode whose plain `nn.Linear` layers run oneDNN's linear. Only
-    exact `nn.Linear` instances are replaced: a subclass may add to its forward (NNCF's and torchao's fake-quantized
-    layers)."""
+    """A copy of `module` (left as it is) in eval mode whose plain `nn.Linear` layers run oneDNN's linear; `module`
+    itself where it has none (nothing to replace, so nothing is copied). Only exact `nn.Linear` instances are
+    replaced: a subclass may add to its forward (NNCF's and torchao's fake-quantized layers)."""
     import torch
 
+    if not any(type(m) is torch.nn.Linear for m in module.modules()):
+        return module
     copied = copy.deepcopy(module).eval()
 
     def swap(parent: torch.nn.Module) -> None:

@@ -76,6 +76,8 @@ def test_subclasses_of_linear_are_left_alone_and_other_dtypes_are_refused():
     net = torch.nn.Sequential(torch.nn.Linear(8, 8), FakeQuantized(8, 4))
     fast = onednn_linears(net)
     assert type(fast[0]) is not torch.nn.Linear and type(fast[1]) is FakeQuantized
+    only_subclasses = torch.nn.Sequential(FakeQuantized(8, 4))
+    assert onednn_linears(only_subclasses) is only_subclasses  # nothing to replace: the module itself, not a copy
     with pytest.raises(TypeError, match="float32 inputs only"):
         onednn_linear(torch.nn.Linear(8, 4))(torch.ones(2, 8, dtype=torch.bfloat16))
     x = torch.randn(3, 8)
