@@ -168,7 +168,10 @@ class TorchPeer(PeerRuntime):
             compiled = torch.compile(model, backend=inputs.compile_backend)
             self.details["compile"] = f"torch.compile(model, backend={inputs.compile_backend!r}), default mode"
             module = logits_module(compiled)
-        self.runner = TorchRunner(module, autocast=autocast)
+        # the reference row is the benchmark stage's fp32-eager, FP32 kernel choice included; compiled and torchao
+        # rows keep the module they were given
+        eager_fp32 = self.spec.runtime == "pytorch-eager" and autocast is None
+        self.runner = TorchRunner(module, autocast=autocast, fp32_linear="auto" if eager_fp32 else None)
 
     def predict_logits(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         return self.runner(input_ids, attention_mask)

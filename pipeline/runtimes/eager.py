@@ -55,10 +55,11 @@ class TorchRunner:
     def _linear_kernel(self, asked: str) -> Choice:
         """The kernel of the module's FP32 `Linear` layers: `resolve_fp32_linear` where they run in FP32 on the CPU
         in eager mode; PyTorch's own call on another device, under autocast (oneDNN already runs the CPU's bf16
-        products) and in a TorchScript graph (its own ops)."""
+        products), in a TorchScript graph (its own ops) and where no layer is `replaceable` (bf16 weights,
+        fake-quantized or hooked layers)."""
         import torch
 
-        from pipeline.runtimes.fp32_linear import resolve_fp32_linear
+        from pipeline.runtimes.fp32_linear import replaceable, resolve_fp32_linear
 
         if self.device.type != "cpu":
             why = f"runs on {self.device}"
@@ -66,6 +67,8 @@ class TorchRunner:
             why = f"runs under {self.autocast} autocast"
         elif isinstance(self.module, torch.jit.ScriptModule):
             why = "a TorchScript graph runs its own ops"
+        elif isinstance(self.module, torch.nn.Module) and not any(map(replaceable, self.module.modules())):
+            why = "no plain FP32 Linear layer to replace"
         else:
             return resolve_fp32_linear(asked)
         return Choice("fp32_linear", asked, "torch", why)

@@ -6,10 +6,12 @@ Why there is a choice: MKL picks its kernels by CPU vendor, and on an AMD CPU wi
 paths well short of the CPU's width, while the oneDNN that the same wheel bundles picks by instruction set alone
 (docs/weight-formats.md#fp32-gemm-kernels-on-an-avx512-amd-cpu has the measurements). `onednn_linears` gives a
 copy of a module whose plain `nn.Linear` layers multiply with oneDNN's prepacked-weight inner product
-(`torch.ops.mkldnn._linear_pointwise`, the op PyTorch's inductor emits for CPU linears): the same product up to
+(`torch.ops.mkldnn._linear_pointwise`, the op PyTorch's inductor also uses for CPU linears): the same product up to
 float rounding. Both ops are private to PyTorch, so `onednn_linear_works` checks that they exist and agree with
 `torch.nn.functional.linear` before any runner uses them; where they do not, PyTorch's own call stays and the
-reason says so. Subclasses of `nn.Linear` (fake-quantized layers of the QAT models) are never replaced."""
+reason says so. Only the plain FP32 model is for this: a runner asks for it (`TorchRunner(fp32_linear=...)`) where it
+runs the finetuned reference; the fake-quantized QAT models, whose quantizers wrap or hook their layers, are run as
+they are given. As a guard, subclasses of `nn.Linear`, layers with hooks and non-FP32 weights are never replaced."""
 
 from __future__ import annotations
 
@@ -38,9 +40,9 @@ def onednn_linear_works() -> str:
     ops = torch.ops.mkldnn
     if not (hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
         return "this PyTorch has no mkldnn._linear_pointwise / _reorder_linear_weight"
-    gen = torch.Generator().manual_seed(0)
-    layer = torch.nn.Linear(64, 48)
-    x = torch.randn(2, 5, 64, generator=gen)
+    with torch.random.fork_rng(devices=[]):  # the layer's initialisation leaves the seeded global stream alone
+        layer = torch.nn.Linear(64, 48)
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(0))
     try:
         with torch.inference_mode():
             got = onednn_linear(layer)(x)
@@ -63,8 +65,8 @@ def resolve_fp32_linear(asked: str = "auto", flags: frozenset[str] | None = None
 
     if asked not in ("auto", *FP32_LINEAR):
         raise ValueError(f"fp32_linear must be one of auto, {', '.join(FP32_LINEAR)}, not {asked!r}")
-    broken = onednn_linear_works() if asked != "torch" else ""
     if asked != "auto":
+        broken = onednn_linear_works() if asked == "onednn" else ""
         if broken:
             raise RuntimeError(f"fp32_linear: onednn was asked for, but {broken}")
         return Choice("fp32_linear", asked, asked, "set explicitly")
@@ -76,6 +78,7 @@ def resolve_fp32_linear(asked: str = "auto", flags: frozenset[str] | None = None
         return Choice("fp32_linear", asked, "torch", f"no AVX512F: oneDNN's linear is not measured here{note}")
     if not torch.backends.mkl.is_available():
         return Choice("fp32_linear", asked, "torch", f"this PyTorch's BLAS is not MKL{note}")
+    broken = onednn_linear_works()  # probed only where the answer could be oneDNN
     if broken:
         return Choice("fp32_linear", asked, "torch", broken + note)
     return Choice("fp32_linear", asked, "onednn",
@@ -120,19 +123,27 @@ def onednn_linear(linear: Any) -> Any:
     return _onednn_linear_class()(linear)
 
 
-def onednn_linears(module: Any) -> Any:
-    """A copy of `module` (left as it is) in eval mode whose plain `nn.Linear` layers run oneDNN's linear; `module`
-    itself where it has none (nothing to replace, so nothing is copied). Only exact `nn.Linear` instances are
-    replaced: a subclass may add to its forward (NNCF's and torchao's fake-quantized layers)."""
+def replaceable(layer: Any) -> bool:
+    """Whether `layer` is one `onednn_linears` replaces: exactly `nn.Linear` (a subclass may add to its forward, as
+    fake-quantized layers do), FP32 weights on the CPU, and no hooks (which the replacement would not call)."""
     import torch
 
-    if not any(type(m) is torch.nn.Linear for m in module.modules()):
+    return (type(layer) is torch.nn.Linear and layer.weight.dtype == torch.float32 and layer.weight.device.type == "cpu"
+            and not (layer._forward_hooks or layer._forward_pre_hooks))
+
+
+def onednn_linears(module: Any) -> Any:
+    """A copy of `module` (left as it is) in eval mode whose `replaceable` layers run oneDNN's linear; `module`
+    itself where it has none (nothing to replace, so nothing is copied)."""
+    import torch
+
+    if not any(replaceable(m) for m in module.modules()):
         return module
     copied = copy.deepcopy(module).eval()
 
     def swap(parent: torch.nn.Module) -> None:
         for name, child in parent.named_children():
-            if type(child) is torch.nn.Linear:
+            if replaceable(child):
                 setattr(parent, name, onednn_linear(child))
             else:
                 swap(child)

@@ -47,6 +47,18 @@ def test_decisions_made_with_other_flags_say_so(monkeypatch):
     assert choice.value == "torch" and "PIPELINE_CPU_FLAGS" in choice.reason
 
 
+def test_the_probe_leaves_the_seeded_random_stream_alone(monkeypatch):
+    from pipeline.runtimes import fp32_linear
+
+    monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: True)
+    fp32_linear.onednn_linear_works.cache_clear()
+    torch.manual_seed(7)
+    resolve_fp32_linear("auto", flags=AVX512, vendor="AuthenticAMD")  # probes oneDNN (first call in the process)
+    after_probe = torch.rand(3)
+    torch.manual_seed(7)
+    assert torch.equal(after_probe, torch.rand(3))
+
+
 def test_an_unknown_kernel_is_refused():
     with pytest.raises(ValueError, match="fp32_linear must be one of auto, onednn, torch"):
         resolve_fp32_linear("openblas")
@@ -78,6 +90,12 @@ def test_subclasses_of_linear_are_left_alone_and_other_dtypes_are_refused():
     assert type(fast[0]) is not torch.nn.Linear and type(fast[1]) is FakeQuantized
     only_subclasses = torch.nn.Sequential(FakeQuantized(8, 4))
     assert onednn_linears(only_subclasses) is only_subclasses  # nothing to replace: the module itself, not a copy
+    hooked, bf16 = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4).bfloat16()
+    hooked.register_forward_hook(lambda *_: None)
+    for kept in (hooked, bf16):  # a hook the replacement would not call; weights that are not FP32
+        net = torch.nn.Sequential(kept)
+        assert onednn_linears(net) is net
+        assert TorchRunner(net, fp32_linear="auto").describe()["fp32_linear"] == "torch"
     with pytest.raises(TypeError, match="float32 inputs only"):
         onednn_linear(torch.nn.Linear(8, 4))(torch.ones(2, 8, dtype=torch.bfloat16))
     x = torch.randn(3, 8)
